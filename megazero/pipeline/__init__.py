@@ -1,0 +1,1 @@
+"""Pipeline parallelism: partitioning, schedules as data, p2p and the executor."""

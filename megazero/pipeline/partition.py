@@ -1,0 +1,59 @@
+"""Which transformer layers each pipeline stage (and virtual chunk) owns.
+
+Uniform by default; an uneven split fixes the first and/or last stage's layer count
+(``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) and spreads
+the rest evenly.  With virtual stages (interleaved schedule) stage ``r`` owns chunks
+``v = 0 .. vp-1``, chunk ``v`` holding the ``(v * pp + r)``-th block of
+``--num-layers-per-virtual-pipeline-stage`` layers, as in Megatron-LM.  The embedding lives on
+the first stage's first chunk, the final norm, output head and loss on the last stage's last chunk.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
+                       last: Optional[int] = None) -> List[int]:
+    """Layers per pipeline stage (no virtual stages)."""
+    if pp > num_layers:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}; "
+                         "every stage needs at least one layer")
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+                             "give an uneven split with --decoder-first-pipeline-num-layers / "
+                             "--decoder-last-pipeline-num-layers")
+        return [num_layers // pp] * pp
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest % middle or rest // middle < 1)):
+        raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, last={last}: "
+                         "the remaining layers must divide evenly over the middle stages")
+    counts = [rest // middle if middle else 0] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, vp_layers: Optional[int] = None,
+                 first: Optional[int] = None, last: Optional[int] = None) -> List[range]:
+    """Global layer indices owned by stage ``pp_rank``: one range per (virtual) model chunk."""
+    if vp_layers is not None:
+        if num_layers % (pp * vp_layers):
+            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                             f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
+        vp = num_layers // (pp * vp_layers)
+        return [range((v * pp + pp_rank) * vp_layers, (v * pp + pp_rank + 1) * vp_layers) for v in range(vp)]
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    start = sum(counts[:pp_rank])
+    return [range(start, start + counts[pp_rank])]
+
+
+def chunk_layers(cfg, pp_rank: int) -> List[range]:
+    """``stage_layers`` from a validated :class:`~megazero.config.MegazeroConfig`."""
+    par = cfg.parallel
+    return stage_layers(cfg.model.num_layers, par.pipeline_model_parallel_size, pp_rank,
+                        par.num_layers_per_virtual_pipeline_stage, par.decoder_first_pipeline_num_layers,
+                        par.decoder_last_pipeline_num_layers)

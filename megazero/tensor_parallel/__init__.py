@@ -1,0 +1,1 @@
+"""Tensor parallelism: collectives as autograd functions, parallel layers, vocab-parallel loss, RNG."""
