@@ -1,0 +1,129 @@
+import json
+
+import pytest
+
+from megazero.config import ConfigError, config_from_dict, parse_args, validate
+
+BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def parse(*extra, world=1, presets=None):
+    return parse_args(BASE + list(extra), world_size=world, presets=presets)
+
+
+def test_defaults_and_derived_values():
+    cfg = parse("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--micro-batch-size", "2", "--global-batch-size", "16", "--vocab-size", "1000", world=8)
+    assert cfg.parallel.data_parallel_size == 2
+    assert cfg.training.num_micro_batches == 4
+    assert cfg.model.padded_vocab_size == 1024  # multiple of 128 x tp 2 = 256
+    assert cfg.model.ffn_hidden_size == 256 and cfg.model.kv_channels == 16
+    assert cfg.optimizer.lr_decay_iters == cfg.training.train_iters
+
+
+def test_make_vocab_size_divisible_by():
+    cfg = parse("--vocab-size", "50257", "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size",
+                "4", world=4)
+    assert cfg.model.padded_vocab_size == 50432  # next multiple of 256
+
+
+def test_use_distributed_optimizer_is_stage_1():
+    assert parse("--use-distributed-optimizer").parallel.zero_stage == 1
+    assert parse("--zero-stage", "3").parallel.zero_stage == 3
+
+
+def test_file_then_flags_override(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"parallel": {"zero_stage": 2}, "lr": 0.5, "hidden-size": 128}))
+    cfg = parse("--config", str(path), "--lr", "0.25")
+    assert cfg.parallel.zero_stage == 2 and cfg.optimizer.lr == 0.25
+    assert cfg.model.hidden_size == 64  # the flag in BASE wins over the file
+    yml = tmp_path / "c.yaml"
+    yml.write_text("train-iters: 7\nmodel:\n  num_query_groups: 2\n")
+    cfg = parse("--config", str(yml))
+    assert cfg.training.train_iters == 7 and cfg.model.num_query_groups == 2
+
+
+def test_preset_then_flags():
+    presets = {"small": {"num_layers": 6, "hidden_size": 96, "num_attention_heads": 6}}
+    cfg = parse_args(["--mock-data", "--model", "small", "--num-layers", "3"], presets=presets, world_size=1)
+    assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 96 and cfg.model_preset == "small"
+    with pytest.raises(ConfigError, match="unknown model preset; choose one of: small"):
+        config_from_dict({"model_preset": "huge"}, presets)
+
+
+def test_unknown_setting_in_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"hiden_size": 3}))
+    with pytest.raises(ConfigError, match="unknown setting 'hiden_size'"):
+        parse("--config", str(path))
+
+
+@pytest.mark.parametrize("extra,world,msg", [
+    (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--num-query-groups", "3"], 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+     "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--pipeline-model-parallel-size", "3"], 3,
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--pipeline-model-parallel-size", "8"], 8, "--pipeline-model-parallel-size 8 is larger than --num-layers 4"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+     r"multiple of --pipeline-model-parallel-size 2; allowed counts: 2, 4, 6"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "1"], 3, None),  # 1 + 2 + 1: valid
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"], 3,
+     "cannot be split evenly over the other 2 pipeline stages"),
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1,
+     "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 1"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2,
+     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
+    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--fp16", "--bf16"], 1, "--fp16 and --bf16 cannot be used together"),
+    (["--tensor-model-parallel-size", "3"], 8, "world size 8 is not divisible by --tensor-model-parallel-size 3"),
+    (["--offload-optimizer"], 1, "--offload-optimizer needs --zero-stage 1, 2 or 3"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], 1,
+     "--hidden-size 100 is not divisible by --num-attention-heads 3"),
+    (["--seq-length", "128", "--max-position-embeddings", "64"], 1, "--seq-length 128 exceeds"),
+    (["--recompute-method", "block"], 1, "--recompute-method is only used with --recompute-granularity full"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr 1.0 is above --lr 0.1"),
+    (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in"),
+    (["--hysteresis", "0"], 1, "--hysteresis must be >= 1"),
+])
+def test_validation_errors_name_the_flag(extra, world, msg):
+    if msg is None:
+        parse(*extra, world=world)
+        return
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)") if "allowed" not in msg
+                       else msg):
+        parse(*extra, world=world)
+
+
+def test_zero_stage_out_of_range():
+    with pytest.raises(ConfigError, match="--zero-stage must be 0, 1, 2 or 3, got 4"):
+        parse("--zero-stage", "4")
+
+
+def test_no_data_source():
+    with pytest.raises(ConfigError, match="--mock-data"):
+        parse_args(["--num-layers", "2"], world_size=1)
+
+
+def test_hidden_not_divisible_by_tp():
+    cfg = config_from_dict({"mock_data": True, "hidden_size": 98, "num_attention_heads": 4,
+                            "kv_channels": 32, "tensor_model_parallel_size": 4})
+    with pytest.raises(ConfigError, match="hidden size 98 is not divisible by tensor-model-parallel size 4"):
+        validate(cfg, world_size=4)
+
+
+def test_cli_help_lists_megatron_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
+                 "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity", "--loss-scale-window",
+                 "--use-distributed-optimizer", "--untie-embeddings-and-output-weights", "--metrics-file"):
+        assert flag in out
