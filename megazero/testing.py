@@ -38,11 +38,13 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
             # no barrier here: a failed rank must not wait for the others
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-        payload = {"ok": False, "error": traceback.format_exc()}
+        payload = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
+    tmp = result_path + ".tmp"
     try:
-        torch.save(payload, result_path)
+        torch.save(payload, tmp)
     except Exception:  # the value could not be saved: report that instead
-        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        torch.save({"ok": False, "error": traceback.format_exc(), "time": time.time()}, tmp)
+    os.replace(tmp, result_path)  # the parent never reads a half-written result
     os._exit(0)
 
 
@@ -61,40 +63,46 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        failure = None
+        failed = timed_out = False
+        done: dict = {}
         try:
-            while True:
-                alive = [p for p in procs if p.is_alive()]
-                for r, path in enumerate(paths):
-                    if failure is None and not procs[r].is_alive() and os.path.exists(path):
-                        res = torch.load(path, weights_only=False)
-                        if not res["ok"]:
-                            failure = f"rank {r} of {world_size} failed:\n{res['error']}"
-                    if failure is None and not procs[r].is_alive() and procs[r].exitcode not in (0, None) \
-                            and not os.path.exists(path):
-                        failure = f"rank {r} of {world_size} died with exit code {procs[r].exitcode}"
-                if failure is not None or not alive:
+            while any(p.is_alive() for p in procs):
+                for r, p in enumerate(procs):
+                    if r not in done and not p.is_alive():
+                        done[r] = torch.load(paths[r], weights_only=False) if os.path.exists(paths[r]) else None
+                        failed = failed or done[r] is None or not done[r]["ok"]
+                if failed:
                     break
                 if time.monotonic() > deadline:
-                    failure = f"timed out after {timeout:.0f}s; ranks still running: " \
-                              f"{[r for r, p in enumerate(procs) if p.is_alive()]}"
+                    timed_out = True
                     break
                 time.sleep(0.01)
+            if failed:  # give the failing rank's peers a moment to report their own view
+                grace = time.monotonic() + 2.0
+                while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+                    time.sleep(0.01)
         finally:
-            if failure is not None:
-                time.sleep(0.2)  # let a failing rank's peers finish writing if they can
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join()
-        if failure is not None:
-            raise RankError(failure)
-        results = []
+        if timed_out:
+            raise RankError(f"timed out after {timeout:.0f}s; ranks still running were killed")
+        errors = []
         for r, path in enumerate(paths):
-            if not os.path.exists(path):
-                raise RankError(f"rank {r} of {world_size} exited without a result (exit code {procs[r].exitcode})")
-            res = torch.load(path, weights_only=False)
-            if not res["ok"]:
-                raise RankError(f"rank {r} of {world_size} failed:\n{res['error']}")
-            results.append(res["value"])
-        return results
+            if r not in done and os.path.exists(path):
+                done[r] = torch.load(path, weights_only=False)
+            res = done.get(r)
+            if res is not None:
+                if not res["ok"]:
+                    errors.append((res["time"], r, res["error"]))
+            else:
+                errors.append((float("inf"), r, f"exited without a result (exit code {procs[r].exitcode})"))
+        if errors:
+            # the earliest failure is the cause; later ones are usually peers losing their connection
+            errors.sort()
+            _, r, err = errors[0]
+            others = [e[1] for e in errors[1:]]
+            raise RankError(f"rank {r} of {world_size} failed first:\n{err}"
+                            + (f"\n(ranks {others} failed after it)" if others else ""))
+        return [done[r]["value"] for r in range(world_size)]
