@@ -1,0 +1,59 @@
+"""Training data: token sources and the fixed rule that cuts global batches into micro-batches.
+
+A *source* has ``get_tokens(indices, split) -> LongTensor[n, seq_length + 1]``: the token ids of
+global samples ``indices``.  :func:`micro_batches` is the only place that decides which sample
+goes where, so every layout sees the same data:
+
+* the global batch of step ``t`` is samples ``[t * G, (t + 1) * G)`` (``G`` = global batch size);
+* data-parallel rank ``d`` of ``D`` takes the contiguous share ``[t*G + d*G/D, t*G + (d+1)*G/D)``;
+* it cuts the share, in order, into micro-batches of ``--micro-batch-size`` samples.
+
+One process with the same global batch therefore sees exactly the same samples (all shares, in
+rank order).  Evaluation batch ``k`` is samples ``[k * G, (k + 1) * G)`` of the ``valid`` split,
+which the source keeps disjoint from training samples.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from megazero.data.mock import MockGPTData
+
+__all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches"]
+
+
+def build_data(cfg):
+    """The token source that the (validated) config asks for."""
+    if cfg.data.mock_data:
+        return MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
+    from megazero.config import ConfigError
+    raise ConfigError("--data-path: reading Megatron-format datasets is not available in this build yet; "
+                      "use --mock-data")
+
+
+def sample_range(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:
+    """Global sample indices of data-parallel rank ``dp_rank``'s share of batch ``step``."""
+    if global_batch_size % dp_size:
+        raise ValueError(f"global batch {global_batch_size} is not divisible by data-parallel size {dp_size}")
+    share = global_batch_size // dp_size
+    start = step * global_batch_size + dp_rank * share
+    return range(start, start + share)
+
+
+def micro_batches(source, step: int, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
+                  dp_size: int = 1, split: str = "train",
+                  device: Optional[torch.device] = None) -> List[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches of batch ``step``: dicts of ``tokens``, ``labels`` (the next
+    token) and ``loss_mask``, each ``[micro_batch_size, seq_length]``."""
+    indices = sample_range(step, global_batch_size, dp_rank, dp_size)
+    if len(indices) % micro_batch_size:
+        raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size {micro_batch_size}")
+    ids = source.get_tokens(list(indices), split)
+    out = []
+    for start in range(0, len(indices), micro_batch_size):
+        chunk = ids[start:start + micro_batch_size]
+        tokens, labels = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(labels.shape, dtype=torch.float32)}
+        out.append({k: v.to(device) for k, v in batch.items()} if device is not None else batch)
+    return out

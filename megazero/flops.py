@@ -1,0 +1,106 @@
+"""Floating-point operations per iteration, and the device peaks that turn them into MFU.
+
+*Model* FLOPs follow Megatron-LM's count (Narayanan et al. 2021, appendix): every matmul of
+``m x n`` by ``n x k`` costs ``2mnk`` forward and twice that backward (input and weight
+gradients), so 3x the forward in all.  Per token and layer the forward matmuls are
+
+* attention projections: ``2 h (q + 2 kv)`` for Q, K, V and ``2 q h`` for the output,
+  where ``q = heads x kv_channels`` and ``kv = query_groups x kv_channels``;
+* attention itself: ``2 s q`` for scores and ``2 s q`` for the weighted values (the causal
+  mask is not discounted, as in Megatron-LM);
+* MLP: ``2 x 2 h ffn`` (``x 3/2`` with SwiGLU's third matrix);
+
+plus ``2 h V`` per token for the output logits.  *Hardware* FLOPs add the forward work that
+activation recomputation repeats: the recomputed layers' forward (full), or the attention
+scores and weighted values (selective).  MFU uses model FLOPs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+# Dense peak TFLOP/s per device: (16-bit tensor cores, fp32 without TF32).  Names are matched as
+# substrings of torch.cuda.get_device_name(), most specific first.
+PEAK_TFLOPS = (
+    ("H200", (989.0, 67.0)),
+    ("GH200", (989.0, 67.0)),
+    ("H100 PCIe", (756.0, 51.0)),
+    ("H100", (989.0, 67.0)),
+    ("H800", (989.0, 67.0)),
+    ("B200", (2250.0, 80.0)),
+    ("A100", (312.0, 19.5)),
+    ("A800", (312.0, 19.5)),
+    ("A10G", (70.0, 31.2)),
+    ("A10", (125.0, 31.2)),
+    ("L40S", (362.0, 91.6)),
+    ("L4", (121.0, 30.3)),
+    ("A6000", (155.0, 38.7)),
+    ("RTX 4090", (165.0, 82.6)),
+    ("RTX 3090", (71.0, 35.6)),
+    ("V100", (125.0, 15.7)),
+    ("T4", (65.0, 8.1)),
+    ("MI300X", (1307.0, 163.4)),
+    ("MI250X", (383.0, 47.9)),
+)
+
+
+def layer_forward_flops_per_token(cfg) -> dict:
+    """Forward FLOPs of one transformer layer for one token, split into matmuls and attention."""
+    m = cfg.model
+    h, s = m.hidden_size, m.seq_length
+    kv_ch = m.kv_channels or h // m.num_attention_heads
+    q = m.num_attention_heads * kv_ch
+    kv = (m.num_query_groups or m.num_attention_heads) * kv_ch
+    ffn = m.ffn_hidden_size or 4 * h
+    glu = 1.5 if m.activation == "swiglu" else 1.0
+    dense = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * h * ffn * glu
+    attention = 2 * s * q + 2 * s * q
+    return {"dense": dense, "attention": attention}
+
+
+def model_flops_per_iteration(cfg) -> float:
+    """Model FLOPs (forward + backward) of one optimizer step over the whole global batch."""
+    m = cfg.model
+    tokens = cfg.training.global_batch_size * m.seq_length
+    layer = layer_forward_flops_per_token(cfg)
+    vocab = m.padded_vocab_size or m.vocab_size
+    forward = m.num_layers * (layer["dense"] + layer["attention"]) + 2 * m.hidden_size * vocab
+    return 3.0 * forward * tokens
+
+
+def recompute_flops_per_iteration(cfg) -> float:
+    """Extra forward FLOPs spent on activation recomputation in one step (0 without it)."""
+    m = cfg.model
+    tokens = cfg.training.global_batch_size * m.seq_length
+    layer = layer_forward_flops_per_token(cfg)
+    if m.recompute_granularity == "selective":
+        return m.num_layers * layer["attention"] * tokens
+    if m.recompute_granularity == "full":
+        fraction = 1.0
+        if m.recompute_method == "block":
+            per_stage = m.num_layers / cfg.parallel.pipeline_model_parallel_size
+            fraction = min(1.0, (m.recompute_num_layers or per_stage) / per_stage)
+        return fraction * m.num_layers * (layer["dense"] + layer["attention"]) * tokens
+    return 0.0
+
+
+def hardware_flops_per_iteration(cfg) -> float:
+    """Model FLOPs plus recomputation: what the devices actually execute."""
+    return model_flops_per_iteration(cfg) + recompute_flops_per_iteration(cfg)
+
+
+def peak_flops(device_name: Optional[str], dtype: str = "bf16") -> Optional[float]:
+    """Dense peak FLOP/s of one device (``dtype`` ``bf16``/``fp16``/``fp32``), None when unknown."""
+    if not device_name:
+        return None
+    for key, (half, single) in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return 1e12 * (single if dtype == "fp32" else half)
+    return None
+
+
+def device_peak_flops(device, dtype: str = "bf16") -> Optional[float]:
+    """Peak FLOP/s of a torch device: from the table for CUDA devices, None on CPU."""
+    import torch
+    if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), dtype)

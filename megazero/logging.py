@@ -1,0 +1,139 @@
+"""What a training run reports: a console line, a progress bar, a metrics JSONL file and wandb.
+
+Only global rank 0 writes.  :class:`TrainingLogger.log` takes one dict per iteration (the
+trainer's metrics) and sends the same values everywhere:
+
+* ``--metrics-file``: one JSON object per iteration, every value as given;
+* wandb (``--wandb-project``): ``wandb.log(values, step=iteration)``, the full config as the run
+  config; mode from ``--wandb-mode`` or, when unset, ``online`` with ``WANDB_API_KEY`` in the
+  environment and ``offline`` without;
+* the console: a line every ``--log-interval`` iterations (and on evaluation), and on a
+  terminal a progress bar redrawn every iteration.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Optional, TextIO
+
+
+def wandb_mode(requested: Optional[str]) -> str:
+    """The wandb mode to use: the requested one, else online with an API key, else offline."""
+    if requested:
+        return requested
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024.0
+    return f"{n:.1f} GiB"
+
+
+def format_line(m: Dict[str, Any], train_iters: int) -> str:
+    """The console line of one iteration's metrics (fields that are absent are left out)."""
+    width = len(str(train_iters))
+    parts = [f"iteration {m['iteration']:>{width}}/{train_iters}"]
+    if m.get("loss") is not None:
+        parts.append(f"loss {m['loss']:.4f}")
+    if "eval_loss" in m:
+        parts.append(f"eval loss {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})")
+    parts.append(f"lr {m['lr']:.3e}")
+    if m.get("grad_norm") is not None:
+        parts.append(f"grad norm {m['grad_norm']:.3f}")
+    parts.append(f"loss scale {m['loss_scale']:g}")
+    parts.append(f"skipped {m.get('skipped_total', int(m.get('skipped', 0)))}")
+    parts.append(f"{m['iteration_time'] * 1000:.0f} ms/it")
+    parts.append(f"{m['tokens_per_sec']:.0f} tok/s")
+    if m.get("tflops") is not None:
+        parts.append(f"{m['tflops']:.2f} TFLOP/s/dev")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    state = sum(m.get(k, 0) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
+    if state:
+        parts.append(f"model state {_bytes(state)}/rank")
+    if m.get("max_memory_allocated"):
+        parts.append(f"peak mem {_bytes(m['max_memory_allocated'])}")
+    return " | ".join(parts)
+
+
+def progress_bar(iteration: int, total: int, started: float, loss: Optional[float], width: int = 30) -> str:
+    """``[#####.....]  12/100  loss 4.1234  eta 1m05s``"""
+    frac = iteration / total if total else 1.0
+    filled = int(round(frac * width))
+    elapsed = time.monotonic() - started
+    eta = elapsed / iteration * (total - iteration) if iteration else 0.0
+    loss_text = f"  loss {loss:.4f}" if loss is not None and math.isfinite(loss) else ""
+    return (f"[{'#' * filled}{'.' * (width - filled)}] {iteration}/{total}{loss_text}  "
+            f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+
+
+class TrainingLogger:
+    """Console, progress bar, metrics file and wandb for one run (only rank 0 writes anything)."""
+
+    def __init__(self, cfg, rank: int = 0, stream: Optional[TextIO] = None):
+        self.cfg, self.active = cfg, rank == 0
+        self.stream = stream if stream is not None else sys.stdout
+        self.interval = max(1, cfg.logging.log_interval)
+        self.total = cfg.training.train_iters
+        self.tty = self.active and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.started = time.monotonic()
+        self.metrics_fh = None
+        self.wandb_run = None
+        if not self.active:
+            return
+        path = cfg.logging.metrics_file
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.metrics_fh = open(path, "w")
+        if cfg.logging.wandb_project and wandb_mode(cfg.logging.wandb_mode) != "disabled":
+            import wandb
+            save_dir = cfg.logging.wandb_save_dir
+            if save_dir:
+                os.makedirs(save_dir, exist_ok=True)
+            self.wandb_run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
+                                        dir=save_dir, config=cfg.to_dict(),
+                                        mode=wandb_mode(cfg.logging.wandb_mode))
+
+    def print(self, text: str) -> None:
+        """A console line from rank 0 (clearing the progress bar first on a terminal)."""
+        if not self.active:
+            return
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def log(self, metrics: Dict[str, Any]) -> None:
+        """Record one iteration's metrics (must hold ``iteration``)."""
+        if not self.active:
+            return
+        it = metrics["iteration"]
+        if self.metrics_fh is not None:
+            self.metrics_fh.write(json.dumps(metrics) + "\n")
+            self.metrics_fh.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in metrics.items() if k != "iteration" and v is not None}, step=it)
+        if it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
+            self.print(format_line(metrics, self.total))
+        if self.tty:
+            self.stream.write("\r\033[K" + progress_bar(it, self.total, self.started, metrics.get("loss")))
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Flush and close the metrics file and finish the wandb run."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.tty = False
+        if self.metrics_fh is not None:
+            self.metrics_fh.close()
+            self.metrics_fh = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
