@@ -1,0 +1,147 @@
+"""Tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
+
+Every weight is created as its full (unsharded) tensor on the CPU from a generator seeded by
+``(seed, global layer index, parameter name)`` (:func:`init_full`) and this rank keeps its slice,
+so TP = N shards concatenate exactly to the TP = 1 weight.  Parameters carry the attributes that
+the optimizer, clipping and checkpoints read (see ``docs/internals.md``):
+
+- ``tensor_model_parallel = True`` and ``partition_dim``: sharded along that dim over TP
+  (set at every TP size, TP = 1 included, so checkpoints know how to reshard);
+- ``vocab_parallel = True``: additionally padded along dim 0 to the padded vocabulary (rows
+  ``>= vocab_size`` are zero);
+- ``sequence_parallel = True``: replicated, but with a partial gradient under sequence
+  parallelism (summed over TP before the data-parallel reduction).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megazero.tensor_parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
+                                               reduce_scatter_to_sp, scatter_to_tp)
+
+InitFn = Callable[[Sequence[int]], torch.Tensor]
+
+
+def init_full(shape: Sequence[int], seed: int, layer_idx: int, name: str, std: float) -> torch.Tensor:
+    """A full fp32 CPU tensor ~ N(0, std^2), the same for the same ``(seed, layer_idx, name)``
+    in every process and at every parallel layout (seeded by a CRC32 of the key)."""
+    key = zlib.crc32(f"{seed}/{layer_idx}/{name}".encode())
+    gen = torch.Generator(device="cpu").manual_seed(key)
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+
+
+def normal_init(seed: int, layer_idx: int, name: str, std: float) -> InitFn:
+    """An ``InitFn`` (full shape -> full tensor) for :func:`init_full` with this key."""
+    return lambda shape: init_full(shape, seed, layer_idx, name, std)
+
+
+def shard(full: torch.Tensor, mesh, dim: int) -> torch.Tensor:
+    """This TP rank's contiguous slice of ``full`` along ``dim``."""
+    if full.shape[dim] % mesh.tp_size:
+        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over "
+                         f"{mesh.tp_size} tensor-parallel ranks")
+    return full.chunk(mesh.tp_size, dim=dim)[mesh.tp_rank].contiguous()
+
+
+def pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """``full`` with zero rows appended up to ``rows`` (the padded vocabulary)."""
+    if full.shape[0] > rows:
+        raise ValueError(f"tensor has {full.shape[0]} rows, more than the padded size {rows}")
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if rows > full.shape[0] else full
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    """Tag a parameter as sharded over TP along ``partition_dim``."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    return param
+
+
+def _param(data: torch.Tensor, mesh) -> nn.Parameter:
+    return nn.Parameter(data.to(mesh.device))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP.
+
+    Input: full features (``[s, b, in]``; ``[s / tp, b, in]`` under sequence parallelism, gathered
+    here). Output: this rank's ``out / tp`` features, or all of them with ``gather_output``.
+    ``init`` maps the full weight shape ``[out, in]`` to the full weight.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, init: Optional[InitFn] = None):
+        super().__init__()
+        self.mesh, self.gather_output, self.sequence_parallel = mesh, gather_output, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
+        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
+        self.bias = mark_tensor_parallel(_param(torch.zeros(out_features // mesh.tp_size), mesh), 0) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.mesh) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by columns (input features) over TP.
+
+    Input: this rank's ``in / tp`` features (or the full input, split here, when
+    ``input_is_parallel=False``). The partial products are summed over TP (reduce-scattered along
+    the sequence under sequence parallelism) and the bias is added after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, init: Optional[InitFn] = None):
+        super().__init__()
+        self.mesh, self.input_is_parallel, self.sequence_parallel = mesh, input_is_parallel, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
+        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 1), mesh), 1)
+        self.bias = _param(torch.zeros(out_features), mesh) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.mesh)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.mesh) if self.sequence_parallel else reduce_from_tp(y, self.mesh)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the (padded) vocabulary split over TP.
+
+    The full ``[vocab_size, dim]`` weight is initialised, padded with zero rows to
+    ``padded_vocab_size`` and sliced by rows. Each rank looks up the ids in its range (zeros
+    elsewhere) and the partial embeddings are summed over TP, or reduce-scattered along dim 0
+    (the sequence: pass ids as ``[seq, batch]``) with ``reduce_scatter=True``.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, dim: int, mesh, *,
+                 reduce_scatter: bool = False, init: Optional[InitFn] = None):
+        super().__init__()
+        self.mesh, self.reduce_scatter = mesh, reduce_scatter
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
+        self.per_rank = padded_vocab_size // mesh.tp_size
+        self.vocab_start = mesh.tp_rank * self.per_rank
+        full = pad_rows((init or normal_init(0, 0, "weight", 0.02))((vocab_size, dim)), padded_vocab_size)
+        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
+        self.weight.vocab_parallel = True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.mesh.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_to_sp(out, self.mesh) if self.reduce_scatter else reduce_from_tp(out, self.mesh)

@@ -1,0 +1,179 @@
+"""Tensor-parallel mappings, layers and the vocab-parallel cross-entropy against one process."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megazero.mesh import ParallelMesh
+from megazero.tensor_parallel import mappings as M
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                             init_full, normal_init, pad_rows)
+from megazero.testing import run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _mappings(tp):
+    mesh = ParallelMesh.build(tp=tp)
+    r = mesh.tp_rank
+    full = torch.arange(12 * tp * tp, dtype=torch.float32).reshape(2 * tp, 2, 3 * tp) / 10
+    mine_last = full.chunk(tp, -1)[r]
+    mine_seq = full.chunk(tp, 0)[r]
+    out = {}
+    cases = {  # name: (input, upstream grad)
+        "copy_to_tp": (full, full * (r + 1)),
+        "reduce_from_tp": (full * (r + 1), full),
+        "scatter_to_tp": (full, mine_last * (r + 1)),
+        "gather_from_tp": (mine_last, full * (r + 1)),
+        "scatter_to_sp": (full, mine_seq * (r + 1)),
+        "gather_from_sp": (mine_seq, full * (r + 1)),
+        "reduce_scatter_to_sp": (full * (r + 1), mine_seq * (r + 1)),
+    }
+    for name, (x, g) in cases.items():
+        x = x.clone().requires_grad_()
+        y = getattr(M, name)(x, mesh)
+        y.backward(g)
+        out[name] = (y.detach(), x.grad)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mappings_forward_and_backward(tp):
+    res = run_ranks(_mappings, tp, tp)
+    full = torch.arange(12 * tp * tp, dtype=torch.float32).reshape(2 * tp, 2, 3 * tp) / 10
+    s = sum(range(1, tp + 1))  # sum over ranks of (r + 1)
+    # the gathered upstream gradient when rank i sends its slice scaled by (i + 1)
+    scaled_last = torch.cat([c * (i + 1) for i, c in enumerate(full.chunk(tp, -1))], -1)
+    scaled_seq = torch.cat([c * (i + 1) for i, c in enumerate(full.chunk(tp, 0))], 0)
+    for r, out in enumerate(res):
+        last, seq = full.chunk(tp, -1)[r], full.chunk(tp, 0)[r]
+        expect = {  # name: (forward output, input gradient)
+            "copy_to_tp": (full, full * s),
+            "reduce_from_tp": (full * s, full),
+            "scatter_to_tp": (last, scaled_last),
+            "gather_from_tp": (full, last * (r + 1)),
+            "scatter_to_sp": (seq, scaled_seq),
+            "gather_from_sp": (full, seq * s),
+            "reduce_scatter_to_sp": (seq * s, scaled_seq),
+        }
+        for name, (y, g) in expect.items():
+            torch.testing.assert_close(out[name][0], y, msg=f"{name} forward, rank {r}")
+            torch.testing.assert_close(out[name][1], g, msg=f"{name} backward, rank {r}")
+
+
+def test_mappings_are_identity_on_one_rank():
+    mesh = ParallelMesh.single()
+    x = torch.randn(4, 3, requires_grad=True)
+    for name in ("copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "scatter_to_sp",
+                 "gather_from_sp", "reduce_scatter_to_sp"):
+        assert getattr(M, name)(x, mesh) is x
+
+
+def test_init_full_is_deterministic_and_keyed():
+    a = init_full((8, 4), 1, 3, "qkv.weight", 0.02)
+    torch.testing.assert_close(a, init_full((8, 4), 1, 3, "qkv.weight", 0.02), rtol=0, atol=0)
+    assert not torch.equal(a, init_full((8, 4), 1, 4, "qkv.weight", 0.02))
+    assert not torch.equal(a, init_full((8, 4), 2, 3, "qkv.weight", 0.02))
+    assert not torch.equal(a, init_full((8, 4), 1, 3, "proj.weight", 0.02))
+    assert abs(a.std().item() - 0.02) < 0.01
+
+
+def _layers(tp, sp):
+    torch.manual_seed(0)
+    mesh = ParallelMesh.build(tp=tp)
+    s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
+    x = torch.randn(s, b, h)
+    ids = torch.randint(0, vocab, (s, b))
+    col = ColumnParallelLinear(h, f, mesh, gather_output=False, sequence_parallel=sp, init=normal_init(1, 0, "c", 0.5))
+    row = RowParallelLinear(f, h, mesh, sequence_parallel=sp, init=normal_init(1, 0, "r", 0.5))
+    emb = VocabParallelEmbedding(vocab, padded, h, mesh, reduce_scatter=sp, init=normal_init(1, 0, "e", 1.0))
+    with torch.no_grad():
+        col.bias.copy_(torch.arange(f).float().chunk(tp)[mesh.tp_rank])
+        row.bias.fill_(0.5)
+    xin = (x.chunk(tp)[mesh.tp_rank] if sp else x).clone().requires_grad_()
+    y = row(col(xin)) + emb(ids)
+    (y * y).sum().backward()
+    return dict(y=y.detach(), xgrad=xin.grad, col_w=col.weight.grad, row_w=row.weight.grad, row_b=row.bias.grad,
+                emb=emb.weight.grad, col_b=col.bias.grad, seq_attr=getattr(row.bias, "sequence_parallel", False))
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
+def test_parallel_layers_match_single_process(tp, sp):
+    res = run_ranks(_layers, tp, tp, sp)
+    torch.manual_seed(0)
+    s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
+    x = torch.randn(s, b, h, requires_grad=True)
+    ids = torch.randint(0, vocab, (s, b))
+    cw = init_full((f, h), 1, 0, "c", 0.5).requires_grad_()
+    rw = init_full((h, f), 1, 0, "r", 0.5).requires_grad_()
+    ew = pad_rows(init_full((vocab, h), 1, 0, "e", 1.0), padded).requires_grad_()
+    cb = torch.arange(f).float().requires_grad_()
+    rb = torch.full((h,), 0.5, requires_grad=True)
+    y = F.linear(F.linear(x, cw, cb), rw, rb) + F.embedding(ids, ew)
+    (y * y).sum().backward()
+    cat = lambda key, dim: torch.cat([r[key] for r in res], dim)  # noqa: E731
+    if sp:
+        torch.testing.assert_close(cat("y", 0), y.detach(), **TOL)
+        torch.testing.assert_close(cat("xgrad", 0), x.grad, **TOL)
+        torch.testing.assert_close(sum(r["row_b"] for r in res), rb.grad, **TOL)  # partial grads sum
+        assert all(r["seq_attr"] for r in res)
+    else:
+        for r in res:
+            torch.testing.assert_close(r["y"], y.detach(), **TOL)
+            torch.testing.assert_close(r["xgrad"], x.grad, **TOL)
+            torch.testing.assert_close(r["row_b"], rb.grad, **TOL)
+    torch.testing.assert_close(cat("col_w", 0), cw.grad, **TOL)
+    torch.testing.assert_close(cat("col_b", 0), cb.grad, **TOL)
+    torch.testing.assert_close(cat("row_w", 1), rw.grad, **TOL)
+    torch.testing.assert_close(cat("emb", 0), ew.grad, **TOL)
+    assert cat("emb", 0)[vocab:].abs().sum() == 0
+
+
+def _ce_case(vocab, padded, smoothing):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 5, padded, generator=g) * 3
+    labels = torch.randint(0, vocab, (3, 5), generator=g)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    return logits, labels, mask
+
+
+def _ce_rank(tp, vocab, padded, smoothing):
+    mesh = ParallelMesh.build(tp=tp)
+    logits, labels, mask = _ce_case(vocab, padded, smoothing)
+    shard = logits.chunk(tp, -1)[mesh.tp_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, labels, mesh, vocab, smoothing)
+    ((loss * mask).sum() / mask.sum()).backward()
+    return loss.detach(), shard.grad
+
+
+@pytest.mark.parametrize("tp,vocab,padded,smoothing", [(1, 50, 64, 0.0), (2, 50, 64, 0.1), (4, 37, 64, 0.0),
+                                                       (4, 30, 64, 0.2)])
+def test_vocab_parallel_cross_entropy(tp, vocab, padded, smoothing):
+    logits, labels, mask = _ce_case(vocab, padded, smoothing)
+    ref_in = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in[..., :vocab].reshape(-1, vocab), labels.reshape(-1), reduction="none",
+                          label_smoothing=smoothing).reshape(3, 5)
+    ((ref * mask).sum() / mask.sum()).backward()
+    if tp == 1:
+        x = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, labels, None, vocab, smoothing)
+        ((loss * mask).sum() / mask.sum()).backward()
+        res = [(loss.detach(), x.grad)]
+    else:
+        res = run_ranks(_ce_rank, tp, tp, vocab, padded, smoothing)
+    for loss, _ in res:
+        assert loss.dtype == torch.float32
+        torch.testing.assert_close(loss, ref.detach(), **TOL)
+    grad = torch.cat([g for _, g in res], -1)
+    torch.testing.assert_close(grad, ref_in.grad, **TOL)
+    assert grad[..., vocab:].abs().sum() == 0  # padded columns get no gradient
+
+
+def test_cross_entropy_bf16_logits_upcast():
+    logits, labels, _ = _ce_case(50, 64, 0.0)
+    x = logits.bfloat16().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, labels, None, 50)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    ref = F.cross_entropy(logits.bfloat16().float()[..., :50].reshape(-1, 50), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(loss.reshape(-1), ref, **TOL)
