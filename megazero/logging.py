@@ -5,8 +5,8 @@ trainer's metrics) and sends the same values everywhere:
 
 * ``--metrics-file``: one JSON object per iteration, every value as given;
 * wandb (``--wandb-project``): ``wandb.log(values, step=iteration)``, the full config as the run
-  config; mode from ``--wandb-mode`` or, when unset, ``online`` with ``WANDB_API_KEY`` in the
-  environment and ``offline`` without;
+  config; mode from ``--wandb-mode``, else ``WANDB_MODE``, else ``online`` with ``WANDB_API_KEY``
+  in the environment and ``offline`` without;
 * the console: a line every ``--log-interval`` iterations (and on evaluation), and on a
   terminal a progress bar redrawn every iteration.
 """
@@ -21,9 +21,11 @@ from typing import Any, Dict, Optional, TextIO
 
 
 def wandb_mode(requested: Optional[str]) -> str:
-    """The wandb mode to use: the requested one, else online with an API key, else offline."""
+    """The wandb mode: ``--wandb-mode``, else ``WANDB_MODE``, else online with an API key, else offline."""
     if requested:
         return requested
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 

@@ -1,0 +1,141 @@
+"""Logging: console line, progress bar, metrics JSONL, and wandb offline holding the same values."""
+import glob
+import io
+import json
+import os
+import struct
+
+import pytest
+
+from megazero.config import MegazeroConfig
+from megazero.logging import TrainingLogger, format_line, progress_bar, wandb_mode
+
+
+def read_wandb_offline(run_root):
+    """(history, config) of the single offline run under ``run_root``: history maps step -> values.
+
+    Reads the run's ``.wandb`` transaction log (LevelDB log format: 7-byte ``:W&B`` header, 32 KiB
+    blocks of records ``crc32 | length | type``) and parses its protobuf records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    # "latest-run" links to the run directory: count each file once
+    (path,) = {os.path.realpath(p) for p in glob.glob(os.path.join(run_root, "**", "*.wandb"), recursive=True)}
+    data, block, pos = open(path, "rb").read(), 32768, 7
+    assert data[:4] == b":W&B"
+    records, buf = [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and length == 0:  # padding to the end of the block
+            pos += left - 7
+            continue
+        buf += data[pos:pos + length]
+        pos += length
+        if kind in (1, 4):  # FULL or LAST fragment
+            records.append(buf)
+            buf = b""
+    history, config = {}, {}
+    for raw in records:
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":  # keys are in `key` or, in newer versions, `nested_key`
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            history[int(items["_step"])] = items
+        elif kind in ("run", "config"):
+            updates = rec.run.config.update if kind == "run" else rec.config.update
+            config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in updates})
+    return history, config
+
+
+def assert_same_values(records, history):
+    """Every non-null value of every JSONL record equals wandb's value at that step."""
+    assert sorted(history) == [r["iteration"] for r in records]
+    for r in records:
+        logged = history[r["iteration"]]
+        for key, value in r.items():
+            if key == "iteration" or value is None:
+                continue
+            assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+def _metrics(it):
+    return {"iteration": it, "loss": 6.0 / it, "lr": 1e-3 * it, "grad_norm": 0.5, "loss_scale": 1.0,
+            "skipped": 0, "skipped_total": 0, "iteration_time": 0.1, "tokens_per_sec": 1234.5 + it,
+            "tflops": 0.01, "param_bytes": 1000, "grad_bytes": 1000, "optim_bytes": 3000, "mfu": None}
+
+
+def test_metrics_file_and_wandb_offline_agree(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = MegazeroConfig()
+    cfg.training.train_iters = 3
+    cfg.logging.metrics_file = str(tmp_path / "m" / "metrics.jsonl")
+    cfg.logging.wandb_project, cfg.logging.wandb_mode = "megazero-test", "offline"
+    cfg.logging.wandb_save_dir = str(tmp_path / "wandb")
+    out = io.StringIO()
+    log = TrainingLogger(cfg, rank=0, stream=out)
+    for it in (1, 2, 3):
+        log.log(_metrics(it))
+    log.close()
+    records = [json.loads(line) for line in open(cfg.logging.metrics_file)]
+    assert records == [_metrics(it) for it in (1, 2, 3)]
+    history, config = read_wandb_offline(cfg.logging.wandb_save_dir)
+    assert_same_values(records, history)
+    training = config["training"].get("value", config["training"])  # older versions wrap in "value"
+    assert training["train_iters"] == 3 and "parallel" in config  # the full config is the run config
+    assert "iteration 3/3" in out.getvalue()
+
+
+def test_only_rank_zero_writes(tmp_path):
+    cfg = MegazeroConfig()
+    cfg.logging.metrics_file = str(tmp_path / "metrics.jsonl")
+    out = io.StringIO()
+    log = TrainingLogger(cfg, rank=1, stream=out)
+    log.log(_metrics(1))
+    log.close()
+    assert not os.path.exists(cfg.logging.metrics_file) and out.getvalue() == ""
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_console_interval_and_progress_bar():
+    cfg = MegazeroConfig()
+    cfg.training.train_iters, cfg.logging.log_interval = 4, 2
+    out = _Tty()
+    log = TrainingLogger(cfg, stream=out)
+    for it in range(1, 5):
+        log.log(_metrics(it))
+    log.close()
+    text = out.getvalue()
+    lines = [ln.split("\r")[-1].replace("\033[K", "") for ln in text.split("\n") if "iteration" in ln]
+    assert [ln.split(" | ")[0] for ln in lines] == ["iteration 2/4", "iteration 4/4"]
+    assert "[" + "#" * 30 + "] 4/4" in text and "\r" in text
+    plain = io.StringIO()
+    TrainingLogger(cfg, stream=plain).log(_metrics(1))
+    assert plain.getvalue() == ""  # not a terminal and not a log iteration: nothing
+
+
+def test_format_line_fields():
+    m = dict(_metrics(10), mfu=0.25, eval_loss=2.5, eval_ppl=12.18, max_memory_allocated=3 * 2 ** 30)
+    line = format_line(m, 100)
+    for part in ("iteration  10/100", "loss 0.6000", "eval loss 2.5000", "lr 1.000e-02", "grad norm 0.500",
+                 "loss scale 1", "skipped 0", "tok/s", "TFLOP/s/dev", "MFU 25.0%", "model state 4.9 KiB/rank",
+                 "peak mem 3.0 GiB"):
+        assert part in line, part
+    assert "eta" in progress_bar(5, 10, 0.0, 1.0)
+
+
+def test_wandb_mode_default(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode(None) == "offline" and wandb_mode("disabled") == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode(None) == "disabled"
