@@ -1,0 +1,219 @@
+"""The trainer: composes the mesh, a model, the ZeRO optimizer and the pipeline executor.
+
+One iteration, on every rank:
+
+1. learning rate from the schedule (:mod:`megazero.lr`);
+2. ``optimizer.zero_grad()``; this data-parallel rank's micro-batches of the global batch
+   (:func:`megazero.data.micro_batches`: the same samples at every layout);
+3. ``run_schedule``: forward and backward of every micro-batch through the pipeline, the
+   optimizer acting as the gradient-sync hook and supplying the loss scale;
+4. ``optimizer.finish_grad_sync()`` and ``optimizer.step(lr)`` (clipping, loss-scale update,
+   skipped steps);
+5. the loss averaged over micro-batches and data-parallel ranks, taken from the last pipeline
+   stage and shared with every rank (one all-reduce), then logged by rank 0.
+
+Every ``--eval-interval`` iterations the model runs forward only on ``--eval-iters`` held-out
+batches.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
+returning this rank's list of model chunks (one per virtual pipeline stage).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megazero.config import ConfigError, MegazeroConfig, parse_args, validate
+from megazero.data import build_data, micro_batches
+from megazero.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
+from megazero.logging import TrainingLogger
+from megazero.lr import lr_from_config
+from megazero.mesh import ParallelMesh, backend_for, default_device
+
+ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
+
+
+# ---- start-up ------------------------------------------------------------------------------
+def init_distributed(device: Optional[torch.device] = None) -> bool:
+    """Join the process group that torchrun (or SLURM + torchrun) describes in the environment.
+
+    Does nothing for one process or when a group already exists; returns True when it created
+    the group (the caller then destroys it)."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    device = torch.device(device or default_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
+    return True
+
+
+def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> ParallelMesh:
+    """The mesh of the current process group (one process: :meth:`ParallelMesh.single`)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        par = cfg.parallel
+        return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                                  par.rank_order, device)
+    return ParallelMesh.single(device)
+
+
+def set_seeds(seed: int, mesh: ParallelMesh) -> None:
+    """The default generators: the same on every TP and DP rank of a pipeline stage."""
+    torch.manual_seed(seed + 100 * mesh.pp_rank)
+    if mesh.device.type == "cuda":
+        torch.cuda.manual_seed(seed + 100 * mesh.pp_rank)
+
+
+def compute_dtype(cfg: MegazeroConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.precision.bf16 else torch.float16 if cfg.precision.fp16 else torch.float32
+
+
+# ---- one step ------------------------------------------------------------------------------
+def _mean_loss(losses: Sequence, mesh: ParallelMesh) -> float:
+    """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank."""
+    owner = mesh.is_last_stage and mesh.tp_rank == 0
+    local = sum(float(x) for x in losses) / max(1, len(losses)) if owner and losses else 0.0
+    if not mesh.is_distributed:
+        return local
+    value = torch.tensor([local / mesh.dp_size if owner else 0.0], dtype=torch.float64,
+                         device=mesh.device if mesh.backend == "nccl" else "cpu")
+    dist.all_reduce(value, group=mesh.world_group)
+    return float(value.item())
+
+
+def _forward_backward(chunks, batches, mesh, cfg, optimizer=None, forward_only=False):
+    """Run the pipeline schedule on ``batches``; returns the last stage's micro-batch losses."""
+    from megazero.pipeline.executor import run_schedule
+    from megazero.pipeline.p2p import p2p_tensor_shape
+    scale = float(optimizer.loss_scale) if optimizer is not None else 1.0
+    return run_schedule(chunks, mesh, batches, schedule=cfg.parallel.pipeline_schedule,
+                        num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg),
+                        dtype=compute_dtype(cfg), grad_sync=optimizer, loss_scale=scale,
+                        forward_only=forward_only)
+
+
+def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
+    """Mean loss over ``--eval-iters`` held-out batches (forward only, dropout off)."""
+    tr = cfg.training
+    for c in chunks:
+        c.eval()
+    losses = []
+    with torch.no_grad():
+        for k in range(tr.eval_iters):
+            batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
+                                    mesh.dp_size, split="valid", device=mesh.device)
+            losses.append(_mean_loss(_forward_backward(chunks, batches, mesh, cfg, forward_only=True), mesh))
+    for c in chunks:
+        c.train()
+    return sum(losses) / max(1, len(losses))
+
+
+def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
+    out = {k: v for k, v in dict(optimizer.memory_bytes()).items()}
+    if mesh.device.type == "cuda":
+        out["max_memory_allocated"] = torch.cuda.max_memory_allocated(mesh.device)
+    return out
+
+
+# ---- the loop ------------------------------------------------------------------------------
+def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[ParallelMesh] = None,
+          stream=None) -> List[Dict[str, float]]:
+    """Train for ``--train-iters`` steps; returns every iteration's metrics (on every rank).
+
+    Without ``mesh`` the mesh is built from the current process group (joined from the torchrun
+    environment when there is none yet) or is a single process.
+    """
+    created = False
+    if mesh is None:
+        created = init_distributed()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cfg = validate(copy.deepcopy(cfg), world)
+        mesh = build_mesh(cfg)
+    else:
+        cfg = validate(copy.deepcopy(cfg), mesh.world_size)
+    try:
+        return _train_loop(cfg, model_provider, mesh, stream)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream) -> List[dict]:
+    from megazero.zero import build_optimizer
+    tr = cfg.training
+    set_seeds(tr.seed, mesh)
+    chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
+    for c in chunks:
+        c.train()
+    optimizer = build_optimizer(chunks, mesh, cfg)
+    data = build_data(cfg)
+    logger = TrainingLogger(cfg, mesh.rank, stream)
+    model_flops, hw_flops = model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg)
+    peak = device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16")
+    tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
+    logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
+                 f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
+                 f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
+    if cfg.checkpoint.save or cfg.checkpoint.load:
+        logger.print("megazero: warning: checkpointing is not available yet; --save/--load are ignored")
+    history, skipped_total = [], 0
+    try:
+        for it in range(1, tr.train_iters + 1):
+            start = time.perf_counter()
+            lr = lr_from_config(cfg, it)
+            optimizer.zero_grad()
+            batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
+                                    mesh.dp_size, device=mesh.device)
+            losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
+            optimizer.finish_grad_sync()
+            stats = optimizer.step(lr)
+            loss = _mean_loss(losses, mesh)  # also synchronises the ranks before timing
+            if mesh.device.type == "cuda":
+                torch.cuda.synchronize(mesh.device)
+            elapsed = time.perf_counter() - start
+            skipped = int(bool(stats.get("skipped", False)))
+            skipped_total += skipped
+            grad_norm = stats.get("grad_norm")
+            m = {"iteration": it, "consumed_samples": it * tr.global_batch_size, "loss": loss, "lr": lr,
+                 "grad_norm": None if grad_norm is None else float(grad_norm),
+                 "loss_scale": float(stats.get("loss_scale", optimizer.loss_scale)),
+                 "skipped": skipped, "skipped_total": skipped_total, "iteration_time": elapsed,
+                 "tokens_per_sec": tokens_per_iter / elapsed,
+                 "tflops": model_flops / elapsed / mesh.world_size / 1e12,
+                 "hw_tflops": hw_flops / elapsed / mesh.world_size / 1e12}
+            if peak:
+                m["mfu"] = model_flops / elapsed / mesh.world_size / peak
+            m.update(_memory_metrics(optimizer, mesh))
+            if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
+                m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
+                m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
+            logger.log(m)
+            history.append(m)
+    finally:
+        logger.close()
+    return history
+
+
+# ---- command line --------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelProvider] = None,
+         presets: Optional[Dict[str, dict]] = None) -> int:
+    """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
+
+    Returns the exit status: 0, or 2 for an invalid flag combination (message on stderr)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = parse_args(argv, presets, world_size=world)
+        build_data(cfg)  # fails early for data settings this build cannot serve
+    except ConfigError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
+    if model_provider is None:
+        raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
+    train(cfg, model_provider)
+    return 0
