@@ -1,0 +1,69 @@
+"""Global gradient norm and clipping over the whole model (TP x PP x DP).
+
+The rule (docs/internals.md): sum the squares of every gradient element this rank *owns*,
+counting parameters without ``tensor_model_parallel`` only on TP rank 0 (they are replicated
+over TP) and skipping ``tied_copy`` (the last stage's copy of the tied embedding), then sum
+over the whole world.  Under ZeRO a rank owns its shard of each bucket, so every element is
+counted exactly once and every rank gets the same norm.
+
+The same all-reduce also detects inf/NaN: the excluded elements are summed separately so an
+overflow anywhere, even in a gradient that does not count towards the norm, is seen by all.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` contributes to the global gradient norm."""
+    if getattr(param, "tied_copy", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def local_square_sums(pieces: Iterable[Tuple[torch.Tensor, bool]]) -> torch.Tensor:
+    """``[sum of squares of counted pieces, sum of squares of the others]`` in float64."""
+    acc = None
+    for tensor, counted in pieces:
+        if tensor.numel() == 0:
+            continue
+        s = tensor.detach().double().pow(2).sum()
+        if acc is None:
+            acc = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+        acc[0 if counted else 1] += s
+    return acc if acc is not None else torch.zeros(2, dtype=torch.float64)
+
+
+def global_norm_and_overflow(sums: torch.Tensor, mesh, device=None) -> Tuple[float, bool]:
+    """All-reduce local square sums over the world; return ``(norm, found_inf)`` (same on every rank)."""
+    sums = sums.to(device or mesh.device)
+    if mesh.world_size > 1:
+        dist.all_reduce(sums, group=mesh.world_group)
+    counted, total = float(sums[0]), float(sums[0] + sums[1])
+    found_inf = not math.isfinite(total)
+    return math.sqrt(counted) if math.isfinite(counted) else counted, found_inf
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Megatron's factor ``max_norm / (norm + 1e-6)`` when it is below 1, else 1 (0 disables)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    coef = max_norm / (norm + 1.0e-6)
+    return coef if coef < 1.0 else 1.0
+
+
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh) -> float:
+    """Clip plain ``.grad`` tensors of a model that is *not* under ZeRO (already reduced over DP:
+    each DP replica holds the same gradient, so only DP rank 0 contributes).  Returns the norm."""
+    params = [p for p in params if p.grad is not None]
+    pieces = [(p.grad, counts_in_norm(p, mesh.tp_rank) and mesh.dp_rank == 0) for p in params]
+    norm, _ = global_norm_and_overflow(local_square_sums(pieces), mesh)
+    coef = clip_coefficient(norm, max_norm)
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm

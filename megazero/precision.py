@@ -1,0 +1,116 @@
+"""Mixed precision: the compute dtype and the loss scaler.
+
+Parameters and activations run in bf16 or fp16 while the ZeRO optimizer keeps fp32 master
+weights (see :mod:`megazero.zero`).  fp16 needs loss scaling: the loss is multiplied by
+``scale`` before backward and gradients divided by it before the update.
+
+:class:`DynamicLossScaler` follows Megatron-LM's ``DynamicGradScaler``:
+
+- an overflow (inf/NaN in any rank's gradients) skips the step and uses up one unit of
+  ``hysteresis``; once none is left the scale is halved (and keeps being halved on each
+  further overflow until a growth refills the hysteresis);
+- after ``loss_scale_window`` consecutive clean steps the scale doubles and the hysteresis
+  is refilled;
+- a scale that would fall below ``min_loss_scale`` raises :class:`LossScaleError` instead of
+  silently skipping every step forever.
+
+:class:`ConstantLossScaler` keeps one scale (``--loss-scale``, or 1.0 for bf16/fp32); overflowing
+steps are still skipped.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+class LossScaleError(RuntimeError):
+    """The dynamic loss scale fell below ``--min-loss-scale``: training has diverged."""
+
+
+def compute_dtype(precision) -> torch.dtype:
+    """The parameter/activation dtype a :class:`~megazero.config.PrecisionConfig` asks for."""
+    if precision.bf16:
+        return torch.bfloat16
+    if precision.fp16:
+        return torch.float16
+    return torch.float32
+
+
+class ConstantLossScaler:
+    """A fixed loss scale; overflowing steps are skipped but the scale never changes."""
+
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0):
+        if scale <= 0:
+            raise ValueError(f"--loss-scale must be > 0, got {scale}")
+        self.scale = float(scale)
+
+    def update(self, found_inf: bool) -> None:
+        """Nothing to adapt for a constant scale."""
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"scale": self.scale}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+
+
+class DynamicLossScaler:
+    """Megatron-style dynamic loss scale with hysteresis and a hard minimum."""
+
+    dynamic = True
+
+    def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_interval: int = 1000,
+                 hysteresis: int = 2, growth_factor: float = 2.0, backoff_factor: float = 0.5):
+        if not (min_scale > 0 and initial_scale >= min_scale):
+            raise ValueError(f"--initial-loss-scale {initial_scale} must be >= --min-loss-scale {min_scale} > 0")
+        if growth_interval < 1 or hysteresis < 1:
+            raise ValueError("--loss-scale-window and --hysteresis must be >= 1")
+        self.scale = float(initial_scale)
+        self.min_scale = float(min_scale)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_tracker = 0
+        self.hysteresis_tracker = self.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        """Adapt the scale after a step; ``found_inf`` must be the same on every rank."""
+        if found_inf:
+            self.growth_tracker = 0
+            self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker <= 0:
+                new = self.scale * self.backoff_factor
+                if new < self.min_scale:
+                    raise LossScaleError(
+                        f"loss scale fell below --min-loss-scale {self.min_scale:g} (would be {new:g} after "
+                        f"another overflow): gradients keep overflowing in fp16. Lower --lr, use --bf16, "
+                        f"or lower --min-loss-scale")
+                self.scale = new
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.growth_tracker = 0
+                self.hysteresis_tracker = self.hysteresis
+                self.scale *= self.growth_factor
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state.get("growth_tracker", 0))
+        self.hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
+
+
+def build_loss_scaler(precision):
+    """The scaler a :class:`~megazero.config.PrecisionConfig` asks for: dynamic for fp16 without
+    ``--loss-scale``, otherwise constant (1.0 for bf16/fp32 unless ``--loss-scale`` is given)."""
+    if precision.fp16 and precision.loss_scale is None:
+        return DynamicLossScaler(precision.initial_loss_scale, precision.min_loss_scale,
+                                 precision.loss_scale_window, precision.hysteresis)
+    return ConstantLossScaler(precision.loss_scale if precision.loss_scale is not None else 1.0)

@@ -1,0 +1,74 @@
+"""AdamW and SGD acting on flat fp32 slices (a ZeRO shard of a bucket).
+
+The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor path) so a
+sharded run matches a plain PyTorch run.  Weight decay is applied only to the ``decay``
+segments ``[(a, b), ...]`` of a slice: a flat shard mixes matrices (decayed) with biases and
+norm weights (not decayed).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+
+Segments = List[Tuple[int, int]]
+
+
+class FlatAdamW:
+    """Adam with decoupled weight decay (AdamW)."""
+
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+        self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
+
+    def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(master) for name in self.state_names}
+
+    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor], decay: Segments,
+               lr: float, step: int) -> None:
+        if self.weight_decay and lr:
+            for a, b in decay:
+                master[a:b].mul_(1.0 - lr * self.weight_decay)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(grad, 1.0 - self.beta1)
+        v.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
+        bc1 = 1.0 - self.beta1 ** step
+        bc2 = 1.0 - self.beta2 ** step
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
+        master.addcdiv_(m, denom, value=-lr / bc1)
+
+
+class FlatSGD:
+    """SGD with (coupled, L2) weight decay and heavy-ball momentum, as ``torch.optim.SGD``."""
+
+    def __init__(self, momentum: float = 0.0, weight_decay: float = 0.0):
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.state_names = ("momentum_buffer",) if momentum else ()
+
+    def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {name: torch.zeros_like(master) for name in self.state_names}
+
+    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor], decay: Segments,
+               lr: float, step: int) -> None:
+        if self.weight_decay:
+            for a, b in decay:
+                grad[a:b].add_(master[a:b], alpha=self.weight_decay)
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            if step == 1:
+                buf.copy_(grad)
+            else:
+                buf.mul_(self.momentum).add_(grad)
+            grad = buf
+        master.add_(grad, alpha=-lr)
+
+
+def build_flat_optimizer(opt_cfg):
+    """The flat optimizer an :class:`~megazero.config.OptimizerConfig` asks for."""
+    if opt_cfg.optimizer == "adam":
+        return FlatAdamW(opt_cfg.adam_beta1, opt_cfg.adam_beta2, opt_cfg.adam_eps, opt_cfg.weight_decay)
+    if opt_cfg.optimizer == "sgd":
+        return FlatSGD(opt_cfg.sgd_momentum, opt_cfg.weight_decay)
+    raise ValueError(f"--optimizer must be adam or sgd, got {opt_cfg.optimizer!r}")

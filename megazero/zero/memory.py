@@ -1,0 +1,39 @@
+"""Model-state bytes per rank under ZeRO (DESIGN.md, "ZeRO, stated correctly").
+
+With Ψ parameters, ``param_bytes``/``grad_bytes`` bytes per element of parameters and gradients,
+``optim_bytes`` per parameter of fp32 master weights + optimizer moments (K; 12 for
+mixed-precision Adam, 8 for fp32 Adam whose parameters are their own master copy) and N
+data-parallel ranks:
+
+=====  ================================
+stage  bytes per rank
+=====  ================================
+0      (P + G + K) Ψ
+1      P Ψ + G Ψ + K Ψ / N
+2      P Ψ + (G + K) Ψ / N
+3      (P + G + K) Ψ / N
+=====  ================================
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+
+def optimizer_bytes_per_param(optimizer: str = "adam", mixed_precision: bool = True, momentum: bool = False,
+                              offload: bool = False) -> int:
+    """K: bytes of fp32 master weights (when they are a separate copy) + optimizer state per parameter."""
+    state = {"adam": 8, "sgd": 4 if momentum else 0}[optimizer]
+    return state + (4 if (mixed_precision or offload) else 0)
+
+
+def zero_model_state_bytes(num_params: int, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
+                           optim_bytes: int = 12) -> Dict[str, float]:
+    """Per-rank ``param_bytes``, ``grad_bytes``, ``optim_bytes`` and ``total_bytes`` by the formula."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {stage}")
+    n = float(num_params)
+    out = {"param_bytes": param_bytes * n / (dp if stage >= 3 else 1),
+           "grad_bytes": grad_bytes * n / (dp if stage >= 2 else 1),
+           "optim_bytes": optim_bytes * n / (dp if stage >= 1 else 1)}
+    out["total_bytes"] = sum(out.values())
+    return out

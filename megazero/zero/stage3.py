@@ -1,0 +1,145 @@
+"""ZeRO-3 parameter sharding: gather a unit's parameters just before they are used, free after.
+
+A *unit* is one transformer layer (a block of the chunk's largest ``nn.ModuleList``) or the
+rest of a chunk (embedding, final norm, output head).  Between uses each rank holds only its
+shard of every bucket; ``param.data`` is an empty tensor.
+
+- forward pre-hook: gather the unit (waiting for a prefetch if one is in flight) and start
+  gathering the next unit of the chunk asynchronously;
+- forward post-hook: free the unit (not while inside backward, i.e. during activation
+  recomputation, whose backward follows at once) and hook the outputs so the unit is gathered
+  again just before its backward, prefetching the unit whose backward comes next;
+- when every bucket of the unit has its gradients (the optimizer's bucket hook), free it.
+
+Everything keys off module hooks, so any pipeline schedule (interleaved forward and backward of
+many micro-batches) works: each use gathers what it needs.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from megazero.zero.buffers import Bucket
+
+
+class _Unit:
+    def __init__(self, index: int, module: torch.nn.Module, chunk: int):
+        self.index, self.module, self.chunk = index, module, chunk
+        self.buckets: List[Bucket] = []
+        self.full: Optional[Dict[int, torch.Tensor]] = None  # bucket index -> gathered buffer
+        self.handles: list = []
+        self.done = 0  # buckets whose gradients are complete in the current backward
+
+
+class Stage3Params:
+    """Owns the gather/free life cycle of every unit (see module docstring)."""
+
+    def __init__(self, units: List[tuple], buckets: List[Bucket], shard_of, mesh, dtype: torch.dtype):
+        """``units``: ``(module, chunk)`` per unit id; ``shard_of(bucket)`` gives its param shard."""
+        self.mesh, self.shard_of = mesh, shard_of
+        self.units = [_Unit(i, m, c) for i, (m, c) in enumerate(units)]
+        for b in buckets:
+            self.units[b.unit].buckets.append(b)
+        self.empty = torch.empty(0, dtype=dtype, device=mesh.device)
+        self.order: Dict[int, List[_Unit]] = {}  # chunk -> its units in forward order (root first)
+        for u in self.units:
+            self.order.setdefault(u.chunk, [])
+        for c in self.order:
+            mine = [u for u in self.units if u.chunk == c]
+            self.order[c] = [mine[-1]] + mine[:-1]  # the chunk (root) runs first, then its blocks
+        for b in buckets:
+            for p in b.params:
+                p.data = self.empty  # sharded from now on
+        self.hook_handles = []
+        for u in self.units:
+            self.hook_handles.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u)))
+            self.hook_handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+
+    # ---- gather / free ------------------------------------------------------------------
+    def _neighbour(self, u: _Unit, step: int) -> Optional[_Unit]:
+        order = self.order[u.chunk]
+        i = order.index(u) + step
+        if step < 0 and i == 0:
+            return None  # the root is already gathered when the blocks run backward
+        return order[i] if 0 <= i < len(order) else None
+
+    def gather(self, u: Optional[_Unit], wait: bool = True) -> None:
+        if u is None:
+            return
+        if u.full is None:
+            u.full, u.handles = {}, []
+            for b in u.buckets:
+                shard = self.shard_of(b)
+                if self.mesh.dp_size == 1:
+                    u.full[b.index] = shard
+                    continue
+                full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+                u.handles.append(dist.all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
+                u.full[b.index] = full
+        if wait and u.handles is not None:
+            for h in u.handles:
+                h.wait()
+            u.handles = None
+            for b in u.buckets:
+                full = u.full[b.index]
+                for p, s, shape in zip(b.params, b.starts, b.shapes):
+                    p.data = full[s:s + shape.numel()].view(shape)
+
+    def free(self, u: _Unit) -> None:
+        if u.full is None:
+            return
+        for h in u.handles or ():
+            h.wait()
+        for b in u.buckets:
+            for p in b.params:
+                p.data = self.empty
+        u.full, u.handles, u.done = None, [], 0
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self.free(u)
+
+    def gather_all(self) -> None:
+        for u in self.units:
+            self.gather(u)
+
+    def bucket_done(self, b: Bucket) -> None:
+        """The optimizer saw every gradient of ``b`` in this backward: free its unit once complete."""
+        u = self.units[b.unit]
+        u.done += 1
+        if u.done >= len(u.buckets):
+            self.free(u)
+
+    def live_buffers(self) -> List[torch.Tensor]:
+        return [t for u in self.units if u.full is not None and self.mesh.dp_size > 1 for t in u.full.values()]
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _pre_forward_hook(self, u: _Unit):
+        def hook(module, args):
+            self.gather(u)
+            self.gather(self._neighbour(u, +1), wait=False)
+        return hook
+
+    def _post_forward_hook(self, u: _Unit):
+        def hook(module, args, output):
+            if torch._C._current_graph_task_id() == -1:  # not recomputing inside backward
+                self.free(u)
+            if torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward_hook(u))
+        return hook
+
+    def _pre_backward_hook(self, u: _Unit):
+        def hook(grad):
+            self.gather(u)
+            self.gather(self._neighbour(u, -1), wait=False)
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles = []
