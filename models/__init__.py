@@ -1,0 +1,47 @@
+"""GPT-family models built from megazero's tensor-parallel layers.
+
+- :func:`build_model` (``cfg, mesh=None``): the whole model (pp = 1).
+- :func:`build_chunks` (``cfg, mesh``): this rank's pipeline chunks, one per virtual stage.
+- :mod:`models.presets`: named architectures (``tiny``, ``gpt2-small`` ... ``llama3-8b``).
+- :mod:`models.hf`: Hugging Face ``transformers`` import and export.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megazero.mesh import ParallelMesh
+from megazero.pipeline.partition import chunk_layers
+from megazero.tensor_parallel.random import RNGTracker
+from models.gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
+from models.presets import PRESETS, get_preset  # noqa: F401
+
+
+def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), building only their layers.
+
+    Seeds the default generator with ``seed + 100 * pp_rank`` (dropout outside TP-split regions)
+    and creates one :class:`RNGTracker` shared by the chunks. ``cfg`` must be validated.
+    """
+    mesh = mesh or ParallelMesh.single()
+    seed = cfg.training.seed + 100 * mesh.pp_rank
+    torch.manual_seed(seed)
+    if mesh.device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    tracker = RNGTracker(seed, mesh.tp_rank, mesh.device)
+    ranges = chunk_layers(cfg, mesh.pp_rank)
+    return [GPTModel(cfg, mesh, layers, pre_process=mesh.is_first_stage and v == 0,
+                     post_process=mesh.is_last_stage and v == len(ranges) - 1, rng_tracker=tracker)
+            for v, layers in enumerate(ranges)]
+
+
+def build_model(cfg, mesh: Optional[ParallelMesh] = None) -> GPTModel:
+    """The whole GPT model (one process or tensor parallel; pp must be 1).
+
+    Called on token ids ``[b, s]`` without labels it returns logits ``[b, s, vocab]`` (unpadded).
+    """
+    if cfg.parallel.pipeline_model_parallel_size != 1:
+        raise ValueError("build_model builds the whole model; with --pipeline-model-parallel-size > 1 "
+                         "use build_chunks(cfg, mesh) for this rank's stage")
+    return build_chunks(cfg, mesh)[0]

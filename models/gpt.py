@@ -1,0 +1,186 @@
+"""GPTModel: one pipeline chunk of a GPT-2- or LLaMA-style decoder (see ``docs/internals.md``).
+
+``GPTModel(cfg, mesh, layers, pre_process, post_process, rng_tracker)`` builds only the
+transformer layers in ``layers`` (global indices), plus the embedding when ``pre_process`` and
+the final norm and output head when ``post_process``. Parameter names use global layer indices
+(``decoder.<i>.attention.qkv.weight``), so names are the same at every pipeline layout.
+
+Tied embeddings: with both ends in one chunk the head multiplies by the embedding weight
+itself; otherwise (pp > 1) the last stage holds ``output_layer.weight``, initialised equal to
+the embedding and marked ``shared_embedding`` and ``tied_copy`` (the first stage's embedding is
+marked ``shared_embedding``); the optimizer sums their gradients over ``mesh.embedding_group``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megazero.mesh import ParallelMesh
+from megazero.recompute import recompute
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, normal_init,
+                                             pad_rows, shard)
+from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from models.layers import Norm, TransformerLayer, rope_cos_sin
+
+EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
+
+
+class GPTModel(nn.Module):
+    """One pipeline chunk; the whole model when ``layers = range(num_layers)`` and both flags are set.
+
+    ``forward(input, labels=None, loss_mask=None)``: ``input`` is token ids ``[b, s]`` when
+    ``pre_process`` else the previous stage's hidden states ``[s (/tp), b, h]``. Returns the
+    per-token fp32 loss ``[b, s]`` (``post_process`` with labels), logits ``[b, s, vocab]``
+    gathered over TP and unpadded (``post_process`` without labels), or hidden states.
+    ``loss_mask`` is accepted for the executor's convenience and not applied here.
+    """
+
+    def __init__(self, cfg, mesh: Optional[ParallelMesh], layers: range, pre_process: bool, post_process: bool,
+                 rng_tracker):
+        super().__init__()
+        mesh = mesh or ParallelMesh.single()
+        m = cfg.model
+        if m.padded_vocab_size <= 0:
+            raise ValueError("the config is not validated: call megazero.config.validate(cfg) before building")
+        if mesh.tp_size != cfg.parallel.tensor_model_parallel_size:
+            raise ValueError(f"mesh tp size {mesh.tp_size} != --tensor-model-parallel-size "
+                             f"{cfg.parallel.tensor_model_parallel_size}")
+        self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
+        self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
+        self.sequence_parallel = cfg.parallel.sequence_parallel
+        seed, std, h = cfg.training.seed, m.init_method_std, m.hidden_size
+        tied = not m.untie_embeddings_and_output_weights
+        if pre_process:
+            self.word_embeddings = VocabParallelEmbedding(
+                m.vocab_size, m.padded_vocab_size, h, mesh, reduce_scatter=self.sequence_parallel,
+                init=normal_init(seed, *EMBEDDING_KEY, std))
+            self.word_embeddings.weight.shared_embedding = tied and mesh.pp_size > 1
+            if m.position_embedding_type == "learned_absolute":
+                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h, device=mesh.device)
+                with torch.no_grad():
+                    self.position_embeddings.weight.copy_(
+                        init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std))
+                self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker) for i in layers})
+        if post_process:
+            self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
+            if not (tied and pre_process):
+                key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
+                self.output_layer = ColumnParallelLinear(
+                    h, m.padded_vocab_size, mesh, bias=False, sequence_parallel=self.sequence_parallel,
+                    init=lambda shape: pad_rows(init_full((m.vocab_size, h), seed, *key, std), shape[0]))
+                w = self.output_layer.weight
+                w.vocab_parallel = True
+                w.shared_embedding = w.tied_copy = tied
+
+    # ---- pieces of the forward pass -----------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[b, s]`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
+        x = self.word_embeddings(ids.t())
+        if hasattr(self, "position_embeddings"):
+            start = self.mesh.tp_rank * x.shape[0] if self.sequence_parallel else 0
+            x = x + self.position_embeddings.weight[start:start + x.shape[0]].unsqueeze(1).to(x.dtype)
+        p = self.cfg.model.hidden_dropout
+        if self.training and p > 0:
+            if self.sequence_parallel:
+                with self.rng_tracker.fork():
+                    return F.dropout(x, p)
+            return F.dropout(x, p)
+        return x
+
+    def _rope(self, x: torch.Tensor):
+        m = self.cfg.model
+        if m.position_embedding_type != "rope":
+            return None
+        seq = x.shape[0] * (self.mesh.tp_size if self.sequence_parallel else 1)
+        return rope_cos_sin(seq, m.kv_channels, m.rotary_base, x.device)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformer layers, with full recomputation (uniform or block) when configured."""
+        m, rope = self.cfg.model, self._rope(x)
+        layers = list(self.decoder.values())
+
+        def segment(start, end):
+            def run(h):
+                for layer in layers[start:end]:
+                    h = layer(h, rope)
+                return h
+            return run
+
+        full = m.recompute_granularity == "full" and torch.is_grad_enabled()
+        n = m.recompute_num_layers or 1
+        if full and m.recompute_method == "uniform":
+            for i in range(0, len(layers), n):
+                x = recompute(segment(i, i + n), x, tracker=self.rng_tracker, device=x.device)
+            return x
+        for i in range(len(layers)):
+            if full and m.recompute_method == "block" and i < n:
+                x = recompute(segment(i, i + 1), x, tracker=self.rng_tracker, device=x.device)
+            else:
+                x = layers[i](x, rope)
+        return x
+
+    def output_weight(self) -> torch.Tensor:
+        """The head's weight shard ``[padded_vocab / tp, h]`` (the embedding itself when tied in one chunk)."""
+        return self.output_layer.weight if hasattr(self, "output_layer") else self.word_embeddings.weight
+
+    def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(input) if self.pre_process else input
+        x = self.run_layers(x)
+        if not self.post_process:
+            return x
+        x = self.final_norm(x)
+        x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
+        logits = F.linear(x, self.output_weight())  # [s, b, padded_vocab / tp]
+        vocab = self.cfg.model.vocab_size
+        if labels is None:
+            return gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+
+
+# ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------
+def _gather(t: torch.Tensor, param, mesh) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False) and mesh.tp_size > 1:
+        parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=mesh.tp_group)
+        t = torch.cat(parts, dim=param.partition_dim)
+    return t
+
+
+def full_state_dict(model: GPTModel, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) of this chunk as the full tensor: TP shards gathered
+    (collective over the TP group: every TP rank must call it) and vocabulary padding removed.
+    Gradients of ``sequence_parallel`` parameters are returned as this rank holds them."""
+    vocab, out = model.cfg.model.vocab_size, {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        t = _gather(t, p, model.mesh)
+        out[name] = t[:vocab] if getattr(p, "vocab_parallel", False) else t
+    return out
+
+
+def load_full_state_dict(model: GPTModel, state: Dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded, unpadded) tensors into this chunk's parameters, keeping this rank's
+    slice and padding the vocabulary. Raises ``KeyError`` naming missing or unexpected keys."""
+    names = dict(model.named_parameters())
+    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in names.items():
+            t = state[name]
+            if getattr(p, "vocab_parallel", False):
+                t = pad_rows(t, model.cfg.model.padded_vocab_size)
+            if getattr(p, "tensor_model_parallel", False):
+                t = shard(t, model.mesh, p.partition_dim)
+            if t.shape != p.shape:
+                raise ValueError(f"{name}: expected a full tensor giving shard {tuple(p.shape)}, got {tuple(t.shape)}")
+            p.copy_(t)

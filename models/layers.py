@@ -1,0 +1,162 @@
+"""The transformer layer of the GPT family: norms, rotary embeddings, attention and MLP.
+
+Hidden states are ``[seq, batch, hidden]`` (``[seq / tp, batch, hidden]`` under sequence
+parallelism). Weights are initialised full from ``(seed, global layer index, parameter name)``
+and sliced for this TP rank (see :mod:`megazero.tensor_parallel.layers`).
+
+The fused QKV weight is laid out by key/value group: output features
+``[group][q_1 .. q_{heads/groups}, k, v][head_dim]``, so a contiguous TP slice holds whole
+groups and TP shards concatenate to the TP = 1 weight.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from megazero.recompute import recompute
+from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+
+Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm computed in fp32 whatever the parameter / activation dtype.
+
+    Its parameters are replicated over TP; under sequence parallelism each rank sees only its
+    part of the sequence, so they are marked ``sequence_parallel`` (grads summed over TP).
+    """
+
+    def __init__(self, hidden: int, kind: str, eps: float, device, sequence_parallel: bool = False):
+        super().__init__()
+        if kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind!r}")
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(hidden, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden, device=device)) if kind == "LayerNorm" else None
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.kind == "LayerNorm":
+            y = F.layer_norm(xf, xf.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        else:
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(x.dtype)
+
+
+def rope_cos_sin(seq: int, dim: int, base: float, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos, sin`` of shape ``[seq, dim]`` in Hugging Face's half-split layout."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    freqs = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, heads, s, d]`` (HF ``rotate_half``: pairs are ``(i, i + d/2)``), in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads split over TP (column-parallel QKV,
+    row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward."""
+
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False):
+        super().__init__()
+        m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
+        self.mesh, self.tracker, self.recompute_core = mesh, tracker, recompute_core
+        self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
+        self.q_per_group = m.num_attention_heads // m.num_query_groups
+        self.groups = m.num_query_groups // mesh.tp_size
+        qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
+        std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
+        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear, sequence_parallel=sp,
+                                        init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
+        self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,
+                                      bias=m.add_bias_linear, sequence_parallel=sp,
+                                      init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) V, causal; ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``."""
+        k = k.repeat_interleave(self.q_per_group, dim=1)
+        v = v.repeat_interleave(self.q_per_group, dim=1)
+        if self.training and self.dropout > 0:
+            with self.tracker.fork():  # heads are split over TP: a different mask on each rank
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        qkv = rearrange(self.qkv(x), "s b (g n d) -> b g n s d", g=self.groups, d=self.head_dim)
+        q = rearrange(qkv[:, :, :self.q_per_group], "b g n s d -> b (g n) s d")
+        k, v = qkv[:, :, self.q_per_group], qkv[:, :, self.q_per_group + 1]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = recompute(self.core, q, k, v, tracker=self.tracker, device=x.device)
+        else:
+            out = self.core(q, k, v)
+        return self.proj(rearrange(out, "b n s d -> s b (n d)"))
+
+
+class MLP(nn.Module):
+    """GELU (tanh approximation) MLP, or SwiGLU ``fc2(silu(gate(x)) * fc1(x))``; column- then
+    row-parallel."""
+
+    def __init__(self, cfg, mesh, layer_idx: int):
+        super().__init__()
+        m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
+        std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
+        self.swiglu = m.activation == "swiglu"
+
+        def column(name):
+            return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
+                                        sequence_parallel=sp, init=normal_init(seed, layer_idx, f"mlp.{name}.weight", std))
+        self.gate = column("gate") if self.swiglu else None
+        self.fc1 = column("fc1")
+        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
+                                     sequence_parallel=sp, init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = F.silu(self.gate(x)) * h if self.swiglu else F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``.
+
+    Hidden dropout acts on activations every TP rank holds in full, so it draws from the default
+    generator (same mask on every TP rank); under sequence parallelism each rank holds a
+    different part of the sequence, so it runs under the tracker's fork.
+    """
+
+    def __init__(self, cfg, mesh, layer_idx: int, tracker):
+        super().__init__()
+        m = cfg.model
+        self.sequence_parallel, self.tracker, self.dropout = cfg.parallel.sequence_parallel, tracker, m.hidden_dropout
+        norm = lambda: Norm(m.hidden_size, m.normalization, m.norm_epsilon, mesh.device,  # noqa: E731
+                            cfg.parallel.sequence_parallel)
+        self.input_norm = norm()
+        self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective")
+        self.post_attention_norm = norm()
+        self.mlp = MLP(cfg, mesh, layer_idx)
+
+    def hidden_dropout(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout == 0:
+            return h
+        if self.sequence_parallel:
+            with self.tracker.fork():
+                return F.dropout(h, self.dropout)
+        return F.dropout(h, self.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rope))
+        return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))
