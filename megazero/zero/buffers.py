@@ -132,13 +132,14 @@ def trainable_params(module: torch.nn.Module, seen: Dict[int, bool]) -> List[tor
 
 
 def find_units(chunk: torch.nn.Module) -> List[torch.nn.Module]:
-    """ZeRO-3 gather units of a chunk: each block of its largest ``nn.ModuleList`` (the transformer
-    layers), the chunk itself last (for everything else).  A chunk without one is a single unit."""
+    """ZeRO-3 gather units of a chunk: each block of its largest ``nn.ModuleList``/``nn.ModuleDict``
+    (the transformer layers), the chunk itself last (for everything else).  A chunk without one is
+    a single unit."""
     best, best_n = None, 0
     for m in chunk.modules():
-        if isinstance(m, torch.nn.ModuleList) and m is not chunk:
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) and m is not chunk:
             n = sum(p.numel() for p in m.parameters())
             if n > best_n:
                 best, best_n = m, n
-    blocks = [b for b in best if any(True for _ in b.parameters())] if best is not None else []
+    blocks = [b for b in best.children() if any(True for _ in b.parameters())] if best is not None else []
     return blocks + [chunk]

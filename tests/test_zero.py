@@ -1,0 +1,392 @@
+"""ZeRO optimizer: every stage equals the single-process oracle, on toys and the real GPT model.
+
+Toys keep the runs fast: each multi-rank test forks once and runs every configuration inside.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megazero.config import ConfigError, MegazeroConfig, validate
+from megazero.mesh import ParallelMesh
+from megazero.recompute import recompute
+from megazero.testing import run_ranks
+from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
+
+STAGES = (0, 1, 2, 3)
+
+
+def _cfg(stage=0, optimizer="sgd", clip=0.5, bucket=60, dtype="fp32", **extra):
+    cfg = MegazeroConfig()
+    cfg.parallel.zero_stage, cfg.parallel.ddp_bucket_size = stage, bucket
+    cfg.optimizer.optimizer, cfg.optimizer.clip_grad = optimizer, clip
+    cfg.optimizer.sgd_momentum, cfg.optimizer.weight_decay = 0.9, 0.1
+    cfg.precision.bf16, cfg.precision.fp16 = dtype == "bf16", dtype == "fp16"
+    for key, value in extra.items():
+        for section in (cfg.parallel, cfg.precision, cfg.optimizer):
+            if hasattr(section, key):
+                setattr(section, key, value)
+    return cfg
+
+
+def _mesh(tp=1, pp=1):
+    if dist.is_initialized():
+        return ParallelMesh.build(tp=tp, pp=pp, device=torch.device("cpu"))
+    return ParallelMesh.single(torch.device("cpu"))
+
+
+# ---- a toy with blocks (ZeRO-3 units), biases, norms and a weight used twice ---------------
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(h), nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self, h=8, n=3, use_recompute=False):
+        super().__init__()
+        self.inp, self.layers, self.use_recompute = nn.Linear(4, h), nn.ModuleList(Block(h) for _ in range(n)), use_recompute
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = recompute(layer, h, device=h.device) if self.use_recompute and torch.is_grad_enabled() else layer(h)
+        return h @ self.inp.weight  # tied: the input weight is used again at the end
+
+
+def _data(steps, n=16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(steps, n, 4, generator=g), torch.randn(steps, n, 4, generator=g)
+
+
+def _toy_run(cfg, steps=3, micro=2, h=8, recompute_layers=False, poison=(), lr=0.05):
+    """Train the toy; this DP rank takes its slice of each global batch in ``micro`` micro-batches."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = Toy(h, use_recompute=recompute_layers)
+    opt = build_optimizer([model], mesh, cfg)
+    dtype = next(p for p in model.parameters() if p.numel()).dtype if cfg.parallel.zero_stage < 3 else opt.dtype
+    X, Y = _data(steps)
+    stats, snaps = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        x, y = X[s].chunk(mesh.dp_size)[mesh.dp_rank], Y[s].chunk(mesh.dp_size)[mesh.dp_rank]
+        for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            opt.prepare_backward(0, m == micro - 1)
+            loss = ((model(xm.to(dtype)).float() - ym) ** 2).mean() / micro
+            if (s, mesh.rank) in poison:
+                loss = loss * float("inf")
+            (loss * opt.loss_scale).backward()
+        opt.finish_grad_sync()
+        stats.append(opt.step(lr))
+        with opt.gathered_params():
+            snaps.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
+    return {"params": snaps[-1], "snaps": snaps, "stats": stats, "memory": opt.memory_bytes(),
+            "numel": opt.num_parameters(), "buckets": len(opt.buckets)}
+
+
+def _close(a, b, atol):
+    return max((a[n] - b[n]).abs().max().item() for n in a) <= atol
+
+
+# ---- single process against torch.optim -------------------------------------------------
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_single_process_matches_torch_optim(name):
+    steps = 4
+    cfg = _cfg(0, name, clip=0.5)
+    ours = _toy_run(cfg, steps=steps, micro=1)
+    torch.manual_seed(0)
+    model = Toy()
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = (torch.optim.SGD(groups, lr=0.05, momentum=0.9) if name == "sgd" else
+           torch.optim.AdamW(groups, lr=0.05))
+    X, Y = _data(steps)
+    for s in range(steps):
+        opt.zero_grad()
+        ((model(X[s]) - Y[s]) ** 2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert norm.item() == pytest.approx(ours["stats"][s]["grad_norm"], rel=1e-6)
+        opt.step()
+    assert _close(ours["params"], dict(model.named_parameters()), 1e-6 if name == "sgd" else 1e-5)
+
+
+# ---- data parallel: every stage equals the single process --------------------------------
+VARIANTS = [("sgd", s, {}) for s in STAGES] + [("adam", s, {}) for s in STAGES] + [
+    ("adam", 1, {"overlap_grad_reduce": False}), ("adam", 2, {"offload_optimizer": True}),
+    ("sgd", 3, {"offload_optimizer": True, "recompute": True}), ("adam", 3, {"bucket": 10 ** 7})]
+
+
+def _dp_variants():
+    out = []
+    for name, stage, extra in VARIANTS:
+        extra = dict(extra)
+        rec = extra.pop("recompute", False)
+        out.append(_toy_run(_cfg(stage, name, **extra), recompute_layers=rec))
+    return out
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_dp_stages_match_single_process_with_accumulation_and_clipping(dp):
+    results = run_ranks(_dp_variants, dp)
+    for i, (name, stage, extra) in enumerate(VARIANTS):
+        oracle = _toy_run(_cfg(0, name), micro=1)
+        tol = 1e-6 if name == "sgd" else 1e-4
+        for rank in range(dp):
+            got = results[rank][i]
+            assert _close(got["params"], oracle["params"], tol), (name, stage, extra, rank)
+            for a, b in zip(got["stats"], oracle["stats"]):
+                assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+                assert not a["skipped"] and a["loss_scale"] == 1.0
+        assert oracle["stats"][0]["grad_norm"] > 0.5  # clipping was active
+
+
+# ---- memory: measured bytes per rank match DESIGN.md's formula ---------------------------
+def _memory_variants():
+    out = []
+    for dtype, grad in (("fp32", "fp32"), ("bf16", "param"), ("bf16", "fp32")):
+        for stage in STAGES:
+            cfg = _cfg(stage, "adam", dtype=dtype, grad_reduce_dtype=grad, bucket=400)
+            out.append(_toy_run(cfg, steps=1, micro=1, h=16))
+    return out
+
+
+def test_memory_bytes_match_formula_fp32_and_mixed():
+    dp = 4
+    results = run_ranks(_memory_variants, dp)
+    i = 0
+    for dtype, grad in (("fp32", "fp32"), ("bf16", "param"), ("bf16", "fp32")):
+        pbytes = 4 if dtype == "fp32" else 2
+        gbytes = 4 if grad == "fp32" else pbytes
+        k = optimizer_bytes_per_param("adam", mixed_precision=dtype != "fp32")
+        for stage in STAGES:
+            for rank in range(dp):
+                got = results[rank][i]
+                want = zero_model_state_bytes(got["numel"], stage, dp, pbytes, gbytes, k)
+                slack = got["buckets"] * dp  # padding: < dp elements per bucket
+                for key, per in (("param_bytes", pbytes), ("grad_bytes", gbytes), ("optim_bytes", k)):
+                    assert want[key] <= got["memory"][key] <= want[key] + slack * per, (dtype, grad, stage, key)
+            if dtype == "bf16" and stage > 0:  # same batch split: every stage equals stage 0 closely
+                assert _close(results[0][i]["params"], results[0][i - stage]["params"], 1e-2)
+            i += 1
+    assert zero_model_state_bytes(1000, 2, 4)["total_bytes"] == 2 * 1000 + 14 * 1000 / 4
+
+
+def test_bf16_single_process_close_to_fp32():
+    fp32 = _toy_run(_cfg(2, "adam"), micro=1)
+    bf16 = _toy_run(_cfg(2, "adam", dtype="bf16"), micro=1)
+    assert _close(bf16["params"], fp32["params"], 5e-2)
+
+
+# ---- fp16: overflow on one rank skips the step everywhere --------------------------------
+def _fp16_run():
+    cfg = _cfg(2, "adam", dtype="fp16", initial_loss_scale=1024.0, hysteresis=2, loss_scale_window=2,
+               min_loss_scale=1.0)
+    return _toy_run(cfg, steps=6, micro=2, poison={(1, 1), (2, 1)})
+
+
+def test_fp16_overflow_on_one_rank_skips_everywhere_and_scale_follows_hysteresis():
+    res = run_ranks(_fp16_run, 2)
+    for r in res:
+        skipped = [s["skipped"] for s in r["stats"]]
+        scales = [s["loss_scale"] for s in r["stats"]]
+        assert skipped == [False, True, True, False, False, False]
+        # 1st overflow uses up hysteresis, 2nd halves; 2 clean steps double again
+        assert scales == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0]
+        assert _close(r["snaps"][1], r["snaps"][0], 0) and _close(r["snaps"][2], r["snaps"][0], 0)
+        assert not _close(r["snaps"][3], r["snaps"][2], 0)
+    assert _close(res[0]["params"], res[1]["params"], 0)
+
+
+# ---- tensor parallel toy: sequence-parallel grads summed over TP, norm counted once ------
+class TPToy(nn.Module):
+    """``loss = mean(sum(tanh((x * w) @ W.T) * v))`` with ``W``, ``v`` split over TP by rows and ``w``
+    replicated; each TP rank computes its rows, so ``w`` gets a partial gradient (sequence_parallel)."""
+
+    def __init__(self, tp=1, tp_rank=0, h=8, out=8):
+        super().__init__()
+        torch.manual_seed(0)
+        w, W, v = 1 + 0.1 * torch.randn(h), torch.randn(out, h) / h ** 0.5, torch.randn(out)
+        rows = slice(tp_rank * out // tp, (tp_rank + 1) * out // tp)
+        self.w, self.W, self.v = nn.Parameter(w), nn.Parameter(W[rows].clone()), nn.Parameter(v[rows].clone())
+        self.w.sequence_parallel = tp > 1
+        for p in (self.W, self.v):
+            p.tensor_model_parallel, p.partition_dim = tp > 1, 0
+
+    def forward(self, x):
+        return (torch.tanh((x * self.w) @ self.W.t()) * self.v).sum(-1).mean()
+
+
+def _tp_run(stage, tp, steps=3, micro=2):
+    mesh = _mesh(tp=tp)
+    model = TPToy(mesh.tp_size, mesh.tp_rank)
+    opt = build_optimizer([model], mesh, _cfg(stage, "adam", clip=0.05, bucket=20))
+    X = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(2))
+    norms = []
+    for s in range(steps):
+        opt.zero_grad()
+        x = X[s].chunk(mesh.dp_size)[mesh.dp_rank]
+        for m, xm in enumerate(x.chunk(micro)):
+            opt.prepare_backward(0, m == micro - 1)
+            (model(xm) / micro).backward()
+        opt.finish_grad_sync()
+        norms.append(opt.step(0.05)["grad_norm"])
+    with opt.gathered_params():
+        return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _tp_all():
+    return [_tp_run(stage, 2) for stage in STAGES]
+
+
+def test_tp2_dp2_sequence_parallel_grads_and_norm_match_single_process():
+    norms_ref, ref = _tp_run(0, 1, micro=1)
+    results = run_ranks(_tp_all, 4)
+    for rank, res in enumerate(results):
+        tp_rank = rank % 2
+        for norms, params in res:
+            assert norms == pytest.approx(norms_ref, rel=1e-5)
+            assert torch.allclose(params["w"], ref["w"], atol=1e-4)
+            for n in ("W", "v"):
+                assert torch.allclose(params[n], ref[n].chunk(2)[tp_rank], atol=1e-4)
+
+
+# ---- pipeline toy: tied embedding summed over the embedding group -----------------------
+class StageToy(nn.Module):
+    def __init__(self, last, h=6, vocab=5, tied=True):
+        super().__init__()
+        torch.manual_seed(0)
+        E, A, B = torch.randn(vocab, h), torch.randn(h, h) / h ** 0.5, torch.randn(h, h) / h ** 0.5
+        self.E = nn.Parameter(E)
+        self.M = nn.Parameter(B if last else A)
+        self.last = last
+        self.E.shared_embedding = tied
+        self.E.tied_copy = tied and last
+
+    def forward(self, x):
+        return (torch.tanh(x @ self.M) @ self.E.t()).pow(2).mean() * (0.5 if self.last else 1.0)
+
+
+def _pp_run(stage, pp, steps=3, micro=2):
+    mesh = _mesh(pp=pp)
+    chunks = [StageToy(last) for last in ([False, True] if pp == 1 else [mesh.is_last_stage])]
+    opt = build_optimizer(chunks, mesh, _cfg(stage, "sgd", clip=0.1, bucket=20))
+    X = torch.randn(steps, 8, 6, generator=torch.Generator().manual_seed(3))
+    norms = []
+    for s in range(steps):
+        opt.zero_grad()
+        x = X[s].chunk(mesh.dp_size)[mesh.dp_rank]
+        for m, xm in enumerate(x.chunk(micro)):
+            for c, chunk in enumerate(chunks):
+                opt.prepare_backward(c, m == micro - 1)
+                (chunk(xm) / micro).backward()
+        opt.finish_grad_sync()
+        norms.append(opt.step(0.1)["grad_norm"])
+    with opt.gathered_params():
+        return norms, [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
+
+
+def _pp_all():
+    return [_pp_run(stage, 2) for stage in STAGES]
+
+
+def test_pp2_dp2_tied_embedding_and_norm_match_single_process():
+    # single process: one E used by both "stages" (the same parameter, so no tied copy)
+    mesh = _mesh()
+    first, last = StageToy(False, tied=False), StageToy(True, tied=False)
+    last.E = first.E
+    opt = build_optimizer([first, last], mesh, _cfg(0, "sgd", clip=0.1, bucket=20))
+    X = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(3))
+    norms_ref = []
+    for s in range(3):
+        opt.zero_grad()
+        (first(X[s]) + last(X[s])).backward()
+        norms_ref.append(opt.step(0.1)["grad_norm"])
+    results = run_ranks(_pp_all, 4)
+    for rank, res in enumerate(results):
+        ref = first if rank // 2 == 0 else last
+        for norms, (params,) in res:
+            assert norms == pytest.approx(norms_ref, rel=1e-6)
+            for n, p in params.items():
+                assert torch.allclose(p, dict(ref.named_parameters())[n], atol=1e-6), (rank, n)
+
+
+# ---- state dict round trip and errors -------------------------------------------------
+def _resume_run(stage):
+    cfg = _cfg(stage, "adam")
+    full = _toy_run(cfg, steps=4)
+    mesh = _mesh()
+    X, Y = _data(4)
+
+    def train(model, opt, steps):
+        for s in steps:
+            opt.zero_grad()
+            x, y = X[s].chunk(mesh.dp_size)[mesh.dp_rank], Y[s].chunk(mesh.dp_size)[mesh.dp_rank]
+            for m, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+                opt.prepare_backward(0, m == 1)
+                (((model(xm) - ym) ** 2).mean() / 2).backward()
+            opt.step(0.05)
+
+    torch.manual_seed(0)
+    model = Toy()
+    opt = build_optimizer([model], mesh, cfg)
+    train(model, opt, range(2))
+    sd = opt.state_dict()
+    torch.manual_seed(5)  # different initial weights: everything must come from the state dict
+    model2 = Toy()
+    opt2 = build_optimizer([model2], mesh, cfg)
+    opt2.load_state_dict(sd)
+    train(model2, opt2, range(2, 4))
+    with opt2.gathered_params():
+        params = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    return _close(params, full["params"], 1e-6)
+
+
+def _resume_all():
+    return [_resume_run(stage) for stage in (1, 3)]
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    assert all(all(r) for r in run_ranks(_resume_all, 2))
+
+
+def test_load_state_dict_from_another_layout_is_a_clear_error():
+    mesh = _mesh()
+    sd = build_optimizer([Toy()], mesh, _cfg(1, "adam")).state_dict()
+    with pytest.raises(ValueError, match=r"saved with \(zero stage, DP size, DP rank, optimizer\) = \(1, 1, 0"):
+        build_optimizer([Toy()], mesh, _cfg(2, "adam")).load_state_dict(sd)
+    with pytest.raises(ValueError, match="bucket layout"):
+        build_optimizer([Toy()], mesh, _cfg(1, "adam", bucket=1000)).load_state_dict(sd)
+    with pytest.raises(ValueError, match="bucket layout"):
+        build_optimizer([Toy(h=16)], mesh, _cfg(1, "adam")).load_state_dict(sd)
+    with pytest.raises(ValueError, match="not a megazero ZeRO optimizer state dict"):
+        build_optimizer([Toy()], mesh, _cfg(1, "adam")).load_state_dict({"state": {}})
+
+
+def test_stage_and_offload_errors():
+    with pytest.raises(ValueError, match="--zero-stage must be 0, 1, 2 or 3, got 4"):
+        build_optimizer([Toy()], _mesh(), _cfg(4))
+    with pytest.raises(ValueError, match="--offload-optimizer needs --zero-stage 1, 2 or 3"):
+        build_optimizer([Toy()], _mesh(), _cfg(0, offload_optimizer=True))
+    for stage, offload, msg in ((5, False, "--zero-stage must be 0, 1, 2 or 3"),
+                                (0, True, "--offload-optimizer needs --zero-stage")):
+        cfg = _cfg(stage, offload_optimizer=offload)
+        cfg.data.mock_data = True
+        with pytest.raises(ConfigError, match=msg):
+            validate(cfg, 1)
+
+
+def test_buckets_are_sized_to_the_model_and_padded_per_rank():
+    opt = build_optimizer([Toy()], _mesh(), _cfg(1, bucket=None))
+    assert len(opt.buckets) == 1 and opt.buckets[0].numel == opt.num_parameters()  # min(model, 10M)
+    opt = build_optimizer([Toy()], _mesh(), _cfg(1, bucket=50))
+    assert all(sum(s.numel() for s in b.shapes) <= max(50, max(s.numel() for s in b.shapes)) for b in opt.buckets)
+    params = [p for b in opt.buckets for p in b.params]
+    assert all(p.data_ptr() >= opt.param_buf.data_ptr() for p in params)  # views of the flat buffer
+    assert math.isclose(opt.memory_bytes()["param_bytes"], 4 * opt.num_parameters())
