@@ -1,0 +1,219 @@
+"""The pipeline executor against the single-process oracle: same losses, same gradients.
+
+A toy chunk model (embedding, residual tanh-linear blocks, head + per-token cross-entropy) obeys
+the chunk contract of docs/internals.md and is initialised by global layer index, so every
+partition of it equals the whole model.  One ``run_ranks`` call per world size covers many
+configurations.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.mesh import ParallelMesh
+from megazero.pipeline.executor import PipelineTimer, run_forward_only, run_schedule
+from megazero.pipeline.partition import stage_layers
+from megazero.pipeline.schedules import ScheduleError
+from megazero.testing import run_ranks
+
+V, H, S, B = 13, 8, 5, 2  # vocab, hidden, sequence, micro-batch
+
+
+def _randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+class ToyChunk(torch.nn.Module):
+    """One pipeline chunk of the toy model; ``shared`` marks the tied embedding copies."""
+
+    def __init__(self, layers, pre_process, post_process, tied=True, shared=False):
+        super().__init__()
+        self.layers, self.pre_process, self.post_process, self.tied = layers, pre_process, post_process, tied
+        if pre_process:
+            self.embedding = torch.nn.Parameter(_randn((V, H), 7))
+            self.embedding.shared_embedding = shared and tied
+        self.blocks = torch.nn.ModuleDict()
+        for i in layers:
+            lin = torch.nn.Linear(H, H)
+            with torch.no_grad():
+                lin.weight.copy_(_randn((H, H), 100 + i))
+                lin.bias.copy_(_randn((H,), 200 + i))
+            self.blocks[str(i)] = lin
+        if post_process and not (tied and pre_process):
+            self.head = torch.nn.Parameter(_randn((V, H), 7 if tied else 8))
+            self.head.shared_embedding = shared and tied
+
+    def forward(self, x, labels=None, loss_mask=None):
+        h = self.embedding[x].transpose(0, 1) if self.pre_process else x  # [s, b, h]
+        for block in self.blocks.values():
+            h = h + torch.tanh(block(h))
+        if not self.post_process:
+            return h
+        w = self.embedding if (self.tied and self.pre_process) else self.head
+        logits = (h @ w.t()).transpose(0, 1)  # [b, s, v]
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(labels.shape)
+
+
+def _names(chunk):
+    """Global parameter names: the tied head copy is called "embedding" too."""
+    out = {}
+    for n, p in chunk.named_parameters():
+        out["embedding" if n == "head" and chunk.tied else n] = p
+    return out
+
+
+def micro_batches(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(m):
+        mask = (torch.rand(B, S, generator=g) > 0.3).float()
+        mask[0, 0] = 1.0
+        out.append({"tokens": torch.randint(0, V, (B, S), generator=g),
+                    "labels": torch.randint(0, V, (B, S), generator=g), "loss_mask": mask})
+    return out
+
+
+def oracle(case):
+    model = ToyChunk(range(case["layers"]), True, True, tied=case["tied"])
+    losses = []
+    m = case["m"]
+    for batch in micro_batches(m, case["seed"]):
+        per_tok = model(batch["tokens"], labels=batch["labels"])
+        loss = (per_tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        (loss / m).backward()
+        losses.append(loss.item())
+    return losses, {n: p.grad for n, p in _names(model).items()}
+
+
+class RecordingSync:
+    """A GradSync stand-in that records prepare_backward calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def prepare_backward(self, chunk_index, is_last_microbatch):
+        self.calls.append((chunk_index, is_last_microbatch))
+
+
+def _run_case(mesh, case):
+    pp, r = mesh.pp_size, mesh.pp_rank
+    ranges = stage_layers(case["layers"], pp, r, case.get("vp_layers"), case.get("first"), case.get("last"))
+    vp = len(ranges)
+    chunks = [ToyChunk(rg, r == 0 and v == 0, r == pp - 1 and v == vp - 1, case["tied"], shared=pp * vp > 1)
+              for v, rg in enumerate(ranges)]
+    sync, timer = RecordingSync(), PipelineTimer()
+    scale = case.get("loss_scale", 1.0)
+    losses = run_schedule(chunks, mesh, micro_batches(case["m"], case["seed"]), schedule=case["schedule"],
+                          num_micro_batches=case["m"], tensor_shape=(S, B, H), dtype=torch.float32,
+                          grad_sync=sync, loss_scale=scale, timer=timer)
+    shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
+    if pp > 1:  # what the optimizer does once per step
+        for p in shared:
+            dist.all_reduce(p.grad, group=mesh.embedding_group)
+    elif shared:  # one stage holding both the first and the last chunk
+        total = sum(p.grad for p in shared)
+        for p in shared:
+            p.grad = total.clone()
+    grads = {n: p.grad / scale for chunk in chunks for n, p in _names(chunk).items()}
+    eval_losses = run_forward_only(chunks, mesh, micro_batches(case["m"], case["seed"] + 1),
+                                   num_micro_batches=case["m"], tensor_shape=(S, B, H))
+    return {"losses": [x.item() for x in losses], "grads": grads, "calls": sync.calls,
+            "timer": timer.as_dict(), "eval": [x.item() for x in eval_losses]}
+
+
+def _worker(tp, pp, cases):
+    mesh = ParallelMesh.build(tp=tp, pp=pp)
+    return [_run_case(mesh, case) for case in cases]
+
+
+def _check(case, results, pp):
+    want_losses, want_grads = oracle(case)
+    eval_losses = [oracle_eval for oracle_eval in _oracle_eval(case)]
+    seen = set()
+    for rank, res in enumerate(results):
+        pp_rank = rank // (len(results) // pp)  # tp-dp-pp order, dp = 1
+        if pp_rank == pp - 1:
+            assert res["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6), case
+            assert res["eval"] == pytest.approx(eval_losses, rel=1e-5, abs=1e-6), case
+        else:
+            assert res["losses"] == [] and res["eval"] == []
+        for n, g in res["grads"].items():
+            torch.testing.assert_close(g, want_grads[n], rtol=1e-5, atol=1e-6, msg=lambda s: f"{case} {n}: {s}")
+            seen.add(n)
+        # one prepare_backward per micro-batch and chunk; "last" exactly on the chunk's last backward
+        for v in {c for c, _ in res["calls"]}:
+            flags = [last for c, last in res["calls"] if c == v]
+            assert len(flags) == case["m"] and flags[-1] and not any(flags[:-1])
+        t = res["timer"]
+        assert t["total_s"] >= t["compute_s"] > 0 and 0 <= t["bubble"] < 1
+    assert seen == set(want_grads), case  # every parameter lives somewhere
+
+
+def _oracle_eval(case):
+    model = ToyChunk(range(case["layers"]), True, True, tied=case["tied"])
+    out = []
+    with torch.no_grad():
+        for batch in micro_batches(case["m"], case["seed"] + 1):
+            per_tok = model(batch["tokens"], labels=batch["labels"])
+            out.append(((per_tok * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).item())
+    return out
+
+
+def _cases(pp, layers, uneven):
+    cases = []
+    for i, m in enumerate(sorted({1, pp, 2 * pp + 1})):
+        for j, sched in enumerate(("gpipe", "1f1b")):
+            cases.append(dict(schedule=sched, m=m, layers=layers, tied=(i + j) % 2 == 0, seed=len(cases)))
+    for m in (pp, 2 * pp):
+        for tied in (True, False):
+            cases.append(dict(schedule="interleaved", m=m, layers=layers, vp_layers=layers // (2 * pp), tied=tied,
+                              seed=len(cases)))
+    for first, last in uneven:
+        for tied in (True, False):
+            cases.append(dict(schedule="1f1b", m=pp + 1, layers=layers, first=first, last=last, tied=tied,
+                              seed=len(cases), loss_scale=4.0))
+    return cases
+
+
+@pytest.mark.parametrize("tp,pp,layers,uneven", [
+    (1, 2, 4, [(1, None), (None, 3)]),
+    (1, 4, 8, [(1, 3), (2, None)]),
+    (2, 4, 8, [(1, 3)]),  # 8 ranks: TP pairs of replicated toy chunks exchange with their own peers
+])
+def test_pipeline_matches_oracle(tp, pp, layers, uneven):
+    cases = _cases(pp, layers, uneven)
+    results = run_ranks(_worker, tp * pp, tp, pp, cases)
+    for k, case in enumerate(cases):
+        _check(case, [res[k] for res in results], pp)
+
+
+@pytest.mark.parametrize("schedule,vp_layers,m", [("1f1b", None, 3), ("gpipe", None, 1), ("interleaved", 1, 3)])
+def test_single_stage_matches_oracle(schedule, vp_layers, m):
+    """pp == 1 (no process group): the degenerate schedule; two chunks hand activations over locally."""
+    case = dict(schedule=schedule, m=m, layers=2, vp_layers=vp_layers, tied=True, seed=5)
+    res = _run_case(ParallelMesh.single(), case)
+    _check(case, [res], 1)
+
+
+def test_errors():
+    mesh = ParallelMesh.single()
+    chunk = ToyChunk(range(2), True, True)
+    kw = dict(num_micro_batches=2, tensor_shape=(S, B, H))
+    with pytest.raises(ValueError, match="needs 2 micro-batches .* got 1"):
+        run_schedule([chunk], mesh, micro_batches(1), **kw)
+    with pytest.raises(ValueError, match="chunk 0 of 1: expected pre_process=True, post_process=True"):
+        run_schedule([ToyChunk(range(2), False, True)], mesh, micro_batches(2), **kw)
+    two = [ToyChunk(range(1), True, False), ToyChunk(range(1, 2), False, True)]
+    with pytest.raises(ScheduleError, match="use the interleaved schedule"):
+        run_schedule(two, mesh, micro_batches(2), schedule="1f1b", **kw)
+    with pytest.raises(RuntimeError, match=r"does not match the configured p2p shape \(5, 2, 4\)"):
+        run_schedule(two, mesh, micro_batches(2), schedule="interleaved", num_micro_batches=2,
+                     tensor_shape=(S, B, 4))
+    pp2 = ParallelMesh(world_size=2, rank=0, tp_size=1, pp_size=2, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
+                       device=torch.device("cpu"), pp_ranks=[0, 1])
+    first = [ToyChunk(range(1), True, False), ToyChunk(range(2, 3), False, False)]
+    with pytest.raises(ScheduleError, match="allowed counts: 2, 4, 6"):
+        run_schedule(first, pp2, micro_batches(3), schedule="interleaved", num_micro_batches=3,
+                     tensor_shape=(S, B, H))
