@@ -25,6 +25,9 @@ def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:
     and creates one :class:`RNGTracker` shared by the chunks. ``cfg`` must be validated.
     """
     mesh = mesh or ParallelMesh.single()
+    if mesh.pp_size != cfg.parallel.pipeline_model_parallel_size:
+        raise ValueError(f"mesh pp size {mesh.pp_size} != --pipeline-model-parallel-size "
+                         f"{cfg.parallel.pipeline_model_parallel_size}")
     seed = cfg.training.seed + 100 * mesh.pp_rank
     torch.manual_seed(seed)
     if mesh.device.type == "cuda":

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, normal_init,
-                                             pad_rows, shard)
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full,
+                                             normal_init, pad_rows, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 from models.layers import Norm, TransformerLayer, rope_cos_sin
 
@@ -40,13 +40,13 @@ class GPTModel(nn.Module):
     ``loss_mask`` is accepted for the executor's convenience and not applied here.
     """
 
-    def __init__(self, cfg, mesh: Optional[ParallelMesh], layers: range, pre_process: bool, post_process: bool,
-                 rng_tracker):
+    def __init__(self, cfg, mesh: Optional[ParallelMesh], layers: range, pre_process: bool,
+                 post_process: bool, rng_tracker):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         m = cfg.model
         if m.padded_vocab_size <= 0:
-            raise ValueError("the config is not validated: call megazero.config.validate(cfg) before building")
+            raise ValueError("the config is not validated: call megazero.config.validate(cfg) first")
         if mesh.tp_size != cfg.parallel.tensor_model_parallel_size:
             raise ValueError(f"mesh tp size {mesh.tp_size} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
@@ -61,10 +61,9 @@ class GPTModel(nn.Module):
                 init=normal_init(seed, *EMBEDDING_KEY, std))
             self.word_embeddings.weight.shared_embedding = tied and mesh.pp_size > 1
             if m.position_embedding_type == "learned_absolute":
-                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h, device=mesh.device)
-                with torch.no_grad():
-                    self.position_embeddings.weight.copy_(
-                        init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std))
+                full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
+                # _weight: take ours, without drawing from the default generator
+                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h, _weight=full.to(mesh.device))
                 self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
         self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker) for i in layers})
         if post_process:
@@ -126,7 +125,8 @@ class GPTModel(nn.Module):
         return x
 
     def output_weight(self) -> torch.Tensor:
-        """The head's weight shard ``[padded_vocab / tp, h]`` (the embedding itself when tied in one chunk)."""
+        """The head's weight shard ``[padded_vocab / tp, h]`` (the embedding itself when tied in one
+        chunk)."""
         return self.output_layer.weight if hasattr(self, "output_layer") else self.word_embeddings.weight
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -182,5 +182,6 @@ def load_full_state_dict(model: GPTModel, state: Dict[str, torch.Tensor]) -> Non
             if getattr(p, "tensor_model_parallel", False):
                 t = shard(t, model.mesh, p.partition_dim)
             if t.shape != p.shape:
-                raise ValueError(f"{name}: expected a full tensor giving shard {tuple(p.shape)}, got {tuple(t.shape)}")
+                raise ValueError(f"{name}: expected a full tensor giving shard {tuple(p.shape)}, "
+                                 f"got {tuple(t.shape)}")
             p.copy_(t)

@@ -36,9 +36,11 @@ GPT2_GLOBAL = [("word_embeddings.weight", "transformer.wte.weight"),
 LLAMA_LAYER = [("input_norm.weight", "input_layernorm.weight", False),
                ("attention.proj.weight", "self_attn.o_proj.weight", False),
                ("post_attention_norm.weight", "post_attention_layernorm.weight", False),
-               ("mlp.gate.weight", "mlp.gate_proj.weight", False), ("mlp.fc1.weight", "mlp.up_proj.weight", False),
+               ("mlp.gate.weight", "mlp.gate_proj.weight", False),
+               ("mlp.fc1.weight", "mlp.up_proj.weight", False),
                ("mlp.fc2.weight", "mlp.down_proj.weight", False)]
-LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"), ("final_norm.weight", "model.norm.weight"),
+LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"),
+                ("final_norm.weight", "model.norm.weight"),
                 ("output_layer.weight", "lm_head.weight")]
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -56,7 +58,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
     c, kind = hf_config, getattr(hf_config, "model_type", None)
     if kind == "gpt2":
         if c.activation_function not in GPT2_ACTIVATIONS:
-            _unsupported("activation_function", c.activation_function, f"megazero's GPT-2 uses {GPT2_ACTIVATIONS}")
+            _unsupported("activation_function", c.activation_function,
+                         f"megazero's GPT-2 uses {GPT2_ACTIVATIONS}")
         for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
             if getattr(c, field, ok) != ok:
@@ -67,7 +70,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
                     norm_epsilon=c.layer_norm_epsilon, position_embedding_type="learned_absolute",
                     normalization="LayerNorm", activation="gelu", add_bias_linear=True,
                     untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-                    hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop, init_method_std=c.initializer_range)
+                    hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+                    init_method_std=c.initializer_range)
     if kind == "llama":
         if c.hidden_act != "silu":
             _unsupported("hidden_act", c.hidden_act, "megazero's LLaMA uses silu (SwiGLU)")
@@ -79,7 +83,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
         if rope_type != "default":
             _unsupported("rope_scaling", rope, "only plain RoPE (rope_type 'default') is supported")
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+                    num_attention_heads=c.num_attention_heads,
                     num_query_groups=c.num_key_value_heads or c.num_attention_heads, kv_channels=head_dim,
                     ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
                     max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
@@ -88,7 +93,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
                     normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
                     untie_embeddings_and_output_weights=not c.tie_word_embeddings, hidden_dropout=0.0,
                     attention_dropout=c.attention_dropout, init_method_std=c.initializer_range)
-    raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports 'gpt2' and 'llama'")
+    raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; "
+                      "megazero imports 'gpt2' and 'llama'")
 
 
 def _arch(m) -> str:
@@ -99,8 +105,8 @@ def _arch(m) -> str:
         return "gpt2"
     if feats == ("rope", "RMSNorm", "swiglu", False):
         return "llama"
-    raise ConfigError(f"no transformers architecture matches (position_embedding_type, normalization, activation, "
-                      f"add_bias_linear) = {feats}; GPT-2 and LLaMA layouts are supported")
+    raise ConfigError(f"no transformers architecture matches (position_embedding_type, normalization, "
+                      f"activation, add_bias_linear) = {feats}; GPT-2 and LLaMA layouts are supported")
 
 
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -168,13 +174,15 @@ def hf_config_from(cfg):
         out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
                          n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
                          activation_function="gelu_new", layer_norm_epsilon=m.norm_epsilon,
-                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
+                         attn_pdrop=m.attention_dropout,
                          initializer_range=m.init_method_std,
                          tie_word_embeddings=not m.untie_embeddings_and_output_weights)
         out.architectures = ["GPT2LMHeadModel"]
     else:
         from transformers import LlamaConfig
-        out = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        out = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                          intermediate_size=m.ffn_hidden_size,
                           num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
                           num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels,
                           max_position_embeddings=max(m.max_position_embeddings, m.seq_length),

@@ -78,7 +78,8 @@ class Attention(nn.Module):
         self.groups = m.num_query_groups // mesh.tp_size
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear, sequence_parallel=sp,
+        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear,
+                                        sequence_parallel=sp,
                                         init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
         self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,
                                       bias=m.add_bias_linear, sequence_parallel=sp,
@@ -117,12 +118,14 @@ class MLP(nn.Module):
         self.swiglu = m.activation == "swiglu"
 
         def column(name):
+            init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
             return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
-                                        sequence_parallel=sp, init=normal_init(seed, layer_idx, f"mlp.{name}.weight", std))
+                                        sequence_parallel=sp, init=init)
         self.gate = column("gate") if self.swiglu else None
         self.fc1 = column("fc1")
         self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
-                                     sequence_parallel=sp, init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
+                                     sequence_parallel=sp,
+                                     init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -141,7 +144,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg, mesh, layer_idx: int, tracker):
         super().__init__()
         m = cfg.model
-        self.sequence_parallel, self.tracker, self.dropout = cfg.parallel.sequence_parallel, tracker, m.hidden_dropout
+        self.sequence_parallel = cfg.parallel.sequence_parallel
+        self.tracker, self.dropout = tracker, m.hidden_dropout
         norm = lambda: Norm(m.hidden_size, m.normalization, m.norm_epsilon, mesh.device,  # noqa: E731
                             cfg.parallel.sequence_parallel)
         self.input_norm = norm()

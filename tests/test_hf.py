@@ -20,9 +20,10 @@ def hf_config(kind, **over):
         return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=0, **over)
-    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                    num_key_value_heads=4, vocab_size=100, max_position_embeddings=64,
-                                    rope_theta=5000.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, **over)
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=100,
+                                    max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6,
+                                    bos_token_id=0, eos_token_id=0, **over)
 
 
 def hf_model(kind, **over):
@@ -58,7 +59,8 @@ def test_import_matches_hf_logits_tp1(saved):
     torch.testing.assert_close(model(IDS), hf_logits(hf), **TOL)
     torch.testing.assert_close(from_hf(path).eval()(IDS), hf_logits(hf), **TOL)
     labels = IDS.roll(-1, 1)
-    ref = torch.nn.functional.cross_entropy(hf_logits(hf).reshape(-1, 100), labels.reshape(-1), reduction="none")
+    ref = torch.nn.functional.cross_entropy(hf_logits(hf).reshape(-1, 100), labels.reshape(-1),
+                                            reduction="none")
     torch.testing.assert_close(model(IDS, labels).reshape(-1), ref, **TOL)
 
 
@@ -119,8 +121,10 @@ def test_convert_script_round_trip(tmp_path):
     spec.loader.exec_module(script)
     hf = hf_model("llama")
     hf.save_pretrained(str(tmp_path / "hf"))
-    script.main(["--direction", "to-megazero", "--input", str(tmp_path / "hf"), "--output", str(tmp_path / "mz")])
+    script.main(["--direction", "to-megazero", "--input", str(tmp_path / "hf"),
+                 "--output", str(tmp_path / "mz")])
     assert (tmp_path / "mz" / "model.pt").exists() and (tmp_path / "mz" / "config.json").exists()
     script.main(["--direction", "to-hf", "--input", str(tmp_path / "mz"), "--output", str(tmp_path / "back")])
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"),
+                                                             dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logits(back), hf_logits(hf), rtol=0, atol=0)

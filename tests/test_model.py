@@ -13,8 +13,9 @@ STYLES = {
     "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                  make_vocab_size_divisible_by=8),
     "llama": dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
-                  seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8, position_embedding_type="rope",
-                  normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
+                  seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8,
+                  position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                  add_bias_linear=False,
                   untie_embeddings_and_output_weights=True),
 }
 
@@ -56,7 +57,9 @@ def _tp_rank_run(style, tp, sp):
     logits, loss = step(model, *batch(cfg))
     sum_sequence_parallel_grads(model)
     grads = full_state_dict(model, grads=True)
-    return dict(weights=weights, logits=logits, loss=loss, grads=grads) if mesh.tp_rank == 0 else dict(loss=loss)
+    if mesh.tp_rank != 0:
+        return dict(loss=loss)
+    return dict(weights=weights, logits=logits, loss=loss, grads=grads)
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +128,8 @@ def _pipeline_rank(style):
         dist.send(h.grad, 0)
     attrs = {n: (getattr(p, "shared_embedding", False), getattr(p, "tied_copy", False))
              for n, p in chunk.named_parameters()}
-    return dict(loss=loss, grads=full_state_dict(chunk, grads=True), weights=full_state_dict(chunk), attrs=attrs,
-                layers=chunk.layers)
+    return dict(loss=loss, grads=full_state_dict(chunk, grads=True), weights=full_state_dict(chunk),
+                attrs=attrs, layers=chunk.layers)
 
 
 @pytest.mark.parametrize("style", list(STYLES))
@@ -139,8 +142,8 @@ def test_pipeline_chunks_and_tied_embedding(oracle, style):
     grads = {**first["grads"], **last["grads"]}
     tied = style == "gpt2"
     if tied:  # the last stage's copy starts equal to the embedding; their grads sum to the tied grad
-        torch.testing.assert_close(last["weights"]["output_layer.weight"], first["weights"]["word_embeddings.weight"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(last["weights"]["output_layer.weight"],
+                                   first["weights"]["word_embeddings.weight"], rtol=0, atol=0)
         assert first["attrs"]["word_embeddings.weight"] == (True, False)
         assert last["attrs"]["output_layer.weight"] == (True, True)
         grads["word_embeddings.weight"] = grads["word_embeddings.weight"] + grads.pop("output_layer.weight")
@@ -222,8 +225,9 @@ def test_bf16_forward_is_close_to_fp32():
     torch.testing.assert_close(loss.detach(), ref, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("over,flag", [(dict(num_attention_heads=6), "--num-attention-heads 6"),
-                                       (dict(num_attention_heads=8, num_query_groups=2), "--num-query-groups 2")])
+@pytest.mark.parametrize("over,flag", [
+    (dict(num_attention_heads=6), "--num-attention-heads 6"),
+    (dict(num_attention_heads=8, num_query_groups=2), "--num-query-groups 2")])
 def test_heads_or_groups_not_divisible_by_tp(over, flag):
     with pytest.raises(ConfigError, match=flag):
         make_cfg("llama", tp=4, **{**over, "hidden_size": 48})
@@ -242,5 +246,6 @@ def test_presets():
     assert (small.hidden_size, small.num_attention_heads, small.ffn_hidden_size) == (768, 12, 3072)
     l3 = validate(config_from_dict({"model_preset": "llama3-8b", "mock_data": True}, PRESETS), 1).model
     assert (l3.num_query_groups, l3.kv_channels, l3.rotary_base) == (8, 128, 500000.0)
-    tiny = validate(config_from_dict({"model_preset": "tiny", "mock_data": True, "seq_length": 8}, PRESETS), 1)
+    tiny = validate(config_from_dict({"model_preset": "tiny", "mock_data": True, "seq_length": 8}, PRESETS),
+                    1)
     assert build_model(tiny)(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)

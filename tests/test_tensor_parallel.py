@@ -84,7 +84,7 @@ def _layers(tp, sp):
     s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
     x = torch.randn(s, b, h)
     ids = torch.randint(0, vocab, (s, b))
-    col = ColumnParallelLinear(h, f, mesh, gather_output=False, sequence_parallel=sp, init=normal_init(1, 0, "c", 0.5))
+    col = ColumnParallelLinear(h, f, mesh, sequence_parallel=sp, init=normal_init(1, 0, "c", 0.5))
     row = RowParallelLinear(f, h, mesh, sequence_parallel=sp, init=normal_init(1, 0, "r", 0.5))
     emb = VocabParallelEmbedding(vocab, padded, h, mesh, reduce_scatter=sp, init=normal_init(1, 0, "e", 1.0))
     with torch.no_grad():
@@ -93,8 +93,9 @@ def _layers(tp, sp):
     xin = (x.chunk(tp)[mesh.tp_rank] if sp else x).clone().requires_grad_()
     y = row(col(xin)) + emb(ids)
     (y * y).sum().backward()
-    return dict(y=y.detach(), xgrad=xin.grad, col_w=col.weight.grad, row_w=row.weight.grad, row_b=row.bias.grad,
-                emb=emb.weight.grad, col_b=col.bias.grad, seq_attr=getattr(row.bias, "sequence_parallel", False))
+    return dict(y=y.detach(), xgrad=xin.grad, col_w=col.weight.grad, row_w=row.weight.grad,
+                row_b=row.bias.grad, emb=emb.weight.grad, col_b=col.bias.grad,
+                seq_attr=getattr(row.bias, "sequence_parallel", False))
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True), (4, True)])
@@ -175,5 +176,6 @@ def test_cross_entropy_bf16_logits_upcast():
     loss = vocab_parallel_cross_entropy(x, labels, None, 50)
     loss.sum().backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
-    ref = F.cross_entropy(logits.bfloat16().float()[..., :50].reshape(-1, 50), labels.reshape(-1), reduction="none")
+    ref = F.cross_entropy(logits.bfloat16().float()[..., :50].reshape(-1, 50), labels.reshape(-1),
+                          reduction="none")
     torch.testing.assert_close(loss.reshape(-1), ref, **TOL)

@@ -52,7 +52,9 @@ def pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     """``full`` with zero rows appended up to ``rows`` (the padded vocabulary)."""
     if full.shape[0] > rows:
         raise ValueError(f"tensor has {full.shape[0]} rows, more than the padded size {rows}")
-    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if rows > full.shape[0] else full
+    if rows == full.shape[0]:
+        return full
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
 
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
@@ -99,7 +101,8 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, init: Optional[InitFn] = None):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init: Optional[InitFn] = None):
         super().__init__()
         self.mesh, self.input_is_parallel, self.sequence_parallel = mesh, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features

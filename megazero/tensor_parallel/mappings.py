@@ -40,7 +40,8 @@ def _gather_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
 def _reduce_scatter_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
     x = x.contiguous()
     if x.shape[0] % mesh.tp_size:
-        raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the tensor-parallel size {mesh.tp_size}")
+        raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the tensor-parallel size "
+                         f"{mesh.tp_size}")
     out = torch.empty((x.shape[0] // mesh.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter(out, x, group=mesh.tp_group)
     return out
