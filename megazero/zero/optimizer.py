@@ -341,6 +341,49 @@ class ZeroOptimizer:
         finally:
             self.stage3.free_all()
 
+    def _full_bucket(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """A whole bucket's fp32 values from each rank's owned slice (collective over DP)."""
+        shard = shard.detach().to(self.mesh.device, torch.float32)
+        if self.stage == 0 or self.dp == 1:
+            return shard.clone()
+        full = torch.empty(b.numel, dtype=torch.float32, device=self.mesh.device)
+        dist.all_gather_single(full, shard.contiguous(), group=self.mesh.dp_group)
+        return full
+
+    def param_states(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+        """Layout-free optimizer state: for every parameter its full fp32 ``master`` weight and
+        optimizer moments (CPU tensors of the parameter's shape), plus ``step``.  Collective over DP;
+        checkpoints use it to reshard across ZeRO stages and DP sizes."""
+        out: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]] = {}
+        for b in self.buckets:
+            fulls = {"master": self._full_bucket(b, self.master[b.index])}
+            fulls.update({k: self._full_bucket(b, v) for k, v in self.state[b.index].items()})
+            for p, s, shape in zip(b.params, b.starts, b.shapes):
+                out[p] = {k: v[s:s + shape.numel()].view(shape).cpu().clone() for k, v in fulls.items()}
+                out[p]["step"] = torch.tensor(self.step_count)
+        return out
+
+    def load_param_states(self, states: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`param_states` (any layout): keep this rank's slice; parameters follow."""
+        for b in self.buckets:
+            lo, hi = self._owned(b)
+            for key in ("master",) + tuple(self.state[b.index]):
+                full = torch.zeros(b.numel, dtype=torch.float32)
+                for p, s, shape in zip(b.params, b.starts, b.shapes):
+                    if p not in states or key not in states[p]:
+                        raise ValueError(f"optimizer state for a parameter of shape {tuple(shape)} lacks {key!r}")
+                    full[s:s + shape.numel()] = states[p][key].reshape(-1).float()
+                dst = self.master[b.index] if key == "master" else self.state[b.index][key]
+                dst.copy_(full[lo:hi])
+            pview = self._param_view(b)
+            if pview.data_ptr() != self.master[b.index].data_ptr():
+                pview.copy_(self.master[b.index])
+            if self.stage in (1, 2) and self.dp > 1:
+                dist.all_gather_single(self.param_buf[b.offset:b.offset + b.numel], pview, group=self.mesh.dp_group)
+        steps = {int(st["step"]) for st in states.values() if "step" in st}
+        if steps:
+            self.step_count = steps.pop()
+
     def _layout(self):
         return [b.signature() for b in self.buckets]
 
