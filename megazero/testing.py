@@ -28,17 +28,22 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    payload: dict
+
+    def failure() -> dict:  # timestamped at the raise, before tear-down can upset the peers
+        return {"ok": False, "error": traceback.format_exc(), "time": time.time()}
+
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         try:
             payload = {"ok": True, "value": fn(*args, **kwargs)}
+        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+            payload = failure()
         finally:
             # no barrier here: a failed rank must not wait for the others
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-        payload = {"ok": False, "error": traceback.format_exc(), "time": time.time()}
+    except BaseException:  # noqa: BLE001
+        payload = failure()
     tmp = result_path + ".tmp"
     try:
         torch.save(payload, tmp)
