@@ -65,7 +65,8 @@ class DynamicLossScaler:
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_interval: int = 1000,
                  hysteresis: int = 2, growth_factor: float = 2.0, backoff_factor: float = 0.5):
         if not (min_scale > 0 and initial_scale >= min_scale):
-            raise ValueError(f"--initial-loss-scale {initial_scale} must be >= --min-loss-scale {min_scale} > 0")
+            raise ValueError(f"--initial-loss-scale {initial_scale} must be >= --min-loss-scale "
+                             f"{min_scale} > 0")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError("--loss-scale-window and --hysteresis must be >= 1")
         self.scale = float(initial_scale)

@@ -144,7 +144,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="samples per micro-batch per rank")
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
-    p.add_argument("--bucket-size", type=int, default=None, help="megazero bucket elements (default min(model, 10M))")
+    p.add_argument("--bucket-size", type=int, default=None,
+                   help="megazero bucket elements (default min(model, 10M))")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", nargs="+", default=["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"])
     args = p.parse_args(argv)

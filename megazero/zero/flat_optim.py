@@ -20,14 +20,15 @@ class FlatAdamW:
 
     state_names = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.0):
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
 
     def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
-    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor], decay: Segments,
-               lr: float, step: int) -> None:
+    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
+               decay: Segments, lr: float, step: int) -> None:
         if self.weight_decay and lr:
             for a, b in decay:
                 master[a:b].mul_(1.0 - lr * self.weight_decay)
@@ -50,8 +51,8 @@ class FlatSGD:
     def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
-    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor], decay: Segments,
-               lr: float, step: int) -> None:
+    def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
+               decay: Segments, lr: float, step: int) -> None:
         if self.weight_decay:
             for a, b in decay:
                 grad[a:b].add_(master[a:b], alpha=self.weight_decay)

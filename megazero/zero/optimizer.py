@@ -22,7 +22,7 @@ groups equals reducing the summed gradient, as the bucket layouts match across t
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -81,7 +81,8 @@ class ZeroOptimizer:
         if self.stage == 3:
             self.stage3 = Stage3Params(units, self.buckets, self._param_shard, mesh, self.dtype)
             self.stage3.free_all()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for p in b.params]
 
     # ---- storage ------------------------------------------------------------------------
     def _owned(self, b: Bucket):
@@ -371,7 +372,8 @@ class ZeroOptimizer:
                 full = torch.zeros(b.numel, dtype=torch.float32)
                 for p, s, shape in zip(b.params, b.starts, b.shapes):
                     if p not in states or key not in states[p]:
-                        raise ValueError(f"optimizer state for a parameter of shape {tuple(shape)} lacks {key!r}")
+                        raise ValueError(f"optimizer state for a parameter of shape {tuple(shape)} "
+                                         f"lacks {key!r}")
                     full[s:s + shape.numel()] = states[p][key].reshape(-1).float()
                 dst = self.master[b.index] if key == "master" else self.state[b.index][key]
                 dst.copy_(full[lo:hi])
@@ -379,7 +381,8 @@ class ZeroOptimizer:
             if pview.data_ptr() != self.master[b.index].data_ptr():
                 pview.copy_(self.master[b.index])
             if self.stage in (1, 2) and self.dp > 1:
-                dist.all_gather_single(self.param_buf[b.offset:b.offset + b.numel], pview, group=self.mesh.dp_group)
+                full = self.param_buf[b.offset:b.offset + b.numel]
+                dist.all_gather_single(full, pview, group=self.mesh.dp_group)
         steps = {int(st["step"]) for st in states.values() if "step" in st}
         if steps:
             self.step_count = steps.pop()
@@ -406,9 +409,9 @@ class ZeroOptimizer:
             what = ("the bucket layout (model shapes or --ddp-bucket-size) differs"
                     if mine == saved else f"saved with (zero stage, DP size, DP rank, optimizer) = {saved}")
             raise ValueError(
-                f"cannot load this optimizer state: {what}, but this run has {mine}. Load a checkpoint written "
-                "under the same --zero-stage, data-parallel size and model, or convert it with the checkpoint "
-                "module's resharding (per-parameter state)")
+                f"cannot load this optimizer state: {what}, but this run has {mine}. Load a checkpoint "
+                "written under the same --zero-stage, data-parallel size and model, or reshard it through "
+                "the per-parameter state (param_states / load_param_states)")
         for b, master, state in zip(self.buckets, sd["master"], sd["state"]):
             self.master[b.index].copy_(master)
             for k, v in state.items():
@@ -417,7 +420,8 @@ class ZeroOptimizer:
             if pview.data_ptr() != self.master[b.index].data_ptr():
                 pview.copy_(self.master[b.index])
             if self.stage in (1, 2) and self.dp > 1:
-                dist.all_gather_single(self.param_buf[b.offset:b.offset + b.numel], pview, group=self.mesh.dp_group)
+                full = self.param_buf[b.offset:b.offset + b.numel]
+                dist.all_gather_single(full, pview, group=self.mesh.dp_group)
         self.step_count, self.skipped_steps = sd["step"], sd["skipped_steps"]
         self.scaler.load_state_dict(sd["scaler"])
 

@@ -114,7 +114,9 @@ class Stage3Params:
             self.free(u)
 
     def live_buffers(self) -> List[torch.Tensor]:
-        return [t for u in self.units if u.full is not None and self.mesh.dp_size > 1 for t in u.full.values()]
+        if self.mesh.dp_size == 1:
+            return []  # gathered units are views of the shards
+        return [t for u in self.units if u.full is not None for t in u.full.values()]
 
     # ---- hooks --------------------------------------------------------------------------
     def _pre_forward_hook(self, u: _Unit):
