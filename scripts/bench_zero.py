@@ -7,8 +7,18 @@ per parameter, the fp32 parameters being their own master copy).
 
     python scripts/bench_zero.py --ranks 4 --hidden 256 --layers 8 --steps 5
 
-Measured (2-core CPU, gloo, 4 ranks, hidden 256, 8 blocks, 4.2M parameters, batch 8 per rank,
-2 micro-batches; see the final report of the ZeRO work for the numbers of a given run).
+Measured with the defaults (2-core CPU shared with other jobs, load average ~25, so times are noisy;
+gloo, 4 ranks, 4.27M parameters, 2 micro-batches x 8 samples per rank, median of 9 rounds):
+
+    mode     step ms  vs DDP  param MB  grad MB  optim MB  total MB  formula MB
+    ddp        130.1    1.00     16.31    16.31     32.61     65.22       65.22
+    fsdp2      436.3    3.35      4.08     4.08      8.15     16.31       16.31
+    zero0      163.9    1.26     16.31    16.31     32.61     65.22       65.22
+    zero1      152.5    1.17     16.31    16.31      8.15     40.76       40.76
+    zero2      238.4    1.83     16.31     4.08      8.15     28.53       28.53
+    zero3      334.4    2.57      4.08     4.08      8.15     16.31       16.31
+
+Bytes are measured after a step (ZeRO-2/3 also hold one live bucket during backward).
 """
 from __future__ import annotations
 
