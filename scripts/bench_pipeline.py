@@ -69,8 +69,8 @@ def _rank(configs, fwd_s, matmul, repeat):
         mesh = ParallelMesh.build(pp=pp) if dist.get_world_size() == pp else None
         if mesh is None:
             raise RuntimeError("world size must equal pp")
-        chunks = [BenchChunk(mesh.pp_rank == 0 and v == 0, mesh.is_last_stage and v == vp - 1, fwd_s / vp, matmul)
-                  for v in range(vp)]
+        chunks = [BenchChunk(mesh.pp_rank == 0 and v == 0, mesh.is_last_stage and v == vp - 1, fwd_s / vp,
+                             matmul) for v in range(vp)]
         mbs = [{"tokens": torch.randint(0, 100, (B, S)), "labels": torch.zeros(B, S, dtype=torch.long),
                 "loss_mask": torch.ones(B, S)} for _ in range(m)]
         kw = dict(schedule=name, num_micro_batches=m, tensor_shape=(S, B, H))

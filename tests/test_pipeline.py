@@ -130,7 +130,7 @@ def _worker(tp, pp, cases):
 
 def _check(case, results, pp):
     want_losses, want_grads = oracle(case)
-    eval_losses = [oracle_eval for oracle_eval in _oracle_eval(case)]
+    eval_losses = _oracle_eval(case)
     seen = set()
     for rank, res in enumerate(results):
         pp_rank = rank // (len(results) // pp)  # tp-dp-pp order, dp = 1
@@ -140,7 +140,8 @@ def _check(case, results, pp):
         else:
             assert res["losses"] == [] and res["eval"] == []
         for n, g in res["grads"].items():
-            torch.testing.assert_close(g, want_grads[n], rtol=1e-5, atol=1e-6, msg=lambda s: f"{case} {n}: {s}")
+            torch.testing.assert_close(g, want_grads[n], rtol=1e-5, atol=1e-6,
+                                       msg=lambda s: f"{case} {n}: {s}")
             seen.add(n)
         # one prepare_backward per micro-batch and chunk; "last" exactly on the chunk's last backward
         for v in {c for c, _ in res["calls"]}:
@@ -168,8 +169,8 @@ def _cases(pp, layers, uneven):
             cases.append(dict(schedule=sched, m=m, layers=layers, tied=(i + j) % 2 == 0, seed=len(cases)))
     for m in (pp, 2 * pp):
         for tied in (True, False):
-            cases.append(dict(schedule="interleaved", m=m, layers=layers, vp_layers=layers // (2 * pp), tied=tied,
-                              seed=len(cases)))
+            cases.append(dict(schedule="interleaved", m=m, layers=layers, vp_layers=layers // (2 * pp),
+                              tied=tied, seed=len(cases)))
     for first, last in uneven:
         for tied in (True, False):
             cases.append(dict(schedule="1f1b", m=pp + 1, layers=layers, first=first, last=last, tied=tied,
@@ -189,7 +190,8 @@ def test_pipeline_matches_oracle(tp, pp, layers, uneven):
         _check(case, [res[k] for res in results], pp)
 
 
-@pytest.mark.parametrize("schedule,vp_layers,m", [("1f1b", None, 3), ("gpipe", None, 1), ("interleaved", 1, 3)])
+@pytest.mark.parametrize("schedule,vp_layers,m",
+                         [("1f1b", None, 3), ("gpipe", None, 1), ("interleaved", 1, 3)])
 def test_single_stage_matches_oracle(schedule, vp_layers, m):
     """pp == 1 (no process group): the degenerate schedule; two chunks hand activations over locally."""
     case = dict(schedule=schedule, m=m, layers=2, vp_layers=vp_layers, tied=True, seed=5)
@@ -222,8 +224,9 @@ def test_errors():
 # ---- the real GPT model (models.build_chunks) ------------------------------------------------
 GPT = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40,
            make_vocab_size_divisible_by=8, micro_batch_size=2, mock_data=True, seed=11)
-LLAMA = dict(GPT, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32, position_embedding_type="rope", normalization="RMSNorm",
-             activation="swiglu", add_bias_linear=False)
+LLAMA = dict(GPT, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
+             position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+             add_bias_linear=False)
 
 
 def _gpt_cfg(settings, m, tp=1, pp=1, dp=1):
@@ -257,8 +260,9 @@ def _gpt_worker(tp, pp, dp, cases):
     for settings, m in cases:
         cfg = _gpt_cfg(settings, m, tp, pp, dp)
         chunks = build_chunks(cfg, mesh)
-        losses = run_schedule(chunks, mesh, _gpt_batches(cfg, m, seed=mesh.dp_rank), schedule=cfg.parallel.pipeline_schedule,
-                              num_micro_batches=m, tensor_shape=p2p_tensor_shape(cfg), dtype=compute_dtype(cfg))
+        losses = run_schedule(chunks, mesh, _gpt_batches(cfg, m, seed=mesh.dp_rank),
+                              schedule=cfg.parallel.pipeline_schedule, num_micro_batches=m,
+                              tensor_shape=p2p_tensor_shape(cfg), dtype=compute_dtype(cfg))
         for c in chunks:
             for p in c.parameters():  # the optimizer's once-per-step reductions
                 if getattr(p, "shared_embedding", False):
@@ -287,9 +291,11 @@ def _gpt_oracle(settings, m, seed):
 
 @pytest.mark.parametrize("tp,pp,dp,cases", [
     (2, 2, 1, [(dict(GPT), 3),
-               (dict(GPT, untie_embeddings_and_output_weights=True, num_layers_per_virtual_pipeline_stage=1), 2),
+               (dict(GPT, untie_embeddings_and_output_weights=True,
+                     num_layers_per_virtual_pipeline_stage=1), 2),
                (dict(GPT, sequence_parallel=True, pipeline_schedule="gpipe"), 2),
-               (dict(LLAMA, untie_embeddings_and_output_weights=True, decoder_first_pipeline_num_layers=1), 3)]),
+               (dict(LLAMA, untie_embeddings_and_output_weights=True,
+                     decoder_first_pipeline_num_layers=1), 3)]),
     (2, 2, 2, [(dict(GPT, sequence_parallel=True), 3),
                (dict(GPT, num_layers_per_virtual_pipeline_stage=1), 2)]),
 ])
@@ -305,4 +311,5 @@ def test_gpt_pipeline_matches_oracle(tp, pp, dp, cases):
                 assert got["losses"] == pytest.approx(want_losses, rel=1e-5), (rank, settings)
             for n, g in got["grads"].items():
                 ref = want_grads["word_embeddings.weight" if (n == "output_layer.weight" and tied) else n]
-                torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5, msg=lambda s: f"{rank} {settings} {n}: {s}")
+                torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5,
+                                           msg=lambda s: f"{rank} {settings} {n}: {s}")

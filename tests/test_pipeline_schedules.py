@@ -79,7 +79,8 @@ def test_1f1b_steady_state_fuses_send_and_receive():
 
 
 def test_steps_grouping():
-    acts = [Action("recv_fwd", 0), Action("fwd", 0), Action("send_fwd", 0), Action("recv_bwd", 0), Action("bwd", 0)]
+    acts = [Action("recv_fwd", 0), Action("fwd", 0), Action("send_fwd", 0), Action("recv_bwd", 0),
+            Action("bwd", 0)]
     assert steps(acts) == [(acts[0],), acts[1], (acts[2], acts[3]), acts[4]]
     with pytest.raises(ScheduleError, match="unknown action kind 'jump'"):
         steps([Action("jump", 0)])
@@ -127,7 +128,8 @@ def test_partition_errors():
     assert [stage_layers(8, 4, r, first=1, last=3)[0] for r in range(4)] == \
         [range(0, 1), range(1, 3), range(3, 5), range(5, 8)]
     assert stage_layers(8, 2, 1, vp_layers=2) == [range(2, 4), range(6, 8)]
-    with pytest.raises(ValueError, match="--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"):
+    with pytest.raises(ValueError, match="--num-layers 6 is not divisible by "
+                                         "--pipeline-model-parallel-size 4"):
         stage_layers(6, 4, 0)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 4 is larger than --num-layers 3"):
         stage_layers(3, 4, 0)

@@ -10,6 +10,10 @@ Chunks follow docs/internals.md: ``chunk(input, labels=None, loss_mask=None)``; 
 first chunk takes token ids, the last stage's last chunk returns the per-token loss when given
 labels.  The micro-batch loss is ``(loss * mask).sum() / mask.sum()``; backward runs on
 ``loss / num_micro_batches * loss_scale``.
+
+Memory: a chunk's input and output are kept from its forward until its backward (1F1B bounds
+how many); the output's storage is not freed after sending (Megatron's deallocate-output trick
+needs the autograd engine called on a resized tensor and is not done here).
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ class PipelineTimer:
 
     def as_dict(self) -> Dict[str, float]:
         other = self.total_s - self.compute_s - self.p2p_s
-        return {"compute_s": self.compute_s, "p2p_wait_s": self.p2p_s, "other_s": other, "total_s": self.total_s,
+        return {"compute_s": self.compute_s, "p2p_wait_s": self.p2p_s, "other_s": other,
+                "total_s": self.total_s,
                 "bubble": 1.0 - self.compute_s / self.total_s if self.total_s > 0 else 0.0}
 
 
@@ -53,7 +58,8 @@ def _check_chunks(chunks, mesh) -> None:
     pp, r, vp = mesh.pp_size, mesh.pp_rank, len(chunks)
     for v, chunk in enumerate(chunks):
         pre, post = r == 0 and v == 0, r == pp - 1 and v == vp - 1
-        if bool(getattr(chunk, "pre_process", pre)) != pre or bool(getattr(chunk, "post_process", post)) != post:
+        if bool(getattr(chunk, "pre_process", pre)) != pre or \
+                bool(getattr(chunk, "post_process", post)) != post:
             raise ValueError(f"pipeline stage {r} chunk {v} of {vp}: expected pre_process={pre}, "
                              f"post_process={post} (embedding on the first stage's first chunk, loss on the "
                              "last stage's last chunk)")
@@ -91,7 +97,8 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     to_send: Dict[Action, torch.Tensor] = {}
     losses: List[torch.Tensor] = []
     clock = time.perf_counter
-    sync = (lambda: torch.cuda.synchronize(dev)) if timer is not None and dev.type == "cuda" else (lambda: None)
+    timed_cuda = timer is not None and dev.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(dev)) if timed_cuda else (lambda: None)
     start = clock()
 
     def forward(mb: int, v: int) -> None:
@@ -152,6 +159,10 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     if timer is not None:
         sync()
         timer.total_s += clock() - start
+    if outputs or out_grads or (inputs and not forward_only):
+        raise RuntimeError(f"pipeline stage {mesh.pp_rank}: the schedule left work undone "
+                           f"(outputs {sorted(outputs)}, gradients {sorted(out_grads)}, "
+                           f"inputs {sorted(inputs)})")
     return losses
 
 

@@ -58,7 +58,8 @@ class StageComm:
         self.shape, self.dtype = torch.Size(tensor_shape), dtype
         self._to_self: deque = deque()  # one stage with several chunks: messages to oneself
 
-    def exchange(self, batch: Sequence[Action], outgoing: Dict[Action, torch.Tensor]) -> Dict[Action, torch.Tensor]:
+    def exchange(self, batch: Sequence[Action],
+                 outgoing: Dict[Action, torch.Tensor]) -> Dict[Action, torch.Tensor]:
         ops, received = [], {}
         mesh = self.mesh
         for a in batch:
@@ -67,9 +68,9 @@ class StageComm:
                 t = outgoing[a]
                 if t.shape != self.shape or t.dtype != self.dtype:
                     raise RuntimeError(
-                        f"pipeline stage {mesh.pp_rank} {a}: tensor {tuple(t.shape)} {t.dtype} does not match the "
-                        f"configured p2p shape {tuple(self.shape)} {self.dtype} ([seq (/tp with sequence "
-                        "parallel), micro batch, hidden] in the compute dtype)")
+                        f"pipeline stage {mesh.pp_rank} {a}: tensor {tuple(t.shape)} {t.dtype} does not "
+                        f"match the configured p2p shape {tuple(self.shape)} {self.dtype} "
+                        "([seq (/tp with sequence parallel), micro batch, hidden] in the compute dtype)")
                 t = t.detach().contiguous()
                 if other == mesh.rank:
                     self._to_self.append(t.clone())

@@ -152,7 +152,8 @@ def interleaved_one_f_one_b(pp: int, m: int, vp: int, forward_only: bool = False
     """
     _check_sizes(pp, m, vp)
     if forward_only:  # Megatron's order, groups of pp micro-batches (the last one may be short): any m
-        order = [[("fwd", mb, v)] for g in range(0, m, pp) for v in range(vp) for mb in range(g, min(g + pp, m))]
+        order = [[("fwd", mb, v)] for g in range(0, m, pp) for v in range(vp)
+                 for mb in range(g, min(g + pp, m))]
         return [_with_comms(order, r, pp, vp) for r in range(pp)]
     if m % pp:
         allowed = ", ".join(str(pp * k) for k in range(1, 4))
