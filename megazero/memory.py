@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from megazero.pipeline.partition import chunk_layers
+from megazero.zero.memory import optimizer_bytes_per_param, zero_model_state_bytes
 
 
 def layer_params(cfg) -> int:
@@ -85,9 +86,9 @@ def bytes_per_param(cfg) -> Dict[str, int]:
     half = pre.bf16 or pre.fp16
     p = 2 if half else 4
     g = 4 if pre.grad_reduce_dtype == "fp32" else p
-    master = 4 if half else 0
-    states = 8 if opt.optimizer == "adam" else (4 if opt.sgd_momentum else 0)
-    return {"param": p, "grad": g, "optim": master + states}
+    k = optimizer_bytes_per_param(opt.optimizer, mixed_precision=half, momentum=bool(opt.sgd_momentum),
+                                  offload=cfg.parallel.offload_optimizer)
+    return {"param": p, "grad": g, "optim": k}
 
 
 def activation_bytes(cfg, pp_rank: int = 0) -> int:
@@ -119,7 +120,10 @@ def activation_bytes(cfg, pp_rank: int = 0) -> int:
 
 
 def estimate(cfg) -> List[Dict[str, int]]:
-    """Per-ZeRO-stage bytes per rank for the stage with the most parameters."""
+    """Per-ZeRO-stage bytes per rank for the stage with the most parameters.
+
+    ``total_bytes`` is device memory: with ``--offload-optimizer`` (stages 1-3) ``optim_bytes``
+    live in host memory and are left out of it (``optim_on_cpu``)."""
     pp = cfg.parallel.pipeline_model_parallel_size
     worst = max(range(pp), key=lambda r: stage_params(cfg, r))
     psi = stage_params(cfg, worst)
@@ -128,10 +132,10 @@ def estimate(cfg) -> List[Dict[str, int]]:
     act = activation_bytes(cfg, worst)
     rows = []
     for stage in range(4):
-        param = bp["param"] * psi / (n if stage >= 3 else 1)
-        grad = bp["grad"] * psi / (n if stage >= 2 else 1)
-        optim = bp["optim"] * psi / (n if stage >= 1 else 1)
-        rows.append({"zero_stage": stage, "params_per_rank": psi, "param_bytes": int(param),
-                     "grad_bytes": int(grad), "optim_bytes": int(optim), "activation_bytes": act,
-                     "total_bytes": int(param + grad + optim + act)})
+        b = zero_model_state_bytes(psi, stage, n, bp["param"], bp["grad"], bp["optim"])
+        on_cpu = bool(cfg.parallel.offload_optimizer and stage >= 1)  # host memory, not the device's
+        device = b["param_bytes"] + b["grad_bytes"] + (0 if on_cpu else b["optim_bytes"])
+        rows.append({"zero_stage": stage, "params_per_rank": psi, "param_bytes": int(b["param_bytes"]),
+                     "grad_bytes": int(b["grad_bytes"]), "optim_bytes": int(b["optim_bytes"]),
+                     "activation_bytes": act, "total_bytes": int(device) + act, "optim_on_cpu": on_cpu})
     return rows

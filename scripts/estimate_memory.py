@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     print(f"{'ZeRO':>4} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'activ GiB':>10} {'total GiB':>10}")
     for r in rows:
         print(f"{r['zero_stage']:>4} {r['param_bytes'] / gib:>11.3f} {r['grad_bytes'] / gib:>10.3f} "
-              f"{r['optim_bytes'] / gib:>10.3f} {r['activation_bytes'] / gib:>10.3f} {r['total_bytes'] / gib:>10.3f}")
+              f"{r['optim_bytes'] / gib:>10.3f} {r['activation_bytes'] / gib:>10.3f} {r['total_bytes'] / gib:>10.3f}"
+              + ("  (optimizer state in host memory)" if r["optim_on_cpu"] else ""))
     return 0
 
 

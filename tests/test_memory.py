@@ -68,3 +68,12 @@ def test_estimate_memory_script_json():
                for s in data["stages"])
     totals = [s["total_bytes"] for s in data["stages"]]
     assert totals == sorted(totals, reverse=True) and totals[3] < totals[0]
+
+
+def test_offload_moves_optimizer_bytes_off_the_device():
+    on = estimate(cfg_of(2, **GPT2, zero_stage=2, offload_optimizer=True))
+    off = estimate(cfg_of(2, **GPT2, zero_stage=2))
+    assert on[2]["optim_on_cpu"] and not on[0]["optim_on_cpu"]
+    assert on[2]["total_bytes"] == off[2]["total_bytes"] - off[2]["optim_bytes"]
+    # fp32 params offloaded need a separate fp32 master copy on the host: 4 + 8 bytes per param
+    assert on[2]["optim_bytes"] == 12 * on[2]["params_per_rank"] // 2
