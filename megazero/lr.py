@@ -1,8 +1,11 @@
 """The learning-rate schedule: linear warm-up, then constant, linear or cosine decay to ``--min-lr``.
 
 Iterations are counted from 1 (the step being taken, as the console and metrics file show it).
-Warm-up reaches ``--lr`` at iteration ``--lr-warmup-iters``; decay then runs until iteration
-``--lr-decay-iters`` (default ``--train-iters``) and the rate stays at ``--min-lr`` afterwards.
+Warm-up rises linearly and reaches ``--lr`` at iteration ``--lr-warmup-iters`` (no step is
+wasted at rate 0).  Decay follows Megatron-LM: with ``n = iteration - 1`` steps already taken,
+progress is ``(n - warmup) / (decay - warmup)``, so the first step after warm-up runs at
+``--lr`` and the rate reaches ``--min-lr`` after ``--lr-decay-iters`` (default
+``--train-iters``) steps, staying there afterwards.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ def learning_rate(iteration: int, lr: float, min_lr: float = 0.0, warmup_iters: 
         return lr * iteration / warmup_iters
     if style == "constant":
         return lr
-    if iteration >= decay_iters:
+    if iteration > decay_iters:
         return min_lr
-    progress = (iteration - warmup_iters) / max(1, decay_iters - warmup_iters)
+    progress = (iteration - 1 - warmup_iters) / max(1, decay_iters - warmup_iters)
     if style == "linear":
         return lr - (lr - min_lr) * progress
     if style == "cosine":

@@ -137,7 +137,10 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
     else:
         cfg = validate(copy.deepcopy(cfg), mesh.world_size)
     try:
-        return _train_loop(cfg, model_provider, mesh, stream)
+        history = _train_loop(cfg, model_provider, mesh, stream)
+        if created:
+            dist.barrier()  # no rank tears down its groups while another still uses them
+        return history
     finally:
         if created:
             dist.destroy_process_group()

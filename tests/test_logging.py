@@ -4,6 +4,7 @@ import io
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -11,14 +12,10 @@ from megazero.config import MegazeroConfig
 from megazero.logging import TrainingLogger, format_line, progress_bar, wandb_mode
 
 
-def read_wandb_offline(run_root):
-    """(history, config) of the single offline run under ``run_root``: history maps step -> values.
-
-    Reads the run's ``.wandb`` transaction log (LevelDB log format: 7-byte ``:W&B`` header, 32 KiB
-    blocks of records ``crc32 | length | type``) and parses its protobuf records."""
+def _wandb_records(path):
+    """Protobuf records of a ``.wandb`` transaction log (LevelDB log format: a 7-byte ``:W&B``
+    header, then 32 KiB blocks of records ``crc32 | length | type`` that may span blocks)."""
     from wandb.proto import wandb_internal_pb2 as pb
-    # "latest-run" links to the run directory: count each file once
-    (path,) = {os.path.realpath(p) for p in glob.glob(os.path.join(run_root, "**", "*.wandb"), recursive=True)}
     data, block, pos = open(path, "rb").read(), 32768, 7
     assert data[:4] == b":W&B"
     records, buf = [], b""
@@ -28,19 +25,34 @@ def read_wandb_offline(run_root):
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pos += 7
         if kind == 0 and length == 0:  # padding to the end of the block
-            pos += left - 7
+            pos += left
             continue
-        buf += data[pos:pos + length]
-        pos += length
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
         if kind in (1, 4):  # FULL or LAST fragment
-            records.append(buf)
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            records.append(rec)
             buf = b""
+    return records
+
+
+def read_wandb_offline(run_root, timeout=60.0):
+    """(history, config) of the single offline run under ``run_root``: history maps step -> values.
+
+    wandb's service process may still be writing the log when ``finish()`` returns, so this waits
+    for the run's final ``exit`` record."""
+    # "latest-run" links to the run directory: count each file once
+    (path,) = {os.path.realpath(p) for p in glob.glob(os.path.join(run_root, "**", "*.wandb"), recursive=True)}
+    deadline = time.monotonic() + timeout
+    records = _wandb_records(path)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout:.0f}s"
+        time.sleep(0.2)
+        records = _wandb_records(path)
     history, config = {}, {}
-    for raw in records:
-        rec = pb.Record()
-        rec.ParseFromString(raw)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":  # keys are in `key` or, in newer versions, `nested_key`
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
@@ -139,3 +151,33 @@ def test_wandb_mode_default(monkeypatch):
     assert wandb_mode(None) == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode(None) == "disabled"
+
+
+def _train_tiny(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def test_training_run_metrics_file_equals_wandb_offline_run(tmp_path, monkeypatch):
+    """Two DP ranks train; rank 0 alone writes the metrics file and one offline wandb run, with equal values."""
+    from megazero.testing import run_ranks
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = MegazeroConfig()
+    cfg.data.mock_data = True
+    for section, values in {"model": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                                          vocab_size=100),
+                            "training": dict(global_batch_size=4, micro_batch_size=1, train_iters=4,
+                                             eval_interval=2, eval_iters=1),
+                            "logging": dict(metrics_file=str(tmp_path / "metrics.jsonl"),
+                                            wandb_project="megazero-test", wandb_mode="offline",
+                                            wandb_save_dir=str(tmp_path / "wandb"), wandb_exp_name="tiny")}.items():
+        for k, v in values.items():
+            setattr(getattr(cfg, section), k, v)
+    hist = run_ranks(_train_tiny, 2, cfg)[0]
+    records = [json.loads(line) for line in open(cfg.logging.metrics_file)]
+    assert records == json.loads(json.dumps(hist))
+    assert {"eval_loss", "eval_ppl"} <= set(records[1]) and "eval_loss" not in records[0]
+    history, config = read_wandb_offline(cfg.logging.wandb_save_dir)  # exactly one run (rank 0's)
+    assert_same_values(records, history)
+    assert config["parallel"].get("value", config["parallel"])["data_parallel_size"] == 2

@@ -21,15 +21,16 @@ SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 # ---- learning-rate schedule ----------------------------------------------------------------
 def test_lr_warmup_then_cosine_to_min():
     lr = [learning_rate(i, 1.0, 0.1, warmup_iters=4, decay_iters=12, style="cosine") for i in range(1, 15)]
-    assert lr[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lr[7] == pytest.approx(0.55)  # half-way through decay: (max + min) / 2
-    assert all(a >= b for a, b in zip(lr[3:], lr[4:]))
-    assert lr[11:] == [0.1, 0.1, 0.1]
+    assert lr[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr[8] == pytest.approx(0.55)  # iteration 9: half-way through decay, (max + min) / 2
+    assert all(a > b for a, b in zip(lr[4:12], lr[5:12])) and lr[11] > 0.1
+    assert lr[12:] == [0.1, 0.1]
 
 
 def test_lr_linear_and_constant():
-    assert learning_rate(6, 1.0, 0.0, 2, 10, "linear") == pytest.approx(0.5)
-    assert learning_rate(1, 1.0, 0.0, 0, 10, "linear") == pytest.approx(0.9)
+    assert learning_rate(7, 1.0, 0.0, 2, 10, "linear") == pytest.approx(0.5)
+    assert learning_rate(1, 1.0, 0.0, 0, 10, "linear") == 1.0
+    assert learning_rate(10, 1.0, 0.0, 0, 10, "linear") == pytest.approx(0.1)
     assert learning_rate(50, 1.0, 0.0, 2, 10, "constant") == 1.0
     assert learning_rate(1, 2.0, 0.0, 4, 10, "constant") == 0.5
 
@@ -127,3 +128,123 @@ def test_cli_reports_errors_before_any_process_group():
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--tensor-model-parallel-size 3" in proc.stderr
+
+
+# ---- training against the one-process oracle -----------------------------------------------
+def _cfg(tp=1, pp=1, zero=0, iters=4, optimizer="sgd", **extra):
+    """A tiny GPT on mock data; ``extra`` sets fields of any section by name."""
+    cfg = MegazeroConfig()
+    cfg.data.mock_data = True
+    settings = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero_stage=zero,
+                    global_batch_size=8, micro_batch_size=1, train_iters=iters, eval_interval=2, eval_iters=1,
+                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
+    settings.update(extra)
+    for key, value in settings.items():
+        section = next(s for s in ("parallel", "model", "training", "optimizer", "precision", "logging")
+                       if hasattr(getattr(cfg, s), key))
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def _train_history(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _run(cfg, world):
+    from megazero.testing import run_ranks
+    return run_ranks(_train_history, world, cfg)
+
+
+LAYOUTS = {  # name: (world, config changes)
+    "tp2-pp2-dp2-zero2-sp-recompute": (8, dict(tp=2, pp=2, zero=2, sequence_parallel=True,
+                                               recompute_granularity="full")),
+    "tp2-pp2x2virtual-dp2-zero3": (8, dict(tp=2, pp=2, zero=3, num_layers_per_virtual_pipeline_stage=1)),
+    "tp4-dp2-zero1-untied": (8, dict(tp=4, zero=1, untie_embeddings_and_output_weights=True)),
+    "dp8-zero3": (8, dict(zero=3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_matches_one_process(name):
+    world, changes = LAYOUTS[name]
+    single_changes = {k: v for k, v in changes.items() if k in ("untie_embeddings_and_output_weights",)}
+    (ref,) = _run(_cfg(**single_changes), 1)
+    ranks = _run(_cfg(**changes), world)
+    for hist in ranks:  # the loss reaches every rank
+        assert [m["loss"] for m in hist] == [m["loss"] for m in ranks[0]]
+    got = ranks[0]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a = [m[key] for m in ref if key in m]
+        b = [m[key] for m in got if key in m]
+        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=2e-6, abs=1e-6), key
+    assert [m["lr"] for m in got] == [m["lr"] for m in ref]
+    assert all(m["param_bytes"] > 0 and m["skipped"] == 0 and m["loss_scale"] == 1.0 for m in got)
+
+
+def test_adam_with_clipping_matches_one_process():
+    changes = dict(clip_grad=0.05, lr_warmup_iters=1)
+    (ref,) = _run(_cfg(optimizer="adam", **changes), 1)
+    got = _run(_cfg(tp=2, pp=2, zero=1, optimizer="adam", **changes), 8)[0]
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], rel=1e-4)
+    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
+
+
+def test_loss_falls_on_mock_data():
+    hist = _train_history(_cfg(optimizer="adam", iters=40, lr_warmup_iters=5, micro_batch_size=4, eval_interval=40,
+                               eval_iters=2, hidden_size=64, num_layers=2))
+    first, last = hist[0]["loss"], sum(m["loss"] for m in hist[-5:]) / 5
+    assert first == pytest.approx(math.log(100), rel=0.05) and last < first - 1.0, (first, last)
+    assert hist[-1]["eval_loss"] < first - 1.0
+    assert hist[-1]["consumed_samples"] == 40 * 8 and hist[-1]["tokens_per_sec"] > 0
+
+
+def test_fp16_overflow_skips_steps_and_lowers_the_scale():
+    hist = _train_history(_cfg(iters=3, fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1, eval_interval=0,
+                               num_layers=1, hidden_size=16))
+    assert hist[0]["skipped"] == 1 and hist[0]["loss_scale"] == 2.0 ** 39
+    assert hist[-1]["skipped_total"] == sum(m["skipped"] for m in hist)
+
+
+# ---- the entry point end to end ------------------------------------------------------------
+E2E = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+       "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "8",
+       "--train-iters", "3", "--optimizer", "sgd", "--lr", "0.1", "--log-interval", "1"]
+
+
+def _pretrain(tmp_path, name, flags, nproc=None):
+    metrics = tmp_path / f"{name}.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    proc = subprocess.run(launcher + [SCRIPT, *E2E, *flags, "--metrics-file", str(metrics)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()], proc.stdout
+
+
+@pytest.mark.slow
+def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
+    """torchrun, 8 ranks (TP 2 x PP 2 x DP 2) under ZeRO-1 and ZeRO-3, against plain python."""
+    ref, out = _pretrain(tmp_path, "single", [])
+    assert "iteration 3/3" in out
+    fields = ("iteration", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_sec",
+              "param_bytes", "grad_bytes", "optim_bytes")
+    assert all(f in m for m in ref for f in fields)
+    param_bytes = {0: ref[0]["param_bytes"]}
+    for zero in (1, 3):
+        got, out = _pretrain(tmp_path, f"zero{zero}", ["--tensor-model-parallel-size", "2",
+                                                      "--pipeline-model-parallel-size", "2",
+                                                      "--zero-stage", str(zero)], nproc=8)
+        assert f"tp 2 pp 2 dp 2 zero {zero}" in out and out.count("iteration 3/3") == 1  # rank 0 only
+        assert [m["iteration"] for m in got] == [1, 2, 3]
+        for key in ("loss", "grad_norm"):
+            assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], rel=2e-6, abs=1e-6), key
+        assert [m["lr"] for m in got] == [m["lr"] for m in ref]
+        param_bytes[zero] = got[0]["param_bytes"]
+    # rank 0's parameters: TP x PP split them (ZeRO-1), ZeRO-3 also shards them over DP
+    assert param_bytes[0] / 2 > param_bytes[1] > param_bytes[3]
