@@ -10,6 +10,20 @@ message (``--comm-ms``; gloo on a busy CPU host takes about a millisecond), and 
 share of the step spent waiting in p2p.
 
     python scripts/bench_pipeline.py --pp 2 4 --m 1 4 8 16
+
+Measured on 2 shared CPU cores (``--fwd-ms 20``; bubble as a fraction of the step):
+
+    pp  m  schedule        theory  sim+comm(1ms)  measured
+     2  4  1f1b             0.200     0.213         0.212
+     2  4  interleaved v2   0.111     0.146         0.149
+     4  8  gpipe            0.273     0.294         0.315
+     4  8  1f1b             0.273     0.293         0.302
+     4  8  interleaved v2   0.158     0.193         0.214
+     4 16  1f1b             0.158     0.183         0.177
+     4 16  interleaved v2   0.086     0.120         0.124
+
+GPipe and 1F1B match ``(p - 1) / (m + p - 1)`` plus about a millisecond per message; the
+interleaved schedule sends ``v`` times as many messages, so on gloo it gains less than theory.
 """
 from __future__ import annotations
 
