@@ -7,8 +7,8 @@ trainer's metrics) and sends the same values everywhere:
 * wandb (``--wandb-project``): ``wandb.log(values, step=iteration)``, the full config as the run
   config; mode from ``--wandb-mode``, else ``WANDB_MODE``, else ``online`` with ``WANDB_API_KEY``
   in the environment and ``offline`` without;
-* the console: a line every ``--log-interval`` iterations (and on evaluation), and on a
-  terminal a progress bar redrawn every iteration.
+* the console: a line for the first iteration, every ``--log-interval`` iterations, the last
+  one and evaluations; on a terminal, a progress bar redrawn every iteration.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
     parts.append(f"{m['iteration_time'] * 1000:.0f} ms/it")
     parts.append(f"{m['tokens_per_sec']:.0f} tok/s")
     if m.get("tflops") is not None:
-        parts.append(f"{m['tflops']:.2f} TFLOP/s/dev")
+        parts.append(f"{m['tflops']:.3g} TFLOP/s/dev")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     state = sum(m.get(k, 0) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))
@@ -121,7 +121,7 @@ class TrainingLogger:
             self.metrics_fh.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "iteration" and v is not None}, step=it)
-        if it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
+        if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
             self.print(format_line(metrics, self.total))
         if self.tty:
             self.stream.write("\r\033[K" + progress_bar(it, self.total, self.started, metrics.get("loss")))

@@ -126,10 +126,10 @@ def test_console_interval_and_progress_bar():
     log.close()
     text = out.getvalue()
     lines = [ln.split("\r")[-1].replace("\033[K", "") for ln in text.split("\n") if "iteration" in ln]
-    assert [ln.split(" | ")[0] for ln in lines] == ["iteration 2/4", "iteration 4/4"]
+    assert [ln.split(" | ")[0] for ln in lines] == ["iteration 1/4", "iteration 2/4", "iteration 4/4"]
     assert "[" + "#" * 30 + "] 4/4" in text and "\r" in text
     plain = io.StringIO()
-    TrainingLogger(cfg, stream=plain).log(_metrics(1))
+    TrainingLogger(cfg, stream=plain).log(_metrics(3))
     assert plain.getvalue() == ""  # not a terminal and not a log iteration: nothing
 
 
