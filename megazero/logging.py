@@ -120,7 +120,8 @@ class TrainingLogger:
             self.metrics_fh.write(json.dumps(metrics) + "\n")
             self.metrics_fh.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in metrics.items() if k != "iteration" and v is not None}, step=it)
+            values = {k: v for k, v in metrics.items() if k != "iteration" and v is not None}
+            self.wandb_run.log(values, step=it)
         if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
             self.print(format_line(metrics, self.total))
         if self.tty:

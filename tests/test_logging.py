@@ -44,7 +44,8 @@ def read_wandb_offline(run_root, timeout=60.0):
     wandb's service process may still be writing the log when ``finish()`` returns, so this waits
     for the run's final ``exit`` record."""
     # "latest-run" links to the run directory: count each file once
-    (path,) = {os.path.realpath(p) for p in glob.glob(os.path.join(run_root, "**", "*.wandb"), recursive=True)}
+    found = glob.glob(os.path.join(run_root, "**", "*.wandb"), recursive=True)
+    (path,) = {os.path.realpath(p) for p in found}
     deadline = time.monotonic() + timeout
     records = _wandb_records(path)
     while not any(r.WhichOneof("record_type") == "exit" for r in records):
@@ -160,7 +161,8 @@ def _train_tiny(cfg):
 
 
 def test_training_run_metrics_file_equals_wandb_offline_run(tmp_path, monkeypatch):
-    """Two DP ranks train; rank 0 alone writes the metrics file and one offline wandb run, with equal values."""
+    """Two DP ranks train; rank 0 alone writes the metrics file and one offline wandb run, with the
+    same values."""
     from megazero.testing import run_ranks
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = MegazeroConfig()
@@ -171,7 +173,8 @@ def test_training_run_metrics_file_equals_wandb_offline_run(tmp_path, monkeypatc
                                              eval_interval=2, eval_iters=1),
                             "logging": dict(metrics_file=str(tmp_path / "metrics.jsonl"),
                                             wandb_project="megazero-test", wandb_mode="offline",
-                                            wandb_save_dir=str(tmp_path / "wandb"), wandb_exp_name="tiny")}.items():
+                                            wandb_save_dir=str(tmp_path / "wandb"),
+                                            wandb_exp_name="tiny")}.items():
         for k, v in values.items():
             setattr(getattr(cfg, section), k, v)
     hist = run_ranks(_train_tiny, 2, cfg)[0]

@@ -46,7 +46,8 @@ def _model_cfg(**model):
 
 
 def test_model_flops_match_megatron_formula():
-    cfg = _model_cfg(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257)
+    cfg = _model_cfg(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
+                     vocab_size=50257)
     b, s, L, h, V = 8, 1024, 12, 768, cfg.model.padded_vocab_size
     megatron = 12 * b * s * L * h * h * ((1 + 1 + s / h) + 4 + V / (2 * L * h))
     assert model_flops_per_iteration(cfg) == pytest.approx(megatron, rel=1e-12)
@@ -62,9 +63,11 @@ def test_recompute_adds_a_forward_of_the_layers():
     full = _model_cfg(num_layers=4, hidden_size=64, vocab_size=4, recompute_granularity="full")
     assert hardware_flops_per_iteration(plain) == model_flops_per_iteration(plain)
     # layers dominate with a tiny vocabulary: close to 4/3 of the model FLOPs
-    assert hardware_flops_per_iteration(full) / model_flops_per_iteration(full) == pytest.approx(4 / 3, rel=2e-2)
+    ratio = hardware_flops_per_iteration(full) / model_flops_per_iteration(full)
+    assert ratio == pytest.approx(4 / 3, rel=2e-2)
     sel = _model_cfg(num_layers=4, hidden_size=64, vocab_size=4, recompute_granularity="selective")
-    assert model_flops_per_iteration(sel) < hardware_flops_per_iteration(sel) < hardware_flops_per_iteration(full)
+    assert model_flops_per_iteration(sel) < hardware_flops_per_iteration(sel) \
+        < hardware_flops_per_iteration(full)
 
 
 def test_peak_flops_table():
@@ -164,6 +167,8 @@ LAYOUTS = {  # name: (world, config changes)
     "tp2-pp2x2virtual-dp2-zero3": (8, dict(tp=2, pp=2, zero=3, num_layers_per_virtual_pipeline_stage=1)),
     "tp4-dp2-zero1-untied": (8, dict(tp=4, zero=1, untie_embeddings_and_output_weights=True)),
     "dp8-zero3": (8, dict(zero=3)),
+    "pp2-uneven-gpipe-dp4-zero2": (8, dict(pp=2, zero=2, decoder_first_pipeline_num_layers=1,
+                                           pipeline_schedule="gpipe")),
 }
 
 
@@ -193,8 +198,8 @@ def test_adam_with_clipping_matches_one_process():
 
 
 def test_loss_falls_on_mock_data():
-    hist = _train_history(_cfg(optimizer="adam", iters=40, lr_warmup_iters=5, micro_batch_size=4, eval_interval=40,
-                               eval_iters=2, hidden_size=64, num_layers=2))
+    hist = _train_history(_cfg(optimizer="adam", iters=40, lr_warmup_iters=5, micro_batch_size=4,
+                               eval_interval=40, eval_iters=2, hidden_size=64, num_layers=2))
     first, last = hist[0]["loss"], sum(m["loss"] for m in hist[-5:]) / 5
     assert first == pytest.approx(math.log(100), rel=0.05) and last < first - 1.0, (first, last)
     assert hist[-1]["eval_loss"] < first - 1.0
@@ -202,8 +207,8 @@ def test_loss_falls_on_mock_data():
 
 
 def test_fp16_overflow_skips_steps_and_lowers_the_scale():
-    hist = _train_history(_cfg(iters=3, fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1, eval_interval=0,
-                               num_layers=1, hidden_size=16))
+    hist = _train_history(_cfg(iters=3, fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1,
+                               eval_interval=0, num_layers=1, hidden_size=16))
     assert hist[0]["skipped"] == 1 and hist[0]["loss_scale"] == 2.0 ** 39
     assert hist[-1]["skipped_total"] == sum(m["skipped"] for m in hist)
 

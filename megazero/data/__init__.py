@@ -48,12 +48,14 @@ def micro_batches(source, step: int, global_batch_size: int, micro_batch_size: i
     token) and ``loss_mask``, each ``[micro_batch_size, seq_length]``."""
     indices = sample_range(step, global_batch_size, dp_rank, dp_size)
     if len(indices) % micro_batch_size:
-        raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size {micro_batch_size}")
+        raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size "
+                         f"{micro_batch_size}")
     ids = source.get_tokens(list(indices), split)
     out = []
     for start in range(0, len(indices), micro_batch_size):
         chunk = ids[start:start + micro_batch_size]
         tokens, labels = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-        batch = {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(labels.shape, dtype=torch.float32)}
+        mask = torch.ones(labels.shape, dtype=torch.float32)
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
         out.append({k: v.to(device) for k, v in batch.items()} if device is not None else batch)
     return out
