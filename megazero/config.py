@@ -473,6 +473,12 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
     if opt.lr_decay_iters is None:
         opt.lr_decay_iters = tr.train_iters
 
+    # ---- checkpoints: refuse rather than train for hours and save nothing
+    ck = cfg.checkpoint
+    _check(not (ck.save or ck.load or ck.save_interval),
+           "--save/--load/--save-interval: checkpointing is not implemented in this build yet; remove the "
+           "flags (a run with them would not be saved or resumed)")
+
     # ---- data
     _check(cfg.data.mock_data or cfg.data.data_path,
            "no training data: pass --mock-data for synthetic tokens or --data-path PREFIX for a "

@@ -162,8 +162,6 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
-    if cfg.checkpoint.save or cfg.checkpoint.load:
-        logger.print("megazero: warning: checkpointing is not available yet; --save/--load are ignored")
     history, skipped_total = [], 0
     try:
         for it in range(1, tr.train_iters + 1):

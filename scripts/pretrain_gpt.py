@@ -17,20 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
-from megazero.training import main  # noqa: E402
-
-
-def model_provider(cfg, mesh):
-    """This rank's GPT model chunks (one per virtual pipeline stage)."""
-    import models
-    return models.build_chunks(cfg, mesh)
-
-
-def presets():
-    """The named model presets for ``--model``."""
-    from models.presets import PRESETS
-    return PRESETS
-
+from models.cli import pretrain_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], model_provider, presets()))
+    sys.exit(pretrain_main())

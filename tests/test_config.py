@@ -92,6 +92,7 @@ def test_unknown_setting_in_file(tmp_path):
     (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr 1.0 is above --lr 0.1"),
     (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in"),
     (["--hysteresis", "0"], 1, "--hysteresis must be >= 1"),
+    (["--save", "/tmp/ckpt"], 1, "--save/--load/--save-interval: checkpointing is not implemented"),
 ])
 def test_validation_errors_name_the_flag(extra, world, msg):
     if msg is None:
