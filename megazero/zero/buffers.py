@@ -55,6 +55,7 @@ class Bucket:
     arrived: int = 0
     reduced: bool = False
     grad_tmp: Optional[torch.Tensor] = field(default=None, repr=False)
+    written: List[bool] = field(default_factory=list, repr=False)  # which params reached grad_tmp
 
     @property
     def shard_numel(self) -> int:

@@ -1,14 +1,19 @@
 """AdamW and SGD acting on flat fp32 slices (a ZeRO shard of a bucket).
 
-The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor path) so a
-sharded run matches a plain PyTorch run.  Weight decay is applied only to the ``decay``
-segments ``[(a, b), ...]`` of a slice: a flat shard mixes matrices (decayed) with biases and
-norm weights (not decayed).
+The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` so a sharded run matches a
+plain PyTorch run.  Weight decay is applied only to the ``decay`` segments ``[(a, b), ...]`` of
+a slice: a flat shard mixes matrices (decayed) with biases and norm weights (not decayed).
+
+``update`` multiplies the gradient by ``grad_mul`` (clipping and loss-scale factor) and may
+overwrite ``grad`` (the caller's reduced-gradient buffer, consumed by the step).  Adam runs
+PyTorch's fused single-pass kernel (``torch._fused_adamw_``, CPU and GPU) when it exists: the
+unfused form reads and writes the 4 flat buffers about 8 times, a large share of a CPU step.
 """
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Tuple
+
 
 import torch
 
@@ -28,11 +33,20 @@ class FlatAdamW:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
-               decay: Segments, lr: float, step: int) -> None:
+               decay: Segments, lr: float, step: int, grad_mul: float = 1.0) -> None:
         if self.weight_decay and lr:
             for a, b in decay:
                 master[a:b].mul_(1.0 - lr * self.weight_decay)
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        fused = getattr(torch, "_fused_adamw_", None)
+        if fused is not None and grad.dtype == master.dtype and grad.device == master.device:
+            steps = [torch.tensor(float(step), device=master.device)]
+            scale = None if grad_mul == 1.0 else torch.tensor(1.0 / grad_mul, device=master.device)
+            fused([master], [grad], [m], [v], [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
+                  weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+            return
+        if grad_mul != 1.0:
+            grad.mul_(grad_mul)
         m.lerp_(grad, 1.0 - self.beta1)
         v.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
         bc1 = 1.0 - self.beta1 ** step
@@ -52,7 +66,9 @@ class FlatSGD:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
-               decay: Segments, lr: float, step: int) -> None:
+               decay: Segments, lr: float, step: int, grad_mul: float = 1.0) -> None:
+        if grad_mul != 1.0:
+            grad.mul_(grad_mul)
         if self.weight_decay:
             for a, b in decay:
                 grad[a:b].add_(master[a:b], alpha=self.weight_decay)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megazero.clip import clip_coefficient, counts_in_norm, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.zero.buffers import Bucket, find_units, plan_buckets, trainable_params
+from megazero.zero.comm import reduce_scatter
 from megazero.zero.flat_optim import build_flat_optimizer
 from megazero.zero.stage3 import Stage3Params
 
@@ -75,7 +76,7 @@ class ZeroOptimizer:
                 groups.append((c, None, trainable_params(chunk, seen)))
         self.buckets = plan_buckets(groups, self.dp, par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
-        self._where = {id(p): (b, s) for b in self.buckets for p, s in zip(b.params, b.starts)}
+        self._where = {id(p): (b, s, i) for b in self.buckets for i, (p, s) in enumerate(zip(b.params, b.starts))}
         self._build_storage()
         self.stage3 = None
         if self.stage == 3:
@@ -123,7 +124,13 @@ class ZeroOptimizer:
             self.state[b.index] = self.optim.init_state(self.master[b.index])
             self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if p.dim() > 1])
             nlo, nhi = b.shard_range(self.r)
-            counted = [(a, e, counts_in_norm(p, self.mesh.tp_rank)) for p, a, e in b.segments(nlo, nhi)]
+            counted = []  # adjacent segments with the same flag merged: one norm piece per run
+            for p, a, e in b.segments(nlo, nhi):
+                flag = counts_in_norm(p, self.mesh.tp_rank)
+                if counted and counted[-1][1] == a and counted[-1][2] == flag:
+                    counted[-1] = (counted[-1][0], e, flag)
+                else:
+                    counted.append((a, e, flag))
             self.norm_pieces[b.index] = counted
             del full
 
@@ -155,14 +162,21 @@ class ZeroOptimizer:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:
             return
-        b, s = self._where[id(p)]
+        b, s, i = self._where[id(p)]
+        grad = p.grad.reshape(-1)
         if self.stage >= 2:
-            if b.grad_tmp is None:
-                b.grad_tmp = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.mesh.device)
-            dst = b.grad_tmp[s:s + p.grad.numel()]
+            if b.grad_tmp is None:  # a fresh bucket: each gradient is copied in, not added to zeros
+                b.grad_tmp = torch.empty(b.numel, dtype=self.grad_dtype, device=self.mesh.device)
+                b.grad_tmp[b.starts[-1] + b.shapes[-1].numel():].zero_()  # padding
+                b.written = [False] * len(b.params)
+            dst = b.grad_tmp[s:s + grad.numel()]
+            if b.written[i]:
+                dst.add_(grad)
+            else:
+                dst.copy_(grad)
+                b.written[i] = True
         else:
-            dst = self.grad_buf[b.offset + s:b.offset + s + p.grad.numel()]
-        dst.add_(p.grad.reshape(-1))
+            self.grad_buf[b.offset + s:b.offset + s + grad.numel()].add_(grad)
         p.grad = None
         self._synced = False
         b.arrived += 1
@@ -187,22 +201,24 @@ class ZeroOptimizer:
                 return
             b.reduced = True
             full = self.grad_buf[b.offset:b.offset + b.numel]
-            out = full if self.stage == 0 else self._grad_view(b)
-            if dp > 1:
-                h = (dist.all_reduce(full, group=group, async_op=True) if self.stage == 0 else
-                     dist.reduce_scatter_single(out, full, group=group, async_op=True))
-                self._pending.append((h, lambda: out.mul_(1.0 / dp)))
+            if dp > 1 and self.stage == 0:
+                h = dist.all_reduce(full, group=group, async_op=True)
+                self._pending.append((h, lambda: full.mul_(1.0 / dp)))
+            elif dp > 1:
+                self._pending.append(reduce_scatter(self._grad_view(b), full, group, 1.0 / dp))
             return
         tmp, b.grad_tmp = b.grad_tmp, None
         if tmp is None:
             return
+        for s, shape, written in zip(b.starts, b.shapes, b.written):
+            if not written:  # no gradient this backward (unused parameter)
+                tmp[s:s + shape.numel()].zero_()
         shard = self._grad_view(b)
         if dp == 1:
             shard.add_(tmp)
             return
-        out = torch.empty(b.shard_numel, dtype=tmp.dtype, device=tmp.device)
-        h = dist.reduce_scatter_single(out, tmp, group=group, async_op=True)
-        self._pending.append((h, lambda: (shard.add_(out, alpha=1.0 / dp), tmp)))
+        h, finish = reduce_scatter(shard, tmp, group, 1.0 / dp, accumulate=True)
+        self._pending.append((h, finish))
 
     def _drain(self) -> None:
         for b in self._ready:
@@ -289,11 +305,10 @@ class ZeroOptimizer:
         self.step_count += 1
         gathers = []
         for b in self.buckets:
-            grad = self._grad_view(b).to(self.optim_device, torch.float32, copy=True)
-            if factor != 1.0:
-                grad.mul_(factor)
+            grad = self._grad_view(b).to(self.optim_device, torch.float32)  # fp32 grads: no copy
             master = self.master[b.index]
-            self.optim.update(master, grad, self.state[b.index], self.decay[b.index], lr, self.step_count)
+            self.optim.update(master, grad, self.state[b.index], self.decay[b.index], lr, self.step_count,
+                              grad_mul=factor)
             pview = self._param_view(b)
             if pview.data_ptr() != master.data_ptr():
                 pview.copy_(master)
