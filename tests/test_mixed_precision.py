@@ -1,0 +1,51 @@
+"""bf16 and fp16 training follow the fp32 loss curve on a tiny GPT.
+
+Documented tolerance (README, "Mixed precision"): on this tiny model (2 layers, hidden 32,
+Adam, 12 steps on mock data) the per-iteration loss of bf16 stays within 0.02 (absolute) of
+fp32's and fp16 within 0.005; both curves fall as fp32's does.  A bf16 run under TP 2 x PP 2 x DP 2
+with ZeRO-3 follows the single-process bf16 run within the same bound.
+"""
+import pytest
+
+from megazero.testing import run_ranks
+from test_training import _cfg, _train_history
+
+STEPS = 12
+TOL = {"bf16": 0.02, "fp16": 0.005}  # measured: 0.0046 and 0.00095
+
+
+def _tiny(**extra):
+    return _cfg(optimizer="adam", iters=STEPS, lr=1e-2, lr_decay_style="constant", lr_warmup_iters=2,
+                num_layers=2, hidden_size=32,
+                eval_interval=0, clip_grad=1.0, **extra)
+
+
+@pytest.fixture(scope="module")
+def fp32_curve():
+    return [m["loss"] for m in _train_history(_tiny())]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_follows_fp32(dtype, fp32_curve):
+    flags = {dtype: True}
+    if dtype == "fp16":
+        flags.update(initial_loss_scale=2.0 ** 12)
+    hist = _train_history(_tiny(**flags))
+    curve = [m["loss"] for m in hist]
+    assert all(m["skipped"] == 0 for m in hist)
+    diffs = [abs(a - b) for a, b in zip(curve, fp32_curve)]
+    print(dtype, "max |loss - fp32 loss|", max(diffs), "fp32 curve", fp32_curve[0], fp32_curve[-1])
+    assert max(diffs) < TOL[dtype], diffs
+    assert curve[-1] < curve[0] - 0.3 and fp32_curve[-1] < fp32_curve[0] - 0.3
+    # half precision is really in use: the curves are not bit-identical to fp32
+    assert max(diffs) > 0
+
+
+def test_bf16_3d_parallel_zero3_follows_single_process_bf16():
+    single = [m["loss"] for m in _train_history(_tiny(bf16=True))]
+    ranks = run_ranks(_train_history, 8, _tiny(bf16=True, tp=2, pp=2, zero=3))
+    got = [m["loss"] for m in ranks[0]]
+    diffs = [abs(a - b) for a, b in zip(got, single)]
+    print("bf16 3D vs single max |diff|", max(diffs))
+    assert max(diffs) < TOL["bf16"], diffs
+    assert all(m["param_bytes"] > 0 for m in ranks[0])
