@@ -140,20 +140,21 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
-    data_path: List[str] = _f([], "Megatron-format dataset prefix(es), optionally weighted: [w1] p1 [w2] p2.",
+    data_path: List[str] = _f([], "Megatron-format dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 "
+                              "(reserved: refused at start-up until the dataset reader lands; use --mock-data).",
                               nargs="+")
-    split: str = _f("969,30,1", "Train,valid,test split of the documents.")
+    split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path; reserved).")
     mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece model file.")
-    num_workers: int = _f(0, "Data-loader worker processes.")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece model file (with --data-path; reserved).")
+    num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
 
 
 @dataclass
 class CheckpointConfig:
     """Saving and loading."""
-    save: Optional[str] = _f(None, "Directory to save checkpoints to.")
-    load: Optional[str] = _f(None, "Directory to load a checkpoint from.")
-    save_interval: int = _f(0, "Save every this many steps (0: only at the end when --save is set).")
+    save: Optional[str] = _f(None, "Directory to save checkpoints to (not implemented yet: refused at start-up).")
+    load: Optional[str] = _f(None, "Directory to load a checkpoint from (not implemented yet: refused at start-up).")
+    save_interval: int = _f(0, "Save every this many steps (not implemented yet: refused at start-up).")
 
 
 @dataclass
