@@ -186,6 +186,8 @@ class MegazeroConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model_preset: Optional[str] = None
+    # fields that validate() filled in from others (recomputed on every validate, never stale)
+    defaulted: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -195,7 +197,7 @@ class MegazeroConfig:
         out = {name: getattr(self, name) for name in SECTIONS}
         for name, changes in sections.items():
             out[name] = replace(out[name], **changes)
-        return MegazeroConfig(**out, model_preset=self.model_preset)
+        return MegazeroConfig(**out, model_preset=self.model_preset, defaulted=list(self.defaulted))
 
 
 def flag_of(f) -> str:
@@ -318,6 +320,15 @@ def _check(cond: bool, message: str) -> None:
 def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroConfig:
     """Check every setting against the others; fill in derived values. Raises ConfigError."""
     par, mod, tr, opt, pre = cfg.parallel, cfg.model, cfg.training, cfg.optimizer, cfg.precision
+    index = _field_index()
+    for name in cfg.defaulted:  # a value derived last time is derived again from today's settings
+        setattr(getattr(cfg, index[name][0]), name, None)
+    cfg.defaulted = []
+
+    def default(section, name: str, value) -> None:
+        setattr(section, name, value)
+        cfg.defaulted.append(name)
+
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -327,7 +338,22 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
                     ("--vocab-size", mod.vocab_size), ("--micro-batch-size", tr.micro_batch_size),
                     ("--make-vocab-size-divisible-by", mod.make_vocab_size_divisible_by)):
         _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v!r}")
+    for flag, v in (("--global-batch-size", tr.global_batch_size), ("--kv-channels", mod.kv_channels),
+                    ("--ffn-hidden-size", mod.ffn_hidden_size), ("--num-query-groups", mod.num_query_groups),
+                    ("--max-position-embeddings", mod.max_position_embeddings),
+                    ("--lr-decay-iters", opt.lr_decay_iters), ("--recompute-num-layers", mod.recompute_num_layers)):
+        _check(v is None or (isinstance(v, int) and v >= 1), f"{flag} must be a positive integer, got {v!r}")
     _check(tr.train_iters >= 0, f"--train-iters must be >= 0, got {tr.train_iters}")
+    _check(tr.seed >= 0, f"--seed must be >= 0, got {tr.seed}")
+    _check(tr.eval_interval >= 0, f"--eval-interval must be >= 0 (0: never), got {tr.eval_interval}")
+    _check(tr.eval_interval == 0 or tr.eval_iters >= 1,
+           f"--eval-iters must be >= 1 when --eval-interval is set, got {tr.eval_iters}")
+    _check(cfg.logging.log_interval >= 1, f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+    try:
+        from megazero.mesh import _parse_order
+        _parse_order(par.rank_order)
+    except ValueError as err:
+        raise ConfigError(f"--rank-order: {err}") from None
     _check(world_size % (tp * pp) == 0,
            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
@@ -343,7 +369,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
            f"--num-attention-heads {mod.num_attention_heads} is not divisible by --tensor-model-parallel-size "
            f"{tp}; use a tensor-parallel size that divides the number of heads")
     if mod.num_query_groups is None:
-        mod.num_query_groups = mod.num_attention_heads
+        default(mod, "num_query_groups", mod.num_attention_heads)
     _check(mod.num_query_groups >= 1 and mod.num_attention_heads % mod.num_query_groups == 0,
            f"--num-attention-heads {mod.num_attention_heads} is not divisible by --num-query-groups "
            f"{mod.num_query_groups}; each key/value head must serve a whole number of query heads")
@@ -351,19 +377,20 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
            f"--num-query-groups {mod.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
            "use a tensor-parallel size that divides the number of key/value heads")
     _check(mod.hidden_size % tp == 0,
-           f"hidden size {mod.hidden_size} is not divisible by tensor-model-parallel size {tp}")
+           f"hidden size {mod.hidden_size} is not divisible by tensor-model-parallel size {tp} "
+           "(--hidden-size, --tensor-model-parallel-size); choose a hidden size that TP divides")
     if mod.kv_channels is None:
-        mod.kv_channels = mod.hidden_size // mod.num_attention_heads
+        default(mod, "kv_channels", mod.hidden_size // mod.num_attention_heads)
     if mod.ffn_hidden_size is None:
         if mod.activation == "swiglu":
             raw = int(8 * mod.hidden_size / 3)
-            mod.ffn_hidden_size = ((raw + 63) // 64) * 64
+            default(mod, "ffn_hidden_size", ((raw + 63) // 64) * 64)
         else:
-            mod.ffn_hidden_size = 4 * mod.hidden_size
+            default(mod, "ffn_hidden_size", 4 * mod.hidden_size)
     _check(mod.ffn_hidden_size % tp == 0,
            f"--ffn-hidden-size {mod.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
     if mod.max_position_embeddings is None:
-        mod.max_position_embeddings = mod.seq_length
+        default(mod, "max_position_embeddings", mod.seq_length)
     _check(mod.position_embedding_type == "rope" or mod.seq_length <= mod.max_position_embeddings,
            f"--seq-length {mod.seq_length} exceeds --max-position-embeddings {mod.max_position_embeddings}; "
            "raise --max-position-embeddings or shorten the sequence")
@@ -427,7 +454,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
 
     # ---- batch
     if tr.global_batch_size is None:
-        tr.global_batch_size = tr.micro_batch_size * dp
+        default(tr, "global_batch_size", tr.micro_batch_size * dp)
     _check(tr.global_batch_size % (tr.micro_batch_size * dp) == 0,
            f"--global-batch-size {tr.global_batch_size} is not divisible by --micro-batch-size "
            f"{tr.micro_batch_size} x data-parallel size {dp} = {tr.micro_batch_size * dp}")
@@ -457,9 +484,9 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
     # ---- recompute
     if mod.recompute_granularity == "full":
         if mod.recompute_method is None:
-            mod.recompute_method = "uniform"
+            default(mod, "recompute_method", "uniform")
         if mod.recompute_num_layers is None:
-            mod.recompute_num_layers = 1
+            default(mod, "recompute_num_layers", 1)
         _check(mod.recompute_num_layers >= 1,
                f"--recompute-num-layers must be >= 1, got {mod.recompute_num_layers}")
     else:
@@ -471,8 +498,17 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
     _check(opt.min_lr <= opt.lr, f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
     _check(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {opt.clip_grad}")
     _check(opt.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {opt.lr_warmup_iters}")
+    _check(0.0 <= opt.adam_beta1 < 1.0 and 0.0 <= opt.adam_beta2 < 1.0,
+           f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
+    _check(opt.adam_eps > 0, f"--adam-eps must be > 0, got {opt.adam_eps}")
+    _check(opt.sgd_momentum >= 0, f"--sgd-momentum must be >= 0, got {opt.sgd_momentum}")
+    _check(opt.weight_decay >= 0, f"--weight-decay must be >= 0, got {opt.weight_decay}")
     if opt.lr_decay_iters is None:
-        opt.lr_decay_iters = tr.train_iters
+        default(opt, "lr_decay_iters", tr.train_iters)
+    else:
+        _check(opt.lr_decay_style == "constant" or opt.lr_decay_iters > opt.lr_warmup_iters,
+               f"--lr-decay-iters {opt.lr_decay_iters} must be greater than --lr-warmup-iters "
+               f"{opt.lr_warmup_iters} (decay runs after warm-up); raise it or use --lr-decay-style constant")
 
     # ---- checkpoints: refuse rather than train for hours and save nothing
     ck = cfg.checkpoint
@@ -486,4 +522,6 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
            "Megatron-format dataset (see scripts/preprocess_data.py)")
     _check(not (cfg.data.mock_data and cfg.data.data_path),
            "--mock-data and --data-path are exclusive; choose one")
+    _check(not cfg.data.mock_data or mod.vocab_size >= 2,
+           f"--vocab-size must be at least 2 for --mock-data, got {mod.vocab_size}")
     return cfg

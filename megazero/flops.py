@@ -16,10 +16,12 @@ scores and weighted values (selective).  MFU uses model FLOPs.
 """
 from __future__ import annotations
 
+import re
+
 from typing import Optional
 
 # Dense peak TFLOP/s per device: (16-bit tensor cores, fp32 without TF32).  Names are matched as
-# substrings of torch.cuda.get_device_name(), most specific first.
+# whole words of torch.cuda.get_device_name() ("L4" does not match "L40"), most specific first.
 PEAK_TFLOPS = (
     ("H200", (989.0, 67.0)),
     ("GH200", (989.0, 67.0)),
@@ -32,6 +34,7 @@ PEAK_TFLOPS = (
     ("A10G", (70.0, 31.2)),
     ("A10", (125.0, 31.2)),
     ("L40S", (362.0, 91.6)),
+    ("L40", (181.0, 90.5)),
     ("L4", (121.0, 30.3)),
     ("A6000", (155.0, 38.7)),
     ("RTX 4090", (165.0, 82.6)),
@@ -93,7 +96,7 @@ def peak_flops(device_name: Optional[str], dtype: str = "bf16") -> Optional[floa
     if not device_name:
         return None
     for key, (half, single) in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
+        if re.search(r"(?<![A-Za-z0-9])" + re.escape(key) + r"(?![A-Za-z0-9])", device_name, re.IGNORECASE):
             return 1e12 * (single if dtype == "fp32" else half)
     return None
 

@@ -166,7 +166,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     try:
         for it in range(1, tr.train_iters + 1):
             start = time.perf_counter()
-            lr = lr_from_config(cfg, it)
+            lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
             optimizer.zero_grad()
             batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
                                     mesh.dp_size, device=mesh.device)

@@ -93,6 +93,17 @@ def test_unknown_setting_in_file(tmp_path):
     (["--hidden-dropout", "1.5"], 1, "--hidden-dropout must be in"),
     (["--hysteresis", "0"], 1, "--hysteresis must be >= 1"),
     (["--save", "/tmp/ckpt"], 1, "--save/--load/--save-interval: checkpointing is not implemented"),
+    (["--global-batch-size", "0"], 1, "--global-batch-size must be a positive integer, got 0"),
+    (["--kv-channels", "0"], 1, "--kv-channels must be a positive integer, got 0"),
+    (["--ffn-hidden-size", "0"], 1, "--ffn-hidden-size must be a positive integer, got 0"),
+    (["--lr-decay-iters", "0"], 1, "--lr-decay-iters must be a positive integer, got 0"),
+    (["--lr-decay-iters", "5", "--lr-warmup-iters", "5"], 1,
+     "--lr-decay-iters 5 must be greater than --lr-warmup-iters 5"),
+    (["--adam-beta1", "1.0"], 1, "--adam-beta1/--adam-beta2 must be in"),
+    (["--seed", "-5"], 1, "--seed must be >= 0, got -5"),
+    (["--eval-interval", "2", "--eval-iters", "0"], 1, "--eval-iters must be >= 1 when --eval-interval is set"),
+    (["--rank-order", "foo"], 1, "--rank-order: unknown axis 'foo'"),
+    (["--vocab-size", "1"], 1, "--vocab-size must be at least 2 for --mock-data"),
 ])
 def test_validation_errors_name_the_flag(extra, world, msg):
     if msg is None:
@@ -128,3 +139,16 @@ def test_cli_help_lists_megatron_flags(capsys):
                  "--num-layers-per-virtual-pipeline-stage", "--recompute-granularity", "--loss-scale-window",
                  "--use-distributed-optimizer", "--untie-embeddings-and-output-weights", "--metrics-file"):
         assert flag in out
+
+
+def test_revalidation_recomputes_derived_defaults():
+    """Values validate() derived (global batch, ffn size, decay iters) follow later changes."""
+    cfg = parse()  # world 1: global batch = micro batch 2
+    assert cfg.training.global_batch_size == 2 and cfg.model.ffn_hidden_size == 256
+    cfg.model.hidden_size, cfg.training.train_iters = 128, 30
+    validate(cfg, world_size=4)
+    assert cfg.training.global_batch_size == 8 and cfg.model.ffn_hidden_size == 512
+    assert cfg.optimizer.lr_decay_iters == 30 and cfg.parallel.data_parallel_size == 4
+    explicit = parse("--global-batch-size", "16", "--ffn-hidden-size", "100")
+    validate(explicit, world_size=2)  # values the user gave are kept
+    assert explicit.training.global_batch_size == 16 and explicit.model.ffn_hidden_size == 100

@@ -112,6 +112,16 @@ def test_only_rank_zero_writes(tmp_path):
     assert not os.path.exists(cfg.logging.metrics_file) and out.getvalue() == ""
 
 
+def test_metrics_file_is_strict_json_with_non_finite_values(tmp_path):
+    cfg = MegazeroConfig()
+    cfg.logging.metrics_file = str(tmp_path / "metrics.jsonl")
+    log = TrainingLogger(cfg, rank=0, stream=io.StringIO())
+    log.log(dict(_metrics(1), grad_norm=float("inf"), skipped=1))
+    log.close()
+    line = open(cfg.logging.metrics_file).read()
+    assert "Infinity" not in line and json.loads(line)["grad_norm"] is None
+
+
 class _Tty(io.StringIO):
     def isatty(self):
         return True

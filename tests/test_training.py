@@ -76,6 +76,8 @@ def test_peak_flops_table():
     assert peak_flops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5e12
     assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("Tesla V100-SXM2-32GB") == 125e12
     assert peak_flops("Some Unknown Accelerator") is None and peak_flops(None) is None
+    assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12  # whole-word match
+    assert peak_flops("NVIDIA A10") == 125e12 and peak_flops("NVIDIA A100 80GB PCIe") == 312e12
     assert device_peak_flops(torch.device("cpu")) is None
 
 
@@ -210,6 +212,8 @@ def test_fp16_overflow_skips_steps_and_lowers_the_scale():
     hist = _train_history(_cfg(iters=3, fp16=True, initial_loss_scale=2.0 ** 40, hysteresis=1,
                                eval_interval=0, num_layers=1, hidden_size=16))
     assert hist[0]["skipped"] == 1 and hist[0]["loss_scale"] == 2.0 ** 39
+    # as in Megatron-LM, a skipped step does not advance the learning-rate schedule
+    assert hist[1]["lr"] == hist[0]["lr"] and hist[0]["lr"] == pytest.approx(0.1)
     assert hist[-1]["skipped_total"] == sum(m["skipped"] for m in hist)
 
 

@@ -39,9 +39,10 @@ class RNGTracker:
         self.device = torch.device(device)
         saved = _get_rng_state(self.device)
         if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+            with torch.cuda.device(self.device):  # this mesh's device, not whichever is current
+                torch.cuda.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
         else:
-            torch.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+            torch.default_generator.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
         self._state = _get_rng_state(self.device)
         _set_rng_state(saved, self.device)
 
