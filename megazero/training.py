@@ -34,6 +34,7 @@ from megazero.flops import device_peak_flops, hardware_flops_per_iteration, mode
 from megazero.logging import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
+from megazero.precision import compute_dtype as precision_dtype
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 
@@ -70,7 +71,8 @@ def set_seeds(seed: int, mesh: ParallelMesh) -> None:
 
 
 def compute_dtype(cfg: MegazeroConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.precision.bf16 else torch.float16 if cfg.precision.fp16 else torch.float32
+    """The parameter/activation dtype of a whole config (see :func:`megazero.precision.compute_dtype`)."""
+    return precision_dtype(cfg.precision)
 
 
 # ---- one step ------------------------------------------------------------------------------
