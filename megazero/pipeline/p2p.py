@@ -51,6 +51,12 @@ class StageComm:
     ``exchange(batch, outgoing)`` sends ``outgoing[action]`` for every ``send_*`` action of the
     batch, receives a fresh tensor for every ``recv_*`` action, waits for all of them, and
     returns ``{recv action: tensor}``.
+
+    When it returns every send has completed (its handle was waited on; a message to oneself
+    is a copy) and no reference to the sent tensors is kept, so the caller may free or
+    overwrite their storage (the executor deallocates sent outputs).  On NCCL "completed"
+    means ordered before later work on the current stream, which is what the caching
+    allocator needs before reusing the memory.
     """
 
     def __init__(self, mesh, tensor_shape: Sequence[int], dtype: torch.dtype, vp: int = 1):
@@ -84,5 +90,6 @@ class StageComm:
                 received[a] = buf
         if ops:
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                work.wait()  # before returning: the caller may free what was sent
+            ops.clear()
         return received
