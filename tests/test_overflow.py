@@ -1,0 +1,48 @@
+"""An fp16 overflow on any one rank (a TP rank, a pipeline stage, a DP replica) skips the step on
+every rank together: the run then follows a one-process run whose same step overflowed."""
+import pytest
+
+from test_training import _cfg
+
+
+def _provider_with_overflow(target_rank, at_backward):
+    """models.build_chunks, plus an inf injected into one gradient on ``target_rank`` only, during
+    its ``at_backward``-th backward pass (counted per rank: micro-batches included)."""
+    import models
+
+    def provider(cfg, mesh):
+        chunks = models.build_chunks(cfg, mesh)
+        if mesh.rank == target_rank:
+            param = next(chunks[-1].parameters())
+            calls = {"n": 0}
+
+            def poison(grad):
+                calls["n"] += 1
+                return grad * float("inf") if calls["n"] == at_backward else grad
+            param.register_hook(poison)
+        return chunks
+    return provider
+
+
+def _train(cfg, target_rank, at_backward):
+    from megazero.training import train
+    return train(cfg, _provider_with_overflow(target_rank, at_backward))
+
+
+def _fp16(**layout):
+    return _cfg(iters=4, fp16=True, initial_loss_scale=1024.0, hysteresis=1, eval_interval=0, num_layers=4,
+                hidden_size=32, **layout)
+
+
+@pytest.mark.parametrize("target_rank", [1, 6], ids=["tp1-first-stage", "last-stage-dp1"])
+def test_overflow_on_one_rank_skips_everywhere(target_rank):
+    from megazero.testing import run_ranks
+    micro = 8 // 2  # micro-batches per DP rank at DP 2 (global batch 8, micro batch 1)
+    # one process: the overflow in step 2 (its backward passes 9..16; 8 micro-batches a step)
+    (ref,) = run_ranks(_train, 1, _fp16(), 0, 8 + 1)
+    got = run_ranks(_train, 8, _fp16(tp=2, pp=2, zero=2), target_rank, micro + 1)
+    assert [m["skipped"] for m in ref] == [0, 1, 0, 0]
+    for hist in got:  # every rank agrees on the skip and the new scale
+        assert [m["skipped"] for m in hist] == [0, 1, 0, 0]
+        assert [m["loss_scale"] for m in hist] == [1024.0, 512.0, 512.0, 512.0]
+    assert [m["loss"] for m in got[0]] == pytest.approx([m["loss"] for m in ref], rel=2e-3)
