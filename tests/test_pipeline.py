@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.mesh import ParallelMesh
-from megazero.pipeline.executor import PipelineTimer, run_forward_only, run_schedule
+from megazero.pipeline.executor import PipelineTimer, _can_deallocate, run_forward_only, run_schedule
 from megazero.pipeline.partition import stage_layers
 from megazero.pipeline.schedules import ScheduleError
 from megazero.testing import run_ranks
@@ -54,6 +54,37 @@ class ToyChunk(torch.nn.Module):
         if labels is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view(labels.shape)
+
+
+class _SaveOutput(torch.autograd.Function):
+    """Identity whose backward keeps its own output (as ``tanh``/``exp`` do)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors  # noqa: B018 - the saved output must still be readable
+        return g
+
+
+class Tail(torch.nn.Module):
+    """A chunk whose hidden output comes out of an identity ``op`` that defeats output deallocation:
+    "view" (the output is a view) or "saved" (its producer saves it for backward)."""
+
+    def __init__(self, inner, op):
+        super().__init__()
+        self.inner, self.op = inner, op
+        self.pre_process, self.post_process = inner.pre_process, inner.post_process
+
+    def forward(self, x, labels=None, loss_mask=None):
+        out = self.inner(x, labels, loss_mask)
+        if self.post_process:
+            return out
+        return out.view(out.shape) if self.op == "view" else _SaveOutput.apply(out)
 
 
 def _names(chunk):
@@ -103,11 +134,14 @@ def _run_case(mesh, case):
     vp = len(ranges)
     chunks = [ToyChunk(rg, r == 0 and v == 0, r == pp - 1 and v == vp - 1, case["tied"], shared=pp * vp > 1)
               for v, rg in enumerate(ranges)]
+    if case.get("tail"):
+        chunks = [Tail(c, case["tail"]) for c in chunks]
     sync, timer = RecordingSync(), PipelineTimer()
     scale = case.get("loss_scale", 1.0)
     losses = run_schedule(chunks, mesh, micro_batches(case["m"], case["seed"]), schedule=case["schedule"],
                           num_micro_batches=case["m"], tensor_shape=(S, B, H), dtype=torch.float32,
-                          grad_sync=sync, loss_scale=scale, timer=timer)
+                          grad_sync=sync, loss_scale=scale, timer=timer,
+                          deallocate_outputs=case.get("deallocate", True))
     shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
     if pp > 1:  # what the optimizer does once per step
         for p in shared:
@@ -116,7 +150,7 @@ def _run_case(mesh, case):
         total = sum(p.grad for p in shared)
         for p in shared:
             p.grad = total.clone()
-    grads = {n: p.grad / scale for chunk in chunks for n, p in _names(chunk).items()}
+    grads = {n: p.grad / scale for c in chunks for n, p in _names(getattr(c, "inner", c)).items()}
     eval_losses = run_forward_only(chunks, mesh, micro_batches(case["m"], case["seed"] + 1),
                                    num_micro_batches=case["m"], tensor_shape=(S, B, H))
     return {"losses": [x.item() for x in losses], "grads": grads, "calls": sync.calls,
@@ -197,6 +231,56 @@ def test_single_stage_matches_oracle(schedule, vp_layers, m):
     case = dict(schedule=schedule, m=m, layers=2, vp_layers=vp_layers, tied=True, seed=5)
     res = _run_case(ParallelMesh.single(), case)
     _check(case, [res], 1)
+
+
+def _dealloc_cases(pp, layers):
+    cases = []
+    for sched, m, vp_layers in (("gpipe", pp + 1, None), ("1f1b", 2 * pp + 1, None),
+                                ("interleaved", 2 * pp, layers // (2 * pp))):
+        for dealloc in (True, False):
+            cases.append(dict(schedule=sched, m=m, layers=layers, vp_layers=vp_layers, tied=True,
+                              seed=len(cases), deallocate=dealloc))
+    for tail in ("view", "saved"):
+        cases.append(dict(schedule="1f1b", m=pp + 1, layers=layers, tied=False, seed=len(cases), tail=tail))
+    return cases
+
+
+@pytest.mark.parametrize("pp,layers", [(2, 4), (4, 8)])
+def test_sent_outputs_deallocated(pp, layers):
+    """After its send, an output holds a one-element placeholder until its backward; losses and
+    gradients still equal the oracle (every schedule, eval too).  Outputs that are views or that
+    their producer saved are kept whole, and still right."""
+    cases = _dealloc_cases(pp, layers)
+    results = run_ranks(_worker, pp, 1, pp, cases)
+    act = S * B * H * 4  # bytes of one fp32 activation
+    for k, case in enumerate(cases):
+        _check(case, [res[k] for res in results], pp)
+        vp = 1 if case.get("vp_layers") is None else layers // (case["vp_layers"] * pp)
+        for rank, res in enumerate(results):
+            t = res[k]["timer"]
+            if rank == pp - 1 and vp == 1:  # the last stage sends nothing
+                assert t["peak_sent_output_bytes"] == 0, case
+            elif case.get("deallocate", True) and not case.get("tail"):
+                # placeholders only: 4 bytes each, at most one per micro-batch and chunk
+                assert 0 < t["peak_sent_output_bytes"] <= 4 * case["m"] * vp, (rank, case, t)
+                assert t["peak_output_bytes"] <= act + 4 * case["m"] * vp, (rank, case, t)
+            else:  # kept whole: the first stage holds several sent outputs at once when m > 1
+                assert t["peak_sent_output_bytes"] >= (2 if rank == 0 else 1) * act, (rank, case, t)
+            assert t["peak_input_bytes"] >= (act if rank > 0 else 0), (rank, case, t)
+
+
+def test_can_deallocate_guard():
+    w = torch.randn(H, H, requires_grad=True)
+    h = torch.randn(S, H) @ w
+    assert _can_deallocate(h + torch.tanh(h))  # residual add: backward saves nothing of the output
+    assert _can_deallocate(h * 2.0)
+    assert not _can_deallocate(torch.tanh(h))  # tanh's backward reads its output
+    assert not _can_deallocate(h.exp())
+    assert not _can_deallocate(_SaveOutput.apply(h))
+    assert not _can_deallocate(h.t())  # a view
+    assert not _can_deallocate(h[1:])
+    assert not _can_deallocate(w)  # a leaf: no grad_fn
+    assert not _can_deallocate(h.detach())
 
 
 def test_errors():
