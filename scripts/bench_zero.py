@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -123,6 +124,7 @@ def _run_mode(mode, args, mesh):
                 (model(x).pow(2).mean() / len(xs)).backward()
             opt.finish_grad_sync()
             opt.step(1e-4)
+        step.bucket_numels = [b.numel for b in opt.buckets]
         memory = opt.memory_bytes
     for _ in range(args.warmup):
         step()
@@ -130,51 +132,93 @@ def _run_mode(mode, args, mesh):
 
 
 def _bench(args):
-    """Set every mode up, then time them round-robin (one step each per round; median per mode) so
-    load changes on a shared machine hit every mode alike."""
+    """Set every mode up, then time them in rounds: each round runs one step of every mode, in an
+    order rotated from round to round, so load changes on a shared machine hit every mode alike.
+    Returns per mode the median and the minimum over the rounds."""
     mesh = ParallelMesh.build(device=torch.device("cpu"))
     modes = {mode: _run_mode(mode, args, mesh) for mode in args.modes}
+    names = list(modes)
     times = {mode: [] for mode in modes}
-    for _ in range(args.steps):
-        for mode, (step, _, _) in modes.items():
+    for rnd in range(args.steps):
+        for k in range(len(names)):
+            mode = names[(rnd + k) % len(names)]
             dist.barrier()
             start = time.perf_counter()
-            step()
+            modes[mode][0]()
             dist.barrier()
             times[mode].append(time.perf_counter() - start)
-    return {mode: {"time": sorted(times[mode])[len(times[mode]) // 2], "numel": numel, **memory()}
-            for mode, (_, memory, numel) in modes.items()}
+    out = {mode: {"time": statistics.median(times[mode]), "min": min(times[mode]), "numel": numel, **memory()}
+           for mode, (_, memory, numel) in modes.items()}
+    if args.collectives:
+        out["collectives"] = _collectives(args, [b for b in _bucket_sizes(modes)])
+    return out
+
+
+def _bucket_sizes(modes):
+    """Distinct bucket sizes of the megazero modes (what their collectives move)."""
+    return sorted({n for mode, (step, _, _) in modes.items() if mode.startswith("zero")
+                   for n in step.bucket_numels}, reverse=True)[:3]
+
+
+def _collectives(args, sizes):
+    """Median ms of each gloo collective on fp32 buffers of the bucket sizes (same ranks)."""
+    n, res = dist.get_world_size(), {}
+    for size in sizes:
+        x, shard, recv = torch.randn(size), torch.empty(size // n), torch.empty(size)
+        ops = {"all_reduce": lambda: dist.all_reduce(x),
+               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, x),
+               "a2a_reduce_scatter": lambda: (dist.all_to_all_single(recv, x), recv.view(n, -1).sum(0)),
+               "all_gather": lambda: dist.all_gather_single(x, shard)}
+        times = {k: [] for k in ops}
+        for _ in range(args.steps):
+            for k, op in ops.items():
+                dist.barrier()
+                start = time.perf_counter()
+                op()
+                times[k].append(time.perf_counter() - start)
+        res[size] = {k: statistics.median(v) for k, v in times.items()}
+    return res
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=8, help="samples per micro-batch per rank")
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=7, help="timed rounds (median reported)")
-    p.add_argument("--bucket-size", type=int, default=None,
-                   help="megazero bucket elements (default min(model, 10M))")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30, help="timed rounds (one step of every mode each)")
+    p.add_argument("--bucket-size", type=int, default=None, help="megazero bucket elements (default: "
+                   "megazero.zero.buffers.default_bucket_size)")
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"])
+    p.add_argument("--no-collectives", dest="collectives", action="store_false",
+                   help="skip the micro-benchmark of the gloo collectives on the bucket sizes")
     args = p.parse_args(argv)
+    load0 = os.getloadavg()
     res = run_ranks(_bench, args.ranks, args, timeout=1800)[0]
+    load1 = os.getloadavg()
+    coll = res.pop("collectives", None)
     n = args.ranks
-    base = res.get("ddp", next(iter(res.values())))["time"]
+    base = res.get("ddp", next(iter(res.values())))
     numel = next(iter(res.values()))["numel"]
     print(f"{n} ranks, {numel / 1e6:.2f}M parameters (fp32 Adam: formula P=4 G=4 K=8 bytes/param), "
-          f"{args.micro} micro-batches x {args.batch} samples per rank")
-    print(f"{'mode':7} {'step ms':>8} {'vs DDP':>7} {'param MB':>9} {'grad MB':>8} {'optim MB':>9} "
-          f"{'total MB':>9} {'formula MB':>11}")
+          f"{args.micro} micro-batches x {args.batch} samples per rank, {args.steps} rounds")
+    print(f"load average (1 min) {load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
+    print(f"{'mode':7} {'median ms':>9} {'min ms':>7} {'vs DDP':>7} {'min vs':>7} {'param MB':>9} {'grad MB':>8} "
+          f"{'optim MB':>9} {'total MB':>9} {'formula MB':>11}")
     like = {"ddp": 0, "fsdp2": 3}
     for mode, r in res.items():
         stage = like[mode] if mode in like else int(mode[-1])
         formula = zero_model_state_bytes(numel, stage, n, 4, 4, 8)["total_bytes"]
         total = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-        print(f"{mode:7} {r['time'] * 1e3:8.1f} {r['time'] / base:7.2f} {r['param_bytes'] / 2**20:9.2f} "
-              f"{r['grad_bytes'] / 2**20:8.2f} {r['optim_bytes'] / 2**20:9.2f} {total / 2**20:9.2f} "
-              f"{formula / 2**20:11.2f}")
+        print(f"{mode:7} {r['time'] * 1e3:9.1f} {r['min'] * 1e3:7.1f} {r['time'] / base['time']:7.2f} "
+              f"{r['min'] / base['min']:7.2f} {r['param_bytes'] / 2**20:9.2f} {r['grad_bytes'] / 2**20:8.2f} "
+              f"{r['optim_bytes'] / 2**20:9.2f} {total / 2**20:9.2f} {formula / 2**20:11.2f}")
+    if coll:
+        print("gloo collectives, median ms (fp32; reduce-scatter and all-gather move a 1/N shard):")
+        for size, t in coll.items():
+            print(f"  {size:>9} elements: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in t.items()))
     return res
 
 

@@ -25,7 +25,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 KINDS = ("dense", "sp", "emb")
-DEFAULT_BUCKET_SIZE = 10_000_000
+MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # elements
+
+
+def default_bucket_size(total: int) -> int:
+    """Default elements per bucket: a quarter of the model, within ``[1M, 40M]``.
+
+    Several buckets let reductions start while backward still runs and keep ZeRO-2/3's live
+    bucket small (on 2 CPU ranks, a 4.3M-parameter model's ZeRO-2 step took 1.8x DDP's time with
+    one bucket and 1.3x with four); below ~1M elements per-collective latency dominates, and
+    40M is Megatron-LM's GPU default.  A model under 1M elements gets one bucket.
+    """
+    return min(max(-(-total // 4), MIN_BUCKET), MAX_BUCKET)
 
 
 def param_kind(p: torch.nn.Parameter) -> str:
@@ -87,11 +98,11 @@ def plan_buckets(groups: Sequence[Tuple[int, Optional[int], Sequence[torch.nn.Pa
                  bucket_size: Optional[int]) -> List[Bucket]:
     """Cut ``(chunk, unit, params)`` groups into buckets, one kind at a time.
 
-    ``bucket_size`` caps elements per bucket (default ``min(model, 10M)``); ``unit`` groups (ZeRO-3)
-    are never split.  Returns the buckets with their ``offset`` in one flat index space.
+    ``bucket_size`` caps elements per bucket (default :func:`default_bucket_size`); ``unit`` groups
+    (ZeRO-3) are never split.  Returns the buckets with their ``offset`` in one flat index space.
     """
     total = sum(p.numel() for _, _, ps in groups for p in ps)
-    cap = bucket_size or min(max(total, 1), DEFAULT_BUCKET_SIZE)
+    cap = bucket_size or default_bucket_size(total)
     buckets: List[Bucket] = []
     offset = 0
 
