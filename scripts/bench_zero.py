@@ -1,24 +1,40 @@
 """Benchmark megazero's ZeRO stages 0-3 against torch DDP and FSDP2 on the same model and ranks.
 
-Runs on CPU gloo ranks forked by :func:`megazero.testing.run_ranks` (or on the current process
-group's devices when started under torchrun) and prints, side by side, the step time (ratio to
-DDP) and the model-state bytes per rank next to DESIGN.md's formula (fp32 Adam: 4 + 4 + 8 bytes
-per parameter, the fp32 parameters being their own master copy).
+Runs on CPU gloo ranks forked by :func:`megazero.testing.run_ranks` and prints, side by side, the
+step time (median and minimum over rounds, each as a ratio to DDP) and the model-state bytes per
+rank next to DESIGN.md's formula (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
+being their own master copy), then the gloo collectives on the bucket sizes.  Every round runs
+one step of every mode, in an order rotated per round, after ``--warmup`` steps each; the load
+average is printed so a reader can judge the noise.  The defaults take ~30 s.
 
-    python scripts/bench_zero.py --ranks 4 --hidden 256 --layers 8 --steps 5
+    python scripts/bench_zero.py            # 2 ranks, 30 rounds
+    python scripts/bench_zero.py --ranks 4 --steps 20 --modes ddp zero1 zero2
 
-Measured with the defaults (2-core CPU shared with other jobs, load average ~25, so times are noisy;
-gloo, 4 ranks, 4.27M parameters, 2 micro-batches x 8 samples per rank, median of 9 rounds):
+Measured back to back on a 2-core CPU shared with other jobs (load average ~6-7), 2 ranks,
+4.27M parameters, 2 micro-batches x 8 samples per rank, 30 rounds; "before" is commit dafa961
+(unfused Adam, float64 norm copy, gloo's reduce-scatter, one 4.27M bucket) under this script:
 
-    mode     step ms  vs DDP  param MB  grad MB  optim MB  total MB  formula MB
-    ddp        130.1    1.00     16.31    16.31     32.61     65.22       65.22
-    fsdp2      436.3    3.35      4.08     4.08      8.15     16.31       16.31
-    zero0      163.9    1.26     16.31    16.31     32.61     65.22       65.22
-    zero1      152.5    1.17     16.31    16.31      8.15     40.76       40.76
-    zero2      238.4    1.83     16.31     4.08      8.15     28.53       28.53
-    zero3      334.4    2.57      4.08     4.08      8.15     16.31       16.31
+    mode    before: median ms (x DDP)  min ms (x DDP)   after: median ms (x DDP)  min ms (x DDP)
+    ddp            83.6 (1.00)          43.6 (1.00)            85.2 (1.00)          55.4 (1.00)
+    fsdp2         275.6 (3.30)         160.7 (3.69)           276.5 (3.24)         192.2 (3.47)
+    zero0         121.7 (1.46)          67.3 (1.54)            70.6 (0.83)          53.7 (0.97)
+    zero1         104.0 (1.24)          59.3 (1.36)            85.4 (1.00)          49.8 (0.90)
+    zero2         164.5 (1.97)         104.8 (2.41)           101.3 (1.19)          68.5 (1.24)
+    zero3         204.8 (2.45)         122.9 (2.82)           191.0 (2.24)          97.4 (1.76)
 
-Bytes are measured after a step (ZeRO-2/3 also hold one live bucket during backward).
+    bytes per rank (MB, equal before and after and to the formula): ddp/zero0 65.22,
+    zero1 48.92, zero2 40.76, zero3/fsdp2 32.61
+
+    gloo collectives, median ms:  elements  all_reduce  reduce_scatter  a2a_reduce_scatter  all_gather
+                                   4274432     12.64         17.96            9.25              8.23
+                                   1052160      5.54          5.96            4.61              3.56
+
+ZeRO-2 stays above 1.1x DDP: it reduce-scatters every micro-batch (2 per step here, against
+DDP's one all-reduce in the last) and all-gathers after the step, and gloo's native
+reduce-scatter costs as much as an all-reduce (megazero uses all_to_all + a local sum instead,
+see :mod:`megazero.zero.comm`).  ZeRO-3 beats FSDP2 but gathers every unit in forward and again
+in backward for each micro-batch.  Bytes are measured after a step (ZeRO-2/3 also hold live
+buckets during backward).
 """
 from __future__ import annotations
 
