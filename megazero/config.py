@@ -48,8 +48,9 @@ class ParallelConfig:
     zero_stage: int = _f(0, "ZeRO stage on the data-parallel axis: 0 plain DP, 1 optimizer state, "
                          "2 + gradients, 3 + parameters.", type=int)
     offload_optimizer: bool = _f(False, "Keep fp32 master weights and optimizer state on the CPU (ZeRO 1-3).")
-    ddp_bucket_size: Optional[int] = _f(None, "Gradient bucket size in elements (default: a quarter of the model, within 1M-40M; "
-                                            "never more than the model).")
+    ddp_bucket_size: Optional[int] = _f(
+        None, "Gradient bucket size in elements (default: a quarter of the model, within 1M-40M; "
+        "never more than the model).")
     overlap_grad_reduce: bool = _f(True, "Start each bucket's gradient reduction as soon as it is complete.",
                                    flag="--no-overlap-grad-reduce", action="store_false")
     rank_order: str = _f("tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
