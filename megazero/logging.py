@@ -53,7 +53,9 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
     parts.append(f"{m['iteration_time'] * 1000:.0f} ms/it")
     parts.append(f"{m['tokens_per_sec']:.0f} tok/s")
     if m.get("tflops") is not None:
-        parts.append(f"{m['tflops']:.3g} TFLOP/s/dev")
+        hw = m.get("hw_tflops")
+        extra = f" (hw {hw:.3g} with recompute)" if hw is not None and hw > m["tflops"] * (1 + 1e-9) else ""
+        parts.append(f"{m['tflops']:.3g} TFLOP/s/dev{extra}")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     state = sum(m.get(k, 0) or 0 for k in ("param_bytes", "grad_bytes", "optim_bytes"))

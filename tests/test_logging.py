@@ -152,6 +152,9 @@ def test_format_line_fields():
                  "peak mem 3.0 GiB"):
         assert part in line, part
     assert "eta" in progress_bar(5, 10, 0.0, 1.0)
+    assert "with recompute" not in line  # hardware FLOP/s shown only when recomputation adds work
+    m.update(tflops=1.5, hw_tflops=2.0)
+    assert "1.5 TFLOP/s/dev (hw 2 with recompute)" in format_line(m, 100)
 
 
 def test_wandb_mode_default(monkeypatch):
