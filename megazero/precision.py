@@ -29,7 +29,9 @@ class LossScaleError(RuntimeError):
 
 
 def compute_dtype(precision) -> torch.dtype:
-    """The parameter/activation dtype a :class:`~megazero.config.PrecisionConfig` asks for."""
+    """The parameter/activation dtype a :class:`~megazero.config.PrecisionConfig` (or a whole
+    :class:`~megazero.config.MegazeroConfig`) asks for: bf16, fp16 or fp32."""
+    precision = getattr(precision, "precision", precision)
     if precision.bf16:
         return torch.bfloat16
     if precision.fp16:

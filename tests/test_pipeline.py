@@ -337,7 +337,8 @@ def _gpt_batches(cfg, m, seed):
 
 
 def _gpt_worker(tp, pp, dp, cases):
-    from megazero.pipeline.p2p import compute_dtype, p2p_tensor_shape
+    from megazero.pipeline.p2p import p2p_tensor_shape
+    from megazero.precision import compute_dtype
     from models import build_chunks, full_state_dict
     mesh = ParallelMesh.build(tp=tp, pp=pp)
     out = []

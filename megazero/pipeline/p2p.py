@@ -30,14 +30,6 @@ def p2p_tensor_shape(cfg) -> Tuple[int, int, int]:
     return (seq, cfg.training.micro_batch_size, cfg.model.hidden_size)
 
 
-def compute_dtype(cfg) -> torch.dtype:
-    """The dtype activations travel in: bf16, fp16 or fp32."""
-    if cfg.precision.bf16:
-        return torch.bfloat16
-    if cfg.precision.fp16:
-        return torch.float16
-    return torch.float32
-
 
 def peer_rank(mesh, action: Action, vp: int = 1) -> int:
     """Global rank at the other end of a communication action of this rank."""
