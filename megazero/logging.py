@@ -120,7 +120,8 @@ class TrainingLogger:
         it = metrics["iteration"]
         if self.metrics_fh is not None:
             # strict JSON: a non-finite value (the grad norm of a skipped fp16 step) becomes null
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in metrics.items()}
             self.metrics_fh.write(json.dumps(clean, allow_nan=False) + "\n")
             self.metrics_fh.flush()
         if self.wandb_run is not None:

@@ -27,11 +27,13 @@ def _parse_order(order: str) -> List[str]:
             f"unknown axis {unknown[0]!r} in rank order {order!r}; use a permutation of tp, dp and pp "
             "such as 'tp-dp-pp' (Megatron-LM's default) or 'tp-pp-dp'")
     if sorted(tokens) != sorted(AXES):
-        raise ValueError(f"rank order {order!r} must name each of tp, dp and pp exactly once, e.g. 'tp-dp-pp'")
+        raise ValueError(f"rank order {order!r} must name each of tp, dp and pp exactly once, "
+                         "e.g. 'tp-dp-pp'")
     return tokens
 
 
-def rank_groups(world_size: int, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp") -> Dict[str, List[List[int]]]:
+def rank_groups(world_size: int, tp: int = 1, pp: int = 1,
+                order: str = "tp-dp-pp") -> Dict[str, List[List[int]]]:
     """Megatron-LM's process-group layout, as lists of rank lists.
 
     Returns a dict with keys ``"tp"``, ``"dp"``, ``"pp"``, ``"mp"`` (the tp x pp model-parallel
@@ -45,7 +47,8 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, order: str = "tp-dp-p
     if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
-            f"pipeline-model-parallel size {pp} = {tp * pp}; choose sizes whose product divides the world size")
+            f"pipeline-model-parallel size {pp} = {tp * pp}; choose sizes whose product divides the "
+            "world size")
     sizes = {"tp": tp, "pp": pp, "dp": world_size // (tp * pp)}
     axes = _parse_order(order)
     # stride of each axis in the rank number: the first-named axis varies fastest

@@ -51,7 +51,8 @@ class _Recompute(torch.autograd.Function):
             if ctx.tracker is not None:
                 ctx.tracker.set_state(now_tracker)
         outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         inputs = [args[i].grad if torch.is_tensor(args[i]) and args[i].requires_grad else None

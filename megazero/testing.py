@@ -63,8 +63,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     with tempfile.TemporaryDirectory(prefix="megazero-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         paths = [os.path.join(tmp, f"result{r}.pt") for r in range(world_size)]
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, paths[r], args, kwargs), daemon=True)
-                 for r in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store, paths[r], args, kwargs),
+                             daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -74,7 +74,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
             while any(p.is_alive() for p in procs):
                 for r, p in enumerate(procs):
                     if r not in done and not p.is_alive():
-                        done[r] = torch.load(paths[r], weights_only=False) if os.path.exists(paths[r]) else None
+                        exists = os.path.exists(paths[r])
+                        done[r] = torch.load(paths[r], weights_only=False) if exists else None
                         failed = failed or done[r] is None or not done[r]["ok"]
                 if failed:
                     break

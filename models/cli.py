@@ -52,11 +52,14 @@ def estimate_memory_main(argv: Optional[List[str]] = None) -> int:
     gib = 2 ** 30
     par = cfg.parallel
     print(f"model: {total_params(cfg) / 1e6:.1f}M parameters; world {ours.world_size} = "
-          f"TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP {par.data_parallel_size}; "
+          f"TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x "
+          f"DP {par.data_parallel_size}; "
           f"{rows[0]['params_per_rank'] / 1e6:.1f}M parameters on the largest rank")
-    print(f"{'ZeRO':>4} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'activ GiB':>10} {'total GiB':>10}")
+    print(f"{'ZeRO':>4} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} {'activ GiB':>10} "
+          f"{'total GiB':>10}")
     for r in rows:
         print(f"{r['zero_stage']:>4} {r['param_bytes'] / gib:>11.3f} {r['grad_bytes'] / gib:>10.3f} "
-              f"{r['optim_bytes'] / gib:>10.3f} {r['activation_bytes'] / gib:>10.3f} {r['total_bytes'] / gib:>10.3f}"
+              f"{r['optim_bytes'] / gib:>10.3f} {r['activation_bytes'] / gib:>10.3f} "
+              f"{r['total_bytes'] / gib:>10.3f}"
               + ("  (optimizer state in host memory)" if r["optim_on_cpu"] else ""))
     return 0

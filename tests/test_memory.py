@@ -24,7 +24,8 @@ def cfg_of(world=1, **kw):
 def _count(settings):
     import models
     cfg = cfg_of(4, **settings)
-    mesh = ParallelMesh.build(cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size)
+    par = cfg.parallel
+    mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     chunks = models.build_chunks(cfg, mesh)
     return mesh.pp_rank, sum(p.numel() for c in chunks for p in c.parameters())
 

@@ -20,14 +20,16 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
                          "every stage needs at least one layer")
     if first is None and last is None:
         if num_layers % pp:
-            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            raise ValueError(f"--num-layers {num_layers} is not divisible by "
+                             f"--pipeline-model-parallel-size {pp}; "
                              "give an uneven split with --decoder-first-pipeline-num-layers / "
                              "--decoder-last-pipeline-num-layers")
         return [num_layers // pp] * pp
     middle = pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
     if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest % middle or rest // middle < 1)):
-        raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, last={last}: "
+        raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, "
+                         f"last={last}: "
                          "the remaining layers must divide evenly over the middle stages")
     counts = [rest // middle if middle else 0] * pp
     if first is not None:
@@ -42,7 +44,8 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vp_layers: Optional[int
     """Global layer indices owned by stage ``pp_rank``: one range per (virtual) model chunk."""
     if vp_layers is not None:
         if num_layers % (pp * vp_layers):
-            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+            raise ValueError(f"--num-layers {num_layers} is not divisible by "
+                             f"--pipeline-model-parallel-size {pp} x "
                              f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
         vp = num_layers // (pp * vp_layers)
         return [range((v * pp + pp_rank) * vp_layers, (v * pp + pp_rank + 1) * vp_layers) for v in range(vp)]
