@@ -142,12 +142,13 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
-    data_path: List[str] = _f([], "Megatron-format dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 "
-                              "(reserved: refused at start-up until the dataset reader lands; use --mock-data).",
+    data_path: List[str] = _f([], "Megatron-format dataset prefix(es) (PREFIX.bin/.idx, written by "
+                              "scripts/preprocess_data.py or Megatron-LM), optionally weighted: [w1] p1 [w2] p2.",
                               nargs="+")
-    split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path; reserved).")
+    split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path).")
     mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece model file (with --data-path; reserved).")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file or Hugging Face tokenizer directory; "
+                                        "its vocabulary size replaces --vocab-size.")
     num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
 
 
@@ -524,6 +525,13 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
            "Megatron-format dataset (see scripts/preprocess_data.py)")
     _check(not (cfg.data.mock_data and cfg.data.data_path),
            "--mock-data and --data-path are exclusive; choose one")
+    if cfg.data.tokenizer_model:  # as in Megatron-LM, the tokenizer's vocabulary sets the model's
+        try:
+            from megazero.data.tokenizer import load_tokenizer
+            mod.vocab_size = load_tokenizer(cfg.data.tokenizer_model).vocab_size
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--tokenizer-model: {err}") from None
+        mod.padded_vocab_size = ((mod.vocab_size + multiple - 1) // multiple) * multiple
     _check(not cfg.data.mock_data or mod.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {mod.vocab_size}")
     return cfg
