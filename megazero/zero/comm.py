@@ -1,47 +1,87 @@
-"""The reduce-scatter ZeRO-1/2/3 run on every bucket, as fast as the backend allows.
+"""The reductions ZeRO runs on every bucket, as fast as the backend allows, as objects in flight.
 
 gloo (CPU) implements ``reduce_scatter_single`` as a clone of the input, a full all-reduce and a
 copy of this rank's slice, so it costs as much as an all-reduce (1.1-1.4x, measured on 2 and 4
 ranks; see ``scripts/bench_zero.py``).  An ``all_to_all_single`` moves only ``(N-1)/N`` of the
 bucket per rank, like a ring reduce-scatter; summing the ``N`` received slices locally then gives
-this rank's reduced slice at about half gloo's reduce-scatter time.  Other backends (NCCL) use
-their native reduce-scatter, and so do bf16/fp16 gradients: summed in another order than gloo's
-all-reduce, their rounding would make ZeRO-1/2/3 drift visibly from stage 0 under Adam.
+this rank's reduced slice at about half gloo's reduce-scatter time, at the price of a full-bucket
+receive buffer while it runs.  Other backends (NCCL) use their native reduce-scatter, and so do
+bf16/fp16 gradients: summed in another order than gloo's all-reduce, their rounding would make
+ZeRO-1/2/3 drift visibly from stage 0 under Adam.
+
+Every launch returns a :class:`Reduction` that says how many bytes of temporaries it holds until
+it is waited for, so the optimizer can bound the gradient memory in flight.
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 
+class Reduction:
+    """One asynchronous collective and its post-processing.
+
+    ``nbytes``: bytes of temporaries this object allocated and holds until :meth:`wait` (a receive
+    buffer, a partial result), not counting the caller's input.  ``finish_bytes``: bytes allocated
+    only while :meth:`wait` post-processes.  :meth:`wait` waits, drops the input (before
+    post-processing, so the two never coexist with the finish temporaries) and then every
+    temporary.
+    """
+
+    def __init__(self, work, finish: Optional[Callable[[], None]] = None, keep: Optional[torch.Tensor] = None,
+                 nbytes: int = 0, finish_bytes: int = 0):
+        self.work, self.finish, self.keep = work, finish, keep
+        self.nbytes, self.finish_bytes = nbytes, finish_bytes
+
+    def done(self) -> bool:
+        """Whether the collective has completed (never blocks)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work, self.keep = None, None
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+
+
+def all_reduce_mean(buf: torch.Tensor, group, size: int) -> Reduction:
+    """Start averaging ``buf`` in place over ``group`` (``size`` ranks); no temporaries."""
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return Reduction(work, lambda: buf.mul_(1.0 / size))
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, scale: float = 1.0,
-                   accumulate: bool = False) -> Tuple[object, Callable[[], None]]:
+                   accumulate: bool = False) -> Reduction:
     """Start reducing ``inp`` (``N * out.numel()`` elements) over ``group`` into ``out``.
 
-    Returns ``(work, finish)``: after ``work.wait()``, ``finish()`` writes ``scale * sum`` of this
-    rank's slice into ``out`` (or adds it when ``accumulate``).  ``inp`` must stay alive and
-    unchanged until then.
+    After ``wait()`` of the result, ``out`` holds ``scale * sum`` of this rank's slice (or has it
+    added when ``accumulate``).  The result keeps ``inp`` alive until its collective is over; the
+    caller must not change it before.
     """
     n = out.numel()
     if inp.dtype in (torch.float32, torch.float64) and dist.get_backend(group) == "gloo":
         recv = torch.empty_like(inp)
         work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
+        slices = recv.view(-1, n)
 
-        def finish(_keep=inp):  # holds the input until the exchange is over
-            total = recv.view(-1, n).sum(0)
+        def finish():
             if accumulate:
-                out.add_(total, alpha=scale)
+                out.add_(slices.sum(0), alpha=scale)
             else:
-                out.copy_(total.mul_(scale) if scale != 1.0 else total)
-        return work, finish
+                torch.sum(slices, 0, out=out)
+                if scale != 1.0:
+                    out.mul_(scale)
+        return Reduction(work, finish, inp, recv.nbytes, out.nbytes if accumulate else 0)
     tmp = torch.empty_like(out) if accumulate else out
     work = dist.reduce_scatter_single(tmp, inp, group=group, async_op=True)
 
-    def finish_native(_keep=inp):
+    def finish_native():
         if accumulate:
             out.add_(tmp, alpha=scale)
         elif scale != 1.0:
             out.mul_(scale)
-    return work, finish_native
+    return Reduction(work, finish_native, inp, tmp.nbytes if accumulate else 0)

@@ -7,8 +7,8 @@ stage   parameters              gradients                       fp32 master + op
 ======  ======================  ==============================  ============================
 0       full flat buffer        full flat buffer (all-reduce)   full
 1       full flat buffer        full flat buffer (reduce-scat.)  own slice of each bucket
-2       full flat buffer        own slice (+ one live bucket)   own slice
-3       own slice (+ gathered)  own slice (+ one live bucket)   own slice
+2       full flat buffer        own slice (+ live buckets)      own slice
+3       own slice (+ gathered)  own slice (+ live buckets)      own slice
 ======  ======================  ==============================  ============================
 
 Gradients reach the flat buffers through ``post_accumulate_grad`` hooks (``param.grad`` is
@@ -18,11 +18,22 @@ all its parameters' gradients have arrived: stages 0/1 only in the last micro-ba
 ``finish_grad_sync`` waits for them and does the once-per-step sums over TP (sequence-parallel
 parameters) and the embedding group (tied embeddings); summing the DP-reduced slice over those
 groups equals reducing the summed gradient, as the bucket layouts match across them.
+
+Gradient memory in flight is bounded.  Stages 2/3 collect a bucket's gradients in a full-bucket
+temporary; stage 1 (and 2/3 on gloo fp32, see :mod:`megazero.zero.comm`) reduce through a
+full-bucket receive buffer.  Before a reduction that holds temporaries is launched, every earlier
+one is waited for and retired (its slice added into the shard, its temporaries freed), and a
+finished one is retired as soon as the next bucket starts; so one reduction runs while the next
+bucket fills (the overlap), and the gradient bytes never exceed the persistent buffer plus three
+buckets (two on backends with a native reduce-scatter).  ``memory_bytes()["peak_grad_bytes"]``
+is the high-water mark, temporaries included.  With ``--no-overlap-grad-reduce`` stages 0/1
+reduce after backward; stages 2/3 reduce each bucket when it completes and wait for it.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from collections import deque
+from typing import Deque, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +41,7 @@ import torch.distributed as dist
 from megazero.clip import clip_coefficient, counts_in_norm, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.zero.buffers import Bucket, find_units, plan_buckets, trainable_params
-from megazero.zero.comm import reduce_scatter
+from megazero.zero.comm import Reduction, all_reduce_mean, reduce_scatter
 from megazero.zero.flat_optim import build_flat_optimizer
 from megazero.zero.stage3 import Stage3Params
 
@@ -61,7 +72,7 @@ class ZeroOptimizer:
         self.step_count = 0
         self.skipped_steps = 0
         self._last = [True] * len(self.chunks)
-        self._pending: list = []   # (handle, post-processing) of launched reductions
+        self._pending: Deque[Tuple[Reduction, int]] = deque()  # launched, with caller-owned input bytes
         self._ready: List[Bucket] = []  # complete buckets waiting to be launched (no overlap)
         self._synced = True
 
@@ -78,6 +89,9 @@ class ZeroOptimizer:
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self._where = {id(p): (b, s, i) for b in self.buckets for i, (p, s) in enumerate(zip(b.params, b.starts))}
         self._build_storage()
+        grad_buf = self.grad_buf if self.stage < 2 else self.grad_shard_buf
+        self._grad_live = grad_buf.untyped_storage().nbytes()  # grad bytes held now, temporaries included
+        self.peak_grad_bytes = self._grad_live  # their high-water mark since construction
         self.stage3 = None
         if self.stage == 3:
             self.stage3 = Stage3Params(units, self.buckets, self._param_shard, mesh, self.dtype)
@@ -166,7 +180,9 @@ class ZeroOptimizer:
         grad = p.grad.reshape(-1)
         if self.stage >= 2:
             if b.grad_tmp is None:  # a fresh bucket: each gradient is copied in, not added to zeros
+                self._retire_finished()
                 b.grad_tmp = torch.empty(b.numel, dtype=self.grad_dtype, device=self.mesh.device)
+                self._hold(b.grad_tmp.nbytes)
                 b.grad_tmp[b.starts[-1] + b.shapes[-1].numel():].zero_()  # padding
                 b.written = [False] * len(b.params)
             dst = b.grad_tmp[s:s + grad.numel()]
@@ -191,8 +207,40 @@ class ZeroOptimizer:
             return
         if self.overlap:
             self._launch(b)
+        elif self.stage >= 2:  # no overlap, but no pile of full buckets either: reduce it now
+            self._launch(b)
+            self._retire()
         else:
             self._ready.append(b)
+
+    # ---- reductions in flight and the gradient bytes they hold ---------------------------
+    def _hold(self, nbytes: int, transient: int = 0) -> None:
+        """``nbytes`` more gradient bytes are held from now on (negative: freed); ``transient``
+        more only for a moment.  Updates the high-water mark."""
+        self._grad_live += nbytes
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_live + transient)
+
+    def _retire_one(self) -> None:
+        """Wait for the oldest reduction, add its result in, free its temporaries."""
+        red, owned = self._pending.popleft()
+        self._hold(0, red.finish_bytes - owned)  # the input is dropped before post-processing
+        red.wait()
+        self._hold(-owned - red.nbytes)
+
+    def _retire(self, keep: int = 0) -> None:
+        """Retire reductions, oldest first, until at most ``keep`` are in flight."""
+        while len(self._pending) > keep:
+            self._retire_one()
+
+    def _retire_finished(self) -> None:
+        """Retire the reductions that are already over (never blocks)."""
+        while self._pending and self._pending[0][0].done():
+            self._retire_one()
+
+    def _start(self, red: Reduction, owned: int) -> None:
+        """Track a launched reduction holding ``owned`` bytes of the caller's temporaries."""
+        self._pending.append((red, owned))
+        self._hold(red.nbytes)
 
     def _launch(self, b: Bucket) -> None:
         dp, group = self.dp, self.mesh.dp_group
@@ -201,11 +249,11 @@ class ZeroOptimizer:
                 return
             b.reduced = True
             full = self.grad_buf[b.offset:b.offset + b.numel]
-            if dp > 1 and self.stage == 0:
-                h = dist.all_reduce(full, group=group, async_op=True)
-                self._pending.append((h, lambda: full.mul_(1.0 / dp)))
+            if dp > 1 and self.stage == 0:  # in place: nothing to bound
+                self._start(all_reduce_mean(full, group, dp), 0)
             elif dp > 1:
-                self._pending.append(reduce_scatter(self._grad_view(b), full, group, 1.0 / dp))
+                self._retire()  # one receive buffer at a time
+                self._start(reduce_scatter(self._grad_view(b), full, group, 1.0 / dp), 0)
             return
         tmp, b.grad_tmp = b.grad_tmp, None
         if tmp is None:
@@ -216,18 +264,16 @@ class ZeroOptimizer:
         shard = self._grad_view(b)
         if dp == 1:
             shard.add_(tmp)
+            self._hold(-tmp.nbytes)
             return
-        h, finish = reduce_scatter(shard, tmp, group, 1.0 / dp, accumulate=True)
-        self._pending.append((h, finish))
+        self._retire()  # one reduction in flight while the next bucket fills
+        self._start(reduce_scatter(shard, tmp, group, 1.0 / dp, accumulate=True), tmp.nbytes)
 
     def _drain(self) -> None:
         for b in self._ready:
             self._launch(b)
         self._ready = []
-        for h, post in self._pending:
-            h.wait()
-            post()
-        self._pending = []
+        self._retire()
 
     def _flush_incomplete(self) -> None:
         """Buckets left incomplete by the last backward (unused parameters) are reduced as they are."""
@@ -275,7 +321,10 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients for the next step."""
+        self._retire()  # nothing may still write into the buffers zeroed below
         for b in self.buckets:
+            if b.grad_tmp is not None:
+                self._hold(-b.grad_tmp.nbytes)
             b.arrived, b.reduced, b.grad_tmp = 0, False, None
             for p in b.params:
                 p.grad = None
@@ -283,7 +332,7 @@ class ZeroOptimizer:
             self.grad_buf.zero_()
         else:
             self.grad_shard_buf.zero_()
-        self._ready, self._pending = [], []
+        self._ready = []
 
     def step(self, lr: float) -> Dict[str, object]:
         """Unscale, check overflow (world-wide), clip and update.  Returns ``skipped``,
@@ -323,7 +372,9 @@ class ZeroOptimizer:
 
     # ---- memory, parameters, state ------------------------------------------------------
     def memory_bytes(self) -> Dict[str, int]:
-        """Model-state bytes this rank holds now (each storage counted once)."""
+        """Model-state bytes this rank holds now (each storage counted once), and
+        ``peak_grad_bytes``: the most gradient bytes held at any moment so far, the temporaries of
+        backward (live buckets, reductions in flight) included."""
         seen: Dict[int, bool] = {}
 
         def nbytes(tensors) -> int:
@@ -339,7 +390,8 @@ class ZeroOptimizer:
         grads = [self.grad_buf] if self.stage < 2 else [self.grad_shard_buf] + [
             b.grad_tmp for b in self.buckets if b.grad_tmp is not None]
         optim = list(self.master.values()) + [t for s in self.state.values() for t in s.values()]
-        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(optim)}
+        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(optim),
+                "peak_grad_bytes": self.peak_grad_bytes}
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""
