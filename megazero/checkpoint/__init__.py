@@ -1,0 +1,53 @@
+"""Sharded checkpoints that load under any layout (TP, PP, DP, ZeRO stage, virtual stages).
+
+On disk (``--save DIR``), after iteration 10::
+
+    DIR/latest_checkpointed_iteration.txt    "10": the newest complete checkpoint (Megatron's tracker)
+    DIR/iter_0000010/
+        metadata.json                        written last: iteration, trainer state (consumed samples,
+                                             skipped iterations), optimizer step, loss-scaler state,
+                                             the saving layout, the model architecture, the file list
+        config.json                          the whole configuration of the saving run
+        model_tp00_pp000.pt ...              one file per (tensor-parallel rank, pipeline stage)
+        rng_tp00_pp000_dp000.pt ...          one file per rank: its generator states
+
+A model file is written by the data-parallel rank 0 of its (tp, pp) coordinate and maps every
+parameter of that stage, by its *global* name (``decoder.<layer>.…``; the same at every pipeline
+layout), to this TP rank's shard of the fp32 master weight and the optimizer moments
+(``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``), with how it is sharded
+(``tensor_model_parallel``, ``partition_dim``, ``vocab_parallel``).  The DP/ZeRO axis is removed
+before writing: :meth:`ZeroOptimizer.param_states` gathers each parameter's state over DP
+(collective), so a file never depends on the ZeRO stage or DP size.  Parameters replicated over
+TP are written by TP rank 0 only; the last stage's copy of a tied embedding
+(``output_layer.weight`` with ``tied_copy``) is not written (it equals ``word_embeddings.weight``).
+The compute-dtype weights are not stored separately: they are the master weights cast down.
+
+Loading reshards: every rank opens the model files (memory-mapped, so it reads only what it
+needs), and for each of its parameters concatenates the saved TP pieces along
+``partition_dim``, strips the saved vocabulary padding, pads to this run's padded vocabulary and
+keeps this TP rank's slice; the stage picks its names, whatever the saving PP layout was; the
+optimizer keeps its own DP/ZeRO slice (:meth:`ZeroOptimizer.load_param_states`).  A tied copy
+loads from ``word_embeddings.weight``.
+
+Atomicity: all ranks write into ``iter_XXXXXXX.tmp/``; once every rank reports success, global
+rank 0 writes ``metadata.json``, renames the directory to ``iter_XXXXXXX`` and then replaces the
+tracker file (write a temporary file, ``os.replace``).  A crash at any point leaves either the
+previous tracker and no ``iter_…`` directory for the new iteration, or a complete one.  A
+``*.tmp`` directory is never loaded and is removed by the next save of that iteration.  The
+directory must be on a file system every rank sees.
+
+RNG: each rank's generator states (default generator, CUDA generator, the tensor-parallel
+tracker) are restored only when the saving and loading layouts are identical (world size, TP,
+PP, DP, virtual stages, uneven split, rank order).  Otherwise every rank is reseeded
+deterministically from ``(seed, iteration)`` with the start-up rules: the default generator gets
+``s + 100 * pp_rank`` and the tracker ``s + 2718 + tp_rank`` where
+``s = seed + 1_000_003 * iteration``.  Without dropout the RNG does not affect training.
+
+API: :func:`save` and :func:`load` are collective (every rank calls them);
+:func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
+"""
+from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
+from megazero.checkpoint.load import load  # noqa: F401
+from megazero.checkpoint.save import save  # noqa: F401
+
+__all__ = ["CheckpointError", "checkpoint_path", "latest_iteration", "load", "save"]

@@ -1,0 +1,113 @@
+"""File names, metadata and the small helpers :mod:`save` and :mod:`load` share."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "megazero-checkpoint-v1"
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+CONFIG = "config.json"
+EMBEDDING = "word_embeddings.weight"  # where a tied output head's weight is stored
+
+# ModelConfig fields that fix the parameter set and shapes (compared on load)
+ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
+               "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the path or parameter."""
+
+
+def checkpoint_path(directory: str, iteration: int) -> str:
+    """``DIR/iter_0000010``: the directory of one iteration's checkpoint."""
+    return os.path.join(directory, f"iter_{iteration:07d}")
+
+
+def model_file(tp_rank: int, pp_rank: int) -> str:
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"rng_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:03d}.pt"
+
+
+def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration in ``DIR/latest_checkpointed_iteration.txt``, or None without a tracker."""
+    path = os.path.join(directory, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        text = fh.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def layout_of(cfg, mesh) -> Dict[str, object]:
+    """Everything that decides which rank holds what (RNG states are kept only when it matches)."""
+    par = cfg.parallel
+    return {"world_size": mesh.world_size, "tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
+            "zero_stage": par.zero_stage, "rank_order": mesh.order,
+            "virtual_stage_layers": par.num_layers_per_virtual_pipeline_stage,
+            "first_stage_layers": par.decoder_first_pipeline_num_layers,
+            "last_stage_layers": par.decoder_last_pipeline_num_layers}
+
+
+def arch_of(cfg) -> Dict[str, object]:
+    return {k: getattr(cfg.model, k) for k in ARCH_FIELDS}
+
+
+def named_params(chunks) -> List[Tuple[str, torch.nn.Parameter]]:
+    """This rank's parameters by global name, each once (chunks never share a name)."""
+    seen, out = set(), []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def rng_trackers(chunks) -> list:
+    """The distinct tensor-parallel RNG trackers the chunks use (``chunk.rng_tracker``)."""
+    seen, out = set(), []
+    for chunk in chunks:
+        t = getattr(chunk, "rng_tracker", None)
+        if t is not None and hasattr(t, "get_state") and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def all_ok(ok: bool, mesh) -> bool:
+    """True on every rank when ``ok`` is true on every rank (a collective; also a barrier)."""
+    if not mesh.is_distributed:
+        return ok
+    device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
+    failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, group=mesh.world_group)
+    return int(failed.item()) == 0
+
+
+def write_bytes_durably(path: str, write) -> None:
+    """``write(fh)`` into ``path``, flushed to disk before returning."""
+    with open(path, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_json(path: str, obj) -> None:
+    write_bytes_durably(path, lambda fh: fh.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
+
+
+def read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)

@@ -1,0 +1,202 @@
+"""Loading a checkpoint into any layout: reassemble each parameter over the saved TP shards, keep
+this rank's slice, hand the per-parameter state to the optimizer (which keeps its DP/ZeRO slice)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, TRACKER, CheckpointError,
+                                        all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
+                                        named_params, read_json, rng_file, rng_trackers)
+from megazero.tensor_parallel.layers import pad_rows, shard
+
+RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _resolve(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
+    """The checkpoint directory and its metadata; the same answer (or error) on every rank."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {directory}: no such directory")
+    if iteration is None:
+        iteration = latest_iteration(directory)
+        if iteration is None:
+            partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+            note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
+            raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
+    path = checkpoint_path(directory, iteration)
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete (no {METADATA})")
+    meta = read_json(os.path.join(path, METADATA))
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    return path, meta
+
+
+def _state_names(cfg) -> List[str]:
+    """The optimizer moments this run's optimizer keeps per parameter."""
+    opt = cfg.optimizer
+    if opt.optimizer == "adam":
+        return ["exp_avg", "exp_avg_sq"]
+    return ["momentum_buffer"] if opt.sgd_momentum else []
+
+
+def _check_compatible(meta: dict, cfg, path: str) -> str:
+    """Refuse what cannot be resharded; return the architecture differences as a hint for errors."""
+    saved, mine = meta["model"], arch_of(cfg)
+    key = "untie_embeddings_and_output_weights"
+    if bool(saved[key]) != bool(mine[key]):
+        def kind(untied):
+            return "untied (--untie-embeddings-and-output-weights)" if untied else "tied"
+        raise CheckpointError(f"{path}: the checkpoint's output head is {kind(saved[key])} but this run's "
+                              f"is {kind(mine[key])}; use the same embedding tying as the saving run")
+    so, names = meta["optimizer"], _state_names(cfg)
+    if sorted(so["state_names"]) != sorted(names):
+        raise CheckpointError(
+            f"{path}: the checkpoint holds optimizer state for --optimizer {so['name']} ({', '.join(so['state_names']) or 'none'}) "
+            f"but this run uses --optimizer {cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
+            "resume with the same optimizer settings")
+    diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
+             for k in ARCH_FIELDS if saved.get(k) != mine[k]]
+    return "; ".join(diffs)
+
+
+def _open_model_files(path: str, meta: dict) -> Dict[str, Dict[int, dict]]:
+    """``name -> {saved tp rank: entry}`` over every model file (memory-mapped: read on use)."""
+    index: Dict[str, Dict[int, dict]] = {}
+    for fname in meta["model_files"]:
+        fpath = os.path.join(path, fname)
+        if not os.path.isfile(fpath):
+            raise CheckpointError(f"{path}: model file {fname} is missing")
+        payload = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+        for name, entry in payload["params"].items():
+            index.setdefault(name, {})[payload["tp_rank"]] = entry
+    return index
+
+
+def _full(entries: Dict[int, dict], key: str, saved_tp: int, vocab: int, name: str, path: str) -> torch.Tensor:
+    """One state tensor of a parameter, whole: saved TP pieces concatenated, vocab padding removed."""
+    first = entries[min(entries)]
+    if first["tensor_model_parallel"]:
+        missing = [t for t in range(saved_tp) if t not in entries]
+        if missing:
+            raise CheckpointError(f"{path}: parameter {name} lacks the shards of tensor-parallel ranks {missing}")
+        t = torch.cat([entries[r]["state"][key] for r in range(saved_tp)], dim=first["partition_dim"])
+    else:
+        t = first["state"][key]
+    return t[:vocab] if first["vocab_parallel"] else t
+
+
+def _expected_full_shape(p, local_shape, mesh, cfg) -> Tuple[int, ...]:
+    shape = list(local_shape)
+    if getattr(p, "tensor_model_parallel", False):
+        shape[p.partition_dim] *= mesh.tp_size
+    if getattr(p, "vocab_parallel", False):
+        shape[0] = cfg.model.vocab_size
+    return tuple(shape)
+
+
+def _local(t: torch.Tensor, p, mesh, cfg) -> torch.Tensor:
+    """This rank's slice of a full (unpadded) tensor: vocabulary padded, TP-sharded."""
+    if getattr(p, "vocab_parallel", False):
+        t = pad_rows(t, cfg.model.padded_vocab_size)
+    if getattr(p, "tensor_model_parallel", False):
+        t = shard(t, mesh, p.partition_dim)
+    return t.contiguous().clone()
+
+
+def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
+    """Per-parameter states for this rank (``{param: {master, moments..., step}}``)."""
+    index = _open_model_files(path, meta)
+    saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
+    moments = _state_names(cfg)
+    step = torch.tensor(int(meta["optimizer"]["step"]))
+    suffix = f" (model settings differ: {hint})" if hint else ""
+    states, frozen = {}, []
+    for name, p in named_params(chunks):
+        key = EMBEDDING if getattr(p, "tied_copy", False) else name
+        label = name if key == name else f"{name} (tied to {key})"
+        if key not in index:
+            raise CheckpointError(f"{path}: parameter {label} is not in the checkpoint{suffix}")
+        entries = index[key]
+        want = _expected_full_shape(p, shapes[id(p)], mesh, cfg)
+        master = _full(entries, "master", saved_tp, vocab, label, path)
+        if tuple(master.shape) != want:
+            raise CheckpointError(f"{path}: parameter {label} has shape {tuple(master.shape)} in the checkpoint "
+                                  f"but {want} in this model{suffix}")
+        if not p.requires_grad:
+            frozen.append((p, _local(master, p, mesh, cfg)))
+            continue
+        states[p] = {"master": _local(master, p, mesh, cfg), "step": step}
+        for k in moments:
+            states[p][k] = _local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg)
+    if hint:  # every parameter fit, yet the model differs (e.g. fewer layers): refuse a partial load
+        raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
+    return states, frozen
+
+
+def _restore_rng(path: str, meta: dict, chunks, mesh, cfg) -> bool:
+    """Restore this rank's generators when the layout matches; else reseed from (seed, iteration)."""
+    def comparable(layout):
+        return {k: v for k, v in layout.items() if k != "zero_stage"}
+    fpath = os.path.join(path, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
+    trackers = rng_trackers(chunks)
+    if comparable(meta["layout"]) == comparable(layout_of(cfg, mesh)) and os.path.isfile(fpath):
+        rng = torch.load(fpath, map_location="cpu", weights_only=True)
+        if len(rng["trackers"]) == len(trackers):
+            torch.set_rng_state(rng["cpu"])
+            if mesh.device.type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], mesh.device)
+            for t, state in zip(trackers, rng["trackers"]):
+                t.set_state(state)
+            return True
+    from megazero.tensor_parallel.random import RNGTracker
+    seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
+    torch.manual_seed(seed + 100 * mesh.pp_rank)
+    if mesh.device.type == "cuda":
+        torch.cuda.manual_seed(seed + 100 * mesh.pp_rank)
+    for t in trackers:
+        t.set_state(RNGTracker(seed, mesh.tp_rank, mesh.device).get_state())
+    return False
+
+
+def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] = None) -> Dict[str, object]:
+    """Load the latest checkpoint in ``directory`` (or ``iteration``) into this rank's chunks and
+    optimizer, whatever layout wrote it (collective: every rank calls it).
+
+    Returns ``iteration``, ``extra`` (as given to :func:`save`), ``path``, ``layout`` (the saving
+    one), ``rng_restored`` and ``seconds``.  Raises :class:`CheckpointError` naming the path, the
+    parameter and both shapes, or the setting that differs."""
+    start = time.perf_counter()
+    path, meta = _resolve(directory, iteration)  # file-system checks: identical on every rank
+    hint = _check_compatible(meta, cfg, path)
+    with optimizer.gathered_params():  # ZeRO-3: parameters are shards; their shapes are needed
+        shapes = {id(p): tuple(p.shape) for _, p in named_params(chunks)}
+    error, states, frozen = None, {}, []
+    try:
+        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)
+    except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
+        error = err
+    ok = all_ok(error is None, mesh)
+    if error is not None:
+        raise error if isinstance(error, CheckpointError) else CheckpointError(
+            f"{path}: {type(error).__name__}: {error}") from error
+    if not ok:
+        raise CheckpointError(f"{path}: loading failed on another rank (see its error)")
+    optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
+    with torch.no_grad():
+        for p, t in frozen:
+            p.copy_(t)
+    so = meta["optimizer"]
+    optimizer.step_count = int(so["step"])
+    optimizer.skipped_steps = int(so["skipped_steps"])
+    optimizer.scaler.load_state_dict(so["scaler"])
+    restored = _restore_rng(path, meta, chunks, mesh, cfg)
+    return {"iteration": int(meta["iteration"]), "extra": meta.get("extra", {}), "path": path,
+            "layout": meta["layout"], "rng_restored": restored, "seconds": time.perf_counter() - start}

@@ -1,0 +1,128 @@
+"""Writing a checkpoint: every rank its share into ``iter_XXXXXXX.tmp/``, then rank 0 publishes it."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Dict, Optional
+
+import torch
+
+from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, all_ok, arch_of,
+                                        checkpoint_path, layout_of, model_file, named_params, rng_file,
+                                        rng_trackers, write_bytes_durably, write_json)
+
+
+def _write(obj, path: str) -> None:
+    """``torch.save`` to ``path``, on disk before returning (tests replace it to inject a crash)."""
+    write_bytes_durably(path, lambda fh: torch.save(obj, fh))
+
+
+def _agree(error: Optional[BaseException], mesh, what: str) -> None:
+    """Raise on every rank if any rank failed (each failed rank with its own error)."""
+    ok = all_ok(error is None, mesh)
+    if error is not None:
+        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
+    if not ok:
+        raise CheckpointError(f"{what}: failed on another rank (see its error)")
+
+
+def _model_payload(chunks, states, mesh, cfg) -> Dict[str, object]:
+    """This (tp, pp) coordinate's parameters: TP shard of the master weight and optimizer moments."""
+    params = {}
+    for name, p in named_params(chunks):
+        if getattr(p, "tied_copy", False):
+            continue  # equals word_embeddings.weight, which the first stage writes
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        if not split and mesh.tp_rank != 0:
+            continue  # replicated over TP: TP rank 0 writes it
+        if p in states:
+            state = {k: v for k, v in states[p].items() if k != "step"}
+        else:  # not trained (no optimizer state): the weight itself
+            state = {"master": p.detach().float().cpu().clone()}
+        params[name] = {"tensor_model_parallel": split,
+                        "partition_dim": int(p.partition_dim) if split else -1,
+                        "vocab_parallel": bool(getattr(p, "vocab_parallel", False)),
+                        "state": state}
+    return {"format": FORMAT, "tp_rank": mesh.tp_rank, "tp_size": mesh.tp_size, "pp_rank": mesh.pp_rank,
+            "padded_vocab_size": cfg.model.padded_vocab_size, "params": params}
+
+
+def _rng_payload(chunks, mesh) -> Dict[str, object]:
+    out = {"cpu": torch.get_rng_state(), "trackers": [t.get_state() for t in rng_trackers(chunks)]}
+    if mesh.device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(mesh.device)
+    return out
+
+
+def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, cfg) -> None:
+    """Rank 0: metadata, then the rename that makes the checkpoint exist, then the tracker."""
+    write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+    write_json(os.path.join(tmp, METADATA), meta)  # last file: a directory without it is incomplete
+    old = None
+    if os.path.exists(final):  # saving the same iteration again
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    tracker_tmp = os.path.join(directory, TRACKER + ".tmp")
+    write_bytes_durably(tracker_tmp, lambda fh: fh.write(f"{iteration}\n".encode()))
+    os.replace(tracker_tmp, os.path.join(directory, TRACKER))
+    if hasattr(os, "O_DIRECTORY"):  # make the renames durable too
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Optional[dict] = None) -> float:
+    """Write the checkpoint of ``iteration`` to ``directory`` (collective: every rank calls it).
+
+    ``chunks``: this rank's model chunks; ``optimizer``: its :class:`ZeroOptimizer`; ``extra``: a
+    JSON-serialisable dict stored in the metadata (the trainer's consumed samples, skipped
+    iterations) and returned by :func:`load`.  Returns the seconds it took.  Raises
+    :class:`CheckpointError` on every rank if any rank failed; the previous checkpoint and the
+    tracker are then unchanged."""
+    start = time.perf_counter()
+    final = checkpoint_path(directory, iteration)
+    tmp = final + ".tmp"
+    error = None
+    if mesh.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crashed save
+            os.makedirs(tmp)
+        except OSError as err:
+            error = err
+    _agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
+
+    states = optimizer.param_states()  # collective over DP: per-parameter state, DP/ZeRO-free
+    try:
+        if mesh.dp_rank == 0:
+            _write(_model_payload(chunks, states, mesh, cfg), os.path.join(tmp, model_file(mesh.tp_rank,
+                                                                                          mesh.pp_rank)))
+        _write(_rng_payload(chunks, mesh), os.path.join(tmp, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)))
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        error = err
+    del states
+    _agree(error, mesh, f"saving iteration {iteration} to {tmp}")
+
+    if mesh.rank == 0:
+        state_names = sorted(k for st in optimizer.state.values() for k in st) if optimizer.state else []
+        meta = {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}),
+                "optimizer": {"name": cfg.optimizer.optimizer, "state_names": sorted(set(state_names)),
+                              "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),
+                              "scaler": optimizer.scaler.state_dict()},
+                "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+                "padded_vocab_size": cfg.model.padded_vocab_size,
+                "model_files": [model_file(t, p) for p in range(mesh.pp_size) for t in range(mesh.tp_size)],
+                "torch_version": torch.__version__}
+        try:
+            _publish(directory, tmp, final, iteration, meta, cfg)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    _agree(error, mesh, f"publishing checkpoint {final}")
+    return time.perf_counter() - start
