@@ -155,9 +155,11 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     """Saving and loading."""
-    save: Optional[str] = _f(None, "Directory to save checkpoints to (not implemented yet: refused at start-up).")
-    load: Optional[str] = _f(None, "Directory to load a checkpoint from (not implemented yet: refused at start-up).")
-    save_interval: int = _f(0, "Save every this many steps (not implemented yet: refused at start-up).")
+    save: Optional[str] = _f(None, "Directory to save checkpoints to (iter_XXXXXXX/ per save, and "
+                             "latest_checkpointed_iteration.txt); saved every --save-interval steps and at the end.")
+    load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any TP/PP/DP/ZeRO "
+                             "layout (iteration, LR schedule, data position and loss scale continue).")
+    save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
 
 
 @dataclass
@@ -513,11 +515,15 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
                f"--lr-decay-iters {opt.lr_decay_iters} must be greater than --lr-warmup-iters "
                f"{opt.lr_warmup_iters} (decay runs after warm-up); raise it or use --lr-decay-style constant")
 
-    # ---- checkpoints: refuse rather than train for hours and save nothing
+    # ---- checkpoints
     ck = cfg.checkpoint
-    _check(not (ck.save or ck.load or ck.save_interval),
-           "--save/--load/--save-interval: checkpointing is not implemented in this build yet; remove the "
-           "flags (a run with them would not be saved or resumed)")
+    _check(isinstance(ck.save_interval, int) and ck.save_interval >= 0,
+           f"--save-interval must be >= 0 (0: save only at the end), got {ck.save_interval!r}")
+    _check(not ck.save_interval or ck.save,
+           f"--save-interval {ck.save_interval} needs --save DIR (the directory to write checkpoints to)")
+    for flag, v in (("--save", ck.save), ("--load", ck.load)):
+        _check(v is None or (isinstance(v, str) and v.strip() != ""),
+               f"{flag} needs a directory, got {v!r}")
 
     # ---- data
     _check(cfg.data.mock_data or cfg.data.data_path,

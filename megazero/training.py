@@ -13,7 +13,10 @@ One iteration, on every rank:
    stage and shared with every rank (one all-reduce), then logged by rank 0.
 
 Every ``--eval-interval`` iterations the model runs forward only on ``--eval-iters`` held-out
-batches.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
+batches.  With ``--save`` a checkpoint is written every ``--save-interval`` iterations and at the
+end; ``--load`` resumes from the latest one, written under any layout (:mod:`megazero.checkpoint`):
+the iteration, the LR schedule (skipped iterations included), the data position (consumed
+samples) and the loss scale continue.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
 returning this rank's list of model chunks (one per virtual pipeline stage).
 """
 from __future__ import annotations
@@ -115,6 +118,31 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
     return sum(losses) / max(1, len(losses))
 
 
+# ---- checkpoint hooks ----------------------------------------------------------------------
+def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger):
+    """``--load``: returns (iteration, skipped iterations, data offset in batches)."""
+    from megazero.checkpoint import CheckpointError, load
+    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg)
+    it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
+    consumed = int(extra.get("consumed_samples", it * gbs))
+    if consumed % gbs:
+        raise CheckpointError(f"{info['path']}: {consumed} consumed samples is not a multiple of "
+                              f"--global-batch-size {gbs}; resume with a global batch size that divides it")
+    lay = info["layout"]
+    logger.print(f"loaded checkpoint {info['path']} (iteration {it}, {consumed} samples; saved under tp "
+                 f"{lay['tp']} pp {lay['pp']} dp {lay['dp']} zero {lay['zero_stage']}; RNG "
+                 f"{'restored' if info['rng_restored'] else 'reseeded'}) in {info['seconds']:.2f} s")
+    return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it
+
+
+def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
+          skipped_total: int) -> None:
+    from megazero.checkpoint import save
+    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg,
+                   extra={"consumed_samples": consumed, "skipped_iterations": skipped_total})
+    logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
+
+
 def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
     out = {k: v for k, v in dict(optimizer.memory_bytes()).items()}
     if mesh.device.type == "cuda":
@@ -164,13 +192,16 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
-    history, skipped_total = [], 0
+    ck = cfg.checkpoint
+    history, start_iter, skipped_total, data_offset, saved_at = [], 0, 0, 0, None
+    if ck.load:
+        start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger)
     try:
-        for it in range(1, tr.train_iters + 1):
+        for it in range(start_iter + 1, tr.train_iters + 1):
             start = time.perf_counter()
             lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
             optimizer.zero_grad()
-            batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
+            batches = micro_batches(data, it - 1 + data_offset, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
                                     mesh.dp_size, device=mesh.device)
             losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
             optimizer.finish_grad_sync()
@@ -182,7 +213,8 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
             skipped = int(bool(stats.get("skipped", False)))
             skipped_total += skipped
             grad_norm = stats.get("grad_norm")
-            m = {"iteration": it, "consumed_samples": it * tr.global_batch_size, "loss": loss, "lr": lr,
+            consumed = (it + data_offset) * tr.global_batch_size
+            m = {"iteration": it, "consumed_samples": consumed, "loss": loss, "lr": lr,
                  "grad_norm": None if grad_norm is None else float(grad_norm),
                  "loss_scale": float(stats.get("loss_scale", optimizer.loss_scale)),
                  "skipped": skipped, "skipped_total": skipped_total, "iteration_time": elapsed,
@@ -197,6 +229,12 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
             history.append(m)
+            if ck.save and ck.save_interval and it % ck.save_interval == 0:
+                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total)
+                saved_at = it
+        if ck.save and tr.train_iters > start_iter and saved_at != tr.train_iters:
+            _save(tr.train_iters, chunks, optimizer, mesh, cfg, logger,
+                  (tr.train_iters + data_offset) * tr.global_batch_size, skipped_total)
     finally:
         logger.close()
     return history
