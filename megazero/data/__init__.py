@@ -21,6 +21,8 @@ import torch
 from megazero.data.mock import MockGPTData
 
 __all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches"]
+# Real data (``--data-path``): megazero.data.indexed (Megatron's .bin/.idx), megazero.data.tokenizer,
+# megazero.data.gpt_dataset.BlendedGPTData (the source build_data returns).
 
 
 def build_data(cfg):
@@ -28,8 +30,19 @@ def build_data(cfg):
     if cfg.data.mock_data:
         return MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
     from megazero.config import ConfigError
-    raise ConfigError("--data-path: reading Megatron-format datasets is not available in this build yet; "
-                      "use --mock-data")
+    from megazero.data.gpt_dataset import BlendedGPTData
+    if not cfg.data.data_path:
+        raise ConfigError("no training data: pass --mock-data or --data-path PREFIX")
+    try:
+        data = BlendedGPTData(cfg.data.data_path, cfg.model.seq_length, cfg.data.split, cfg.training.seed,
+                              vocab_size=cfg.model.vocab_size)
+        data.check(("train", "valid") if cfg.training.eval_interval else ("train",))
+        return data
+    except FileNotFoundError as err:
+        raise ConfigError(f"--data-path: {err}") from None
+    except ValueError as err:
+        msg = str(err)
+        raise ConfigError(msg if msg.startswith("--") else f"--data-path: {msg}") from None
 
 
 def sample_range(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:

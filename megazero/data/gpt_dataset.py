@@ -1,0 +1,232 @@
+"""GPT training samples from Megatron-format datasets (``--data-path``), optionally blended.
+
+One dataset prefix and one split (train/valid/test, by ``--split`` over *documents*, as
+Megatron-LM does) become an endless stream of samples of ``seq_length + 1`` tokens:
+
+* epoch ``e`` lays the split's documents end to end in an order shuffled by ``(seed, split, e)``
+  (Megatron's document index);
+* sample ``j`` of an epoch is the tokens ``[j * seq_length, (j + 1) * seq_length + 1)`` of that
+  stream, so consecutive samples share one token and samples run across document boundaries
+  (Megatron's sample index); the stream's tail that does not fill a sample is dropped, so every
+  epoch holds ``(tokens - 1) // seq_length`` samples;
+* the samples of an epoch are taken in an order shuffled by ``(seed, split, e)`` (Megatron's
+  shuffle index).
+
+Global sample ``i`` is therefore a pure function of ``(files, split, seed, seq_length, i)``:
+the same at every parallel layout, whichever rank asks and in whatever order.  Epochs are
+built when first needed, so there is no fixed number of samples.
+
+Several prefixes with weights (``--data-path 0.7 a 0.3 b``) are blended like Megatron's
+``BlendedDataset``: global sample ``i`` goes to the dataset whose share so far lags its weight
+the most (``argmax_d w_d * (i + 1) - taken_d``, ties to the first), and is that dataset's next
+sample.  Each split is blended separately with the same weights.
+
+Differences from Megatron-LM: the indices are not byte-identical to Megatron's (its C++ helper
+builds all epochs up front and shuffles across them), and nothing is cached on disk.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from megazero.data.indexed import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+_KEEP_EPOCHS = 4  # per split, the most recently used epochs' indices stay in memory
+
+
+def parse_split(split: str) -> List[float]:
+    """``"969,30,1"`` (or ``"98/2/0"``, or fewer parts, padded with 0) -> normalized weights."""
+    parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected up to three numbers such as 969,30,1") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def split_bounds(num_documents: int, weights: Sequence[float]) -> List[int]:
+    """Document boundaries ``[0, a, b, num_documents]`` of the train/valid/test splits."""
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * num_documents)))
+    excess = bounds[-1] - num_documents  # rounding can overshoot or undershoot by a little
+    return [0] + [max(0, b - excess) for b in bounds[1:]]
+
+
+def parse_data_path(data_path: Sequence[str]) -> List[Tuple[float, str]]:
+    """``[p]`` / ``[w1, p1, w2, p2, ...]`` / ``[p1, p2, ...]`` -> ``[(weight, prefix)]``, weights sum to 1."""
+    items = list(data_path)
+    if not items:
+        raise ValueError("--data-path: no dataset prefix given")
+
+    def number(s: str) -> Optional[float]:
+        try:
+            return float(s)
+        except ValueError:
+            return None
+
+    if len(items) > 1 and number(items[0]) is not None:
+        if len(items) % 2:
+            raise ValueError(f"--data-path {' '.join(items)}: weighted prefixes come in pairs 'WEIGHT PREFIX'")
+        pairs = []
+        for w, p in zip(items[0::2], items[1::2]):
+            if number(w) is None or number(w) < 0:
+                raise ValueError(f"--data-path: {w!r} is not a non-negative weight (before prefix {p!r})")
+            pairs.append((float(w), p))
+    else:
+        pairs = [(1.0, p) for p in items]
+    total = sum(w for w, _ in pairs)
+    if total <= 0:
+        raise ValueError("--data-path: the weights add up to 0")
+    return [(w / total, p) for w, p in pairs]
+
+
+class _SplitStream:
+    """The samples of one split of one indexed dataset (see the module docstring)."""
+
+    def __init__(self, ds: IndexedDataset, sequences: np.ndarray, seq_length: int, seed: int, split: int):
+        self.ds, self.sequences, self.seq_length, self.seed, self.split = ds, sequences, seq_length, seed, split
+        self.lengths = ds.sequence_lengths[sequences].astype(np.int64)
+        self.tokens_per_epoch = int(self.lengths.sum())
+        self.samples_per_epoch = max(0, (self.tokens_per_epoch - 1) // seq_length)
+        self._epochs: Dict[int, Tuple[np.ndarray, ...]] = {}
+
+    def _epoch(self, e: int):
+        if e not in self._epochs:
+            rng = np.random.default_rng([self.seed, self.split, e, 0x475054])  # "GPT"
+            order = rng.permutation(len(self.sequences))
+            ends = np.cumsum(self.lengths[order])  # stream offset where each sequence ends
+            sample_order = rng.permutation(self.samples_per_epoch)
+            if len(self._epochs) >= _KEEP_EPOCHS:
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[e] = (self.sequences[order], ends - self.lengths[order], ends, sample_order)
+        return self._epochs[e]
+
+    def sample(self, index: int) -> np.ndarray:
+        epoch, j = divmod(int(index), self.samples_per_epoch)
+        seqs, begins, ends, sample_order = self._epoch(epoch)
+        start = int(sample_order[j]) * self.seq_length
+        need = self.seq_length + 1
+        out = np.empty(need, dtype=np.int64)
+        k = int(np.searchsorted(ends, start, side="right"))  # the sequence holding token `start`
+        filled = 0
+        while filled < need:
+            take = min(need - filled, int(ends[k]) - (start + filled))
+            offset = start + filled - int(begins[k])
+            out[filled:filled + take] = self.ds.get(int(seqs[k]), offset, take)
+            filled += take
+            k += 1
+        return out
+
+
+class GPTDataset:
+    """One indexed dataset cut into train/valid/test by documents, each an endless sample stream."""
+
+    def __init__(self, prefix: str, seq_length: int, split: str = "969,30,1", seed: int = 1234):
+        self.prefix, self.seq_length, self.seed = prefix, seq_length, seed
+        self.indexed = IndexedDataset(prefix)
+        self.bounds = split_bounds(self.indexed.num_documents, parse_split(split))
+        self.split = split
+        self._streams: Dict[str, _SplitStream] = {}
+
+    def documents(self, split: str) -> range:
+        s = SPLIT_NAMES.index(split)
+        return range(self.bounds[s], self.bounds[s + 1])
+
+    def stream(self, split: str) -> _SplitStream:
+        if split not in SPLIT_NAMES:
+            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_NAMES)}")
+        if split not in self._streams:
+            docs = self.documents(split)
+            di = self.indexed.document_indices
+            lo, hi = int(di[docs.start]), int(di[docs.stop])
+            stream = _SplitStream(self.indexed, np.arange(lo, hi, dtype=np.int64), self.seq_length, self.seed,
+                                  SPLIT_NAMES.index(split))
+            if stream.samples_per_epoch == 0:
+                raise ValueError(
+                    f"--data-path {self.prefix}: the {split} split (documents {docs.start}..{docs.stop - 1} of "
+                    f"{self.indexed.num_documents}, --split {self.split}) holds {stream.tokens_per_epoch} tokens, "
+                    f"fewer than one sample of --seq-length {self.seq_length} + 1; give that split more "
+                    "documents (--split) or use more data")
+            self._streams[split] = stream
+        return self._streams[split]
+
+    def num_samples_per_epoch(self, split: str) -> int:
+        return self.stream(split).samples_per_epoch
+
+    def sample(self, index: int, split: str = "train") -> np.ndarray:
+        return self.stream(split).sample(index)
+
+
+class BlendedGPTData:
+    """A token source for :func:`megazero.data.micro_batches`: ``get_tokens(indices, split)``.
+
+    Args:
+        data_path: ``--data-path`` items: one prefix, prefixes, or ``WEIGHT PREFIX`` pairs.
+        seq_length: tokens per training sequence (samples have one more, for the labels).
+        split: ``--split``, e.g. ``"969,30,1"``.
+        seed: shuffles documents and samples.
+        vocab_size: if given, a token id at or above it raises a clear error.
+    """
+
+    def __init__(self, data_path: Sequence[str], seq_length: int, split: str = "969,30,1", seed: int = 1234,
+                 vocab_size: Optional[int] = None):
+        self.blend = parse_data_path(data_path)
+        self.weights = [w for w, _ in self.blend]
+        self.datasets = [GPTDataset(p, seq_length, split, seed) for _, p in self.blend]
+        self.seq_length, self.vocab_size = seq_length, vocab_size
+        self._assign: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}  # split -> (dataset, sample) per index
+
+    def check(self, splits: Sequence[str] = ("train",)) -> None:
+        """Raise now (not mid-training) if a split of a dataset with weight > 0 holds no sample."""
+        for (w, _), ds in zip(self.blend, self.datasets):
+            for split in splits:
+                if w > 0:
+                    ds.stream(split)
+
+    def _assignment(self, split: str, upto: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Which dataset and which of its samples each global index ``< upto`` is."""
+        built = self._assign.get(split)
+        if built is not None and len(built[0]) >= upto:
+            return built
+        n = max(upto, 2 * (0 if built is None else len(built[0])), 1024)
+        which = np.empty(n, dtype=np.int64)
+        local = np.empty(n, dtype=np.int64)
+        taken = [0] * len(self.weights)
+        weights = self.weights
+        for i in range(n):  # greedy: the dataset furthest below its share; prefix-stable, so extendable
+            best, best_err = 0, -math.inf
+            for d, w in enumerate(weights):
+                err = w * (i + 1) - taken[d]
+                if err > best_err:
+                    best, best_err = d, err
+            which[i], local[i] = best, taken[best]
+            taken[best] += 1
+        self._assign[split] = (which, local)
+        return which, local
+
+    def get_tokens(self, indices: Sequence[int], split: str = "train") -> torch.Tensor:
+        """Token ids ``[len(indices), seq_length + 1]`` (int64) of the given global samples."""
+        indices = [int(i) for i in indices]
+        out = np.empty((len(indices), self.seq_length + 1), dtype=np.int64)
+        if len(self.datasets) == 1:
+            for row, i in enumerate(indices):
+                out[row] = self.datasets[0].sample(i, split)
+        elif indices:
+            which, local = self._assignment(split, max(indices) + 1)
+            for row, i in enumerate(indices):
+                out[row] = self.datasets[which[i]].sample(int(local[i]), split)
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            bad = int(out.max())
+            raise ValueError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the data was "
+                             "tokenized with a larger vocabulary: pass its --tokenizer-model (which sets the "
+                             "vocabulary size) or raise --vocab-size")
+        return torch.from_numpy(out)
