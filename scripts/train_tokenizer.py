@@ -18,7 +18,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="Text files to train on.")
     p.add_argument("--vocab-size", type=int, default=8000, help="Vocabulary size (default 8000).")
-    p.add_argument("--model-prefix", required=True, help="Output prefix: writes PREFIX.model and PREFIX.vocab.")
+    p.add_argument("--model-prefix", required=True, 
+                   help="Output prefix: writes PREFIX.model and PREFIX.vocab.")
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"],
                    help="sentencepiece model type (default bpe).")
     p.add_argument("--character-coverage", type=float, default=1.0,
@@ -27,7 +28,8 @@ def parse_args(argv=None):
                    help="Encode characters outside the vocabulary as bytes instead of <unk>.")
     p.add_argument("--keep-newlines", action="store_true",
                    help="Keep text exactly: newline is a piece, runs of spaces stay, no NFKC normalization "
-                   "(default: sentencepiece's nmt_nfkc, which folds newlines and repeated spaces into one space).")
+                   "(default: sentencepiece's nmt_nfkc, which folds newlines and repeated spaces into one "
+                   "space).")
     p.add_argument("--input-sentence-size", type=int, default=2_000_000,
                    help="Sample at most this many lines (0: all).")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)

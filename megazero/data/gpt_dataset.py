@@ -75,7 +75,8 @@ def parse_data_path(data_path: Sequence[str]) -> List[Tuple[float, str]]:
 
     if len(items) > 1 and number(items[0]) is not None:
         if len(items) % 2:
-            raise ValueError(f"--data-path {' '.join(items)}: weighted prefixes come in pairs 'WEIGHT PREFIX'")
+            raise ValueError(f"--data-path {' '.join(items)}: weighted prefixes come in pairs "
+                             "'WEIGHT PREFIX'")
         pairs = []
         for w, p in zip(items[0::2], items[1::2]):
             if number(w) is None or number(w) < 0:
@@ -93,7 +94,8 @@ class _SplitStream:
     """The samples of one split of one indexed dataset (see the module docstring)."""
 
     def __init__(self, ds: IndexedDataset, sequences: np.ndarray, seq_length: int, seed: int, split: int):
-        self.ds, self.sequences, self.seq_length, self.seed, self.split = ds, sequences, seq_length, seed, split
+        self.ds, self.sequences, self.seq_length = ds, sequences, seq_length
+        self.seed, self.split = seed, split
         self.lengths = ds.sequence_lengths[sequences].astype(np.int64)
         self.tokens_per_epoch = int(self.lengths.sum())
         self.samples_per_epoch = max(0, (self.tokens_per_epoch - 1) // seq_length)
@@ -152,10 +154,10 @@ class GPTDataset:
                                   SPLIT_NAMES.index(split))
             if stream.samples_per_epoch == 0:
                 raise ValueError(
-                    f"--data-path {self.prefix}: the {split} split (documents {docs.start}..{docs.stop - 1} of "
-                    f"{self.indexed.num_documents}, --split {self.split}) holds {stream.tokens_per_epoch} tokens, "
-                    f"fewer than one sample of --seq-length {self.seq_length} + 1; give that split more "
-                    "documents (--split) or use more data")
+                    f"--data-path {self.prefix}: the {split} split (documents {docs.start}..{docs.stop - 1} "
+                    f"of {self.indexed.num_documents}, --split {self.split}) holds {stream.tokens_per_epoch} "
+                    f"tokens, fewer than one sample of --seq-length {self.seq_length} + 1; give that split "
+                    "more documents (--split) or use more data")
             self._streams[split] = stream
         return self._streams[split]
 
@@ -226,7 +228,7 @@ class BlendedGPTData:
                 out[row] = self.datasets[which[i]].sample(int(local[i]), split)
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             bad = int(out.max())
-            raise ValueError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the data was "
-                             "tokenized with a larger vocabulary: pass its --tokenizer-model (which sets the "
-                             "vocabulary size) or raise --vocab-size")
+            raise ValueError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
+                             "data was tokenized with a larger vocabulary: pass its --tokenizer-model (which "
+                             "sets the vocabulary size) or raise --vocab-size")
         return torch.from_numpy(out)

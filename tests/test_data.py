@@ -1,0 +1,377 @@
+"""Real data: Megatron's indexed format, tokenizer, preprocess_data.py, GPT samples, training on it.
+
+Everything is built in temporary directories from generated text (no network)."""
+import importlib.util
+import json
+import math
+import os
+import random
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megazero.config import ConfigError, MegazeroConfig, validate
+from megazero.data import build_data, micro_batches
+from megazero.data.gpt_dataset import BlendedGPTData, GPTDataset, parse_data_path, parse_split, split_bounds
+from megazero.data import preprocess
+from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, write_index
+from megazero.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ("the king queen sword love night day crown fool death sleep dream heart blood honour lord lady "
+         "ghost storm sea speak thou art hath doth good sweet fair").split()
+
+
+def _script(name):
+    path = os.path.join(ROOT, "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _paragraph(rng):
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))).capitalize() + "."
+             for _ in range(rng.randint(1, 4))]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A ~60 KB generated corpus, a 256-piece BPE model, and its preprocessed txt and JSONL datasets."""
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    paragraphs = [_paragraph(rng) for _ in range(600)]
+    (d / "a.txt").write_text("\n\n".join(paragraphs[:400]) + "\n")
+    (d / "b.txt").write_text("\n\n  \n".join(paragraphs[400:]))
+    with open(d / "c.jsonl", "w") as fh:
+        for i, p in enumerate(paragraphs[:150]):
+            fh.write(json.dumps({"text": p, "title": f"lord {WORDS[i % len(WORDS)]}"}) + "\n")
+    assert _script("train_tokenizer").main(["--input", str(d / "a.txt"), str(d / "b.txt"),
+                                            "--vocab-size", "256",
+                                            "--model-prefix", str(d / "tok"), "--num-threads", "1"]) == 0
+    tok = str(d / "tok.model")
+    pre = preprocess
+    assert pre.main(["--input", str(d / "a.txt"), str(d / "b.txt"), "--output-prefix", str(d / "txt"),
+                     "--tokenizer-model", tok, "--append-eod"]) == 0
+    assert pre.main(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "js"),
+                     "--json-keys", "text", "title",
+                     "--tokenizer-model", tok, "--append-eod", "--workers", "2"]) == 0
+    return {"dir": d, "tok": tok, "paragraphs": paragraphs, "txt": str(d / "txt_text_document"),
+            "js": str(d / "js_text_document"), "title": str(d / "js_title_document")}
+
+
+# ---- the indexed format ---------------------------------------------------------------------
+def _fixture_bytes():
+    """The .idx of documents [5, 6, 7] and [8, 9] in uint16, laid out byte by byte."""
+    idx = b"MMIDIDX\x00\x00"                    # magic
+    idx += (1).to_bytes(8, "little")              # version
+    idx += bytes([8])                             # dtype code 8 = uint16
+    idx += (2).to_bytes(8, "little")              # 2 sequences
+    idx += (3).to_bytes(8, "little")              # document index of length 3
+    idx += (3).to_bytes(4, "little") + (2).to_bytes(4, "little")  # int32 lengths
+    idx += (0).to_bytes(8, "little") + (6).to_bytes(8, "little")  # int64 byte pointers
+    idx += b"".join(i.to_bytes(8, "little") for i in (0, 1, 2))   # int64 document index
+    bin_ = b"".join(i.to_bytes(2, "little") for i in (5, 6, 7, 8, 9))
+    return idx, bin_
+
+
+def test_writer_produces_the_megatron_header_byte_for_byte(tmp_path):
+    idx, bin_ = _fixture_bytes()
+    assert len(idx) == 34 + 2 * 12 + 3 * 8
+    with IndexedDatasetWriter(str(tmp_path / "w"), np.uint16) as w:
+        w.add_document([5, 6, 7])
+        w.add_document(np.array([8, 9]))
+    assert (tmp_path / "w.idx").read_bytes() == idx
+    assert (tmp_path / "w.bin").read_bytes() == bin_
+
+
+def test_reader_reads_the_hand_built_fixture(tmp_path):
+    idx, bin_ = _fixture_bytes()
+    (tmp_path / "f.idx").write_bytes(idx)
+    (tmp_path / "f.bin").write_bytes(bin_)
+    ds = IndexedDataset(str(tmp_path / "f"))
+    assert ds.dtype == np.uint16 and len(ds) == 2 and ds.num_documents == 2 and ds.num_tokens == 5
+    assert ds[0].tolist() == [5, 6, 7] and ds[1].tolist() == [8, 9]
+    assert ds.get(0, 1, 2).tolist() == [6, 7] and ds.document(1).tolist() == [8, 9]
+    assert ds.sequence_pointers.tolist() == [0, 6] and ds.document_indices.tolist() == [0, 1, 2]
+    # Megatron's multimodal files append an int8 mode per sequence: still readable
+    (tmp_path / "f.idx").write_bytes(idx + b"\x00\x00")
+    assert IndexedDataset(str(tmp_path / "f"))[1].tolist() == [8, 9]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.int64])
+def test_round_trip_with_sentences_empty_documents_and_merge(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, size=n) for n in (5, 0, 1, 17, 3)]
+    with IndexedDatasetWriter(str(tmp_path / "a"), dtype) as w:
+        for doc in docs:
+            w.add_document(doc, lengths=[len(doc)] if len(doc) else [])
+        w.add_item([1, 2])  # a document of two sentences
+        w.add_item([3])
+        w.end_document()
+    ds = IndexedDataset(str(tmp_path / "a"))
+    assert ds.num_documents == 6 and len(ds) == 6  # the empty document holds no sequence
+    for k, doc in enumerate(docs):
+        assert ds.document(k).tolist() == doc.tolist()
+    assert ds.document(5).tolist() == [1, 2, 3] and ds[5].tolist() == [3]
+    with IndexedDatasetWriter(str(tmp_path / "m"), dtype) as w:
+        w.add_index(str(tmp_path / "a"))
+        w.add_index(str(tmp_path / "a"))
+    m = IndexedDataset(str(tmp_path / "m"))
+    assert m.num_documents == 12 and m.document(11).tolist() == [1, 2, 3]
+    assert m.document(9).tolist() == docs[3].tolist()
+    assert best_dtype(32000) == np.uint16 and best_dtype(128256) == np.int32
+
+
+def test_reader_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope.idx")):
+        IndexedDataset(str(tmp_path / "nope"))
+    idx, bin_ = _fixture_bytes()
+    (tmp_path / "f.bin").write_bytes(bin_)
+    for bad, msg in ((b"XXIDIDX\x00\x00" + idx[9:], "magic"),
+                     (idx[:9] + (2).to_bytes(8, "little") + idx[17:], "version"), (idx[:40], "truncated")):
+        (tmp_path / "f.idx").write_bytes(bad)
+        with pytest.raises(ValueError, match=msg):
+            IndexedDataset(str(tmp_path / "f"))
+    (tmp_path / "f.idx").write_bytes(idx)
+    (tmp_path / "f.bin").write_bytes(bin_[:-2])
+    with pytest.raises(ValueError, match="f.bin"):
+        IndexedDataset(str(tmp_path / "f"))
+    with pytest.raises(ValueError, match="fit"):
+        IndexedDatasetWriter(str(tmp_path / "g"), np.uint16).add_document([70000])
+    with pytest.raises(ValueError, match="document indices"):
+        write_index(str(tmp_path / "h.idx"), np.int32, [1, 2], [0, 1])
+
+
+# ---- tokenizer and preprocessing ----------------------------------------------------------
+def test_sentencepiece_tokenizer(corpus, tmp_path):
+    tok = load_tokenizer(corpus["tok"])
+    assert isinstance(tok, SentencePieceTokenizer) and tok.vocab_size == 256
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id, tok.eod) == (0, 1, 2, 3, 2)
+    text = "The king doth sleep. Sweet lady speak."
+    ids = tok.encode(text)
+    assert ids and max(ids) < 256 and tok.decode(ids) == text
+    import pickle
+    assert pickle.loads(pickle.dumps(tok)).encode(text) == ids
+    with pytest.raises(FileNotFoundError, match="missing.model"):
+        load_tokenizer(str(tmp_path / "missing.model"))
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="junk.model"):
+        load_tokenizer(str(tmp_path / "junk.model"))
+
+
+def test_preprocess_txt_one_document_per_paragraph(corpus):
+    tok = load_tokenizer(corpus["tok"])
+    ds = IndexedDataset(corpus["txt"])
+    paragraphs = corpus["paragraphs"]
+    assert ds.num_documents == len(paragraphs) == len(ds) and ds.dtype == np.uint16
+    for k in (0, 1, 399, 400, 599):
+        ids = ds.document(k).tolist()
+        assert ids[-1] == tok.eod and tok.eod not in ids[:-1]
+        assert tok.decode(ids[:-1]) == " ".join(paragraphs[k].split())  # nmt_nfkc folds newlines
+
+
+def test_preprocess_jsonl_keys_and_workers_agree(corpus, tmp_path):
+    ds, titles = IndexedDataset(corpus["js"]), IndexedDataset(corpus["title"])
+    assert ds.num_documents == titles.num_documents == 150
+    txt = IndexedDataset(corpus["txt"])
+    assert all(ds.document(k).tolist() == txt.document(k).tolist() for k in range(150))
+    tok = load_tokenizer(corpus["tok"])
+    assert tok.decode(titles.document(7).tolist()[:-1]) == f"lord {WORDS[7]}"
+    out = str(tmp_path / "one")
+    assert preprocess.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix", out,
+                                            "--tokenizer-model", corpus["tok"], "--append-eod"]) == 0
+    for ext in (".bin", ".idx"):
+        with open(out + "_text_document" + ext, "rb") as a, open(corpus["js"] + ext, "rb") as b:
+            assert a.read() == b.read()
+
+
+def test_preprocess_file_documents_and_errors(corpus, tmp_path, capsys):
+    pre = preprocess
+    out = str(tmp_path / "f")
+    assert pre.main(["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
+                     "--output-prefix", out,
+                     "--tokenizer-model", corpus["tok"], "--text-document", "file"]) == 0
+    ds = IndexedDataset(out + "_text_document")
+    assert ds.num_documents == 2 and load_tokenizer(corpus["tok"]).eod not in ds.document(0).tolist()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"body": "b"}\n')
+    assert pre.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model", corpus["tok"]]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert pre.main(["--input", str(bad), "--output-prefix", out,
+                     "--tokenizer-model", str(tmp_path / "x.model")]) == 2
+    assert "x.model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pre.main(["--input", str(tmp_path / "absent.txt"), "--output-prefix", out,
+                  "--tokenizer-model", corpus["tok"]])
+    assert "absent.txt" in capsys.readouterr().err
+
+
+def test_preprocess_script_runs_standalone(corpus, tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"), "--input",
+                          str(corpus["dir"] / "c.jsonl"), "--output-prefix", str(tmp_path / "s"),
+                          "--tokenizer-model", corpus["tok"], "--append-eod", "--workers", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "150 documents" in out.stdout
+    assert IndexedDataset(str(tmp_path / "s_text_document")).num_documents == 150
+
+
+# ---- GPT samples -----------------------------------------------------------------------------
+def _numbered(tmp_path, name, n_docs, base=0, seed=0):
+    """Document k holds only the token base + k (lengths vary): a token names its document."""
+    rng = np.random.default_rng(seed)
+    prefix = str(tmp_path / name)
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        for k in range(n_docs):
+            w.add_document(np.full(int(rng.integers(1, 30)), base + k))
+    return prefix
+
+
+def test_split_and_data_path_parsing():
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.030, 0.001])
+    assert parse_split("98/2") == pytest.approx([0.98, 0.02, 0.0])
+    assert split_bounds(1000, parse_split("969,30,1")) == [0, 969, 999, 1000]
+    assert split_bounds(10, parse_split("1,1,1"))[-1] == 10
+    for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
+        with pytest.raises(ValueError, match="--split"):
+            parse_split(bad)
+    assert parse_data_path(["x"]) == [(1.0, "x")]
+    assert parse_data_path(["0.7", "a", "0.3", "b"]) == [(pytest.approx(0.7), "a"), (pytest.approx(0.3), "b")]
+    assert parse_data_path(["3", "a", "1", "b"])[0][0] == pytest.approx(0.75)
+    assert parse_data_path(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
+    with pytest.raises(ValueError, match="pairs"):
+        parse_data_path(["0.7", "a", "0.3"])
+
+
+def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path):
+    prefix = _numbered(tmp_path, "n", 200)
+    ds = GPTDataset(prefix, seq_length=8, split="80,10,10", seed=5)
+    stream = ds.stream("train")
+    seqs, _, _, order = stream._epoch(0)
+    assert sorted(seqs.tolist()) == list(range(160))  # each training document once per epoch
+    tokens = np.concatenate([ds.indexed[int(s)] for s in seqs])
+    n = stream.samples_per_epoch
+    assert n == (len(tokens) - 1) // 8
+    for i in (0, 1, n - 1):
+        j = int(order[i])
+        assert ds.sample(i).tolist() == tokens[j * 8:j * 8 + 9].tolist()
+    assert sorted(order.tolist()) == list(range(n))
+    # later epochs reshuffle; the sample stays a pure function of (seed, split, index)
+    again = GPTDataset(prefix, seq_length=8, split="80,10,10", seed=5)
+    assert again.sample(n + 3).tolist() == ds.sample(n + 3).tolist()
+    assert not np.array_equal(ds.stream("train")._epoch(1)[0], seqs)
+    other = GPTDataset(prefix, seq_length=8, split="80,10,10", seed=6)
+    assert [other.sample(i).tolist() for i in range(4)] != [ds.sample(i).tolist() for i in range(4)]
+
+
+def test_splits_are_disjoint_by_document(tmp_path):
+    prefix = _numbered(tmp_path, "n", 100)
+    src = BlendedGPTData([prefix], seq_length=4, split="70,20,10", seed=1)
+    seen = {s: set(src.get_tokens(range(300), s).flatten().tolist()) for s in ("train", "valid", "test")}
+    assert seen["train"] <= set(range(70)) and len(seen["train"]) > 60
+    assert seen["valid"] <= set(range(70, 90)) and seen["test"] <= set(range(90, 100))
+    with pytest.raises(ValueError, match="valid split"):
+        BlendedGPTData([prefix], seq_length=4, split="100,0,0").get_tokens([0], "valid")
+
+
+@pytest.mark.parametrize("dp,mbs", [(2, 1), (4, 2), (8, 1)])
+def test_every_layout_sees_the_same_global_samples(tmp_path, dp, mbs):
+    prefix = _numbered(tmp_path, "n", 300)
+    gbs = 16
+    for step in (0, 5):
+        one = micro_batches(BlendedGPTData([prefix], 12), step, gbs, 4, 0, 1)
+        single = torch.cat([b["tokens"] for b in one])
+        # each rank builds its own source, as training does, and asks only for its share
+        parts = [b for d in range(dp)
+                 for b in micro_batches(BlendedGPTData([prefix], 12), step, gbs, mbs, d, dp)]
+        assert all(b["tokens"].shape == (mbs, 12) and bool((b["loss_mask"] == 1).all()) for b in parts)
+        assert torch.equal(torch.cat([b["tokens"] for b in parts]), single)
+        assert torch.equal(parts[0]["labels"][:, :-1], parts[0]["tokens"][:, 1:])
+
+
+def test_blending_follows_the_weights_and_is_prefix_stable(tmp_path):
+    a, b = _numbered(tmp_path, "a", 120, base=0), _numbered(tmp_path, "b", 120, base=1000, seed=1)
+    src = BlendedGPTData(["0.7", a, "0.3", b], seq_length=4, split="1,0,0", seed=3)
+    rows = src.get_tokens(range(2000))
+    from_b = (rows[:, 0] >= 1000).numpy()
+    for n in (10, 100, 2000):
+        assert abs(int(from_b[:n].sum()) - 0.3 * n) <= 1
+    fresh = BlendedGPTData(["0.7", a, "0.3", b], seq_length=4, split="1,0,0", seed=3)
+    assert torch.equal(fresh.get_tokens([1999, 5, 1500]), rows[[1999, 5, 1500]])
+    # a blended dataset's samples are that dataset's own samples, in order
+    only_a = GPTDataset(a, 4, "1,0,0", 3)
+    picks = np.flatnonzero(~from_b)[:5]
+    assert [rows[i].tolist() for i in picks] == [only_a.sample(k).tolist() for k in range(5)]
+
+
+# ---- configuration and errors ----------------------------------------------------------------
+def _data_cfg(data_path, **extra):
+    cfg = MegazeroConfig()
+    cfg.data.data_path = list(data_path)
+    settings = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
+                    global_batch_size=8, micro_batch_size=2, train_iters=8, eval_interval=0, eval_iters=1,
+                    optimizer="adam", lr=1e-2, lr_warmup_iters=0, log_interval=100, split="90,10,0")
+    settings.update(extra)
+    for key, value in settings.items():
+        section = next(s for s in ("parallel", "model", "training", "optimizer", "logging", "data")
+                       if hasattr(getattr(cfg, s), key))
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def test_build_data_errors_name_the_problem(corpus, tmp_path):
+    missing = str(tmp_path / "nowhere" / "x_text_document")
+    with pytest.raises(ConfigError, match="--data-path.*" + missing.replace("/", ".") + r"\.idx"):
+        build_data(validate(_data_cfg([missing])))
+    with pytest.raises(ConfigError, match="--data-path"):
+        build_data(validate(_data_cfg(["0.5", corpus["txt"], "0.5"])))
+    with pytest.raises(ConfigError, match="valid split"):
+        build_data(validate(_data_cfg([corpus["txt"]], split="100,0,0", eval_interval=2)))
+    small = build_data(validate(_data_cfg([corpus["txt"]], vocab_size=50)))
+    with pytest.raises(ValueError, match="--vocab-size 50"):
+        small.get_tokens(range(8))
+    with pytest.raises(ConfigError, match="--tokenizer-model.*absent.model"):
+        validate(_data_cfg([corpus["txt"]], tokenizer_model=str(tmp_path / "absent.model")))
+
+
+def test_tokenizer_model_sets_the_vocabulary(corpus):
+    cfg = validate(_data_cfg([corpus["txt"]], vocab_size=50, tokenizer_model=corpus["tok"]))
+    assert cfg.model.vocab_size == 256 and cfg.model.padded_vocab_size == 256
+    validate(cfg)  # re-validation keeps it
+    assert cfg.model.vocab_size == 256
+    assert build_data(cfg).get_tokens(range(4)).shape == (4, 17)
+
+
+def test_pretrain_cli_reports_a_missing_prefix(tmp_path, monkeypatch, capsys):
+    from megazero.training import main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    missing = str(tmp_path / "gone_text_document")
+    assert main(["--data-path", missing, "--train-iters", "1"], lambda cfg, mesh: None) == 2
+    assert missing + ".idx" in capsys.readouterr().err
+
+
+# ---- training on it ---------------------------------------------------------------------------
+def _train_history(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def test_training_on_preprocessed_text_one_process_and_dp2(corpus):
+    from megazero.testing import run_ranks
+    cfg = _data_cfg([corpus["txt"]], tokenizer_model=corpus["tok"], train_iters=8, eval_interval=8,
+                    eval_iters=1, lr=1e-2)
+    ref = _train_history(cfg)
+    losses = [m["loss"] for m in ref]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(256), rel=0.1) and losses[-1] < losses[0] - 1.0, losses
+    assert math.isfinite(ref[-1]["eval_loss"])
+    ranks = run_ranks(_train_history, 2, cfg)
+    for hist in ranks:
+        assert [m["loss"] for m in hist] == pytest.approx(losses, rel=1e-4)
