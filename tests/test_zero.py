@@ -438,42 +438,81 @@ GPT = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vo
 
 
 def _gpt_train(stages, tp=1, pp=1, **extra):
+    """Per ZeRO stage: ``(history, params)``, ``params`` the final full (TP-gathered, unpadded)
+    parameters of this rank's chunks by global name."""
     import io
+    from unittest import mock
 
+    import megazero.zero
     from megazero.config import config_from_dict
     from megazero.training import train
     from models import build_chunks
+    from models.gpt import full_state_dict
     out = []
     for stage in stages:
         settings = dict(GPT, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero_stage=stage,
                         **extra)
-        hist = train(config_from_dict(settings), build_chunks, stream=io.StringIO())
-        out.append([(h["loss"], h["grad_norm"], h["param_bytes"]) for h in hist])
+        built = {}
+
+        def provider(cfg, mesh):
+            built["chunks"] = build_chunks(cfg, mesh)
+            return built["chunks"]
+
+        def capture(chunks, mesh, cfg, _build=megazero.zero.build_optimizer):
+            built["optimizer"] = _build(chunks, mesh, cfg)
+            return built["optimizer"]
+
+        with mock.patch.object(megazero.zero, "build_optimizer", capture):  # the trainer imports it per run
+            hist = train(config_from_dict(settings), provider, stream=io.StringIO())
+        params = {}
+        with built["optimizer"].gathered_params():  # ZeRO-3: collective over DP
+            for chunk in built["chunks"]:
+                params.update({n: t.detach().float().cpu().clone() for n, t in full_state_dict(chunk).items()})
+        out.append(([(h["loss"], h["grad_norm"], h["param_bytes"]) for h in hist], params))
     return out
 
 
 @pytest.mark.slow
 def test_gpt_tp2_pp2_dp2_every_stage_matches_single_process():
-    (ref,) = _gpt_train([0])
+    ((ref, ref_params),) = _gpt_train([0])
     results = run_ranks(_gpt_train, 8, STAGES, tp=2, pp=2, sequence_parallel=True, timeout=300)
     for rank in range(8):
-        for stage, hist in zip(STAGES, results[rank]):
+        for stage, (hist, params) in zip(STAGES, results[rank]):
             for (loss, norm, _), (rloss, rnorm, _) in zip(hist, ref):
                 assert norm == pytest.approx(rnorm, rel=1e-5), (rank, stage)
                 assert loss == pytest.approx(rloss, rel=1e-5), (rank, stage)
+            # final parameters (SGD): the last stage's tied copy of the embedding equals it
+            for name, p in params.items():
+                want = ref_params["word_embeddings.weight" if name == "output_layer.weight" else name]
+                assert p.shape == want.shape and (p - want).abs().max() <= 1e-6, (rank, stage, name)
+    for stage in range(len(STAGES)):  # the pipeline stages together hold every parameter
+        names = {n for rank in range(8) for n in results[rank][stage][1]}
+        assert names == set(ref_params) | {"output_layer.weight"}, stage
     assert ref[0][1] > 0.3  # clipping was active
+    moved = max((ref_params[n] - p).abs().max().item() for n, p in _gpt_initial_params().items())
+    assert moved > 1e-2  # training moved the parameters far beyond the tolerance
     # ZeRO-3 holds half the parameters of stage 0 on each rank (DP 2), up to padding
-    assert results[0][3][0][2] < 0.55 * results[0][0][0][2]
+    assert results[0][3][0][0][2] < 0.55 * results[0][0][0][0][2]
+
+
+def _gpt_initial_params():
+    from megazero.config import config_from_dict
+    from models import build_chunks
+    from models.gpt import full_state_dict
+    cfg = config_from_dict(dict(GPT))
+    validate(cfg, 1)
+    (chunk,) = build_chunks(cfg)
+    return full_state_dict(chunk)
 
 
 @pytest.mark.slow
 def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
     extra = dict(optimizer="adam", lr=0.01, recompute_granularity="full")
-    (ref,) = _gpt_train([0], **extra)
+    ((ref, _),) = _gpt_train([0], **extra)
     results = run_ranks(_gpt_train, 8, (1, 3), tp=2, pp=2, num_layers_per_virtual_pipeline_stage=1,
                         timeout=300, **extra)
     for rank in range(8):
-        for hist in results[rank]:
+        for hist, _ in results[rank]:
             for (loss, norm, _), (rloss, rnorm, _) in zip(hist, ref):
                 assert norm == pytest.approx(rnorm, rel=1e-4) and loss == pytest.approx(rloss, rel=1e-4)
 
