@@ -16,8 +16,9 @@ Every ``--eval-interval`` iterations the model runs forward only on ``--eval-ite
 batches.  With ``--save`` a checkpoint is written every ``--save-interval`` iterations and at the
 end; ``--load`` resumes from the latest one, written under any layout (:mod:`megazero.checkpoint`):
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
-samples) and the loss scale continue.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
-returning this rank's list of model chunks (one per virtual pipeline stage).
+samples) and the loss scale continue.  The engine never imports ``models``: callers pass
+``model_provider(cfg, mesh)`` returning this rank's list of model chunks (one per virtual
+pipeline stage).
 """
 from __future__ import annotations
 
@@ -201,8 +202,8 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
             start = time.perf_counter()
             lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
             optimizer.zero_grad()
-            batches = micro_batches(data, it - 1 + data_offset, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
-                                    mesh.dp_size, device=mesh.device)
+            batches = micro_batches(data, it - 1 + data_offset, tr.global_batch_size, tr.micro_batch_size,
+                                    mesh.dp_rank, mesh.dp_size, device=mesh.device)
             losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
             optimizer.finish_grad_sync()
             stats = optimizer.step(lr)

@@ -47,7 +47,7 @@ API: :func:`save` and :func:`load` are collective (every rank calls them);
 :func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
 """
 from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
-from megazero.checkpoint.load import load  # noqa: F401
-from megazero.checkpoint.save import save  # noqa: F401
+from megazero.checkpoint.reader import load  # noqa: F401
+from megazero.checkpoint.writer import save  # noqa: F401
 
 __all__ = ["CheckpointError", "checkpoint_path", "latest_iteration", "load", "save"]

@@ -1,4 +1,4 @@
-"""File names, metadata and the small helpers :mod:`save` and :mod:`load` share."""
+"""File names, metadata and the small helpers :mod:`writer` and :mod:`reader` share."""
 from __future__ import annotations
 
 import json

@@ -32,7 +32,8 @@ def _resolve(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
             raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
     path = checkpoint_path(directory, iteration)
     if not os.path.isfile(os.path.join(path, METADATA)):
-        raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete (no {METADATA})")
+        raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete "
+                              f"(no {METADATA})")
     meta = read_json(os.path.join(path, METADATA))
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
@@ -59,8 +60,9 @@ def _check_compatible(meta: dict, cfg, path: str) -> str:
     so, names = meta["optimizer"], _state_names(cfg)
     if sorted(so["state_names"]) != sorted(names):
         raise CheckpointError(
-            f"{path}: the checkpoint holds optimizer state for --optimizer {so['name']} ({', '.join(so['state_names']) or 'none'}) "
-            f"but this run uses --optimizer {cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
+            f"{path}: the checkpoint holds optimizer state for --optimizer {so['name']} "
+            f"({', '.join(so['state_names']) or 'none'}) but this run uses --optimizer "
+            f"{cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
             "resume with the same optimizer settings")
     diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
              for k in ARCH_FIELDS if saved.get(k) != mine[k]]
@@ -80,13 +82,15 @@ def _open_model_files(path: str, meta: dict) -> Dict[str, Dict[int, dict]]:
     return index
 
 
-def _full(entries: Dict[int, dict], key: str, saved_tp: int, vocab: int, name: str, path: str) -> torch.Tensor:
+def _full(entries: Dict[int, dict], key: str, saved_tp: int, vocab: int, name: str,
+          path: str) -> torch.Tensor:
     """One state tensor of a parameter, whole: saved TP pieces concatenated, vocab padding removed."""
     first = entries[min(entries)]
     if first["tensor_model_parallel"]:
         missing = [t for t in range(saved_tp) if t not in entries]
         if missing:
-            raise CheckpointError(f"{path}: parameter {name} lacks the shards of tensor-parallel ranks {missing}")
+            raise CheckpointError(f"{path}: parameter {name} lacks the shards of tensor-parallel ranks "
+                                  f"{missing}")
         t = torch.cat([entries[r]["state"][key] for r in range(saved_tp)], dim=first["partition_dim"])
     else:
         t = first["state"][key]
@@ -128,8 +132,8 @@ def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
         want = _expected_full_shape(p, shapes[id(p)], mesh, cfg)
         master = _full(entries, "master", saved_tp, vocab, label, path)
         if tuple(master.shape) != want:
-            raise CheckpointError(f"{path}: parameter {label} has shape {tuple(master.shape)} in the checkpoint "
-                                  f"but {want} in this model{suffix}")
+            raise CheckpointError(f"{path}: parameter {label} has shape {tuple(master.shape)} in the "
+                                  f"checkpoint but {want} in this model{suffix}")
         if not p.requires_grad:
             frozen.append((p, _local(master, p, mesh, cfg)))
             continue

@@ -102,9 +102,10 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
     states = optimizer.param_states()  # collective over DP: per-parameter state, DP/ZeRO-free
     try:
         if mesh.dp_rank == 0:
-            _write(_model_payload(chunks, states, mesh, cfg), os.path.join(tmp, model_file(mesh.tp_rank,
-                                                                                          mesh.pp_rank)))
-        _write(_rng_payload(chunks, mesh), os.path.join(tmp, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)))
+            model_path = os.path.join(tmp, model_file(mesh.tp_rank, mesh.pp_rank))
+            _write(_model_payload(chunks, states, mesh, cfg), model_path)
+        rng_path = os.path.join(tmp, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
+        _write(_rng_payload(chunks, mesh), rng_path)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = err
     del states
@@ -114,7 +115,8 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
         state_names = sorted(k for st in optimizer.state.values() for k in st) if optimizer.state else []
         meta = {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}),
                 "optimizer": {"name": cfg.optimizer.optimizer, "state_names": sorted(set(state_names)),
-                              "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),
+                              "step": int(optimizer.step_count),
+                              "skipped_steps": int(optimizer.skipped_steps),
                               "scaler": optimizer.scaler.state_dict()},
                 "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
                 "padded_vocab_size": cfg.model.padded_vocab_size,

@@ -1,0 +1,268 @@
+"""Checkpoints: resume equals the uninterrupted run, in the same layout and resharded to others;
+atomic saves; clear errors."""
+import copy
+import os
+
+import pytest
+import torch
+
+import megazero.checkpoint.writer as ckpt_save
+from megazero.checkpoint import CheckpointError, checkpoint_path, latest_iteration, load, save
+from megazero.config import ConfigError, MegazeroConfig, validate
+from megazero.mesh import ParallelMesh
+from megazero.testing import RankError, run_ranks
+
+N, K = 4, 2  # iterations in all; the interrupted runs save after K and resume for N - K
+
+
+def _cfg(iters=N, optimizer="sgd", **extra):
+    """A tiny GPT on mock data (4 layers, hidden 32, seq 16); ``extra`` sets any field by name."""
+    cfg = MegazeroConfig()
+    cfg.data.mock_data = True
+    settings = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                    global_batch_size=8, micro_batch_size=1, train_iters=iters, lr_decay_iters=N,
+                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
+    settings.update(extra)
+    aliases = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "zero": "zero_stage"}
+    for key, value in settings.items():
+        key = aliases.get(key, key)
+        section = next(s for s in ("parallel", "model", "training", "optimizer", "precision", "logging",
+                                   "checkpoint") if hasattr(getattr(cfg, s), key))
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def _train(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _run(cfg, world=1):
+    if world == 1:
+        return _train(cfg)
+    ranks = run_ranks(_train, world, cfg, timeout=120)
+    for hist in ranks[1:]:
+        assert [m["loss"] for m in hist] == [m["loss"] for m in ranks[0]]
+    return ranks[0]
+
+
+def _losses(history):
+    return [m["loss"] for m in history]
+
+
+def _build(cfg):
+    """Model chunks and optimizer of one process (for the direct API tests)."""
+    import models
+    from megazero.zero import build_optimizer
+    cfg = validate(copy.deepcopy(cfg), 1)
+    mesh = ParallelMesh.single(torch.device("cpu"))
+    chunks = models.build_chunks(cfg, mesh)
+    return cfg, mesh, chunks, build_optimizer(chunks, mesh, cfg)
+
+
+# ---- (a) resume in the same layout equals the uninterrupted run -----------------------------
+@pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-6), ("adam", 1e-5)])
+def test_resume_same_layout_one_process(tmp_path, optimizer, tol):
+    ref = _run(_cfg(optimizer=optimizer))
+    first = _run(_cfg(K, optimizer, save=str(tmp_path)))
+    second = _run(_cfg(N, optimizer, load=str(tmp_path)))
+    assert [m["iteration"] for m in second] == list(range(K + 1, N + 1))
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=tol)
+    assert [m["lr"] for m in first + second] == [m["lr"] for m in ref]
+    assert [m["consumed_samples"] for m in second] == [m["consumed_samples"] for m in ref[K:]]
+
+
+def test_dropout_resume_restores_rng_in_the_same_layout(tmp_path):
+    drop = dict(hidden_dropout=0.2, attention_dropout=0.2)
+    ref = _run(_cfg(**drop))
+    first = _run(_cfg(K, save=str(tmp_path), **drop))
+    second = _run(_cfg(load=str(tmp_path), **drop))
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-6)  # the same dropout masks
+    cfg, mesh, chunks, opt = _build(_cfg(**drop))
+    assert load(str(tmp_path), chunks, opt, mesh, cfg)["rng_restored"]
+    cfg, mesh, chunks, opt = _build(_cfg(zero=0, **drop))
+    cfg.parallel.num_layers_per_virtual_pipeline_stage = 2  # a different layout: reseeded instead
+    state = torch.get_rng_state()
+    assert not load(str(tmp_path), chunks, opt, mesh, cfg)["rng_restored"]
+    assert not torch.equal(state, torch.get_rng_state())
+
+
+def test_save_interval_tracker_and_files(tmp_path):
+    hist = _run(_cfg(3, save=str(tmp_path), save_interval=2))
+    assert len(hist) == 3
+    assert latest_iteration(str(tmp_path)) == 3  # every 2 iterations and at the end
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    files = sorted(os.listdir(checkpoint_path(str(tmp_path), 3)))
+    assert files == ["config.json", "metadata.json", "model_tp00_pp000.pt", "rng_tp00_pp000_dp000.pt"]
+    # resuming at the last iteration trains nothing and saves nothing new
+    assert _run(_cfg(3, load=str(tmp_path), save=str(tmp_path))) == []
+
+
+def test_fp16_loss_scale_continues(tmp_path):
+    fp16 = dict(fp16=True, initial_loss_scale=2.0 ** 20, loss_scale_window=1, num_layers=2, lr_decay_iters=3)
+    ref = _run(_cfg(3, "adam", **fp16))
+    first = _run(_cfg(1, "adam", save=str(tmp_path), **fp16))
+    second = _run(_cfg(3, "adam", load=str(tmp_path), **fp16))
+    got = first + second
+    assert [m["loss_scale"] for m in got] == [m["loss_scale"] for m in ref]
+    assert len({m["loss_scale"] for m in ref}) > 1  # the scale moved: its state was carried over
+    assert _losses(got) == pytest.approx(_losses(ref), rel=1e-5)
+
+
+# ---- (b) saved under one layout, resumed under others ---------------------------------------
+SAVE_LAYOUT = (8, dict(tp=2, pp=2, zero=2))  # TP2 x PP2 x DP2, ZeRO-2
+
+RESUME_LAYOUTS = {  # name: (world, config changes)
+    "one-process-zero0": (1, {}),
+    "same-layout-tp2-pp2-dp2-zero2": SAVE_LAYOUT,
+    "tp1-pp2x2virtual-dp2-zero3": (4, dict(pp=2, zero=3, num_layers_per_virtual_pipeline_stage=1)),
+    "tp4-pp2-uneven-zero1": (8, dict(tp=4, pp=2, zero=1, decoder_first_pipeline_num_layers=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_pp2_dp2(tmp_path_factory):
+    """The uninterrupted one-process reference and a checkpoint after K steps under SAVE_LAYOUT."""
+    directory = str(tmp_path_factory.mktemp("ckpt_tp2_pp2_dp2"))
+    world, changes = SAVE_LAYOUT
+    first = _run(_cfg(K, save=directory, **changes), world)
+    return directory, _run(_cfg()), first
+
+
+@pytest.mark.parametrize("name", sorted(RESUME_LAYOUTS))
+def test_resume_under_another_layout_matches_one_process(saved_tp2_pp2_dp2, name):
+    directory, ref, first = saved_tp2_pp2_dp2
+    world, changes = RESUME_LAYOUTS[name]
+    second = _run(_cfg(load=directory, **changes), world)
+    assert [m["iteration"] for m in second] == list(range(K + 1, N + 1))
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+    assert [m["grad_norm"] for m in second] == pytest.approx([m["grad_norm"] for m in ref[K:]], rel=2e-6)
+    assert [m["lr"] for m in second] == [m["lr"] for m in ref[K:]]
+
+
+def test_saved_files_one_per_tp_pp_shard(saved_tp2_pp2_dp2):
+    path = checkpoint_path(saved_tp2_pp2_dp2[0], K)
+    files = sorted(os.listdir(path))
+    assert [f for f in files if f.startswith("model_")] == [
+        "model_tp00_pp000.pt", "model_tp00_pp001.pt", "model_tp01_pp000.pt", "model_tp01_pp001.pt"]
+    assert len([f for f in files if f.startswith("rng_")]) == 8
+    last = torch.load(os.path.join(path, "model_tp01_pp001.pt"), weights_only=True)["params"]
+    assert "output_layer.weight" not in last  # the tied copy is the embedding's
+    assert "final_norm.weight" not in last  # replicated over TP: TP rank 0 writes it
+    qkv = last["decoder.3.attention.qkv.weight"]
+    assert qkv["tensor_model_parallel"] and set(qkv["state"]) == {"master"}  # sgd without momentum
+
+
+def test_adam_resharded_to_one_process(tmp_path):
+    changes = dict(clip_grad=0.05, lr_warmup_iters=1)
+    ref = _run(_cfg(optimizer="adam", **changes))
+    first = _run(_cfg(K, "adam", save=str(tmp_path), tp=2, pp=2, zero=1, **changes), 8)
+    second = _run(_cfg(N, "adam", load=str(tmp_path), **changes))
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-4)
+
+
+# ---- (c) a crash mid-save leaves the previous checkpoint in force ---------------------------
+def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    cfg, mesh, chunks, opt = _build(_cfg())
+    d = str(tmp_path)
+    save(d, 1, chunks, opt, mesh, cfg)
+    real, calls = ckpt_save._write, []
+
+    def crash_after_first_file(obj, path):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError("disk full (injected)")
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt_save, "_write", crash_after_first_file)
+    with pytest.raises(CheckpointError, match="disk full"):
+        save(d, 2, chunks, opt, mesh, cfg)
+    assert latest_iteration(d) == 1
+    assert not os.path.exists(checkpoint_path(d, 2))
+    assert os.listdir(checkpoint_path(d, 2) + ".tmp") == ["model_tp00_pp000.pt"]  # no metadata: incomplete
+
+    monkeypatch.setattr(ckpt_save, "_write", real)  # a crash while publishing (metadata being written)
+    monkeypatch.setattr(ckpt_save, "write_json", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+    with pytest.raises(CheckpointError, match="killed"):
+        save(d, 2, chunks, opt, mesh, cfg)
+    assert latest_iteration(d) == 1 and not os.path.exists(checkpoint_path(d, 2))
+    assert load(d, chunks, opt, mesh, cfg)["iteration"] == 1
+
+    monkeypatch.undo()
+    save(d, 2, chunks, opt, mesh, cfg)  # the next save replaces the leftover
+    assert latest_iteration(d) == 2 and sorted(os.listdir(d)) == [
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def _save_with_failing_rank(directory, bad_rank):
+    import models
+    from megazero.training import build_mesh
+    from megazero.zero import build_optimizer
+    cfg = validate(_cfg(zero=1), 2)
+    mesh = build_mesh(cfg)
+    chunks = models.build_chunks(cfg, mesh)
+    opt = build_optimizer(chunks, mesh, cfg)
+    save(directory, 1, chunks, opt, mesh, cfg)
+    if mesh.rank == bad_rank:
+        ckpt_save._write = lambda obj, path: (_ for _ in ()).throw(OSError("injected"))
+    try:
+        save(directory, 2, chunks, opt, mesh, cfg)
+    except CheckpointError as err:
+        return str(err)
+    return "saved"
+
+
+def test_one_rank_failing_fails_the_save_everywhere(tmp_path):
+    errors = run_ranks(_save_with_failing_rank, 2, str(tmp_path), 1, timeout=60)
+    assert "failed on another rank" in errors[0] and "injected" in errors[1]
+    assert latest_iteration(str(tmp_path)) == 1 and not os.path.exists(checkpoint_path(str(tmp_path), 2))
+
+
+# ---- (d) errors -----------------------------------------------------------------------------
+def test_load_errors_name_the_path(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=f"--load {missing}: no such directory"):
+        _run(_cfg(load=missing))
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is missing"):
+        _run(_cfg(load=str(tmp_path)))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
+    with pytest.raises(CheckpointError, match="iter_0000007 is missing or incomplete"):
+        _run(_cfg(load=str(tmp_path)))
+
+
+@pytest.fixture(scope="module")
+def one_process_checkpoint(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ckpt_one"))
+    cfg, mesh, chunks, opt = _build(_cfg())
+    save(d, 1, chunks, opt, mesh, cfg)
+    return d
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(untie_embeddings_and_output_weights=True), "output head is tied but this run's is untied"),
+    (dict(hidden_size=64), r"parameter word_embeddings.weight has shape \(100, 32\) in the checkpoint but "
+                           r"\(100, 64\) in this model \(model settings differ: --hidden-size 32"),
+    (dict(ffn_hidden_size=64), r"parameter decoder.0.mlp.fc1.weight has shape \(128, 32\) in the checkpoint "
+                               r"but \(64, 32\)"),
+    (dict(num_layers=2), "the checkpoint's model differs from this run's: --num-layers 4 in the checkpoint"),
+    (dict(num_layers=6), "parameter decoder.4"),
+    (dict(optimizer="adam"), "optimizer state for --optimizer sgd .none. but this run uses --optimizer adam"),
+])
+def test_load_mismatch_errors(one_process_checkpoint, changes, needle):
+    cfg, mesh, chunks, opt = _build(_cfg(**changes))
+    with pytest.raises(CheckpointError, match=needle):
+        load(one_process_checkpoint, chunks, opt, mesh, cfg)
+
+
+def test_mismatch_under_many_ranks_raises_everywhere(one_process_checkpoint):
+    # stage 1 lacks layers 4-5, stage 0 loads but the models differ: both raise, neither hangs
+    needle = r"(?s)--num-layers 4 in the checkpoint, 6 in this run.*ranks \[[01]\] failed after it"
+    with pytest.raises(RankError, match=needle):
+        _run(_cfg(load=one_process_checkpoint, num_layers=6, pp=2), 2)
+
+
+def test_checkpoint_flags_validated():
+    with pytest.raises(ConfigError, match="--save-interval 3 needs --save DIR"):
+        validate(_cfg(save_interval=3), 1)
