@@ -86,7 +86,7 @@ def _full(entries: Dict[int, dict], key: str, saved_tp: int, vocab: int, name: s
           path: str) -> torch.Tensor:
     """One state tensor of a parameter, whole: saved TP pieces concatenated, vocab padding removed."""
     first = entries[min(entries)]
-    if first["tensor_model_parallel"]:
+    if first["tensor_model_parallel"] and saved_tp > 1:
         missing = [t for t in range(saved_tp) if t not in entries]
         if missing:
             raise CheckpointError(f"{path}: parameter {name} lacks the shards of tensor-parallel ranks "
@@ -107,12 +107,13 @@ def _expected_full_shape(p, local_shape, mesh, cfg) -> Tuple[int, ...]:
 
 
 def _local(t: torch.Tensor, p, mesh, cfg) -> torch.Tensor:
-    """This rank's slice of a full (unpadded) tensor: vocabulary padded, TP-sharded."""
+    """This rank's slice of a full (unpadded) tensor: vocabulary padded, TP-sharded.  May be a view
+    of the memory-mapped file: the optimizer copies it into its own storage."""
     if getattr(p, "vocab_parallel", False):
         t = pad_rows(t, cfg.model.padded_vocab_size)
     if getattr(p, "tensor_model_parallel", False):
         t = shard(t, mesh, p.partition_dim)
-    return t.contiguous().clone()
+    return t
 
 
 def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
