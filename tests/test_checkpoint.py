@@ -163,6 +163,14 @@ def test_adam_resharded_to_one_process(tmp_path):
     assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-4)
 
 
+def test_zero3_untied_saved_and_resharded_to_tp2(tmp_path):
+    untied = dict(untie_embeddings_and_output_weights=True)
+    ref = _run(_cfg(**untied))
+    first = _run(_cfg(K, save=str(tmp_path), zero=3, **untied), 2)  # DP2 ZeRO-3: parameters sharded
+    second = _run(_cfg(load=str(tmp_path), tp=2, **untied), 2)  # the output head re-split over TP
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+
+
 # ---- (c) a crash mid-save leaves the previous checkpoint in force ---------------------------
 def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     cfg, mesh, chunks, opt = _build(_cfg())
