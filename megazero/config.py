@@ -158,7 +158,8 @@ class CheckpointConfig:
     save: Optional[str] = _f(None, "Directory to save checkpoints to (iter_XXXXXXX/ per save and "
                              "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
     load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
-                             "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale continue).")
+                             "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
+                             "continue); the same directory as --save may be empty (first job starts fresh).")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
 
 

@@ -136,6 +136,14 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger):
     return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it
 
 
+def _fresh_auto_resume(ck) -> bool:
+    """``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save: nothing to
+    load yet.  A ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    from megazero.checkpoint import latest_iteration
+    same = ck.save is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
+    return same and (not os.path.isdir(ck.load) or latest_iteration(ck.load) is None)
+
+
 def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
           skipped_total: int) -> None:
     from megazero.checkpoint import save
@@ -195,7 +203,9 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
                  f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
     ck = cfg.checkpoint
     history, start_iter, skipped_total, data_offset, saved_at = [], 0, 0, 0, None
-    if ck.load:
+    if ck.load and _fresh_auto_resume(ck):
+        logger.print(f"no checkpoint in {ck.load} yet (it is also --save): starting from scratch")
+    elif ck.load:
         start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger)
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):

@@ -240,6 +240,16 @@ def test_load_errors_name_the_path(tmp_path):
         _run(_cfg(load=str(tmp_path)))
 
 
+def test_save_and_load_the_same_directory_auto_resumes(tmp_path):
+    """Megatron's pattern: the same --save/--load in every job; the first job starts fresh."""
+    ref = _run(_cfg())
+    d = str(tmp_path / "run")
+    first = _run(_cfg(K, save=d, load=d))  # nothing there yet: trains from scratch
+    second = _run(_cfg(N, save=d, load=d))  # resumes where the first job stopped
+    assert [m["iteration"] for m in second] == list(range(K + 1, N + 1))
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def one_process_checkpoint(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("ckpt_one"))
