@@ -38,7 +38,7 @@ from megazero.flops import device_peak_flops, hardware_flops_per_iteration, mode
 from megazero.logging import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
-from megazero.precision import compute_dtype as precision_dtype
+from megazero.precision import compute_dtype
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 
@@ -72,11 +72,6 @@ def set_seeds(seed: int, mesh: ParallelMesh) -> None:
     torch.manual_seed(seed + 100 * mesh.pp_rank)
     if mesh.device.type == "cuda":
         torch.cuda.manual_seed(seed + 100 * mesh.pp_rank)
-
-
-def compute_dtype(cfg: MegazeroConfig) -> torch.dtype:
-    """The parameter/activation dtype of a whole config (see :func:`megazero.precision.compute_dtype`)."""
-    return precision_dtype(cfg.precision)
 
 
 # ---- one step ------------------------------------------------------------------------------
