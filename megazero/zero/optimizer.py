@@ -444,15 +444,20 @@ class ZeroOptimizer:
                     full[s:s + shape.numel()] = states[p][key].reshape(-1).float()
                 dst = self.master[b.index] if key == "master" else self.state[b.index][key]
                 dst.copy_(full[lo:hi])
-            pview = self._param_view(b)
-            if pview.data_ptr() != self.master[b.index].data_ptr():
-                pview.copy_(self.master[b.index])
-            if self.stage in (1, 2) and self.dp > 1:
-                full = self.param_buf[b.offset:b.offset + b.numel]
-                dist.all_gather_single(full, pview, group=self.mesh.dp_group)
+            self._publish_master(b)
         steps = {int(st["step"]) for st in states.values() if "step" in st}
         if steps:
             self.step_count = steps.pop()
+
+    def _publish_master(self, b) -> None:
+        """After loading bucket ``b``'s master slice: write it into the (compute-dtype) parameters
+        and, under stages 1/2, all-gather the slices into every rank's full parameter buffer."""
+        pview = self._param_view(b)
+        if pview.data_ptr() != self.master[b.index].data_ptr():
+            pview.copy_(self.master[b.index])
+        if self.stage in (1, 2) and self.dp > 1:
+            full = self.param_buf[b.offset:b.offset + b.numel]
+            dist.all_gather_single(full, pview, group=self.mesh.dp_group)
 
     def _layout(self):
         return [b.signature() for b in self.buckets]
@@ -483,12 +488,7 @@ class ZeroOptimizer:
             self.master[b.index].copy_(master)
             for k, v in state.items():
                 self.state[b.index][k].copy_(v)
-            pview = self._param_view(b)
-            if pview.data_ptr() != self.master[b.index].data_ptr():
-                pview.copy_(self.master[b.index])
-            if self.stage in (1, 2) and self.dp > 1:
-                full = self.param_buf[b.offset:b.offset + b.numel]
-                dist.all_gather_single(full, pview, group=self.mesh.dp_group)
+            self._publish_master(b)
         self.step_count, self.skipped_steps = sd["step"], sd["skipped_steps"]
         self.scaler.load_state_dict(sd["scaler"])
 
