@@ -95,14 +95,15 @@ def _names(chunk):
     return out
 
 
-def micro_batches(m, seed=0):
+def micro_batches(m, seed=0, b=B, s=S, v=V, drop=0.3):
+    """``m`` random micro-batches with a random loss mask (about ``drop`` of the tokens masked)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(m):
-        mask = (torch.rand(B, S, generator=g) > 0.3).float()
+        mask = (torch.rand(b, s, generator=g) > drop).float()
         mask[0, 0] = 1.0
-        out.append({"tokens": torch.randint(0, V, (B, S), generator=g),
-                    "labels": torch.randint(0, V, (B, S), generator=g), "loss_mask": mask})
+        out.append({"tokens": torch.randint(0, v, (b, s), generator=g),
+                    "labels": torch.randint(0, v, (b, s), generator=g), "loss_mask": mask})
     return out
 
 
@@ -325,15 +326,8 @@ def _gpt_cfg(settings, m, tp=1, pp=1, dp=1):
 
 
 def _gpt_batches(cfg, m, seed):
-    g = torch.Generator().manual_seed(seed)
-    b, s, v = cfg.training.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
-    out = []
-    for _ in range(m):
-        mask = (torch.rand(b, s, generator=g) > 0.2).float()
-        mask[0, 0] = 1.0
-        out.append({"tokens": torch.randint(0, v, (b, s), generator=g),
-                    "labels": torch.randint(0, v, (b, s), generator=g), "loss_mask": mask})
-    return out
+    return micro_batches(m, seed, cfg.training.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size,
+                         drop=0.2)
 
 
 def _gpt_worker(tp, pp, dp, cases):
