@@ -8,7 +8,7 @@ import torch
 
 import megazero.checkpoint.writer as ckpt_save
 from megazero.checkpoint import CheckpointError, checkpoint_path, latest_iteration, load, save
-from megazero.config import ConfigError, MegazeroConfig, validate
+from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from megazero.testing import RankError, run_ranks
 
@@ -17,19 +17,13 @@ N, K = 4, 2  # iterations in all; the interrupted runs save after K and resume f
 
 def _cfg(iters=N, optimizer="sgd", **extra):
     """A tiny GPT on mock data (4 layers, hidden 32, seq 16); ``extra`` sets any field by name."""
-    cfg = MegazeroConfig()
-    cfg.data.mock_data = True
-    settings = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                    global_batch_size=8, micro_batch_size=1, train_iters=iters, lr_decay_iters=N,
-                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
-    settings.update(extra)
+    settings = dict(mock_data=True, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=100, global_batch_size=8, micro_batch_size=1, train_iters=iters,
+                    lr_decay_iters=N, optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3,
+                    log_interval=100)
     aliases = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "zero": "zero_stage"}
-    for key, value in settings.items():
-        key = aliases.get(key, key)
-        section = next(s for s in ("parallel", "model", "training", "optimizer", "precision", "logging",
-                                   "checkpoint") if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    settings.update({aliases.get(k, k): v for k, v in extra.items()})
+    return config_from_dict(settings)
 
 
 def _train(cfg):

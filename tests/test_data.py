@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.config import ConfigError, MegazeroConfig, validate
+from megazero.config import ConfigError, config_from_dict, validate
 from megazero.data import build_data, micro_batches
 from megazero.data.gpt_dataset import BlendedGPTData, GPTDataset, parse_data_path, parse_split, split_bounds
 from megazero.data import preprocess
@@ -312,17 +312,11 @@ def test_blending_follows_the_weights_and_is_prefix_stable(tmp_path):
 
 # ---- configuration and errors ----------------------------------------------------------------
 def _data_cfg(data_path, **extra):
-    cfg = MegazeroConfig()
-    cfg.data.data_path = list(data_path)
-    settings = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=256,
-                    global_batch_size=8, micro_batch_size=2, train_iters=8, eval_interval=0, eval_iters=1,
-                    optimizer="adam", lr=1e-2, lr_warmup_iters=0, log_interval=100, split="90,10,0")
-    settings.update(extra)
-    for key, value in settings.items():
-        section = next(s for s in ("parallel", "model", "training", "optimizer", "logging", "data")
-                       if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    settings = dict(data_path=list(data_path), num_layers=2, hidden_size=32, num_attention_heads=4,
+                    seq_length=16, vocab_size=256, global_batch_size=8, micro_batch_size=2, train_iters=8,
+                    eval_interval=0, eval_iters=1, optimizer="adam", lr=1e-2, lr_warmup_iters=0,
+                    log_interval=100, split="90,10,0")
+    return config_from_dict(dict(settings, **extra))
 
 
 def test_build_data_errors_name_the_problem(corpus, tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megazero.config import MegazeroConfig, validate
+from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.flops import (device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration,
                             peak_flops)
 from megazero.lr import learning_rate
@@ -138,18 +138,12 @@ def test_cli_reports_errors_before_any_process_group():
 # ---- training against the one-process oracle -----------------------------------------------
 def _cfg(tp=1, pp=1, zero=0, iters=4, optimizer="sgd", **extra):
     """A tiny GPT on mock data; ``extra`` sets fields of any section by name."""
-    cfg = MegazeroConfig()
-    cfg.data.mock_data = True
-    settings = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                    tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero_stage=zero,
-                    global_batch_size=8, micro_batch_size=1, train_iters=iters, eval_interval=2, eval_iters=1,
-                    optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
-    settings.update(extra)
-    for key, value in settings.items():
-        section = next(s for s in ("parallel", "model", "training", "optimizer", "precision", "logging")
-                       if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    settings = dict(mock_data=True, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
+                    vocab_size=100, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    zero_stage=zero, global_batch_size=8, micro_batch_size=1, train_iters=iters,
+                    eval_interval=2, eval_iters=1, optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3,
+                    log_interval=100)
+    return config_from_dict(dict(settings, **extra))
 
 
 def _train_history(cfg):
