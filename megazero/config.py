@@ -150,6 +150,8 @@ class DataConfig:
     tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file or Hugging Face tokenizer directory; "
                                         "its vocabulary size replaces --vocab-size.")
     num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
+    eod_mask_loss: bool = _f(False, "Leave the prediction after each end-of-document token out of the loss "
+                             "(the EOD id comes from --tokenizer-model).")
 
 
 @dataclass
@@ -539,6 +541,8 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
         except (OSError, ValueError) as err:
             raise ConfigError(f"--tokenizer-model: {err}") from None
         mod.padded_vocab_size = ((mod.vocab_size + multiple - 1) // multiple) * multiple
+    _check(not cfg.data.eod_mask_loss or cfg.data.tokenizer_model,
+           "--eod-mask-loss needs --tokenizer-model (the end-of-document id comes from the tokenizer)")
     _check(not cfg.data.mock_data or mod.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {mod.vocab_size}")
     return cfg

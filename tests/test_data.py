@@ -369,3 +369,19 @@ def test_training_on_preprocessed_text_one_process_and_dp2(corpus):
     ranks = run_ranks(_train_history, 2, cfg)
     for hist in ranks:
         assert [m["loss"] for m in hist] == pytest.approx(losses, rel=1e-4)
+
+
+def test_eod_mask_loss_leaves_out_predictions_across_documents(corpus):
+    from megazero.data import build_data, micro_batches
+    from megazero.data.tokenizer import load_tokenizer
+    eod = load_tokenizer(corpus["tok"]).eod
+    cfg = validate(_data_cfg([corpus["txt"]], tokenizer_model=corpus["tok"], eod_mask_loss=True), 1)
+    plain = validate(_data_cfg([corpus["txt"]], tokenizer_model=corpus["tok"]), 1)
+    (masked,) = micro_batches(build_data(cfg), 0, 2, 2)
+    (full,) = micro_batches(build_data(plain), 0, 2, 2)
+    assert torch.equal(masked["tokens"], full["tokens"]) and full["loss_mask"].min() == 1
+    at_eod = masked["tokens"] == eod
+    assert at_eod.any()  # samples of 16 tokens from ~40-token paragraphs cross documents
+    assert torch.equal(masked["loss_mask"], (~at_eod).float())
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs --tokenizer-model"):
+        validate(_data_cfg([corpus["txt"]], eod_mask_loss=True), 1)

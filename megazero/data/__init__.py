@@ -37,6 +37,9 @@ def build_data(cfg):
         data = BlendedGPTData(cfg.data.data_path, cfg.model.seq_length, cfg.data.split, cfg.training.seed,
                               vocab_size=cfg.model.vocab_size)
         data.check(("train", "valid") if cfg.training.eval_interval else ("train",))
+        if cfg.data.eod_mask_loss:
+            from megazero.data.tokenizer import load_tokenizer
+            data.masked_token = load_tokenizer(cfg.data.tokenizer_model).eod
         return data
     except FileNotFoundError as err:
         raise ConfigError(f"--data-path: {err}") from None
@@ -58,7 +61,9 @@ def micro_batches(source, step: int, global_batch_size: int, micro_batch_size: i
                   dp_size: int = 1, split: str = "train",
                   device: Optional[torch.device] = None) -> List[Dict[str, torch.Tensor]]:
     """This rank's micro-batches of batch ``step``: dicts of ``tokens``, ``labels`` (the next
-    token) and ``loss_mask``, each ``[micro_batch_size, seq_length]``."""
+    token) and ``loss_mask``, each ``[micro_batch_size, seq_length]``.  The mask is all ones
+    unless the source has a ``masked_token`` (``--eod-mask-loss``): positions whose input is that
+    token (the prediction across a document boundary) are then left out, as in Megatron-LM."""
     indices = sample_range(step, global_batch_size, dp_rank, dp_size)
     if len(indices) % micro_batch_size:
         raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size "
@@ -68,7 +73,8 @@ def micro_batches(source, step: int, global_batch_size: int, micro_batch_size: i
     for start in range(0, len(indices), micro_batch_size):
         chunk = ids[start:start + micro_batch_size]
         tokens, labels = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-        mask = torch.ones(labels.shape, dtype=torch.float32)
+        masked = getattr(source, "masked_token", None)
+        mask = (tokens != masked).float() if masked is not None else torch.ones(labels.shape)
         batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
         out.append({k: v.to(device) for k, v in batch.items()} if device is not None else batch)
     return out

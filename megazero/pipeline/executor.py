@@ -186,7 +186,7 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
         if chunk.post_process:
             mask = batch["loss_mask"].to(dev, torch.float32)
             per_token = chunk(x, labels=batch["labels"].to(dev), loss_mask=mask)
-            loss = (per_token.float() * mask).sum() / mask.sum()
+            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)  # all masked: 0, not NaN
             losses.append(loss.detach())
             if not forward_only:
                 outputs[key] = loss / m
