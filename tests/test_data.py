@@ -148,6 +148,85 @@ def test_reader_errors_name_the_file(tmp_path):
         write_index(str(tmp_path / "h.idx"), np.int32, [1, 2], [0, 1])
 
 
+def _corrupt(tmp_path, name, lengths=None, pointers=None, docs=None, n_doc=None):
+    """A valid dataset (uint16 documents of 3+2 and 4 tokens), then its index arrays overwritten."""
+    prefix = str(tmp_path / name)
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_item([1, 2, 3])
+        w.add_item([4, 5])
+        w.end_document()
+        w.add_document([6, 7, 8, 9])
+    raw = bytearray((tmp_path / f"{name}.idx").read_bytes())
+    n_seq = 3
+    if lengths is not None:
+        raw[34:34 + 4 * n_seq] = np.asarray(lengths, "<i4").tobytes()
+    if pointers is not None:
+        raw[34 + 4 * n_seq:34 + 12 * n_seq] = np.asarray(pointers, "<i8").tobytes()
+    if docs is not None:
+        if n_doc is not None:
+            raw[26:34] = struct.pack("<Q", n_doc)
+        raw[34 + 12 * n_seq:] = np.asarray(docs, "<i8").tobytes()
+    (tmp_path / f"{name}.idx").write_bytes(bytes(raw))
+    return prefix
+
+
+@pytest.mark.parametrize("corruption, msg", [
+    (dict(pointers=[0, 6, 10 ** 9]), "sequence 2 points at byte 1000000000.*byte 10"),
+    (dict(pointers=[2, 6, 10]), "sequence 0 points at byte 2"),
+    (dict(lengths=[2, 3, 4]), "sequence 1 points at byte 6.*byte 4"),  # same total, wrong split
+    (dict(lengths=[3, -2, 8]), "sequence 1 has length -2"),
+    (dict(docs=[0, 2, 5]), "runs from 0 to 5.*sequence count 3"),
+    (dict(docs=[1, 2, 3]), "runs from 1 to 3"),
+    (dict(docs=[0, 2, 1, 3], n_doc=4), "document 1 ends at sequence 1, before it starts at sequence 2"),
+    (dict(docs=[], n_doc=0), "document index is empty"),
+])
+def test_reader_rejects_a_corrupted_index_at_open(tmp_path, corruption, msg):
+    assert IndexedDataset(_corrupt(tmp_path, "ok")).document(0).tolist() == [1, 2, 3, 4, 5]
+    prefix = _corrupt(tmp_path, "bad", **corruption)
+    with pytest.raises(ValueError, match=r"bad\.idx: corrupted index: .*" + msg):
+        IndexedDataset(prefix)
+    with pytest.raises(ConfigError, match="--data-path.*bad.idx"):
+        build_data(validate(_data_cfg([prefix])))
+
+
+def test_reader_checks_large_indices_in_chunks(tmp_path, monkeypatch):
+    from megazero.data import indexed
+    prefix = str(tmp_path / "big")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        for _ in range(50):
+            w.add_document(rng.integers(0, 9, size=int(rng.integers(1, 5))))
+    monkeypatch.setattr(indexed, "_CHECK_CHUNK", 7)
+    ds = IndexedDataset(prefix)
+    assert ds.num_documents == 50 and ds.num_tokens == int(ds.sequence_lengths.sum())
+    raw = bytearray((tmp_path / "big.idx").read_bytes())
+    lengths = ds.sequence_lengths.copy()
+    del ds
+    lengths[23], lengths[24] = lengths[23] + 1, lengths[24] - 1
+    raw[34:34 + 4 * 50] = lengths.astype("<i4").tobytes()
+    (tmp_path / "big.idx").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="sequence 24 points"):
+        IndexedDataset(prefix)
+
+
+def test_writer_leaves_an_existing_dataset_until_finalize(tmp_path):
+    prefix = str(tmp_path / "d")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_document([1, 2, 3])
+    old = {ext: (tmp_path / f"d{ext}").read_bytes() for ext in (".bin", ".idx")}
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            w.add_document([4, 5, 6, 7])
+            assert IndexedDataset(prefix).document(0).tolist() == [1, 2, 3]  # still the old one
+            raise RuntimeError("input failed")
+    assert {ext: (tmp_path / f"d{ext}").read_bytes() for ext in (".bin", ".idx")} == old
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]  # no temporary files left
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_document([4, 5, 6, 7])
+    assert IndexedDataset(prefix).document(0).tolist() == [4, 5, 6, 7]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+
+
 # ---- tokenizer and preprocessing ----------------------------------------------------------
 def test_sentencepiece_tokenizer(corpus, tmp_path):
     tok = load_tokenizer(corpus["tok"])
@@ -210,6 +289,45 @@ def test_preprocess_file_documents_and_errors(corpus, tmp_path, capsys):
         pre.main(["--input", str(tmp_path / "absent.txt"), "--output-prefix", out,
                   "--tokenizer-model", corpus["tok"]])
     assert "absent.txt" in capsys.readouterr().err
+
+
+def test_failed_preprocess_keeps_the_existing_dataset(corpus, tmp_path, capsys):
+    out = str(tmp_path / "keep")
+    args = ["--output-prefix", out, "--tokenizer-model", corpus["tok"], "--append-eod"]
+    assert preprocess.main(["--input", str(corpus["dir"] / "c.jsonl")] + args) == 0
+    files = {ext: open(out + "_text_document" + ext, "rb").read() for ext in (".bin", ".idx")}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    assert preprocess.main(["--input", str(bad)] + args) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert {ext: open(out + "_text_document" + ext, "rb").read() for ext in (".bin", ".idx")} == files
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "keep_text_document.bin", "keep_text_document.idx"]
+
+
+def test_preprocess_refuses_empty_input(corpus, tmp_path, capsys):
+    out = str(tmp_path / "e")
+    for name, text in (("empty.txt", ""), ("blank.txt", "\n  \n\n"), ("empty.jsonl", "\n")):
+        (tmp_path / name).write_text(text)
+        assert preprocess.main(["--input", str(tmp_path / name), "--output-prefix", out,
+                                "--tokenizer-model", corpus["tok"]]) == 2
+        err = capsys.readouterr().err
+        assert f"--input {tmp_path / name}: no documents" in err, err
+    (tmp_path / "void.jsonl").write_text('{"text": ""}\n')
+    assert preprocess.main(["--input", str(tmp_path / "void.jsonl"), "--output-prefix", out,
+                            "--tokenizer-model", corpus["tok"], "--append-eod"]) == 2
+    assert "1 documents but no tokens" in capsys.readouterr().err
+    assert not any(f.startswith("e_") for f in os.listdir(tmp_path))
+
+
+def test_preprocess_worker_pool_matches_one_process(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(preprocess, "BATCH_BYTES", 2000)  # the 60 KB corpus then uses the pool
+    base = ["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
+            "--tokenizer-model", corpus["tok"], "--append-eod"]
+    assert preprocess.main(base + ["--output-prefix", str(tmp_path / "w2"), "--workers", "2"]) == 0
+    for ext in (".bin", ".idx"):
+        with open(str(tmp_path / "w2_text_document") + ext, "rb") as a, open(corpus["txt"] + ext, "rb") as b:
+            assert a.read() == b.read()
+    assert len(list(preprocess.batches(({"text": "x" * 300} for _ in range(20)), 1000, 3))) == 7
 
 
 def test_preprocess_script_runs_standalone(corpus, tmp_path):

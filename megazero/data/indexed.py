@@ -77,12 +77,58 @@ def write_index(path: str, dtype, sequence_lengths: Sequence[int], document_indi
         fh.write(docs.astype("<i8").tobytes())
 
 
+_CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the temporary memory)
+
+
+def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray, itemsize: int) -> int:
+    """Validate an index's arrays (vectorised, in chunks); return the number of tokens it describes.
+
+    Megatron writes ``pointers`` as the running byte offset of the lengths (0, l0*s, (l0+l1)*s, ...),
+    and the document index rising from 0 to the sequence count; anything else is a corrupted file.
+    """
+    n_seq = int(lengths.shape[0])
+    total = 0  # tokens before the current chunk
+    for lo in range(0, n_seq, _CHECK_CHUNK):
+        chunk = lengths[lo:lo + _CHECK_CHUNK].astype(np.int64)
+        neg = np.flatnonzero(chunk < 0)
+        if neg.size:
+            k = lo + int(neg[0])
+            raise ValueError(f"{path}: corrupted index: sequence {k} has length {int(lengths[k])} (< 0)")
+        ends = np.cumsum(chunk)
+        expect = (ends - chunk + total) * itemsize
+        bad = np.flatnonzero(pointers[lo:lo + _CHECK_CHUNK] != expect)
+        if bad.size:
+            k = lo + int(bad[0])
+            raise ValueError(f"{path}: corrupted index: sequence {k} points at byte {int(pointers[k])} of the .bin, "
+                             f"but the lengths before it put it at byte {int(expect[bad[0]])} (pointers must be "
+                             "the running sum of the lengths; the lengths or the pointers are damaged)")
+        total += int(ends[-1]) if ends.size else 0
+    n_doc = int(docs.shape[0])
+    if n_doc == 0:
+        raise ValueError(f"{path}: corrupted index: the document index is empty (it must hold at least [0])")
+    if int(docs[0]) != 0 or int(docs[-1]) != n_seq:
+        raise ValueError(f"{path}: corrupted index: the document index runs from {int(docs[0])} to "
+                         f"{int(docs[-1])}; it must run from 0 to the sequence count {n_seq}")
+    for lo in range(0, n_doc - 1, _CHECK_CHUNK):
+        step = np.diff(docs[lo:lo + _CHECK_CHUNK + 1])
+        bad = np.flatnonzero(step < 0)
+        if bad.size:
+            k = lo + int(bad[0])
+            raise ValueError(f"{path}: corrupted index: document {k} ends at sequence {int(docs[k + 1])}, "
+                             f"before it starts at sequence {int(docs[k])} (the document index must not "
+                             "decrease)")
+    return total
+
+
 class IndexedDatasetWriter:
-    """Writes ``PREFIX.bin`` as documents arrive and ``PREFIX.idx`` on :meth:`finalize`.
+    """Writes ``PREFIX.bin.tmp`` as documents arrive; :meth:`finalize` writes ``PREFIX.idx.tmp`` and
+    moves both into place.
 
     ``add_document(ids)`` adds a one-sequence document; ``add_document(ids, lengths)`` a document
     cut into sequences (sentences) of those lengths.  Use as a context manager, or call
-    :meth:`finalize`.  The ``.idx`` is written last, so its presence means the pair is complete.
+    :meth:`finalize` (or :meth:`abort`, which deletes the temporary files).  An existing dataset at
+    ``PREFIX`` is untouched until :meth:`finalize`; then its ``.idx`` is removed, the new ``.bin``
+    moved in, and the new ``.idx`` last, so the presence of ``PREFIX.idx`` means the pair is complete.
     """
 
     def __init__(self, prefix: str, dtype=np.int32):
@@ -92,9 +138,8 @@ class IndexedDatasetWriter:
         self.document_indices: List[int] = [0]
         parent = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(parent, exist_ok=True)
-        if os.path.exists(idx_path(prefix)):
-            os.remove(idx_path(prefix))  # a stale index must not describe the new .bin
-        self._bin = open(bin_path(prefix), "wb")
+        self._bin_tmp, self._idx_tmp = bin_path(prefix) + ".tmp", idx_path(prefix) + ".tmp"
+        self._bin = open(self._bin_tmp, "wb")
 
     def _check(self, arr: np.ndarray) -> np.ndarray:
         out = arr.astype(self.dtype)
@@ -135,9 +180,24 @@ class IndexedDatasetWriter:
         if self._bin.closed:
             return
         self._bin.close()
-        if self.document_indices[-1] != len(self.sequence_lengths):
-            self.end_document()  # items added without end_document form a last document
-        write_index(idx_path(self.prefix), self.dtype, self.sequence_lengths, self.document_indices)
+        try:
+            if self.document_indices[-1] != len(self.sequence_lengths):
+                self.end_document()  # items added without end_document form a last document
+            write_index(self._idx_tmp, self.dtype, self.sequence_lengths, self.document_indices)
+        except BaseException:
+            self.abort()
+            raise
+        if os.path.exists(idx_path(self.prefix)):
+            os.remove(idx_path(self.prefix))  # an old index must never describe the new .bin
+        os.replace(self._bin_tmp, bin_path(self.prefix))
+        os.replace(self._idx_tmp, idx_path(self.prefix))
+
+    def abort(self) -> None:
+        """Drop what was written; an existing dataset at the prefix stays as it was."""
+        self._bin.close()
+        for path in (self._bin_tmp, self._idx_tmp):
+            if os.path.exists(path):
+                os.remove(path)
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
@@ -146,7 +206,7 @@ class IndexedDatasetWriter:
         if exc_type is None:
             self.finalize()
         else:
-            self._bin.close()
+            self.abort()
 
 
 class IndexedDataset:
@@ -187,7 +247,8 @@ class IndexedDataset:
         off += 8 * n_seq
         self.document_indices = np.frombuffer(idx, dtype="<i8", count=n_doc, offset=off)
         self._idx = idx
-        n_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
+        n_tokens = _check_index(path, self.sequence_lengths, self.sequence_pointers, self.document_indices,
+                                self.dtype.itemsize)
         bin_size = os.path.getsize(bin_path(prefix))
         if bin_size != n_tokens * self.dtype.itemsize:
             raise ValueError(f"{bin_path(prefix)}: {bin_size} bytes, but the index describes {n_tokens} "

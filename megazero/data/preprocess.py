@@ -28,6 +28,8 @@ from megazero.data.tokenizer import load_tokenizer
 TOKENIZER_TYPES = ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer"]
 PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+BATCH_BYTES = 1 << 18  # characters of text per task of the worker pool
+BATCH_DOCS = 4096
 
 
 def parse_args(argv=None):
@@ -41,7 +43,7 @@ def parse_args(argv=None):
                    "(a directory is a Hugging Face tokenizer, a file a sentencepiece model).")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default text).")
     p.add_argument("--append-eod", action="store_true", help="End every document with the EOD id.")
-    p.add_argument("--workers", type=int, default=1, help="Tokenizer processes (default 1).")
+    p.add_argument("--workers", type=int, default=1, help="Tokenizer processes (default 1; inputs under 2 x 256 KB use 1).")
     p.add_argument("--text-document", default="paragraph", choices=["paragraph", "file"],
                    help="Plain-text inputs: a document per blank-line-separated paragraph or per file.")
     p.add_argument("--split-sentences", action="store_true", help="Not supported (refused).")
@@ -116,6 +118,23 @@ class Encoder:
             nbytes += len(text.encode("utf-8"))
         return out, nbytes
 
+    def encode_batch(self, docs):
+        return [self.encode(doc) for doc in docs]
+
+
+def batches(docs, max_bytes: int = BATCH_BYTES, max_docs: int = BATCH_DOCS):
+    """Group documents into lists of about ``max_bytes`` of text (at most ``max_docs`` documents):
+    one task per list keeps a worker pool's per-task overhead small next to the tokenizing."""
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += sum(len(t) for t in doc.values())
+        if size >= max_bytes or len(batch) >= max_docs:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -128,42 +147,54 @@ def main(argv=None) -> int:
         return 2
     keys = args.json_keys if any(_is_json(f) for f in args.input) else ["text"]
     dtype = best_dtype(tokenizer.vocab_size)
-    writers = {k: IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype) for k in keys}
+    in_bytes = sum(os.path.getsize(f) for f in args.input)
+    # below a few batches of input, worker processes cost more than they save
+    workers = args.workers if in_bytes > 2 * BATCH_BYTES else 1
     encoder = Encoder(args.tokenizer_model, args.append_eod)
     docs = read_documents(args.input, keys, args.text_document)
     start = time.perf_counter()
     n_docs = n_tokens = n_bytes = 0
     pool = None
+    writers = {}
     try:
-        if args.workers > 1:
+        for k in keys:
+            writers[k] = IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype)
+        if workers > 1:
             import multiprocessing as mp
-            pool = mp.get_context("fork").Pool(args.workers, initializer=encoder.initializer)
-            results = pool.imap(encoder.encode, docs, chunksize=64)
+            pool = mp.get_context("fork").Pool(workers, initializer=encoder.initializer)
+            results = pool.imap(encoder.encode_batch, batches(docs, BATCH_BYTES, BATCH_DOCS))
         else:
-            results = map(encoder.encode, docs)
-        for encoded, nbytes in results:
-            for key, ids in encoded.items():
-                writers[key].add_document(ids, lengths=[len(ids)] if ids else [])
-                n_tokens += len(ids)
-            n_docs, n_bytes = n_docs + 1, n_bytes + nbytes
-            if args.log_interval and n_docs % args.log_interval == 0:
-                elapsed = time.perf_counter() - start
-                print(f"processed {n_docs} documents ({n_docs / elapsed:.0f} docs/s, "
-                      f"{n_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr)
+            results = map(encoder.encode_batch, batches(docs, BATCH_BYTES, BATCH_DOCS))
+        for batch in results:
+            for encoded, nbytes in batch:
+                for key, ids in encoded.items():
+                    writers[key].add_document(ids, lengths=[len(ids)] if ids else [])
+                    n_tokens += len(ids)
+                n_docs, n_bytes = n_docs + 1, n_bytes + nbytes
+                if args.log_interval and n_docs % args.log_interval == 0:
+                    elapsed = time.perf_counter() - start
+                    print(f"processed {n_docs} documents ({n_docs / elapsed:.0f} docs/s, "
+                          f"{n_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr)
+        if n_tokens == 0:
+            what = "no documents" if n_docs == 0 else f"{n_docs} documents but no tokens"
+            raise ValueError(f"--input {' '.join(args.input)}: {what}; nothing to write to "
+                             f"{args.output_prefix}_*_document")
+        for w in writers.values():
+            w.finalize()
     except ValueError as err:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 2
     finally:
         if pool is not None:
-            pool.close()
+            pool.terminate()
             pool.join()
-    for w in writers.values():
-        w.finalize()
+        for w in writers.values():
+            w.abort()  # a no-op after finalize; else the old dataset at the prefix is kept
     elapsed = max(time.perf_counter() - start, 1e-9)
     for key in keys:
         print(f"preprocess_data.py: wrote {args.output_prefix}_{key}_document.bin/.idx "
               f"({dtype.__name__})")
     print(f"preprocess_data.py: {n_docs} documents, {n_tokens} tokens, {n_bytes / 1e6:.2f} MB in "
           f"{elapsed:.2f} s ({n_bytes / elapsed / 1e6:.2f} MB/s, {n_tokens / elapsed:.0f} tokens/s, "
-          f"{args.workers} workers)")
+          f"{workers} worker{'s' if workers > 1 else ''})")
     return 0
