@@ -16,6 +16,12 @@ weights (see :mod:`megazero.zero`).  fp16 needs loss scaling: the loss is multip
 
 :class:`ConstantLossScaler` keeps one scale (``--loss-scale``, or 1.0 for bf16/fp32); overflowing
 steps are still skipped.
+
+Resuming (``load_state_dict``): a saved scaler state is taken over only when both the saving and
+the loading run use the dynamic scaler (fp16 without ``--loss-scale``).  The constant scaler
+ignores any saved state (as Megatron's does), and a dynamic scaler given the state of a constant
+one (a run saved under bf16/fp32 or ``--loss-scale``) keeps its ``--initial-loss-scale``: the
+new run's configured scale applies.
 """
 from __future__ import annotations
 
@@ -53,10 +59,10 @@ class ConstantLossScaler:
         """Nothing to adapt for a constant scale."""
 
     def state_dict(self) -> Dict[str, float]:
-        return {"scale": self.scale}
+        return {"scale": self.scale, "dynamic": False}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
-        self.scale = float(state["scale"])
+        """Ignored: a constant scale is whatever this run configures (``--loss-scale`` or 1.0)."""
 
 
 class DynamicLossScaler:
@@ -102,12 +108,22 @@ class DynamicLossScaler:
 
     def state_dict(self) -> Dict[str, float]:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+                "hysteresis_tracker": self.hysteresis_tracker, "dynamic": True}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
+        """Continue a saved dynamic scale; the state of a constant scaler is ignored (this run
+        starts at its ``--initial-loss-scale``)."""
+        if not is_dynamic_state(state):
+            return
         self.scale = float(state["scale"])
         self.growth_tracker = int(state.get("growth_tracker", 0))
         self.hysteresis_tracker = int(state.get("hysteresis_tracker", self.hysteresis))
+
+
+def is_dynamic_state(state: Dict[str, float]) -> bool:
+    """Whether a scaler state dict was saved by a :class:`DynamicLossScaler` (states written before
+    the ``dynamic`` tag are recognised by their ``growth_tracker``)."""
+    return bool(state.get("dynamic", "growth_tracker" in state))
 
 
 def build_loss_scaler(precision):

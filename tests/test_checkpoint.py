@@ -105,6 +105,28 @@ def test_fp16_loss_scale_continues(tmp_path):
     assert _losses(got) == pytest.approx(_losses(ref), rel=1e-5)
 
 
+@pytest.mark.parametrize("saved,resumed,want", [
+    (dict(fp16=True), dict(fp16=True, loss_scale=128.0), 128.0),  # constant --loss-scale: saved state ignored
+    (dict(fp16=True), dict(bf16=True), 1.0),  # bf16 needs no scaling
+    ({}, dict(fp16=True, initial_loss_scale=2.0 ** 10), 2.0 ** 10),  # fp32 -> fp16: --initial-loss-scale
+    (dict(fp16=True, initial_loss_scale=2.0 ** 20), dict(fp16=True), 2.0 ** 20),  # dynamic -> dynamic continues
+])
+def test_loss_scale_on_resume_follows_this_runs_scaler(tmp_path, saved, resumed, want):
+    cfg, mesh, chunks, opt = _build(_cfg(num_layers=2, **saved))
+    save(str(tmp_path), 1, chunks, opt, mesh, cfg)
+    cfg, mesh, chunks, opt = _build(_cfg(num_layers=2, **resumed))
+    load(str(tmp_path), chunks, opt, mesh, cfg)
+    assert opt.loss_scale == want
+
+
+def test_fp16_resumed_with_constant_loss_scale_trains(tmp_path):
+    fp16 = dict(fp16=True, num_layers=2, lr_decay_iters=3)
+    _run(_cfg(1, "adam", save=str(tmp_path), **fp16))  # dynamic, from 2 ** 32
+    second = _run(_cfg(3, "adam", load=str(tmp_path), loss_scale=128.0, **fp16))
+    assert [m["loss_scale"] for m in second] == [128.0, 128.0]
+    assert [m["skipped"] for m in second] == [0, 0]
+
+
 # ---- (b) saved under one layout, resumed under others ---------------------------------------
 SAVE_LAYOUT = (8, dict(tp=2, pp=2, zero=2))  # TP2 x PP2 x DP2, ZeRO-2
 

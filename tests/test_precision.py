@@ -60,3 +60,19 @@ def test_constant_and_builder():
     assert compute_dtype(PrecisionConfig()) == torch.float32
     with pytest.raises(ValueError, match="--initial-loss-scale"):
         DynamicLossScaler(initial_scale=0.5, min_scale=1.0)
+
+
+def test_saved_scaler_state_loads_only_dynamic_into_dynamic():
+    dynamic = DynamicLossScaler(initial_scale=2.0 ** 32)
+    dynamic.update(True)
+    dynamic.update(True)  # halved: 2 ** 31, hysteresis used up
+    const = ConstantLossScaler(128.0)
+    const.load_state_dict(dynamic.state_dict())  # --loss-scale wins over the saved dynamic scale
+    assert const.scale == 128.0
+    fresh = DynamicLossScaler(initial_scale=2.0 ** 10)
+    fresh.load_state_dict(ConstantLossScaler(1.0).state_dict())  # saved under fp32/bf16
+    assert (fresh.scale, fresh.growth_tracker, fresh.hysteresis_tracker) == (2.0 ** 10, 0, 2)
+    fresh.load_state_dict({"scale": 1.0})  # a constant state written before the "dynamic" tag
+    assert fresh.scale == 2.0 ** 10
+    fresh.load_state_dict({"scale": 8.0, "growth_tracker": 3, "hysteresis_tracker": 1})  # untagged dynamic
+    assert (fresh.scale, fresh.growth_tracker, fresh.hysteresis_tracker) == (8.0, 3, 1)
