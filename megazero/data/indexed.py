@@ -166,6 +166,18 @@ class IndexedDatasetWriter:
         self.sequence_lengths.extend(lengths)
         self.end_document()
 
+    def add_documents(self, ids, lengths) -> None:
+        """Append documents of one sequence each: ``ids`` back to back, ``lengths`` per document
+        (a document of length 0 holds no sequence)."""
+        arr = self._check(np.asarray(ids).reshape(-1))
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if lengths.size and lengths.min() < 0 or int(lengths.sum()) != arr.size:
+            raise ValueError(f"document lengths add up to {int(lengths.sum())}, there are {arr.size} ids")
+        self._bin.write(arr.tobytes())
+        base = len(self.sequence_lengths)
+        self.sequence_lengths.extend(lengths[lengths > 0].tolist())
+        self.document_indices.extend((base + np.cumsum(lengths > 0)).tolist())
+
     def add_index(self, prefix: str) -> None:
         """Append every document of another indexed dataset (same dtype)."""
         other = IndexedDataset(prefix)

@@ -22,6 +22,8 @@ import re
 import sys
 import time
 
+import numpy as np
+
 from megazero.data.indexed import IndexedDatasetWriter, best_dtype
 from megazero.data.tokenizer import load_tokenizer
 
@@ -119,7 +121,19 @@ class Encoder:
         return out, nbytes
 
     def encode_batch(self, docs):
-        return [self.encode(doc) for doc in docs]
+        """Documents -> ``({key: (ids, lengths)}, n_docs, n_bytes)``: each key's ids of all the
+        documents back to back (int64) and each document's length (arrays pickle cheaply)."""
+        ids = {}
+        lengths = {}
+        n_bytes = 0
+        for doc in docs:
+            out, nbytes = self.encode(doc)
+            n_bytes += nbytes
+            for key, seq in out.items():
+                ids.setdefault(key, []).extend(seq)
+                lengths.setdefault(key, []).append(len(seq))
+        return ({k: (np.asarray(ids[k], dtype=np.int64), np.asarray(lengths[k], dtype=np.int64)) for k in ids},
+                len(docs), n_bytes)
 
 
 def batches(docs, max_bytes: int = BATCH_BYTES, max_docs: int = BATCH_DOCS):
@@ -165,16 +179,15 @@ def main(argv=None) -> int:
             results = pool.imap(encoder.encode_batch, batches(docs, BATCH_BYTES, BATCH_DOCS))
         else:
             results = map(encoder.encode_batch, batches(docs, BATCH_BYTES, BATCH_DOCS))
-        for batch in results:
-            for encoded, nbytes in batch:
-                for key, ids in encoded.items():
-                    writers[key].add_document(ids, lengths=[len(ids)] if ids else [])
-                    n_tokens += len(ids)
-                n_docs, n_bytes = n_docs + 1, n_bytes + nbytes
-                if args.log_interval and n_docs % args.log_interval == 0:
-                    elapsed = time.perf_counter() - start
-                    print(f"processed {n_docs} documents ({n_docs / elapsed:.0f} docs/s, "
-                          f"{n_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr)
+        for encoded, batch_docs, batch_bytes in results:
+            for key, (ids, lengths) in encoded.items():
+                writers[key].add_documents(ids, lengths)
+                n_tokens += int(ids.size)
+            before, n_docs, n_bytes = n_docs, n_docs + batch_docs, n_bytes + batch_bytes
+            if args.log_interval and n_docs // args.log_interval > before // args.log_interval:
+                elapsed = time.perf_counter() - start
+                print(f"processed {n_docs} documents ({n_docs / elapsed:.0f} docs/s, "
+                      f"{n_bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr)
         if n_tokens == 0:
             what = "no documents" if n_docs == 0 else f"{n_docs} documents but no tokens"
             raise ValueError(f"--input {' '.join(args.input)}: {what}; nothing to write to "
