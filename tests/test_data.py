@@ -388,6 +388,38 @@ def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path):
     assert [other.sample(i).tolist() for i in range(4)] != [ds.sample(i).tolist() for i in range(4)]
 
 
+def test_documents_of_several_sentences_stay_together(tmp_path):
+    prefix = str(tmp_path / "s")
+    rng = np.random.default_rng(2)
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        for k in range(60):  # document k: sentences 1000 * k + s, each of a few tokens
+            for s in range(int(rng.integers(1, 6))):
+                w.add_item(np.full(int(rng.integers(1, 4)), 1000 * k + s))
+            w.end_document()
+    ds = GPTDataset(prefix, seq_length=8, split="1,0,0", seed=4)
+    di = ds.indexed.document_indices
+    for e in (0, 1):
+        seqs = ds.stream("train")._epoch(e)[0]
+        assert sorted(seqs.tolist()) == list(range(len(ds.indexed)))
+        doc_of = np.searchsorted(di, seqs, side="right") - 1
+        runs = np.flatnonzero(np.diff(doc_of)) + 1
+        starts = np.concatenate([[0], runs])
+        assert len(starts) == 60 and not np.array_equal(doc_of[starts], np.arange(60))  # shuffled...
+        for a, b in zip(starts, np.concatenate([runs, [len(seqs)]])):
+            assert seqs[a:b].tolist() == list(range(di[doc_of[a]], di[doc_of[a] + 1]))  # ...whole, in order
+    # so the token stream (the samples, unshuffled) shows every document's sentences in order
+    stream = ds.stream("train")
+    order = stream._epoch(0)[3]
+    tokens = np.empty(stream.samples_per_epoch * 8 + 1, dtype=np.int64)
+    for i in range(stream.samples_per_epoch):
+        tokens[int(order[i]) * 8:int(order[i]) * 8 + 9] = ds.sample(i)
+    sentence = tokens % 1000
+    changes = np.flatnonzero(np.diff(tokens)) + 1
+    same_doc = (tokens[changes] // 1000) == (tokens[changes - 1] // 1000)
+    assert np.all(sentence[changes][same_doc] == sentence[changes - 1][same_doc] + 1)
+    assert np.all(sentence[changes][~same_doc] == 0)
+
+
 def test_splits_are_disjoint_by_document(tmp_path):
     prefix = _numbered(tmp_path, "n", 100)
     src = BlendedGPTData([prefix], seq_length=4, split="70,20,10", seed=1)

@@ -4,7 +4,8 @@ One dataset prefix and one split (train/valid/test, by ``--split`` over *documen
 Megatron-LM does) become an endless stream of samples of ``seq_length + 1`` tokens:
 
 * epoch ``e`` lays the split's documents end to end in an order shuffled by ``(seed, split, e)``
-  (Megatron's document index);
+  (Megatron's document index); a document of several sequences (sentences) keeps them together
+  and in order;
 * sample ``j`` of an epoch is the tokens ``[j * seq_length, (j + 1) * seq_length + 1)`` of that
   stream, so consecutive samples share one token and samples run across document boundaries
   (Megatron's sample index); the stream's tail that does not fill a sample is dropped, so every
@@ -91,25 +92,36 @@ def parse_data_path(data_path: Sequence[str]) -> List[Tuple[float, str]]:
 
 
 class _SplitStream:
-    """The samples of one split of one indexed dataset (see the module docstring)."""
+    """The samples of one split of one indexed dataset (see the module docstring).
 
-    def __init__(self, ds: IndexedDataset, sequences: np.ndarray, seq_length: int, seed: int, split: int):
-        self.ds, self.sequences, self.seq_length = ds, sequences, seq_length
+    ``doc_bounds`` is the split's slice of the document index (``n_docs + 1`` entries): document
+    ``k`` is sequences ``[doc_bounds[k], doc_bounds[k + 1])``."""
+
+    def __init__(self, ds: IndexedDataset, doc_bounds: np.ndarray, seq_length: int, seed: int, split: int):
+        self.ds, self.seq_length = ds, seq_length
         self.seed, self.split = seed, split
-        self.lengths = ds.sequence_lengths[sequences].astype(np.int64)
-        self.tokens_per_epoch = int(self.lengths.sum())
+        self.doc_bounds = np.asarray(doc_bounds, dtype=np.int64)
+        self.tokens_per_epoch = int(ds.sequence_lengths[self.doc_bounds[0]:self.doc_bounds[-1]].sum(dtype=np.int64))
         self.samples_per_epoch = max(0, (self.tokens_per_epoch - 1) // seq_length)
         self._epochs: Dict[int, Tuple[np.ndarray, ...]] = {}
 
     def _epoch(self, e: int):
+        """``(sequences, begins, ends, sample_order)`` of epoch ``e``: its sequences in stream order
+        (documents shuffled, each document's sequences kept together and in order), where each
+        begins and ends in the stream, and the order in which its samples are taken."""
         if e not in self._epochs:
             rng = np.random.default_rng([self.seed, self.split, e, 0x475054])  # "GPT"
-            order = rng.permutation(len(self.sequences))
-            ends = np.cumsum(self.lengths[order])  # stream offset where each sequence ends
+            order = rng.permutation(len(self.doc_bounds) - 1)
+            first = self.doc_bounds[:-1][order]
+            counts = np.diff(self.doc_bounds)[order]
+            before = np.cumsum(counts) - counts  # position of each document's first sequence
+            seqs = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(first - before, counts)
+            lengths = self.ds.sequence_lengths[seqs].astype(np.int64)
+            ends = np.cumsum(lengths)  # stream offset where each sequence ends
             sample_order = rng.permutation(self.samples_per_epoch)
             if len(self._epochs) >= _KEEP_EPOCHS:
                 self._epochs.pop(next(iter(self._epochs)))
-            self._epochs[e] = (self.sequences[order], ends - self.lengths[order], ends, sample_order)
+            self._epochs[e] = (seqs, ends - lengths, ends, sample_order)
         return self._epochs[e]
 
     def sample(self, index: int) -> np.ndarray:
@@ -148,10 +160,8 @@ class GPTDataset:
             raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_NAMES)}")
         if split not in self._streams:
             docs = self.documents(split)
-            di = self.indexed.document_indices
-            lo, hi = int(di[docs.start]), int(di[docs.stop])
-            stream = _SplitStream(self.indexed, np.arange(lo, hi, dtype=np.int64), self.seq_length, self.seed,
-                                  SPLIT_NAMES.index(split))
+            stream = _SplitStream(self.indexed, self.indexed.document_indices[docs.start:docs.stop + 1],
+                                  self.seq_length, self.seed, SPLIT_NAMES.index(split))
             if stream.samples_per_epoch == 0:
                 raise ValueError(
                     f"--data-path {self.prefix}: the {split} split (documents {docs.start}..{docs.stop - 1} "
