@@ -115,10 +115,21 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
 
 
 # ---- checkpoint hooks ----------------------------------------------------------------------
-def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger):
+def _checkpoint_startup(ck, mesh: ParallelMesh) -> Optional[int]:
+    """Before training (collective): ``--save`` must be writable (probed now, not at the first save)
+    and ``--load`` is resolved once, by global rank 0.  Returns the iteration to resume from, or
+    None: no ``--load``, or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the
+    first save.  A ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    from megazero.checkpoint import check_save_dir, resume_iteration
+    if ck.save:
+        check_save_dir(ck.save, mesh)
+    return resume_iteration(ck.load, ck.save, mesh) if ck.load else None
+
+
+def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, iteration: int):
     """``--load``: returns (iteration, skipped iterations, data offset in batches)."""
     from megazero.checkpoint import CheckpointError, load
-    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg)
+    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg, iteration=iteration)
     it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
     consumed = int(extra.get("consumed_samples", it * gbs))
     if consumed % gbs:
@@ -129,14 +140,6 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger):
                  f"{lay['tp']} pp {lay['pp']} dp {lay['dp']} zero {lay['zero_stage']}; RNG "
                  f"{'restored' if info['rng_restored'] else 'reseeded'}) in {info['seconds']:.2f} s")
     return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it
-
-
-def _fresh_auto_resume(ck) -> bool:
-    """``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save: nothing to
-    load yet.  A ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
-    from megazero.checkpoint import latest_iteration
-    same = ck.save is not None and os.path.realpath(ck.save) == os.path.realpath(ck.load)
-    return same and (not os.path.isdir(ck.load) or latest_iteration(ck.load) is None)
 
 
 def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
@@ -182,7 +185,8 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
 
 def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream) -> List[dict]:
     from megazero.zero import build_optimizer
-    tr = cfg.training
+    tr, ck = cfg.training, cfg.checkpoint
+    resume_from = _checkpoint_startup(ck, mesh)  # fails before any training
     set_seeds(tr.seed, mesh)
     chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
     for c in chunks:
@@ -196,12 +200,11 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
-    ck = cfg.checkpoint
     history, start_iter, skipped_total, data_offset, saved_at = [], 0, 0, 0, None
-    if ck.load and _fresh_auto_resume(ck):
+    if ck.load and resume_from is None:
         logger.print(f"no checkpoint in {ck.load} yet (it is also --save): starting from scratch")
     elif ck.load:
-        start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger)
+        start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger, resume_from)
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             start = time.perf_counter()

@@ -266,6 +266,60 @@ def test_save_and_load_the_same_directory_auto_resumes(tmp_path):
     assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-6)
 
 
+def _no_model(cfg, mesh):
+    raise AssertionError("the model was built: the --save/--load checks did not run first")
+
+
+def _train_or_error(cfg):
+    from megazero.training import train
+    try:
+        return train(cfg, _no_model)
+    except CheckpointError as err:
+        return str(err)
+
+
+def test_unusable_save_dir_fails_before_training(tmp_path):
+    from megazero.training import train
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a checkpoint directory")
+    with pytest.raises(CheckpointError, match="--save /proc/megazero_x: cannot write checkpoints there"):
+        train(_cfg(save="/proc/megazero_x"), _no_model)
+    with pytest.raises(CheckpointError, match=f"--save {a_file}: exists and is not a directory"):
+        train(_cfg(save=str(a_file)), _no_model)
+    with pytest.raises(CheckpointError, match=f"--save {a_file}: exists and is not a directory"):
+        train(_cfg(save=str(a_file), load=str(a_file)), _no_model)  # was taken for a fresh auto-resume
+    with pytest.raises(CheckpointError, match=f"--load {a_file}: exists and is not a directory"):
+        train(_cfg(load=str(a_file)), _no_model)
+    fresh = tmp_path / "new" / "dir"
+    with pytest.raises(AssertionError, match="the model was built"):  # a usable --save passes the probe
+        train(_cfg(save=str(fresh)), _no_model)
+    assert os.path.isdir(fresh) and os.listdir(fresh) == []  # created; the probe file removed
+
+
+def test_unusable_save_dir_fails_on_every_rank(tmp_path):
+    errors = run_ranks(_train_or_error, 2, _cfg(save="/proc/megazero_x"), timeout=60)
+    assert all("--save /proc/megazero_x: cannot write checkpoints there" in e for e in errors)
+
+
+def _train_with_stale_tracker_on_rank1(cfg):
+    """Rank 1's file system shows no tracker yet (attribute caching on a shared file system)."""
+    import megazero.checkpoint
+    import megazero.checkpoint.reader
+    if os.environ["RANK"] == "1":
+        megazero.checkpoint.latest_iteration = megazero.checkpoint.reader.latest_iteration = lambda d: None
+    return _train(cfg)
+
+
+def test_rank0_decides_where_to_resume(tmp_path):
+    d = str(tmp_path)
+    ref = _run(_cfg(zero=1), 2)
+    _run(_cfg(K, save=d, load=d, zero=1), 2)
+    ranks = run_ranks(_train_with_stale_tracker_on_rank1, 2, _cfg(N, save=d, load=d, zero=1), timeout=60)
+    for hist in ranks:  # both resume from K (rank 1 does not start fresh and hang the collectives)
+        assert [m["iteration"] for m in hist] == list(range(K + 1, N + 1))
+        assert _losses(hist) == pytest.approx(_losses(ref[K:]), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def one_process_checkpoint(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("ckpt_one"))

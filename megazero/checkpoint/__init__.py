@@ -43,11 +43,19 @@ deterministically from ``(seed, iteration)`` with the start-up rules: the defaul
 ``s + 100 * pp_rank`` and the tracker ``s + 2718 + tp_rank`` where
 ``s = seed + 1_000_003 * iteration``.  Without dropout the RNG does not affect training.
 
-API: :func:`save` and :func:`load` are collective (every rank calls them);
-:func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
+Start-up (collective, before the first iteration): :func:`check_save_dir` makes global rank 0
+create ``--save`` and write and delete a probe file, so an unusable directory fails at once
+rather than at the first save; :func:`resume_iteration` decides, on rank 0 only, whether
+``--load`` resumes (and from which iteration) or starts fresh.  Every file-system decision
+(tracker, metadata, the directory) is taken by global rank 0 and broadcast, so ranks never
+disagree on a shared file system that caches attributes; an error is raised on every rank.
+
+API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
+collective (every rank calls them); :func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
 """
 from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
-from megazero.checkpoint.reader import load  # noqa: F401
-from megazero.checkpoint.writer import save  # noqa: F401
+from megazero.checkpoint.reader import load, resume_iteration  # noqa: F401
+from megazero.checkpoint.writer import check_save_dir, save  # noqa: F401
 
-__all__ = ["CheckpointError", "checkpoint_path", "latest_iteration", "load", "save"]
+__all__ = ["CheckpointError", "check_save_dir", "checkpoint_path", "latest_iteration", "load",
+           "resume_iteration", "save"]

@@ -96,6 +96,43 @@ def all_ok(ok: bool, mesh) -> bool:
     return int(failed.item()) == 0
 
 
+def on_rank0(fn, mesh):
+    """``fn()`` run by global rank 0 only, its result (or error) given to every rank by one broadcast
+    over the world group (a collective): file-system decisions (tracker, metadata, a writable
+    directory) cannot differ between ranks, e.g. on a shared file system that caches attributes.
+    An error is raised on every rank as :class:`CheckpointError` with rank 0's message."""
+    result, message, error = None, None, None
+    if mesh.rank == 0:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it, none may hang
+            error = err
+            message = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+    if mesh.is_distributed:
+        box = [(result, message)]
+        device = mesh.device if mesh.backend == "nccl" else None
+        dist.broadcast_object_list(box, src=0, group=mesh.world_group, device=device)
+        result, message = box[0]
+    if error is not None:
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(message) from error
+    if message is not None:
+        raise CheckpointError(message)
+    return result
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renames) durable, where supported."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_bytes_durably(path: str, write) -> None:
     """``write(fh)`` into ``path``, flushed to disk before returning."""
     with open(path, "wb") as fh:

@@ -10,7 +10,7 @@ import torch
 
 from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, TRACKER, CheckpointError,
                                         all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
-                                        named_params, read_json, rng_file, rng_trackers)
+                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
 from megazero.tensor_parallel.layers import pad_rows, shard
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
@@ -20,8 +20,10 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _resolve(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
-    """The checkpoint directory and its metadata; the same answer (or error) on every rank."""
+def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
+    """The checkpoint directory and its metadata, as this process sees the file system."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"--load {directory}: exists and is not a directory")
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such directory")
     if iteration is None:
@@ -38,6 +40,26 @@ def _resolve(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
     return path, meta
+
+
+def _resolve(directory: str, iteration: Optional[int], mesh) -> Tuple[str, dict]:
+    """:func:`_resolve_here` on global rank 0, shared with every rank (collective)."""
+    return tuple(on_rank0(lambda: _resolve_here(directory, iteration), mesh))
+
+
+def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[int]:
+    """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
+    ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
+    yet.  Decided by global rank 0 and shared with every rank (collective); any other missing or
+    incomplete checkpoint raises :class:`CheckpointError` on every rank."""
+    def decide() -> Optional[int]:
+        same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
+        if same and os.path.isdir(load_dir) and latest_iteration(load_dir) is None:
+            return None
+        if same and not os.path.exists(load_dir):
+            return None
+        return int(_resolve_here(load_dir, None)[1]["iteration"])
+    return on_rank0(decide, mesh)
 
 
 def _state_names(cfg) -> List[str]:
@@ -179,7 +201,7 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     one), ``rng_restored`` and ``seconds``.  Raises :class:`CheckpointError` naming the path, the
     parameter and both shapes, or the setting that differs."""
     start = time.perf_counter()
-    path, meta = _resolve(directory, iteration)  # file-system checks: identical on every rank
+    path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
     hint = _check_compatible(meta, cfg, path)
     with optimizer.gathered_params():  # ZeRO-3: parameters are shards; their shapes are needed
         shapes = {id(p): tuple(p.shape) for _, p in named_params(chunks)}

@@ -9,8 +9,10 @@ from typing import Dict, Optional
 import torch
 
 from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, all_ok, arch_of,
-                                        checkpoint_path, layout_of, model_file, named_params, rng_file,
-                                        rng_trackers, write_bytes_durably, write_json)
+                                        checkpoint_path, fsync_dir, layout_of, model_file, named_params,
+                                        on_rank0, rng_file, rng_trackers, write_bytes_durably, write_json)
+
+PROBE = ".megazero_write_probe"  # written and removed by check_save_dir
 
 
 def _write(obj, path: str) -> None:
@@ -25,6 +27,26 @@ def _agree(error: Optional[BaseException], mesh, what: str) -> None:
         raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
     if not ok:
         raise CheckpointError(f"{what}: failed on another rank (see its error)")
+
+
+def check_save_dir(directory: str, mesh) -> None:
+    """Fail now, not at the first save (by default the end of training), when ``--save directory``
+    is unusable: global rank 0 creates the directory and writes and deletes a probe file; the
+    outcome is shared with every rank (collective).  Raises :class:`CheckpointError` naming
+    ``--save`` and the path on every rank."""
+    def probe() -> None:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise CheckpointError(f"--save {directory}: exists and is not a directory; "
+                                  "give a directory (it is created if missing)")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"{PROBE}.{os.getpid()}")
+            write_bytes_durably(path, lambda fh: fh.write(b"megazero"))
+            os.remove(path)
+        except OSError as err:
+            raise CheckpointError(f"--save {directory}: cannot write checkpoints there "
+                                  f"({type(err).__name__}: {err})") from err
+    on_rank0(probe, mesh)
 
 
 def _model_payload(chunks, states, mesh, cfg) -> Dict[str, object]:
