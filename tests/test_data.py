@@ -460,6 +460,29 @@ def test_blending_follows_the_weights_and_is_prefix_stable(tmp_path):
     assert [rows[i].tolist() for i in picks] == [only_a.sample(k).tolist() for k in range(5)]
 
 
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1 / 3] * 3, [0.5, 0.0, 0.3, 0.2], [0.9, 0.05, 0.05],
+                                     (np.random.default_rng(1).dirichlet(np.ones(12))).tolist()])
+def test_blend_index_is_the_greedy_rule_built_at_once_or_in_steps(weights, monkeypatch):
+    from megazero.data.gpt_dataset import _BlendIndex, _greedy_steps
+    monkeypatch.setattr(_BlendIndex, "CHUNK", 4096)
+    monkeypatch.setattr(_BlendIndex, "BLOCK", 512)
+    weights = [w / sum(weights) for w in weights]
+    n = 30000
+    ref = _greedy_steps(weights, [0] * len(weights), 0, n)
+    ref_local = np.empty(n, dtype=np.int64)
+    for d in range(len(weights)):
+        ref_local[ref == d] = np.arange(int((ref == d).sum()))
+    at_once, steps = _BlendIndex(weights), _BlendIndex(weights)
+    at_once.extend(n)
+    for upto in (1, 5000, 5001, 12000, n):
+        steps.extend(upto)
+    assert np.array_equal(at_once.which[:n], ref) and np.array_equal(steps.which[:n], ref)
+    picks = [0, 1, 511, 512, 4095, 4096, 4097, 29999] + list(range(12000, 12100))
+    for blend in (at_once, steps):
+        which, local = blend.lookup(picks)
+        assert which.tolist() == ref[picks].tolist() and local.tolist() == ref_local[picks].tolist()
+
+
 # ---- configuration and errors ----------------------------------------------------------------
 def _data_cfg(data_path, **extra):
     settings = dict(data_path=list(data_path), num_layers=2, hidden_size=32, num_attention_heads=4,

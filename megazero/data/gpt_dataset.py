@@ -178,6 +178,109 @@ class GPTDataset:
         return self.stream(split).sample(index)
 
 
+def _greedy_steps(weights: Sequence[float], taken: List[int], first: int, count: int) -> np.ndarray:
+    """The blend rule, one index at a time: the dataset of each global index ``first .. first +
+    count - 1`` given the samples ``taken`` from each dataset before ``first`` (updated in place)."""
+    out = np.empty(count, dtype=np.int64)
+    for j in range(count):
+        i = first + j
+        best, best_err = 0, -math.inf
+        for d, w in enumerate(weights):
+            err = w * (i + 1) - taken[d]
+            if err > best_err:
+                best, best_err = d, err
+        out[j] = best
+        taken[best] += 1
+    return out
+
+
+class _BlendIndex:
+    """Which dataset each global index of one split is (``which``), built in chunks; and, per block
+    of ``BLOCK`` indices, how many samples each dataset had given before it (``counts``), so that
+    the dataset's own sample number (``local``) of any index is a short count away.
+
+    Each chunk is computed with numpy and is exactly :func:`_greedy_steps` (same float operations,
+    same ties): a guess (each dataset's picks placed where its share ``w * (i + 1) - taken`` would
+    cross 1/2, merged by that time) is checked in one vectorised pass, which evaluates the rule at
+    every index from the guess's counts; wherever the counts agree with the truth the rule's pick
+    there is the truth.  At the first disagreement the exact rule runs index by index until the
+    counts agree with the guess again (usually a step or two: the guess swapped two near-ties)."""
+
+    CHUNK = 1 << 16
+    BLOCK = 1 << 12
+
+    def __init__(self, weights: Sequence[float]):
+        self.weights = [float(w) for w in weights]
+        self.w = np.asarray(self.weights, dtype=np.float64)
+        self.size = 0
+        self.which = np.zeros(0, dtype=np.int16 if len(self.weights) < 2 ** 15 else np.int64)
+        self.counts = np.zeros((1, len(self.weights)), dtype=np.int64)  # before each block (and the end)
+
+    def _guess(self, taken: np.ndarray, count: int) -> np.ndarray:
+        times, ds = [], []
+        for d, w in enumerate(self.weights):
+            if w > 0:
+                k = taken[d] + np.arange(int(math.ceil(w * count)) + 2, dtype=np.float64)
+                times.append((k + 0.5) / w - 1.0)
+                ds.append(np.full(k.size, d, dtype=np.int64))
+        order = np.argsort(np.concatenate(times), kind="stable")[:count]
+        return np.concatenate(ds)[order]
+
+    def _chunk(self, first: int, count: int, taken: np.ndarray) -> np.ndarray:
+        K = len(self.weights)
+        guess = self._guess(taken, count)
+        onehot = np.zeros((count, K), dtype=np.int64)
+        onehot[np.arange(count), guess] = 1
+        before = np.cumsum(onehot, axis=0) - onehot + taken  # the guess's counts before each index
+        share = self.w[None, :] * np.arange(first + 1, first + count + 1, dtype=np.float64)[:, None] - before
+        out = np.argmax(share, axis=1)  # the rule's pick at each index, from the guess's counts
+        done = 0  # out[:done] is final and the true counts before `done` equal before[done]
+        for m in np.flatnonzero(out != guess).tolist():
+            if m < done:
+                continue
+            true = before[m].tolist()
+            j = m
+            while j < count:
+                out[j] = _greedy_steps(self.weights, true, first + j, 1)[0]
+                j += 1
+                if j < count and true == before[j].tolist():
+                    break
+            done = j
+            if done >= count:
+                break
+        return out
+
+    def extend(self, upto: int) -> None:
+        if upto <= self.size:
+            return
+        new_size = -(-upto // self.CHUNK) * self.CHUNK
+        which = np.empty(new_size, dtype=self.which.dtype)
+        which[:self.size] = self.which
+        counts = [self.counts]
+        K = len(self.weights)
+        taken = self.counts[-1].copy()
+        for first in range(self.size, new_size, self.CHUNK):
+            out = self._chunk(first, self.CHUNK, taken)
+            which[first:first + self.CHUNK] = out
+            per_block = np.bincount((np.arange(self.CHUNK) // self.BLOCK) * K + out,
+                                    minlength=self.CHUNK // self.BLOCK * K).reshape(-1, K)
+            cum = taken + np.cumsum(per_block, axis=0)
+            counts.append(cum)
+            taken = cum[-1].copy()
+        self.which, self.size = which, new_size
+        self.counts = np.concatenate(counts)
+
+    def lookup(self, indices: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """``(which, local)`` of the given (built) global indices."""
+        which = np.empty(len(indices), dtype=np.int64)
+        local = np.empty(len(indices), dtype=np.int64)
+        for row, i in enumerate(indices):
+            d, b = int(self.which[i]), i // self.BLOCK
+            which[row] = d
+            local[row] = int(self.counts[b, d]) + int(np.count_nonzero(self.which[b * self.BLOCK:i] == d))
+        return which, local
+
+
 class BlendedGPTData:
     """A token source for :func:`megazero.data.micro_batches`: ``get_tokens(indices, split)``.
 
@@ -195,7 +298,7 @@ class BlendedGPTData:
         self.weights = [w for w, _ in self.blend]
         self.datasets = [GPTDataset(p, seq_length, split, seed) for _, p in self.blend]
         self.seq_length, self.vocab_size = seq_length, vocab_size
-        self._assign: Dict[str, Tuple[np.ndarray, np.ndarray]] = {}  # split -> (dataset, sample) per index
+        self._assign: Dict[str, _BlendIndex] = {}
 
     def check(self, splits: Sequence[str] = ("train",)) -> None:
         """Raise now (not mid-training) if a split of a dataset with weight > 0 holds no sample."""
@@ -204,26 +307,13 @@ class BlendedGPTData:
                 if w > 0:
                     ds.stream(split)
 
-    def _assignment(self, split: str, upto: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Which dataset and which of its samples each global index ``< upto`` is."""
-        built = self._assign.get(split)
-        if built is not None and len(built[0]) >= upto:
-            return built
-        n = max(upto, 2 * (0 if built is None else len(built[0])), 1024)
-        which = np.empty(n, dtype=np.int64)
-        local = np.empty(n, dtype=np.int64)
-        taken = [0] * len(self.weights)
-        weights = self.weights
-        for i in range(n):  # greedy: the dataset furthest below its share; prefix-stable, so extendable
-            best, best_err = 0, -math.inf
-            for d, w in enumerate(weights):
-                err = w * (i + 1) - taken[d]
-                if err > best_err:
-                    best, best_err = d, err
-            which[i], local[i] = best, taken[best]
-            taken[best] += 1
-        self._assign[split] = (which, local)
-        return which, local
+    def _assignment(self, split: str, upto: int) -> "_BlendIndex":
+        """The blend of ``split``, built to at least global index ``upto - 1``."""
+        if split not in self._assign:
+            self._assign[split] = _BlendIndex(self.weights)
+        blend = self._assign[split]
+        blend.extend(upto)
+        return blend
 
     def get_tokens(self, indices: Sequence[int], split: str = "train") -> torch.Tensor:
         """Token ids ``[len(indices), seq_length + 1]`` (int64) of the given global samples."""
@@ -233,9 +323,9 @@ class BlendedGPTData:
             for row, i in enumerate(indices):
                 out[row] = self.datasets[0].sample(i, split)
         elif indices:
-            which, local = self._assignment(split, max(indices) + 1)
-            for row, i in enumerate(indices):
-                out[row] = self.datasets[which[i]].sample(int(local[i]), split)
+            which, local = self._assignment(split, max(indices) + 1).lookup(indices)
+            for row in range(len(indices)):
+                out[row] = self.datasets[which[row]].sample(int(local[row]), split)
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             bad = int(out.max())
             raise ValueError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
