@@ -50,7 +50,9 @@ def parse_args(argv=None):
                    help="Plain-text inputs: a document per blank-line-separated paragraph or per file.")
     p.add_argument("--split-sentences", action="store_true", help="Not supported (refused).")
     p.add_argument("--keep-newlines", action="store_true",
-                   help="Accepted for Megatron compatibility; newlines are always kept.")
+                   help="Accepted for Megatron compatibility (no effect): text reaches the tokenizer with its "
+                   "newlines; whether they become tokens depends on how the tokenizer was trained "
+                   "(scripts/train_tokenizer.py --keep-newlines).")
     p.add_argument("--log-interval", type=int, default=0, help="Print progress every this many documents.")
     args = p.parse_args(argv)
     if args.split_sentences:
