@@ -220,6 +220,32 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
+def test_crash_mid_swap_of_a_resaved_iteration_keeps_a_complete_checkpoint(tmp_path, monkeypatch):
+    cfg, mesh, chunks, opt = _build(_cfg())
+    d, final = str(tmp_path), checkpoint_path(str(tmp_path), 2)
+    save(d, 2, chunks, opt, mesh, cfg, extra={"copy": "first"})
+    real = os.rename
+
+    def crash_at_swap(src, dst):  # killed after iter_0000002 -> .old, before .tmp -> iter_0000002
+        if src == final + ".tmp" and dst == final:
+            raise OSError("killed at the swap (injected)")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_at_swap)
+    with pytest.raises(CheckpointError, match="killed at the swap"):
+        save(d, 2, chunks, opt, mesh, cfg, extra={"copy": "second"})
+    monkeypatch.undo()
+    assert latest_iteration(d) == 2 and not os.path.exists(final)
+    info = load(d, chunks, opt, mesh, cfg)  # the tracker's iteration still loads: the previous copy
+    assert info["iteration"] == 2 and info["extra"] == {"copy": "first"}
+    save(d, 2, chunks, opt, mesh, cfg, extra={"copy": "third"})  # the next save cleans up
+    assert sorted(os.listdir(d)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert load(d, chunks, opt, mesh, cfg)["extra"] == {"copy": "third"}
+    save(d, 2, chunks, opt, mesh, cfg, extra={"copy": "fourth"})  # an uninterrupted re-save leaves no .old
+    assert sorted(os.listdir(d)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert load(d, chunks, opt, mesh, cfg)["extra"] == {"copy": "fourth"}
+
+
 def _save_with_failing_rank(directory, bad_rank):
     import models
     from megazero.training import build_mesh

@@ -33,7 +33,11 @@ Atomicity: all ranks write into ``iter_XXXXXXX.tmp/``; once every rank reports s
 rank 0 writes ``metadata.json``, renames the directory to ``iter_XXXXXXX`` and then replaces the
 tracker file (write a temporary file, ``os.replace``).  A crash at any point leaves either the
 previous tracker and no ``iter_…`` directory for the new iteration, or a complete one.  A
-``*.tmp`` directory is never loaded and is removed by the next save of that iteration.  The
+``*.tmp`` directory is never loaded and is removed by the next save of that iteration.  Saving
+an iteration that already exists moves the old copy to ``iter_XXXXXXX.old`` just before the new
+one is renamed in; should a crash fall between the two renames, loading takes the ``.old`` copy
+(the tracker still names a complete checkpoint) and the next save restores or removes it.  The
+directory entries are fsynced after the files, before each rename and before the tracker.  The
 directory must be on a file system every rank sees.
 
 RNG: each rank's generator states (default generator, CUDA generator, the tensor-parallel

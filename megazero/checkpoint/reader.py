@@ -33,6 +33,8 @@ def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
             note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
             raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
     path = checkpoint_path(directory, iteration)
+    if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
+        path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
     if not os.path.isfile(os.path.join(path, METADATA)):
         raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete "
                               f"(no {METADATA})")

@@ -77,25 +77,42 @@ def _rng_payload(chunks, mesh) -> Dict[str, object]:
     return out
 
 
+def _recover(directory: str) -> None:
+    """Rank 0, before a save: finish or undo a re-save that crashed mid-swap.  ``iter_X.old`` is the
+    previous copy of ``iter_X`` while the new one is moved in: it is dropped once ``iter_X`` is
+    complete again, or renamed back when the crash left no ``iter_X``."""
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith("iter_") and name.endswith(".old")):
+            continue
+        old, final = os.path.join(directory, name), os.path.join(directory, name[:-len(".old")])
+        if os.path.isfile(os.path.join(final, METADATA)):
+            shutil.rmtree(old, ignore_errors=True)
+        elif os.path.isfile(os.path.join(old, METADATA)):
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(old, final)
+            fsync_dir(directory)
+
+
 def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, cfg) -> None:
-    """Rank 0: metadata, then the rename that makes the checkpoint exist, then the tracker."""
+    """Rank 0: metadata, then the rename that makes the checkpoint exist, then the tracker.
+
+    Saving an iteration that exists already swaps it in two renames (``iter_X`` -> ``iter_X.old``,
+    ``iter_X.tmp`` -> ``iter_X``); between them the reader takes ``iter_X.old``, so the tracker
+    always names a complete checkpoint, and the next save cleans up (:func:`_recover`)."""
     write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
     write_json(os.path.join(tmp, METADATA), meta)  # last file: a directory without it is incomplete
+    fsync_dir(tmp)  # every rank's files are in the directory before it is renamed
     old = None
     if os.path.exists(final):  # saving the same iteration again
         old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
+        fsync_dir(directory)
     os.rename(tmp, final)
+    fsync_dir(directory)  # the checkpoint exists on disk before the tracker names it
     tracker_tmp = os.path.join(directory, TRACKER + ".tmp")
     write_bytes_durably(tracker_tmp, lambda fh: fh.write(f"{iteration}\n".encode()))
     os.replace(tracker_tmp, os.path.join(directory, TRACKER))
-    if hasattr(os, "O_DIRECTORY"):  # make the renames durable too
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_dir(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -115,6 +132,7 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
     if mesh.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
+            _recover(directory)  # an earlier re-save that crashed mid-swap
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crashed save
             os.makedirs(tmp)
         except OSError as err:
