@@ -16,8 +16,9 @@ parameter of that stage, by its *global* name (``decoder.<layer>.…``; the same
 layout), to this TP rank's shard of the fp32 master weight and the optimizer moments
 (``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``), with how it is sharded
 (``tensor_model_parallel``, ``partition_dim``, ``vocab_parallel``).  The DP/ZeRO axis is removed
-before writing: :meth:`ZeroOptimizer.param_states` gathers each parameter's state over DP
-(collective), so a file never depends on the ZeRO stage or DP size.  Parameters replicated over
+before writing: :meth:`ZeroOptimizer.param_states` gathers each parameter's state over DP to DP
+rank 0 only, bucket by bucket (collective; the other DP ranks hold no full copy), so a file never
+depends on the ZeRO stage or DP size.  Parameters replicated over
 TP are written by TP rank 0 only; the last stage's copy of a tied embedding
 (``output_layer.weight`` with ``tied_copy``) is not written (it equals ``word_embeddings.weight``).
 The compute-dtype weights are not stored separately: they are the master weights cast down.

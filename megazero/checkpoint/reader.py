@@ -205,8 +205,8 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     start = time.perf_counter()
     path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
     hint = _check_compatible(meta, cfg, path)
-    with optimizer.gathered_params():  # ZeRO-3: parameters are shards; their shapes are needed
-        shapes = {id(p): tuple(p.shape) for _, p in named_params(chunks)}
+    bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
+    shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
     error, states, frozen = None, {}, []
     try:
         states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)

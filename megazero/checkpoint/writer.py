@@ -139,7 +139,7 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
             error = err
     _agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
 
-    states = optimizer.param_states()  # collective over DP: per-parameter state, DP/ZeRO-free
+    states = optimizer.param_states(dst=0)  # collective over DP: gathered to the writer (DP rank 0) only
     try:
         if mesh.dp_rank == 0:
             model_path = os.path.join(tmp, model_file(mesh.tp_rank, mesh.pp_rank))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Deque, Dict, List, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -409,27 +409,44 @@ class ZeroOptimizer:
         finally:
             self.stage3.free_all()
 
-    def _full_bucket(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
-        """A whole bucket's fp32 values from each rank's owned slice (collective over DP)."""
+    def _full_bucket(self, b: Bucket, shard: torch.Tensor, dst: Optional[int] = None) -> Optional[torch.Tensor]:
+        """A whole bucket's fp32 values from each rank's owned slice (collective over DP): on every
+        DP rank (``dst`` None, an all-gather) or on DP rank ``dst`` only (a gather; None elsewhere)."""
+        receives = dst is None or dst == self.r
         shard = shard.detach().to(self.mesh.device, torch.float32)
-        if self.stage == 0 or self.dp == 1:
-            return shard.clone()
-        full = torch.empty(b.numel, dtype=torch.float32, device=self.mesh.device)
-        dist.all_gather_single(full, shard.contiguous(), group=self.mesh.dp_group)
+        if self.stage == 0 or self.dp == 1:  # every rank holds the whole bucket already
+            return shard.clone() if receives else None
+        full = torch.empty(b.numel, dtype=torch.float32, device=self.mesh.device) if receives else None
+        if dst is None:
+            dist.all_gather_single(full, shard.contiguous(), group=self.mesh.dp_group)
+        else:
+            dist.gather(shard.contiguous(), list(full.chunk(self.dp)) if receives else None,
+                        group=self.mesh.dp_group, group_dst=dst)
         return full
 
-    def param_states(self) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
+    def param_states(self, dst: Optional[int] = None) -> Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]:
         """Layout-free optimizer state: for every parameter its full fp32 ``master`` weight and
         optimizer moments (CPU tensors of the parameter's shape), plus ``step``.  Collective over DP;
-        checkpoints use it to reshard across ZeRO stages and DP sizes."""
+        checkpoints use it to reshard across ZeRO stages and DP sizes.
+
+        ``dst``: the DP rank that receives the state (the others return ``{}`` and hold no copy: each
+        bucket is gathered to it alone, one at a time); None: every DP rank receives it."""
         out: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]] = {}
         for b in self.buckets:
-            fulls = {"master": self._full_bucket(b, self.master[b.index])}
-            fulls.update({k: self._full_bucket(b, v) for k, v in self.state[b.index].items()})
+            fulls = {"master": self._full_bucket(b, self.master[b.index], dst)}
+            fulls.update({k: self._full_bucket(b, v, dst) for k, v in self.state[b.index].items()})
+            if fulls["master"] is None:
+                continue
             for p, s, shape in zip(b.params, b.starts, b.shapes):
-                out[p] = {k: v[s:s + shape.numel()].view(shape).cpu().clone() for k, v in fulls.items()}
+                out[p] = {k: v[s:s + shape.numel()].view(shape).to("cpu", copy=True) for k, v in fulls.items()}
                 out[p]["step"] = torch.tensor(self.step_count)
+            del fulls
         return out
+
+    def param_shapes(self) -> Dict[torch.nn.Parameter, torch.Size]:
+        """Every trainable parameter's full (unsharded) shape, from the bucket metadata: no gather,
+        even under ZeRO-3 where ``param.data`` is freed between uses."""
+        return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
 
     def load_param_states(self, states: Dict[torch.nn.Parameter, Dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`param_states` (any layout): keep this rank's slice; parameters follow."""
