@@ -163,6 +163,9 @@ class CheckpointConfig:
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
                              "continue); the same directory as --save may be empty (first job starts fresh).")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
+    override_opt_param_scheduler: bool = _f(False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
+                                            "--lr-decay-iters and --lr-decay-style even where they differ "
+                                            "from the checkpoint's (otherwise such a difference is an error).")
 
 
 @dataclass

@@ -397,6 +397,24 @@ def test_load_mismatch_errors(one_process_checkpoint, changes, needle):
         load(one_process_checkpoint, chunks, opt, mesh, cfg)
 
 
+@pytest.mark.parametrize("changes,needle", [
+    (dict(lr=0.2), "--lr 0.1 in the checkpoint, 0.2 in this run"),
+    (dict(min_lr=0.01), "--min-lr 0.0 in the checkpoint, 0.01 in this run"),
+    (dict(lr_warmup_iters=1), "--lr-warmup-iters 0 in the checkpoint, 1 in this run"),
+    (dict(lr_decay_iters=8), "--lr-decay-iters 4 in the checkpoint, 8 in this run"),
+    (dict(lr_decay_iters=None, train_iters=6), r"--lr-decay-iters 4 in the checkpoint, 6 in this run \(it defaults"),
+    (dict(lr_decay_style="linear"), "--lr-decay-style cosine in the checkpoint, linear in this run"),
+])
+def test_lr_schedule_must_match_unless_overridden(one_process_checkpoint, changes, needle):
+    cfg, mesh, chunks, opt = _build(_cfg(**changes))
+    with pytest.raises(CheckpointError, match=f"learning-rate schedule differs.*{needle}.*--override-opt-param-sch"):
+        load(one_process_checkpoint, chunks, opt, mesh, cfg)
+    cfg, mesh, chunks, opt = _build(_cfg(override_opt_param_scheduler=True, **changes))
+    assert load(one_process_checkpoint, chunks, opt, mesh, cfg)["iteration"] == 1
+    cfg, mesh, chunks, opt = _build(_cfg(train_iters=10))  # a longer run with the same schedule resumes
+    assert load(one_process_checkpoint, chunks, opt, mesh, cfg)["iteration"] == 1
+
+
 def test_mismatch_under_many_ranks_raises_everywhere(one_process_checkpoint):
     # stage 1 lacks layers 4-5, stage 0 loads but the models differ: both raise, neither hangs
     needle = r"(?s)--num-layers 4 in the checkpoint, 6 in this run.*ranks \[[01]\] failed after it"

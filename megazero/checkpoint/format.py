@@ -19,6 +19,10 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
                "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights")
 
+# OptimizerConfig fields of the learning-rate schedule (compared on load unless
+# --override-opt-param-scheduler, as Megatron-LM does)
+SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the path or parameter."""
@@ -58,6 +62,10 @@ def layout_of(cfg, mesh) -> Dict[str, object]:
             "virtual_stage_layers": par.num_layers_per_virtual_pipeline_stage,
             "first_stage_layers": par.decoder_first_pipeline_num_layers,
             "last_stage_layers": par.decoder_last_pipeline_num_layers}
+
+
+def scheduler_of(cfg) -> Dict[str, object]:
+    return {k: getattr(cfg.optimizer, k) for k in SCHEDULER_FIELDS}
 
 
 def arch_of(cfg) -> Dict[str, object]:

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, TRACKER, CheckpointError,
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, FORMAT, METADATA, SCHEDULER_FIELDS,
+                                        TRACKER, CheckpointError,
                                         all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
                                         named_params, on_rank0, read_json, rng_file, rng_trackers)
 from megazero.tensor_parallel.layers import pad_rows, shard
@@ -41,6 +42,9 @@ def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
     meta = read_json(os.path.join(path, METADATA))
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    if "scheduler" not in meta and os.path.isfile(os.path.join(path, CONFIG)):  # saved before the key
+        saved = read_json(os.path.join(path, CONFIG)).get("optimizer", {})
+        meta["scheduler"] = {k: saved[k] for k in SCHEDULER_FIELDS if k in saved}
     return path, meta
 
 
@@ -91,6 +95,23 @@ def _check_compatible(meta: dict, cfg, path: str) -> str:
     diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
              for k in ARCH_FIELDS if saved.get(k) != mine[k]]
     return "; ".join(diffs)
+
+
+def _check_scheduler(meta: dict, cfg, path: str) -> None:
+    """The learning-rate schedule must match the checkpoint's unless --override-opt-param-scheduler
+    (as in Megatron-LM; --train-iters may grow freely)."""
+    if cfg.checkpoint.override_opt_param_scheduler:
+        return
+    saved = meta.get("scheduler") or {}
+    diffs = []
+    for k in SCHEDULER_FIELDS:
+        if k in saved and saved[k] != getattr(cfg.optimizer, k):
+            note = " (it defaults to --train-iters)" if k in getattr(cfg, "defaulted", ()) else ""
+            diffs.append(f"{_flag(k)} {saved[k]} in the checkpoint, {getattr(cfg.optimizer, k)} in this run{note}")
+    if diffs:
+        raise CheckpointError(f"{path}: the learning-rate schedule differs from the checkpoint's: "
+                              f"{'; '.join(diffs)}. Resume with the checkpoint's values, or pass "
+                              "--override-opt-param-scheduler to use this run's")
 
 
 def _open_model_files(path: str, meta: dict) -> Dict[str, Dict[int, dict]]:
@@ -205,6 +226,7 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     start = time.perf_counter()
     path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
     hint = _check_compatible(meta, cfg, path)
+    _check_scheduler(meta, cfg, path)
     bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
     shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
     error, states, frozen = None, {}, []

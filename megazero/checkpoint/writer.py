@@ -10,7 +10,7 @@ import torch
 
 from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, all_ok, arch_of,
                                         checkpoint_path, fsync_dir, layout_of, model_file, named_params,
-                                        on_rank0, rng_file, rng_trackers, write_bytes_durably, write_json)
+                                        on_rank0, scheduler_of, rng_file, rng_trackers, write_bytes_durably, write_json)
 
 PROBE = ".megazero_write_probe"  # written and removed by check_save_dir
 
@@ -158,7 +158,7 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
                               "step": int(optimizer.step_count),
                               "skipped_steps": int(optimizer.skipped_steps),
                               "scaler": optimizer.scaler.state_dict()},
-                "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+                "scheduler": scheduler_of(cfg), "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
                 "padded_vocab_size": cfg.model.padded_vocab_size,
                 "model_files": [model_file(t, p) for p in range(mesh.pp_size) for t in range(mesh.tp_size)],
                 "torch_version": torch.__version__}
