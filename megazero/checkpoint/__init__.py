@@ -41,6 +41,12 @@ one is renamed in; should a crash fall between the two renames, loading takes th
 directory entries are fsynced after the files, before each rename and before the tracker.  The
 directory must be on a file system every rank sees.
 
+Resume checks: the loss-scaler state is carried over only from a dynamic (fp16) scaler into a
+dynamic one; a constant ``--loss-scale``, bf16/fp32, or a fresh fp16 run after an fp32 one keep
+this run's configured scale.  ``--lr``, ``--min-lr``, ``--lr-warmup-iters``, ``--lr-decay-iters``
+and ``--lr-decay-style`` must equal the checkpoint's (``metadata.json`` ``scheduler``) unless
+``--override-opt-param-scheduler``; ``--train-iters`` may grow.
+
 RNG: each rank's generator states (default generator, CUDA generator, the tensor-parallel
 tracker) are restored only when the saving and loading layouts are identical (world size, TP,
 PP, DP, virtual stages, uneven split, rank order).  Otherwise every rank is reseeded
