@@ -258,20 +258,28 @@ class TPToy(nn.Module):
         return (torch.tanh((x * self.w) @ self.W.t()) * self.v).sum(-1).mean()
 
 
+def _accumulate_steps(chunks, opt, mesh, X, micro, lr):
+    """One optimizer step per ``X[s]``: this DP rank's share, ``micro`` micro-batches, each chunk's
+    mean loss / micro backpropagated; returns the grad norms."""
+    norms = []
+    for batch in X:
+        opt.zero_grad()
+        x = batch.chunk(mesh.dp_size)[mesh.dp_rank]
+        for m, xm in enumerate(x.chunk(micro)):
+            for c, chunk in enumerate(chunks):
+                opt.prepare_backward(c, m == micro - 1)
+                (chunk(xm) / micro).backward()
+        opt.finish_grad_sync()
+        norms.append(opt.step(lr)["grad_norm"])
+    return norms
+
+
 def _tp_run(stage, tp, steps=3, micro=2):
     mesh = _mesh(tp=tp)
     model = TPToy(mesh.tp_size, mesh.tp_rank)
     opt = build_optimizer([model], mesh, _cfg(stage, "adam", clip=0.05, bucket=20))
     X = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(2))
-    norms = []
-    for s in range(steps):
-        opt.zero_grad()
-        x = X[s].chunk(mesh.dp_size)[mesh.dp_rank]
-        for m, xm in enumerate(x.chunk(micro)):
-            opt.prepare_backward(0, m == micro - 1)
-            (model(xm) / micro).backward()
-        opt.finish_grad_sync()
-        norms.append(opt.step(0.05)["grad_norm"])
+    norms = _accumulate_steps([model], opt, mesh, X, micro, lr=0.05)
     with opt.gathered_params():
         return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -313,16 +321,7 @@ def _pp_run(stage, pp, steps=3, micro=2):
     chunks = [StageToy(last) for last in ([False, True] if pp == 1 else [mesh.is_last_stage])]
     opt = build_optimizer(chunks, mesh, _cfg(stage, "sgd", clip=0.1, bucket=20))
     X = torch.randn(steps, 8, 6, generator=torch.Generator().manual_seed(3))
-    norms = []
-    for s in range(steps):
-        opt.zero_grad()
-        x = X[s].chunk(mesh.dp_size)[mesh.dp_rank]
-        for m, xm in enumerate(x.chunk(micro)):
-            for c, chunk in enumerate(chunks):
-                opt.prepare_backward(c, m == micro - 1)
-                (chunk(xm) / micro).backward()
-        opt.finish_grad_sync()
-        norms.append(opt.step(0.1)["grad_norm"])
+    norms = _accumulate_steps(chunks, opt, mesh, X, micro, lr=0.1)
     with opt.gathered_params():
         return norms, [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
 
