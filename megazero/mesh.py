@@ -19,7 +19,7 @@ import torch.distributed as dist
 AXES = ("tp", "dp", "pp")
 
 
-def _parse_order(order: str) -> List[str]:
+def parse_rank_order(order: str) -> List[str]:
     tokens = order.lower().split("-")
     unknown = [t for t in tokens if t not in AXES]
     if unknown:
@@ -50,7 +50,7 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1,
             f"pipeline-model-parallel size {pp} = {tp * pp}; choose sizes whose product divides the "
             "world size")
     sizes = {"tp": tp, "pp": pp, "dp": world_size // (tp * pp)}
-    axes = _parse_order(order)
+    axes = parse_rank_order(order)
     # stride of each axis in the rank number: the first-named axis varies fastest
     strides, stride = {}, 1
     for a in axes:
@@ -204,7 +204,7 @@ class ParallelMesh:
         """A ``torch.distributed.device_mesh.DeviceMesh`` with dims ("pp", "dp", "tp") for DTensor/DCP
         interop (collective: every rank must call it)."""
         from torch.distributed.device_mesh import DeviceMesh
-        axes = _parse_order(self.order)
+        axes = parse_rank_order(self.order)
         sizes = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size}
         slow_to_fast = list(reversed(axes))
         ranks = torch.arange(self.world_size).reshape([sizes[a] for a in slow_to_fast])

@@ -72,7 +72,7 @@ def test_unknown_setting_in_file(tmp_path):
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
-     r"multiple of --pipeline-model-parallel-size 2; allowed counts: 2, 4, 6"),
+     r"--pipeline-model-parallel-size 2 stages: .*multiple of the pipeline-parallel size 2, got 3; allowed counts: 2, 4, 6"),
     (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1",
       "--decoder-last-pipeline-num-layers", "1"], 3, None),  # 1 + 2 + 1: valid
     (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"], 3,
@@ -148,9 +148,37 @@ def test_revalidation_recomputes_derived_defaults():
     cfg = parse()  # world 1: global batch = micro batch 2
     assert cfg.training.global_batch_size == 2 and cfg.model.ffn_hidden_size == 256
     cfg.model.hidden_size, cfg.training.train_iters = 128, 30
-    validate(cfg, world_size=4)
+    cfg = validate(cfg, world_size=4)
     assert cfg.training.global_batch_size == 8 and cfg.model.ffn_hidden_size == 512
     assert cfg.optimizer.lr_decay_iters == 30 and cfg.parallel.data_parallel_size == 4
     explicit = parse("--global-batch-size", "16", "--ffn-hidden-size", "100")
-    validate(explicit, world_size=2)  # values the user gave are kept
+    explicit = validate(explicit, world_size=2)  # values the user gave are kept
     assert explicit.training.global_batch_size == 16 and explicit.model.ffn_hidden_size == 100
+
+
+def test_validate_leaves_its_argument_unchanged_and_reads_no_files(tmp_path):
+    cfg = config_from_dict({"mock_data": True, "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4})
+    before = cfg.to_dict()
+    resolved = validate(cfg, world_size=2)
+    assert cfg.to_dict() == before and cfg.derived is None
+    assert resolved.model.ffn_hidden_size == 256 and resolved.parallel.data_parallel_size == 2
+    assert resolved.is_filled("ffn_hidden_size") and not resolved.is_filled("hidden_size")
+    assert resolved.derived.padded_vocab_size == resolved.model.padded_vocab_size
+
+
+def test_store_false_flags_say_what_the_flag_does(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--disable-bias-linear Linear layers without biases" in out
+    assert "--no-overlap-grad-reduce Do not overlap" in out
+
+
+def test_schedule_must_fit_virtual_stages():
+    with pytest.raises(ConfigError, match="the 1f1b schedule runs one model chunk per stage, got 2; use the "
+                                          "interleaved schedule"):
+        parse("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+              "--pipeline-schedule", "1f1b", world=2)
+    assert parse("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                 "--global-batch-size", "4", world=2).parallel.pipeline_schedule == "interleaved"
+    assert parse("--pipeline-model-parallel-size", "2", world=2).parallel.pipeline_schedule == "1f1b"

@@ -12,25 +12,46 @@ from __future__ import annotations
 from typing import List, Optional
 
 
+def check_layout(num_layers: int, pp: int, vp_layers: Optional[int] = None, first: Optional[int] = None,
+                 last: Optional[int] = None) -> None:
+    """Raise ValueError (naming the flags) unless the layers split over the stages as asked."""
+    if pp > num_layers:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}; every "
+                         "stage needs at least one layer")
+    uneven = first is not None or last is not None
+    if vp_layers is not None:
+        if vp_layers < 1:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {vp_layers}")
+        if uneven:
+            raise ValueError("--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                             "--decoder-first/last-pipeline-num-layers; use one or the other")
+        if num_layers % (pp * vp_layers):
+            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                             f"{pp} x --num-layers-per-virtual-pipeline-stage {vp_layers} = {pp * vp_layers}")
+        return
+    if not uneven:
+        if num_layers % pp:
+            raise ValueError(f"--num-layers {num_layers} is not divisible by --pipeline-model-parallel-size "
+                             f"{pp}; choose a divisor or give an uneven split with "
+                             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+        return
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if min(first or 0, last or 0, rest) < 0 or (middle == 0 and rest != 0) \
+            or (middle > 0 and (rest % middle or rest // middle < 1)):
+        raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, last={last} "
+                         f"(--decoder-first/last-pipeline-num-layers): the {rest} layers left cannot be split "
+                         f"evenly over the other {middle} pipeline stages")
+
+
 def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
                        last: Optional[int] = None) -> List[int]:
     """Layers per pipeline stage (no virtual stages)."""
-    if pp > num_layers:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}; "
-                         "every stage needs at least one layer")
+    check_layout(num_layers, pp, None, first, last)
     if first is None and last is None:
-        if num_layers % pp:
-            raise ValueError(f"--num-layers {num_layers} is not divisible by "
-                             f"--pipeline-model-parallel-size {pp}; "
-                             "give an uneven split with --decoder-first-pipeline-num-layers / "
-                             "--decoder-last-pipeline-num-layers")
         return [num_layers // pp] * pp
     middle = pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
-    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest % middle or rest // middle < 1)):
-        raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, "
-                         f"last={last}: "
-                         "the remaining layers must divide evenly over the middle stages")
     counts = [rest // middle if middle else 0] * pp
     if first is not None:
         counts[0] = first
@@ -43,10 +64,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int, vp_layers: Optional[int
                  first: Optional[int] = None, last: Optional[int] = None) -> List[range]:
     """Global layer indices owned by stage ``pp_rank``: one range per (virtual) model chunk."""
     if vp_layers is not None:
-        if num_layers % (pp * vp_layers):
-            raise ValueError(f"--num-layers {num_layers} is not divisible by "
-                             f"--pipeline-model-parallel-size {pp} x "
-                             f"--num-layers-per-virtual-pipeline-stage {vp_layers}")
+        check_layout(num_layers, pp, vp_layers)
         vp = num_layers // (pp * vp_layers)
         return [range((v * pp + pp_rank) * vp_layers, (v * pp + pp_rank + 1) * vp_layers) for v in range(vp)]
     counts = stage_layer_counts(num_layers, pp, first, last)

@@ -155,11 +155,7 @@ def interleaved_one_f_one_b(pp: int, m: int, vp: int, forward_only: bool = False
         order = [[("fwd", mb, v)] for g in range(0, m, pp) for v in range(vp)
                  for mb in range(g, min(g + pp, m))]
         return [_with_comms(order, r, pp, vp) for r in range(pp)]
-    if m % pp:
-        allowed = ", ".join(str(pp * k) for k in range(1, 4))
-        raise ScheduleError(
-            f"the interleaved schedule needs the number of micro-batches to be a multiple of the "
-            f"pipeline-parallel size {pp}, got {m}; allowed counts: {allowed}, ...")
+    check_schedule("interleaved", pp, m, vp)
 
     def fwd_of(k):
         return k % (pp * vp) // pp, k // (pp * vp) * pp + k % pp
@@ -178,15 +174,27 @@ def interleaved_one_f_one_b(pp: int, m: int, vp: int, forward_only: bool = False
     return out
 
 
+def check_schedule(name: str, pp: int, m: int, vp: int = 1) -> None:
+    """Raise :class:`ScheduleError` unless schedule ``name`` can train ``m`` micro-batches over ``pp``
+    stages of ``vp`` model chunks."""
+    _check_sizes(pp, m, vp)
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name != "interleaved" and vp != 1:
+        raise ScheduleError(f"the {name} schedule runs one model chunk per stage, got {vp}; "
+                            "use the interleaved schedule for virtual stages")
+    if name == "interleaved" and m % pp:
+        allowed = ", ".join(str(pp * k) for k in range(1, 4))
+        raise ScheduleError(
+            f"the interleaved schedule needs the number of micro-batches to be a multiple of the "
+            f"pipeline-parallel size {pp}, got {m}; allowed counts: {allowed}, ...")
+
+
 def build_schedule(name: str, pp: int, m: int, vp: int = 1, forward_only: bool = False) -> List[List[Action]]:
     """The per-stage action lists of schedule ``name`` ("gpipe", "1f1b" or "interleaved")."""
     if name == "interleaved":
         return interleaved_one_f_one_b(pp, m, vp, forward_only)
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if vp != 1:
-        raise ScheduleError(f"the {name} schedule runs one model chunk per stage, got {vp}; "
-                            "use the interleaved schedule for virtual stages")
+    check_schedule(name, pp, m, vp)
     return (gpipe if name == "gpipe" else one_f_one_b)(pp, m, forward_only)
 
 

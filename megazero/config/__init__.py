@@ -1,0 +1,19 @@
+"""Every setting as a documented dataclass field, parsed from Megatron-LM-named flags.
+
+- :mod:`megazero.config.sections`: the dataclasses (one per concern), :class:`MegazeroConfig`
+  and :class:`Derived`;
+- :mod:`megazero.config.parsing`: flags, ``--config`` files and ``--model`` presets to a config;
+- :mod:`megazero.config.validation`: :func:`validate` checks a config and returns it resolved
+  (derived values filled in) without changing its argument; errors are :class:`ConfigError`
+  whose message names the flag and the fix.
+"""
+from megazero.config.parsing import build_parser, config_from_dict, parse_args
+from megazero.config.sections import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, Derived, LoggingConfig,
+                                      MegazeroConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                      PrecisionConfig, TrainingConfig, field_index, flag_of)
+from megazero.config.validation import derive, validate
+
+__all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",
+           "MegazeroConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+           "TrainingConfig", "build_parser", "config_from_dict", "derive", "field_index", "flag_of",
+           "parse_args", "validate"]

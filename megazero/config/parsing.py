@@ -1,0 +1,127 @@
+"""From flags, a ``--config`` file and a ``--model`` preset to a :class:`MegazeroConfig`.
+
+Layering, lowest to highest priority: dataclass defaults < ``--model PRESET`` < ``--config FILE``
+(YAML or JSON, flat ``flag-name: value`` keys or nested by section) < command-line flags.
+Reading a file (the config, the tokenizer behind ``--tokenizer-model``) happens here, never in
+validation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import Any, Dict, Optional, Sequence
+
+from megazero.config.sections import SECTIONS, ConfigError, MegazeroConfig, field_index, flag_of
+
+
+def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.ArgumentParser:
+    """The argparse parser for every flag (defaults suppressed so given flags can be told apart)."""
+    p = argparse.ArgumentParser(
+        description="Pretrain a GPT model with tensor, pipeline and data parallelism and ZeRO.",
+        argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help="YAML or JSON file of settings; flags override it.")
+    p.add_argument("--model", dest="model_preset", choices=sorted(presets) if presets else None,
+                   help="Named model preset" + (f" ({', '.join(sorted(presets))})" if presets else ""))
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard the optimizer state across data-parallel ranks (= --zero-stage 1).")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section, cls.__doc__)
+        for f in fields(cls):
+            if not f.metadata.get("derived"):
+                group.add_argument(flag_of(f), **_argparse_kwargs(f))
+    return p
+
+
+def _argparse_kwargs(f) -> Dict[str, Any]:
+    meta = f.metadata
+    kw: Dict[str, Any] = {"dest": f.name, "help": meta.get("flag_help", meta["help"])}
+    if "action" in meta:
+        kw["action"] = meta["action"]
+    elif f.type in ("bool", bool):
+        kw["action"] = "store_true"
+    else:
+        kw["type"] = meta.get("type", _scalar_type(f))
+        kw.update({k: meta[k] for k in ("choices", "nargs") if k in meta})
+    return kw
+
+
+def _scalar_type(f):
+    t = str(f.type)
+    if "float" in t:
+        return float
+    if "int" in t:
+        return int
+    return str
+
+
+def _load_file(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror})") from None
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings, got {type(data).__name__}")
+    flat: Dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_").lstrip("_")] = value
+    return flat
+
+
+def _tokenizer_vocab_size(path: str) -> int:
+    """The vocabulary size of ``--tokenizer-model`` (as in Megatron-LM, it sets the model's)."""
+    from megazero.data.tokenizer import load_tokenizer
+    try:
+        return load_tokenizer(path).vocab_size
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--tokenizer-model: {err}") from None
+
+
+def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> MegazeroConfig:
+    """Build a config from ``{field_name: value}`` (a preset named by ``model_preset`` first).
+    With ``tokenizer_model``, the tokenizer's vocabulary size replaces ``vocab_size``."""
+    index = field_index()
+    per_section: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+    preset = settings.get("model_preset") or settings.get("model")
+    if isinstance(preset, str):
+        if not presets or preset not in presets:
+            known = ", ".join(sorted(presets or {})) or "none registered"
+            raise ConfigError(f"--model {preset}: unknown model preset; choose one of: {known}")
+        for k, v in presets[preset].items():
+            per_section[index[k][0]][k] = v
+    for key, value in settings.items():
+        if key in ("model_preset", "model", "config"):
+            continue
+        if key == "use_distributed_optimizer":
+            if value:
+                per_section["parallel"]["zero_stage"] = max(1, settings.get("zero_stage", 1))
+            continue
+        if key not in index:
+            raise ConfigError(f"unknown setting {key!r} (flag --{key.replace('_', '-')}); see --help for the list")
+        per_section[index[key][0]][key] = value
+    if per_section["data"].get("tokenizer_model"):
+        per_section["model"]["vocab_size"] = _tokenizer_vocab_size(per_section["data"]["tokenizer_model"])
+    return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
+                          model_preset=preset if isinstance(preset, str) else None)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str, dict]] = None,
+               world_size: Optional[int] = None, validate_now: bool = True) -> MegazeroConfig:
+    """Parse Megatron-style flags (after an optional --config file and --model preset) and validate."""
+    from megazero.config.validation import validate
+    ns = vars(build_parser(presets).parse_args(argv))
+    settings: Dict[str, Any] = {}
+    if "config" in ns:
+        settings.update(_load_file(ns.pop("config")))
+    settings.update(ns)
+    cfg = config_from_dict(settings, presets)
+    return validate(cfg, world_size) if validate_now else cfg

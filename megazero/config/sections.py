@@ -1,0 +1,271 @@
+"""The settings: one documented dataclass per concern, and the values derived from them.
+
+Each field's flag is ``--`` + its name with ``_`` replaced by ``-`` unless its metadata names
+another (``flag``); ``help`` describes the setting, ``flag_help`` the flag where the two differ
+(a ``store_false`` flag such as ``--disable-bias-linear``).  Fields marked ``derived`` are not
+flags: :func:`megazero.config.validate` fills them in from :class:`Derived`.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """An inconsistent or invalid setting; the message names the flag and how to fix it."""
+
+
+def _f(default, help: str, **meta):  # noqa: A002 - mirrors argparse
+    """A dataclass field with its help text (and optional flag metadata)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split: tensor, pipeline and data parallel, and ZeRO on the data axis."""
+    tensor_model_parallel_size: int = _f(1, "Ranks that split every layer's weights (tensor parallel).")
+    pipeline_model_parallel_size: int = _f(1, "Pipeline stages the layers are cut into.")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
+        None, "Layers per virtual stage; enables the interleaved 1F1B schedule.")
+    decoder_first_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the first pipeline stage (uneven split); the rest are spread evenly.")
+    decoder_last_pipeline_num_layers: Optional[int] = _f(
+        None, "Layers on the last pipeline stage (uneven split); the rest are spread evenly.")
+    pipeline_schedule: Optional[str] = _f(None, "Pipeline schedule: gpipe, 1f1b or interleaved (default: "
+                                          "interleaved with virtual stages, else 1f1b).",
+                                          choices=["gpipe", "1f1b", "interleaved"])
+    sequence_parallel: bool = _f(False, "Split activations along the sequence in the non-tensor-parallel "
+                                 "regions (needs --tensor-model-parallel-size > 1).")
+    zero_stage: int = _f(0, "ZeRO stage on the data-parallel axis: 0 plain DP, 1 optimizer state, "
+                         "2 + gradients, 3 + parameters.", type=int)
+    offload_optimizer: bool = _f(False, "Keep fp32 master weights and optimizer state on the CPU (ZeRO 1-3).")
+    ddp_bucket_size: Optional[int] = _f(
+        None, "Gradient bucket size in elements (default: a quarter of the model, within 1M-40M; "
+        "never more than the model).")
+    overlap_grad_reduce: bool = _f(True, "Start each bucket's gradient reduction as soon as it is complete.",
+                                   flag="--no-overlap-grad-reduce", action="store_false",
+                                   flag_help="Do not overlap: reduce the gradients after backward (stages "
+                                   "0/1), or wait for each bucket's reduction as it completes (stages 2/3).")
+    rank_order: str = _f("tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
+    # derived (see Derived)
+    world_size: int = _f(1, "Number of processes (taken from WORLD_SIZE; not a flag).", derived=True)
+    data_parallel_size: int = _f(1, "world size / (tp x pp) (derived).", derived=True)
+    virtual_pipeline_model_parallel_size: int = _f(1, "Model chunks per pipeline stage (derived).", derived=True)
+
+
+@dataclass
+class ModelConfig:
+    """The GPT architecture (GPT-2 and LLaMA styles)."""
+    num_layers: int = _f(2, "Transformer layers.")
+    hidden_size: int = _f(64, "Hidden size.")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP hidden size (default 4 x hidden, or LLaMA's 8/3 rule for swiglu).")
+    num_attention_heads: int = _f(4, "Attention heads.")
+    num_query_groups: Optional[int] = _f(None, "Key/value heads for grouped-query attention (default: heads).")
+    kv_channels: Optional[int] = _f(None, "Channels per head (default hidden / heads).")
+    seq_length: int = _f(64, "Training sequence length.")
+    max_position_embeddings: Optional[int] = _f(None, "Learned position table size (default seq length).")
+    vocab_size: int = _f(512, "Vocabulary size before padding (the tokenizer's, when one is given).")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP size.")
+    position_embedding_type: str = _f("learned_absolute", "learned_absolute (GPT-2) or rope (LLaMA).",
+                                      choices=["learned_absolute", "rope"])
+    rotary_base: float = _f(10000.0, "RoPE base.", type=float)
+    normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", type=float)
+    activation: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or swiglu (LLaMA).",
+                         choices=["gelu", "swiglu"])
+    add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
+                               flag="--disable-bias-linear", action="store_false",
+                               flag_help="Linear layers without biases (LLaMA style).")
+    untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
+    hidden_dropout: float = _f(0.0, "Dropout after attention and MLP.", type=float)
+    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", type=float)
+    init_method_std: float = _f(0.02, "Std of the normal initialisation.", type=float)
+    recompute_granularity: Optional[str] = _f(None, "Activation recomputation: full or selective.",
+                                              choices=["full", "selective"])
+    recompute_method: Optional[str] = _f(None, "With full: uniform or block.", choices=["uniform", "block"])
+    recompute_num_layers: Optional[int] = _f(None, "With full: layers per recomputed group (uniform) "
+                                             "or layers recomputed per stage (block).")
+    # derived (see Derived)
+    padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, length of training, evaluation."""
+    micro_batch_size: int = _f(2, "Sequences per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = _f(None, "Sequences per optimizer step (default micro x DP).")
+    train_iters: int = _f(10, "Optimizer steps.")
+    seed: int = _f(1234, "Random seed (same weights and data at every layout).")
+    eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
+    eval_iters: int = _f(2, "Batches per evaluation.")
+    # derived (see Derived)
+    num_micro_batches: int = _f(1, "global batch / (micro batch x DP) (derived).", derived=True)
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule and clipping."""
+    optimizer: str = _f("adam", "adam (AdamW) or sgd.", choices=["adam", "sgd"])
+    lr: float = _f(1e-3, "Peak learning rate.", type=float)
+    min_lr: float = _f(0.0, "Learning rate at the end of decay.", type=float)
+    lr_decay_style: str = _f("cosine", "constant, linear or cosine.", choices=["constant", "linear", "cosine"])
+    lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
+    lr_decay_iters: Optional[int] = _f(None, "Steps over which to decay (default --train-iters).")
+    weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).", type=float)
+    adam_beta1: float = _f(0.9, "Adam beta1.", type=float)
+    adam_beta2: float = _f(0.999, "Adam beta2.", type=float)
+    adam_eps: float = _f(1e-8, "Adam epsilon.", type=float)
+    sgd_momentum: float = _f(0.0, "SGD momentum.", type=float)
+    clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", type=float)
+
+
+@dataclass
+class PrecisionConfig:
+    """Mixed precision and loss scaling."""
+    bf16: bool = _f(False, "Parameters and activations in bfloat16, fp32 master weights.")
+    fp16: bool = _f(False, "Parameters and activations in float16, fp32 master weights, loss scaling.")
+    loss_scale: Optional[float] = _f(None, "Constant loss scale for fp16 (default: dynamic).", type=float)
+    initial_loss_scale: float = _f(2.0 ** 32, "Starting dynamic loss scale.", type=float)
+    min_loss_scale: float = _f(1.0, "Training stops if the dynamic scale would fall below this.", type=float)
+    loss_scale_window: int = _f(1000, "Clean steps before the dynamic scale doubles.")
+    hysteresis: int = _f(2, "Overflows tolerated before the dynamic scale halves.")
+    grad_reduce_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32 or param.",
+                                choices=["fp32", "param"])
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+    data_path: List[str] = _f([], "Megatron-format dataset prefix(es) (PREFIX.bin/.idx, written by "
+                              "scripts/preprocess_data.py or Megatron-LM), optionally weighted: [w1] p1 [w2] p2.",
+                              nargs="+")
+    split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path).")
+    mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
+    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file or Hugging Face tokenizer directory; "
+                                        "its vocabulary size replaces --vocab-size.")
+    num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
+    eod_mask_loss: bool = _f(False, "Leave the prediction after each end-of-document token out of the loss "
+                             "(the EOD id comes from --tokenizer-model).")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading."""
+    save: Optional[str] = _f(None, "Directory to save checkpoints to (iter_XXXXXXX/ per save and "
+                             "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
+    load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
+                             "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
+                             "continue); the same directory as --save may be empty (first job starts fresh).")
+    save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
+    override_opt_param_scheduler: bool = _f(False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
+                                            "--lr-decay-iters and --lr-decay-style even where they differ "
+                                            "from the checkpoint's (otherwise such a difference is an error).")
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics file and wandb."""
+    log_interval: int = _f(1, "Print a progress line every this many steps.")
+    metrics_file: Optional[str] = _f(None, "Write one JSON object per step to this file (rank 0).")
+    wandb_project: Optional[str] = _f(None, "Log to this wandb project.")
+    wandb_mode: Optional[str] = _f(None, "online, offline or disabled (default: offline without an API key).",
+                                   choices=["online", "offline", "disabled"])
+    wandb_exp_name: Optional[str] = _f(None, "wandb run name.")
+    wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
+
+
+SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,
+            "optimizer": OptimizerConfig, "precision": PrecisionConfig, "data": DataConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def field_index() -> Dict[str, Tuple[str, Any]]:
+    """field name -> (section name, dataclass field); names are unique across sections."""
+    index = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (section, f)
+    return index
+
+
+def flag_of(f) -> str:
+    """The command-line flag of a dataclass field."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What :func:`megazero.config.validate` computes from the settings and the world size.
+
+    ``filled`` holds the settings left unset that took their default rule's value (e.g.
+    ``ffn_hidden_size`` = 4 x hidden); the others are never given on the command line."""
+    world_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: int
+    padded_vocab_size: int
+    num_micro_batches: int
+    filled: Tuple[Tuple[str, Any], ...] = ()
+
+    def values(self) -> Dict[str, Any]:
+        """Every derived field and filled setting by name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "filled"}
+        out.update(self.filled)
+        return out
+
+
+@dataclass
+class MegazeroConfig:
+    """The whole configuration, one dataclass per concern.
+
+    ``derived`` is None for settings as given; :func:`megazero.config.validate` returns a resolved
+    copy whose sections hold the derived values too and whose ``derived`` says which they are."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model_preset: Optional[str] = None
+    derived: Optional[Derived] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def is_filled(self, name: str) -> bool:
+        """Whether setting ``name`` was left unset and took its default rule's value."""
+        return self.derived is not None and name in dict(self.derived.filled)
+
+    def resolved(self, derived: Derived) -> "MegazeroConfig":
+        """A copy with ``derived``'s values written into the sections."""
+        out = copy.deepcopy(self)
+        index = field_index()
+        for name, value in derived.values().items():
+            setattr(getattr(out, index[name][0]), name, value)
+        out.derived = derived
+        return out
+
+    def given(self) -> "MegazeroConfig":
+        """The settings as given: a resolved config's filled-in defaults unset again (a value
+        changed since validation counts as given), so validating again derives them afresh."""
+        out = copy.deepcopy(self)
+        out.derived = None
+        if self.derived is not None:
+            index = field_index()
+            for name, value in self.derived.filled:
+                section = getattr(out, index[name][0])
+                if getattr(section, name) == value:
+                    setattr(section, name, index[name][1].default)
+        return out
+
+    def replace(self, **sections) -> "MegazeroConfig":
+        """A copy of the given settings with some changed: ``cfg.replace(parallel={"zero_stage": 2})``."""
+        out = self.given()
+        for name, changes in sections.items():
+            setattr(out, name, replace(getattr(out, name), **changes))
+        return out

@@ -1,0 +1,243 @@
+"""Checking a configuration and deriving what follows from it.
+
+:func:`validate` never changes its argument: it checks the settings, computes the derived values
+with the pure function :func:`derive`, and returns a resolved copy.  Each section has one small
+check; a rule that belongs to another module (the pipeline split, the schedule's micro-batch rule,
+the ZeRO stages, the rank order) is checked by that module and its ValueError becomes a
+:class:`ConfigError` that names the flag.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, Optional
+
+from megazero.config.sections import ConfigError, Derived, MegazeroConfig, field_index
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@contextlib.contextmanager
+def _owned_rule(prefix: str = ""):
+    """Turn the ValueError of a rule checked by its owning module into a ConfigError."""
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigError(f"{prefix}{err}") from None
+
+
+def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroConfig:
+    """Check every setting against the others and return the resolved config (derived values
+    filled in); ``cfg`` is not changed.  ``world_size`` defaults to ``$WORLD_SIZE`` or 1.
+    Validating a resolved config again derives its defaults afresh.  Raises ConfigError."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    given = cfg.given()
+    _check_numbers(given)
+    _check_world(given, world_size)
+    resolved = given.resolved(derive(given, world_size))
+    for check in (_check_model, _check_sequence_parallel, _check_pipeline, _check_batch, _check_zero,
+                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, _check_data):
+        check(resolved)
+    return resolved
+
+
+def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
+    """The derived values of settings ``cfg`` (as given) on ``world_size`` ranks; pure."""
+    par, mod, tr = cfg.parallel, cfg.model, cfg.training
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+    index = field_index()
+    filled = {name: value for name, value in _default_rules(cfg, dp).items()
+              if getattr(getattr(cfg, index[name][0]), name) is None}
+    vpl = par.num_layers_per_virtual_pipeline_stage
+    multiple = mod.make_vocab_size_divisible_by * tp
+    global_batch = tr.global_batch_size or filled["global_batch_size"]
+    return Derived(world_size=world_size, data_parallel_size=dp,
+                   virtual_pipeline_model_parallel_size=mod.num_layers // (pp * vpl) if vpl else 1,
+                   padded_vocab_size=-(-mod.vocab_size // multiple) * multiple,
+                   num_micro_batches=global_batch // (tr.micro_batch_size * dp),
+                   filled=tuple(filled.items()))
+
+
+def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
+    """The value each defaultable setting takes when left unset."""
+    mod, tr = cfg.model, cfg.training
+    heads, hidden = mod.num_attention_heads, mod.hidden_size
+    swiglu_ffn = -(-int(8 * hidden / 3) // 64) * 64  # LLaMA's 8/3 rule, rounded up to 64
+    rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
+             "ffn_hidden_size": swiglu_ffn if mod.activation == "swiglu" else 4 * hidden,
+             "max_position_embeddings": mod.seq_length, "global_batch_size": tr.micro_batch_size * dp,
+             "lr_decay_iters": tr.train_iters,
+             "pipeline_schedule": "interleaved" if cfg.parallel.num_layers_per_virtual_pipeline_stage else "1f1b"}
+    if mod.recompute_granularity == "full":
+        rules.update(recompute_method="uniform", recompute_num_layers=1)
+    return rules
+
+
+# ---- one check per section -------------------------------------------------------------------
+def _check_numbers(cfg: MegazeroConfig) -> None:
+    par, mod, tr, opt = cfg.parallel, cfg.model, cfg.training, cfg.optimizer
+    for flag, v in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
+                    ("--pipeline-model-parallel-size", par.pipeline_model_parallel_size),
+                    ("--num-layers", mod.num_layers), ("--hidden-size", mod.hidden_size),
+                    ("--num-attention-heads", mod.num_attention_heads), ("--seq-length", mod.seq_length),
+                    ("--vocab-size", mod.vocab_size), ("--micro-batch-size", tr.micro_batch_size),
+                    ("--make-vocab-size-divisible-by", mod.make_vocab_size_divisible_by)):
+        _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v!r}")
+    for flag, v in (("--global-batch-size", tr.global_batch_size), ("--kv-channels", mod.kv_channels),
+                    ("--ffn-hidden-size", mod.ffn_hidden_size), ("--num-query-groups", mod.num_query_groups),
+                    ("--max-position-embeddings", mod.max_position_embeddings),
+                    ("--lr-decay-iters", opt.lr_decay_iters), ("--recompute-num-layers", mod.recompute_num_layers)):
+        _check(v is None or (isinstance(v, int) and v >= 1), f"{flag} must be a positive integer, got {v!r}")
+    _check(tr.train_iters >= 0, f"--train-iters must be >= 0, got {tr.train_iters}")
+    _check(tr.seed >= 0, f"--seed must be >= 0, got {tr.seed}")
+    _check(tr.eval_interval >= 0, f"--eval-interval must be >= 0 (0: never), got {tr.eval_interval}")
+    _check(tr.eval_interval == 0 or tr.eval_iters >= 1,
+           f"--eval-iters must be >= 1 when --eval-interval is set, got {tr.eval_iters}")
+    _check(cfg.logging.log_interval >= 1, f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+
+
+def _check_world(cfg: MegazeroConfig, world: int) -> None:
+    par = cfg.parallel
+    from megazero.mesh import parse_rank_order
+    with _owned_rule("--rank-order: "):
+        parse_rank_order(par.rank_order)
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    _check(world % (tp * pp) == 0,
+           f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+           f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
+           "or change the sizes")
+
+
+def _check_model(cfg: MegazeroConfig) -> None:
+    mod, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    _check(mod.hidden_size % mod.num_attention_heads == 0 or not cfg.is_filled("kv_channels"),
+           f"--hidden-size {mod.hidden_size} is not divisible by --num-attention-heads "
+           f"{mod.num_attention_heads}; change one or set --kv-channels")
+    _check(mod.num_attention_heads % tp == 0,
+           f"--num-attention-heads {mod.num_attention_heads} is not divisible by --tensor-model-parallel-size "
+           f"{tp}; use a tensor-parallel size that divides the number of heads")
+    _check(mod.num_attention_heads % mod.num_query_groups == 0,
+           f"--num-attention-heads {mod.num_attention_heads} is not divisible by --num-query-groups "
+           f"{mod.num_query_groups}; each key/value head must serve a whole number of query heads")
+    _check(mod.num_query_groups % tp == 0,
+           f"--num-query-groups {mod.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
+           "use a tensor-parallel size that divides the number of key/value heads")
+    _check(mod.hidden_size % tp == 0,
+           f"hidden size {mod.hidden_size} is not divisible by tensor-model-parallel size {tp} "
+           "(--hidden-size, --tensor-model-parallel-size); choose a hidden size that TP divides")
+    _check(mod.ffn_hidden_size % tp == 0,
+           f"--ffn-hidden-size {mod.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+    _check(mod.position_embedding_type == "rope" or mod.seq_length <= mod.max_position_embeddings,
+           f"--seq-length {mod.seq_length} exceeds --max-position-embeddings {mod.max_position_embeddings}; "
+           "raise --max-position-embeddings or shorten the sequence")
+    _check(mod.position_embedding_type != "rope" or mod.kv_channels % 2 == 0,
+           f"rope needs an even head dimension, got {mod.kv_channels}")
+    for flag, v in (("--hidden-dropout", mod.hidden_dropout), ("--attention-dropout", mod.attention_dropout)):
+        _check(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
+
+
+def _check_sequence_parallel(cfg: MegazeroConfig) -> None:
+    par, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
+    if par.sequence_parallel:
+        _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across "
+               "the tensor-parallel ranks); drop the flag or raise the tensor-parallel size")
+        _check(cfg.model.seq_length % tp == 0, f"--sequence-parallel: --seq-length {cfg.model.seq_length} is "
+               f"not divisible by --tensor-model-parallel-size {tp}")
+
+
+def _check_pipeline(cfg: MegazeroConfig) -> None:
+    from megazero.pipeline.partition import check_layout
+    par = cfg.parallel
+    split = (par.num_layers_per_virtual_pipeline_stage, par.decoder_first_pipeline_num_layers,
+             par.decoder_last_pipeline_num_layers)
+    _check(par.pipeline_model_parallel_size > 1 or split == (None, None, None),
+           "--num-layers-per-virtual-pipeline-stage and --decoder-first/last-pipeline-num-layers need "
+           "--pipeline-model-parallel-size > 1")
+    with _owned_rule():
+        check_layout(cfg.model.num_layers, par.pipeline_model_parallel_size,
+                     par.num_layers_per_virtual_pipeline_stage, par.decoder_first_pipeline_num_layers,
+                     par.decoder_last_pipeline_num_layers)
+    _check(par.pipeline_schedule != "interleaved" or par.num_layers_per_virtual_pipeline_stage is not None,
+           "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage")
+
+
+def _check_batch(cfg: MegazeroConfig) -> None:
+    from megazero.pipeline.schedules import check_schedule
+    par, tr = cfg.parallel, cfg.training
+    dp, mbs, gbs = par.data_parallel_size, tr.micro_batch_size, tr.global_batch_size
+    _check(gbs % (mbs * dp) == 0, f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+           f"{mbs} x data-parallel size {dp} = {mbs * dp}")
+    with _owned_rule(f"--global-batch-size {gbs} / (--micro-batch-size {mbs} x DP {dp}) = "
+                     f"{tr.num_micro_batches} micro-batches on --pipeline-model-parallel-size "
+                     f"{par.pipeline_model_parallel_size} stages: "):
+        check_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size, tr.num_micro_batches,
+                       par.virtual_pipeline_model_parallel_size)
+
+
+def _check_zero(cfg: MegazeroConfig) -> None:
+    from megazero.zero.stages import check_stage
+    par = cfg.parallel
+    with _owned_rule():
+        check_stage(par.zero_stage, par.offload_optimizer)
+    _check(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1,
+           f"--ddp-bucket-size must be positive, got {par.ddp_bucket_size}")
+
+
+def _check_precision(cfg: MegazeroConfig) -> None:
+    pre = cfg.precision
+    _check(not (pre.fp16 and pre.bf16), "--fp16 and --bf16 cannot be used together; choose one")
+    _check(pre.loss_scale is None or pre.loss_scale > 0, f"--loss-scale must be > 0, got {pre.loss_scale}")
+    _check(pre.min_loss_scale > 0, f"--min-loss-scale must be > 0, got {pre.min_loss_scale}")
+    _check(pre.initial_loss_scale >= pre.min_loss_scale,
+           f"--initial-loss-scale {pre.initial_loss_scale} is below --min-loss-scale {pre.min_loss_scale}")
+    _check(pre.hysteresis >= 1, f"--hysteresis must be >= 1, got {pre.hysteresis}")
+    _check(pre.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {pre.loss_scale_window}")
+
+
+def _check_recompute(cfg: MegazeroConfig) -> None:
+    mod = cfg.model
+    _check(mod.recompute_granularity == "full" or mod.recompute_method is None,
+           "--recompute-method is only used with --recompute-granularity full")
+
+
+def _check_optimizer(cfg: MegazeroConfig) -> None:
+    opt = cfg.optimizer
+    _check(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
+    _check(opt.min_lr <= opt.lr, f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
+    _check(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {opt.clip_grad}")
+    _check(opt.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {opt.lr_warmup_iters}")
+    _check(0.0 <= opt.adam_beta1 < 1.0 and 0.0 <= opt.adam_beta2 < 1.0,
+           f"--adam-beta1/--adam-beta2 must be in [0, 1), got {opt.adam_beta1}, {opt.adam_beta2}")
+    _check(opt.adam_eps > 0, f"--adam-eps must be > 0, got {opt.adam_eps}")
+    _check(opt.sgd_momentum >= 0, f"--sgd-momentum must be >= 0, got {opt.sgd_momentum}")
+    _check(opt.weight_decay >= 0, f"--weight-decay must be >= 0, got {opt.weight_decay}")
+    _check(cfg.is_filled("lr_decay_iters") or opt.lr_decay_style == "constant"
+           or opt.lr_decay_iters > opt.lr_warmup_iters,
+           f"--lr-decay-iters {opt.lr_decay_iters} must be greater than --lr-warmup-iters "
+           f"{opt.lr_warmup_iters} (decay runs after warm-up); raise it or use --lr-decay-style constant")
+
+
+def _check_checkpoint(cfg: MegazeroConfig) -> None:
+    ck = cfg.checkpoint
+    _check(isinstance(ck.save_interval, int) and ck.save_interval >= 0,
+           f"--save-interval must be >= 0 (0: save only at the end), got {ck.save_interval!r}")
+    _check(not ck.save_interval or ck.save,
+           f"--save-interval {ck.save_interval} needs --save DIR (the directory to write checkpoints to)")
+    for flag, v in (("--save", ck.save), ("--load", ck.load)):
+        _check(v is None or (isinstance(v, str) and v.strip() != ""), f"{flag} needs a directory, got {v!r}")
+
+
+def _check_data(cfg: MegazeroConfig) -> None:
+    data = cfg.data
+    _check(data.mock_data or data.data_path, "no training data: pass --mock-data for synthetic tokens or "
+           "--data-path PREFIX for a Megatron-format dataset (see scripts/preprocess_data.py)")
+    _check(not (data.mock_data and data.data_path), "--mock-data and --data-path are exclusive; choose one")
+    _check(not data.eod_mask_loss or data.tokenizer_model,
+           "--eod-mask-loss needs --tokenizer-model (the end-of-document id comes from the tokenizer)")
+    _check(not data.mock_data or cfg.model.vocab_size >= 2,
+           f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")
