@@ -150,7 +150,7 @@ def test_dp_stages_match_single_process_with_accumulation_and_clipping(dp):
         assert oracle["stats"][0]["grad_norm"] > 0.5  # clipping was active
 
 
-# ---- memory: measured bytes per rank match DESIGN.md's formula ---------------------------
+# ---- memory: measured bytes per rank match docs/design.md's formula ---------------------------
 def _memory_variants():
     out = []
     for dtype, grad in (("fp32", "fp32"), ("bf16", "param"), ("bf16", "fp32")):
@@ -424,7 +424,7 @@ def test_buckets_are_sized_to_the_model_and_padded_per_rank():
     for b in opt.buckets:
         assert sum(s.numel() for s in b.shapes) <= max(50, max(s.numel() for s in b.shapes))
     params = [p for b in opt.buckets for p in b.params]
-    assert all(p.data_ptr() >= opt.param_buf.data_ptr() for p in params)  # views of the flat buffer
+    assert all(p.data_ptr() >= opt.storage.params.data_ptr() for p in params)  # views of the flat buffer
     assert math.isclose(opt.memory_bytes()["param_bytes"], 4 * opt.num_parameters())
 
 
@@ -498,8 +498,7 @@ def _gpt_initial_params():
     from megazero.config import config_from_dict
     from models import build_chunks
     from models.gpt import full_state_dict
-    cfg = config_from_dict(dict(GPT))
-    validate(cfg, 1)
+    cfg = validate(config_from_dict(dict(GPT)), 1)
     (chunk,) = build_chunks(cfg)
     return full_state_dict(chunk)
 

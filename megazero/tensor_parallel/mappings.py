@@ -19,9 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch >= 2.11 renames the single-tensor collectives; fall back to the older names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from megazero.distributed import all_gather_single, reduce_scatter_single
 
 
 def _all_reduce(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -33,7 +31,7 @@ def _all_reduce(x: torch.Tensor, mesh) -> torch.Tensor:
 def _gather_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((mesh.tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather(out, x, group=mesh.tp_group)
+    all_gather_single(out, x, group=mesh.tp_group)
     return out
 
 
@@ -43,7 +41,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
         raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the tensor-parallel size "
                          f"{mesh.tp_size}")
     out = torch.empty((x.shape[0] // mesh.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x, group=mesh.tp_group)
+    reduce_scatter_single(out, x, group=mesh.tp_group)
     return out
 
 

@@ -10,21 +10,26 @@ buffer and one grad buffer hold everything; parameters are views into them.
 Kinds keep parameters that need an extra once-per-step reduction apart, so their buckets have
 the same layout on every rank that sums them:
 
-- ``"dense"``: ordinary parameters;
-- ``"sp"``: ``sequence_parallel`` parameters (gradients summed over the TP group);
-- ``"emb"``: ``shared_embedding`` parameters (summed over the embedding group when pp > 1).
+- ``"plain"``: ordinary parameters;
+- ``"sequence_parallel"``: parameters replicated over TP that get partial gradients under sequence
+  parallelism (summed over the TP group);
+- ``"shared_embedding"``: the tied embedding and its copy (summed over the embedding group when
+  pp > 1).
+
+A :class:`Bucket` is layout only; what happens to it during a step lives in
+:mod:`megazero.zero.reducers`.
 
 Under ZeRO-3 each bucket holds the parameters of one *unit* (a transformer layer, or the rest
 of a chunk) so a unit is gathered as a whole.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-KINDS = ("dense", "sp", "emb")
+KINDS = ("plain", "sequence_parallel", "shared_embedding")
 MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # elements
 
 
@@ -42,15 +47,16 @@ def default_bucket_size(total: int) -> int:
 def param_kind(p: torch.nn.Parameter) -> str:
     """The reduction kind of a parameter (see module docstring)."""
     if getattr(p, "shared_embedding", False):
-        return "emb"
+        return "shared_embedding"
     if getattr(p, "sequence_parallel", False):
-        return "sp"
-    return "dense"
+        return "sequence_parallel"
+    return "plain"
 
 
 @dataclass
 class Bucket:
-    """A contiguous slice ``[offset, offset + numel)`` of the flat buffers."""
+    """A contiguous slice ``[offset, offset + numel)`` of the flat buffers; this rank's shard of it
+    is ``[shard_offset, shard_offset + shard_numel)`` of the sharded buffers."""
 
     index: int
     chunk: int
@@ -62,11 +68,7 @@ class Bucket:
     dp: int
     offset: int = 0            # start in the flat param/grad buffers
     unit: Optional[int] = None  # ZeRO-3 gather unit
-    # runtime state of the current backward
-    arrived: int = 0
-    reduced: bool = False
-    grad_tmp: Optional[torch.Tensor] = field(default=None, repr=False)
-    written: List[bool] = field(default_factory=list, repr=False)  # which params reached grad_tmp
+    shard_offset: int = 0      # start of this rank's shard in the sharded buffers
 
     @property
     def shard_numel(self) -> int:
@@ -113,7 +115,7 @@ def plan_buckets(groups: Sequence[Tuple[int, Optional[int], Sequence[torch.nn.Pa
             starts.append(n)
             n += p.numel()
         b = Bucket(len(buckets), chunk, kind, list(params), starts, [p.shape for p in params], _padded(n, dp),
-                   dp, offset, unit)
+                   dp, offset, unit, offset // dp)
         buckets.append(b)
         offset += b.numel
 

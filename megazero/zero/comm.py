@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megazero.distributed import reduce_scatter_single
+
 
 class Reduction:
     """One asynchronous collective and its post-processing.
@@ -30,9 +32,9 @@ class Reduction:
     temporary.
     """
 
-    def __init__(self, work, finish: Optional[Callable[[], None]] = None, keep: Optional[torch.Tensor] = None,
+    def __init__(self, work, finish: Optional[Callable[[], None]] = None, held_input: Optional[torch.Tensor] = None,
                  nbytes: int = 0, finish_bytes: int = 0):
-        self.work, self.finish, self.keep = work, finish, keep
+        self.work, self.finish, self.held_input = work, finish, held_input
         self.nbytes, self.finish_bytes = nbytes, finish_bytes
 
     def done(self) -> bool:
@@ -42,7 +44,7 @@ class Reduction:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        self.work, self.keep = None, None
+        self.work, self.held_input = None, None
         finish, self.finish = self.finish, None
         if finish is not None:
             finish()
@@ -77,7 +79,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, scale: float = 1
                     out.mul_(scale)
         return Reduction(work, finish, inp, recv.nbytes, out.nbytes if accumulate else 0)
     tmp = torch.empty_like(out) if accumulate else out
-    work = dist.reduce_scatter_single(tmp, inp, group=group, async_op=True)
+    work = reduce_scatter_single(tmp, inp, group=group, async_op=True)
 
     def finish_native():
         if accumulate:

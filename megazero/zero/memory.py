@@ -1,4 +1,4 @@
-"""Model-state bytes per rank under ZeRO (DESIGN.md, "ZeRO, stated correctly").
+"""Model-state bytes per rank under ZeRO (docs/design.md, "ZeRO, stated precisely").
 
 With Ψ parameters, ``param_bytes``/``grad_bytes`` bytes per element of parameters and gradients,
 ``optim_bytes`` per parameter of fp32 master weights + optimizer moments (K; 12 for
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Dict
 
+from megazero.zero.stages import check_stage, shards_gradients, shards_optimizer, shards_parameters
+
 
 def optimizer_bytes_per_param(optimizer: str = "adam", mixed_precision: bool = True, momentum: bool = False,
                               offload: bool = False) -> int:
@@ -29,11 +31,10 @@ def optimizer_bytes_per_param(optimizer: str = "adam", mixed_precision: bool = T
 def zero_model_state_bytes(num_params: int, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,
                            optim_bytes: int = 12) -> Dict[str, float]:
     """Per-rank ``param_bytes``, ``grad_bytes``, ``optim_bytes`` and ``total_bytes`` by the formula."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {stage}")
+    check_stage(stage)
     n = float(num_params)
-    out = {"param_bytes": param_bytes * n / (dp if stage >= 3 else 1),
-           "grad_bytes": grad_bytes * n / (dp if stage >= 2 else 1),
-           "optim_bytes": optim_bytes * n / (dp if stage >= 1 else 1)}
+    out = {"param_bytes": param_bytes * n / (dp if shards_parameters(stage) else 1),
+           "grad_bytes": grad_bytes * n / (dp if shards_gradients(stage) else 1),
+           "optim_bytes": optim_bytes * n / (dp if shards_optimizer(stage) else 1)}
     out["total_bytes"] = sum(out.values())
     return out

@@ -9,7 +9,9 @@ shard of every bucket; ``param.data`` is an empty tensor.
 - forward post-hook: free the unit (not while inside backward, i.e. during activation
   recomputation, whose backward follows at once) and hook the outputs so the unit is gathered
   again just before its backward, prefetching the unit whose backward comes next;
-- when every bucket of the unit has its gradients (the optimizer's bucket hook), free it.
+- when every bucket of the unit has its gradients (:meth:`Stage3Params.bucket_done`, called by
+  the reducer), free it; the optimizer frees whatever is still gathered before each backward and
+  at the end of the step (:meth:`Stage3Params.free_all`).
 
 Everything keys off module hooks, so any pipeline schedule (interleaved forward and backward of
 many micro-batches) works: each use gathers what it needs.
@@ -19,9 +21,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from megazero.distributed import all_gather_single
 from megazero.zero.buffers import Bucket
 
 
@@ -37,9 +39,11 @@ class _Unit:
 class Stage3Params:
     """Owns the gather/free life cycle of every unit (see module docstring)."""
 
-    def __init__(self, units: List[tuple], buckets: List[Bucket], shard_of, mesh, dtype: torch.dtype):
-        """``units``: ``(module, chunk)`` per unit id; ``shard_of(bucket)`` gives its param shard."""
-        self.mesh, self.shard_of = mesh, shard_of
+    def __init__(self, units: List[tuple], storage, mesh, dtype: torch.dtype):
+        """``units``: ``(module, chunk)`` per unit id; ``storage``: the
+        :class:`~megazero.zero.storage.FlatStorage` holding this rank's parameter shards."""
+        self.mesh, self.storage = mesh, storage
+        buckets = storage.buckets
         self.units = [_Unit(i, m, c) for i, (m, c) in enumerate(units)]
         for b in buckets:
             self.units[b.unit].buckets.append(b)
@@ -72,12 +76,12 @@ class Stage3Params:
         if u.full is None:
             u.full, u.handles = {}, []
             for b in u.buckets:
-                shard = self.shard_of(b)
+                shard = self.storage.param_shard(b)
                 if self.mesh.dp_size == 1:
                     u.full[b.index] = shard
                     continue
                 full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-                u.handles.append(dist.all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
+                u.handles.append(all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
                 u.full[b.index] = full
         if wait and u.handles is not None:
             for h in u.handles:

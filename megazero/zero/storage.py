@@ -1,0 +1,90 @@
+"""The flat buffers behind the parameters and gradients of one rank.
+
+=====  ==========================================  ============================================
+stage  parameters (compute dtype)                  gradients (``--grad-reduce-dtype``)
+=====  ==========================================  ============================================
+0, 1   one full flat buffer; parameters are views  one full flat buffer
+2      one full flat buffer; parameters are views  this rank's shard of every bucket
+3      this rank's shard of every bucket           this rank's shard of every bucket
+=====  ==========================================  ============================================
+
+Every bucket is padded to a multiple of the DP size, so DP rank ``r`` owns the same contiguous
+slice of every bucket (:meth:`Bucket.shard_range`).  The optimizer updates the *updated range*
+of a bucket: all of it at stage 0 (every rank steps the whole model), the owned slice otherwise.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from megazero.distributed import all_gather_single
+from megazero.zero.buffers import Bucket
+from megazero.zero.stages import shards_gradients, shards_optimizer, shards_parameters
+
+
+class FlatStorage:
+    """Flat parameter and gradient buffers for ``buckets`` (see the module docstring)."""
+
+    def __init__(self, buckets: List[Bucket], stage: int, mesh, dtype: torch.dtype, grad_dtype: torch.dtype):
+        self.buckets, self.stage, self.mesh = buckets, stage, mesh
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
+        total = sum(b.numel for b in buckets)
+        shard_total = sum(b.shard_numel for b in buckets)
+        self.sharded_params = shards_parameters(stage)
+        self.sharded_grads = shards_gradients(stage)
+        self.params = torch.zeros(shard_total if self.sharded_params else total, dtype=dtype, device=mesh.device)
+        self.grads = torch.zeros(shard_total if self.sharded_grads else total, dtype=grad_dtype,
+                                 device=mesh.device)
+
+    def adopt(self, b: Bucket, full: torch.Tensor) -> None:
+        """Store bucket ``b``'s values (``full``: the whole padded bucket) and, unless parameters are
+        sharded, make its parameters views of the flat buffer."""
+        if self.sharded_params:
+            lo, hi = b.shard_range(self.dp_rank)
+            self.params[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo:hi])
+            return
+        self.params[b.offset:b.offset + b.numel].copy_(full)
+        for p, s in zip(b.params, b.starts):
+            p.data = self.params[b.offset + s:b.offset + s + p.numel()].view(p.shape)
+
+    def updated_range(self, b: Bucket) -> Tuple[int, int]:
+        """Bucket-local range the optimizer updates on this rank (all of it at stage 0)."""
+        return b.shard_range(self.dp_rank) if shards_optimizer(self.stage) else (0, b.numel)
+
+    def param_shard(self, b: Bucket) -> torch.Tensor:
+        """Stage 3: this rank's shard of bucket ``b``'s parameters."""
+        return self.params[b.shard_offset:b.shard_offset + b.shard_numel]
+
+    def updated_params(self, b: Bucket) -> torch.Tensor:
+        """The compute-dtype parameters of the updated range."""
+        if self.sharded_params:
+            return self.param_shard(b)
+        lo, hi = self.updated_range(b)
+        return self.params[b.offset + lo:b.offset + hi]
+
+    def full_grads(self, b: Bucket) -> torch.Tensor:
+        """Stages 0/1: the whole bucket's accumulated gradients."""
+        return self.grads[b.offset:b.offset + b.numel]
+
+    def updated_grads(self, b: Bucket) -> torch.Tensor:
+        """The reduced gradients of the updated range (valid after the gradient sync)."""
+        if self.sharded_grads:
+            return self.grads[b.shard_offset:b.shard_offset + b.shard_numel]
+        lo, hi = self.updated_range(b)
+        return self.grads[b.offset + lo:b.offset + hi]
+
+    def grad_slice(self, b: Bucket, a: int, e: int) -> torch.Tensor:
+        """Reduced gradient of bucket-local ``[a, e)``, inside this rank's DP slice."""
+        if self.sharded_grads:
+            base = b.shard_offset - self.dp_rank * b.shard_numel
+            return self.grads[base + a:base + e]
+        return self.grads[b.offset + a:b.offset + e]
+
+    def all_gather_params(self, b: Bucket, async_op: bool = False):
+        """Stages 1/2: all-gather every rank's updated slice into the full parameter buffer (the
+        work handle when ``async_op``; None when there is nothing to gather)."""
+        if self.sharded_params or not shards_optimizer(self.stage) or self.dp_size == 1:
+            return None
+        full = self.params[b.offset:b.offset + b.numel]
+        return all_gather_single(full, self.updated_params(b), group=self.mesh.dp_group, async_op=async_op)
