@@ -30,10 +30,11 @@ Only outputs sent to a next chunk are deallocated; the last chunk's output is th
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -41,6 +42,9 @@ from torch.autograd.variable import Variable
 
 from megazero.pipeline.p2p import StageComm
 from megazero.pipeline.schedules import Action, build_schedule, steps
+
+if TYPE_CHECKING:
+    from megazero.zero.reducers import GradSync
 
 
 @dataclass
@@ -141,11 +145,141 @@ def _check_chunks(chunks, mesh) -> None:
                              "last stage's last chunk)")
 
 
+class _Stage:
+    """What this rank holds while it runs a schedule, and the compute and bookkeeping of each action.
+
+    ``inputs``: received activations (leaves; their grad is what goes back); ``outputs``: chunk
+    outputs kept for the send and the backward; ``sent``/``freed``: outputs already sent / whose
+    storage was deallocated; ``out_grads``: received gradients of our outputs; ``to_send``: what
+    the next exchange sends; ``losses``: the last stage's micro-batch losses.  Keys are
+    ``(micro-batch, chunk)``."""
+
+    def __init__(self, chunks, mesh, mbs: List[dict], actions: Sequence[Action], grad_sync, loss_scale: float,
+                 forward_only: bool, deallocate_outputs: bool):
+        self.chunks, self.mbs, self.dev, self.pp_rank = chunks, mbs, mesh.device, mesh.pp_rank
+        self.grad_sync, self.loss_scale = grad_sync, loss_scale
+        self.forward_only, self.deallocate_outputs = forward_only, deallocate_outputs
+        self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "bwd"}
+        self.inputs: Dict[tuple, torch.Tensor] = {}
+        self.outputs: Dict[tuple, torch.Tensor] = {}
+        self.sent, self.freed = set(), set()
+        self.out_grads: Dict[tuple, torch.Tensor] = {}
+        self.to_send: Dict[Action, torch.Tensor] = {}
+        self.losses: List[torch.Tensor] = []
+
+    def compute(self, action: Action) -> None:
+        if action.kind == "fwd":
+            with torch.set_grad_enabled(not self.forward_only):
+                self.forward(action.microbatch, action.chunk)
+        else:
+            self.backward(action.microbatch, action.chunk)
+
+    def forward(self, mb: int, v: int) -> None:
+        chunk, batch, key = self.chunks[v], self.mbs[mb], (mb, v)
+        x = batch["tokens"].to(self.dev) if chunk.pre_process else self.inputs[key]
+        if chunk.post_process:
+            mask = batch["loss_mask"].to(self.dev, torch.float32)
+            per_token = chunk(x, labels=batch["labels"].to(self.dev), loss_mask=mask)
+            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)  # all masked: 0, not NaN
+            self.losses.append(loss.detach())
+            if not self.forward_only:
+                self.outputs[key] = loss / len(self.mbs)
+        else:
+            self.outputs[key] = chunk(x)
+        if self.forward_only:
+            self.inputs.pop(key, None)
+
+    def backward(self, mb: int, v: int) -> None:
+        key = (mb, v)
+        if self.grad_sync is not None:
+            self.grad_sync.prepare_backward(v, mb == self.last_backward[v])
+        out = self.outputs.pop(key)
+        self.sent.discard(key)
+        if self.chunks[v].post_process:
+            (out * self.loss_scale if self.loss_scale != 1.0 else out).backward()
+        elif key in self.freed:
+            self.freed.discard(key)
+            _backward_deallocated(out, self.out_grads.pop(key))
+        else:
+            torch.autograd.backward(out, grad_tensors=self.out_grads.pop(key))
+        x = self.inputs.pop(key, None)
+        if x is not None:  # not the model's first chunk: send the input's gradient back
+            self.to_send[Action("send_bwd", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def outgoing(self, step: Sequence[Action]) -> Dict[Action, torch.Tensor]:
+        """The tensors the exchange of ``step`` sends (forward outputs added to the pending gradients)."""
+        for a in step:
+            if a.kind == "send_fwd":
+                key = (a.microbatch, a.chunk)
+                self.to_send[a] = self.outputs.pop(key) if self.forward_only else self.outputs[key]
+        return self.to_send
+
+    def after_exchange(self, step: Sequence[Action], received: Dict[Action, torch.Tensor]) -> None:
+        """Every send of ``step`` has completed: free sent outputs; keep what was received."""
+        for a in step:
+            self.to_send.pop(a, None)
+            if a.kind == "send_fwd" and not self.forward_only:
+                key = (a.microbatch, a.chunk)
+                self.sent.add(key)
+                if self.deallocate_outputs and _can_deallocate(self.outputs[key]):
+                    _deallocate(self.outputs[key])
+                    self.freed.add(key)
+        for a, t in received.items():
+            if a.kind == "recv_fwd":
+                self.inputs[(a.microbatch, a.chunk)] = t if self.forward_only else t.requires_grad_()
+            else:
+                self.out_grads[(a.microbatch, a.chunk)] = t
+
+    def check_done(self) -> None:
+        if self.outputs or self.out_grads or (self.inputs and not self.forward_only):
+            raise RuntimeError(f"pipeline stage {self.pp_rank}: the schedule left work undone "
+                               f"(outputs {sorted(self.outputs)}, gradients {sorted(self.out_grads)}, "
+                               f"inputs {sorted(self.inputs)})")
+
+
+class _Clock:
+    """Adds compute, p2p and total time and the held activation bytes to a :class:`PipelineTimer`
+    (does nothing without one).  On CUDA it synchronises so kernels are counted where they run."""
+
+    def __init__(self, timer: Optional[PipelineTimer], device: torch.device):
+        self.timer = timer
+        timed_cuda = timer is not None and device.type == "cuda"
+        self.sync = (lambda: torch.cuda.synchronize(device)) if timed_cuda else (lambda: None)
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def timing(self, field_name: str):
+        if self.timer is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        if field_name == "compute_s":
+            self.sync()
+        setattr(self.timer, field_name, getattr(self.timer, field_name) + time.perf_counter() - t0)
+
+    def measure(self, stage: _Stage) -> None:
+        timer = self.timer
+        if timer is None:
+            return
+        timer.peak_output_bytes = max(timer.peak_output_bytes, held_bytes(stage.outputs.values()))
+        timer.peak_sent_output_bytes = max(timer.peak_sent_output_bytes,
+                                           held_bytes(stage.outputs[k] for k in stage.sent))
+        timer.peak_input_bytes = max(timer.peak_input_bytes, held_bytes(stage.inputs.values()))
+
+    def finish(self, stage: _Stage) -> None:
+        if self.timer is not None:
+            self.measure(stage)
+            self.sync()
+            self.timer.total_s += time.perf_counter() - self.start
+
+
 def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterable[dict], *,
                  schedule: Union[str, Sequence[Action]] = "1f1b", num_micro_batches: int,
-                 tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32, grad_sync=None,
-                 loss_scale: float = 1.0, timer: Optional[PipelineTimer] = None,
-                 forward_only: bool = False, deallocate_outputs: bool = True) -> List[torch.Tensor]:
+                 tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32,
+                 grad_sync: Optional[GradSync] = None, loss_scale: float = 1.0,
+                 timer: Optional[PipelineTimer] = None, forward_only: bool = False,
+                 deallocate_outputs: bool = True) -> List[torch.Tensor]:
     """Run forward and backward of ``num_micro_batches`` micro-batches through the pipeline.
 
     ``chunks``: this rank's model chunks (one per virtual stage).  ``micro_batches``: dicts with
@@ -164,104 +298,22 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
         actions = build_schedule(schedule, mesh.pp_size, m, vp, forward_only)[mesh.pp_rank]
     else:
         actions = list(schedule)
-    mbs = _take(micro_batches, m)
-    last_bwd = {a.chunk: a.microbatch for a in actions if a.kind == "bwd"}  # last backward of each chunk
+    stage = _Stage(chunks, mesh, _take(micro_batches, m), actions, grad_sync, loss_scale, forward_only,
+                   deallocate_outputs)
     comm = StageComm(mesh, tensor_shape, dtype, vp)
-    dev = mesh.device
-    inputs: Dict[tuple, torch.Tensor] = {}    # received activations (leaves; grad = what we send back)
-    outputs: Dict[tuple, torch.Tensor] = {}   # chunk outputs kept for backward / send
-    sent = set()                               # keys of outputs already sent (awaiting backward)
-    freed = set()                              # keys of outputs whose storage was deallocated
-    out_grads: Dict[tuple, torch.Tensor] = {}  # received gradients of our outputs
-    to_send: Dict[Action, torch.Tensor] = {}
-    losses: List[torch.Tensor] = []
-    clock = time.perf_counter
-    timed_cuda = timer is not None and dev.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(dev)) if timed_cuda else (lambda: None)
-    start = clock()
-
-    def forward(mb: int, v: int) -> None:
-        chunk, batch, key = chunks[v], mbs[mb], (mb, v)
-        x = batch["tokens"].to(dev) if chunk.pre_process else inputs[key]
-        if chunk.post_process:
-            mask = batch["loss_mask"].to(dev, torch.float32)
-            per_token = chunk(x, labels=batch["labels"].to(dev), loss_mask=mask)
-            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)  # all masked: 0, not NaN
-            losses.append(loss.detach())
-            if not forward_only:
-                outputs[key] = loss / m
-        else:
-            outputs[key] = chunk(x)
-        if forward_only:
-            inputs.pop(key, None)
-
-    def backward(mb: int, v: int) -> None:
-        key = (mb, v)
-        if grad_sync is not None:
-            grad_sync.prepare_backward(v, mb == last_bwd[v])
-        out = outputs.pop(key)
-        sent.discard(key)
-        if chunks[v].post_process:
-            (out * loss_scale if loss_scale != 1.0 else out).backward()
-        elif key in freed:
-            freed.discard(key)
-            _backward_deallocated(out, out_grads.pop(key))
-        else:
-            torch.autograd.backward(out, grad_tensors=out_grads.pop(key))
-        x = inputs.pop(key, None)
-        if x is not None:  # not the model's first chunk: send the input's gradient back
-            to_send[Action("send_bwd", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
-
-    def measure() -> None:
-        timer.peak_output_bytes = max(timer.peak_output_bytes, held_bytes(outputs.values()))
-        timer.peak_sent_output_bytes = max(timer.peak_sent_output_bytes,
-                                           held_bytes(outputs[k] for k in sent))
-        timer.peak_input_bytes = max(timer.peak_input_bytes, held_bytes(inputs.values()))
-
+    clock = _Clock(timer, mesh.device)
     for step in steps(actions):
-        if timer is not None:
-            measure()
+        clock.measure(stage)
         if isinstance(step, Action):
-            t0 = clock()
-            if step.kind == "fwd":
-                with torch.set_grad_enabled(not forward_only):
-                    forward(step.microbatch, step.chunk)
-            else:
-                backward(step.microbatch, step.chunk)
-            if timer is not None:
-                sync()
-                timer.compute_s += clock() - t0
+            with clock.timing("compute_s"):
+                stage.compute(step)
             continue
-        t0 = clock()
-        for a in step:
-            if a.kind == "send_fwd":
-                key = (a.microbatch, a.chunk)
-                to_send[a] = outputs.pop(key) if forward_only else outputs[key]
-        received = comm.exchange(step, to_send)  # returns once every send has completed
-        for a in step:
-            to_send.pop(a, None)
-            if a.kind == "send_fwd" and not forward_only:
-                key = (a.microbatch, a.chunk)
-                sent.add(key)
-                if deallocate_outputs and _can_deallocate(outputs[key]):
-                    _deallocate(outputs[key])
-                    freed.add(key)
-        for a, t in received.items():
-            if a.kind == "recv_fwd":
-                inputs[(a.microbatch, a.chunk)] = t if forward_only else t.requires_grad_()
-            else:
-                out_grads[(a.microbatch, a.chunk)] = t
-        if timer is not None:
-            timer.p2p_s += clock() - t0
-    if timer is not None:
-        measure()
-        sync()
-        timer.total_s += clock() - start
-    if outputs or out_grads or (inputs and not forward_only):
-        raise RuntimeError(f"pipeline stage {mesh.pp_rank}: the schedule left work undone "
-                           f"(outputs {sorted(outputs)}, gradients {sorted(out_grads)}, "
-                           f"inputs {sorted(inputs)})")
-    return losses
+        with clock.timing("p2p_s"):
+            received = comm.exchange(step, stage.outgoing(step))  # returns once every send has completed
+            stage.after_exchange(step, received)
+    clock.finish(stage)
+    stage.check_done()
+    return stage.losses
 
 
 def run_forward_only(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterable[dict], *,
