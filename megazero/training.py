@@ -22,7 +22,6 @@ pipeline stage).
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 import sys
@@ -39,6 +38,7 @@ from megazero.logging import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
+from megazero.tensor_parallel.random import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 
@@ -65,13 +65,6 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                   par.rank_order, device)
     return ParallelMesh.single(device)
-
-
-def set_seeds(seed: int, mesh: ParallelMesh) -> None:
-    """The default generators: the same on every TP and DP rank of a pipeline stage."""
-    torch.manual_seed(seed + 100 * mesh.pp_rank)
-    if mesh.device.type == "cuda":
-        torch.cuda.manual_seed(seed + 100 * mesh.pp_rank)
 
 
 # ---- one step ------------------------------------------------------------------------------
@@ -169,10 +162,10 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
     if mesh is None:
         created = init_distributed()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        cfg = validate(copy.deepcopy(cfg), world)
+        cfg = validate(cfg, world)
         mesh = build_mesh(cfg)
     else:
-        cfg = validate(copy.deepcopy(cfg), mesh.world_size)
+        cfg = validate(cfg, mesh.world_size)
     try:
         history = _train_loop(cfg, model_provider, mesh, stream)
         if created:
@@ -187,7 +180,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh)  # fails before any training
-    set_seeds(tr.seed, mesh)
+    seed_default_generators(tr.seed, mesh)
     chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
     for c in chunks:
         c.train()

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-import torch
 
 from megazero.mesh import ParallelMesh
 from megazero.pipeline.partition import chunk_layers
-from megazero.tensor_parallel.random import RNGTracker
-from models.gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
-from models.presets import PRESETS, get_preset  # noqa: F401
+from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
+from .gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
+from .presets import PRESETS, get_preset  # noqa: F401
 
 
 def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:
@@ -28,11 +27,8 @@ def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:
     if mesh.pp_size != cfg.parallel.pipeline_model_parallel_size:
         raise ValueError(f"mesh pp size {mesh.pp_size} != --pipeline-model-parallel-size "
                          f"{cfg.parallel.pipeline_model_parallel_size}")
-    seed = cfg.training.seed + 100 * mesh.pp_rank
-    torch.manual_seed(seed)
-    if mesh.device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-    tracker = RNGTracker(seed, mesh.tp_rank, mesh.device)
+    stage_seed = seed_default_generators(cfg.training.seed, mesh)
+    tracker = RNGTracker(stage_seed, mesh.tp_rank, mesh.device)
     ranges = chunk_layers(cfg, mesh.pp_rank)
     return [GPTModel(cfg, mesh, layers, pre_process=mesh.is_first_stage and v == 0,
                      post_process=mesh.is_last_stage and v == len(ranges) - 1, rng_tracker=tracker)

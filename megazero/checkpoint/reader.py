@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, FORMAT, METADATA, SCHEDULER_FIELDS,
+from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, SCHEDULER_FIELDS,
                                         TRACKER, CheckpointError,
                                         all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
                                         named_params, on_rank0, read_json, rng_file, rng_trackers)
@@ -42,9 +42,6 @@ def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
     meta = read_json(os.path.join(path, METADATA))
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    if "scheduler" not in meta and os.path.isfile(os.path.join(path, CONFIG)):  # saved before the key
-        saved = read_json(os.path.join(path, CONFIG)).get("optimizer", {})
-        meta["scheduler"] = {k: saved[k] for k in SCHEDULER_FIELDS if k in saved}
     return path, meta
 
 
@@ -102,11 +99,11 @@ def _check_scheduler(meta: dict, cfg, path: str) -> None:
     (as in Megatron-LM; --train-iters may grow freely)."""
     if cfg.checkpoint.override_opt_param_scheduler:
         return
-    saved = meta.get("scheduler") or {}
+    saved = meta["scheduler"]
     diffs = []
     for k in SCHEDULER_FIELDS:
         if k in saved and saved[k] != getattr(cfg.optimizer, k):
-            note = " (it defaults to --train-iters)" if k in getattr(cfg, "defaulted", ()) else ""
+            note = " (it defaults to --train-iters)" if cfg.is_filled(k) else ""
             diffs.append(f"{_flag(k)} {saved[k]} in the checkpoint, {getattr(cfg.optimizer, k)} in this run{note}")
     if diffs:
         raise CheckpointError(f"{path}: the learning-rate schedule differs from the checkpoint's: "
@@ -206,11 +203,9 @@ def _restore_rng(path: str, meta: dict, chunks, mesh, cfg) -> bool:
             for t, state in zip(trackers, rng["trackers"]):
                 t.set_state(state)
             return True
-    from megazero.tensor_parallel.random import RNGTracker
+    from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
-    torch.manual_seed(seed + 100 * mesh.pp_rank)
-    if mesh.device.type == "cuda":
-        torch.cuda.manual_seed(seed + 100 * mesh.pp_rank)
+    seed_default_generators(seed, mesh)
     for t in trackers:
         t.set_state(RNGTracker(seed, mesh.tp_rank, mesh.device).get_state())
     return False

@@ -5,7 +5,8 @@ sequence parallelism) must draw the same mask on every TP rank, so it uses the d
 default generator, seeded identically there.  Dropout on activations split across TP ranks
 (attention probabilities, split by head; anything under sequence parallelism) must draw a
 different mask on each rank: it runs inside ``tracker.fork()``, which swaps in a generator
-state seeded with ``seed + 2718 + tp_rank`` and saves it back afterwards.
+state seeded with ``seed + 2718 + tp_rank`` and saves it back afterwards.  The default generator
+is seeded per pipeline stage by :func:`seed_default_generators`.
 
 The tracker is an object passed to the model, never module state.  Activation recomputation
 saves and restores its states (``get_state``/``set_state``) together with the default RNG.
@@ -17,6 +18,18 @@ import contextlib
 import torch
 
 TP_SEED_OFFSET = 2718
+PP_SEED_STRIDE = 100
+
+
+def seed_default_generators(seed: int, mesh) -> int:
+    """Seed the default generators (CPU, and the mesh's GPU) with ``seed + 100 * pp_rank``: the same
+    on every TP and DP rank of a pipeline stage.  Returns that stage seed."""
+    stage_seed = seed + PP_SEED_STRIDE * mesh.pp_rank
+    torch.manual_seed(stage_seed)
+    if mesh.device.type == "cuda":
+        with torch.cuda.device(mesh.device):
+            torch.cuda.manual_seed(stage_seed)
+    return stage_seed
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
