@@ -9,14 +9,14 @@ from typing import List, Optional
 
 def model_provider(cfg, mesh):
     """This rank's GPT model chunks (one per virtual pipeline stage)."""
-    import models
-    return models.build_chunks(cfg, mesh)
+    from . import build_chunks
+    return build_chunks(cfg, mesh)
 
 
 def pretrain_main(argv: Optional[List[str]] = None) -> int:
     """Pretrain a GPT model (run under torchrun for several processes)."""
     from megazero.training import main
-    from models.presets import PRESETS
+    from .presets import PRESETS
     return main(sys.argv[1:] if argv is None else argv, model_provider, PRESETS)
 
 
@@ -27,7 +27,7 @@ def estimate_memory_main(argv: Optional[List[str]] = None) -> int:
 
     from megazero.config import ConfigError, parse_args
     from megazero.memory import estimate, total_params
-    from models.presets import PRESETS
+    from .presets import PRESETS
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, description="Estimate per-rank memory per ZeRO stage.")
     pre.add_argument("--world-size", type=int, default=1, help="Number of ranks (GPUs or processes).")

@@ -25,7 +25,7 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full,
                                              normal_init, pad_rows, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
-from models.layers import Norm, TransformerLayer, rope_cos_sin
+from .layers import Norm, TransformerLayer, rope_cos_sin
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 

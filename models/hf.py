@@ -21,7 +21,7 @@ import torch
 
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
-from models.gpt import GPTModel, full_state_dict, load_full_state_dict
+from .gpt import GPTModel, full_state_dict, load_full_state_dict
 
 GPT2_LAYER = [  # (megazero name, HF name, HF stores it transposed)
     ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
@@ -202,7 +202,7 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
     shard. ``cfg_overrides``: extra settings by field name (``seq_length``, dropout,
     ``recompute_granularity``, ...). The returned model keeps its config as ``model.cfg``.
     """
-    from models import build_model
+    from . import build_model
     hf = model_or_dir
     if isinstance(model_or_dir, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM

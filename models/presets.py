@@ -31,7 +31,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
                       ffn_hidden_size=14336, seq_length=8192, max_position_embeddings=8192, vocab_size=128256,
                       rotary_base=500000.0, norm_epsilon=1e-5),
 }
-PRESETS["llama-7b"] = PRESETS["llama2-7b"]  # the name DESIGN.md uses
+PRESETS["llama-7b"] = PRESETS["llama2-7b"]  # the name the design notes use
 
 
 def get_preset(name: str) -> Dict[str, Any]:
