@@ -2,7 +2,7 @@
 
 Runs on CPU gloo ranks forked by :func:`megazero.testing.run_ranks` and prints, side by side, the
 step time (median and minimum over rounds, each as a ratio to DDP) and the model-state bytes per
-rank next to DESIGN.md's formula (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
+rank next to the formula in docs/design.md (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
 being their own master copy), then the gloo collectives on the bucket sizes.  Every round runs
 one step of every mode, in an order rotated per round, after ``--warmup`` steps each; the load
 average is printed so a reader can judge the noise.  The defaults take ~30 s.
