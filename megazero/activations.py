@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional
 
 from megazero.pipeline.partition import chunk_layers
-from megazero.pipeline.schedules import build_schedule
+from megazero.pipeline.schedules import interleaved_warmup
 
 
 @dataclass(frozen=True)
@@ -300,35 +300,58 @@ def stage_chunks(cfg, pp_rank: int, device: str = "cuda") -> List[tuple]:
             for v, r in enumerate(ranges)]
 
 
+def compute_order(cfg, pp_rank: int) -> List[tuple]:
+    """This stage's ``("fwd"|"bwd", chunk)`` compute actions in schedule order (the compute actions
+    of :func:`megazero.pipeline.schedules.build_schedule`, without the messages).  For the
+    interleaved schedule the live set repeats once the steady state is reached, which ``4 pp``
+    micro-batches (a multiple of ``pp``, as it requires) always include, so at most those are
+    generated."""
+    par = cfg.parallel
+    pp, vp, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, \
+        cfg.training.num_micro_batches
+    if par.pipeline_schedule != "interleaved":
+        if par.pipeline_schedule == "gpipe":
+            return [("fwd", 0)] * m + [("bwd", 0)] * m
+        warm = min(pp - pp_rank - 1, m)
+        return [("fwd", 0)] * warm + [("fwd", 0), ("bwd", 0)] * (m - warm) + [("bwd", 0)] * warm
+    m = min(m, 4 * pp)
+    total, w = m * vp, interleaved_warmup(pp, pp_rank, m, vp)
+    chunk = [k % (pp * vp) // pp for k in range(total)]  # Megatron's virtual-step -> chunk rule
+    order = [("fwd", c) for c in chunk[:w]]
+    for i in range(total - w):
+        order += [("fwd", chunk[w + i]), ("bwd", vp - 1 - chunk[i])]
+    return order + [("bwd", vp - 1 - c) for c in chunk[total - w:]]
+
+
 def schedule_peak(cfg, pp_rank: int, per_chunk: List[tuple]) -> int:
     """Peak of ``sum(kept of in-flight chunk forwards)`` over this stage's schedule, a backward
-    adding its own excess (``peak - kept``) while it runs."""
+    adding its own excess (``peak - kept``) while it runs.  One chunk (GPipe, 1F1B): ``N`` in
+    flight (``m``, or ``min(pp - r, m)``) give ``(N - 1) kept + backward peak``; the interleaved
+    schedule is walked action by action."""
     par, tr = cfg.parallel, cfg.training
-    actions = build_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size, tr.num_micro_batches,
-                             len(per_chunk))[pp_rank]
+    pp, m = par.pipeline_model_parallel_size, tr.num_micro_batches
+    if len(per_chunk) == 1 and par.pipeline_schedule != "interleaved":
+        kept, bwd_peak = per_chunk[0]
+        n = m if par.pipeline_schedule == "gpipe" else min(pp - pp_rank, m)
+        return max(n * kept, (n - 1) * kept + bwd_peak)
     live = peak = 0
-    for a in actions:
-        kept, bwd_peak = per_chunk[a.chunk]
-        if a.kind == "fwd":
+    for kind, chunk in compute_order(cfg, pp_rank):
+        kept, bwd_peak = per_chunk[chunk]
+        if kind == "fwd":
             live += kept
             peak = max(peak, live)
-        elif a.kind == "bwd":
+        else:
             peak = max(peak, live - kept + bwd_peak)
             live -= kept
     return peak
 
 
-def in_flight(cfg, pp_rank: int, vp: Optional[int] = None) -> int:
+def in_flight(cfg, pp_rank: int) -> int:
     """Most chunk forwards awaiting their backward on stage ``pp_rank`` (from the schedule)."""
-    par, tr = cfg.parallel, cfg.training
-    vp = vp or par.virtual_pipeline_model_parallel_size
-    actions = build_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size, tr.num_micro_batches,
-                             vp)[pp_rank]
     live = most = 0
-    for a in actions:
-        if a.kind in ("fwd", "bwd"):
-            live += 1 if a.kind == "fwd" else -1
-            most = max(most, live)
+    for kind, _ in compute_order(cfg, pp_rank):
+        live += 1 if kind == "fwd" else -1
+        most = max(most, live)
     return most
 
 
