@@ -22,7 +22,9 @@ micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
   micro-batch and all-gathers the parameters for each micro-batch's forward and backward.
   Reductions overlap the backward that produces them, except the last bucket (a quarter of the
   model by default); the post-step all-gather is exposed; ZeRO-3's gathers overlap compute;
-- optimizer step: reading and writing the owned fp32 state at HBM bandwidth.
+- optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
+- a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` measures the
+  per-operation cost of small autograd ops, which dominates small models on CPUs).
 
 Links follow the rank order ``tp-dp-pp``: a TP group stays in a node; a DP group (``tp x dp``
 consecutive ranks) or a pipeline neighbour (``tp x dp`` ranks away) crosses nodes when that span
@@ -85,6 +87,7 @@ class Hardware:
     inter: Link
     hbm_bytes_per_s: float
     gpus_per_node: int
+    layer_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward (calibrated)
 
 
 @dataclass
@@ -193,7 +196,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
     rate = hw.peak_flops * hw.efficiency * tp
     fwd = _stage_forward_flops(cfg) / rate
-    compute = fwd * (3.0 + _recompute_fraction(cfg))
+    compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
     act = m.seq_length * tr.micro_batch_size * m.hidden_size * E
     layers = m.num_layers // pp
     n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
@@ -351,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plan.py", description="Rank the layouts that fit a cluster by "
                                 "estimated step time. Model flags (--model PRESET or --num-layers, "
                                 "--hidden-size, ...) are those of pretrain_gpt.py.")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in total.")
+    p.add_argument("--gpus", type=int, help="GPUs in total (required unless --calibrate).")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside a node).")
     p.add_argument("--gpu", default="H100", help=f"GPU type for defaults: {', '.join(GPUS)} (SXM figures).")
     p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
@@ -392,14 +395,14 @@ def hardware(args) -> Hardware:
         raise ConfigError(f"--margin must be in [0, 1), got {args.margin}")
     intra_link = Link(args.intra_node_latency_us * 1e-6, 1 / ((args.intra_node_bandwidth or intra) * GB))
     inter_link = Link(args.inter_node_latency_us * 1e-6, 1 / ((args.inter_node_bandwidth or inter) * GB))
-    peak, eff = (args.gpu_tflops or tflops) * 1e12, args.efficiency
+    peak, eff, overhead = (args.gpu_tflops or tflops) * 1e12, args.efficiency, 0.0
     if args.calibration:
         from megazero.calibrate import load_calibration
         cal = load_calibration(args.calibration)
         intra_link, inter_link = Link(*cal["intra"]), Link(*cal["inter"])
-        peak, eff = cal["flops"], 1.0
+        peak, eff, overhead = cal["flops"], 1.0, cal.get("layer_overhead_s", 0.0)
     return Hardware(peak, eff, (args.gpu_memory_gb or mem) * GB, intra_link, inter_link, hbm * GB,
-                    args.gpus_per_node)
+                    args.gpus_per_node, overhead)
 
 
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
@@ -446,6 +449,8 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
             from megazero.calibrate import calibrate
             print(json.dumps(calibrate(args.calibrate_ranks), indent=2))
             return 0
+        if args.gpus is None:
+            raise ConfigError("--gpus is required (GPUs in total)")
         for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
             if v < 1:
                 raise ConfigError(f"{flag} must be a positive integer, got {v}")
