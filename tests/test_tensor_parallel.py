@@ -11,6 +11,12 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
 from megazero.testing import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# Parallel layout vs one process, computed in float64 on both sides (the fp32 init upcast).
+# Rule: a different summation order moves a float64 sum of n products by at most
+# n * eps64 * sum|x_i * w_i| (eps64 = 1.1e-16). The largest gradients here (row_w, ~1.2e4) sum
+# n <= s * b * f = 256 products, so worst case 256 * 1.1e-16 * 1.2e4 ~ 3e-10 < 1e-9; observed
+# <= 2e-12 (TP 4 + sequence parallel). In fp32 the same case differs by up to 1e-3 absolute.
+F64 = dict(rtol=1e-9, atol=1e-9)
 
 
 def _mappings(tp):
@@ -82,11 +88,12 @@ def _layers(tp, sp):
     torch.manual_seed(0)
     mesh = ParallelMesh.build(tp=tp)
     s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
-    x = torch.randn(s, b, h)
+    x = torch.randn(s, b, h).double()
     ids = torch.randint(0, vocab, (s, b))
     col = ColumnParallelLinear(h, f, mesh, sequence_parallel=sp, init=normal_init(1, 0, "c", 0.5))
     row = RowParallelLinear(f, h, mesh, sequence_parallel=sp, init=normal_init(1, 0, "r", 0.5))
     emb = VocabParallelEmbedding(vocab, padded, h, mesh, reduce_scatter=sp, init=normal_init(1, 0, "e", 1.0))
+    col, row, emb = col.double(), row.double(), emb.double()  # float64 end to end: see F64
     with torch.no_grad():
         col.bias.copy_(torch.arange(f).float().chunk(tp)[mesh.tp_rank])
         row.bias.fill_(0.5)
@@ -103,30 +110,30 @@ def test_parallel_layers_match_single_process(tp, sp):
     res = run_ranks(_layers, tp, tp, sp)
     torch.manual_seed(0)
     s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
-    x = torch.randn(s, b, h, requires_grad=True)
+    x = torch.randn(s, b, h).double().requires_grad_()
     ids = torch.randint(0, vocab, (s, b))
-    cw = init_full((f, h), 1, 0, "c", 0.5).requires_grad_()
-    rw = init_full((h, f), 1, 0, "r", 0.5).requires_grad_()
-    ew = pad_rows(init_full((vocab, h), 1, 0, "e", 1.0), padded).requires_grad_()
-    cb = torch.arange(f).float().requires_grad_()
-    rb = torch.full((h,), 0.5, requires_grad=True)
+    cw = init_full((f, h), 1, 0, "c", 0.5).double().requires_grad_()
+    rw = init_full((h, f), 1, 0, "r", 0.5).double().requires_grad_()
+    ew = pad_rows(init_full((vocab, h), 1, 0, "e", 1.0), padded).double().requires_grad_()
+    cb = torch.arange(f).double().requires_grad_()
+    rb = torch.full((h,), 0.5, dtype=torch.float64, requires_grad=True)
     y = F.linear(F.linear(x, cw, cb), rw, rb) + F.embedding(ids, ew)
     (y * y).sum().backward()
     cat = lambda key, dim: torch.cat([r[key] for r in res], dim)  # noqa: E731
     if sp:
-        torch.testing.assert_close(cat("y", 0), y.detach(), **TOL)
-        torch.testing.assert_close(cat("xgrad", 0), x.grad, **TOL)
-        torch.testing.assert_close(sum(r["row_b"] for r in res), rb.grad, **TOL)  # partial grads sum
+        torch.testing.assert_close(cat("y", 0), y.detach(), **F64)
+        torch.testing.assert_close(cat("xgrad", 0), x.grad, **F64)
+        torch.testing.assert_close(sum(r["row_b"] for r in res), rb.grad, **F64)  # partial grads sum
         assert all(r["seq_attr"] for r in res)
     else:
         for r in res:
-            torch.testing.assert_close(r["y"], y.detach(), **TOL)
-            torch.testing.assert_close(r["xgrad"], x.grad, **TOL)
-            torch.testing.assert_close(r["row_b"], rb.grad, **TOL)
-    torch.testing.assert_close(cat("col_w", 0), cw.grad, **TOL)
-    torch.testing.assert_close(cat("col_b", 0), cb.grad, **TOL)
-    torch.testing.assert_close(cat("row_w", 1), rw.grad, **TOL)
-    torch.testing.assert_close(cat("emb", 0), ew.grad, **TOL)
+            torch.testing.assert_close(r["y"], y.detach(), **F64)
+            torch.testing.assert_close(r["xgrad"], x.grad, **F64)
+            torch.testing.assert_close(r["row_b"], rb.grad, **F64)
+    torch.testing.assert_close(cat("col_w", 0), cw.grad, **F64)
+    torch.testing.assert_close(cat("col_b", 0), cb.grad, **F64)
+    torch.testing.assert_close(cat("row_w", 1), rw.grad, **F64)
+    torch.testing.assert_close(cat("emb", 0), ew.grad, **F64)
     assert cat("emb", 0)[vocab:].abs().sum() == 0
 
 
