@@ -93,7 +93,7 @@ def test_init_full_is_deterministic_and_keyed():
     assert not torch.equal(a, init_full((8, 4), 1, 4, "qkv.weight", 0.02))
     assert not torch.equal(a, init_full((8, 4), 2, 3, "qkv.weight", 0.02))
     assert not torch.equal(a, init_full((8, 4), 1, 3, "proj.weight", 0.02))
-    assert abs(a.std().item() - 0.02) < 0.01
+    assert abs(a.std().item() - 0.02) < 0.01  # a sample std of 32 fixed draws, not a precision check
 
 
 def _layers(tp, sp):
