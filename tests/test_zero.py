@@ -110,10 +110,11 @@ def _close(a, b, atol):
 SGD_ATOL = 1e-6
 ADAM_ATOL = 2e-5
 # Gradient norms: sqrt of a sum of squares. Ours sums fp32 dot products in float64; torch's
-# clip_grad_norm_ takes per-tensor fp32 norms of <= 128 elements: relative error <= 128 * U32 / 2
-# ~ 4e-6 worst case (observed 1e-7). The DP runs also reduce the gradients in another order (a few
-# U32 of each coordinate): rel 1e-5 (observed 1.3e-7).
-NORM_VS_TORCH = 4e-6
+# clip_grad_norm_ takes per-tensor fp32 norms of <= 128 elements, then the norm of those 28 norms:
+# relative error <= (128 + 28) * U32 / 2 ~ 4.6e-6 worst case (observed 1e-7, and 4.8e-7 with
+# ATEN_CPU_CAPABILITY=default). The DP runs also reduce the gradients in another order (a few U32
+# of each coordinate): rel 1e-5 (observed 1.3e-7).
+NORM_VS_TORCH = 5e-6
 NORM_DP = 1e-5
 
 
