@@ -11,6 +11,7 @@ from megazero.checkpoint import CheckpointError, checkpoint_path, latest_iterati
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from megazero.testing import RankError, run_ranks
+from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 N, K = 4, 2  # iterations in all; the interrupted runs save after K and resume for N - K
 
@@ -56,6 +57,9 @@ def _build(cfg):
 
 
 # ---- (a) resume in the same layout equals the uninterrupted run -----------------------------
+# Resuming in the same layout repeats the same operations on the same numbers: equal here; the
+# tolerances (1e-6 SGD, 1e-5 Adam, relative) only allow for BLAS kernels that choose another path
+# for differently aligned buffers. Resharded resumes follow tolerance.py: R_TRAIN / R_TRAIN_ADAM.
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-6), ("adam", 1e-5)])
 def test_resume_same_layout_one_process(tmp_path, optimizer, tol):
     ref = _run(_cfg(optimizer=optimizer))
@@ -153,8 +157,10 @@ def test_resume_under_another_layout_matches_one_process(saved_tp2_pp2_dp2, name
     world, changes = RESUME_LAYOUTS[name]
     second = _run(_cfg(load=directory, **changes), world)
     assert [m["iteration"] for m in second] == list(range(K + 1, N + 1))
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
-    assert [m["grad_norm"] for m in second] == pytest.approx([m["grad_norm"] for m in ref[K:]], rel=2e-6)
+    # fp32 SGD resumed under another layout: R_TRAIN (was rel 2e-6 (+ abs 1e-6 on the losses);
+    # observed 2.6e-8 / 8.6e-8 relative)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN)
+    assert [m["grad_norm"] for m in second] == pytest.approx([m["grad_norm"] for m in ref[K:]], rel=R_TRAIN)
     assert [m["lr"] for m in second] == [m["lr"] for m in ref[K:]]
 
 
@@ -176,7 +182,7 @@ def test_adam_resharded_to_one_process(tmp_path):
     ref = _run(_cfg(optimizer="adam", **changes))
     first = _run(_cfg(K, "adam", save=str(tmp_path), tp=2, pp=2, zero=1, **changes), 8)
     second = _run(_cfg(N, "adam", load=str(tmp_path), **changes))
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-4)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN_ADAM)
 
 
 def test_zero3_untied_saved_and_resharded_to_tp2(tmp_path):
@@ -184,7 +190,7 @@ def test_zero3_untied_saved_and_resharded_to_tp2(tmp_path):
     ref = _run(_cfg(**untied))
     first = _run(_cfg(K, save=str(tmp_path), zero=3, **untied), 2)  # DP2 ZeRO-3: parameters sharded
     second = _run(_cfg(load=str(tmp_path), tp=2, **untied), 2)  # the output head re-split over TP
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN)
 
 
 # ---- (c) a crash mid-save leaves the previous checkpoint in force ---------------------------

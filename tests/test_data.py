@@ -20,6 +20,7 @@ from megazero.data.gpt_dataset import BlendedGPTData, GPTDataset, parse_data_pat
 from megazero.data import preprocess
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, write_index
 from megazero.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+from tolerance import R_TRAIN_ADAM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the king queen sword love night day crown fool death sleep dream heart blood honour lord lady "
@@ -540,8 +541,8 @@ def test_training_on_preprocessed_text_one_process_and_dp2(corpus):
     assert losses[0] == pytest.approx(math.log(256), rel=0.1) and losses[-1] < losses[0] - 1.0, losses
     assert math.isfinite(ref[-1]["eval_loss"])
     ranks = run_ranks(_train_history, 2, cfg)
-    for hist in ranks:
-        assert [m["loss"] for m in hist] == pytest.approx(losses, rel=1e-4)
+    for hist in ranks:  # fp32 Adam, DP 2 vs one process: R_TRAIN_ADAM (observed 2.7e-8 relative)
+        assert [m["loss"] for m in hist] == pytest.approx(losses, rel=R_TRAIN_ADAM)
 
 
 def test_eod_mask_loss_leaves_out_predictions_across_documents(corpus):
