@@ -64,9 +64,10 @@ disagree on a shared file system that caches attributes; an error is raised on e
 API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
 collective (every rank calls them); :func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
 """
-from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
-from megazero.checkpoint.reader import load, resume_iteration  # noqa: F401
-from megazero.checkpoint.writer import check_save_dir, save  # noqa: F401
+from megazero.checkpoint.format import (CheckpointError, checkpoint_path, latest_iteration,  # noqa: F401
+                                        saved_config)
+from megazero.checkpoint.reader import load, read_weights, resume_iteration  # noqa: F401
+from megazero.checkpoint.writer import check_save_dir, save, save_weights  # noqa: F401
 
-__all__ = ["CheckpointError", "check_save_dir", "checkpoint_path", "latest_iteration", "load",
-           "resume_iteration", "save"]
+__all__ = ["CheckpointError", "check_save_dir", "checkpoint_path", "latest_iteration", "load", "read_weights",
+           "resume_iteration", "save", "save_weights", "saved_config"]
