@@ -171,13 +171,15 @@ def hf_config_from(cfg):
     m = cfg.model
     if _arch(m) == "gpt2":
         from transformers import GPT2Config
+        eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
                          n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
                          activation_function="gelu_new", layer_norm_epsilon=m.norm_epsilon,
                          resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                          attn_pdrop=m.attention_dropout,
                          initializer_range=m.init_method_std,
-                         tie_word_embeddings=not m.untie_embeddings_and_output_weights)
+                         tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+                         bos_token_id=eod, eos_token_id=eod)
         out.architectures = ["GPT2LMHeadModel"]
     else:
         from transformers import LlamaConfig
@@ -251,7 +253,7 @@ def export_tokenizer(path: str, out_dir: str) -> str:
 
     A sentencepiece model is converted by ``transformers`` into a ``tokenizers`` tokenizer and
     checked: it must encode sample texts to the same ids as sentencepiece (ValueError otherwise).
-    Returns the tokenizer class name written."""
+    Returns the Hugging Face tokenizer written."""
     import json
     import shutil
     import tempfile
@@ -259,7 +261,7 @@ def export_tokenizer(path: str, out_dir: str) -> str:
     if os.path.isdir(path):
         tok = AutoTokenizer.from_pretrained(path)
         tok.save_pretrained(out_dir)
-        return type(tok).__name__
+        return tok
     from megazero.data.tokenizer import SentencePieceTokenizer
     sp = SentencePieceTokenizer(path)
     piece = sp.sp.IdToPiece
@@ -276,4 +278,4 @@ def export_tokenizer(path: str, out_dir: str) -> str:
             raise ValueError(f"{path}: the converted Hugging Face tokenizer encodes {text!r} to {got[:12]}, "
                              f"sentencepiece to {want[:12]}; this tokenizer cannot be exported")
     tok.save_pretrained(out_dir)
-    return type(tok).__name__
+    return tok

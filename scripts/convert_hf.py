@@ -48,10 +48,15 @@ def to_hf(src: str, dst: str, iteration=None, tokenizer=None) -> str:
     if not os.path.exists(tokenizer):
         return line + f"; tokenizer {tokenizer} not found from here (pass --tokenizer-model PATH)"
     try:
-        kind = export_tokenizer(tokenizer, dst)
+        tok = export_tokenizer(tokenizer, dst)
     except ValueError as err:
         return line + f"; tokenizer not exported: {err}"
-    return line + f" with tokenizer {tokenizer} ({kind})"
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(dst)  # the tokenizer's special ids in the model's config
+    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    config.save_pretrained(dst)
+    return line + f" with tokenizer {tokenizer} ({type(tok).__name__})"
 
 
 def main(argv=None) -> int:

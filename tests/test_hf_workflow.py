@@ -114,3 +114,37 @@ def test_generate_greedy_equals_transformers(workflow):
     back.generation_config.pad_token_id = 0
     want = back.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=12)[0].tolist()
     assert got["ids"] == want and got["prompt_ids"] == PROMPT and got["text"] is None
+
+
+def _train_with_tokenizer(argv):
+    from megazero.config import parse_args
+    from megazero.training import train
+    import models
+    return train(parse_args(argv), models.build_chunks)
+
+
+def test_exported_run_with_a_sentencepiece_tokenizer_works_in_a_pipeline(tmp_path):
+    """A run that used --tokenizer-model exports its tokenizer too: transformers.pipeline generates
+    the same greedy text as generate.py."""
+    import sentencepiece as spm
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(["To be, or not to be, that is the question:",
+                               "Whether 'tis nobler in the mind to suffer",
+                               "The slings and arrows of outrageous fortune,"] * 30))
+    spm.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=64,
+                                   model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
+    tok = str(tmp_path / "tok.model")
+    _train_with_tokenizer(["--mock-data", "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "32",
+                           "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "2",
+                           "--micro-batch-size", "2", "--init-method-std", "0.3", "--save", str(tmp_path / "run")])
+    convert = _script("convert_hf")
+    assert convert.main(["--direction", "to-hf", "--input", str(tmp_path / "run"), "--output", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    pipe = transformers.pipeline("text-generation", str(tmp_path / "hf"))
+    pipe.model.generation_config.eos_token_id = None
+    pipe.model.generation_config.pad_token_id = 3
+    want = pipe("To be, or not", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    gen = _script("generate")
+    got = gen.run(gen.parse_args(["--load", str(tmp_path / "run"), "--prompt", "To be, or not",
+                                  "--max-new-tokens", "8"]))
+    assert got["text"] == want and len(got["ids"]) == len(got["prompt_ids"]) + 8
