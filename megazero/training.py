@@ -16,7 +16,9 @@ Every ``--eval-interval`` iterations the model runs forward only on ``--eval-ite
 batches.  With ``--save`` a checkpoint is written every ``--save-interval`` iterations and at the
 end; ``--load`` resumes from the latest one, written under any layout (:mod:`megazero.checkpoint`):
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
-samples) and the loss scale continue.  The engine never imports ``models``: callers pass
+samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
+prints the config's start-up notes (ignored Megatron-LM flags ...) and logs through
+:class:`megazero.logging.TrainingLogger`, which continues the metrics file from the start iteration.  The engine never imports ``models``: callers pass
 ``model_provider(cfg, mesh)`` returning this rank's list of model chunks (one per virtual
 pipeline stage).
 """
