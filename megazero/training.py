@@ -268,7 +268,8 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
          presets: Optional[Dict[str, dict]] = None) -> int:
     """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
 
-    Returns the exit status: 0, or 2 for an invalid flag combination (message on stderr)."""
+    Returns the exit status: 0, or 2 for an invalid flag combination or a checkpoint that cannot be
+    used (message on stderr)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = parse_args(argv, presets, world_size=world)
@@ -285,5 +286,11 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         return 2
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
-    train(cfg, model_provider)
+    from megazero.checkpoint import CheckpointError
+    try:
+        train(cfg, model_provider)
+    except CheckpointError as err:  # raised on every rank alike (rank 0 decides): a message, not a traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
     return 0

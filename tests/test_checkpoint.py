@@ -497,6 +497,11 @@ def test_load_of_a_foreign_directory_says_what_it_is(trained_two_steps, tmp_path
         _run(_cfg(load=str(hf)))
     with pytest.raises(CheckpointError, match=r"is one iteration of a megazero checkpoint; pass its parent"):
         _run(_cfg(load=checkpoint_path(d, K)))
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint, which megazero cannot read"):
+        _run(_cfg(load=str(megatron)))
     with pytest.raises(ConfigError, match="--use-checkpoint-args: --load .* Hugging Face model directory"):
         from megazero.config import parse_args
         parse_args(["--mock-data", "--load", str(hf), "--use-checkpoint-args"], world_size=1)
@@ -513,3 +518,12 @@ def test_resumed_run_continues_the_metrics_file(tmp_path):
     rows = [json.loads(line) for line in open(metrics)]
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     assert [r["loss"] for r in rows[:3]] == pytest.approx([m["loss"] for m in first], rel=1e-6)
+
+
+def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from megazero.training import main
+    from models.cli import model_provider
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
+    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {tmp_path / 'absent'}: no such")

@@ -68,8 +68,9 @@ writes the same layout with master weights and no optimizer state, RNG files or 
 schedule, the generators of this run's start-up), ``--no-load-optim`` (fresh optimizer and loss
 scaler; iteration and data position continue; the schedule settings are not compared),
 ``--no-load-rng`` (reseeded as above), ``--ckpt-step`` (an iteration other than the latest).  A
-directory without a tracker is diagnosed (:func:`~megazero.checkpoint.format.describe_foreign`): a
-Hugging Face directory, one ``iter_*`` directory, a Megatron-LM checkpoint.
+directory in another format is named (:func:`~megazero.checkpoint.format.describe_foreign` and
+:func:`~megazero.checkpoint.format.resolve_checkpoint`): a Hugging Face directory, one ``iter_*``
+directory, a Megatron-LM checkpoint.
 
 API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
 collective (every rank calls them); :func:`latest_iteration` reads the tracker; :func:`save_weights`,

@@ -211,6 +211,11 @@ def resolve_checkpoint(directory: str, iteration: Optional[int] = None, flag: st
     if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
         path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
     if not os.path.isfile(os.path.join(path, METADATA)):
+        names = os.listdir(path) if os.path.isdir(path) else []
+        if any(n.startswith("mp_rank_") or n.endswith(".distcp") or n == "common.pt" for n in names):
+            raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which megazero "
+                                  "cannot read; export it to Hugging Face with Megatron-LM's converter and "
+                                  "use scripts/convert_hf.py --direction to-megazero")
         raise CheckpointError(f"{flag} {directory}: checkpoint {path} is missing or incomplete "
                               f"(no {METADATA})")
     meta = read_json(os.path.join(path, METADATA))
