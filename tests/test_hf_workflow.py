@@ -5,7 +5,7 @@ attention, untied head) built here, nothing downloaded.
 
 Comparisons: losses and logits against transformers computed in float64; megazero runs in fp32
 (its norms compute in fp32 whatever the input), so 1e-5 bounds fp32 rounding over two layers
-(observed differences are about 1e-6)."""
+(observed differences are below 1e-6)."""
 import importlib.util
 import json
 import os
