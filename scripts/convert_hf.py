@@ -27,9 +27,17 @@ if ROOT not in sys.path:
 
 def to_megazero(src: str, dst: str) -> str:
     """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only)."""
-    from megazero.checkpoint import save_weights
+    from megazero.checkpoint import CheckpointError, latest_iteration, save_weights
     from megazero.mesh import ParallelMesh
     from models.hf import from_hf
+    if not os.path.isdir(src):
+        raise CheckpointError(f"--input {src}: no such directory (give a Hugging Face model directory, as "
+                              "written by save_pretrained)")
+    if latest_iteration(src) is not None:
+        raise CheckpointError(f"--input {src} is a megazero checkpoint already: load it with --load, or "
+                              "export it with --direction to-hf")
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise CheckpointError(f"--input {src}: no config.json, so not a Hugging Face model directory")
     model = from_hf(src)
     return save_weights(dst, [model], ParallelMesh.single(), model.cfg, iteration=0,
                         extra={"converted_from": os.path.abspath(src)})
