@@ -19,6 +19,7 @@ from megazero.data.mock import MockGPTData
 from megazero.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # end to end: 8-rank fine-tuning runs, subprocesses
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, GBS, SEED, VOCAB = 16, 4, 1234, 100
 PROMPT = [5, 17, 42, 7, 99, 3]
