@@ -166,8 +166,9 @@ def _rows(path):
 
 @pytest.mark.slow
 def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
-    """TP 2 x PP 2, fp16, GPT-2 BPE vocabulary, saves and evaluates; run twice: the second run
-    resumes from its own --save/--load directory (Megatron's pattern) and trains nothing more."""
+    """TP 2 x PP 2, fp16, GPT-2 BPE vocabulary, saves and evaluates; run again with more iterations,
+    it resumes from its own --save/--load directory (Megatron-LM's pattern) and continues the
+    metrics file."""
     argv = gpt3_175b_flags(tmp_path, *gpt2_bpe)
     assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
     rows = _rows(tmp_path / "gpt3.jsonl")
@@ -176,6 +177,11 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
     assert os.listdir(tmp_path / "tb") and (tmp_path / "ckpt" / "iter_0000004").is_dir()
     out = capfd.readouterr().out
     assert out.count("ignored Megatron-LM flags") == 1 and "--attention-backend" in out
+    assert run_ranks(_pretrain, 4, argv[:argv.index("--train-iters") + 1] + ["6"]
+                     + argv[argv.index("--train-iters") + 2:], timeout=300) == [0] * 4
+    again = _rows(tmp_path / "gpt3.jsonl")
+    assert [r["iteration"] for r in again] == [1, 2, 3, 4, 5, 6] and again[:4] == rows
+    assert "loaded checkpoint" in capfd.readouterr().out
 
 
 @pytest.mark.slow
