@@ -110,7 +110,7 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
     "--calculate-per-token-loss": dict(action="store_true", help="Average the loss over tokens: the same "
                                        "number here unless --eod-mask-loss, which it is refused with."),
     "--apply-layernorm-1p": dict(action="store_true", help="Megatron-LM stores norm scales minus one; the "
-                                 "same model here, where norm scales get no weight decay."),
+                                 "same model in exact arithmetic here, where norm scales get no weight decay."),
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have no "
                                     "learned table)."),
 }
@@ -194,8 +194,9 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
         ignored.append("--calculate-per-token-loss (every micro-batch holds the same number of tokens, so the "
                        "per-token mean is the mean of the micro-batch means)")
     if given.get("--apply-layernorm-1p"):
-        ignored.append("--apply-layernorm-1p (the same model: norm scales are stored as is and get no weight "
-                       "decay here, as in Megatron-LM)")
+        ignored.append("--apply-layernorm-1p (the same model in exact arithmetic: norm scales are stored as is and, "
+                       "as in Megatron-LM, get no weight decay; in bf16 the compute copy of a scale near 1 is "
+                       "coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
     if given.get("--no-position-embedding") and out.get("position_embedding_type") != "rope":
         raise ConfigError("--no-position-embedding: a model without any position embedding is not implemented; "
                           "use it with --position-embedding-type rope or drop it")
