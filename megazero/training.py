@@ -218,7 +218,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
         logger.print(loaded)
     if logger.dropped_rows:
         logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration {start_iter} "
-                     "(from a run that went past this start); appending from there")
+                     "(written by an earlier run); this run's rows follow")
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             start = time.perf_counter()
