@@ -559,3 +559,18 @@ def test_eod_mask_loss_leaves_out_predictions_across_documents(corpus):
     assert torch.equal(masked["loss_mask"], (~at_eod).float())
     with pytest.raises(ConfigError, match="--eod-mask-loss needs --tokenizer-model"):
         validate(_data_cfg([corpus["txt"]], eod_mask_loss=True), 1)
+
+
+def test_separate_train_and_valid_sets(tmp_path):
+    """--train-data-path / --valid-data-path (Megatron-LM's): training reads only the first set,
+    evaluation only the second, no --split."""
+    train_prefix = _numbered(tmp_path, "train", 40, base=0)
+    valid_prefix = _numbered(tmp_path, "valid", 40, base=100, seed=1)
+    cfg = validate(_data_cfg([], train_data_path=[train_prefix], valid_data_path=[valid_prefix], eval_interval=2))
+    data = build_data(cfg)
+    assert int(data.get_tokens(range(16), "train").max()) < 40  # every token names a training document
+    assert int(data.get_tokens(range(16), "valid").min()) >= 100
+    with pytest.raises(ConfigError, match="--eval-interval with --train-data-path needs --valid-data-path"):
+        validate(_data_cfg([], train_data_path=[train_prefix], eval_interval=2))
+    with pytest.raises(ConfigError, match="--data-path and --train-data-path are exclusive"):
+        validate(_data_cfg([train_prefix], train_data_path=[train_prefix]))

@@ -129,10 +129,12 @@ def test_convert_script_round_trip(tmp_path):
     spec.loader.exec_module(script)
     hf = hf_model("llama")
     hf.save_pretrained(str(tmp_path / "hf"))
-    script.main(["--direction", "to-megazero", "--input", str(tmp_path / "hf"),
-                 "--output", str(tmp_path / "mz")])
-    assert (tmp_path / "mz" / "model.pt").exists() and (tmp_path / "mz" / "config.json").exists()
-    script.main(["--direction", "to-hf", "--input", str(tmp_path / "mz"), "--output", str(tmp_path / "back")])
+    assert script.main(["--direction", "to-megazero", "--input", str(tmp_path / "hf"),
+                        "--output", str(tmp_path / "mz")]) == 0
+    assert (tmp_path / "mz" / "latest_checkpointed_iteration.txt").read_text().strip() == "0"  # --save layout
+    assert (tmp_path / "mz" / "iter_0000000" / "metadata.json").exists()
+    assert script.main(["--direction", "to-hf", "--input", str(tmp_path / "mz"),
+                        "--output", str(tmp_path / "back")]) == 0
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"),
                                                              dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logits(back), hf_logits(hf), rtol=0, atol=0)

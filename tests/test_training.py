@@ -21,8 +21,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 
 # ---- learning-rate schedule ----------------------------------------------------------------
 def test_lr_warmup_then_cosine_to_min():
+    # Megatron-LM's scheduler: iteration 1 runs at --lr-warmup-init (0), --lr is reached after warm-up
     lr = [learning_rate(i, 1.0, 0.1, warmup_iters=4, decay_iters=12, style="cosine") for i in range(1, 15)]
-    assert lr[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lr[8] == pytest.approx(0.55)  # iteration 9: half-way through decay, (max + min) / 2
     assert all(a > b for a, b in zip(lr[4:12], lr[5:12])) and lr[11] > 0.1
     assert lr[12:] == [0.1, 0.1]
@@ -33,7 +34,8 @@ def test_lr_linear_and_constant():
     assert learning_rate(1, 1.0, 0.0, 0, 10, "linear") == 1.0
     assert learning_rate(10, 1.0, 0.0, 0, 10, "linear") == pytest.approx(0.1)
     assert learning_rate(50, 1.0, 0.0, 2, 10, "constant") == 1.0
-    assert learning_rate(1, 2.0, 0.0, 4, 10, "constant") == 0.5
+    assert learning_rate(2, 2.0, 0.0, 4, 10, "constant") == 0.5
+    assert learning_rate(1, 2.0, 0.0, 4, 10, "constant", init=0.4) == 0.4  # --lr-warmup-init
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -98,7 +100,7 @@ def _never_called(cfg, mesh):
      "--num-attention-heads 3"),
     (4, ["--global-batch-size", "6", "--micro-batch-size", "1"], "--global-batch-size 6"),
     (1, ["--fp16", "--bf16"], "--fp16"),
-    (1, ["--sequence-parallel"], "--sequence-parallel"),
+    (2, ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "15"], "--sequence-parallel"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3"),
     (1, ["--recompute-method", "block"], "--recompute-method"),
     (1, ["--min-lr", "1.0", "--lr", "0.1"], "--min-lr"),

@@ -61,12 +61,26 @@ rather than at the first save; :func:`resume_iteration` decides, on rank 0 only,
 (tracker, metadata, the directory) is taken by global rank 0 and broadcast, so ranks never
 disagree on a shared file system that caches attributes; an error is raised on every rank.
 
-API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
-collective (every rank calls them); :func:`latest_iteration` reads the tracker.  Errors are :class:`CheckpointError`.
-"""
-from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
-from megazero.checkpoint.reader import load, resume_iteration  # noqa: F401
-from megazero.checkpoint.writer import check_save_dir, save  # noqa: F401
+Weights only: :func:`save_weights` (one process; ``scripts/convert_hf.py --direction to-megazero``)
+writes the same layout with master weights and no optimizer state, RNG files or trainer state,
+``"weights_only": true`` in the metadata; loading it starts a fresh optimizer.  Loading options
+(the config's checkpoint section): ``--finetune`` (weights only, iteration 0, fresh optimizer and
+schedule, the generators of this run's start-up), ``--no-load-optim`` (fresh optimizer and loss
+scaler; iteration and data position continue; the schedule settings are not compared),
+``--no-load-rng`` (reseeded as above), ``--ckpt-step`` (an iteration other than the latest).  A
+directory in another format is named (:func:`~megazero.checkpoint.format.describe_foreign` and
+:func:`~megazero.checkpoint.format.resolve_checkpoint`): a Hugging Face directory, one ``iter_*``
+directory, a Megatron-LM checkpoint.
 
-__all__ = ["CheckpointError", "check_save_dir", "checkpoint_path", "latest_iteration", "load",
-           "resume_iteration", "save"]
+API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
+collective (every rank calls them); :func:`latest_iteration` reads the tracker; :func:`save_weights`,
+:func:`read_weights` (every full fp32 weight, any layout, no model) and :func:`saved_config` run in
+one process.  Errors are :class:`CheckpointError`.
+"""
+from megazero.checkpoint.format import (CheckpointError, checkpoint_path, latest_iteration,  # noqa: F401
+                                        saved_config)
+from megazero.checkpoint.reader import load, read_weights, resume_iteration  # noqa: F401
+from megazero.checkpoint.writer import check_save_dir, save, save_weights  # noqa: F401
+
+__all__ = ["CheckpointError", "check_save_dir", "checkpoint_path", "latest_iteration", "load", "read_weights",
+           "resume_iteration", "save", "save_weights", "saved_config"]

@@ -8,10 +8,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, SCHEDULER_FIELDS,
-                                        TRACKER, CheckpointError,
-                                        all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
-                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, SCHEDULER_FIELDS, CheckpointError, all_ok,
+                                        arch_of, latest_iteration, layout_of, named_params, on_rank0,
+                                        read_json, resolve_checkpoint, rng_file, rng_trackers)
 from megazero.tensor_parallel.layers import pad_rows, shard
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
@@ -23,26 +22,7 @@ def _flag(name: str) -> str:
 
 def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
     """The checkpoint directory and its metadata, as this process sees the file system."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: exists and is not a directory")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: no such directory")
-    if iteration is None:
-        iteration = latest_iteration(directory)
-        if iteration is None:
-            partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
-            note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-            raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
-    path = checkpoint_path(directory, iteration)
-    if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
-        path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
-    if not os.path.isfile(os.path.join(path, METADATA)):
-        raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete "
-                              f"(no {METADATA})")
-    meta = read_json(os.path.join(path, METADATA))
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    return path, meta
+    return resolve_checkpoint(directory, iteration)
 
 
 def _resolve(directory: str, iteration: Optional[int], mesh) -> Tuple[str, dict]:
@@ -50,18 +30,19 @@ def _resolve(directory: str, iteration: Optional[int], mesh) -> Tuple[str, dict]
     return tuple(on_rank0(lambda: _resolve_here(directory, iteration), mesh))
 
 
-def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[int]:
+def resume_iteration(load_dir: str, save_dir: Optional[str], mesh, iteration: Optional[int] = None) -> Optional[int]:
     """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
     ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
     yet.  Decided by global rank 0 and shared with every rank (collective); any other missing or
-    incomplete checkpoint raises :class:`CheckpointError` on every rank."""
+    incomplete checkpoint raises :class:`CheckpointError` on every rank.  ``iteration``: a given
+    one (``--ckpt-step``) instead of the latest."""
     def decide() -> Optional[int]:
         same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
         if same and os.path.isdir(load_dir) and latest_iteration(load_dir) is None:
             return None
         if same and not os.path.exists(load_dir):
             return None
-        return int(_resolve_here(load_dir, None)[1]["iteration"])
+        return int(_resolve_here(load_dir, iteration)[1]["iteration"])
     return on_rank0(decide, mesh)
 
 
@@ -73,7 +54,7 @@ def _state_names(cfg) -> List[str]:
     return ["momentum_buffer"] if opt.sgd_momentum else []
 
 
-def _check_compatible(meta: dict, cfg, path: str) -> str:
+def _check_compatible(meta: dict, cfg, path: str, load_optim: bool = True) -> str:
     """Refuse what cannot be resharded; return the architecture differences as a hint for errors."""
     saved, mine = meta["model"], arch_of(cfg)
     key = "untie_embeddings_and_output_weights"
@@ -83,7 +64,7 @@ def _check_compatible(meta: dict, cfg, path: str) -> str:
         raise CheckpointError(f"{path}: the checkpoint's output head is {kind(saved[key])} but this run's "
                               f"is {kind(mine[key])}; use the same embedding tying as the saving run")
     so, names = meta["optimizer"], _state_names(cfg)
-    if sorted(so["state_names"]) != sorted(names):
+    if load_optim and sorted(so["state_names"]) != sorted(names):
         raise CheckpointError(
             f"{path}: the checkpoint holds optimizer state for --optimizer {so['name']} "
             f"({', '.join(so['state_names']) or 'none'}) but this run uses --optimizer "
@@ -158,12 +139,13 @@ def _local(t: torch.Tensor, p, mesh, cfg) -> torch.Tensor:
     return t
 
 
-def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
-    """Per-parameter states for this rank (``{param: {master, moments..., step}}``)."""
+def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str, load_optim: bool = True):
+    """Per-parameter states for this rank (``{param: {master, moments..., step}}``); without
+    ``load_optim`` the moments start at zero and the step at 0 (a fresh optimizer)."""
     index = _open_model_files(path, meta)
     saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
     moments = _state_names(cfg)
-    step = torch.tensor(int(meta["optimizer"]["step"]))
+    step = torch.tensor(int(meta["optimizer"]["step"]) if load_optim else 0)
     suffix = f" (model settings differ: {hint})" if hint else ""
     states, frozen = {}, []
     for name, p in named_params(chunks):
@@ -182,19 +164,21 @@ def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
             continue
         states[p] = {"master": _local(master, p, mesh, cfg), "step": step}
         for k in moments:
-            states[p][k] = _local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg)
+            states[p][k] = (_local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg) if load_optim
+                            else torch.zeros_like(states[p]["master"]))
     if hint:  # every parameter fit, yet the model differs (e.g. fewer layers): refuse a partial load
         raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
     return states, frozen
 
 
-def _restore_rng(path: str, meta: dict, chunks, mesh, cfg) -> bool:
-    """Restore this rank's generators when the layout matches; else reseed from (seed, iteration)."""
+def _restore_rng(path: str, meta: dict, chunks, mesh, cfg, allowed: bool = True) -> bool:
+    """Restore this rank's generators when ``allowed`` and the layout matches; else reseed from
+    (seed, iteration)."""
     def comparable(layout):
         return {k: v for k, v in layout.items() if k != "zero_stage"}
     fpath = os.path.join(path, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
     trackers = rng_trackers(chunks)
-    if comparable(meta["layout"]) == comparable(layout_of(cfg, mesh)) and os.path.isfile(fpath):
+    if allowed and comparable(meta["layout"]) == comparable(layout_of(cfg, mesh)) and os.path.isfile(fpath):
         rng = torch.load(fpath, map_location="cpu", weights_only=True)
         if len(rng["trackers"]) == len(trackers):
             torch.set_rng_state(rng["cpu"])
@@ -215,18 +199,27 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     """Load the latest checkpoint in ``directory`` (or ``iteration``) into this rank's chunks and
     optimizer, whatever layout wrote it (collective: every rank calls it).
 
-    Returns ``iteration``, ``extra`` (as given to :func:`save`), ``path``, ``layout`` (the saving
-    one), ``rng_restored`` and ``seconds``.  Raises :class:`CheckpointError` naming the path, the
-    parameter and both shapes, or the setting that differs."""
+    ``--finetune``: the weights only, then iteration 0 with a fresh optimizer, schedule, data
+    position and generators.  ``--no-load-optim`` (or a checkpoint of weights only, such as one
+    converted from Hugging Face): a fresh optimizer (zero moments, step 0, this run's loss scale);
+    the iteration continues.  ``--no-load-rng``: generators reseeded from (seed, iteration).
+
+    Returns ``iteration``, ``extra`` (as given to :func:`save`; empty with ``--finetune``),
+    ``path``, ``layout`` (the saving one), ``rng_restored``, ``optimizer_loaded`` and ``seconds``.
+    Raises :class:`CheckpointError` naming the path, the parameter and both shapes, or the
+    setting that differs."""
     start = time.perf_counter()
+    ck = cfg.checkpoint
     path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
-    hint = _check_compatible(meta, cfg, path)
-    _check_scheduler(meta, cfg, path)
+    load_optim = not (ck.finetune or ck.no_load_optim or meta.get("weights_only", False))
+    hint = _check_compatible(meta, cfg, path, load_optim)
+    if load_optim:
+        _check_scheduler(meta, cfg, path)
     bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
     shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
     error, states, frozen = None, {}, []
     try:
-        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)
+        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint, load_optim)
     except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
         error = err
     ok = all_ok(error is None, mesh)
@@ -239,10 +232,30 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     with torch.no_grad():
         for p, t in frozen:
             p.copy_(t)
-    so = meta["optimizer"]
-    optimizer.step_count = int(so["step"])
-    optimizer.skipped_steps = int(so["skipped_steps"])
-    optimizer.scaler.load_state_dict(so["scaler"])
-    restored = _restore_rng(path, meta, chunks, mesh, cfg)
-    return {"iteration": int(meta["iteration"]), "extra": meta.get("extra", {}), "path": path,
-            "layout": meta["layout"], "rng_restored": restored, "seconds": time.perf_counter() - start}
+    if load_optim:
+        so = meta["optimizer"]
+        optimizer.step_count = int(so["step"])
+        optimizer.skipped_steps = int(so["skipped_steps"])
+        optimizer.scaler.load_state_dict(so["scaler"])
+    it = 0 if ck.finetune else int(meta["iteration"])
+    restored = False
+    if not ck.finetune:  # a fine-tuning run keeps the generators of its own start-up
+        restored = _restore_rng(path, meta, chunks, mesh, cfg, allowed=not ck.no_load_rng)
+    return {"iteration": it, "extra": {} if ck.finetune else meta.get("extra", {}), "path": path,
+            "saved_iteration": int(meta["iteration"]), "layout": meta["layout"], "rng_restored": restored,
+            "optimizer_loaded": load_optim, "seconds": time.perf_counter() - start}
+
+
+def read_weights(directory: str, iteration: Optional[int] = None,
+                 flag: str = "--load") -> Tuple[str, dict, dict, Dict[str, torch.Tensor]]:
+    """One process, no model needed: ``(path, metadata, config, weights)`` of the latest checkpoint
+    in ``directory`` (or ``iteration``), saved under any layout.  ``config`` is the saving run's
+    whole configuration (``config.json``, a dict); ``weights`` maps every parameter's global name to
+    its full fp32 master weight (TP shards joined, vocabulary unpadded; a tied output head is
+    ``word_embeddings.weight``).  ``flag``: how the user named the directory (for errors)."""
+    path, meta = resolve_checkpoint(directory, iteration, flag)
+    index = _open_model_files(path, meta)
+    saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
+    weights = {name: _full(entries, "master", saved_tp, vocab, name, path).clone()
+               for name, entries in sorted(index.items())}
+    return path, meta, read_json(os.path.join(path, CONFIG)), weights

@@ -168,3 +168,26 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
             error = err
     _agree(error, mesh, f"publishing checkpoint {final}")
     return time.perf_counter() - start
+
+
+def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: Optional[dict] = None) -> str:
+    """Write model weights only as the checkpoint of ``iteration`` in ``directory`` (one process, the
+    whole model: e.g. a model converted from Hugging Face).  It has the layout of any checkpoint, so
+    ``--load`` reads it under every layout; its optimizer starts fresh (``metadata.json`` says
+    ``weights_only``).  Returns the checkpoint's path."""
+    if mesh.is_distributed:
+        raise ValueError("save_weights writes from one process; use save() in a distributed run")
+    final = checkpoint_path(directory, iteration)
+    tmp = final + ".tmp"
+    os.makedirs(directory, exist_ok=True)
+    _recover(directory)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    _write(_model_payload(chunks, {}, mesh, cfg), os.path.join(tmp, model_file(0, 0)))
+    meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True, "extra": dict(extra or {}),
+            "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None},
+            "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+            "padded_vocab_size": cfg.model.padded_vocab_size, "model_files": [model_file(0, 0)],
+            "torch_version": torch.__version__}
+    _publish(directory, tmp, final, iteration, meta, cfg)
+    return final
