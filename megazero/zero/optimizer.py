@@ -59,11 +59,12 @@ class ZeroOptimizer:
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
+        in_flight = par.max_reductions_in_flight
         if shards_gradients(self.stage):
-            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete)
+            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete, in_flight)
         else:
             self.reducer = LastMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete,
-                                                 len(self.chunks))
+                                                 len(self.chunks), in_flight)
 
     def _param_groups(self):
         """``(units, groups)``: ZeRO-3 gather units ``(module, chunk)`` and ``(chunk, unit, params)``
@@ -151,8 +152,10 @@ class ZeroOptimizer:
 
         params = [self.storage.params] + (self.stage3.live_buffers() if self.stage3 is not None else [])
         grads = [self.storage.grads] + self.reducer.partial_buffers()
+        shard = self.storage.params.untyped_storage().nbytes()
+        gathered = self.stage3.peak_gathered_bytes if self.stage3 is not None else 0
         return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(self.update.tensors()),
-                "peak_grad_bytes": self.reducer.grad_bytes.peak}
+                "peak_grad_bytes": self.reducer.grad_bytes.peak, "peak_param_bytes": shard + gathered}
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""
