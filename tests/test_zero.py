@@ -589,3 +589,37 @@ def test_zero3_peak_param_bytes_are_the_shard_plus_root_and_two_layers_under_rec
             assert shard + root + layer < peak <= shard + root + 2 * layer, (name, peak, shard, root, layer)
             assert loss == pytest.approx(res["none"][3], rel=1e-5)  # recomputation changes no result
 
+
+
+# ---- stages 1/2: the parameter all-gather overlaps the next forward -------------------------
+def _overlapped_gather(stage):
+    mesh = _mesh()
+    out = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = Toy(h=8, n=3)
+        opt = build_optimizer([model], mesh, _cfg(stage, "adam", bucket=100, overlap_param_gather=overlap))
+        X, Y = _data(2)
+        x, y = X[0].chunk(mesh.dp_size)[mesh.dp_rank], Y[0].chunk(mesh.dp_size)[mesh.dp_rank]
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step(0.05)
+        if overlap:
+            gather = opt.param_gather
+            units = [set(w) for _, w in gather._unit_buckets(model, {id(p): b.index for b in opt.buckets
+                                                                      for p in b.params})]
+            assert len(units) == 4 and not any(units[0] & u for u in units[1:])  # the chunk's own: apart
+            assert sorted(gather.pending) == sorted(b.index for b in opt.buckets)  # nothing waited in step()
+            seen = []  # what is still in flight when the second layer starts (its own gather waited)
+            model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(sorted(gather.pending)))
+            model(x)
+            assert seen == [sorted(units[3] - units[2])] and seen[0]  # all but the third layer's were waited for
+        with opt.gathered_params():
+            out[overlap] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert not opt.param_gather or not opt.param_gather.pending
+    return _close(out[True], out[False], 0)
+
+
+def test_stage_1_2_parameter_gather_waits_in_the_forward_per_layer():
+    for stage in (1, 2):
+        assert all(run_ranks(_overlapped_gather, 2, stage))
