@@ -21,7 +21,7 @@ import torch.nn.functional as F
 class PlainBlock(nn.Module):
     def __init__(self, h: int, heads: int, ffn: int, bias: bool):
         super().__init__()
-        self.heads = heads
+        self.head_dim = h // heads
         self.input_norm = nn.LayerNorm(h)
         self.qkv = nn.Linear(h, 3 * h, bias=bias)
         self.proj = nn.Linear(h, h, bias=bias)
@@ -30,10 +30,12 @@ class PlainBlock(nn.Module):
         self.fc2 = nn.Linear(ffn, h, bias=bias)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        # QKV features laid out [head][q, k, v][head_dim] (megazero's layout): a tensor-parallel
+        # (column) shard holds whole heads, so the local heads are inferred from the local width
+        b, s = x.shape[:2]
+        q, k, v = self.qkv(x).view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.input_norm(x))
@@ -51,6 +53,7 @@ class PlainGPT(nn.Module):
                  bias: bool = False, tied: bool = False, first: bool = True, last: bool = True):
         super().__init__()
         self.first, self.last, self.tied = first, last, tied
+        self.sequence_shard = None  # (rank, ranks): this rank's part of the sequence (sequence parallel)
         if first:
             self.word_embeddings = nn.Embedding(vocab, h)
             self.position_embeddings = nn.Embedding(seq, h)
@@ -65,18 +68,22 @@ class PlainGPT(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.word_embeddings(x) + self.position_embeddings(pos)
+            seq = x.shape[1]
+            x = self.word_embeddings(x)
+            if self.sequence_shard is not None:  # x is this rank's part of the sequence
+                rank, ranks = self.sequence_shard
+                x = x + self.position_embeddings.weight[rank * seq // ranks:(rank + 1) * seq // ranks]
+            else:
+                x = x + self.position_embeddings(torch.arange(seq, device=x.device))
         for layer in self.layers:
             x = layer(x)
         if not self.last:
             return x
         x = self.final_norm(x)
-        weight = self.word_embeddings.weight if self.tied else self.output_layer.weight
-        logits = F.linear(x, weight)
+        logits = F.linear(x, self.word_embeddings.weight) if self.tied else self.output_layer(x)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
 
 # names of PlainGPT parameters in megazero's GPTModel (decoder.<i>.<...>)
@@ -125,3 +132,29 @@ def flops_per_token(h: int, layers: int, seq: int, vocab: int, ffn: Optional[int
 
 
 __all__ = ["PlainGPT", "copy_from_megazero", "hf_gpt2", "gpt_params", "flops_per_token", "megazero_name"]
+
+
+def clip_peer_grads(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """``clip_grad_norm_`` for a peer whose parameters mix DTensors (tensor/data-parallel shards) and
+    plain tensors (replicated), and whose pipeline stages each hold part of the model: the global
+    norm over every stage (``pp_group``), then every gradient scaled by one factor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    parts: dict = {}  # one part per device mesh (a DTensor norm cannot mix meshes), plain tensors apart
+    for p in params:
+        if p.grad is not None:
+            parts.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    parts = list(parts.values())
+    total = torch.zeros((), dtype=torch.float32)
+    for part in parts:
+        if part:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in part], 2.0)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            total = total + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    for part in parts:
+        if part:
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, norm)
+    return norm
