@@ -103,18 +103,13 @@ def use_device(device: Optional[torch.device]) -> torch.device:
     return device
 
 
-def warm_up(groups) -> None:
-    """One small all-reduce on each of ``groups`` (this rank's groups, the same order on every rank):
-    NCCL then has every communicator set up by a collective of all its ranks before a pipeline's
-    first ``batch_isend_irecv``, which involves only two of them."""
-    device = None
+def warm_up(groups, device: torch.device) -> None:
+    """One small all-reduce of a ``device`` tensor on each of ``groups`` (this rank's groups, in the
+    same order on every rank): NCCL then has every communicator set up by a collective of all its
+    ranks before a pipeline's first ``batch_isend_irecv``, which involves only two of them."""
     for group in groups:
-        if group is None:
-            continue
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def backend_for(device: torch.device) -> str:
@@ -176,7 +171,7 @@ class ParallelMesh:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[key] = (group, ranks)
-        warm_up([mine[key][0] for key in ("tp", "dp", "pp", "mp", "embedding") if key in mine])
+        warm_up([mine[key][0] for key in ("tp", "dp", "pp", "mp", "embedding") if key in mine], device)
         tp_ranks, pp_ranks, dp_ranks = mine["tp"][1], mine["pp"][1], mine["dp"][1]
         emb = mine.get("embedding", (None, []))
         return cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),

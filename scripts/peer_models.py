@@ -117,10 +117,11 @@ def hf_gpt2(vocab: int, h: int, heads: int, layers: int, seq: int, dtype=torch.f
     return GPT2LMHeadModel(cfg).to(device=device, dtype=dtype)
 
 
-def gpt_params(vocab: int, h: int, layers: int, seq: int, ffn: Optional[int] = None, tied: bool = False) -> int:
-    """Parameters of PlainGPT without biases (for sizing)."""
+def gpt_params(vocab: int, h: int, layers: int, seq: int, ffn: Optional[int] = None, tied: bool = False,
+               bias: bool = False) -> int:
+    """Parameters of a GPT-2-style model of this shape (LayerNorm weights and biases included)."""
     ffn = ffn or 4 * h
-    per_layer = 4 * h * h + 2 * h * ffn + 4 * h
+    per_layer = 4 * h * h + 2 * h * ffn + 4 * h + ((4 * h + ffn + h) if bias else 0)
     return vocab * h * (1 if tied else 2) + seq * h + layers * per_layer + 2 * h
 
 
