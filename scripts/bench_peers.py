@@ -107,6 +107,9 @@ def _megazero(layout: Layout, model: dict):
     from models.gpt import full_state_dict
     world = layout.world
     settings = dict(BASE, **model, **layout.settings)
+    if "micro_batch_size" not in layout.settings:  # one micro-batch of this DP rank's share, as the peer
+        tp, pp = settings.get("tensor_model_parallel_size", 1), settings.get("pipeline_model_parallel_size", 1)
+        settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp))
     cfg = validate(config_from_dict(settings), world)
     par = cfg.parallel
     mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
