@@ -10,6 +10,7 @@ from fastest to slowest; any permutation of ``tp``, ``dp`` and ``pp`` is accepte
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -78,12 +79,37 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1,
     return result
 
 
+def local_device_index(local_rank: Optional[str], device_count: int) -> int:
+    """The GPU a process with ``$LOCAL_RANK`` = ``local_rank`` (None: unset) uses among ``device_count``."""
+    return int(local_rank or 0) % device_count
+
+
 def default_device() -> torch.device:
-    """The device this process should compute on: its local CUDA device when there is one, else CPU."""
+    """The device this process should compute on: its local CUDA device (``$LOCAL_RANK`` modulo the
+    GPUs it sees) when there is one, else CPU."""
     if torch.cuda.is_available():
-        import os
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cuda", local_device_index(os.environ.get("LOCAL_RANK"), torch.cuda.device_count()))
     return torch.device("cpu")
+
+
+def use_device(device: Optional[torch.device]) -> torch.device:
+    """Resolve ``device`` (None: :func:`default_device`) and make a CUDA device the current one, so
+    the collectives, the default generator and any ``"cuda"`` tensor of this process use it."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def warm_up(groups, device: torch.device) -> None:
+    """One small all-reduce of a ``device`` tensor on each of ``groups`` (this rank's groups, in the
+    same order on every rank): NCCL then has every communicator set up by a collective of all its
+    ranks before a pipeline's first ``batch_isend_irecv``, which involves only two of them."""
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def backend_for(device: torch.device) -> str:
@@ -126,7 +152,10 @@ class ParallelMesh:
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp",
               device: Optional[torch.device] = None) -> "ParallelMesh":
-        """Create every tp/dp/pp/mp/embedding group on the default process group (collective)."""
+        """Create every tp/dp/pp/mp/embedding group on the default process group (collective), with a
+        warm-up collective on each.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or
+        the CPU) becomes the current CUDA device, so a caller that builds the mesh itself seeds and
+        computes on the rank's own GPU."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh.build needs torch.distributed to be initialised first: call "
@@ -134,16 +163,15 @@ class ParallelMesh:
                 "ParallelMesh.single() for one process")
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = rank_groups(world, tp, pp, order)
-        if device is None:
-            device = default_device()
-        kwargs = {}
+        device = use_device(device)
         mine = {}
         for key in ("tp", "dp", "pp", "mp", "embedding"):
             for ranks in layout[key]:
                 # every rank must take part in creating every group, in the same order
-                group = dist.new_group(ranks, **kwargs)
+                group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[key] = (group, ranks)
+        warm_up([mine[key][0] for key in ("tp", "dp", "pp", "mp", "embedding") if key in mine], device)
         tp_ranks, pp_ranks, dp_ranks = mine["tp"][1], mine["pp"][1], mine["dp"][1]
         emb = mine.get("embedding", (None, []))
         return cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
@@ -158,7 +186,7 @@ class ParallelMesh:
     def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":
         """A mesh of one process (no process groups; collectives become no-ops)."""
         return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                   device=torch.device(device or default_device()), tp_ranks=[0], pp_ranks=[0], dp_ranks=[0],
+                   device=use_device(device), tp_ranks=[0], pp_ranks=[0], dp_ranks=[0],
                    mp_ranks=[0], embedding_ranks=[0])
 
     # ---- coordinates --------------------------------------------------------------------

@@ -255,6 +255,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
                 _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total)
                 saved_at = it
+        optimizer.finish_param_sync()  # the last step's overlapped parameter all-gathers (stages 1/2)
         if ck.save and tr.train_iters > start_iter and saved_at != tr.train_iters:
             _save(tr.train_iters, chunks, optimizer, mesh, cfg, logger,
                   (tr.train_iters + data_offset) * tr.global_batch_size, skipped_total)

@@ -42,12 +42,20 @@ class Norm(nn.Module):
             p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        # PyTorch's fused kernels accumulate in fp32 for bf16/fp16 inputs and round once at the end,
+        # as an explicit upcast would, without the two casts (and their backward) around them
         if self.kind == "LayerNorm":
-            y = F.layer_norm(xf, xf.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
-        else:
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return y.to(x.dtype)
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, accumulated in fp32."""
+    fused = getattr(F, "rms_norm", None)
+    if fused is not None:
+        return fused(x, x.shape[-1:], weight, eps)
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def rope_cos_sin(seq: int, dim: int, base: float, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +113,22 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal; ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``."""
-        k = k.repeat_interleave(self.q_per_group, dim=1)
-        v = v.repeat_interleave(self.q_per_group, dim=1)
+        if self.q_per_group > 1:  # grouped-query: each key/value head serves q_per_group query heads
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
         if self.training and self.dropout > 0:
             with self.tracker.fork():  # heads are split over TP: a different mask on each rank
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def split_qkv(self, qkv: torch.Tensor):
+        """``[s, b, groups * (q_per_group + 2) * d]`` -> ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``:
+        views where the layout allows (one split, whose backward is a single concatenation)."""
+        s, b, _ = qkv.shape
+        n, g, d = self.q_per_group, self.groups, self.head_dim
+        q, k, v = qkv.view(s, b, g, n + 2, d).split([n, 1, 1], dim=3)
+        q = q.reshape(s, b, g * n, d)  # a view when n == 1 (plain multi-head attention)
+        return q.permute(1, 2, 0, 3), k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
 
     def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
         """Generation: queries of the positions after the ``past`` ones, keys and values of all."""
@@ -123,9 +141,7 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        qkv = rearrange(self.qkv(x), "s b (g n d) -> b g n s d", g=self.groups, d=self.head_dim)
-        q = rearrange(qkv[:, :, :self.q_per_group], "b g n s d -> b (g n) s d")
-        k, v = qkv[:, :, self.q_per_group], qkv[:, :, self.q_per_group + 1]
+        q, k, v = self.split_qkv(self.qkv(x))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:

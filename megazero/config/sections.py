@@ -53,6 +53,14 @@ class ParallelConfig:
                                    flag="--no-overlap-grad-reduce", action="store_false",
                                    flag_help="Do not overlap: reduce the gradients after backward (stages "
                                    "0/1), or wait for each bucket's reduction as it completes (stages 2/3).")
+    max_reductions_in_flight: int = _f(
+        2, "Gradient reductions (stages 1-3: each holds a bucket-sized buffer) that may run at once while "
+        "backward goes on; before another starts, the oldest is waited for.")
+    overlap_param_gather: bool = _f(True, "Stages 1/2: the all-gather of the updated parameters runs during the "
+                                    "next forward, each layer waiting only for its own bucket.",
+                                    flag="--no-overlap-param-gather", action="store_false",
+                                    flag_help="Stages 1/2: wait for the parameter all-gather inside the "
+                                    "optimizer step.")
     rank_order: str = _f("tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
     # derived (see Derived)
     world_size: int = _f(1, "Number of processes (taken from WORLD_SIZE; not a flag).", derived=True)

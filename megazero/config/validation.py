@@ -194,6 +194,8 @@ def _check_zero(cfg: MegazeroConfig) -> None:
         check_stage(par.zero_stage, par.offload_optimizer)
     _check(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1,
            f"--ddp-bucket-size must be positive, got {par.ddp_bucket_size}")
+    _check(par.max_reductions_in_flight >= 1,
+           f"--max-reductions-in-flight must be at least 1, got {par.max_reductions_in_flight}")
 
 
 def _check_precision(cfg: MegazeroConfig) -> None:

@@ -12,8 +12,9 @@ labels.  The micro-batch loss is ``(loss * mask).sum() / mask.sum()``; backward 
 ``loss / num_micro_batches * loss_scale``.
 
 Memory: a chunk's input is kept from its forward until its backward (1F1B bounds how many).
-Its output is needed after the send only for its ``grad_fn``, so once the send has completed
-(:meth:`StageComm.exchange` returns only after waiting on every send) the output's storage is
+Its output is needed after the send only for its ``grad_fn``, so once the send is posted (the
+in-flight send keeps its own reference to the data until it completes, see
+:class:`~megazero.pipeline.p2p.StageComm`) the output's storage is
 swapped for a one-element placeholder (Megatron's ``deallocate_output_tensor``) and its backward
 calls the autograd engine directly (:func:`_backward_deallocated`), which checks the gradient
 against the shape recorded in the graph instead of the (now empty) ``.data``.
@@ -27,6 +28,11 @@ backward may need it), or an output its own ``grad_fn`` saved for backward (e.g.
 as the last op): the engine keeps its own reference to the storage, so nothing would be freed.
 Only outputs sent to a next chunk are deallocated; the last chunk's output is the loss.
 ``PipelineTimer`` reports the activation bytes held (``peak_*_bytes``).
+
+Communication never blocks more than the schedule requires: a batch's receives are waited for
+just before the compute action that consumes them (in the interleaved steady state the backward's
+gradient arrives while the forward before it runs) and its sends at the next batch, so a stage
+computes while its last outputs are still on their way.
 """
 from __future__ import annotations
 
@@ -215,7 +221,9 @@ class _Stage:
         return self.to_send
 
     def after_exchange(self, step: Sequence[Action], received: Dict[Action, torch.Tensor]) -> None:
-        """Every send of ``step`` has completed: free sent outputs; keep what was received."""
+        """The sends of ``step`` are posted: the in-flight send holds the sent data from now on (a
+        tensor of its own on the same storage, released when it completes), so a sent output's
+        storage is swapped for a placeholder here; keep what is being received."""
         for a in step:
             self.to_send.pop(a, None)
             if a.kind == "send_fwd" and not self.forward_only:
@@ -305,12 +313,18 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     for step in steps(actions):
         clock.measure(stage)
         if isinstance(step, Action):
+            with clock.timing("p2p_s"):  # this compute's input: received only now if still in flight
+                comm.wait_received(Action("recv_fwd" if step.kind == "fwd" else "recv_bwd", step.microbatch,
+                                          step.chunk))
             with clock.timing("compute_s"):
                 stage.compute(step)
             continue
         with clock.timing("p2p_s"):
-            received = comm.exchange(step, stage.outgoing(step))  # returns once every send has completed
+            comm.complete_sends()  # the previous batch's sends, which had a compute step to complete
+            received = comm.exchange(step, stage.outgoing(step))  # posted, not waited for
             stage.after_exchange(step, received)
+    with clock.timing("p2p_s"):
+        comm.close()
     clock.finish(stage)
     stage.check_done()
     return stage.losses

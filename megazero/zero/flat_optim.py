@@ -6,8 +6,9 @@ a slice: a flat shard mixes matrices (decayed) with biases and norm weights (not
 
 ``update`` multiplies the gradient by ``grad_mul`` (clipping and loss-scale factor) and may
 overwrite ``grad`` (the caller's reduced-gradient buffer, consumed by the step).  Adam runs
-PyTorch's fused single-pass kernel (``torch._fused_adamw_``, CPU and GPU) when it exists: the
-unfused form reads and writes the 4 flat buffers about 8 times, a large share of a CPU step.
+PyTorch's fused single-pass kernel (``torch._fused_adamw_``; CPUs since torch 2.4, GPUs) when it
+exists for the device: the unfused form reads and writes the 4 flat buffers about 8 times, a large
+share of a CPU step.
 """
 from __future__ import annotations
 
@@ -28,23 +29,19 @@ class FlatAdamW:
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  weight_decay: float = 0.0):
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
+        self.fused_devices: Dict[str, bool] = {}  # device type -> whether torch has a fused kernel for it
 
     def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
                decay: Segments, lr: float, step: int, grad_mul: float = 1.0) -> None:
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if self._fused((master, grad, m, v), decay, lr, step, grad_mul):
+            return
         if self.weight_decay and lr:
             for a, b in decay:
                 master[a:b].mul_(1.0 - lr * self.weight_decay)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        fused = getattr(torch, "_fused_adamw_", None)
-        if fused is not None and grad.dtype == master.dtype and grad.device == master.device:
-            steps = [torch.tensor(float(step), device=master.device)]
-            scale = None if grad_mul == 1.0 else torch.tensor(1.0 / grad_mul, device=master.device)
-            fused([master], [grad], [m], [v], [], steps, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                  weight_decay=0.0, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
-            return
         if grad_mul != 1.0:
             grad.mul_(grad_mul)
         m.lerp_(grad, 1.0 - self.beta1)
@@ -53,6 +50,47 @@ class FlatAdamW:
         bc2 = 1.0 - self.beta2 ** step
         denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
         master.addcdiv_(m, denom, value=-lr / bc1)
+
+    def _fused(self, flat, decay: Segments, lr: float, step: int, grad_mul: float) -> bool:
+        """PyTorch's fused AdamW kernel on ``flat = (master, grad, exp_avg, exp_avg_sq)``, when this
+        torch has one for the device (CPUs since 2.4); False (nothing done) otherwise.  The decayed
+        segments and the others go in as two lists of views, so the decay is applied inside the
+        kernel's single pass instead of a pass of its own."""
+        master, grad = flat[0], flat[1]
+        fused = getattr(torch, "_fused_adamw_", None)
+        if fused is None or grad.dtype != master.dtype or grad.device != master.device:
+            return False
+        if self.fused_devices.get(master.device.type) is False:
+            return False
+        step_t = torch.tensor(float(step), device=master.device)
+        scale = None if grad_mul == 1.0 else torch.tensor(1.0 / grad_mul, device=master.device)
+        decayed = decay if self.weight_decay else []
+        runs = [(decayed, self.weight_decay), (_complement(decayed, master.numel()), 0.0)]
+        try:
+            for segments, wd in runs:
+                if segments:
+                    views = [[t[a:b] for a, b in segments] for t in flat]
+                    fused(*views, [], [step_t] * len(segments), lr=lr, beta1=self.beta1, beta2=self.beta2,
+                          weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
+        except (NotImplementedError, RuntimeError):
+            if self.fused_devices.get(master.device.type):
+                raise  # it worked before: a real error
+            self.fused_devices[master.device.type] = False  # no kernel for this device: raised before any write
+            return False
+        self.fused_devices[master.device.type] = True
+        return True
+
+
+def _complement(segments: Segments, n: int) -> Segments:
+    """The parts of ``[0, n)`` outside the sorted, disjoint ``segments``."""
+    out, start = [], 0
+    for a, b in segments:
+        if a > start:
+            out.append((start, a))
+        start = b
+    if start < n:
+        out.append((start, n))
+    return out
 
 
 class FlatSGD:

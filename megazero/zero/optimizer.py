@@ -24,6 +24,7 @@ from megazero.clip import clip_coefficient, global_norm_and_overflow, local_squa
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.zero import state as ckpt_state
 from megazero.zero.buffers import Bucket, find_units, plan_buckets, trainable_params
+from megazero.zero.param_gather import OverlappedParamGather, split_around_blocks
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
 from megazero.zero.stage3 import Stage3Params
 from megazero.zero.stages import check_stage, shards_gradients, shards_parameters
@@ -43,6 +44,8 @@ class ZeroOptimizer:
         self.clip_grad = cfg.optimizer.clip_grad
         self.scaler = build_loss_scaler(pre)
         self.chunks = list(chunks)
+        # stages 1/2 on several DP ranks: the parameter all-gather runs during the next forward
+        self.overlap_param_gather = (par.overlap_param_gather and self.stage in (1, 2) and mesh.dp_size > 1)
         self.step_count = 0
         self.skipped_steps = 0
         units, groups = self._param_groups()
@@ -55,15 +58,17 @@ class ZeroOptimizer:
             self.storage.adopt(b, full)
             self.update.add_bucket(b, full)
             del full
+        self.param_gather = OverlappedParamGather(self.chunks, self.buckets) if self.overlap_param_gather else None
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
+        in_flight = par.max_reductions_in_flight
         if shards_gradients(self.stage):
-            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete)
+            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete, in_flight)
         else:
             self.reducer = LastMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete,
-                                                 len(self.chunks))
+                                                 len(self.chunks), in_flight)
 
     def _param_groups(self):
         """``(units, groups)``: ZeRO-3 gather units ``(module, chunk)`` and ``(chunk, unit, params)``
@@ -71,6 +76,9 @@ class ZeroOptimizer:
         seen: Dict[int, bool] = {}
         groups, units = [], []
         for c, chunk in enumerate(self.chunks):
+            if self.overlap_param_gather:  # no bucket mixes a layer with the chunk's own parameters
+                groups += [(c, None, part) for part in reversed(split_around_blocks(chunk, trainable_params(chunk, seen)))]
+                continue
             if not shards_parameters(self.stage):
                 groups.append((c, None, trainable_params(chunk, seen)))
                 continue
@@ -105,6 +113,7 @@ class ZeroOptimizer:
     def step(self, lr: float) -> Dict[str, object]:
         """Unscale, check overflow (world-wide), clip and update.  Returns ``skipped``,
         ``grad_norm`` (before clipping, unscaled), ``loss_scale`` (in force after the step)."""
+        self.finish_param_sync()  # the previous step's gathers (normally done by the forward)
         if not self.reducer.synced:
             self.finish_grad_sync()
         scale = self.scaler.scale
@@ -117,27 +126,45 @@ class ZeroOptimizer:
             return {"skipped": True, "grad_norm": norm, "loss_scale": self.scaler.scale}
         factor = clip_coefficient(norm, self.clip_grad) / scale
         self.step_count += 1
-        gathers = []
-        for b in self.buckets:
-            self.update.apply(b, lr, self.step_count, factor)
-            gathers.append(self.storage.all_gather_params(b, async_op=True))
-        for work in gathers:
-            if work is not None:
-                work.wait()
+        self._update_and_gather(lr, factor)
         self.scaler.update(False)
         return {"skipped": False, "grad_norm": norm, "loss_scale": self.scaler.scale}
+
+    def _update_and_gather(self, lr: float, factor: float) -> None:
+        """Update every bucket and start all-gathering its parameters (stages 1/2), in the order the
+        next forward needs them; with overlap the forward waits for each, otherwise here."""
+        overlap = self.param_gather
+        order = [self.buckets[i] for i in overlap.order] if overlap is not None else self.buckets
+        gathers = []
+        for b in self.update.apply_all(order, lr, self.step_count, factor):
+            work = self.storage.all_gather_params(b, async_op=True)
+            if overlap is not None:
+                overlap.launched(b, work)
+            elif work is not None:
+                gathers.append(work)
+        for work in gathers:
+            work.wait()
+
+    def finish_param_sync(self) -> None:
+        """Stages 1/2 with overlapped gathers: wait for the parameter all-gathers still in flight
+        (call before reading parameters outside a forward; a no-op otherwise)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
 
     def publish_params(self, b: Bucket) -> None:
         """After bucket ``b``'s masters changed outside a step (loading): the compute-dtype
         parameters follow on every rank that holds them."""
+        self.finish_param_sync()
         self.update.publish(b)
         self.storage.all_gather_params(b)
 
     # ---- memory -------------------------------------------------------------------------
     def memory_bytes(self) -> Dict[str, int]:
-        """Model-state bytes this rank holds now (each storage counted once), and
+        """Model-state bytes this rank holds now (each storage counted once);
         ``peak_grad_bytes``: the most gradient bytes held at any moment so far, the temporaries of
-        backward (partial buckets, reductions in flight) included."""
+        backward (partial buckets, reductions in flight) included; ``peak_param_bytes``: the
+        parameter shards plus the most ZeRO-3 gathered units held at once (the parameter buffer
+        below stage 3); ``host_staging_bytes`` (offload from a GPU only): pinned gradient copies."""
         seen: Dict[int, bool] = {}
 
         def nbytes(tensors) -> int:
@@ -151,8 +178,11 @@ class ZeroOptimizer:
 
         params = [self.storage.params] + (self.stage3.live_buffers() if self.stage3 is not None else [])
         grads = [self.storage.grads] + self.reducer.partial_buffers()
+        shard = self.storage.params.untyped_storage().nbytes()
+        gathered = self.stage3.peak_gathered_bytes if self.stage3 is not None else 0
         return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(self.update.tensors()),
-                "peak_grad_bytes": self.reducer.grad_bytes.peak}
+                "peak_grad_bytes": self.reducer.grad_bytes.peak, "peak_param_bytes": shard + gathered,
+                **({"host_staging_bytes": nbytes(self.update.staging.values())} if self.update.staging else {})}
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""
@@ -160,8 +190,10 @@ class ZeroOptimizer:
 
     @contextlib.contextmanager
     def gathered_params(self):
-        """Full parameters inside the block under ZeRO-3 (collective over DP); a no-op otherwise."""
+        """Full parameters inside the block: under ZeRO-3 gathered (collective over DP), under stages
+        1/2 with the last step's all-gathers complete."""
         if self.stage3 is None:
+            self.finish_param_sync()
             yield
             return
         self.stage3.gather_all()

@@ -10,16 +10,23 @@ bucket is *complete* and its reduction can start while backward goes on:
 - :class:`EveryMicroBatchReducer` (stages 2/3): each backward collects a bucket's gradients in a
   full-bucket *partial* buffer that is reduce-scattered and added into the gradient shard.
 
-Gradient memory in flight is bounded (:class:`InFlight`): before a reduction that holds
-temporaries is launched, every earlier one is waited for and retired (its slice added into the
-shard, its temporaries freed), and a finished one is retired as soon as the next bucket starts;
-so one reduction runs while the next bucket fills, and the gradient bytes never exceed the
-persistent buffer plus three buckets (two on backends with a native reduce-scatter).
+Gradient memory in flight is bounded (:class:`InFlight`): at most ``--max-reductions-in-flight``
+(K, default 2) reductions that hold temporaries run at once; before another is launched the
+oldest is waited for and retired (its slice added into the shard, its temporaries freed), and
+finished ones are retired as soon as the next bucket starts.  Stage 0's in-place all-reduces hold
+nothing and are not limited.  So the gradient bytes never exceed the persistent buffer plus
+``1 + 2K`` buckets on gloo (a partial bucket filling, and per reduction its input and receive
+buffer) or ``1 + K`` with a native reduce-scatter (stage 1: ``K`` receive buffers).
 ``finish_grad_sync`` waits for everything and does the once-per-step sums over TP
 (sequence-parallel parameters) and the embedding group (tied embeddings); summing the
 DP-reduced slice over those groups equals reducing the summed gradient, as bucket layouts match
 across them.  With ``--no-overlap-grad-reduce`` stages 0/1 reduce after the last backward;
 stages 2/3 reduce each bucket when it completes and wait for it.
+
+No pass over the buffers is spent on zeroing: ``zero_grad`` only forgets what was written.  The
+first gradient of a parameter in a step is copied into the buffer (later ones are added), the
+first reduction of a bucket in a step writes the shard (later ones add to it), and whatever got
+no gradient at all in the step (unused parameters) is zeroed when its bucket is reduced.
 """
 from __future__ import annotations
 
@@ -56,7 +63,10 @@ class BucketProgress:
     arrived: int = 0                        # gradients received in the current backward
     reduced: bool = False                   # stages 0/1: reduction launched in this step
     partial: Optional[torch.Tensor] = None  # stages 2/3: this backward's gradients, full bucket
-    written: List[bool] = field(default_factory=list)  # which parameters reached ``partial``
+    # which parameters have a gradient in their buffer: the full buffer this step (stages 0/1),
+    # ``partial`` this backward (stages 2/3)
+    written: List[bool] = field(default_factory=list)
+    shard_written: bool = False             # stages 2/3: a reduction wrote the shard this step
 
 
 class GradBytes:
@@ -103,8 +113,12 @@ class InFlight:
 class _Reducer:
     """The hooks, the bookkeeping and the once-per-step sums shared by both reducers."""
 
-    def __init__(self, storage: FlatStorage, overlap: bool, on_bucket_complete: Callable[[Bucket], None]):
+    def __init__(self, storage: FlatStorage, overlap: bool, on_bucket_complete: Callable[[Bucket], None],
+                 max_in_flight: int = 2):
+        if max_in_flight < 1:
+            raise ValueError(f"--max-reductions-in-flight must be at least 1, got {max_in_flight}")
         self.storage, self.mesh, self.overlap = storage, storage.mesh, overlap
+        self.max_in_flight = max_in_flight
         self.buckets = storage.buckets
         self.on_bucket_complete = on_bucket_complete
         self.progress = [BucketProgress() for _ in self.buckets]
@@ -154,15 +168,20 @@ class _Reducer:
             prog.reduced = False
 
     def zero_grad(self) -> None:
-        """Clear the accumulated gradients for the next step."""
-        self.in_flight.retire()  # nothing may still write into the buffers zeroed below
+        """Start a new step: what the buffers hold is forgotten (overwritten by the first gradient,
+        zeroed where none arrives), not zeroed here."""
+        self.in_flight.retire()  # nothing may still write into the buffers
         for b, prog in zip(self.buckets, self.progress):
             if prog.partial is not None:
                 self.grad_bytes.hold(-prog.partial.nbytes)
             for p in b.params:
                 p.grad = None
         self.progress = [BucketProgress() for _ in self.buckets]
-        self.storage.grads.zero_()
+        self.synced = False  # even a step without backward syncs (and so zeroes) its gradients
+
+    def _retire_for_launch(self) -> None:
+        """Make room for one more reduction: at most ``max_in_flight`` run at once."""
+        self.in_flight.retire(keep=self.max_in_flight - 1)
 
     def partial_buffers(self) -> List[torch.Tensor]:
         return [prog.partial for prog in self.progress if prog.partial is not None]
@@ -171,12 +190,28 @@ class _Reducer:
 class LastMicroBatchReducer(_Reducer):
     """Stages 0/1 (see the module docstring)."""
 
-    def __init__(self, storage: FlatStorage, overlap: bool, on_bucket_complete, num_chunks: int):
-        super().__init__(storage, overlap, on_bucket_complete)
+    def __init__(self, storage: FlatStorage, overlap: bool, on_bucket_complete, num_chunks: int,
+                 max_in_flight: int = 2):
+        super().__init__(storage, overlap, on_bucket_complete, max_in_flight)
         self.last_microbatch = [True] * num_chunks
 
     def _accumulate(self, b: Bucket, start: int, i: int, grad: torch.Tensor) -> None:
-        self.storage.full_grads(b)[start:start + grad.numel()].add_(grad)
+        prog = self.progress[b.index]
+        if not prog.written:
+            prog.written = [False] * len(b.params)
+        dst = self.storage.full_grads(b)[start:start + grad.numel()]
+        if prog.written[i]:
+            dst.add_(grad)
+        else:  # the step's first gradient of this parameter: no zeroing pass needed
+            dst.copy_(grad)
+            prog.written[i] = True
+
+    def _zero_unwritten(self, b: Bucket) -> None:
+        """Parameters of ``b`` without a gradient this step hold stale values: zero them."""
+        written, full = self.progress[b.index].written, self.storage.full_grads(b)
+        for i, (start, shape) in enumerate(zip(b.starts, b.shapes)):
+            if not (written and written[i]):
+                full[start:start + shape.numel()].zero_()
 
     def _bucket_complete(self, b: Bucket) -> None:
         if self.overlap and self.last_microbatch[b.chunk]:
@@ -191,14 +226,15 @@ class LastMicroBatchReducer(_Reducer):
         if prog.reduced:
             return
         prog.reduced = True
+        self._zero_unwritten(b)
         dp, group = self.mesh.dp_size, self.mesh.dp_group
         if dp == 1:
             return
         full = storage.full_grads(b)
         if not shards_optimizer(storage.stage):  # stage 0: every rank keeps the whole mean, in place
             self.in_flight.start(all_reduce_mean(full, group, dp), 0)
-        else:  # stage 1: one receive buffer at a time
-            self.in_flight.retire()
+        else:  # stage 1: a receive buffer per reduction in flight (gloo)
+            self._retire_for_launch()
             self.in_flight.start(reduce_scatter(storage.updated_grads(b), full, group, 1.0 / dp), 0)
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:
@@ -248,12 +284,13 @@ class EveryMicroBatchReducer(_Reducer):
             if not written:  # no gradient in this backward (unused parameter)
                 partial[start:start + shape.numel()].zero_()
         shard, dp = self.storage.updated_grads(b), self.mesh.dp_size
+        accumulate, prog.shard_written = prog.shard_written, True  # the step's first reduction writes
         if dp == 1:
-            shard.add_(partial)
+            shard.add_(partial) if accumulate else shard.copy_(partial)
             self.grad_bytes.hold(-partial.nbytes)
             return
-        self.in_flight.retire()  # one reduction in flight while the next bucket fills
-        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.dp_group, 1.0 / dp, accumulate=True),
+        self._retire_for_launch()
+        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.dp_group, 1.0 / dp, accumulate=accumulate),
                              partial.nbytes)
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:
@@ -263,3 +300,11 @@ class EveryMicroBatchReducer(_Reducer):
     def _drain(self) -> None:
         self._flush_incomplete()
         self.in_flight.retire()
+
+    def finish_grad_sync(self) -> None:
+        self._drain()
+        for b, prog in zip(self.buckets, self.progress):
+            if not prog.shard_written:  # no gradient at all this step
+                self.storage.updated_grads(b).zero_()
+                prog.shard_written = True
+        super().finish_grad_sync()

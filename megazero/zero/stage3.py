@@ -5,13 +5,21 @@ rest of a chunk (embedding, final norm, output head).  Between uses each rank ho
 shard of every bucket; ``param.data`` is an empty tensor.
 
 - forward pre-hook: gather the unit (waiting for a prefetch if one is in flight) and start
-  gathering the next unit of the chunk asynchronously;
-- forward post-hook: free the unit (not while inside backward, i.e. during activation
-  recomputation, whose backward follows at once) and hook the outputs so the unit is gathered
-  again just before its backward, prefetching the unit whose backward comes next;
+  gathering the unit whose forward comes next;
+- forward post-hook: free the unit and hook its outputs so it is gathered again just before its
+  backward, prefetching the unit whose backward comes next (after the root, the last block, then
+  the blocks in reverse);
+- inside backward a forward is a recomputation replay (:mod:`megazero.recompute`): its pre-hook
+  prefetches nothing (the unit needed next is the one *before* it, which the replay's own
+  pre-backward hook fetches) and its post-hook keeps the unit for the backward that follows;
 - when every bucket of the unit has its gradients (:meth:`Stage3Params.bucket_done`, called by
   the reducer), free it; the optimizer frees whatever is still gathered before each backward and
   at the end of the step (:meth:`Stage3Params.free_all`).
+
+So with or without recomputation a chunk holds its root unit (embedding, final norm, head) and at
+most two blocks gathered at any moment: the one in use and the one being prefetched
+(``peak_gathered_bytes``; ``ZeroOptimizer.memory_bytes()["peak_param_bytes"]`` adds the shards).
+Recomputing ``k`` layers as one group needs those ``k`` at once, plus one prefetched.
 
 Everything keys off module hooks, so any pipeline schedule (interleaved forward and backward of
 many micro-batches) works: each use gathers what it needs.
@@ -25,6 +33,11 @@ from torch.utils._pytree import tree_leaves
 
 from megazero.distributed import all_gather_single
 from megazero.zero.buffers import Bucket
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a recomputation replay)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Unit:
@@ -48,6 +61,7 @@ class Stage3Params:
         for b in buckets:
             self.units[b.unit].buckets.append(b)
         self.empty = torch.empty(0, dtype=dtype, device=mesh.device)
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers held now / at most so far
         self.order: Dict[int, List[_Unit]] = {}  # chunk -> its units in forward order (root first)
         for u in self.units:
             self.order.setdefault(u.chunk, [])
@@ -63,12 +77,20 @@ class Stage3Params:
             self.hook_handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
 
     # ---- gather / free ------------------------------------------------------------------
-    def _neighbour(self, u: _Unit, step: int) -> Optional[_Unit]:
+    def _next_in_forward(self, u: _Unit) -> Optional[_Unit]:
+        """The unit whose forward follows ``u``'s: the chunk's root, then its blocks in order."""
         order = self.order[u.chunk]
-        i = order.index(u) + step
-        if step < 0 and i == 0:
-            return None  # the root is already gathered when the blocks run backward
-        return order[i] if 0 <= i < len(order) else None
+        i = order.index(u) + 1
+        return order[i] if i < len(order) else None
+
+    def _next_in_backward(self, u: _Unit) -> Optional[_Unit]:
+        """The unit whose backward follows ``u``'s: after the root (the head) the last block, then the
+        blocks in reverse; after the first block none (the root stays gathered all through backward)."""
+        order = self.order[u.chunk]
+        i = order.index(u)
+        if i == 0:
+            return order[-1] if len(order) > 1 else None
+        return order[i - 1] if i > 1 else None
 
     def gather(self, u: Optional[_Unit], wait: bool = True) -> None:
         if u is None:
@@ -81,6 +103,7 @@ class Stage3Params:
                     u.full[b.index] = shard
                     continue
                 full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+                self._count(full.nbytes)
                 u.handles.append(all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
                 u.full[b.index] = full
         if wait and u.handles is not None:
@@ -100,7 +123,13 @@ class Stage3Params:
         for b in u.buckets:
             for p in b.params:
                 p.data = self.empty
+        if self.mesh.dp_size > 1:
+            self._count(-sum(t.nbytes for t in u.full.values()))
         u.full, u.handles, u.done = None, [], 0
+
+    def _count(self, nbytes: int) -> None:
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def free_all(self) -> None:
         for u in self.units:
@@ -126,12 +155,15 @@ class Stage3Params:
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
             self.gather(u)
-            self.gather(self._neighbour(u, +1), wait=False)
+            if not _in_backward():
+                self.gather(self._next_in_forward(u), wait=False)
+            # a replay inside backward (activation recomputation) prefetches nothing here: the
+            # unit needed next is the one before it, fetched by the replay's pre-backward hook
         return hook
 
     def _post_forward_hook(self, u: _Unit):
         def hook(module, args, output):
-            if torch._C._current_graph_task_id() == -1:  # not recomputing inside backward
+            if not _in_backward():  # a replay's backward follows at once: keep the unit until then
                 self.free(u)
             if torch.is_grad_enabled():
                 for t in tree_leaves(output):
@@ -142,7 +174,7 @@ class Stage3Params:
     def _pre_backward_hook(self, u: _Unit):
         def hook(grad):
             self.gather(u)
-            self.gather(self._neighbour(u, -1), wait=False)
+            self.gather(self._next_in_backward(u), wait=False)
         return hook
 
     def remove_hooks(self) -> None:

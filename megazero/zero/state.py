@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
-from megazero.distributed import all_gather_single
+from megazero.distributed import all_gather_single, gather
 from megazero.zero.buffers import Bucket
 
 FORMAT = "megazero-zero-v1"
@@ -30,8 +29,7 @@ def _full_bucket(opt, b: Bucket, shard: torch.Tensor, dst: Optional[int]) -> Opt
     if dst is None:
         all_gather_single(full, shard.contiguous(), group=mesh.dp_group)
     else:
-        dist.gather(shard.contiguous(), list(full.chunk(mesh.dp_size)) if receives else None,
-                    group=mesh.dp_group, group_dst=dst)
+        gather(shard.contiguous(), list(full.chunk(mesh.dp_size)) if receives else None, mesh.dp_group, dst)
     return full
 
 

@@ -1,0 +1,91 @@
+"""Stages 1/2: the all-gather of the updated parameters overlapped with the next forward.
+
+After the optimizer step each DP rank holds the new values of its slice of every bucket only;
+an all-gather per bucket brings everyone's slices back (Megatron-LM's ``--overlap-param-gather``).
+Instead of waiting for them inside ``step()``, :class:`OverlappedParamGather` launches the
+gathers in the order the forward uses the buckets and lets each *unit* wait for its own buckets
+just before its forward (a forward pre-hook), so the gathers of later layers run while earlier
+layers compute.
+
+Units are those of ZeRO-3 (:func:`megazero.zero.buffers.find_units`): each block of a chunk's
+largest ``ModuleList`` (its transformer layers), and the chunk itself for every other parameter
+(embedding, final norm, head), which may be used anywhere in the chunk's forward and is waited
+for when the chunk's forward starts.  The bucket layout puts cuts between the parameters
+registered before the blocks, the blocks and those registered after them
+(:func:`split_around_blocks`), so the chunk's own parameters share no bucket with a layer and the
+chunk's first wait covers only them.
+
+Anything that reads parameters outside a forward must call :meth:`finish` first (the optimizer
+does in ``step()``, ``gathered_params()`` and when loading; the trainer at the end of training).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megazero.zero.buffers import Bucket, find_units
+
+
+def split_around_blocks(chunk: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
+    """``params`` (in registration order) cut into those before the first parameter of a block of
+    ``chunk`` (see :func:`find_units`), from it to the last block parameter, and after it; empty
+    parts are left out, and a chunk without blocks gives one part."""
+    blocks = find_units(chunk)[:-1]
+    in_block = {id(p) for b in blocks for p in b.parameters()}
+    idx = [i for i, p in enumerate(params) if id(p) in in_block]
+    if not idx:
+        return [list(params)]
+    parts = [params[:idx[0]], params[idx[0]:idx[-1] + 1], params[idx[-1] + 1:]]
+    return [list(p) for p in parts if len(p)]
+
+
+class OverlappedParamGather:
+    """Pending parameter all-gathers of stages 1/2 and the forward pre-hooks that wait for them."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], buckets: List[Bucket]):
+        bucket_of = {id(p): b.index for b in buckets for p in b.params}
+        self.pending: Dict[int, object] = {}  # bucket index -> work handle of its all-gather
+        self.order: List[int] = []  # bucket indices in the order the forward needs them
+        self.hooks = []
+        for chunk in chunks:
+            for module, wanted in self._unit_buckets(chunk, bucket_of):
+                self.order += [i for i in wanted if i not in self.order]
+                self.hooks.append(module.register_forward_pre_hook(self._waiter(wanted)))
+        self.order += [b.index for b in buckets if b.index not in self.order]  # parameters of no unit
+
+    @staticmethod
+    def _unit_buckets(chunk: torch.nn.Module, bucket_of: Dict[int, int]) -> List[Tuple[torch.nn.Module, List[int]]]:
+        """``(module, bucket indices)`` per unit of ``chunk`` in forward order: the chunk first (its
+        own parameters), then its blocks."""
+        units = find_units(chunk)
+        blocks, out = units[:-1], []
+        in_block = {id(p) for b in blocks for p in b.parameters()}
+        own = [p for p in chunk.parameters() if id(p) not in in_block]
+        for module, params in [(chunk, own)] + [(b, list(b.parameters())) for b in blocks]:
+            wanted = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of}, reverse=True)
+            out.append((module, wanted))
+        return out
+
+    def _waiter(self, wanted: List[int]):
+        def hook(module, args):
+            for i in wanted:
+                work = self.pending.pop(i, None)
+                if work is not None:
+                    work.wait()
+        return hook
+
+    def launched(self, b: Bucket, work) -> None:
+        """Bucket ``b``'s all-gather was started (``work`` None: nothing to wait for)."""
+        if work is not None:
+            self.pending[b.index] = work
+
+    def finish(self) -> None:
+        """Wait for every gather still in flight (before reading parameters outside a forward)."""
+        for i in list(self.pending):
+            self.pending.pop(i).wait()
+
+    def remove_hooks(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []

@@ -1,0 +1,98 @@
+"""The benchmark and GPU-check scripts on CPUs: arguments, test selection, smoke runs.
+
+Timings are never asserted here (performance is measured by the scripts, against baselines in the
+same run); what is checked is that the scripts run, select what they claim and that the peers of
+``bench_peers.py`` compute what megazero computes (equal first-step losses).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_CHECK = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+
+def _run(cmd, **env):
+    full = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHON=sys.executable, **env)
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+def _commands(proc):
+    return [line[2:].split() for line in proc.stdout.splitlines() if line.startswith("+ ")]
+
+
+# ---- scripts/gpu_check.sh --------------------------------------------------------------------
+def test_gpu_check_help_and_bad_arguments():
+    proc = _run(["bash", GPU_CHECK, "--help"])
+    assert proc.returncode == 0 and "--dry-run" in proc.stdout and "bench_gpu.py" in proc.stdout
+    proc = _run(["bash", GPU_CHECK, "--bogus"])
+    assert proc.returncode == 2 and "unknown argument '--bogus'" in proc.stderr
+    proc = _run(["bash", GPU_CHECK, "--tests-only", "--bench-only"])
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
+
+
+@pytest.mark.parametrize("args,tests,bench", [
+    ([], True, True), (["--tests-only"], True, False), (["--bench-only", "--quick"], False, True),
+    (["--", "-k", "nccl", "-x"], True, True)])
+def test_gpu_check_dry_run_selects_the_gpu_tests_and_the_benchmark(args, tests, bench):
+    proc = _run(["bash", GPU_CHECK, "--dry-run", *args])
+    assert proc.returncode == 0, proc.stderr
+    cmds = _commands(proc)
+    pytest_cmds = [c for c in cmds if c[1:3] == ["-m", "pytest"]]
+    bench_cmds = [c for c in cmds if c[1:2] == ["scripts/bench_gpu.py"]]
+    assert len(cmds) == tests + bench and len(pytest_cmds) == tests and len(bench_cmds) == bench
+    for c in cmds:
+        assert c[0] == sys.executable
+    if tests:
+        c = pytest_cmds[0]
+        assert c[c.index("-m", 2) + 1] == "gpu" and "tests/test_gpu.py" in c
+        if "--" in args:
+            assert c[-3:] == ["-k", "nccl", "-x"]
+    if bench:
+        assert ("--quick" in bench_cmds[0]) == ("--quick" in args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_gpu_check_without_a_gpu_says_so():
+    proc = _run(["bash", GPU_CHECK, "--tests-only"])
+    assert proc.returncode == 3 and "no NVIDIA GPU" in proc.stderr
+
+
+def test_the_gpu_marker_selects_exactly_tests_test_gpu():
+    def collected(marker):
+        proc = _run([sys.executable, "-m", "pytest", "--collect-only", "-q", "--strict-markers", "-m", marker,
+                     "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_mesh.py"])
+        assert proc.returncode in (0, 5), proc.stdout + proc.stderr  # 5: nothing collected
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+    gpu, other = collected("gpu"), collected("not gpu")
+    assert len(gpu) >= 10 and all(t.startswith("tests/test_gpu.py::") for t in gpu)
+    assert other and not any(t.startswith("tests/test_gpu.py::") for t in other)
+
+
+# ---- the benchmarks, smoke runs --------------------------------------------------------------
+def test_bench_gpu_quick_runs_on_cpu():
+    proc = _run([sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--quick", "--json", "-"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert set(out["results"]) == {"megazero", "megazero + full recompute", "transformers GPT2LMHeadModel"}
+    rec, plain = out["results"]["megazero + full recompute"], out["results"]["megazero"]
+    assert rec["loss"] == pytest.approx(plain["loss"], rel=1e-2)  # bf16: the same model, recomputed
+    assert rec["hw_tflops"] / rec["model_tflops"] > 1.2  # recomputation's extra forward is counted
+
+
+@pytest.mark.slow
+def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
+    proc = _run([sys.executable, "scripts/bench_peers.py", "--quick", "--layouts", "one", "dp2-zero1", "tp2-sp",
+                 "pp2-interleaved", "--json", "-"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"]
+    assert [r["layout"] for r in rows] == ["one", "dp2-zero1", "tp2-sp", "pp2-interleaved"]
+    for r in rows:
+        assert r["megazero_ms"] > 0 and r["peer_ms"] > 0
+        # same initial weights and samples: the first step's loss agrees to fp32 rounding
+        assert r["first_loss"]["megazero"] == pytest.approx(r["first_loss"]["peer"], rel=1e-5), r["layout"]
+        assert r["megazero_mb"] <= r["formula_mb"] * 1.02  # padding only
