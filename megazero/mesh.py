@@ -125,8 +125,9 @@ class ParallelMesh:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp",
-              device: Optional[torch.device] = None) -> "ParallelMesh":
-        """Create every tp/dp/pp/mp/embedding group on the default process group (collective)."""
+              device: Optional[torch.device] = None, timeout=None) -> "ParallelMesh":
+        """Create every tp/dp/pp/mp/embedding group on the default process group (collective), each
+        with ``timeout`` (a ``timedelta``; torch's default when None) and named by its axis."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh.build needs torch.distributed to be initialised first: call "
@@ -136,12 +137,12 @@ class ParallelMesh:
         layout = rank_groups(world, tp, pp, order)
         if device is None:
             device = default_device()
-        kwargs = {}
+        kwargs = {} if timeout is None else {"timeout": timeout}
         mine = {}
         for key in ("tp", "dp", "pp", "mp", "embedding"):
             for ranks in layout[key]:
                 # every rank must take part in creating every group, in the same order
-                group = dist.new_group(ranks, **kwargs)
+                group = dist.new_group(ranks, group_desc=key, **kwargs)
                 if rank in ranks:
                     mine[key] = (group, ranks)
         tp_ranks, pp_ranks, dp_ranks = mine["tp"][1], mine["pp"][1], mine["dp"][1]

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
+from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -44,26 +44,31 @@ ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 
 
 # ---- start-up ------------------------------------------------------------------------------
-def init_distributed(device: Optional[torch.device] = None) -> bool:
-    """Join the process group that torchrun (or SLURM + torchrun) describes in the environment.
+def init_distributed(device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> bool:
+    """Join the process group that torchrun (or SLURM + torchrun) describes in the environment, with
+    ``timeout`` (``--distributed-timeout-minutes``; 10 minutes by default) and a store prefix per
+    torchrun restart (:func:`megazero.resilience.join_process_group`).
 
     Does nothing for one process or when a group already exists; returns True when it created
     the group (the caller then destroys it)."""
+    from megazero.resilience import join_process_group
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     device = torch.device(device or default_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device))
+    join_process_group(backend_for(device), timeout or timedelta(minutes=10))
     return True
 
 
 def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> ParallelMesh:
-    """The mesh of the current process group (one process: :meth:`ParallelMesh.single`)."""
+    """The mesh of the current process group (one process: :meth:`ParallelMesh.single`); every
+    group gets ``--distributed-timeout-minutes``."""
+    from megazero.resilience import timeout_of
     if dist.is_initialized() and dist.get_world_size() > 1:
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                  par.rank_order, device)
+                                  par.rank_order, device, timeout=timeout_of(cfg))
     return ParallelMesh.single(device)
 
 
@@ -158,9 +163,10 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
     Without ``mesh`` the mesh is built from the current process group (joined from the torchrun
     environment when there is none yet) or is a single process.
     """
+    from megazero.resilience import timeout_of
     created = False
     if mesh is None:
-        created = init_distributed()
+        created = init_distributed(timeout=timeout_of(cfg))
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg = validate(cfg, world)
         mesh = build_mesh(cfg)
@@ -177,6 +183,15 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
 
 
 def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream) -> List[dict]:
+    """:func:`_guarded_loop` under a :class:`~megazero.resilience.RunGuard`: signal handlers and the
+    heartbeat for its duration, a broken collective explained in one message."""
+    from megazero.resilience import RunGuard
+    with RunGuard(cfg, mesh) as guard:
+        return _guarded_loop(cfg, model_provider, mesh, stream, guard)
+
+
+def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
+                  guard) -> List[dict]:
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh)  # fails before any training
@@ -200,6 +215,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
         start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger, resume_from)
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
+            guard.begin(it)
             start = time.perf_counter()
             lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
             optimizer.zero_grad()
@@ -231,12 +247,20 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
             history.append(m)
+            guard.check_step(it, loss, stats, optimizer.scaler.dynamic)  # NaN/inf: raises, nothing saved
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
+                guard.phase("checkpoint save")
                 _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total)
                 saved_at = it
-        if ck.save and tr.train_iters > start_iter and saved_at != tr.train_iters:
-            _save(tr.train_iters, chunks, optimizer, mesh, cfg, logger,
-                  (tr.train_iters + data_offset) * tr.global_batch_size, skipped_total)
+            stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
+            if stop:
+                logger.print(f"stopping after iteration {it}: {stop}" + ("" if ck.save else " (no --save)"))
+                break
+        last = history[-1]["iteration"] if history else start_iter
+        if ck.save and last > start_iter and saved_at != last:
+            guard.phase("checkpoint save")
+            _save(last, chunks, optimizer, mesh, cfg, logger, (last + data_offset) * tr.global_batch_size,
+                  skipped_total)
     finally:
         logger.close()
     return history
@@ -247,16 +271,23 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
          presets: Optional[Dict[str, dict]] = None) -> int:
     """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
 
-    Returns the exit status: 0, or 2 for an invalid flag combination (message on stderr)."""
+    Returns the exit status: 0 (also after a clean early stop: signal, time or iteration limit), 2
+    for an invalid flag combination, 1 for a failure.  Each failure is printed once, without a
+    traceback when it is an expected kind (:func:`megazero.resilience.report_failure`); under
+    torchrun the process ends with its launcher (:func:`megazero.resilience.exit_with_parent`)."""
+    from megazero.resilience import exit_with_parent, report_failure
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = parse_args(argv, presets, world_size=world)
         build_data(cfg)  # fails early for data settings this build cannot serve
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
-    train(cfg, model_provider)
+    try:
+        train(cfg, model_provider)
+    except Exception as err:  # noqa: BLE001 - reported once, with the exit status
+        return report_failure(err)
     return 0
