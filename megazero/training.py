@@ -113,21 +113,24 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
 
 
 # ---- checkpoint hooks ----------------------------------------------------------------------
-def _checkpoint_startup(ck, mesh: ParallelMesh) -> Optional[int]:
+def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     """Before training (collective): ``--save`` must be writable (probed now, not at the first save)
-    and ``--load`` is resolved once, by global rank 0.  Returns the iteration to resume from, or
-    None: no ``--load``, or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the
-    first save.  A ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    and this run its only writer (the directory's lock, held until ``guard`` closes); ``--load`` is
+    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``,
+    or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save.  A
+    ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
     from megazero.checkpoint import check_save_dir, resume_iteration
     if ck.save:
-        check_save_dir(ck.save, mesh)
+        guard.save_lock = check_save_dir(ck.save, mesh)
     return resume_iteration(ck.load, ck.save, mesh) if ck.load else None
 
 
 def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, iteration: int):
     """``--load``: returns (iteration, skipped iterations, data offset in batches)."""
     from megazero.checkpoint import CheckpointError, load
-    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg, iteration=iteration)
+    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg)  # newest usable: may fall back
+    for warning in info.get("warnings", []):
+        logger.print(f"warning: {warning}")
     it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
     consumed = int(extra.get("consumed_samples", it * gbs))
     if consumed % gbs:
@@ -141,10 +144,10 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, 
 
 
 def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
-          skipped_total: int) -> None:
+          skipped_total: int, lock=None) -> None:
     from megazero.checkpoint import save
     seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg,
-                   extra={"consumed_samples": consumed, "skipped_iterations": skipped_total})
+                   extra={"consumed_samples": consumed, "skipped_iterations": skipped_total}, lock=lock)
     logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
 
 
@@ -194,7 +197,7 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
                   guard) -> List[dict]:
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
-    resume_from = _checkpoint_startup(ck, mesh)  # fails before any training
+    resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     seed_default_generators(tr.seed, mesh)
     chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
     for c in chunks:
@@ -250,7 +253,7 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             guard.check_step(it, loss, stats, optimizer.scaler.dynamic)  # NaN/inf: raises, nothing saved
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
                 guard.phase("checkpoint save")
-                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total)
+                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total, guard.save_lock)
                 saved_at = it
             stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
             if stop:
@@ -260,7 +263,7 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
         if ck.save and last > start_iter and saved_at != last:
             guard.phase("checkpoint save")
             _save(last, chunks, optimizer, mesh, cfg, logger, (last + data_offset) * tr.global_batch_size,
-                  skipped_total)
+                  skipped_total, guard.save_lock)
     finally:
         logger.close()
     return history

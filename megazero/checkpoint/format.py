@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-FORMAT = "megazero-checkpoint-v1"
+FORMAT = "megazero-checkpoint-v2"  # per-rank data shards (megazero.checkpoint.shards)
+FORMAT_V1 = "megazero-checkpoint-v1"  # one torch file per (tp, pp) shard: still loaded
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CONFIG = "config.json"
@@ -102,6 +103,36 @@ def all_ok(ok: bool, mesh) -> bool:
     failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
     dist.all_reduce(failed, group=mesh.world_group)
     return int(failed.item()) == 0
+
+
+def agree(error: Optional[BaseException], mesh, what: str) -> None:
+    """Raise on every rank when any rank failed (collective): the same :class:`CheckpointError`
+    everywhere, with the first failing rank's message (its class kept for a corrupt checkpoint), so
+    rank 0 can report the real cause once."""
+    ok = all_ok(error is None, mesh)
+    if ok:
+        return
+    mine = None if error is None else (mesh.rank, _message(error), type(error).__name__)
+    reports = [mine]
+    if mesh.is_distributed:
+        reports = [None] * mesh.world_size
+        dist.all_gather_object(reports, mine, group=mesh.world_group)
+    rank, message, kind = next(r for r in reports if r is not None)
+    where = f"rank {rank}: " if mesh.is_distributed else ""
+    cls = CheckpointError
+    if kind == "CheckpointCorrupt":
+        from megazero.checkpoint.integrity import CheckpointCorrupt
+        cls = CheckpointCorrupt
+    text = message if message.startswith(what) or not what else f"{what}: {message}"
+    raise cls(where + text) from error
+
+
+def _message(err: BaseException) -> str:
+    import errno as errno_codes
+    if isinstance(err, OSError) and err.errno == errno_codes.ENOSPC:
+        return (f"no space left on device ({err.filename or 'writing a checkpoint file'}); the partial "
+                "checkpoint was removed and the previous one is intact: free space or choose another --save")
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
 
 
 def on_rank0(fn, mesh):

@@ -1,5 +1,10 @@
-"""Loading a checkpoint into any layout: reassemble each parameter over the saved TP shards, keep
-this rank's slice, hand the per-parameter state to the optimizer (which keeps its DP/ZeRO slice)."""
+"""Loading a checkpoint into any layout.
+
+Format v2 (per-rank data shards, :mod:`megazero.checkpoint.assemble`): each rank reads only the byte
+ranges of its new slice.  Format v1 (one torch file per (tp, pp) shard): reassemble each parameter
+over the saved TP shards, keep this rank's slice, hand the per-parameter state to the optimizer
+(which keeps its DP/ZeRO slice).  Either way a corrupt newest checkpoint makes :func:`load` fall
+back to the previous complete one (:mod:`megazero.checkpoint.resolve`)."""
 from __future__ import annotations
 
 import os
@@ -8,10 +13,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT, METADATA, SCHEDULER_FIELDS,
-                                        TRACKER, CheckpointError,
-                                        all_ok, arch_of, checkpoint_path, latest_iteration, layout_of,
-                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
+from megazero.checkpoint.assemble import check_params, commit, read_rank_state
+from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS, CheckpointError,
+                                        agree, all_ok, arch_of, latest_iteration, layout_of, named_params,
+                                        on_rank0, rng_file, rng_trackers)
+from megazero.checkpoint.integrity import CheckpointCorrupt, check_file
+from megazero.checkpoint.resolve import complete_iterations, resolve, resolve_here
+from megazero.checkpoint.shards import SavedShards
 from megazero.tensor_parallel.layers import pad_rows, shard
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
@@ -21,35 +29,6 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
-    """The checkpoint directory and its metadata, as this process sees the file system."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: exists and is not a directory")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: no such directory")
-    if iteration is None:
-        iteration = latest_iteration(directory)
-        if iteration is None:
-            partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
-            note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-            raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
-    path = checkpoint_path(directory, iteration)
-    if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
-        path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
-    if not os.path.isfile(os.path.join(path, METADATA)):
-        raise CheckpointError(f"--load {directory}: checkpoint {path} is missing or incomplete "
-                              f"(no {METADATA})")
-    meta = read_json(os.path.join(path, METADATA))
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    return path, meta
-
-
-def _resolve(directory: str, iteration: Optional[int], mesh) -> Tuple[str, dict]:
-    """:func:`_resolve_here` on global rank 0, shared with every rank (collective)."""
-    return tuple(on_rank0(lambda: _resolve_here(directory, iteration), mesh))
-
-
 def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[int]:
     """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
     ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
@@ -57,11 +36,15 @@ def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[i
     incomplete checkpoint raises :class:`CheckpointError` on every rank."""
     def decide() -> Optional[int]:
         same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
-        if same and os.path.isdir(load_dir) and latest_iteration(load_dir) is None:
-            return None
         if same and not os.path.exists(load_dir):
             return None
-        return int(_resolve_here(load_dir, None)[1]["iteration"])
+        if same and os.path.isdir(load_dir) and not complete_iterations(load_dir):
+            try:
+                if latest_iteration(load_dir) is None:
+                    return None
+            except CheckpointError:
+                pass  # a garbled tracker: resolve_here explains
+        return int(resolve_here(load_dir, None)[1]["iteration"])
     return on_rank0(decide, mesh)
 
 
@@ -188,21 +171,38 @@ def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
     return states, frozen
 
 
-def _restore_rng(path: str, meta: dict, chunks, mesh, cfg) -> bool:
-    """Restore this rank's generators when the layout matches; else reseed from (seed, iteration)."""
+def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
+    """This rank's saved generator states when the layout is unchanged (checked against the recorded
+    size and checksum; a missing or damaged file is an error), else None."""
     def comparable(layout):
         return {k: v for k, v in layout.items() if k != "zero_stage"}
-    fpath = os.path.join(path, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
-    trackers = rng_trackers(chunks)
-    if comparable(meta["layout"]) == comparable(layout_of(cfg, mesh)) and os.path.isfile(fpath):
+    if comparable(meta["layout"]) != comparable(layout_of(cfg, mesh)):
+        return None
+    name = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    files = meta.get("files")
+    if files is not None and name not in files:
+        raise CheckpointCorrupt(f"{path}: {name} is not in the checkpoint's file list")
+    fpath = check_file(path, name, files[name]) if files is not None else os.path.join(path, name)
+    if files is None and not os.path.isfile(fpath):
+        return None  # a v1 checkpoint without this rank's file: reseed
+    try:
         rng = torch.load(fpath, map_location="cpu", weights_only=True)
-        if len(rng["trackers"]) == len(trackers):
-            torch.set_rng_state(rng["cpu"])
-            if mesh.device.type == "cuda" and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"], mesh.device)
-            for t, state in zip(trackers, rng["trackers"]):
-                t.set_state(state)
-            return True
+    except Exception as err:  # noqa: BLE001 - a damaged file is named, never a bare zip error
+        raise CheckpointCorrupt(f"{fpath}: unreadable ({type(err).__name__}: {err})") from None
+    return rng if len(rng.get("trackers", [])) == len(rng_trackers(chunks)) else None
+
+
+def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
+    """Restore the generators from ``rng`` when every rank has its state (agreed, collective); else
+    reseed every rank deterministically from (seed, iteration).  Returns whether they were restored."""
+    trackers = rng_trackers(chunks)
+    if all_ok(rng is not None, mesh):
+        torch.set_rng_state(rng["cpu"])
+        if mesh.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], mesh.device)
+        for t, state in zip(trackers, rng["trackers"]):
+            t.set_state(state)
+        return True
     from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
     seed_default_generators(seed, mesh)
@@ -211,38 +211,71 @@ def _restore_rng(path: str, meta: dict, chunks, mesh, cfg) -> bool:
     return False
 
 
-def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] = None) -> Dict[str, object]:
-    """Load the latest checkpoint in ``directory`` (or ``iteration``) into this rank's chunks and
-    optimizer, whatever layout wrote it (collective: every rank calls it).
+def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str):
+    """Everything this rank needs from the checkpoint, read and verified, nothing committed yet:
+    ``(apply, rng)`` where ``apply()`` commits the model and optimizer state (collective)."""
+    if meta["format"] == FORMAT_V1:
+        bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
+        shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
+        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)
 
-    Returns ``iteration``, ``extra`` (as given to :func:`save`), ``path``, ``layout`` (the saving
-    one), ``rng_restored`` and ``seconds``.  Raises :class:`CheckpointError` naming the path, the
-    parameter and both shapes, or the setting that differs."""
-    start = time.perf_counter()
-    path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
+        def apply() -> None:
+            optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
+            with torch.no_grad():
+                for p, t in frozen:
+                    p.copy_(t)
+        return apply, _read_rng(path, meta, chunks, mesh, cfg)
+    check_params(meta, chunks, optimizer, mesh, cfg, path, hint)
+    src = SavedShards(path, meta)
+    try:
+        data, frozen = read_rank_state(src, chunks, optimizer, mesh, ["master"] + _state_names(cfg))
+    finally:
+        src.close()
+    return (lambda: commit(optimizer, data, frozen)), _read_rng(path, meta, chunks, mesh, cfg)
+
+
+def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, object]:
     hint = _check_compatible(meta, cfg, path)
     _check_scheduler(meta, cfg, path)
-    bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
-    shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
-    error, states, frozen = None, {}, []
+    error, apply, rng = None, None, None
     try:
-        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)
+        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint)
     except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
         error = err
-    ok = all_ok(error is None, mesh)
-    if error is not None:
-        raise error if isinstance(error, CheckpointError) else CheckpointError(
-            f"{path}: {type(error).__name__}: {error}") from error
-    if not ok:
-        raise CheckpointError(f"{path}: loading failed on another rank (see its error)")
-    optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
-    with torch.no_grad():
-        for p, t in frozen:
-            p.copy_(t)
+    agree(error, mesh, "")  # the same error on every rank; a corrupt file lets load() fall back
+    apply()
     so = meta["optimizer"]
     optimizer.step_count = int(so["step"])
     optimizer.skipped_steps = int(so["skipped_steps"])
     optimizer.scaler.load_state_dict(so["scaler"])
-    restored = _restore_rng(path, meta, chunks, mesh, cfg)
+    restored = _restore_rng(rng, meta, chunks, mesh, cfg)
     return {"iteration": int(meta["iteration"]), "extra": meta.get("extra", {}), "path": path,
-            "layout": meta["layout"], "rng_restored": restored, "seconds": time.perf_counter() - start}
+            "layout": meta["layout"], "rng_restored": restored}
+
+
+def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] = None) -> Dict[str, object]:
+    """Load the latest checkpoint in ``directory`` (or ``iteration``) into this rank's chunks and
+    optimizer, whatever layout wrote it (collective: every rank calls it).
+
+    Without ``iteration``, a newest checkpoint that is incomplete or corrupt (a file missing,
+    truncated or altered: sizes and checksums are recorded) is skipped for the previous complete
+    one, with a warning in ``warnings``.  Returns ``iteration``, ``extra`` (as given to :func:`save`),
+    ``path``, ``layout`` (the saving one), ``rng_restored``, ``seconds`` and ``warnings``.  Raises
+    :class:`CheckpointError` naming the path, the file or parameter and both shapes, or the setting
+    that differs."""
+    start = time.perf_counter()
+    skipped: List[int] = []
+    warnings: List[str] = []
+    while True:
+        path, meta, notes = resolve(directory, iteration, mesh, skipped)  # decided by rank 0
+        warnings += notes
+        try:
+            info = _load_one(path, meta, chunks, optimizer, mesh, cfg)
+            break
+        except CheckpointCorrupt as err:
+            if iteration is not None:
+                raise
+            warnings.append(f"{err}; falling back to the previous checkpoint")
+            skipped.append(int(meta["iteration"]))
+    info.update(seconds=time.perf_counter() - start, warnings=warnings)
+    return info

@@ -45,6 +45,7 @@ class RunGuard:
         self.nan: Optional[NanGuard] = None
         self.faults = FaultInjector(mesh.rank)
         self.heartbeat: Optional[Heartbeat] = None
+        self.save_lock = None  # the --save directory's lock (megazero.checkpoint.SaveLock), released on close
 
     def __enter__(self) -> "RunGuard":
         if self.signals is not None:
@@ -69,7 +70,10 @@ class RunGuard:
             self.close()
 
     def close(self) -> None:
-        """Stop the heartbeat thread and restore the signal handlers (idempotent)."""
+        """Release the --save lock, stop the heartbeat thread, restore the signal handlers (idempotent)."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
