@@ -37,6 +37,7 @@ def build_data(cfg):
         data = BlendedGPTData(cfg.data.data_path, cfg.model.seq_length, cfg.data.split, cfg.training.seed,
                               vocab_size=cfg.model.vocab_size)
         data.check(("train", "valid") if cfg.training.eval_interval else ("train",))
+        data.check_vocab()
         if cfg.data.eod_mask_loss:
             from megazero.data.tokenizer import load_tokenizer
             data.masked_token = load_tokenizer(cfg.data.tokenizer_model).eod

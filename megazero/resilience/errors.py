@@ -40,7 +40,7 @@ class CollectiveError(FatalError):
     everywhere = False
 
 
-class DataError(FatalError):
+class DataError(FatalError, ValueError):
     """The data this rank read is unusable (e.g. a token id outside the vocabulary)."""
 
     everywhere = False
