@@ -119,12 +119,8 @@ def agree(error: Optional[BaseException], mesh, what: str) -> None:
         dist.all_gather_object(reports, mine, group=mesh.world_group)
     rank, message, kind = next(r for r in reports if r is not None)
     where = f"rank {rank}: " if mesh.is_distributed else ""
-    cls = CheckpointError
-    if kind == "CheckpointCorrupt":
-        from megazero.checkpoint.integrity import CheckpointCorrupt
-        cls = CheckpointCorrupt
     text = message if message.startswith(what) or not what else f"{what}: {message}"
-    raise cls(where + text) from error
+    raise _error_class(kind)(where + text) from error
 
 
 def _message(err: BaseException) -> str:
@@ -140,25 +136,33 @@ def on_rank0(fn, mesh):
     over the world group (a collective): file-system decisions (tracker, metadata, a writable
     directory) cannot differ between ranks, e.g. on a shared file system that caches attributes.
     An error is raised on every rank as :class:`CheckpointError` with rank 0's message."""
-    result, message, error = None, None, None
+    result, message, error, kind = None, None, None, None
     if mesh.rank == 0:
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, none may hang
-            error = err
+            error, kind = err, type(err).__name__
             message = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     if mesh.is_distributed:
-        box = [(result, message)]
+        box = [(result, message, kind)]
         device = mesh.device if mesh.backend == "nccl" else None
         dist.broadcast_object_list(box, src=0, group=mesh.world_group, device=device)
-        result, message = box[0]
+        result, message, kind = box[0]
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error
         raise CheckpointError(message) from error
     if message is not None:
-        raise CheckpointError(message)
+        raise _error_class(kind)(message)
     return result
+
+
+def _error_class(kind: Optional[str]):
+    """The checkpoint error class named ``kind`` (so every rank raises the same type)."""
+    if kind == "CheckpointCorrupt":
+        from megazero.checkpoint.integrity import CheckpointCorrupt
+        return CheckpointCorrupt
+    return CheckpointError
 
 
 def fsync_dir(path: str) -> None:

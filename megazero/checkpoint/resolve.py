@@ -67,7 +67,7 @@ def resolve_here(directory: str, iteration: Optional[int] = None,
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {directory}: no such directory")
     order, notes = _order(directory, iteration)
-    problems = []
+    problems, corrupt = [], True
     for it in (i for i in order if i not in skip):
         path = checkpoint_path(directory, it)
         if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old",
@@ -75,13 +75,15 @@ def resolve_here(directory: str, iteration: Optional[int] = None,
             path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
         if not os.path.isfile(os.path.join(path, METADATA)):
             problems.append(f"checkpoint {path} is missing or incomplete (no {METADATA})")
+            corrupt = False
             continue
         try:
             return path, read_metadata(path), notes + [f"skipped {p}" for p in problems]
         except CheckpointCorrupt as err:
             problems.append(str(err))
     tried = "; ".join(problems) if problems else "every checkpoint there failed to load"
-    raise CheckpointError(f"--load {directory}: no usable checkpoint: {tried}")
+    raise (CheckpointCorrupt if problems and corrupt else CheckpointError)(
+        f"--load {directory}: no usable checkpoint: {tried}")
 
 
 def resolve(directory: str, iteration: Optional[int], mesh, skip: Sequence[int] = ()):

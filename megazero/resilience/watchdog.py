@@ -172,26 +172,44 @@ def last_operation(mesh) -> Optional[Tuple[str, str, List[int]]]:
     return op + (" (point-to-point)" if entry.get("is_p2p") else ""), label, ranks
 
 
+def _process_state(record: dict) -> Optional[str]:
+    """``"exited"`` or ``"stopped"`` for a peer process on this host that is gone or stopped (read
+    from /proc), None when it looks alive or lives on another host."""
+    if record.get("host") != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{int(record['pid'])}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return "exited"
+    return {"T": "stopped", "t": "stopped", "Z": "exited", "X": "exited"}.get(state)
+
+
 def _silence_report(heartbeat: Optional[Heartbeat], ranks: List[int], me: int, now: float) -> str:
-    """Which of ``ranks`` went silent, or are alive but at another iteration/phase."""
+    """Which of ``ranks`` exited, are stopped or went silent; else where the others are."""
     if heartbeat is None or not ranks:
         return ""
     records = heartbeat.peers([r for r in ranks if r != me])
     stale_after = 2 * heartbeat.interval + 2.0
-    silent, elsewhere = [], []
+    gone, heard = [], []
     for r, rec in records.items():
         if rec is None:
-            silent.append(f"rank {r} (never reported)")
-        elif now - rec["time"] > stale_after:
-            silent.append(f"rank {r} (pid {rec['pid']} on {rec['host']}, silent for "
-                          f"{now - rec['time']:.1f} s, last at iteration {rec['iteration']}, {rec['phase']})")
-        elif (rec["iteration"], rec["phase"]) != (heartbeat.iteration, heartbeat.phase):
-            elsewhere.append(f"rank {r} at iteration {rec['iteration']} ({rec['phase']})")
-    if silent:
-        return "Not answering: " + "; ".join(silent) + ". Look at that rank's log first."
-    if elsewhere:
-        return "Alive but elsewhere: " + "; ".join(elsewhere) + "."
-    return "Every rank of the group is alive at the same point: one may be stuck inside the operation."
+            gone.append(f"rank {r} (never reported)")
+            continue
+        where = f"pid {rec['pid']} on {rec['host']}"
+        age, state = now - rec["time"], _process_state(rec)
+        if state is not None:
+            gone.append(f"rank {r} ({where}) has {state}")
+        elif age > stale_after:
+            gone.append(f"rank {r} ({where}) silent for {age:.1f} s, last at iteration {rec['iteration']} "
+                        f"({rec['phase']})")
+        else:
+            heard.append(f"rank {r} {age:.1f} s ago")
+    if gone:
+        return "Not answering: " + "; ".join(gone) + ". Look at that rank's log first."
+    if heard:
+        return "Last heartbeats: " + ", ".join(heard) + "."
+    return ""
 
 
 def describe_failure(err: BaseException, kind: str, mesh, heartbeat: Optional[Heartbeat],
