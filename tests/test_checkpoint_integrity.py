@@ -133,7 +133,8 @@ def test_a_nonfinite_model_is_never_saved(tmp_path):
         next(iter(opt.update.state.values()))["exp_avg_sq"][3] = float("inf")
     with pytest.raises(CheckpointError, match="refusing to save a non-finite model: exp_avg_sq of parameter"):
         save(d, 2, chunks, opt, mesh, cfg)
-    assert latest_iteration(d) == 1 and sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert latest_iteration(d) == 1
+    assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
 def _mount_tmpfs(path, size):
@@ -169,8 +170,8 @@ def test_a_second_writer_is_refused(tmp_path):
     d = str(tmp_path)
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from megazero.checkpoint.lock import SaveLock; SaveLock.acquire(sys.argv[2]); print('held', flush=True); "
-         "time.sleep(120)", ROOT, d], stdout=subprocess.PIPE, text=True)
+         "from megazero.checkpoint.lock import SaveLock; SaveLock.acquire(sys.argv[2]); "
+         "print('held', flush=True); time.sleep(120)", ROOT, d], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         cfg, mesh, chunks, opt = _build(_cfg())

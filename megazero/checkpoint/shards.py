@@ -97,8 +97,9 @@ def _bucket_pieces(optimizer, b, tp_rank: int, dp_rank: int, names):
     starts = {id(p): s for p, s in zip(b.params, b.starts)}
     segs = [(names[id(p)], p, a, e, starts[id(p)]) for p, a, e in b.segments(lo, hi) if writes(p, tp_rank)]
     tensors = {"master": optimizer.update.master[b.index], **optimizer.update.state[b.index]}
-    host = {k: t[lo - ulo:hi - ulo].detach().to("cpu", torch.float32) for k, t in tensors.items()} if segs else {}
-    return lo, segs, host
+    if not segs:
+        return lo, segs, {}
+    return lo, segs, {k: t[lo - ulo:hi - ulo].detach().to("cpu", torch.float32) for k, t in tensors.items()}
 
 
 def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tuple[Dict[str, dict], dict]:

@@ -2,11 +2,13 @@
 
 Every rank must stop after the same iteration, or the ranks that go on would wait forever on the
 ones that left.  The iteration limit is the same everywhere by construction; a signal may reach
-one rank only and clocks differ, so those two are agreed by one all-reduce (MAX) of two flags over
-the world group after every iteration (a few bytes; skipped when neither is configured).
+one rank only and clocks differ, so those two are agreed by one all-reduce (MAX) over the world group
+after every iteration of two numbers, the signal received (its number, 0 for none) and whether the
+time is up (a few bytes; skipped when neither is configured).
 """
 from __future__ import annotations
 
+import signal
 import time
 from typing import Optional
 
@@ -30,10 +32,11 @@ class StopConditions:
         return self.signals is not None or self.duration is not None
 
     def _local_flags(self):
-        signalled = self.signals is not None and self.signals.received is not None
+        received = self.signals.received if self.signals is not None else None
+        signum = int(getattr(signal, received)) if received else 0
         elapsed = (time.monotonic() - self.started) / 60.0
         late = self.duration is not None and elapsed >= self.duration
-        return float(signalled), float(late)
+        return float(signum), float(late)
 
     def reason(self, iteration: int, mesh) -> Optional[str]:
         """Why to stop after ``iteration`` (the same on every rank; collective when signals or a
@@ -45,9 +48,7 @@ class StopConditions:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.world_group)
             signalled, late = (float(v) for v in flags.tolist())
         if signalled:
-            name = self.signals.received or "a signal"
-            return f"{name} received (--exit-signal-handler)" if self.signals.received else \
-                "an exit signal reached another rank (--exit-signal-handler)"
+            return f"{signal.Signals(int(signalled)).name} received (--exit-signal-handler)"
         if late:
             return f"--exit-duration-in-mins {self.duration:g} reached"
         if self.interval and iteration % self.interval == 0:
