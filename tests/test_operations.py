@@ -2,7 +2,6 @@
 one message per failure.  Unit tests first; end-to-end runs of pretrain_gpt.py under torchrun are
 marked slow (each a few seconds of tiny training on gloo, every process killed in ``finally``)."""
 import json
-import math
 import os
 import re
 import signal
