@@ -1,18 +1,21 @@
-"""Loading a per-rank-shard checkpoint (format v2) into any layout, in O(shard) memory.
+"""Loading a per-rank-shard checkpoint (format v2) into any layout, in place, in O(shard) time.
 
 For every bucket this rank updates (its DP/ZeRO slice under the new layout) and every state key
-(``master`` and the optimizer's moments), :func:`read_rank_state` fills a float32 buffer of the
-slice's size from the saved shards (:func:`megazero.checkpoint.shards.fill_range`: only the byte
-ranges needed, memory-mapped, checksummed block by block).  Nothing is committed until every rank
-has read and verified all its data (:func:`megazero.checkpoint.format.agree`), so a corrupt
-checkpoint leaves the model untouched and ``load`` can fall back to an older one; then
-:func:`commit` copies the buffers into the optimizer and republishes the parameters.  Peak extra
-host memory: this rank's slice of the optimizer state, plus the mapped pages of one bucket.
+(``master`` and the optimizer's moments), the slice is assembled from the saved shards
+(:func:`megazero.checkpoint.shards.fill_range`: only the byte ranges needed, memory-mapped, each
+4 MiB block checked against its CRC-32 once).  Two passes over the same mapped bytes:
+:func:`verify_rank_state` checks every block and that every element is present, copying nothing;
+only when every rank has passed (:func:`megazero.checkpoint.format.agree`) does
+:func:`load_rank_state` copy the values straight into the optimizer's own tensors (through one
+bucket-sized staging buffer when they live on a GPU) and republish the parameters bucket by bucket.
+A corrupt checkpoint therefore leaves the model untouched (``load`` can fall back to an older one),
+and the extra host memory is the mapped pages of one bucket, released after each.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import List
 
+import numpy as np
 import torch
 
 from megazero.checkpoint.format import EMBEDDING, CheckpointError, named_params
@@ -44,41 +47,74 @@ def check_params(meta: dict, chunks, optimizer, mesh, cfg, path: str, hint: str)
         raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
 
 
-def read_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) -> Tuple[dict, list]:
-    """``({bucket index: {key: values of this rank's slice}}, [(frozen param, values)])``."""
+def _sink(n: int) -> np.ndarray:
+    """A writable stand-in for ``n`` float32 values that stores nothing (for the verifying pass)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=np.float32), shape=(n,), strides=(0,))
+
+
+def _fill_bucket(src: SavedShards, b, names, shapes, mesh, keys: List[str], lo: int, hi: int, dest) -> None:
+    """``dest[k]`` (numpy, ``hi - lo`` values) = this rank's slice ``[lo, hi)`` of bucket ``b`` for
+    each state key ``k``; the bucket's trailing padding is zeroed."""
+    starts = {id(p): s for p, s in zip(b.params, b.starts)}
+    covered = lo
+    for p, a, e in b.segments(lo, hi):
+        new = param_info(p, shapes[p], mesh.pp_rank)
+        name, s = saved_name(names[id(p)], p), starts[id(p)]
+        for k in keys:
+            fill_range(src, name, k, new, mesh.tp_rank, a - s, dest[k][a - lo:e - lo])
+        covered = max(covered, e)
+    for k in keys:
+        dest[k][covered - lo:] = 0.0
+
+
+def _frozen(chunks, shapes):
+    return [(name, p) for name, p in named_params(chunks) if p not in shapes]
+
+
+def verify_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) -> None:
+    """Check every byte this rank will load (block checksums, every element present); copy nothing."""
     names = {id(p): n for n, p in named_params(chunks)}
     shapes = optimizer.param_shapes()
-    data: Dict[int, Dict[str, torch.Tensor]] = {}
-    for b in optimizer.buckets:
-        lo, hi = optimizer.storage.updated_range(b)
-        starts = {id(p): s for p, s in zip(b.params, b.starts)}
-        out = {k: torch.zeros(hi - lo, dtype=torch.float32) for k in keys}
-        for p, a, e in b.segments(lo, hi):
-            new = param_info(p, shapes[p], mesh.pp_rank)
-            name, s = saved_name(names[id(p)], p), starts[id(p)]
-            for k in keys:
-                fill_range(src, name, k, new, mesh.tp_rank, a - s, e - s, out[k][a - lo:e - lo])
-        data[b.index] = out
-        src.release()  # the mapped pages of this bucket leave this process's memory
-    frozen = []
-    for name, p in named_params(chunks):
-        if p not in shapes:
-            new = param_info(p, p.shape, mesh.pp_rank)
-            values = torch.empty(p.numel(), dtype=torch.float32)
-            fill_range(src, saved_name(name, p), "master", new, mesh.tp_rank, 0, p.numel(), values)
-            frozen.append((p, values.view(p.shape)))
-    return data, frozen
+    src.verify_only = True
+    try:
+        for b in optimizer.buckets:
+            lo, hi = optimizer.storage.updated_range(b)
+            _fill_bucket(src, b, names, shapes, mesh, keys, lo, hi, {k: _sink(hi - lo) for k in keys})
+            src.release()  # the mapped pages of this bucket leave this process's memory
+        for name, p in _frozen(chunks, shapes):
+            fill_range(src, saved_name(name, p), "master", param_info(p, p.shape, mesh.pp_rank), mesh.tp_rank, 0,
+                       _sink(p.numel()))
+    finally:
+        src.verify_only = False
 
 
-def commit(optimizer, data: Dict[int, Dict[str, torch.Tensor]], frozen) -> None:
-    """Copy the read state into the optimizer; the compute-dtype parameters follow (collective over DP)."""
+def _host_view(t: torch.Tensor):
+    """``(numpy view to fill, tensor to copy it into afterwards or None)`` for an optimizer tensor."""
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        return t.detach().numpy(), None
+    return np.empty(t.numel(), dtype=np.float32), t
+
+
+def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) -> None:
+    """Copy this rank's slice into the optimizer in place and republish the parameters (collective
+    over DP, bucket by bucket).  Call after :func:`verify_rank_state` passed on every rank."""
+    names = {id(p): n for n, p in named_params(chunks)}
+    shapes = optimizer.param_shapes()
     update = optimizer.update
     for b in optimizer.buckets:
-        values = data[b.index]
-        update.master[b.index].copy_(values["master"])
-        for k, t in update.state[b.index].items():
-            t.copy_(values[k])
+        lo, hi = optimizer.storage.updated_range(b)
+        tensors = {"master": update.master[b.index], **update.state[b.index]}
+        views = {k: _host_view(tensors[k]) for k in keys}
+        with torch.no_grad():
+            _fill_bucket(src, b, names, shapes, mesh, keys, lo, hi, {k: v[0] for k, v in views.items()})
+            for staged, device_tensor in views.values():
+                if device_tensor is not None:
+                    device_tensor.copy_(torch.from_numpy(staged).view(device_tensor.shape))
+        src.release()
         optimizer.publish_params(b)
     with torch.no_grad():
-        for p, t in frozen:
-            p.copy_(t)
+        for name, p in _frozen(chunks, shapes):
+            values = np.empty(p.numel(), dtype=np.float32)
+            fill_range(src, saved_name(name, p), "master", param_info(p, p.shape, mesh.pp_rank), mesh.tp_rank, 0,
+                       values)
+            p.copy_(torch.from_numpy(values).view(p.shape))

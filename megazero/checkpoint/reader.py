@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.assemble import check_params, commit, read_rank_state
+from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
 from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS, CheckpointError,
                                         agree, all_ok, arch_of, latest_iteration, layout_of, named_params,
                                         on_rank0, rng_file, rng_trackers)
@@ -226,12 +226,22 @@ def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str):
                     p.copy_(t)
         return apply, _read_rng(path, meta, chunks, mesh, cfg)
     check_params(meta, chunks, optimizer, mesh, cfg, path, hint)
+    keys = ["master"] + _state_names(cfg)
     src = SavedShards(path, meta)
     try:
-        data, frozen = read_rank_state(src, chunks, optimizer, mesh, ["master"] + _state_names(cfg))
-    finally:
+        verify_rank_state(src, chunks, optimizer, mesh, keys)
+        rng = _read_rng(path, meta, chunks, mesh, cfg)
+    except BaseException:
         src.close()
-    return (lambda: commit(optimizer, data, frozen)), _read_rng(path, meta, chunks, mesh, cfg)
+        raise
+
+    def apply() -> None:
+        try:
+            load_rank_state(src, chunks, optimizer, mesh, keys)
+        finally:
+            src.close()
+    apply.discard = src.close  # another rank failed: nothing is applied
+    return apply, rng
 
 
 def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, object]:
@@ -239,10 +249,14 @@ def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, 
     _check_scheduler(meta, cfg, path)
     error, apply, rng = None, None, None
     try:
-        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint)
+        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint)  # read and verified, not applied
     except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
         error = err
-    agree(error, mesh, "")  # the same error on every rank; a corrupt file lets load() fall back
+    try:
+        agree(error, mesh, "")  # the same error on every rank; a corrupt file lets load() fall back
+    except CheckpointError:
+        getattr(apply, "discard", lambda: None)()
+        raise
     apply()
     so = meta["optimizer"]
     optimizer.step_count = int(so["step"])

@@ -137,10 +137,19 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}, params
 
 
+def _finite(t: torch.Tensor) -> bool:
+    """One vectorised pass, no temporary: min and max are finite exactly when every element is (NaN
+    propagates into both)."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def _refuse_nonfinite(t: torch.Tensor, segs, lo: int, key: str) -> None:
-    if t.numel() == 0 or bool(torch.isfinite(t).all()):
+    if _finite(t):
         return
-    bad = [name for name, p, a, e, start in segs if not bool(torch.isfinite(t[a - lo:e - lo]).all())]
+    bad = [name for name, p, a, e, start in segs if not _finite(t[a - lo:e - lo])]
     raise CheckpointError(f"refusing to save a non-finite model: {key} of parameter "
                           f"{bad[0] if bad else '(padding)'} holds NaN or inf")
 
@@ -159,8 +168,10 @@ class ShardFile:
             self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
         return self._mm
 
-    def read(self, offset: int, nbytes: int) -> np.ndarray:
-        """float32 values of bytes ``[offset, offset + nbytes)`` (a copy), their blocks verified."""
+    def read_into(self, offset: int, out: np.ndarray, copy: bool = True) -> None:
+        """Copy the float32 values at byte ``offset`` into ``out`` (its length decides how many), after
+        checking the blocks under them (each block once; ``copy=False`` only checks)."""
+        nbytes = 4 * out.size
         if offset < 0 or offset + nbytes > self.size:
             raise CheckpointCorrupt(f"{self.path}: bytes {offset}-{offset + nbytes} lie beyond its "
                                     f"{self.size} bytes (truncated)")
@@ -168,11 +179,12 @@ class ShardFile:
         for k in range(offset // self.block, -(-(offset + nbytes) // self.block)):
             if k not in self.verified:
                 start, end = k * self.block, min((k + 1) * self.block, self.size)
-                if k >= len(self.crcs) or crc32_bytes(mm[start:end]) != self.crcs[k]:
+                if k >= len(self.crcs) or crc32_bytes(memoryview(mm)[start:end]) != self.crcs[k]:
                     raise CheckpointCorrupt(f"{self.path}: bytes {start}-{end} (block {k}) do not match "
                                             "their checksum (the file changed after it was saved)")
                 self.verified.add(k)
-        return np.frombuffer(mm, dtype="<f4", count=nbytes // 4, offset=offset).copy()
+        if copy:
+            np.copyto(out, np.frombuffer(mm, dtype="<f4", count=out.size, offset=offset))
 
     def release(self) -> None:
         """Drop the mapped pages from this process's memory (they are re-read if needed)."""
@@ -195,6 +207,7 @@ class SavedShards:
         self.tp, self.dp = int(meta["layout"]["tp"]), int(meta["layout"]["dp"])
         self._pieces: Dict[Tuple[int, int], Dict[Tuple[str, str], list]] = {}
         self.files: List[ShardFile] = []
+        self.verify_only = False  # reads check their blocks and coverage but copy nothing
 
     def _coordinate(self, tp: int, pp: int) -> Dict[Tuple[str, str], list]:
         if (tp, pp) in self._pieces:
@@ -219,20 +232,20 @@ class SavedShards:
         self._pieces[(tp, pp)] = pieces
         return pieces
 
-    def read(self, tp: int, name: str, key: str, lo: int, hi: int) -> np.ndarray:
-        """Elements ``[lo, hi)`` of saved TP rank ``tp``'s piece of ``name`` (``key``: master or a moment)."""
+    def read(self, tp: int, name: str, key: str, lo: int, out: np.ndarray) -> None:
+        """Elements ``[lo, lo + out.size)`` of saved TP rank ``tp``'s piece of ``name`` (``key``: master
+        or a moment) into ``out``."""
+        hi = lo + out.size
         pieces = self._coordinate(tp, self.params[name]["pp"]).get((name, key), [])
-        out = np.empty(hi - lo, dtype=np.float32)
         covered = 0
         for plo, phi, shard, offset in pieces:
             a, e = max(lo, plo), min(hi, phi)
             if a < e:
-                out[a - lo:e - lo] = shard.read(offset + 4 * (a - plo), 4 * (e - a))
+                shard.read_into(offset + 4 * (a - plo), out[a - lo:e - lo], copy=not self.verify_only)
                 covered += e - a
         if covered != hi - lo:
             raise CheckpointCorrupt(f"{self.path}: {key} of parameter {name} (tensor-parallel rank {tp}) "
                                     f"elements {lo}-{hi} are not all in the checkpoint (a shard is missing)")
-        return out
 
     def release(self) -> None:
         for f in self.files:
@@ -254,38 +267,58 @@ def full_shape(info: dict, tp_size: int, vocab: Optional[int]) -> Tuple[int, ...
     return tuple(shape)
 
 
-def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, lo: int, hi: int,
-               out: torch.Tensor) -> None:
-    """``out`` (float32, ``hi - lo`` elements) = elements ``[lo, hi)`` of this rank's TP-local tensor
-    of ``name`` under the new layout ``new`` (:func:`param_info` of this run's parameter)."""
+ROWS_AT_ONCE = 1 << 22  # elements per step when columns are re-split (bounds the temporary)
+
+
+def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, lo: int, out: np.ndarray) -> None:
+    """``out`` (float32, numpy) = elements ``[lo, lo + out.size)`` of this rank's TP-local tensor of
+    ``name`` under the new layout ``new`` (:func:`param_info` of this run's parameter)."""
     saved = src.params[name]
-    if not new["split"]:
-        out.copy_(torch.from_numpy(src.read(0, name, key, lo, hi)))
-        return
-    shape = tuple(new["shape"])
-    row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
-    r0, r1 = lo // row, -(-hi // row)
-    block = torch.zeros((r1 - r0,) + shape[1:], dtype=torch.float32)
-    vocab = src.meta["model"]["vocab_size"] if new["vocab_parallel"] else None
-    for t in range(src.tp):
-        _fill_rows_from(src, name, key, saved, new, tp_rank, t, r0, r1, vocab, block)
-    out.copy_(block.reshape(-1)[lo - r0 * row:hi - r0 * row])
-
-
-def _fill_rows_from(src, name, key, saved, new, tp_rank, t, r0, r1, vocab, block) -> None:
-    """Copy what saved TP rank ``t`` holds of local rows ``[r0, r1)`` of the new tensor into ``block``."""
     d, s_shape, n_shape = new["dim"], list(saved["shape"]), list(new["shape"])
-    row_s = int(np.prod(s_shape[1:], dtype=np.int64)) if len(s_shape) > 1 else 1
+    if not new["split"]:
+        src.read(0, name, key, lo, out)
+    elif s_shape == n_shape and tp_rank < src.tp:  # the same TP split: the same flat offsets
+        src.read(tp_rank, name, key, lo, out)
+    elif d == 0:
+        _fill_row_split(src, name, key, saved, new, tp_rank, lo, out)
+    else:
+        row = int(np.prod(n_shape[1:], dtype=np.int64))
+        step = max(1, ROWS_AT_ONCE // max(1, row)) * row
+        for a in range(lo - lo % row, lo + out.size, step):  # whole rows at a time, re-split columns
+            r0, r1 = a // row, -(-min(a + step, lo + out.size) // row)
+            block = torch.zeros((r1 - r0,) + tuple(n_shape[1:]), dtype=torch.float32)
+            for t in range(src.tp):
+                _fill_columns_from(src, name, key, saved, new, tp_rank, t, r0, r1, block)
+            flat, b0 = block.reshape(-1).numpy(), r0 * row
+            x0, x1 = max(lo, b0), min(lo + out.size, r1 * row)
+            out[x0 - lo:x1 - lo] = flat[x0 - b0:x1 - b0]
+
+
+def _fill_row_split(src, name, key, saved, new, tp_rank, lo, out) -> None:
+    """Dim 0 is split: this rank's tensor is a contiguous run of the whole one's rows, so each saved
+    piece maps to one flat range; rows past the vocabulary (padding) are zero."""
+    s_shape, n_shape = saved["shape"], new["shape"]
+    row = int(np.prod(n_shape[1:], dtype=np.int64)) if len(n_shape) > 1 else 1
+    g_lo = tp_rank * n_shape[0] * row + lo  # global flat position (padded rows)
+    g_hi = g_lo + out.size
+    limit = src.meta["model"]["vocab_size"] * row if new["vocab_parallel"] else g_hi
+    if g_hi > limit:
+        out[max(0, limit - g_lo):] = 0.0
+    for t in range(src.tp):
+        s_lo = t * s_shape[0] * row
+        a, e = max(g_lo, s_lo), min(g_hi, s_lo + s_shape[0] * row, limit)
+        if a < e:
+            src.read(t, name, key, a - s_lo, out[a - g_lo:e - g_lo])
+
+
+def _fill_columns_from(src, name, key, saved, new, tp_rank, t, r0, r1, block) -> None:
+    """Copy what saved TP rank ``t`` holds of rows ``[r0, r1)`` (dim ``d`` >= 1 split) into ``block``."""
+    d, s_shape, n_shape = new["dim"], list(saved["shape"]), list(new["shape"])
     off_s, off_n = t * s_shape[d], tp_rank * n_shape[d]
-    if d == 0:  # rows are split: global rows [off_n + r0, off_n + r1)
-        g0, g1 = max(off_n + r0, off_s), min(off_n + r1, off_s + s_shape[0])
-        if vocab is not None:
-            g1 = min(g1, vocab)  # rows past the vocabulary are padding: zero
-        if g0 < g1:
-            data = src.read(t, name, key, (g0 - off_s) * row_s, (g1 - off_s) * row_s)
-            block[g0 - off_n - r0:g1 - off_n - r0] = torch.from_numpy(data).view(g1 - g0, *s_shape[1:])
-        return
     c0, c1 = max(off_n, off_s), min(off_n + n_shape[d], off_s + s_shape[d])
-    if c0 < c1:  # another dim is split: whole saved rows [r0, r1), the overlapping columns
-        data = torch.from_numpy(src.read(t, name, key, r0 * row_s, r1 * row_s)).view(r1 - r0, *s_shape[1:])
-        block.narrow(d, c0 - off_n, c1 - c0).copy_(data.narrow(d, c0 - off_s, c1 - c0))
+    if c0 < c1:
+        row_s = int(np.prod(s_shape[1:], dtype=np.int64))
+        data = np.empty((r1 - r0) * row_s, dtype=np.float32)
+        src.read(t, name, key, r0 * row_s, data)
+        part = torch.from_numpy(data).view(r1 - r0, *s_shape[1:]).narrow(d, c0 - off_s, c1 - c0)
+        block.narrow(d, c0 - off_n, c1 - c0).copy_(part)
