@@ -114,7 +114,12 @@ class Heartbeat:
             self._thread = None
 
     def peers(self, ranks: List[int]) -> Dict[int, Optional[dict]]:
-        """The last record of each rank (None: never beat or unreadable)."""
+        """The last record of each rank (None: never beat or unreadable).  Store calls wait a few
+        seconds at most: the run is failing, and the store's host may be gone too."""
+        try:
+            self.store.set_timeout(timedelta(seconds=5))
+        except Exception:  # noqa: BLE001
+            pass
         out: Dict[int, Optional[dict]] = {}
         for r in ranks:
             key = f"{self.PREFIX}{r}"
