@@ -1,12 +1,17 @@
-"""What a training run reports: a console line, a progress bar, a metrics JSONL file and wandb.
+"""What a training run reports: a console line, a progress bar, a metrics JSONL file, TensorBoard
+and wandb.
 
 Only global rank 0 writes.  :class:`TrainingLogger.log` takes one dict per iteration (the
 trainer's metrics) and sends the same values everywhere:
 
-* ``--metrics-file``: one JSON object per iteration, every value as given;
-* wandb (``--wandb-project``): ``wandb.log(values, step=iteration)``, the full config as the run
-  config; mode from ``--wandb-mode``, else ``WANDB_MODE``, else ``online`` with ``WANDB_API_KEY``
-  in the environment and ``offline`` without;
+* ``--metrics-file``: one JSON object per iteration, every value as given, appended; a run that
+  starts after iteration K (a resumed checkpoint's) first drops the file's rows after K, so each
+  iteration appears once;
+* ``--tensorboard-dir``: every numeric value as a scalar of the same name (torch's SummaryWriter);
+* wandb (``--wandb-project``, ``--wandb-entity``): ``wandb.log(values, step=iteration)``, the full
+  config as the run config; a resumed run continues the wandb run whose id its checkpoint holds;
+  mode from ``--wandb-mode``, else ``WANDB_MODE``, else ``online`` with ``WANDB_API_KEY`` in the
+  environment and ``offline`` without;
 * the console: a line for the first iteration, every ``--log-interval`` iterations, the last
   one and evaluations; on a terminal, a progress bar redrawn every iteration.
 """
@@ -77,32 +82,85 @@ def progress_bar(iteration: int, total: int, started: float, loss: Optional[floa
             f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
 
 
-class TrainingLogger:
-    """Console, progress bar, metrics file and wandb for one run (only rank 0 writes anything)."""
+def tensorboard_writer_class():
+    """torch's ``SummaryWriter``; ImportError naming the flag and the fix without tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("--tensorboard-dir needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard (or drop --tensorboard-dir)") from None
+    return SummaryWriter
 
-    def __init__(self, cfg, rank: int = 0, stream: Optional[TextIO] = None):
+
+def trim_metrics_file(path: str, last_iteration: int) -> int:
+    """Drop the rows of ``path`` after ``last_iteration`` (written by a run that went on past the
+    checkpoint it is resumed from, or by an earlier run of a fresh start), so that each iteration
+    appears once once this run appends its own; returns how many were dropped.  Lines that are not
+    JSON objects with an ``iteration`` are kept; the file is replaced atomically."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as fh:
+        lines = fh.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] > last_iteration:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(kept)
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+class TrainingLogger:
+    """Console, progress bar, metrics file, TensorBoard and wandb for one run (only rank 0 writes).
+
+    ``start_iteration``: the iteration the run starts after (a resumed checkpoint's, else 0): the
+    metrics file keeps its rows up to it and this run appends.  ``wandb_id``: the wandb run to
+    continue (stored in the checkpoint), when there is one."""
+
+    def __init__(self, cfg, rank: int = 0, stream: Optional[TextIO] = None, start_iteration: int = 0,
+                 wandb_id: Optional[str] = None):
         self.cfg, self.active = cfg, rank == 0
         self.stream = stream if stream is not None else sys.stdout
         self.interval = max(1, cfg.logging.log_interval)
         self.total = cfg.training.train_iters
         self.tty = self.active and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.started = time.monotonic()
-        self.metrics_fh = None
-        self.wandb_run = None
+        self.metrics_fh = self.wandb_run = self.tensorboard = None
+        self.dropped_rows = 0
         if not self.active:
             return
-        path = cfg.logging.metrics_file
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.metrics_fh = open(path, "w")
-        if cfg.logging.wandb_project and wandb_mode(cfg.logging.wandb_mode) != "disabled":
-            import wandb
-            save_dir = cfg.logging.wandb_save_dir
-            if save_dir:
-                os.makedirs(save_dir, exist_ok=True)
-            self.wandb_run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name,
-                                        dir=save_dir, config=cfg.to_dict(),
-                                        mode=wandb_mode(cfg.logging.wandb_mode))
+        lc = cfg.logging
+        if lc.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(lc.metrics_file)), exist_ok=True)
+            self.dropped_rows = trim_metrics_file(lc.metrics_file, start_iteration)
+            self.metrics_fh = open(lc.metrics_file, "a")
+        if lc.tensorboard_dir:
+            self.tensorboard = tensorboard_writer_class()(log_dir=lc.tensorboard_dir)
+        if lc.wandb_project and wandb_mode(lc.wandb_mode) != "disabled":
+            self.wandb_run = self._start_wandb(wandb_id)
+
+    def _start_wandb(self, wandb_id: Optional[str]):
+        import wandb
+        lc = self.cfg.logging
+        if lc.wandb_save_dir:
+            os.makedirs(lc.wandb_save_dir, exist_ok=True)
+        resume = {"id": wandb_id, "resume": "allow"} if wandb_id else {}
+        return wandb.init(project=lc.wandb_project, entity=lc.wandb_entity, name=lc.wandb_exp_name,
+                          dir=lc.wandb_save_dir, config=self.cfg.to_dict(), mode=wandb_mode(lc.wandb_mode),
+                          **resume)
+
+    @property
+    def wandb_id(self) -> Optional[str]:
+        """The wandb run's id (saved with checkpoints so a resumed run continues it)."""
+        return None if self.wandb_run is None else self.wandb_run.id
 
     def print(self, text: str) -> None:
         """A console line from rank 0 (clearing the progress bar first on a terminal)."""
@@ -127,6 +185,10 @@ class TrainingLogger:
         if self.wandb_run is not None:
             values = {k: v for k, v in metrics.items() if k != "iteration" and v is not None}
             self.wandb_run.log(values, step=it)
+        if self.tensorboard is not None:
+            for k, v in metrics.items():
+                if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tensorboard.add_scalar(k, v, it)
         if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
             self.print(format_line(metrics, self.total))
         if self.tty:
@@ -142,6 +204,9 @@ class TrainingLogger:
         if self.metrics_fh is not None:
             self.metrics_fh.close()
             self.metrics_fh = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None

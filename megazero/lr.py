@@ -1,27 +1,32 @@
-"""The learning-rate schedule: linear warm-up, then constant, linear or cosine decay to ``--min-lr``.
+"""The learning-rate schedule, Megatron-LM's: linear warm-up from ``--lr-warmup-init`` to ``--lr``,
+then constant, linear or cosine decay to ``--min-lr``.
 
-Iterations are counted from 1 (the step being taken, as the console and metrics file show it).
-Warm-up rises linearly and reaches ``--lr`` at iteration ``--lr-warmup-iters`` (no step is
-wasted at rate 0).  Decay follows Megatron-LM: with ``n = iteration - 1`` steps already taken,
-progress is ``(n - warmup) / (decay - warmup)``, so the first step after warm-up runs at
-``--lr`` and the rate reaches ``--min-lr`` after ``--lr-decay-iters`` (default
-``--train-iters``) steps, staying there afterwards.
+Counted, as in Megatron-LM, in optimizer steps already taken ``n`` (``n = iteration - 1``; skipped
+fp16 steps do not count), or in samples already consumed with ``--train-samples``
+(``n = (iteration - 1) x --global-batch-size``).  Iteration 1 therefore runs at
+``--lr-warmup-init`` (default 0) when there is a warm-up; warm-up ends at ``n = warmup`` with
+``--lr``.  Decay progress is ``(n - warmup) / (decay - warmup)``, and after ``decay`` steps the
+rate stays at ``--min-lr``.  Warm-up length: ``--lr-warmup-iters`` (``--lr-warmup-samples``), or
+``--lr-warmup-fraction`` of the decay length; decay length: ``--lr-decay-iters`` (default
+``--train-iters``) or ``--lr-decay-samples`` (default ``--train-samples``).
 """
 from __future__ import annotations
 
 import math
 
 
-def learning_rate(iteration: int, lr: float, min_lr: float = 0.0, warmup_iters: int = 0,
-                  decay_iters: int = 0, style: str = "cosine") -> float:
-    """Learning rate for 1-based ``iteration``."""
-    if warmup_iters > 0 and iteration <= warmup_iters:
-        return lr * iteration / warmup_iters
+def scheduled_lr(steps: float, lr: float, min_lr: float = 0.0, warmup: float = 0, decay: float = 0,
+                 style: str = "cosine", init: float = 0.0) -> float:
+    """The rate after ``steps`` steps (or samples) taken, with warm-up and decay lengths in the same unit."""
+    if warmup > 0 and steps <= warmup:
+        return init + (lr - init) * steps / warmup
     if style == "constant":
         return lr
-    if iteration > decay_iters:
+    if steps > decay:
         return min_lr
-    progress = (iteration - 1 - warmup_iters) / max(1, decay_iters - warmup_iters)
+    if decay <= warmup:
+        return lr
+    progress = (steps - warmup) / (decay - warmup)
     if style == "linear":
         return lr - (lr - min_lr) * progress
     if style == "cosine":
@@ -29,8 +34,23 @@ def learning_rate(iteration: int, lr: float, min_lr: float = 0.0, warmup_iters: 
     raise ValueError(f"--lr-decay-style must be constant, linear or cosine, got {style!r}")
 
 
+def learning_rate(iteration: int, lr: float, min_lr: float = 0.0, warmup_iters: int = 0,
+                  decay_iters: int = 0, style: str = "cosine", init: float = 0.0) -> float:
+    """Learning rate of 1-based ``iteration`` with iteration-based lengths."""
+    return scheduled_lr(iteration - 1, lr, min_lr, warmup_iters, decay_iters, style, init)
+
+
 def lr_from_config(cfg, iteration: int) -> float:
-    """``learning_rate`` with the settings of a validated config."""
-    opt = cfg.optimizer
-    decay = opt.lr_decay_iters if opt.lr_decay_iters is not None else cfg.training.train_iters
-    return learning_rate(iteration, opt.lr, opt.min_lr, opt.lr_warmup_iters, decay, opt.lr_decay_style)
+    """The rate of 1-based ``iteration`` (skipped steps already subtracted) for a validated config."""
+    opt, tr = cfg.optimizer, cfg.training
+    if tr.train_samples:
+        steps = (iteration - 1) * tr.global_batch_size
+        decay = opt.lr_decay_samples if opt.lr_decay_samples is not None else tr.train_samples
+        warmup = opt.lr_warmup_samples
+    else:
+        steps = iteration - 1
+        decay = opt.lr_decay_iters if opt.lr_decay_iters is not None else tr.train_iters
+        warmup = opt.lr_warmup_iters
+    if opt.lr_warmup_fraction is not None:
+        warmup = opt.lr_warmup_fraction * decay
+    return scheduled_lr(steps, opt.lr, opt.min_lr, warmup, decay, opt.lr_decay_style, opt.lr_warmup_init)

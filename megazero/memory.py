@@ -1,32 +1,56 @@
-"""Per-rank memory estimate: model states per ZeRO stage plus activations.
+"""Per-rank memory of a configuration, per component, matched against measurement.
 
-Counts the parameters that one rank holds for a validated config (its pipeline stage, its
-tensor-parallel shard; the worst stage is reported, usually the first or last because of the
-embedding), then applies ZeRO's sharding over the data-parallel ranks:
+:func:`estimate_rank` gives one rank of pipeline stage ``pp_rank`` under a ZeRO stage, as device
+bytes per component plus host bytes:
 
-=====  =====================  ==================================
-stage  sharded                bytes per rank (mixed precision)
-=====  =====================  ==================================
-0      nothing                (P + G + K) * psi
-1      optimizer state        (P + G) * psi + K * psi / N
-2      + gradients            P * psi + (G + K) * psi / N
-3      + parameters           (P + G + K) * psi / N
-=====  =====================  ==================================
+==========================  ===================================================================
+component                   what it counts (where it comes from)
+==========================  ===================================================================
+``param_bytes``             the flat parameter buffer (ZeRO-3: this rank's shard)
+``grad_bytes``              the flat gradient buffer (ZeRO-2/3: this rank's shard)
+``optim_bytes``             fp32 master weights + optimizer moments (``master_bytes`` of it);
+                            host memory with ``--offload-optimizer``
+``comm_bytes``              gradient communication buffers in backward:
+                            ``peak_grad_bytes - grad_bytes``
+``gathered_param_bytes``    ZeRO-3: full buckets gathered for the units running now
+``pinned_param_bytes``      ZeRO-3: gathered buckets that the autograd graph of each in-flight
+                            micro-batch keeps until its backward (a linear layer saves
+                            ``weight.t()``, a view of the gathered bucket)
+``activation_bytes``        the peak over the schedule of the bytes autograd saves for backward
+                            (:mod:`megazero.activations`: embeddings, attention with the SDPA
+                            kernel used, MLP, norms, logits and loss, recomputation replays)
+``pipeline_buffer_bytes``   received stage inputs held until their backward that autograd does
+                            not already hold (half precision without full recomputation), and
+                            the two p2p tensors of one exchange
+``temporary_bytes``         working memory of the largest single step: the logits and the
+                            cross-entropy's fp32 temporaries on the last stage, a layer's
+                            backward elsewhere (an approximation, not measured on CPU)
+==========================  ===================================================================
 
-with ``P`` the bytes of a parameter in the compute dtype, ``G`` of a gradient (fp32 unless
-``--grad-reduce-dtype param``), and ``K`` the optimizer bytes per parameter (Adam: fp32 master
-when training in half precision + two fp32 moments; SGD: master + momentum if any).
-Activation bytes follow Korthikanti et al. (2022), per layer ``s*b*h*(34 + 5*a*s/h)`` in half
-precision, divided by TP where the activations are split, and reduced by recomputation.
+Model state (``param/grad/optim``) is exact: :mod:`megazero.model_state` replays the
+optimizer's bucket layout.  Activations are exact for what autograd saves (checked by
+``tests/test_memory.py`` against :mod:`megazero.measure`).  ``comm_bytes`` is an upper bound of
+the measured high-water mark (a reduction that finishes early frees its buffers sooner), and the
+ZeRO-3 working set an estimate.  ``total_bytes`` is the device total; ``host_bytes`` the host
+memory of ``--offload-optimizer`` (the optimizer state and one bucket's fp32 gradient copy).
+
+:func:`estimate` returns one row per ZeRO stage (0-3) for the pipeline stage that needs the most
+memory, with the keys above plus ``zero_stage``, ``pp_rank``, ``params_per_rank``,
+``total_bytes`` and ``optim_on_cpu``.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
+from megazero.activations import (dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks)
+from megazero.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
-from megazero.zero.memory import optimizer_bytes_per_param, zero_model_state_bytes
+
+COMPONENTS = ("param_bytes", "grad_bytes", "optim_bytes", "comm_bytes", "gathered_param_bytes",
+              "pinned_param_bytes", "activation_bytes", "pipeline_buffer_bytes", "temporary_bytes")
 
 
+# ---- parameter counts ------------------------------------------------------------------------
 def layer_params(cfg) -> int:
     """Parameters of one transformer layer (unsharded)."""
     m = cfg.model
@@ -42,100 +66,144 @@ def layer_params(cfg) -> int:
     return attn + mlp + norms
 
 
-def _layer_params_per_tp_rank(cfg) -> int:
-    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    h = m.hidden_size
-    norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
-    replicated = norms + (h * 2 if m.add_bias_linear else 0)  # norms + the two row-parallel biases
-    return (layer_params(cfg) - replicated) // tp + replicated
-
-
 def stage_params(cfg, pp_rank: int) -> int:
-    """Parameters held by one TP rank of pipeline stage ``pp_rank`` (all its virtual chunks)."""
-    m, par = cfg.model, cfg.parallel
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    n_layers = sum(len(r) for r in chunk_layers(cfg, pp_rank))
-    total = n_layers * _layer_params_per_tp_rank(cfg)
-    h = m.hidden_size
-    if pp_rank == 0:
-        total += m.padded_vocab_size * h // tp
-        if m.position_embedding_type == "learned_absolute":
-            total += m.max_position_embeddings * h
-    if pp_rank == pp - 1:
-        total += 2 * h if m.normalization == "LayerNorm" else h
-        if m.untie_embeddings_and_output_weights or pp > 1:  # untied head, or the tied copy
-            total += m.padded_vocab_size * h // tp
-    return total
+    """Parameters one TP rank of stage ``pp_rank`` holds (all its virtual chunks; the vocabulary
+    padded as the model pads it)."""
+    return sum(p.numel for c in rank_chunks(cfg, pp_rank) for p in c)
 
 
-def total_params(cfg) -> int:
-    """Parameters of the whole model (unsharded, tied embedding counted once)."""
+def total_params(cfg, padded: bool = False) -> int:
+    """Parameters of the whole model (unsharded, tied embedding counted once); ``padded``: with the
+    vocabulary padded to ``padded_vocab_size``, as the ranks hold it."""
     m = cfg.model
     h = m.hidden_size
-    n = m.num_layers * layer_params(cfg) + m.vocab_size * h + (2 * h if m.normalization == "LayerNorm" else h)
+    vocab = m.padded_vocab_size if padded else m.vocab_size
+    n = m.num_layers * layer_params(cfg) + vocab * h + (2 * h if m.normalization == "LayerNorm" else h)
     if m.position_embedding_type == "learned_absolute":
         n += m.max_position_embeddings * h
     if m.untie_embeddings_and_output_weights:
-        n += m.vocab_size * h
+        n += vocab * h
     return n
 
 
 def bytes_per_param(cfg) -> Dict[str, int]:
-    """(param, grad, optimizer) bytes per parameter for the configured precision and optimizer."""
-    pre, opt = cfg.precision, cfg.optimizer
-    half = pre.bf16 or pre.fp16
-    p = 2 if half else 4
-    g = 4 if pre.grad_reduce_dtype == "fp32" else p
-    k = optimizer_bytes_per_param(opt.optimizer, mixed_precision=half, momentum=bool(opt.sgd_momentum),
-                                  offload=cfg.parallel.offload_optimizer)
-    return {"param": p, "grad": g, "optim": k}
+    """(param, grad, optimizer) bytes per parameter for the configured precision and optimizer
+    (optimizer: fp32 master when it is a separate copy + moments)."""
+    bpe = bytes_per_element(cfg)
+    half = bpe["P"] == 2
+    master = 4 if (half or (cfg.parallel.offload_optimizer and cfg.parallel.zero_stage >= 1)) else 0
+    return {"param": bpe["P"], "grad": bpe["G"], "optim": master + bpe["state"]}
 
 
-def activation_bytes(cfg, pp_rank: int = 0) -> int:
-    """Activation bytes held by one rank of stage ``pp_rank`` at the pipeline's peak."""
-    m, par, tr = cfg.model, cfg.parallel, cfg.training
-    s, b, h, a = m.seq_length, tr.micro_batch_size, m.hidden_size, m.num_attention_heads
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    scale = (2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4) / 2  # the formula counts half bytes
-    sp = tp if par.sequence_parallel else 1
-    # Korthikanti et al.: 10 sbh unsplit (norms, dropouts, inputs) + 24 sbh split + 5 a s^2 b split
-    full_layer = s * b * h * (10 / sp + 24 / tp) + 5 * a * s * s * b / tp
-    selective_layer = s * b * h * (10 / sp + 24 / tp)
-    input_only = 2 * s * b * h / sp
-    n_layers = sum(len(r) for r in chunk_layers(cfg, pp_rank))
-    if m.recompute_granularity == "full":
-        k = m.recompute_num_layers or 1
-        if m.recompute_method == "block":
-            per_stage = min(k, n_layers) * input_only + max(n_layers - k, 0) * full_layer
+def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda") -> int:
+    """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
+    return stage_activation_peak(cfg, pp_rank, device)
+
+
+# ---- the other components ---------------------------------------------------------------------
+def _pinned_peak(cfg, pp_rank: int, pinned: Dict[int, Dict]) -> int:
+    """ZeRO-3: peak pinned gathered buckets over the schedule.  A chunk forward pins its root unit's
+    and its non-recomputed layers' linear buckets; fully recomputed layers pin theirs only during
+    their replay in backward (one group at a time, once the head and the later layers have
+    released theirs)."""
+    m = cfg.model
+    k = m.recompute_num_layers or 1
+    per_chunk = []
+    for v, layers in enumerate(chunk_layers(cfg, pp_rank)):
+        entry = pinned.get(v, {"root": 0, "layers": {}})
+        by_layer = [entry["layers"].get(i, 0) for i in layers]
+        if m.recompute_granularity == "full":
+            recomputed = len(by_layer) if m.recompute_method != "block" else min(k, len(by_layer))
+            group = k if m.recompute_method != "block" else 1
+            replay = max((sum(by_layer[i:i + group]) for i in range(0, recomputed, group)), default=0)
+            kept = entry["root"] + sum(by_layer[recomputed:])
+            # replays run after the head's and every later layer's backward released their pins
+            per_chunk.append((kept, max(kept, replay)))
         else:
-            groups = -(-n_layers // k)
-            per_stage = groups * input_only + min(k, n_layers) * full_layer  # one group rebuilt at a time
-    elif m.recompute_granularity == "selective":
-        per_stage = n_layers * selective_layer
-    else:
-        per_stage = n_layers * full_layer
-    in_flight = min(pp - pp_rank, tr.num_micro_batches) if par.pipeline_schedule != "gpipe" \
-        else tr.num_micro_batches
-    return int(per_stage * in_flight * scale)
+            kept = entry["root"] + sum(by_layer)
+            per_chunk.append((kept, kept))
+    return schedule_peak(cfg, pp_rank, per_chunk)
 
 
-def estimate(cfg) -> List[Dict[str, int]]:
-    """Per-ZeRO-stage bytes per rank for the stage with the most parameters.
+def pipeline_input_bytes(cfg, pp_rank: int) -> int:
+    """Peak bytes of received stage inputs the executor holds (each until its backward)."""
+    D = dims(cfg)
+    p2p = D.E * D.Tl * D.h
+    n_chunks = len(chunk_layers(cfg, pp_rank))
+    per_chunk = [(0, 0) if (pp_rank == 0 and v == 0) else (p2p, p2p) for v in range(n_chunks)]
+    if cfg.parallel.pipeline_model_parallel_size == 1 and n_chunks == 1:
+        return 0
+    return schedule_peak(cfg, pp_rank, per_chunk)
 
-    ``total_bytes`` is device memory: with ``--offload-optimizer`` (stages 1-3) ``optim_bytes``
-    live in host memory and are left out of it (``optim_on_cpu``)."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    worst = max(range(pp), key=lambda r: stage_params(cfg, r))
-    psi = stage_params(cfg, worst)
-    n = cfg.parallel.data_parallel_size
-    bp = bytes_per_param(cfg)
-    act = activation_bytes(cfg, worst)
+
+def _pipeline_buffers(cfg, pp_rank: int) -> int:
+    """Received inputs not already saved by autograd (module docstring), plus one exchange."""
+    if cfg.parallel.pipeline_model_parallel_size == 1:
+        return 0
+    D = dims(cfg)
+    saved_anyway = not D.half or cfg.model.recompute_granularity == "full"
+    held = 0 if saved_anyway else pipeline_input_bytes(cfg, pp_rank)
+    return held + 2 * D.E * D.Tl * D.h
+
+
+def _temporary(cfg, pp_rank: int, device: str) -> int:
+    """Working memory of the largest step (approximate): on the last stage the logits ``E T Vp``
+    and the cross-entropy's fp32 temporaries (about three ``4 T Vp`` beyond the saved softmax);
+    elsewhere a layer's backward (gradients of the MLP's intermediate and of the layer input)."""
+    D = dims(cfg, device)
+    layer = 2 * D.E * D.T * max(D.fp, D.h) + 2 * D.E * D.T * D.h
+    if pp_rank == cfg.parallel.pipeline_model_parallel_size - 1:
+        return max(layer, D.T * D.vp * (D.E + 12))
+    return layer
+
+
+def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: str = "cuda",
+                  backend: Optional[str] = None) -> Dict[str, object]:
+    """Every component (module docstring) for one rank of stage ``pp_rank``; ``zero_stage``
+    defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA."""
+    stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
+    backend = backend or ("gloo" if device == "cpu" else "nccl")
+    ms = model_state(cfg, pp_rank, stage, backend)
+    out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
+    out.update({k: ms[k] for k in ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes",
+                                   "master_bytes", "peak_grad_bytes", "gathered_param_bytes", "optim_on_cpu")})
+    out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
+    out["pinned_param_bytes"] = _pinned_peak(cfg, pp_rank, ms["pinned"]) if ms["pinned"] else 0
+    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, device)
+    out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)
+    out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
+    out["temporary_bytes"] = _temporary(cfg, pp_rank, device)
+    out["in_flight_micro_batches"] = in_flight(cfg, pp_rank)
+    on_device = [k for k in COMPONENTS if not (k == "optim_bytes" and ms["optim_on_cpu"])]
+    out["total_bytes"] = sum(int(out[k]) for k in on_device)
+    largest_shard = ms["max_bucket_elements"] // cfg.parallel.data_parallel_size
+    out["host_bytes"] = ms["optim_bytes"] + (4 * largest_shard if device != "cpu" else 0) \
+        if ms["optim_on_cpu"] else 0
+    return out
+
+
+def estimate_stages(cfg, zero_stage: Optional[int] = None, device: str = "cuda",
+                    backend: Optional[str] = None) -> List[Dict[str, object]]:
+    """:func:`estimate_rank` for every pipeline stage."""
+    return [estimate_rank(cfg, r, zero_stage, device, backend)
+            for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
+def estimate(cfg, device: str = "cuda", backend: Optional[str] = None) -> List[Dict[str, object]]:
+    """One row per ZeRO stage 0-3: the pipeline stage that needs the most device memory.
+    ``--offload-optimizer`` applies to stages 1-3 (stage 0 keeps its optimizer on the device)."""
     rows = []
     for stage in range(4):
-        b = zero_model_state_bytes(psi, stage, n, bp["param"], bp["grad"], bp["optim"])
-        on_cpu = bool(cfg.parallel.offload_optimizer and stage >= 1)  # host memory, not the device's
-        device = b["param_bytes"] + b["grad_bytes"] + (0 if on_cpu else b["optim_bytes"])
-        rows.append({"zero_stage": stage, "params_per_rank": psi, "param_bytes": int(b["param_bytes"]),
-                     "grad_bytes": int(b["grad_bytes"]), "optim_bytes": int(b["optim_bytes"]),
-                     "activation_bytes": act, "total_bytes": int(device) + act, "optim_on_cpu": on_cpu})
+        per_stage = estimate_stages(cfg, stage, device, backend)
+        rows.append(max(per_stage, key=lambda r: r["total_bytes"]))
     return rows
+
+
+def worst_stage_total(cfg, device: str = "cuda") -> int:
+    """Device bytes of the most loaded rank under the config's own ZeRO stage."""
+    return max(int(r["total_bytes"]) for r in estimate_stages(cfg, None, device))
+
+
+def stage_chunk_profiles(cfg, pp_rank: int, device: str = "cuda"):
+    """(kept, backward peak) activation bytes per chunk for one micro-batch (for reports)."""
+    return stage_chunks(cfg, pp_rank, device)

@@ -16,7 +16,9 @@ Every ``--eval-interval`` iterations the model runs forward only on ``--eval-ite
 batches.  With ``--save`` a checkpoint is written every ``--save-interval`` iterations and at the
 end; ``--load`` resumes from the latest one, written under any layout (:mod:`megazero.checkpoint`):
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
-samples) and the loss scale continue.  The engine never imports ``models``: callers pass
+samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
+prints the config's start-up notes (ignored Megatron-LM flags ...) and logs through
+:class:`megazero.logging.TrainingLogger`, which continues the metrics file from the start iteration.  The engine never imports ``models``: callers pass
 ``model_provider(cfg, mesh)`` returning this rank's list of model chunks (one per virtual
 pipeline stage).
 """
@@ -122,32 +124,42 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     from megazero.checkpoint import check_save_dir, resume_iteration
     if ck.save:
         guard.save_lock = check_save_dir(ck.save, mesh)
-    return resume_iteration(ck.load, ck.save, mesh) if ck.load else None
+    return resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
 
 
-def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, iteration: int):
-    """``--load``: returns (iteration, skipped iterations, data offset in batches)."""
+def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig):
+    """``--load``: returns (iteration, skipped iterations, data offset in batches, wandb run id,
+    the line to print)."""
     from megazero.checkpoint import CheckpointError, load
-    info = load(cfg.checkpoint.load, chunks, optimizer, mesh, cfg)  # newest usable: may fall back
-    for warning in info.get("warnings", []):
-        logger.print(f"warning: {warning}")
+    ck = cfg.checkpoint
+    # --ckpt-step: exactly that iteration; else the newest usable one (a corrupt newest falls back)
+    info = load(ck.load, chunks, optimizer, mesh, cfg, iteration=ck.ckpt_step)
     it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
     consumed = int(extra.get("consumed_samples", it * gbs))
     if consumed % gbs:
         raise CheckpointError(f"{info['path']}: {consumed} consumed samples is not a multiple of "
                               f"--global-batch-size {gbs}; resume with a global batch size that divides it")
     lay = info["layout"]
-    logger.print(f"loaded checkpoint {info['path']} (iteration {it}, {consumed} samples; saved under tp "
-                 f"{lay['tp']} pp {lay['pp']} dp {lay['dp']} zero {lay['zero_stage']}; RNG "
-                 f"{'restored' if info['rng_restored'] else 'reseeded'}) in {info['seconds']:.2f} s")
-    return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it
+    if ck.finetune:
+        what = f"weights of iteration {info['saved_iteration']} for fine-tuning from iteration 0"
+    else:
+        what = f"iteration {it}, {consumed} samples"
+    fresh = "" if info["optimizer_loaded"] else "; fresh optimizer"
+    rng = "restored" if info["rng_restored"] else ("from --seed" if ck.finetune else "reseeded")
+    line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} "
+            f"zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
+            f"{info['seconds']:.2f} s")
+    line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
+    return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it, extra.get("wandb_run_id"), line
 
 
 def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
           skipped_total: int, lock=None) -> None:
     from megazero.checkpoint import save
-    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg,
-                   extra={"consumed_samples": consumed, "skipped_iterations": skipped_total}, lock=lock)
+    extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total}
+    if logger.wandb_id:  # rank 0's metadata: a resumed run continues this wandb run
+        extra["wandb_run_id"] = logger.wandb_id
+    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg, extra=extra, lock=lock)
     logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
 
 
@@ -204,18 +216,26 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
         c.train()
     optimizer = build_optimizer(chunks, mesh, cfg)
     data = build_data(cfg)
-    logger = TrainingLogger(cfg, mesh.rank, stream)
+    start_iter, skipped_total, data_offset, wandb_id, loaded = 0, 0, 0, None, None
+    if ck.load and resume_from is not None:
+        start_iter, skipped_total, data_offset, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg)
+    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=start_iter, wandb_id=wandb_id)
+    for note in cfg.notes:
+        logger.print(f"megazero: {note}")
     model_flops, hw_flops = model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg)
     peak = device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16")
     tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
-    history, start_iter, skipped_total, data_offset, saved_at = [], 0, 0, 0, None
+    history, saved_at = [], None
     if ck.load and resume_from is None:
         logger.print(f"no checkpoint in {ck.load} yet (it is also --save): starting from scratch")
-    elif ck.load:
-        start_iter, skipped_total, data_offset = _resume(chunks, optimizer, mesh, cfg, logger, resume_from)
+    elif loaded:
+        logger.print(loaded)
+    if logger.dropped_rows:
+        logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration {start_iter} "
+                     "(written by an earlier run); this run's rows follow")
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)
@@ -275,9 +295,10 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
 
     Returns the exit status: 0 (also after a clean early stop: signal, time or iteration limit), 2
-    for an invalid flag combination, 1 for a failure.  Each failure is printed once, without a
-    traceback when it is an expected kind (:func:`megazero.resilience.report_failure`); under
-    torchrun the process ends with its launcher (:func:`megazero.resilience.exit_with_parent`)."""
+    for an invalid flag combination or a checkpoint that cannot be used, 1 for any other failure.
+    Each failure is printed once, without a traceback when it is an expected kind
+    (:func:`megazero.resilience.report_failure`); under torchrun the process ends with its launcher
+    (:func:`megazero.resilience.exit_with_parent`)."""
     from megazero.resilience import exit_with_parent, report_failure
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_parent()
@@ -285,12 +306,21 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     try:
         cfg = parse_args(argv, presets, world_size=world)
         build_data(cfg)  # fails early for data settings this build cannot serve
+        if cfg.logging.tensorboard_dir:
+            from megazero.logging import tensorboard_writer_class
+            try:
+                tensorboard_writer_class()
+            except ImportError as err:
+                raise ConfigError(str(err)) from None
     except ConfigError as err:
         return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
+    from megazero.checkpoint import CheckpointError
     try:
         train(cfg, model_provider)
     except Exception as err:  # noqa: BLE001 - reported once, with the exit status
-        return report_failure(err)
+        code = report_failure(err)
+        # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag
+        return 2 if isinstance(err, CheckpointError) else code
     return 0

@@ -4,6 +4,9 @@
 - :func:`build_chunks` (``cfg, mesh``): this rank's pipeline chunks, one per virtual stage.
 - :mod:`models.presets`: named architectures (``tiny``, ``gpt2-small`` ... ``llama3-8b``).
 - :mod:`models.hf`: Hugging Face ``transformers`` import and export.
+- :func:`generate` (``model, ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id``):
+  greedy or sampled continuation with a KV cache (:mod:`models.generate`).
+- :mod:`models.checkpoint`: ``load_model(directory)``, a whole model from a training checkpoint.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import List, Optional
 from megazero.mesh import ParallelMesh
 from megazero.pipeline.partition import chunk_layers
 from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
+from .generate import generate  # noqa: F401
 from .gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
 from .presets import PRESETS, get_preset  # noqa: F401
 

@@ -25,7 +25,7 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full,
                                              normal_init, pad_rows, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
-from .layers import Norm, TransformerLayer, rope_cos_sin
+from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -78,11 +78,11 @@ class GPTModel(nn.Module):
                 w.shared_embedding = w.tied_copy = tied
 
     # ---- pieces of the forward pass -----------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[b, s]`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
+    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
         x = self.word_embeddings(ids.t())
         if hasattr(self, "position_embeddings"):
-            start = self.mesh.tp_rank * x.shape[0] if self.sequence_parallel else 0
+            start = offset + (self.mesh.tp_rank * x.shape[0] if self.sequence_parallel else 0)
             x = x + self.position_embeddings.weight[start:start + x.shape[0]].unsqueeze(1).to(x.dtype)
         p = self.cfg.model.hidden_dropout
         if self.training and p > 0:
@@ -92,12 +92,13 @@ class GPTModel(nn.Module):
             return F.dropout(x, p)
         return x
 
-    def _rope(self, x: torch.Tensor):
+    def _rope(self, x: torch.Tensor, offset: int = 0):
         m = self.cfg.model
         if m.position_embedding_type != "rope":
             return None
         seq = x.shape[0] * (self.mesh.tp_size if self.sequence_parallel else 1)
-        return rope_cos_sin(seq, m.kv_channels, m.rotary_base, x.device)
+        cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device)
+        return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, with full recomputation (uniform or block) when configured."""
@@ -128,6 +129,22 @@ class GPTModel(nn.Module):
         """The head's weight shard ``[padded_vocab / tp, h]`` (the embedding itself when tied in one
         chunk)."""
         return self.output_layer.weight if hasattr(self, "output_layer") else self.word_embeddings.weight
+
+    def decode(self, ids: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Generation step: logits ``[b, s, vocab]`` (unpadded, gathered over TP) of tokens ``ids``
+        ``[b, s]`` that follow the ``kv_cache.length`` positions already in ``kv_cache``, whose keys
+        and values it extends.  The whole model only (pp = 1), without sequence parallelism."""
+        if not (self.pre_process and self.post_process) or self.sequence_parallel:
+            raise ValueError("decode needs the whole model (pp = 1) without --sequence-parallel")
+        past = kv_cache.length
+        x = self.embed(ids, offset=past)
+        rope = self._rope(x, offset=past)
+        for layer in self.decoder.values():
+            x = layer(x, rope, kv_cache)
+        kv_cache.length = past + ids.shape[1]
+        x = copy_to_tp(self.final_norm(x), self.mesh)
+        logits = F.linear(x, self.output_weight())
+        return gather_from_tp(logits, self.mesh)[..., :self.cfg.model.vocab_size].transpose(0, 1)
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

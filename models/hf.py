@@ -171,13 +171,15 @@ def hf_config_from(cfg):
     m = cfg.model
     if _arch(m) == "gpt2":
         from transformers import GPT2Config
+        eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
                          n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
                          activation_function="gelu_new", layer_norm_epsilon=m.norm_epsilon,
                          resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                          attn_pdrop=m.attention_dropout,
                          initializer_range=m.init_method_std,
-                         tie_word_embeddings=not m.untie_embeddings_and_output_weights)
+                         tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+                         bos_token_id=eod, eos_token_id=eod)
         out.architectures = ["GPT2LMHeadModel"]
     else:
         from transformers import LlamaConfig
@@ -240,3 +242,40 @@ def to_hf(model: GPTModel, out_dir: str) -> Optional[str]:
     hf_config.save_pretrained(out_dir)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+TOKENIZER_CHECK = ["Hello world, this is a tokenizer check: 12345.", "ROMEO:\nBut, soft! what light\n\n  breaks?"]
+
+
+def export_tokenizer(path: str, out_dir: str) -> str:
+    """Write the tokenizer ``path`` (a sentencepiece ``.model`` file or a Hugging Face tokenizer
+    directory) into ``out_dir`` so that ``transformers.AutoTokenizer`` (and ``pipeline``) load it.
+
+    A sentencepiece model is converted by ``transformers`` into a ``tokenizers`` tokenizer and
+    checked: it must encode sample texts to the same ids as sentencepiece (ValueError otherwise).
+    Returns the Hugging Face tokenizer written."""
+    import json
+    import shutil
+    import tempfile
+    from transformers import AutoTokenizer
+    if os.path.isdir(path):
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.save_pretrained(out_dir)
+        return tok
+    from megazero.data.tokenizer import SentencePieceTokenizer
+    sp = SentencePieceTokenizer(path)
+    piece = sp.sp.IdToPiece
+    special = {name: piece(i) for name, i in (("unk_token", sp.unk_id), ("bos_token", sp.bos_id),
+                                              ("eos_token", sp.eos_id), ("pad_token", sp.pad_id)) if i >= 0}
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(path, os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as fh:
+            json.dump(dict(special, tokenizer_class="TokenizersBackend"), fh)
+        tok = AutoTokenizer.from_pretrained(tmp)
+    for text in TOKENIZER_CHECK:
+        got, want = tok.encode(text, add_special_tokens=False), sp.encode(text)
+        if got != want:
+            raise ValueError(f"{path}: the converted Hugging Face tokenizer encodes {text!r} to {got[:12]}, "
+                             f"sentencepiece to {want[:12]}; this tokenizer cannot be exported")
+    tok.save_pretrained(out_dir)
+    return tok

@@ -11,7 +11,7 @@ groups and TP shards concatenate to the TP = 1 weight.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
+class KVCache:
+    """Past keys and values of every layer, for generation: ``[b, groups (/ tp), s, head_dim]`` per
+    layer, and ``length``, the number of positions already in it (the caller advances it after
+    each forward pass over all layers)."""
+
+    def __init__(self):
+        self.keys: Dict[int, torch.Tensor] = {}
+        self.values: Dict[int, torch.Tensor] = {}
+        self.length = 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys and values of ``layer``; returns all of them."""
+        if layer in self.keys:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads split over TP (column-parallel QKV,
     row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward."""
@@ -72,7 +90,7 @@ class Attention(nn.Module):
     def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
-        self.mesh, self.tracker, self.recompute_core = mesh, tracker, recompute_core
+        self.mesh, self.tracker, self.recompute_core, self.layer_idx = mesh, tracker, recompute_core, layer_idx
         self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
         self.q_per_group = m.num_attention_heads // m.num_query_groups
         self.groups = m.num_query_groups // mesh.tp_size
@@ -94,13 +112,26 @@ class Attention(nn.Module):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+        """Generation: queries of the positions after the ``past`` ones, keys and values of all."""
+        k = k.repeat_interleave(self.q_per_group, dim=1)
+        v = v.repeat_interleave(self.q_per_group, dim=1)
+        if past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # query i (position past + i) sees keys 0 .. past + i
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         qkv = rearrange(self.qkv(x), "s b (g n d) -> b g n s d", g=self.groups, d=self.head_dim)
         q = rearrange(qkv[:, :, :self.q_per_group], "b g n s d -> b (g n) s d")
         k, v = qkv[:, :, self.q_per_group], qkv[:, :, self.q_per_group + 1]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.recompute_core and torch.is_grad_enabled():
+        if kv_cache is not None:
+            past = kv_cache.length
+            out = self.cached_core(q, *kv_cache.extend(self.layer_idx, k, v), past)
+        elif self.recompute_core and torch.is_grad_enabled():
             out = recompute(self.core, q, k, v, tracker=self.tracker, device=x.device)
         else:
             out = self.core(q, k, v)
@@ -161,6 +192,6 @@ class TransformerLayer(nn.Module):
                 return F.dropout(h, self.dropout)
         return F.dropout(h, self.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rope, kv_cache))
         return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))

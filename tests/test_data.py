@@ -20,6 +20,7 @@ from megazero.data.gpt_dataset import BlendedGPTData, GPTDataset, parse_data_pat
 from megazero.data import preprocess
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, write_index
 from megazero.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+from tolerance import R_TRAIN_ADAM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the king queen sword love night day crown fool death sleep dream heart blood honour lord lady "
@@ -543,8 +544,8 @@ def test_training_on_preprocessed_text_one_process_and_dp2(corpus):
     assert losses[0] == pytest.approx(math.log(256), rel=0.1) and losses[-1] < losses[0] - 1.0, losses
     assert math.isfinite(ref[-1]["eval_loss"])
     ranks = run_ranks(_train_history, 2, cfg)
-    for hist in ranks:
-        assert [m["loss"] for m in hist] == pytest.approx(losses, rel=1e-4)
+    for hist in ranks:  # fp32 Adam, DP 2 vs one process: R_TRAIN_ADAM (observed 2.7e-8 relative)
+        assert [m["loss"] for m in hist] == pytest.approx(losses, rel=R_TRAIN_ADAM)
 
 
 def test_eod_mask_loss_leaves_out_predictions_across_documents(corpus):
@@ -583,3 +584,18 @@ def test_preprocess_unwritable_output_prefix_is_one_message(corpus, tmp_path, ca
                             str(blocker / "sub" / "x"), "--tokenizer-model", corpus["tok"]])
     err = capsys.readouterr().err
     assert code == 2 and "--output-prefix" in err and "Traceback" not in err and err.count("error:") == 1
+
+
+def test_separate_train_and_valid_sets(tmp_path):
+    """--train-data-path / --valid-data-path (Megatron-LM's): training reads only the first set,
+    evaluation only the second, no --split."""
+    train_prefix = _numbered(tmp_path, "train", 40, base=0)
+    valid_prefix = _numbered(tmp_path, "valid", 40, base=100, seed=1)
+    cfg = validate(_data_cfg([], train_data_path=[train_prefix], valid_data_path=[valid_prefix], eval_interval=2))
+    data = build_data(cfg)
+    assert int(data.get_tokens(range(16), "train").max()) < 40  # every token names a training document
+    assert int(data.get_tokens(range(16), "valid").min()) >= 100
+    with pytest.raises(ConfigError, match="--eval-interval with --train-data-path needs --valid-data-path"):
+        validate(_data_cfg([], train_data_path=[train_prefix], eval_interval=2))
+    with pytest.raises(ConfigError, match="--data-path and --train-data-path are exclusive"):
+        validate(_data_cfg([train_prefix], train_data_path=[train_prefix]))

@@ -197,3 +197,78 @@ def test_training_run_metrics_file_equals_wandb_offline_run(tmp_path, monkeypatc
     history, config = read_wandb_offline(cfg.logging.wandb_save_dir)  # exactly one run (rank 0's)
     assert_same_values(records, history)
     assert config["parallel"].get("value", config["parallel"])["data_parallel_size"] == 2
+
+
+def test_metrics_file_appends_and_a_restart_drops_the_rows_after_its_start(tmp_path):
+    cfg = MegazeroConfig()
+    cfg.training.train_iters = 5
+    cfg.logging.metrics_file = str(tmp_path / "metrics.jsonl")
+    log = TrainingLogger(cfg, stream=io.StringIO())
+    for it in (1, 2, 3, 4):  # this run died after iteration 4; its last checkpoint was iteration 2
+        log.log(_metrics(it))
+    log.close()
+    resumed = TrainingLogger(cfg, stream=io.StringIO(), start_iteration=2)
+    assert resumed.dropped_rows == 2
+    for it in (3, 4, 5):
+        resumed.log(_metrics(it))
+    resumed.close()
+    rows = [json.loads(line) for line in open(cfg.logging.metrics_file)]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]  # each iteration once
+
+
+def test_tensorboard_gets_the_metrics_file_values(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = MegazeroConfig()
+    cfg.training.train_iters = 3
+    cfg.logging.tensorboard_dir = str(tmp_path / "tb")
+    log = TrainingLogger(cfg, stream=io.StringIO())
+    for it in (1, 2, 3):
+        log.log(dict(_metrics(it), grad_norm=float("inf") if it == 2 else 0.5))
+    log.close()
+    acc = EventAccumulator(cfg.logging.tensorboard_dir)
+    acc.Reload()
+    loss = [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert loss == [(it, pytest.approx(_metrics(it)["loss"])) for it in (1, 2, 3)]
+    assert [e.step for e in acc.Scalars("grad_norm")] == [1, 3]  # a non-finite value is left out
+
+
+def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys):
+    import builtins
+    from megazero.training import main
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--mock-data", "--tensorboard-dir", "tb"], lambda cfg, mesh: None) == 2
+    assert "--tensorboard-dir needs the tensorboard package" in capsys.readouterr().err
+
+
+def test_wandb_resumes_the_run_of_the_checkpoint(monkeypatch, tmp_path):
+    import sys
+    import types
+    calls = []
+
+    class Run:
+        id = "run-abc"
+
+        def log(self, values, step):
+            pass
+
+        def finish(self):
+            pass
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = MegazeroConfig()
+    cfg.logging.wandb_project, cfg.logging.wandb_mode, cfg.logging.wandb_entity = "p", "offline", "team"
+    log = TrainingLogger(cfg, stream=io.StringIO())
+    assert log.wandb_id == "run-abc" and "id" not in calls[0] and calls[0]["entity"] == "team"
+    log.close()
+    TrainingLogger(cfg, stream=io.StringIO(), start_iteration=4, wandb_id="run-abc").close()
+    assert calls[1]["id"] == "run-abc" and calls[1]["resume"] == "allow"

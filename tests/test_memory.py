@@ -1,4 +1,8 @@
-"""The memory estimator counts exactly the parameters the model builds, per rank and stage."""
+"""The memory model: parameter counts, the exact model state, and estimate vs measurement.
+
+The six-layout test runs each configuration on forked gloo ranks with the trainer's pieces
+(megazero.measure) and checks the estimate per component: model state exact, activations (bytes
+autograd keeps for backward, peak over the schedule) within 10%."""
 import json
 import os
 import subprocess
@@ -6,11 +10,13 @@ import sys
 
 import pytest
 
+from megazero.activations import Dims, core_bytes, dims, layer_bytes
 from megazero.config import config_from_dict, validate
-from megazero.memory import estimate, stage_params, total_params
+from megazero.memory import estimate, estimate_rank, estimate_stages, stage_params, total_params
 from megazero.mesh import ParallelMesh
 from megazero.testing import run_ranks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16)
 LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
              add_bias_linear=False, num_query_groups=2, untie_embeddings_and_output_weights=True)
@@ -45,36 +51,164 @@ def test_total_params_match_one_process(arch):
     assert sum(p.numel() for p in models.build_model(cfg).parameters()) == total_params(cfg)
 
 
+def test_rank_never_holds_more_than_the_padded_model():
+    cfg = cfg_of(8, **dict(GPT2, vocab_size=50257), tensor_model_parallel_size=2)
+    assert total_params(cfg) < total_params(cfg, padded=True)
+    assert estimate(cfg)[0]["params_per_rank"] <= total_params(cfg, padded=True)
+
+
 def test_estimate_follows_the_zero_formula():
+    # one bucket whose size is a multiple of DP: the layout formula holds exactly
     cfg = cfg_of(8, **GPT2, bf16=True, tensor_model_parallel_size=2)
     rows = estimate(cfg)
-    psi, n = rows[0]["params_per_rank"], 4
+    n = 4
+    psi = rows[0]["param_bytes"] // 2
     assert [r["param_bytes"] for r in rows] == [2 * psi, 2 * psi, 2 * psi, 2 * psi // n]
     assert [r["grad_bytes"] for r in rows] == [4 * psi, 4 * psi, 4 * psi // n, 4 * psi // n]
     assert [r["optim_bytes"] for r in rows] == [12 * psi, 12 * psi // n, 12 * psi // n, 12 * psi // n]
-    full = cfg_of(8, **GPT2, bf16=True, tensor_model_parallel_size=2, recompute_granularity="full")
-    sel = cfg_of(8, **GPT2, bf16=True, tensor_model_parallel_size=2, recompute_granularity="selective")
-    acts = [estimate(c)[0]["activation_bytes"] for c in (cfg, sel, full)]
+    assert [r["master_bytes"] for r in rows] == [4 * psi, 4 * psi // n, 4 * psi // n, 4 * psi // n]
+    assert 0 <= psi - rows[0]["params_per_rank"] < n  # bucket padding only
+    assert rows[0]["comm_bytes"] == 0 and rows[2]["comm_bytes"] > 0  # ZeRO-2 reduce-scatters via a bucket
+
+
+def test_recomputation_orders_activations_and_full_beats_selective():
+    base = dict(GPT2, bf16=True, tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)
+    acts = [estimate_rank(cfg_of(8, **base, **extra), 0)["activation_bytes"]
+            for extra in ({}, {"recompute_granularity": "selective"}, {"recompute_granularity": "full"})]
     assert acts[0] > acts[1] > acts[2] > 0
+    # full recomputation stays below selective on a deep pipeline too (the bug the old rule had)
+    deep = dict(LLAMA, num_layers=8, pipeline_model_parallel_size=8, global_batch_size=16, micro_batch_size=1)
+    full = estimate_rank(cfg_of(8, **deep, recompute_granularity="full"), 0)["activation_bytes"]
+    sel = estimate_rank(cfg_of(8, **deep, recompute_granularity="selective"), 0)["activation_bytes"]
+    assert full < sel
+
+
+def test_flash_attention_keeps_no_seq_squared_term():
+    cfg = cfg_of(1, **dict(LLAMA, seq_length=512, hidden_size=64), bf16=True, micro_batch_size=1)
+    D = dims(cfg, "cuda")
+    assert D.backend == "flash"
+    doubled = dims(cfg_of(1, **dict(LLAMA, seq_length=1024, hidden_size=64), bf16=True,
+                          micro_batch_size=1), "cuda")
+    assert core_bytes(doubled) == 2 * core_bytes(D)  # linear in s: no a*s^2 scores kept
+    math = Dims(**dict(D.__dict__, backend="math", attention_dropout=True))
+    math2 = Dims(**dict(math.__dict__, s=2 * math.s))
+    s2 = math.b * math.ap * math.s * math.s  # probabilities, dropout mask, dropped probabilities
+    assert core_bytes(math2) - 2 * core_bytes(math) == 2 * s2 * (2 * math.E + math.M)
+
+
+def test_layer_bytes_by_hand_gpt2_fp32():
+    """One GPT-2 layer on CPU, fp32, TP 1, no dropout: every saved tensor by hand."""
+    cfg = cfg_of(1, **GPT2, micro_batch_size=2)
+    s, b, h, a, d, f = 16, 2, 32, 4, 8, 128
+    T = s * b
+    norm = 4 * T * h + 2 * 4 * T                            # fp32 input, mean, rstd
+    attention = 4 * T * 3 * h + 2 * 4 * T * h + 4 * T * h + 4 * b * a * s  # qkv (q view), k, v, out, lse
+    mlp = 4 * T * h + 2 * 4 * T * f                          # input, gelu in and out
+    assert layer_bytes(dims(cfg, "cpu")) == 2 * norm + 4 * T * h + attention + mlp
+
+
+def test_pipeline_schedule_counts_in_flight_micro_batches():
+    base = dict(GPT2, num_layers=4, pipeline_model_parallel_size=4, global_batch_size=16, micro_batch_size=2)
+    one_f = estimate_stages(cfg_of(4, **base))
+    gpipe = estimate_stages(cfg_of(4, **base, pipeline_schedule="gpipe"))
+    assert [r["in_flight_micro_batches"] for r in one_f] == [4, 3, 2, 1]
+    assert [r["in_flight_micro_batches"] for r in gpipe] == [8, 8, 8, 8]
+    assert gpipe[1]["activation_bytes"] == 8 * one_f[1]["activation_bytes"] // 3
+
+
+def test_offload_moves_optimizer_bytes_to_the_host():
+    on = estimate(cfg_of(2, **GPT2, zero_stage=2, offload_optimizer=True), device="cpu")
+    off = estimate(cfg_of(2, **GPT2, zero_stage=2), device="cpu")
+    assert on[2]["optim_on_cpu"] and not on[0]["optim_on_cpu"]
+    assert on[2]["total_bytes"] == off[2]["total_bytes"] - off[2]["optim_bytes"]
+    # fp32 params offloaded need a separate fp32 master copy on the host: 4 + 8 bytes per param
+    assert on[2]["optim_bytes"] == 12 * on[2]["param_bytes"] // 4 // 2
+    assert on[2]["host_bytes"] == on[2]["optim_bytes"] and off[2]["host_bytes"] == 0
 
 
 def test_estimate_memory_script_json():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "estimate_memory.py"), "--json",
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--json",
                           "--model", "gpt2-small", "--world-size", "8", "--tensor-model-parallel-size", "2",
                           "--bf16"], capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
     assert data["data_parallel_size"] == 4 and len(data["stages"]) == 4
-    assert all(set(s) >= {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes"}
-               for s in data["stages"])
+    keys = {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes", "comm_bytes",
+            "pinned_param_bytes", "gathered_param_bytes", "temporary_bytes", "host_bytes"}
+    assert all(set(s) >= keys for s in data["stages"])
     totals = [s["total_bytes"] for s in data["stages"]]
-    assert totals == sorted(totals, reverse=True) and totals[3] < totals[0]
+    assert totals[0] > totals[1] > totals[2]
+    assert data["stages"][3]["param_bytes"] * 4 == data["stages"][2]["param_bytes"]
 
 
-def test_offload_moves_optimizer_bytes_off_the_device():
-    on = estimate(cfg_of(2, **GPT2, zero_stage=2, offload_optimizer=True))
-    off = estimate(cfg_of(2, **GPT2, zero_stage=2))
-    assert on[2]["optim_on_cpu"] and not on[0]["optim_on_cpu"]
-    assert on[2]["total_bytes"] == off[2]["total_bytes"] - off[2]["optim_bytes"]
-    # fp32 params offloaded need a separate fp32 master copy on the host: 4 + 8 bytes per param
-    assert on[2]["optim_bytes"] == 12 * on[2]["params_per_rank"] // 2
+def test_estimate_memory_script_bad_flag_exits_2():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--model",
+                          "gpt2-small", "--world-size", "3", "--tensor-model-parallel-size", "2"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--tensor-model-parallel-size" in res.stderr
+
+
+# ---- estimate vs measurement ----------------------------------------------------------------
+LAYOUTS = {
+    "tp2-dp2-zero1-bf16-selective-dropout": dict(GPT2, tensor_model_parallel_size=2, zero_stage=1, bf16=True,
+                                                 recompute_granularity="selective", hidden_dropout=0.1,
+                                                 attention_dropout=0.1),
+    "tp2sp-pp2-1f1b-full-llama": dict(LLAMA, tensor_model_parallel_size=2, sequence_parallel=True,
+                                      pipeline_model_parallel_size=2, recompute_granularity="full",
+                                      global_batch_size=8),
+    "pp2-interleaved-dp2-zero2": dict(GPT2, pipeline_model_parallel_size=2, zero_stage=2,
+                                      num_layers_per_virtual_pipeline_stage=1, global_batch_size=16,
+                                      ddp_bucket_size=5000),
+    "pp4-gpipe-bf16-llama": dict(LLAMA, pipeline_model_parallel_size=4, pipeline_schedule="gpipe", bf16=True,
+                                 global_batch_size=8),
+    "dp4-zero3-block-llama": dict(LLAMA, zero_stage=3, recompute_granularity="full", recompute_method="block",
+                                  recompute_num_layers=2, global_batch_size=16),
+    "tp4sp-zero2-offload-bf16": dict(LLAMA, num_query_groups=4, tensor_model_parallel_size=4,
+                                     sequence_parallel=True, bf16=True, zero_stage=2, offload_optimizer=True),
+    "pp2-dp2-zero3-bf16": dict(GPT2, pipeline_model_parallel_size=2, zero_stage=3, bf16=True,
+                               global_batch_size=16),
+}
+
+
+def _measure(settings):
+    import models
+    from megazero.measure import measure_rank
+    return measure_rank(cfg_of(4, **settings), models.build_chunks, iters=1)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_estimate_matches_measurement(name):
+    settings = dict(LAYOUTS[name], micro_batch_size=2)
+    cfg = cfg_of(4, **settings)
+    est = {r["pp_rank"]: r for r in estimate_stages(cfg, device="cpu", backend="gloo")}
+    for m in run_ranks(_measure, 4, settings):
+        e = est[m["pp_rank"]]
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+            assert e[key] == m[key], (name, m["rank"], key)
+        assert m["activation_bytes"] > 0
+        assert abs(e["activation_bytes"] - m["activation_bytes"]) <= 0.10 * m["activation_bytes"], (name, m)
+        assert m["grad_bytes"] <= m["peak_grad_bytes"] <= 1.05 * e["peak_grad_bytes"], (name, m)
+        assert abs(e["pinned_param_bytes"] - m["saved_param_bytes"]) <= 0.10 * max(1, m["saved_param_bytes"])
+        assert e["pipeline_input_bytes"] == m["pipeline_input_bytes"], (name, m)
+
+
+@pytest.mark.slow
+def test_measure_script_json():
+    args = [sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--measure", "--json",
+            "--world-size", "4", "--iters", "1", "--num-layers", "4", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "300",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout
+    data = json.loads(out)
+    assert [s["pp_rank"] for s in data["stages"]] == [0, 1]
+    for stage in data["stages"]:
+        comps = stage["components"]
+        assert comps["param_bytes"]["estimate"] == comps["param_bytes"]["measured"] > 0
+        act = comps["activation_bytes"]
+        assert abs(act["estimate"] - act["measured"]) <= 0.1 * act["measured"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "mem.png"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--plot", str(path),
+                    "--model", "gpt2-small", "--world-size", "8", "--bf16"], check=True, capture_output=True)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

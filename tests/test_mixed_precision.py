@@ -1,7 +1,7 @@
 """bf16 and fp16 training follow the fp32 loss curve on a tiny GPT.
 
 Documented tolerance (README, "Mixed precision"): on this tiny model (2 layers, hidden 32,
-Adam, 12 steps on mock data) the per-iteration loss of bf16 stays within 0.02 (absolute) of
+Adam, 12 steps on mock data) the per-iteration loss of bf16 stays within 0.03 (absolute) of
 fp32's and fp16 within 0.005; both curves fall as fp32's does.  A bf16 run under TP 2 x PP 2 x DP 2
 with ZeRO-3 follows the single-process bf16 run within the same bound.
 """
@@ -11,7 +11,13 @@ from megazero.testing import run_ranks
 from test_training import _cfg, _train_history
 
 STEPS = 12
-TOL = {"bf16": 0.02, "fp16": 0.005}  # measured: 0.0046 and 0.00095
+# Documented tolerances (README, "Mixed precision"), absolute on a loss of ~4.6: half precision
+# against fp32 is a real rounding difference (bf16 unit roundoff 2^-8, fp16 2^-11), not a
+# summation-order one. Measured here: bf16 0.0046, fp16 0.00095, bf16 3D vs one process 0.0033;
+# with the unvectorised kernels (ATEN_CPU_CAPABILITY=default) 0.0075, 0.0010 and 0.0070, so the
+# bf16 bound is 0.03 (4x the worst seen); a lost Adam step moves either curve by ~0.09, which
+# both bounds still catch.
+TOL = {"bf16": 0.03, "fp16": 0.005}
 
 
 def _tiny(**extra):

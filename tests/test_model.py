@@ -7,8 +7,13 @@ import torch.distributed as dist
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from models import PRESETS, build_chunks, build_model, full_state_dict, get_preset
+from tolerance import C_FWD, C_FWD_BWD, fp32_bound
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+# The model runs in fp32 only (norms, RoPE and the cross-entropy upcast to fp32 whatever the
+# parameter dtype), so layouts are compared with the scaled fp32 bounds of tolerance.py:
+# logits and losses C_FWD * U32 * max|ref|, gradients C_FWD_BWD * U32 * max|grad| per tensor.
+# Observed at TP 2/4 with and without sequence parallelism: logits/losses <= 3 U32 * max,
+# gradients <= 15 U32 * max (llama input_norm.weight).
 STYLES = {
     "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                  make_vocab_size_divisible_by=8),
@@ -84,12 +89,12 @@ def test_tensor_parallel_matches_one_process(oracle, style, tp, sp):
     assert got["weights"].keys() == ref["weights"].keys()
     for name, w in ref["weights"].items():  # same initial weights at every layout
         torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(got["logits"], ref["logits"], **TOL)
+    torch.testing.assert_close(got["logits"], ref["logits"], **fp32_bound(ref["logits"], C_FWD))
     for r in res:
-        torch.testing.assert_close(r["loss"], ref["loss"], **TOL)
+        torch.testing.assert_close(r["loss"], ref["loss"], **fp32_bound(ref["loss"], C_FWD))
     assert got["grads"].keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
-        torch.testing.assert_close(got["grads"][name], g, **TOL, msg=name)
+        torch.testing.assert_close(got["grads"][name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
 
 
 def test_parameter_attributes():
@@ -138,7 +143,7 @@ def test_pipeline_chunks_and_tied_embedding(oracle, style):
     first, last = run_ranks(_pipeline_rank, 2, style)
     ref = oracle[style]
     assert first["layers"] == range(0, 1) and last["layers"] == range(1, 2)
-    torch.testing.assert_close(last["loss"], ref["loss"], **TOL)
+    torch.testing.assert_close(last["loss"], ref["loss"], **fp32_bound(ref["loss"], C_FWD))
     grads = {**first["grads"], **last["grads"]}
     tied = style == "gpt2"
     if tied:  # the last stage's copy starts equal to the embedding; their grads sum to the tied grad
@@ -152,7 +157,7 @@ def test_pipeline_chunks_and_tied_embedding(oracle, style):
         assert not any(a for pair in last["attrs"].values() for a in pair)
     assert grads.keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
-        torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+        torch.testing.assert_close(grads[name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
 
 
 RECOMPUTE = [dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
@@ -198,6 +203,9 @@ def _check_recompute(out, eval_loss):
     assert not torch.allclose(ref_loss, eval_loss)  # dropout is really on
     for loss, grads in rest:
         torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        # the same operations on the same data: bit-exact on this machine; the gradients keep a
+        # one-rounding allowance (1e-7 ~ U32 * max|grad|, grads <= 0.4) for BLAS kernels that may
+        # pick another code path for the recomputed tensors' memory alignment
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -222,7 +230,10 @@ def test_bf16_forward_is_close_to_fp32():
     loss = model(ids, labels)
     assert loss.dtype == torch.float32
     loss.mean().backward()
-    torch.testing.assert_close(loss.detach(), ref, rtol=0.05, atol=0.05)
+    # bf16 keeps 8 significant bits: unit roundoff 2^-8 = 3.9e-3. The per-token loss is computed in
+    # fp32 from bf16 logits, so it moves by a fraction of a bf16 rounding of the logits; allow one
+    # unit roundoff relative to the loss (0.019 at loss 4.8). Observed 2.9e-4 relative (1.3e-3).
+    torch.testing.assert_close(loss.detach(), ref, rtol=2.0 ** -8, atol=0)
 
 
 @pytest.mark.parametrize("over,flag", [

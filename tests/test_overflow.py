@@ -45,4 +45,10 @@ def test_overflow_on_one_rank_skips_everywhere(target_rank):
     for hist in got:  # every rank agrees on the skip and the new scale
         assert [m["skipped"] for m in hist] == [0, 1, 0, 0]
         assert [m["loss_scale"] for m in hist] == [1024.0, 512.0, 512.0, 512.0]
-    assert [m["loss"] for m in got[0]] == pytest.approx([m["loss"] for m in ref], rel=2e-3)
+    # fp16 on both sides (unit roundoff u16 = 2^-11 = 4.9e-4). The losses are fp32 means over 128
+    # tokens of an fp32 cross-entropy; the layouts differ only where an fp32 reduction in another order
+    # pushes an fp16 rounding (of a weight or an activation) to the other side, in ~1e-4 of the
+    # elements, each by one fp16 ulp. That moves the mean loss by far less than one u16: allow u16 / 10
+    # ~ 5e-5 relative (was 2e-3; observed 2.1e-6). Gradient clipping is active, so a uniform gradient
+    # scale error is invisible here; weighting one DP rank's gradient by 1.05 moves the loss by ~1e-4.
+    assert [m["loss"] for m in got[0]] == pytest.approx([m["loss"] for m in ref], rel=5e-5)

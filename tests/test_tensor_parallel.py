@@ -10,13 +10,31 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
                                              init_full, normal_init, pad_rows)
 from megazero.testing import run_ranks
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+# The mappings move float64 data; the only arithmetic is a sum over <= 4 ranks of values
+# <= 2e2, so the error is a few ulp: <= 4 * eps64 * 2e2 ~ 2e-13 (observed 1.4e-14 at TP 4).
+MAP64 = dict(rtol=1e-12, atol=1e-12)
+# Vocab-parallel cross-entropy is fp32 by design (the library upcasts any logits dtype to fp32,
+# float64 included), against F.cross_entropy in fp32. Rule, with u = 2^-24 (fp32 rounding):
+# loss = log(sum of V <= 64 exps in (0, 1]) - shifted target logit; each side's error is
+# <= u * (V + |log Z| + |x_t - max|) ~ u * (V + 2|loss|), so the difference is
+# <= 2u * V + 4u * |loss| ~ 7.6e-6 + 2.4e-7 * |loss|  ->  atol 1e-5, rtol 1e-5 (observed <= 1e-6,
+# |loss| <= 16). The gradient (softmax - onehot) / N, |grad| <= 0.11, has relative error
+# <= (V + |x - max| + 2) * u ~ 5e-6 per side: atol 1e-6 (floor for tiny softmax entries),
+# rtol 1e-5 (observed <= 2.3e-8 absolute).
+CE_LOSS = dict(rtol=1e-5, atol=1e-5)
+CE_GRAD = dict(rtol=1e-5, atol=1e-6)
+# Parallel layout vs one process, computed in float64 on both sides (the fp32 init upcast).
+# Rule: a different summation order moves a float64 sum of n products by at most
+# n * eps64 * sum|x_i * w_i| (eps64 = 1.1e-16). The largest gradients here (row_w, ~1.2e4) sum
+# n <= s * b * f = 256 products, so worst case 256 * 1.1e-16 * 1.2e4 ~ 3e-10 < 1e-9; observed
+# <= 2e-12 (TP 4 + sequence parallel). In fp32 the same case differs by up to 1e-3 absolute.
+F64 = dict(rtol=1e-9, atol=1e-9)
 
 
 def _mappings(tp):
     mesh = ParallelMesh.build(tp=tp)
     r = mesh.tp_rank
-    full = torch.arange(12 * tp * tp, dtype=torch.float32).reshape(2 * tp, 2, 3 * tp) / 10
+    full = torch.arange(12 * tp * tp, dtype=torch.float64).reshape(2 * tp, 2, 3 * tp) / 10
     mine_last = full.chunk(tp, -1)[r]
     mine_seq = full.chunk(tp, 0)[r]
     out = {}
@@ -40,7 +58,7 @@ def _mappings(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_mappings_forward_and_backward(tp):
     res = run_ranks(_mappings, tp, tp)
-    full = torch.arange(12 * tp * tp, dtype=torch.float32).reshape(2 * tp, 2, 3 * tp) / 10
+    full = torch.arange(12 * tp * tp, dtype=torch.float64).reshape(2 * tp, 2, 3 * tp) / 10
     s = sum(range(1, tp + 1))  # sum over ranks of (r + 1)
     # the gathered upstream gradient when rank i sends its slice scaled by (i + 1)
     scaled_last = torch.cat([c * (i + 1) for i, c in enumerate(full.chunk(tp, -1))], -1)
@@ -57,8 +75,8 @@ def test_mappings_forward_and_backward(tp):
             "reduce_scatter_to_sp": (seq * s, scaled_seq),
         }
         for name, (y, g) in expect.items():
-            torch.testing.assert_close(out[name][0], y, msg=f"{name} forward, rank {r}")
-            torch.testing.assert_close(out[name][1], g, msg=f"{name} backward, rank {r}")
+            torch.testing.assert_close(out[name][0], y, **MAP64, msg=f"{name} forward, rank {r}")
+            torch.testing.assert_close(out[name][1], g, **MAP64, msg=f"{name} backward, rank {r}")
 
 
 def test_mappings_are_identity_on_one_rank():
@@ -75,18 +93,19 @@ def test_init_full_is_deterministic_and_keyed():
     assert not torch.equal(a, init_full((8, 4), 1, 4, "qkv.weight", 0.02))
     assert not torch.equal(a, init_full((8, 4), 2, 3, "qkv.weight", 0.02))
     assert not torch.equal(a, init_full((8, 4), 1, 3, "proj.weight", 0.02))
-    assert abs(a.std().item() - 0.02) < 0.01
+    assert abs(a.std().item() - 0.02) < 0.01  # a sample std of 32 fixed draws, not a precision check
 
 
 def _layers(tp, sp):
     torch.manual_seed(0)
     mesh = ParallelMesh.build(tp=tp)
     s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
-    x = torch.randn(s, b, h)
+    x = torch.randn(s, b, h).double()
     ids = torch.randint(0, vocab, (s, b))
     col = ColumnParallelLinear(h, f, mesh, sequence_parallel=sp, init=normal_init(1, 0, "c", 0.5))
     row = RowParallelLinear(f, h, mesh, sequence_parallel=sp, init=normal_init(1, 0, "r", 0.5))
     emb = VocabParallelEmbedding(vocab, padded, h, mesh, reduce_scatter=sp, init=normal_init(1, 0, "e", 1.0))
+    col, row, emb = col.double(), row.double(), emb.double()  # float64 end to end: see F64
     with torch.no_grad():
         col.bias.copy_(torch.arange(f).float().chunk(tp)[mesh.tp_rank])
         row.bias.fill_(0.5)
@@ -103,30 +122,30 @@ def test_parallel_layers_match_single_process(tp, sp):
     res = run_ranks(_layers, tp, tp, sp)
     torch.manual_seed(0)
     s, b, h, f, vocab, padded = 8, 2, 6, 4 * tp, 13, 16
-    x = torch.randn(s, b, h, requires_grad=True)
+    x = torch.randn(s, b, h).double().requires_grad_()
     ids = torch.randint(0, vocab, (s, b))
-    cw = init_full((f, h), 1, 0, "c", 0.5).requires_grad_()
-    rw = init_full((h, f), 1, 0, "r", 0.5).requires_grad_()
-    ew = pad_rows(init_full((vocab, h), 1, 0, "e", 1.0), padded).requires_grad_()
-    cb = torch.arange(f).float().requires_grad_()
-    rb = torch.full((h,), 0.5, requires_grad=True)
+    cw = init_full((f, h), 1, 0, "c", 0.5).double().requires_grad_()
+    rw = init_full((h, f), 1, 0, "r", 0.5).double().requires_grad_()
+    ew = pad_rows(init_full((vocab, h), 1, 0, "e", 1.0), padded).double().requires_grad_()
+    cb = torch.arange(f).double().requires_grad_()
+    rb = torch.full((h,), 0.5, dtype=torch.float64, requires_grad=True)
     y = F.linear(F.linear(x, cw, cb), rw, rb) + F.embedding(ids, ew)
     (y * y).sum().backward()
     cat = lambda key, dim: torch.cat([r[key] for r in res], dim)  # noqa: E731
     if sp:
-        torch.testing.assert_close(cat("y", 0), y.detach(), **TOL)
-        torch.testing.assert_close(cat("xgrad", 0), x.grad, **TOL)
-        torch.testing.assert_close(sum(r["row_b"] for r in res), rb.grad, **TOL)  # partial grads sum
+        torch.testing.assert_close(cat("y", 0), y.detach(), **F64)
+        torch.testing.assert_close(cat("xgrad", 0), x.grad, **F64)
+        torch.testing.assert_close(sum(r["row_b"] for r in res), rb.grad, **F64)  # partial grads sum
         assert all(r["seq_attr"] for r in res)
     else:
         for r in res:
-            torch.testing.assert_close(r["y"], y.detach(), **TOL)
-            torch.testing.assert_close(r["xgrad"], x.grad, **TOL)
-            torch.testing.assert_close(r["row_b"], rb.grad, **TOL)
-    torch.testing.assert_close(cat("col_w", 0), cw.grad, **TOL)
-    torch.testing.assert_close(cat("col_b", 0), cb.grad, **TOL)
-    torch.testing.assert_close(cat("row_w", 1), rw.grad, **TOL)
-    torch.testing.assert_close(cat("emb", 0), ew.grad, **TOL)
+            torch.testing.assert_close(r["y"], y.detach(), **F64)
+            torch.testing.assert_close(r["xgrad"], x.grad, **F64)
+            torch.testing.assert_close(r["row_b"], rb.grad, **F64)
+    torch.testing.assert_close(cat("col_w", 0), cw.grad, **F64)
+    torch.testing.assert_close(cat("col_b", 0), cb.grad, **F64)
+    torch.testing.assert_close(cat("row_w", 1), rw.grad, **F64)
+    torch.testing.assert_close(cat("emb", 0), ew.grad, **F64)
     assert cat("emb", 0)[vocab:].abs().sum() == 0
 
 
@@ -164,9 +183,9 @@ def test_vocab_parallel_cross_entropy(tp, vocab, padded, smoothing):
         res = run_ranks(_ce_rank, tp, tp, vocab, padded, smoothing)
     for loss, _ in res:
         assert loss.dtype == torch.float32
-        torch.testing.assert_close(loss, ref.detach(), **TOL)
+        torch.testing.assert_close(loss, ref.detach(), **CE_LOSS)
     grad = torch.cat([g for _, g in res], -1)
-    torch.testing.assert_close(grad, ref_in.grad, **TOL)
+    torch.testing.assert_close(grad, ref_in.grad, **CE_GRAD)
     assert grad[..., vocab:].abs().sum() == 0  # padded columns get no gradient
 
 
@@ -178,4 +197,4 @@ def test_cross_entropy_bf16_logits_upcast():
     assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     ref = F.cross_entropy(logits.bfloat16().float()[..., :50].reshape(-1, 50), labels.reshape(-1),
                           reduction="none")
-    torch.testing.assert_close(loss.reshape(-1), ref, **TOL)
+    torch.testing.assert_close(loss.reshape(-1), ref, **CE_LOSS)

@@ -13,6 +13,7 @@ from megazero.flops import (device_peak_flops, hardware_flops_per_iteration, mod
                             peak_flops)
 from megazero.lr import learning_rate
 from megazero.training import main
+from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
@@ -20,8 +21,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 
 # ---- learning-rate schedule ----------------------------------------------------------------
 def test_lr_warmup_then_cosine_to_min():
+    # Megatron-LM's scheduler: iteration 1 runs at --lr-warmup-init (0), --lr is reached after warm-up
     lr = [learning_rate(i, 1.0, 0.1, warmup_iters=4, decay_iters=12, style="cosine") for i in range(1, 15)]
-    assert lr[:5] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert lr[8] == pytest.approx(0.55)  # iteration 9: half-way through decay, (max + min) / 2
     assert all(a > b for a, b in zip(lr[4:12], lr[5:12])) and lr[11] > 0.1
     assert lr[12:] == [0.1, 0.1]
@@ -32,7 +34,8 @@ def test_lr_linear_and_constant():
     assert learning_rate(1, 1.0, 0.0, 0, 10, "linear") == 1.0
     assert learning_rate(10, 1.0, 0.0, 0, 10, "linear") == pytest.approx(0.1)
     assert learning_rate(50, 1.0, 0.0, 2, 10, "constant") == 1.0
-    assert learning_rate(1, 2.0, 0.0, 4, 10, "constant") == 0.5
+    assert learning_rate(2, 2.0, 0.0, 4, 10, "constant") == 0.5
+    assert learning_rate(1, 2.0, 0.0, 4, 10, "constant", init=0.4) == 0.4  # --lr-warmup-init
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
@@ -97,7 +100,7 @@ def _never_called(cfg, mesh):
      "--num-attention-heads 3"),
     (4, ["--global-batch-size", "6", "--micro-batch-size", "1"], "--global-batch-size 6"),
     (1, ["--fp16", "--bf16"], "--fp16"),
-    (1, ["--sequence-parallel"], "--sequence-parallel"),
+    (2, ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "15"], "--sequence-parallel"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3"),
     (1, ["--recompute-method", "block"], "--recompute-method"),
     (1, ["--min-lr", "1.0", "--lr", "0.1"], "--min-lr"),
@@ -180,7 +183,9 @@ def test_layout_matches_one_process(name):
     for key in ("loss", "grad_norm", "eval_loss"):
         a = [m[key] for m in ref if key in m]
         b = [m[key] for m in got if key in m]
-        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=2e-6, abs=1e-6), key
+        # fp32 SGD training under another layout: R_TRAIN (tolerance.py; was rel 2e-6 + abs 1e-6,
+        # 11x over the observed 2.8e-7 relative on the grad norm)
+        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
     assert [m["lr"] for m in got] == [m["lr"] for m in ref]
     assert all(m["param_bytes"] > 0 and m["skipped"] == 0 and m["loss_scale"] == 1.0 for m in got)
 
@@ -189,8 +194,9 @@ def test_adam_with_clipping_matches_one_process():
     changes = dict(clip_grad=0.05, lr_warmup_iters=1)
     (ref,) = _run(_cfg(optimizer="adam", **changes), 1)
     got = _run(_cfg(tp=2, pp=2, zero=1, optimizer="adam", **changes), 8)[0]
-    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], rel=1e-4)
-    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=1e-4)
+    # fp32 Adam training: R_TRAIN_ADAM (observed 2.9e-7 relative)
+    assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in ref], rel=R_TRAIN_ADAM)
+    assert [m["grad_norm"] for m in got] == pytest.approx([m["grad_norm"] for m in ref], rel=R_TRAIN_ADAM)
 
 
 def test_loss_falls_on_mock_data():
@@ -246,7 +252,7 @@ def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
         assert f"tp 2 pp 2 dp 2 zero {zero}" in out and out.count("iteration 3/3") == 1  # rank 0 only
         assert [m["iteration"] for m in got] == [1, 2, 3]
         for key in ("loss", "grad_norm"):
-            assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], rel=2e-6, abs=1e-6), key
+            assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], rel=R_TRAIN), key
         assert [m["lr"] for m in got] == [m["lr"] for m in ref]
         param_bytes[zero] = got[0]["param_bytes"]
     # rank 0's parameters: TP x PP split them (ZeRO-1), ZeRO-3 also shards them over DP

@@ -72,15 +72,30 @@ rank 0 only, whether ``--load`` resumes (and from which iteration) or starts fre
 file-system decision (tracker, metadata, the directory) is taken by global rank 0 and broadcast,
 and an error on any rank is raised on every rank with the first failing rank's message.
 
+Weights only: :func:`save_weights` (one process; ``scripts/convert_hf.py --direction to-megazero``)
+writes the same v2 layout (one shard per TP rank with its block checksums, sealed metadata with
+every file's size and CRC-32) with master weights and no optimizer state, RNG files or trainer
+state, ``"weights_only": true`` in the metadata; loading it starts a fresh optimizer.  Loading
+options (the config's checkpoint section): ``--finetune`` (weights only, iteration 0, fresh
+optimizer and schedule, the generators of this run's start-up), ``--no-load-optim`` (fresh
+optimizer and loss scaler; iteration and data position continue; the schedule settings are not
+compared), ``--no-load-rng`` (reseeded as above), ``--ckpt-step`` (an iteration other than the
+latest; no fallback to an older one then).  A directory in another format is named
+(:func:`~megazero.checkpoint.format.describe_foreign`): a Hugging Face directory, one ``iter_*``
+directory, a Megatron-LM checkpoint.
+
 API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
-collective (every rank calls them); :func:`latest_iteration` reads the tracker.  Errors are
-:class:`CheckpointError` (:class:`CheckpointCorrupt` for damaged files).
+collective (every rank calls them); :func:`latest_iteration` reads the tracker; :func:`save_weights`,
+:func:`read_weights` (every full fp32 weight, any layout, no model, checksums verified) and
+:func:`saved_config` run in one process.  Errors are :class:`CheckpointError`
+(:class:`CheckpointCorrupt` for damaged files).
 """
-from megazero.checkpoint.format import CheckpointError, checkpoint_path, latest_iteration  # noqa: F401
+from megazero.checkpoint.format import (CheckpointError, checkpoint_path, latest_iteration,  # noqa: F401
+                                        saved_config)
 from megazero.checkpoint.integrity import CheckpointCorrupt  # noqa: F401
 from megazero.checkpoint.lock import SaveLock  # noqa: F401
-from megazero.checkpoint.reader import load, resume_iteration  # noqa: F401
-from megazero.checkpoint.writer import check_save_dir, save  # noqa: F401
+from megazero.checkpoint.reader import load, read_weights, resume_iteration  # noqa: F401
+from megazero.checkpoint.writer import check_save_dir, save, save_weights  # noqa: F401
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "SaveLock", "check_save_dir", "checkpoint_path",
-           "latest_iteration", "load", "resume_iteration", "save"]
+           "latest_iteration", "load", "read_weights", "resume_iteration", "save", "save_weights", "saved_config"]

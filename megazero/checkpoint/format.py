@@ -22,7 +22,13 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
-SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
+SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_init",
+                    "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples")
+
+# ModelConfig fields --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, in megazero's terms)
+CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base")
+
+CONVERT = "python scripts/convert_hf.py --direction to-megazero --input {src} --output CKPT_DIR"
 
 
 class CheckpointError(RuntimeError):
@@ -191,3 +197,60 @@ def write_json(path: str, obj) -> None:
 def read_json(path: str):
     with open(path) as fh:
         return json.load(fh)
+
+
+def describe_foreign(directory: str) -> Optional[str]:
+    """What a directory without a megazero tracker holds, and what to run instead; None when it is
+    nothing recognisable."""
+    def has(*names) -> bool:
+        return all(os.path.exists(os.path.join(directory, n)) for n in names)
+    if not os.path.isdir(directory):
+        return None
+    if has(METADATA) and os.path.basename(os.path.normpath(directory)).startswith("iter_"):
+        parent = os.path.dirname(os.path.normpath(directory)) or "."
+        return (f"{directory} is one iteration of a megazero checkpoint; pass its parent directory: --load "
+                f"{parent} (add --ckpt-step N for an iteration other than the latest)")
+    if has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json")
+                               or has("pytorch_model.bin")):
+        return (f"{directory} is a Hugging Face model directory; convert it to a checkpoint first: "
+                + CONVERT.format(src=directory) + ", then train with --load CKPT_DIR --finetune "
+                "--use-checkpoint-args")
+    if has("model.pt", "config.json"):
+        return (f"{directory} holds a single-file megazero export (model.pt), not a training checkpoint; "
+                "export it to Hugging Face with scripts/convert_hf.py --direction to-hf and convert that back "
+                "with --direction to-megazero")
+    names = os.listdir(directory)
+    if any(n.startswith("iter_") for n in names) and not any(n.startswith(TRACKER) for n in names):
+        return f"{directory} has iter_* directories but no {TRACKER}; it was not written by megazero"
+    return None
+
+
+def resolve_checkpoint(directory: str, iteration: Optional[int] = None, flag: str = "--load") -> Tuple[str, dict]:
+    """``(path, metadata)`` of the latest usable checkpoint in ``directory`` (or of ``iteration``), as
+    this process sees the file system, its metadata and file sizes checked
+    (:func:`megazero.checkpoint.resolve.resolve_here`).  Raises :class:`CheckpointError` saying what
+    the directory is (``flag``: how the user named it)."""
+    from megazero.checkpoint.resolve import resolve_here
+    path, meta, _ = resolve_here(directory, iteration, flag=flag)
+    return path, meta
+
+
+def saved_config(directory: str, iteration: Optional[int] = None) -> Optional[dict]:
+    """The whole configuration (``config.json``) of a checkpoint, or None when ``directory`` does not
+    exist or holds no checkpoint yet.  Raises :class:`CheckpointError` for a directory in another
+    format (naming what it is)."""
+    from megazero.checkpoint.resolve import complete_iterations
+    if not os.path.isdir(directory):
+        return None
+    if iteration is None and not complete_iterations(directory):
+        try:
+            tracked = latest_iteration(directory)
+        except CheckpointError:
+            tracked = -1  # a garbled tracker: resolve_checkpoint explains
+        if tracked is None:
+            foreign = describe_foreign(directory)
+            if foreign:
+                raise CheckpointError(f"--load {directory}: not a megazero checkpoint directory: {foreign}")
+            return None
+    path, _ = resolve_checkpoint(directory, iteration)
+    return read_json(os.path.join(path, CONFIG))

@@ -4,19 +4,27 @@ Format v2 (per-rank data shards, :mod:`megazero.checkpoint.assemble`): each rank
 ranges of its new slice.  Format v1 (one torch file per (tp, pp) shard): reassemble each parameter
 over the saved TP shards, keep this rank's slice, hand the per-parameter state to the optimizer
 (which keeps its DP/ZeRO slice).  Either way a corrupt newest checkpoint makes :func:`load` fall
-back to the previous complete one (:mod:`megazero.checkpoint.resolve`)."""
+back to the previous complete one (:mod:`megazero.checkpoint.resolve`) unless an iteration was asked
+for (``--ckpt-step``).
+
+Loading options (the config's checkpoint section): ``--finetune`` and ``--no-load-optim`` (and a
+weights-only checkpoint, e.g. one converted from Hugging Face by :func:`save_weights`) read only
+the ``master`` weights and keep a fresh optimizer; ``--finetune`` also starts at iteration 0 with
+the generators of this run's start-up; ``--no-load-rng`` reseeds instead of restoring.
+:func:`read_weights` reads every full weight in one process, without a model."""
 from __future__ import annotations
 
 import os
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
-from megazero.checkpoint.format import (ARCH_FIELDS, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS, CheckpointError,
-                                        agree, all_ok, arch_of, latest_iteration, layout_of, named_params,
-                                        on_rank0, rng_file, rng_trackers)
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS,
+                                        CheckpointError, agree, all_ok, arch_of, latest_iteration, layout_of,
+                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
 from megazero.checkpoint.integrity import CheckpointCorrupt, check_file
 from megazero.checkpoint.resolve import complete_iterations, resolve, resolve_here
 from megazero.checkpoint.shards import SavedShards
@@ -29,11 +37,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[int]:
+def resume_iteration(load_dir: str, save_dir: Optional[str], mesh, iteration: Optional[int] = None) -> Optional[int]:
     """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
     ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
     yet.  Decided by global rank 0 and shared with every rank (collective); any other missing or
-    incomplete checkpoint raises :class:`CheckpointError` on every rank."""
+    incomplete checkpoint raises :class:`CheckpointError` on every rank.  ``iteration``: a given
+    one (``--ckpt-step``) instead of the latest."""
     def decide() -> Optional[int]:
         same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
         if same and not os.path.exists(load_dir):
@@ -44,7 +53,7 @@ def resume_iteration(load_dir: str, save_dir: Optional[str], mesh) -> Optional[i
                     return None
             except CheckpointError:
                 pass  # a garbled tracker: resolve_here explains
-        return int(resolve_here(load_dir, None)[1]["iteration"])
+        return int(resolve_here(load_dir, iteration)[1]["iteration"])
     return on_rank0(decide, mesh)
 
 
@@ -56,7 +65,7 @@ def _state_names(cfg) -> List[str]:
     return ["momentum_buffer"] if opt.sgd_momentum else []
 
 
-def _check_compatible(meta: dict, cfg, path: str) -> str:
+def _check_compatible(meta: dict, cfg, path: str, load_optim: bool = True) -> str:
     """Refuse what cannot be resharded; return the architecture differences as a hint for errors."""
     saved, mine = meta["model"], arch_of(cfg)
     key = "untie_embeddings_and_output_weights"
@@ -66,7 +75,7 @@ def _check_compatible(meta: dict, cfg, path: str) -> str:
         raise CheckpointError(f"{path}: the checkpoint's output head is {kind(saved[key])} but this run's "
                               f"is {kind(mine[key])}; use the same embedding tying as the saving run")
     so, names = meta["optimizer"], _state_names(cfg)
-    if sorted(so["state_names"]) != sorted(names):
+    if load_optim and sorted(so["state_names"]) != sorted(names):
         raise CheckpointError(
             f"{path}: the checkpoint holds optimizer state for --optimizer {so['name']} "
             f"({', '.join(so['state_names']) or 'none'}) but this run uses --optimizer "
@@ -141,12 +150,13 @@ def _local(t: torch.Tensor, p, mesh, cfg) -> torch.Tensor:
     return t
 
 
-def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
-    """Per-parameter states for this rank (``{param: {master, moments..., step}}``)."""
+def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str, load_optim: bool = True):
+    """Per-parameter states for this rank (``{param: {master, moments..., step}}``); without
+    ``load_optim`` the moments start at zero and the step at 0 (a fresh optimizer)."""
     index = _open_model_files(path, meta)
     saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
     moments = _state_names(cfg)
-    step = torch.tensor(int(meta["optimizer"]["step"]))
+    step = torch.tensor(int(meta["optimizer"]["step"]) if load_optim else 0)
     suffix = f" (model settings differ: {hint})" if hint else ""
     states, frozen = {}, []
     for name, p in named_params(chunks):
@@ -165,7 +175,8 @@ def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str):
             continue
         states[p] = {"master": _local(master, p, mesh, cfg), "step": step}
         for k in moments:
-            states[p][k] = _local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg)
+            states[p][k] = (_local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg) if load_optim
+                            else torch.zeros_like(states[p]["master"]))
     if hint:  # every parameter fit, yet the model differs (e.g. fewer layers): refuse a partial load
         raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
     return states, frozen
@@ -211,32 +222,46 @@ def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
     return False
 
 
-def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str):
+def _fresh_optimizer_state(optimizer) -> None:
+    """Zero moments and step 0: the optimizer starts afresh from the loaded weights."""
+    with torch.no_grad():
+        for b in optimizer.buckets:
+            for t in optimizer.update.state[b.index].values():
+                t.zero_()
+    optimizer.step_count, optimizer.skipped_steps = 0, 0
+
+
+def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str, load_optim: bool, load_rng: bool):
     """Everything this rank needs from the checkpoint, read and verified, nothing committed yet:
-    ``(apply, rng)`` where ``apply()`` commits the model and optimizer state (collective)."""
+    ``(apply, rng)`` where ``apply()`` commits the model and optimizer state (collective).  Without
+    ``load_optim`` only the master weights are read; without ``load_rng`` no RNG file is read."""
+    def read_rng():
+        return _read_rng(path, meta, chunks, mesh, cfg) if load_rng else None
     if meta["format"] == FORMAT_V1:
         bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
         shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
-        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint)
+        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint, load_optim)
 
         def apply() -> None:
             optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
             with torch.no_grad():
                 for p, t in frozen:
                     p.copy_(t)
-        return apply, _read_rng(path, meta, chunks, mesh, cfg)
+        return apply, read_rng()
     check_params(meta, chunks, optimizer, mesh, cfg, path, hint)
-    keys = ["master"] + _state_names(cfg)
+    keys = ["master"] + (_state_names(cfg) if load_optim else [])
     src = SavedShards(path, meta)
     try:
         verify_rank_state(src, chunks, optimizer, mesh, keys)
-        rng = _read_rng(path, meta, chunks, mesh, cfg)
+        rng = read_rng()
     except BaseException:
         src.close()
         raise
 
     def apply() -> None:
         try:
+            if not load_optim:
+                _fresh_optimizer_state(optimizer)
             load_rank_state(src, chunks, optimizer, mesh, keys)
         finally:
             src.close()
@@ -245,11 +270,16 @@ def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str):
 
 
 def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, object]:
-    hint = _check_compatible(meta, cfg, path)
-    _check_scheduler(meta, cfg, path)
+    ck = cfg.checkpoint
+    weights_only = bool(meta.get("weights_only", False))
+    load_optim = not (ck.finetune or ck.no_load_optim or weights_only)
+    load_rng = not (ck.finetune or ck.no_load_rng or weights_only)
+    hint = _check_compatible(meta, cfg, path, load_optim)
+    if load_optim:
+        _check_scheduler(meta, cfg, path)
     error, apply, rng = None, None, None
-    try:
-        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint)  # read and verified, not applied
+    try:  # read and verified, not applied
+        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint, load_optim, load_rng)
     except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
         error = err
     try:
@@ -258,13 +288,18 @@ def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, 
         getattr(apply, "discard", lambda: None)()
         raise
     apply()
-    so = meta["optimizer"]
-    optimizer.step_count = int(so["step"])
-    optimizer.skipped_steps = int(so["skipped_steps"])
-    optimizer.scaler.load_state_dict(so["scaler"])
-    restored = _restore_rng(rng, meta, chunks, mesh, cfg)
-    return {"iteration": int(meta["iteration"]), "extra": meta.get("extra", {}), "path": path,
-            "layout": meta["layout"], "rng_restored": restored}
+    if load_optim:
+        so = meta["optimizer"]
+        optimizer.step_count = int(so["step"])
+        optimizer.skipped_steps = int(so["skipped_steps"])
+        optimizer.scaler.load_state_dict(so["scaler"])
+    restored = False
+    if not ck.finetune:  # a fine-tuning run keeps the generators of its own start-up
+        restored = _restore_rng(rng, meta, chunks, mesh, cfg)  # reseeded from (seed, iteration) without rng
+    return {"iteration": 0 if ck.finetune else int(meta["iteration"]),
+            "extra": {} if ck.finetune else meta.get("extra", {}), "path": path,
+            "saved_iteration": int(meta["iteration"]), "layout": meta["layout"], "rng_restored": restored,
+            "optimizer_loaded": load_optim}
 
 
 def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] = None) -> Dict[str, object]:
@@ -273,8 +308,17 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
 
     Without ``iteration``, a newest checkpoint that is incomplete or corrupt (a file missing,
     truncated or altered: sizes and checksums are recorded) is skipped for the previous complete
-    one, with a warning in ``warnings``.  Returns ``iteration``, ``extra`` (as given to :func:`save`),
-    ``path``, ``layout`` (the saving one), ``rng_restored``, ``seconds`` and ``warnings``.  Raises
+    one, with a warning in ``warnings``; a given ``iteration`` (``--ckpt-step``) is that one or an
+    error.
+
+    ``--finetune``: the weights only, then iteration 0 with a fresh optimizer, schedule, data
+    position and generators.  ``--no-load-optim`` (or a checkpoint of weights only, such as one
+    converted from Hugging Face): a fresh optimizer (zero moments, step 0, this run's loss scale);
+    the iteration continues.  ``--no-load-rng``: generators reseeded from (seed, iteration).
+
+    Returns ``iteration``, ``extra`` (as given to :func:`save`; empty with ``--finetune``),
+    ``path``, ``saved_iteration``, ``layout`` (the saving one), ``rng_restored``,
+    ``optimizer_loaded``, ``seconds`` and ``warnings``.  Raises
     :class:`CheckpointError` naming the path, the file or parameter and both shapes, or the setting
     that differs."""
     start = time.perf_counter()
@@ -293,3 +337,58 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
             skipped.append(int(meta["iteration"]))
     info.update(seconds=time.perf_counter() - start, warnings=warnings)
     return info
+
+
+def _full_v2(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
+    """One parameter's whole fp32 master weight from v2 shards: saved TP pieces joined, vocabulary
+    padding removed (every block read is checked against its CRC-32)."""
+    info = src.params[name]
+    shape = [int(s) for s in info["shape"]]
+    pieces = []
+    for t in range(src.tp if info["split"] else 1):
+        out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
+        src.read(t, name, "master", 0, out)
+        pieces.append(torch.from_numpy(out).view(shape))
+    full = torch.cat(pieces, dim=info["dim"]) if len(pieces) > 1 else pieces[0]
+    return full[:vocab].clone() if info["vocab_parallel"] else full
+
+
+def _read_weights_at(path: str, meta: dict) -> Dict[str, torch.Tensor]:
+    vocab = meta["model"]["vocab_size"]
+    if meta["format"] == FORMAT_V1:
+        index = _open_model_files(path, meta)
+        saved_tp = meta["layout"]["tp"]
+        return {name: _full(entries, "master", saved_tp, vocab, name, path).clone()
+                for name, entries in sorted(index.items())}
+    src = SavedShards(path, meta)
+    try:
+        return {name: _full_v2(src, name, vocab) for name in sorted(meta["params"])}
+    finally:
+        src.close()
+
+
+def read_weights(directory: str, iteration: Optional[int] = None,
+                 flag: str = "--load") -> Tuple[str, dict, dict, Dict[str, torch.Tensor]]:
+    """One process, no model needed: ``(path, metadata, config, weights)`` of the latest usable
+    checkpoint in ``directory`` (or ``iteration``), saved under any layout, its sizes and checksums
+    verified (without ``iteration`` a corrupt newest one falls back to the previous, as
+    :func:`load`).  ``config`` is the saving run's whole configuration (``config.json``, a dict);
+    ``weights`` maps every parameter's global name to its full fp32 master weight (TP shards joined,
+    vocabulary unpadded; a tied output head is ``word_embeddings.weight``).  ``flag``: how the user
+    named the directory (for errors)."""
+    skipped: List[int] = []
+    damaged: List[str] = []
+    while True:
+        try:
+            path, meta, _ = resolve_here(directory, iteration, skipped, flag=flag)
+        except CheckpointError as err:
+            if not damaged:
+                raise
+            raise CheckpointCorrupt(f"{flag} {directory}: no usable checkpoint: {'; '.join(damaged)}") from err
+        try:
+            return path, meta, read_json(os.path.join(path, CONFIG)), _read_weights_at(path, meta)
+        except CheckpointCorrupt as err:
+            if iteration is not None:
+                raise
+            damaged.append(str(err))
+            skipped.append(int(meta["iteration"]))

@@ -14,7 +14,7 @@ import os
 from typing import List, Optional, Sequence, Tuple
 
 from megazero.checkpoint.format import (CONFIG, FORMAT, FORMAT_V1, METADATA, TRACKER, CheckpointError,
-                                        checkpoint_path, latest_iteration, on_rank0)
+                                        checkpoint_path, describe_foreign, latest_iteration, on_rank0)
 from megazero.checkpoint.integrity import CheckpointCorrupt, check_file, read_sealed_json
 
 
@@ -39,7 +39,7 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
-def _order(directory: str, iteration: Optional[int]) -> Tuple[List[int], List[str]]:
+def _order(directory: str, iteration: Optional[int], flag: str = "--load") -> Tuple[List[int], List[str]]:
     """Candidate iterations, newest first, and notes for the user."""
     if iteration is not None:
         return [iteration], []
@@ -52,21 +52,32 @@ def _order(directory: str, iteration: Optional[int]) -> Tuple[List[int], List[st
         return complete, [f"{err}; using the newest complete checkpoint instead"]
     if tracked is None:
         if not complete:
+            foreign = describe_foreign(directory)
+            if foreign:
+                raise CheckpointError(f"{flag} {directory}: not a megazero checkpoint directory: {foreign}")
             partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
             note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-            raise CheckpointError(f"--load {directory}: no checkpoint there: {TRACKER} is missing{note}")
-        return complete, [f"--load {directory}: {TRACKER} is missing; using the newest complete checkpoint"]
+            raise CheckpointError(f"{flag} {directory}: no checkpoint there: {TRACKER} is missing{note}")
+        return complete, [f"{flag} {directory}: {TRACKER} is missing; using the newest complete checkpoint"]
     return [tracked] + [i for i in complete if i < tracked], []
 
 
-def resolve_here(directory: str, iteration: Optional[int] = None,
-                 skip: Sequence[int] = ()) -> Tuple[str, dict, List[str]]:
-    """``(path, metadata, notes)`` of the checkpoint to load, as this process sees the file system."""
+def _megatron_lm(path: str) -> bool:
+    """Whether ``path`` (an ``iter_*`` directory without megazero metadata) holds a Megatron-LM checkpoint."""
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return any(n.startswith("mp_rank_") or n.endswith(".distcp") or n == "common.pt" for n in names)
+
+
+def resolve_here(directory: str, iteration: Optional[int] = None, skip: Sequence[int] = (),
+                 flag: str = "--load") -> Tuple[str, dict, List[str]]:
+    """``(path, metadata, notes)`` of the checkpoint to load, as this process sees the file system
+    (``flag``: how the user named ``directory``, for errors).  A directory in another format (Hugging
+    Face, one ``iter_*`` directory, Megatron-LM) is named with what to run instead."""
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: exists and is not a directory")
+        raise CheckpointError(f"{flag} {directory}: exists and is not a directory")
     if not os.path.isdir(directory):
-        raise CheckpointError(f"--load {directory}: no such directory")
-    order, notes = _order(directory, iteration)
+        raise CheckpointError(f"{flag} {directory}: no such directory")
+    order, notes = _order(directory, iteration, flag)
     problems, corrupt = [], True
     for it in (i for i in order if i not in skip):
         path = checkpoint_path(directory, it)
@@ -74,6 +85,10 @@ def resolve_here(directory: str, iteration: Optional[int] = None,
                                                                                              METADATA)):
             path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
         if not os.path.isfile(os.path.join(path, METADATA)):
+            if _megatron_lm(path):
+                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which megazero "
+                                      "cannot read; export it to Hugging Face with Megatron-LM's converter and "
+                                      "use scripts/convert_hf.py --direction to-megazero")
             problems.append(f"checkpoint {path} is missing or incomplete (no {METADATA})")
             corrupt = False
             continue
@@ -83,7 +98,7 @@ def resolve_here(directory: str, iteration: Optional[int] = None,
             problems.append(str(err))
     tried = "; ".join(problems) if problems else "every checkpoint there failed to load"
     raise (CheckpointCorrupt if problems and corrupt else CheckpointError)(
-        f"--load {directory}: no usable checkpoint: {tried}")
+        f"{flag} {directory}: no usable checkpoint: {tried}")
 
 
 def resolve(directory: str, iteration: Optional[int], mesh, skip: Sequence[int] = ()):

@@ -137,6 +137,31 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}, params
 
 
+def write_weights_shard(directory: str, named, mesh, run_id: str) -> Tuple[Dict[str, dict], dict]:
+    """Write the weights of a whole model held by one process (no optimizer: the ``master`` entries
+    only) as the shard of rank (0, 0, 0) into ``directory``; returns ``({file: size/crc}, {name:
+    param_info})`` as :func:`write_rank_shard`.  Raises on a NaN/inf or an I/O error."""
+    stem = shard_stem(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    writer = BlockWriter(os.path.join(directory, stem + ".bin"))
+    entries, params = [], {}
+    try:
+        for name, p in named:
+            if not writes(p, mesh.tp_rank):
+                continue
+            t = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+            _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
+            entries.append([name, "master", 0, t.numel(), writer.write(t.numpy())])
+            params[name] = param_info(p, p.shape, mesh.pp_rank)
+    finally:
+        crcs = writer.close()
+    index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.tp_rank, "pp": mesh.pp_rank,
+             "dp": mesh.dp_rank, "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
+             "entries": entries}
+    index_path = os.path.join(directory, stem + ".json")
+    write_bytes_durably(index_path, lambda fh: fh.write(json.dumps(index).encode()))
+    return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}, params
+
+
 def _finite(t: torch.Tensor) -> bool:
     """One vectorised pass, no temporary: min and max are finite exactly when every element is (NaN
     propagates into both)."""

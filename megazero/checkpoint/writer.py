@@ -15,7 +15,7 @@ from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, Check
                                         rng_file, rng_trackers, scheduler_of, write_bytes_durably, write_json)
 from megazero.checkpoint.integrity import describe_file, seal
 from megazero.checkpoint.lock import SaveLock
-from megazero.checkpoint.shards import write_rank_shard
+from megazero.checkpoint.shards import write_rank_shard, write_weights_shard
 
 PROBE = ".megazero_write_probe"  # written and removed by check_save_dir
 
@@ -207,3 +207,35 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
         if own:
             lock.release()
     return time.perf_counter() - start
+
+
+def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: Optional[dict] = None) -> str:
+    """Write model weights only as the checkpoint of ``iteration`` in ``directory`` (one process, the
+    whole model: e.g. a model converted from Hugging Face).  The same format as :func:`save` (a data
+    shard with block checksums, sealed metadata listing every file's size and CRC-32, the
+    directory's lock held while writing), so ``--load`` reads it under every layout; its optimizer
+    starts fresh (``metadata.json`` says ``weights_only``).  Returns the checkpoint's path."""
+    if mesh.is_distributed:
+        raise ValueError("save_weights writes from one process; use save() in a distributed run")
+    final = checkpoint_path(directory, iteration)
+    tmp = final + ".tmp"
+    lock = check_save_dir(directory, mesh)
+    try:
+        _prepare(directory, tmp, mesh)
+        try:
+            files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id)
+            write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+            files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
+            meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,
+                    "extra": dict(extra or {}), "run_id": lock.run_id,
+                    "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None},
+                    "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+                    "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
+                    "torch_version": torch.__version__}
+            _publish(directory, tmp, final, iteration, meta, lock)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        lock.release()
+    return final

@@ -3,6 +3,8 @@
 - :mod:`megazero.config.sections`: the dataclasses (one per concern), :class:`MegazeroConfig`
   and :class:`Derived`;
 - :mod:`megazero.config.parsing`: flags, ``--config`` files and ``--model`` presets to a config;
+- :mod:`megazero.config.megatron`: Megatron-LM's flags (aliases, speed/logging flags accepted and
+  named in ``cfg.notes``, math-changing ones refused), applied by :func:`parse_args`;
 - :mod:`megazero.config.validation`: :func:`validate` checks a config and returns it resolved
   (derived values filled in) without changing its argument; errors are :class:`ConfigError`
   whose message names the flag and the fix.

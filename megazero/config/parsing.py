@@ -12,6 +12,7 @@ import json
 from dataclasses import fields
 from typing import Any, Dict, Optional, Sequence
 
+from megazero.config import megatron
 from megazero.config.sections import SECTIONS, ConfigError, MegazeroConfig, field_index, flag_of
 
 
@@ -23,13 +24,12 @@ def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.Argument
     p.add_argument("--config", help="YAML or JSON file of settings; flags override it.")
     p.add_argument("--model", dest="model_preset", choices=sorted(presets) if presets else None,
                    help="Named model preset" + (f" ({', '.join(sorted(presets))})" if presets else ""))
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Shard the optimizer state across data-parallel ranks (= --zero-stage 1).")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section, cls.__doc__)
         for f in fields(cls):
             if not f.metadata.get("derived"):
                 group.add_argument(flag_of(f), **_argparse_kwargs(f))
+    megatron.add_flags(p)
     return p
 
 
@@ -77,18 +77,39 @@ def _load_file(path: str) -> Dict[str, Any]:
     return flat
 
 
-def _tokenizer_vocab_size(path: str) -> int:
-    """The vocabulary size of ``--tokenizer-model`` (as in Megatron-LM, it sets the model's)."""
-    from megazero.data.tokenizer import load_tokenizer
+def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Optional[int]:
+    """The vocabulary size the tokenizer settings give (as in Megatron-LM, it sets the model's), or
+    None without a tokenizer."""
+    from megazero.data.tokenizer import tokenizer_from_settings
     try:
-        return load_tokenizer(path).vocab_size
+        tok = tokenizer_from_settings(data.get("tokenizer_type"), data.get("tokenizer_model"),
+                                      data.get("vocab_file"), data.get("merge_file"), vocab_size)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"--tokenizer-model: {err}") from None
+        msg = str(err)
+        raise ConfigError(msg if msg.startswith("--") else f"--tokenizer-model: {msg}") from None
+    return None if tok is None else tok.vocab_size
+
+
+def _checkpoint_model_args(settings: Dict[str, Any]) -> Dict[str, Any]:
+    """``--use-checkpoint-args``: the architecture settings of the ``--load`` checkpoint (none when
+    the directory holds no checkpoint yet: the load itself then decides)."""
+    from megazero.checkpoint.format import CHECKPOINT_ARGS, CheckpointError, saved_config
+    if not settings.get("load"):
+        raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model's "
+                          "architecture from)")
+    try:
+        saved = saved_config(settings["load"], settings.get("ckpt_step"))
+    except CheckpointError as err:
+        raise ConfigError(f"--use-checkpoint-args: {err}") from None
+    model = (saved or {}).get("model", {})
+    return {k: model[k] for k in CHECKPOINT_ARGS if k in model}
 
 
 def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> MegazeroConfig:
-    """Build a config from ``{field_name: value}`` (a preset named by ``model_preset`` first).
-    With ``tokenizer_model``, the tokenizer's vocabulary size replaces ``vocab_size``."""
+    """Build a config from ``{field_name: value}`` (a preset named by ``model_preset`` first, then
+    with ``use_checkpoint_args`` the ``--load`` checkpoint's architecture).  With a tokenizer
+    (``tokenizer_model``, ``vocab_file``/``merge_file``, ``tokenizer_type``) the tokenizer's
+    vocabulary size replaces ``vocab_size``."""
     index = field_index()
     per_section: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
     preset = settings.get("model_preset") or settings.get("model")
@@ -98,18 +119,21 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             raise ConfigError(f"--model {preset}: unknown model preset; choose one of: {known}")
         for k, v in presets[preset].items():
             per_section[index[k][0]][k] = v
+    if settings.get("use_checkpoint_args"):  # over the preset, under the settings given
+        per_section["model"].update(_checkpoint_model_args(settings))
     for key, value in settings.items():
         if key in ("model_preset", "model", "config"):
             continue
-        if key == "use_distributed_optimizer":
+        if key == "use_distributed_optimizer":  # accepted here too: config files may use it
             if value:
                 per_section["parallel"]["zero_stage"] = max(1, settings.get("zero_stage", 1))
             continue
         if key not in index:
             raise ConfigError(f"unknown setting {key!r} (flag --{key.replace('_', '-')}); see --help for the list")
         per_section[index[key][0]][key] = value
-    if per_section["data"].get("tokenizer_model"):
-        per_section["model"]["vocab_size"] = _tokenizer_vocab_size(per_section["data"]["tokenizer_model"])
+    vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
+    if vocab is not None:
+        per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
                           model_preset=preset if isinstance(preset, str) else None)
 
@@ -123,5 +147,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     if "config" in ns:
         settings.update(_load_file(ns.pop("config")))
     settings.update(ns)
+    settings, notes = megatron.translate(settings, set(ns))
     cfg = config_from_dict(settings, presets)
+    cfg.notes = tuple(notes)
     return validate(cfg, world_size) if validate_now else cfg

@@ -12,6 +12,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
+                   "GPT2BPETokenizer", "NullTokenizer")
+
+
 class ConfigError(ValueError):
     """An inconsistent or invalid setting; the message names the flag and how to fix it."""
 
@@ -97,7 +101,9 @@ class TrainingConfig:
     """Batch sizes, length of training, evaluation."""
     micro_batch_size: int = _f(2, "Sequences per micro-batch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Sequences per optimizer step (default micro x DP).")
-    train_iters: int = _f(10, "Optimizer steps.")
+    train_iters: Optional[int] = _f(None, "Optimizer steps (default 10, or --train-samples / --global-batch-size).")
+    train_samples: Optional[int] = _f(None, "Train on this many samples instead of a number of iterations "
+                                      "(Megatron-LM's sample-based training; exclusive with --train-iters).")
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
     eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
     eval_iters: int = _f(2, "Batches per evaluation.")
@@ -114,6 +120,13 @@ class OptimizerConfig:
     lr_decay_style: str = _f("cosine", "constant, linear or cosine.", choices=["constant", "linear", "cosine"])
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
     lr_decay_iters: Optional[int] = _f(None, "Steps over which to decay (default --train-iters).")
+    lr_warmup_init: float = _f(0.0, "Learning rate at the first warm-up step (Megatron-LM's: warm-up rises "
+                               "from it, linearly, to --lr).", type=float)
+    lr_warmup_fraction: Optional[float] = _f(None, "Warm-up as a fraction of the decay steps (instead of "
+                                             "--lr-warmup-iters / --lr-warmup-samples).", type=float)
+    lr_warmup_samples: int = _f(0, "Warm-up length in samples (with --train-samples).")
+    lr_decay_samples: Optional[int] = _f(None, "Decay length in samples (with --train-samples; default "
+                                         "--train-samples).")
     weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).", type=float)
     adam_beta1: float = _f(0.9, "Adam beta1.", type=float)
     adam_beta2: float = _f(0.999, "Adam beta2.", type=float)
@@ -142,10 +155,23 @@ class DataConfig:
     data_path: List[str] = _f([], "Megatron-format dataset prefix(es) (PREFIX.bin/.idx, written by "
                               "scripts/preprocess_data.py or Megatron-LM), optionally weighted: [w1] p1 [w2] p2.",
                               nargs="+")
+    train_data_path: List[str] = _f([], "Megatron-format prefix(es) of the training set alone (weights as "
+                                    "--data-path); no --split. Evaluation then reads --valid-data-path.", nargs="+")
+    valid_data_path: List[str] = _f([], "Megatron-format prefix(es) of the validation set (with "
+                                    "--train-data-path).", nargs="+")
     split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path).")
     mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
     tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file or Hugging Face tokenizer directory; "
                                         "its vocabulary size replaces --vocab-size.")
+    tokenizer_type: Optional[str] = _f(None, "Megatron-LM's tokenizer types that megazero has: a sentencepiece model "
+                                       "(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer) or a "
+                                       "Hugging Face directory (HuggingFaceTokenizer) in --tokenizer-model; "
+                                       "GPT2BPETokenizer from --vocab-file and --merge-file; NullTokenizer (no "
+                                       "tokenizer: ids below --vocab-size, plus one end-of-document id). Default: "
+                                       "from the files given.",
+                                       choices=list(TOKENIZER_TYPES))
+    vocab_file: Optional[str] = _f(None, "GPT-2 BPE vocabulary (vocab.json) for GPT2BPETokenizer.")
+    merge_file: Optional[str] = _f(None, "GPT-2 BPE merges (merges.txt) for GPT2BPETokenizer.")
     num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
     eod_mask_loss: bool = _f(False, "Leave the prediction after each end-of-document token out of the loss "
                              "(the EOD id comes from --tokenizer-model).")
@@ -160,6 +186,16 @@ class CheckpointConfig:
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
                              "continue); the same directory as --save may be empty (first job starts fresh).")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
+    finetune: bool = _f(False, "With --load: take the model weights only and start at iteration 0 with a fresh "
+                        "optimizer, learning-rate schedule, data position and RNG (Megatron-LM's --finetune).")
+    no_load_optim: bool = _f(False, "With --load: do not load the optimizer state (moments, step, loss scaler); "
+                             "the iteration, data position and schedule still continue.")
+    no_load_rng: bool = _f(False, "With --load: do not restore the generators; reseed them from "
+                           "(--seed, iteration) instead.")
+    use_checkpoint_args: bool = _f(False, "Take the model's architecture (layers, sizes, heads, vocabulary, "
+                                   "norms, ...) from the --load checkpoint; architecture flags given on the "
+                                   "command line still win.")
+    ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
     override_opt_param_scheduler: bool = _f(False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
                                             "--lr-decay-iters and --lr-decay-style even where they differ "
                                             "from the checkpoint's (otherwise such a difference is an error).")
@@ -169,11 +205,15 @@ class CheckpointConfig:
 class LoggingConfig:
     """Console, metrics file and wandb."""
     log_interval: int = _f(1, "Print a progress line every this many steps.")
-    metrics_file: Optional[str] = _f(None, "Write one JSON object per step to this file (rank 0).")
+    metrics_file: Optional[str] = _f(None, "Append one JSON object per step to this file (rank 0); a resumed "
+                                     "run drops the rows after its checkpoint's iteration first.")
+    tensorboard_dir: Optional[str] = _f(None, "Write the same values as the metrics file as TensorBoard "
+                                        "scalars to this directory (needs the tensorboard package).")
     wandb_project: Optional[str] = _f(None, "Log to this wandb project.")
     wandb_mode: Optional[str] = _f(None, "online, offline or disabled (default: offline without an API key).",
                                    choices=["online", "offline", "disabled"])
     wandb_exp_name: Optional[str] = _f(None, "wandb run name.")
+    wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
 
 
@@ -259,6 +299,7 @@ class MegazeroConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     model_preset: Optional[str] = None
+    notes: Tuple[str, ...] = ()  # start-up remarks (ignored Megatron-LM flags ...), printed by rank 0
     derived: Optional[Derived] = None
 
     def to_dict(self) -> Dict[str, Any]:

@@ -69,11 +69,16 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
     mod, tr = cfg.model, cfg.training
     heads, hidden = mod.num_attention_heads, mod.hidden_size
     swiglu_ffn = -(-int(8 * hidden / 3) // 64) * 64  # LLaMA's 8/3 rule, rounded up to 64
+    global_batch = tr.global_batch_size or tr.micro_batch_size * dp
     rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
              "ffn_hidden_size": swiglu_ffn if mod.activation == "swiglu" else 4 * hidden,
              "max_position_embeddings": mod.seq_length, "global_batch_size": tr.micro_batch_size * dp,
-             "lr_decay_iters": tr.train_iters,
+             "train_iters": tr.train_samples // global_batch if tr.train_samples else 10,
              "pipeline_schedule": "interleaved" if cfg.parallel.num_layers_per_virtual_pipeline_stage else "1f1b"}
+    if tr.train_samples:  # Megatron-LM's sample-based schedule: lengths in samples
+        rules["lr_decay_samples"] = tr.train_samples
+    else:
+        rules["lr_decay_iters"] = tr.train_iters if tr.train_iters is not None else rules["train_iters"]
     if mod.recompute_granularity == "full":
         rules.update(recompute_method="uniform", recompute_num_layers=1)
     return rules
@@ -94,7 +99,10 @@ def _check_numbers(cfg: MegazeroConfig) -> None:
                     ("--max-position-embeddings", mod.max_position_embeddings),
                     ("--lr-decay-iters", opt.lr_decay_iters), ("--recompute-num-layers", mod.recompute_num_layers)):
         _check(v is None or (isinstance(v, int) and v >= 1), f"{flag} must be a positive integer, got {v!r}")
-    _check(tr.train_iters >= 0, f"--train-iters must be >= 0, got {tr.train_iters}")
+    _check(tr.train_iters is None or tr.train_iters >= 0, f"--train-iters must be >= 0, got {tr.train_iters}")
+    for flag, v in (("--train-samples", tr.train_samples), ("--lr-decay-samples", opt.lr_decay_samples),
+                    ("--ckpt-step", cfg.checkpoint.ckpt_step)):
+        _check(v is None or (isinstance(v, int) and v >= 0), f"{flag} must be an integer >= 0, got {v!r}")
     _check(tr.seed >= 0, f"--seed must be >= 0, got {tr.seed}")
     _check(tr.eval_interval >= 0, f"--eval-interval must be >= 0 (0: never), got {tr.eval_interval}")
     _check(tr.eval_interval == 0 or tr.eval_iters >= 1,
@@ -206,8 +214,33 @@ def _check_recompute(cfg: MegazeroConfig) -> None:
            "--recompute-method is only used with --recompute-granularity full")
 
 
+def _check_schedule_units(cfg: MegazeroConfig) -> None:
+    """Megatron-LM's rule: iteration-based or sample-based lengths, never a mix."""
+    opt, tr = cfg.optimizer, cfg.training
+    if tr.train_samples:
+        for flag, ok in (("--train-iters", cfg.is_filled("train_iters")),
+                         ("--lr-decay-iters", cfg.is_filled("lr_decay_iters") or opt.lr_decay_iters is None),
+                         ("--lr-warmup-iters", opt.lr_warmup_iters == 0)):
+            _check(ok, f"{flag} cannot be used with --train-samples (sample-based training); give the "
+                   f"length in samples ({flag.replace('iters', 'samples')}) or train by iterations")
+    else:
+        for flag, ok in (("--lr-decay-samples", opt.lr_decay_samples is None),
+                         ("--lr-warmup-samples", opt.lr_warmup_samples == 0)):
+            _check(ok, f"{flag} needs --train-samples (sample-based training); use "
+                   f"{flag.replace('samples', 'iters')} with --train-iters")
+    warmups = [f for f, v in (("--lr-warmup-iters", opt.lr_warmup_iters), ("--lr-warmup-samples",
+                                                                         opt.lr_warmup_samples)) if v]
+    _check(opt.lr_warmup_fraction is None or not warmups,
+           f"--lr-warmup-fraction and {' '.join(warmups)} both set the warm-up; give one")
+    _check(opt.lr_warmup_fraction is None or 0.0 <= opt.lr_warmup_fraction <= 1.0,
+           f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
+    _check(opt.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {opt.lr_warmup_samples}")
+    _check(opt.lr_warmup_init >= 0, f"--lr-warmup-init must be >= 0, got {opt.lr_warmup_init}")
+
+
 def _check_optimizer(cfg: MegazeroConfig) -> None:
     opt = cfg.optimizer
+    _check_schedule_units(cfg)
     _check(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _check(opt.min_lr <= opt.lr, f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
     _check(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {opt.clip_grad}")
@@ -217,7 +250,7 @@ def _check_optimizer(cfg: MegazeroConfig) -> None:
     _check(opt.adam_eps > 0, f"--adam-eps must be > 0, got {opt.adam_eps}")
     _check(opt.sgd_momentum >= 0, f"--sgd-momentum must be >= 0, got {opt.sgd_momentum}")
     _check(opt.weight_decay >= 0, f"--weight-decay must be >= 0, got {opt.weight_decay}")
-    _check(cfg.is_filled("lr_decay_iters") or opt.lr_decay_style == "constant"
+    _check(cfg.is_filled("lr_decay_iters") or opt.lr_decay_iters is None or opt.lr_decay_style == "constant"
            or opt.lr_decay_iters > opt.lr_warmup_iters,
            f"--lr-decay-iters {opt.lr_decay_iters} must be greater than --lr-warmup-iters "
            f"{opt.lr_warmup_iters} (decay runs after warm-up); raise it or use --lr-decay-style constant")
@@ -231,14 +264,26 @@ def _check_checkpoint(cfg: MegazeroConfig) -> None:
            f"--save-interval {ck.save_interval} needs --save DIR (the directory to write checkpoints to)")
     for flag, v in (("--save", ck.save), ("--load", ck.load)):
         _check(v is None or (isinstance(v, str) and v.strip() != ""), f"{flag} needs a directory, got {v!r}")
+    for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
+                     ("--no-load-rng", ck.no_load_rng), ("--use-checkpoint-args", ck.use_checkpoint_args),
+                     ("--ckpt-step", ck.ckpt_step is not None)):
+        _check(not on or ck.load, f"{flag} needs --load DIR (the checkpoint to start from)")
 
 
 def _check_data(cfg: MegazeroConfig) -> None:
     data = cfg.data
-    _check(data.mock_data or data.data_path, "no training data: pass --mock-data for synthetic tokens or "
+    real = [f for f, v in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path)) if v]
+    _check(data.mock_data or real, "no training data: pass --mock-data for synthetic tokens or "
            "--data-path PREFIX for a Megatron-format dataset (see scripts/preprocess_data.py)")
-    _check(not (data.mock_data and data.data_path), "--mock-data and --data-path are exclusive; choose one")
-    _check(not data.eod_mask_loss or data.tokenizer_model,
+    _check(not (data.mock_data and real), f"--mock-data and {real[0] if real else ''} are exclusive; choose one")
+    _check(len(real) < 2, "--data-path and --train-data-path are exclusive: --split cuts one set, the other "
+           "names separate sets; choose one")
+    _check(not data.valid_data_path or data.train_data_path,
+           "--valid-data-path goes with --train-data-path (with --data-path, --split makes the validation set)")
+    _check(not (data.train_data_path and cfg.training.eval_interval and not data.valid_data_path),
+           "--eval-interval with --train-data-path needs --valid-data-path (the set to evaluate on)")
+    has_tokenizer = data.tokenizer_model or data.vocab_file or data.tokenizer_type
+    _check(not data.eod_mask_loss or has_tokenizer,
            "--eod-mask-loss needs --tokenizer-model (the end-of-document id comes from the tokenizer)")
     _check(not data.mock_data or cfg.model.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")

@@ -30,23 +30,52 @@ def build_data(cfg):
     if cfg.data.mock_data:
         return MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
     from megazero.config import ConfigError
-    from megazero.data.gpt_dataset import BlendedGPTData
-    if not cfg.data.data_path:
+    d = cfg.data
+    if not (d.data_path or d.train_data_path):
         raise ConfigError("no training data: pass --mock-data or --data-path PREFIX")
     try:
-        data = BlendedGPTData(cfg.data.data_path, cfg.model.seq_length, cfg.data.split, cfg.training.seed,
-                              vocab_size=cfg.model.vocab_size)
-        data.check(("train", "valid") if cfg.training.eval_interval else ("train",))
-        data.check_vocab()
-        if cfg.data.eod_mask_loss:
-            from megazero.data.tokenizer import load_tokenizer
-            data.masked_token = load_tokenizer(cfg.data.tokenizer_model).eod
+        data = _real_data(cfg)
+        if d.eod_mask_loss:
+            from megazero.data.tokenizer import tokenizer_from_config
+            data.masked_token = tokenizer_from_config(cfg).eod
         return data
     except FileNotFoundError as err:
         raise ConfigError(f"--data-path: {err}") from None
     except ValueError as err:
         msg = str(err)
         raise ConfigError(msg if msg.startswith("--") else f"--data-path: {msg}") from None
+
+
+class SeparateSplits:
+    """``--train-data-path`` / ``--valid-data-path``: one source per split (Megatron-LM's separate
+    sets instead of ``--split``)."""
+
+    def __init__(self, sources: Dict[str, object]):
+        self.sources, self.masked_token = sources, None
+
+    def get_tokens(self, indices, split: str = "train"):
+        if split not in self.sources:
+            raise ValueError(f"no {split} data: give --{split}-data-path")
+        return self.sources[split].get_tokens(indices, split)
+
+
+def _real_data(cfg):
+    from megazero.data.gpt_dataset import BlendedGPTData
+    d, seq, seed, vocab = cfg.data, cfg.model.seq_length, cfg.training.seed, cfg.model.vocab_size
+    splits = ("train", "valid") if cfg.training.eval_interval else ("train",)
+    if d.data_path:
+        data = BlendedGPTData(d.data_path, seq, d.split, seed, vocab_size=vocab)
+        data.check(splits)
+        data.check_vocab()
+        return data
+    sources = {"train": BlendedGPTData(d.train_data_path, seq, "1,0,0", seed, vocab_size=vocab)}
+    sources["train"].check(("train",))
+    sources["train"].check_vocab()
+    if d.valid_data_path:
+        sources["valid"] = BlendedGPTData(d.valid_data_path, seq, "0,1,0", seed, vocab_size=vocab)
+        sources["valid"].check(("valid",))
+        sources["valid"].check_vocab()
+    return SeparateSplits(sources)
 
 
 def sample_range(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:

@@ -100,3 +100,107 @@ def load_tokenizer(path: str):
     if os.path.isdir(path):
         return HFTokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from ``vocab.json`` + ``merges.txt`` (Megatron-LM's GPT2BPETokenizer),
+    read by the ``tokenizers`` library; the end of document is ``<|endoftext|>``."""
+
+    EOD_TOKEN = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        from tokenizers import ByteLevelBPETokenizer
+        self.paths = (vocab_file, merge_file)
+        try:
+            self.tok = ByteLevelBPETokenizer.from_file(vocab_file, merge_file)
+        except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions for bad files
+            raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE "
+                             f"vocabulary ({err})") from None
+        self.vocab_size = int(self.tok.get_vocab_size())
+        eod = self.tok.token_to_id(self.EOD_TOKEN)
+        self.eos_id = -1 if eod is None else int(eod)
+        self.bos_id, self.pad_id, self.unk_id = self.eos_id, -1, -1
+
+    @property
+    def eod(self) -> int:
+        if self.eos_id < 0:
+            raise ValueError(f"--vocab-file {self.paths[0]}: no {self.EOD_TOKEN} token to mark the end of a document")
+        return self.eos_id
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.tok.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def __getstate__(self):
+        return {"paths": self.paths}
+
+    def __setstate__(self, state):
+        self.__init__(*state["paths"])
+
+
+class NullTokenizer:
+    """No tokenizer (Megatron-LM's NullTokenizer): token ids below ``vocab_size`` and one more id,
+    ``vocab_size``, for the end of a document; text cannot be encoded."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size) + 1
+        self.eos_id = self.bos_id = int(vocab_size)
+        self.pad_id = self.unk_id = -1
+
+    @property
+    def eod(self) -> int:
+        return self.eos_id
+
+    def encode(self, text: str) -> List[int]:
+        raise ValueError("--tokenizer-type NullTokenizer cannot encode text; give token ids instead")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def tokenizer_from_settings(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size):
+    """The tokenizer that ``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``/``--merge-file``
+    describe, or None when they name none.  Without a type it follows the files given."""
+    if tokenizer_type is None:
+        if tokenizer_model:
+            return load_tokenizer(tokenizer_model)
+        if vocab_file or merge_file:
+            tokenizer_type = "GPT2BPETokenizer"
+        else:
+            return None
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (its ids are below it)")
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not (vocab_file and merge_file):
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and "
+                             "--merge-file merges.txt")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if not tokenizer_model:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
+                         f"({'a Hugging Face tokenizer directory' if tokenizer_type == 'HuggingFaceTokenizer' else 'a sentencepiece .model file'})")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not os.path.isdir(tokenizer_model):
+            raise ValueError(f"--tokenizer-type HuggingFaceTokenizer: --tokenizer-model {tokenizer_model} is not "
+                             "a directory (save the tokenizer with save_pretrained)")
+        return HFTokenizer(tokenizer_model)
+    if os.path.isdir(tokenizer_model):
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: --tokenizer-model {tokenizer_model} is a directory; "
+                         "give the sentencepiece .model file (or --tokenizer-type HuggingFaceTokenizer)")
+    return SentencePieceTokenizer(tokenizer_model)
+
+
+def tokenizer_from_config(cfg):
+    """The tokenizer of a config (its data section), or None."""
+    d = cfg.data
+    vocab = cfg.model.vocab_size - 1 if d.tokenizer_type == "NullTokenizer" else cfg.model.vocab_size
+    return tokenizer_from_settings(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, vocab)

@@ -1,0 +1,360 @@
+"""Activation bytes that autograd keeps for backward, counted from the model code.
+
+Every term below is a tensor that an autograd node of ``models/gpt.py``, ``models/layers.py``,
+``megazero/tensor_parallel/*`` or ``megazero/recompute.py`` saves (one storage counted once,
+parameters left out), per micro-batch, on one rank.  Notation: ``s`` sequence, ``b`` micro-batch,
+``h`` hidden, ``T = s*b`` tokens, ``Tl`` the tokens a rank holds outside the tensor-parallel
+regions (``T / tp`` under sequence parallelism, else ``T``), ``ap = heads / tp`` and
+``gp = query_groups / tp`` heads per rank of ``d`` channels, ``fp = ffn / tp``, ``Vp`` the padded
+vocabulary per TP rank, ``E`` bytes of the compute dtype (4 fp32, 2 bf16/fp16), ``M`` bytes of a
+dropout mask element (``E`` on CPU, where dropout multiplies by a mask of the input's dtype; 1 on
+CUDA, whose fused dropout keeps a bool mask).
+
+Per transformer layer (no recomputation):
+
+- each norm (computed in fp32): LayerNorm keeps its fp32 input ``4 Tl h`` (the layer input
+  itself in fp32, a copy in half precision), mean and rstd ``2 * 4 Tl``; RMSNorm keeps the fp32
+  input ``4 Tl h``, the rsqrt ``4 Tl`` and the normalised product ``4 Tl h``; in half precision
+  both keep fp32 copies of their weight (and bias): ``4 h`` each;
+- the QKV projection keeps its input ``E T h`` (the norm output, or the sequence-gathered copy);
+- attention, flash/efficient SDPA (CPU without attention dropout, CUDA): the query storage, the
+  key and value after ``repeat_interleave`` (always copies, ``2 E T ap d``), the output
+  ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s`` (efficient kernel: ``s`` rounded up to 32).
+  The query is a view of the fused QKV output when there is no RoPE and one query head per group
+  (GPT-2), so the whole QKV output ``E T (ap + 2 gp) d`` stays alive; otherwise it is its own
+  ``E T ap d`` (rotated, or regrouped).  The output projection keeps a regrouped copy of the SDPA
+  output ``E T ap d``, except on CPU when the query was a view of the QKV output (the output then
+  regroups as a view unless grouped-query attention regrouped the query).  Math SDPA (CPU with attention dropout): the scaled query and key
+  ``2 E T ap d``, the value ``E T ap d``, the softmax, the dropout mask and the dropped
+  probabilities ``b ap s^2 (2 E + M)`` (the ``5 a s^2 b`` term of Korthikanti et al. exists
+  only here), and the regrouped output ``E T ap d`` for the projection;
+- RoPE keeps fp32 ``cos`` and ``sin`` ``2 * 4 s d`` once per chunk forward (shared by its layers);
+- each hidden dropout keeps its mask ``M Tl h``;
+- the MLP keeps its input ``E T h`` (twice under sequence parallelism with SwiGLU: gate and fc1
+  each gather it), GELU its input and output ``2 E T fp``, SwiGLU the gate output, its SiLU, the
+  fc1 output and the product ``4 E T fp``.
+
+Embedding (first stage): the token ids ``8 T`` (with TP > 1 the shifted ids ``8 T`` and the
+out-of-range mask ``T``), the dropout mask ``M Tl h``.  Head and loss (last stage): the final
+norm, the head's input ``E T h``, the cross-entropy's fp32 softmax ``4 T Vp``, shifted labels
+``8 T``, ownership mask ``T`` and vocabulary mask ``Vp``; the executor's loss keeps the loss mask
+``4 T`` and one fp32 scalar.
+
+Recomputation: ``full`` keeps only each recomputed group's input ``E Tl h``; during backward the
+group is replayed and holds one group's activations at a time.  ``selective`` keeps the attention
+core's inputs (the QKV output storage, plus the rotated query/key with RoPE, plus the regrouped
+query with grouped-query attention when that is a copy) instead of the SDPA's saved set, and replays one layer's core
+in backward.
+
+A chunk is a list of :class:`Segment` s in forward order; its backward frees them in reverse, a
+recomputed segment first adding its replay.  :func:`stage_activation_peak` walks the pipeline
+schedule's actions (:mod:`megazero.pipeline.schedules`) over those per-chunk figures, so the
+in-flight micro-batches of 1F1B, interleaved 1F1B or GPipe are counted as they occur.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple
+
+from megazero.pipeline.partition import chunk_layers
+from megazero.pipeline.schedules import interleaved_warmup
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes and the kernels that decide what is saved (see the module docstring)."""
+    s: int
+    b: int
+    h: int
+    tp: int
+    sp: bool
+    E: int
+    M: int
+    ap: int
+    gp: int
+    d: int
+    fp: int
+    vp: int
+    rope: bool
+    rms: bool
+    swiglu: bool
+    half: bool
+    hidden_dropout: bool
+    attention_dropout: bool
+    backend: str  # "flash", "efficient" or "math"
+    device: str   # "cpu" or "cuda"
+
+    @property
+    def T(self) -> int:
+        return self.s * self.b
+
+    @property
+    def Tl(self) -> int:
+        return self.T // self.tp if self.sp else self.T
+
+
+def sdpa_backend(device: str, half: bool, dropout: bool, head_dim: int) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks for our call (causal, no mask): CPU runs
+    its flash kernel unless attention dropout is on (then the math path); CUDA runs flash for
+    16-bit inputs with head dim <= 256, else the memory-efficient kernel."""
+    if device == "cpu":
+        return "math" if dropout else "flash"
+    return "flash" if half and head_dim <= 256 else "efficient"
+
+
+def dims(cfg, device: str = "cuda") -> Dims:
+    """:class:`Dims` of a validated config on ``device`` ("cpu" or "cuda")."""
+    m, par, pre = cfg.model, cfg.parallel, cfg.precision
+    tp = par.tensor_model_parallel_size
+    half = bool(pre.bf16 or pre.fp16)
+    E = 2 if half else 4
+    return Dims(s=m.seq_length, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
+                sp=bool(par.sequence_parallel), E=E, M=E if device == "cpu" else 1,
+                ap=m.num_attention_heads // tp, gp=m.num_query_groups // tp, d=m.kv_channels,
+                fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp,
+                rope=m.position_embedding_type == "rope", rms=m.normalization == "RMSNorm",
+                swiglu=m.activation == "swiglu", half=half, hidden_dropout=m.hidden_dropout > 0,
+                attention_dropout=m.attention_dropout > 0,
+                backend=sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels), device=device)
+
+
+class Segment(NamedTuple):
+    """Part of a chunk's forward: ``kept`` bytes until its backward; ``replay`` bytes more while its
+    recomputation runs in backward, after ``freed_first`` of its own bytes were already released."""
+    kept: int
+    replay: int = 0
+    freed_first: int = 0
+
+
+# ---- per-layer terms ---------------------------------------------------------------------------
+def norm_bytes(D: Dims) -> int:
+    """One LayerNorm/RMSNorm over ``Tl`` tokens (fp32 math)."""
+    if D.rms:
+        return 4 * D.Tl * D.h * 2 + 4 * D.Tl + (4 * D.h if D.half else 0)
+    return 4 * D.Tl * D.h + 2 * 4 * D.Tl + (2 * 4 * D.h if D.half else 0)
+
+
+def dropout_bytes(D: Dims) -> int:
+    """One hidden dropout's mask (0 without dropout)."""
+    return D.M * D.Tl * D.h if D.hidden_dropout else 0
+
+
+def _qkv_out(D: Dims) -> int:
+    return D.E * D.T * (D.ap + 2 * D.gp) * D.d
+
+
+def _heads(D: Dims) -> int:
+    """Bytes of one ``[b, ap, s, d]`` tensor."""
+    return D.E * D.T * D.ap * D.d
+
+
+def _query_is_view(D: Dims) -> bool:
+    """Whether regrouping the query to ``[b, heads, s, d]`` is a view of the QKV output: with one
+    query head per group, or one group on this rank (otherwise it is a contiguous copy)."""
+    return D.ap == D.gp or D.gp == 1
+
+
+def _query_storage(D: Dims) -> int:
+    """The storage SDPA's saved query lives in: the whole QKV output when the query is a view of it."""
+    return _qkv_out(D) if (not D.rope and _query_is_view(D)) else _heads(D)
+
+
+def _lse(D: Dims) -> int:
+    s = -(-D.s // 32) * 32 if D.backend == "efficient" else D.s
+    return 4 * D.b * D.ap * s
+
+
+def core_bytes(D: Dims) -> int:
+    """What the attention core (repeat_interleave + SDPA) and the projection's input keep."""
+    if D.backend == "math":
+        probs = D.b * D.ap * D.s * D.s
+        dropped = probs * (D.E + D.M) if D.attention_dropout else 0
+        return 3 * _heads(D) + probs * D.E + dropped + _heads(D)
+    return _query_storage(D) + 2 * _heads(D) + _heads(D) + _lse(D) + (_heads(D) if _proj_copies(D) else 0)
+
+
+def _proj_copies(D: Dims) -> bool:
+    """Whether the output projection keeps its own regrouped copy of the SDPA output.  CPU's flash
+    kernel lays its output out like the query: a query viewed out of the QKV output (one query head
+    per group), or rotated from such a view (elementwise ops keep the seq-major layout), gives an
+    output whose ``[s, b, heads * d]`` regrouping is a view.  A regrouped query (grouped-query
+    attention) is contiguous ``[b, heads, s, d]``, and CUDA's kernels write a fresh
+    ``[b, s, heads, d]`` output: both need a copy."""
+    return D.device != "cpu" or not _query_is_view(D)
+
+
+def selective_kept(D: Dims) -> int:
+    """The recomputed core's saved inputs (q, k, v) and its output, kept by the projection."""
+    kept = _qkv_out(D)                       # v (and k, q without RoPE) are views of the QKV output
+    if D.rope:
+        kept += _heads(D) + D.E * D.T * D.gp * D.d   # rotated q and k
+    elif not _query_is_view(D):
+        kept += _heads(D)                     # q regrouped to [b, heads, s, d]
+    return kept + _heads(D)  # the output the projection keeps (math: its regrouped copy)
+
+
+def selective_replay(D: Dims) -> int:
+    """Bytes the core's replay saves in backward: the SDPA set without the query it already has
+    (flash), or the math path's set without the projection's copy."""
+    return core_bytes(D) - (_heads(D) if D.backend == "math" else _query_storage(D))
+
+
+def rope_bytes(D: Dims) -> int:
+    """fp32 cos and sin ``[s, d]`` (once per chunk forward)."""
+    return 2 * 4 * D.s * D.d if D.rope else 0
+
+
+def mlp_bytes(D: Dims) -> int:
+    inputs = D.E * D.T * D.h * (2 if (D.sp and D.swiglu) else 1)
+    return inputs + D.E * D.T * D.fp * (4 if D.swiglu else 2)
+
+
+def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
+    """One transformer layer's kept bytes by part (module docstring)."""
+    attn = selective_kept(D) if selective else core_bytes(D)
+    return {"norms": 2 * norm_bytes(D), "qkv_input": D.E * D.T * D.h, "attention": attn,
+            "mlp": mlp_bytes(D), "dropout": 2 * dropout_bytes(D)}
+
+
+def layer_bytes(D: Dims, selective: bool = False) -> int:
+    return sum(layer_parts(D, selective).values())
+
+
+def layer_segments(D: Dims, selective: bool) -> List[Segment]:
+    """A layer as two segments (attention half, MLP half) in forward order."""
+    attn = norm_bytes(D) + D.E * D.T * D.h + dropout_bytes(D)
+    mlp = norm_bytes(D) + mlp_bytes(D) + dropout_bytes(D)
+    if not selective:
+        return [Segment(attn + core_bytes(D)), Segment(mlp)]
+    # backward reaches the core's replay after the dropout mask and the projection's input are freed
+    return [Segment(attn + selective_kept(D), selective_replay(D), dropout_bytes(D) + _heads(D)),
+            Segment(mlp)]
+
+
+def group_segment(D: Dims, n_layers: int, selective: bool) -> Segment:
+    """Full recomputation of ``n_layers`` layers: keeps the group's input; the replay holds the
+    layers' activations (the input's storage is the first norm's fp32 input in fp32: counted once)."""
+    inp = D.E * D.Tl * D.h
+    replay = n_layers * layer_bytes(D, selective) + rope_bytes(D) - (inp if not D.half else 0)
+    return Segment(inp, replay)
+
+
+# ---- ends of the model -------------------------------------------------------------------------
+def embedding_bytes(D: Dims) -> int:
+    ids = 8 * D.T if D.tp == 1 else 8 * D.T + D.T
+    return ids + dropout_bytes(D)
+
+
+def head_bytes(D: Dims) -> int:
+    """Final norm, head input, vocab-parallel cross-entropy, and the executor's masked mean."""
+    ce = 4 * D.T * D.vp + 8 * D.T + D.T + D.vp
+    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T + 4
+
+
+def chunk_segments(cfg, D: Dims, n_layers: int, pre: bool, post: bool) -> List[Segment]:
+    """One chunk's segments in forward order (recomputation as configured)."""
+    m = cfg.model
+    selective = m.recompute_granularity == "selective"
+    segs = [Segment(embedding_bytes(D))] if pre else []
+    if m.recompute_granularity == "full":
+        k = m.recompute_num_layers or 1
+        if m.recompute_method == "block":
+            recomputed = min(k, n_layers)
+            segs += [group_segment(D, 1, False) for _ in range(recomputed)]
+            plain = n_layers - recomputed
+            if plain:
+                segs.append(Segment(rope_bytes(D)))
+            for _ in range(plain):
+                segs += layer_segments(D, False)
+        else:
+            segs += [group_segment(D, min(k, n_layers - i), False) for i in range(0, n_layers, k)]
+    else:
+        if n_layers:
+            segs.append(Segment(rope_bytes(D)))
+        for _ in range(n_layers):
+            segs += layer_segments(D, selective)
+    if post:
+        segs.append(Segment(head_bytes(D)))
+    return segs
+
+
+def chunk_profile(segments: List[Segment]) -> tuple:
+    """(kept bytes at the end of the forward, peak during its backward)."""
+    kept = sum(s.kept for s in segments)
+    live, peak = kept, kept
+    for seg in reversed(segments):
+        if seg.replay:
+            peak = max(peak, live - seg.freed_first + seg.replay)
+        live -= seg.kept
+    return kept, peak
+
+
+# ---- a pipeline stage over the schedule --------------------------------------------------------
+def stage_chunks(cfg, pp_rank: int, device: str = "cuda") -> List[tuple]:
+    """(kept, backward peak) of each of this stage's chunks for one micro-batch."""
+    D = dims(cfg, device)
+    pp = cfg.parallel.pipeline_model_parallel_size
+    ranges = chunk_layers(cfg, pp_rank)
+    return [chunk_profile(chunk_segments(cfg, D, len(r), pp_rank == 0 and v == 0,
+                                         pp_rank == pp - 1 and v == len(ranges) - 1))
+            for v, r in enumerate(ranges)]
+
+
+def compute_order(cfg, pp_rank: int) -> List[tuple]:
+    """This stage's ``("fwd"|"bwd", chunk)`` compute actions in schedule order (the compute actions
+    of :func:`megazero.pipeline.schedules.build_schedule`, without the messages).  For the
+    interleaved schedule the live set repeats once the steady state is reached, which ``4 pp``
+    micro-batches (a multiple of ``pp``, as it requires) always include, so at most those are
+    generated."""
+    par = cfg.parallel
+    pp, vp, m = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, \
+        cfg.training.num_micro_batches
+    if par.pipeline_schedule != "interleaved":
+        if par.pipeline_schedule == "gpipe":
+            return [("fwd", 0)] * m + [("bwd", 0)] * m
+        warm = min(pp - pp_rank - 1, m)
+        return [("fwd", 0)] * warm + [("fwd", 0), ("bwd", 0)] * (m - warm) + [("bwd", 0)] * warm
+    m = min(m, 4 * pp)
+    total, w = m * vp, interleaved_warmup(pp, pp_rank, m, vp)
+    chunk = [k % (pp * vp) // pp for k in range(total)]  # Megatron's virtual-step -> chunk rule
+    order = [("fwd", c) for c in chunk[:w]]
+    for i in range(total - w):
+        order += [("fwd", chunk[w + i]), ("bwd", vp - 1 - chunk[i])]
+    return order + [("bwd", vp - 1 - c) for c in chunk[total - w:]]
+
+
+def schedule_peak(cfg, pp_rank: int, per_chunk: List[tuple]) -> int:
+    """Peak of ``sum(kept of in-flight chunk forwards)`` over this stage's schedule, a backward
+    adding its own excess (``peak - kept``) while it runs.  One chunk (GPipe, 1F1B): ``N`` in
+    flight (``m``, or ``min(pp - r, m)``) give ``(N - 1) kept + backward peak``; the interleaved
+    schedule is walked action by action."""
+    par, tr = cfg.parallel, cfg.training
+    pp, m = par.pipeline_model_parallel_size, tr.num_micro_batches
+    if len(per_chunk) == 1 and par.pipeline_schedule != "interleaved":
+        kept, bwd_peak = per_chunk[0]
+        n = m if par.pipeline_schedule == "gpipe" else min(pp - pp_rank, m)
+        return max(n * kept, (n - 1) * kept + bwd_peak)
+    live = peak = 0
+    for kind, chunk in compute_order(cfg, pp_rank):
+        kept, bwd_peak = per_chunk[chunk]
+        if kind == "fwd":
+            live += kept
+            peak = max(peak, live)
+        else:
+            peak = max(peak, live - kept + bwd_peak)
+            live -= kept
+    return peak
+
+
+def in_flight(cfg, pp_rank: int) -> int:
+    """Most chunk forwards awaiting their backward on stage ``pp_rank`` (from the schedule)."""
+    live = most = 0
+    for kind, _ in compute_order(cfg, pp_rank):
+        live += 1 if kind == "fwd" else -1
+        most = max(most, live)
+    return most
+
+
+def stage_activation_peak(cfg, pp_rank: int, device: str = "cuda") -> int:
+    """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
+    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, device))

@@ -1,0 +1,151 @@
+"""Measure what a configuration really holds, to set beside :func:`megazero.memory.estimate`.
+
+:func:`measure_rank` runs a few training iterations of a validated config on this rank with the
+trainer's own pieces (mesh, model provider, ZeRO optimizer, data, pipeline executor) and returns
+per component:
+
+- model state from the optimizer's counters (``optimizer.memory_bytes()``: ``param_bytes``,
+  ``grad_bytes``, ``optim_bytes``, ``peak_grad_bytes``) taken after the last step;
+- ``activation_bytes``: the peak, over the whole schedule (forwards, backwards and the
+  recomputation replays inside backward), of the bytes autograd keeps for backward, measured with
+  saved-tensor hooks (:class:`SavedTensorTracker`): each storage counted once, parameters left
+  out;
+- ``saved_param_bytes``: the peak bytes of parameter storages that autograd keeps and that are
+  not the optimizer's persistent buffers (ZeRO-3's gathered buckets, when the graph pins them);
+- ``pipeline_input_bytes``: the executor's peak received activations (``PipelineTimer``);
+- on CUDA ``max_memory_allocated``.
+
+The hooks wrap the schedule from outside (``torch.autograd.graph.saved_tensors_hooks`` around
+``run_schedule``); the trainer and the executor are not modified.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+
+class _Held:
+    """What the pack hook hands to autograd: the tensor, and a finaliser that fires when autograd
+    releases it (after the backward that used it)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedTensorTracker:
+    """Live bytes of the tensors autograd saves for backward, and their peak.
+
+    Use as a context manager around forward *and* backward (recomputation saves tensors inside
+    backward).  A storage is counted once however many saved tensors view it; it leaves the live
+    set when autograd has released every saved tensor that uses it.  Tensors that are
+    ``nn.Parameter`` s are saved as themselves (their storage follows ``param.data``) and never
+    count; views of one (``weight.t()`` in a linear layer) pin the storage they view: they count in
+    ``param_peak`` when that storage is not in ``persistent`` (the optimizer's buffers), i.e. a
+    temporary parameter buffer (ZeRO-3's gathered bucket) that the graph keeps alive.
+    """
+
+    def __init__(self, persistent: Optional[Set[int]] = None):
+        self.persistent = set(persistent or ())
+        self.live = 0
+        self.peak = 0
+        self.param_live = 0
+        self.param_peak = 0
+        self._refs: Dict[int, List[int]] = {}  # storage ptr -> [nbytes, holders, is_param]
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter):  # saved as itself: follows ``param.data`` swaps, pins nothing
+            return t
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+        is_param = isinstance(t._base, torch.nn.Parameter)  # a view (e.g. ``weight.t()``) pins its storage
+        if nbytes == 0 or (is_param and ptr in self.persistent):
+            return t
+        entry = self._refs.get(ptr)
+        if entry is None:
+            entry = self._refs[ptr] = [nbytes, 0, int(is_param)]
+            self._add(nbytes, is_param)
+        entry[1] += 1
+        held = _Held(t)
+        weakref.finalize(held, self._release, ptr)
+        return held
+
+    def _add(self, nbytes: int, is_param: bool) -> None:
+        if is_param:
+            self.param_live += nbytes
+            self.param_peak = max(self.param_peak, self.param_live)
+        else:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def _release(self, ptr: int) -> None:
+        entry = self._refs[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._refs[ptr]
+            self._add(-entry[0], bool(entry[2]))
+
+    @staticmethod
+    def _unpack(obj):
+        return obj.tensor if isinstance(obj, _Held) else obj
+
+    def __enter__(self) -> "SavedTensorTracker":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+
+
+def _storage_ptrs(chunks) -> Set[int]:
+    return {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
+            if p.untyped_storage().nbytes()}
+
+
+def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional[torch.device] = None
+                 ) -> Dict[str, object]:
+    """Train ``iters`` iterations of the validated ``cfg`` on this rank (inside an initialised
+    process group, or alone) and return the measured components (module docstring)."""
+    from megazero.data import build_data, micro_batches
+    from megazero.lr import lr_from_config
+    from megazero.pipeline.executor import PipelineTimer, run_schedule
+    from megazero.pipeline.p2p import p2p_tensor_shape
+    from megazero.precision import compute_dtype
+    from megazero.tensor_parallel.random import seed_default_generators
+    from megazero.training import build_mesh
+    from megazero.zero import build_optimizer
+
+    mesh = build_mesh(cfg, device)
+    tr, dtype = cfg.training, compute_dtype(cfg)
+    seed_default_generators(tr.seed, mesh)
+    chunks = [c.to(device=mesh.device, dtype=dtype) for c in model_provider(cfg, mesh)]
+    for c in chunks:
+        c.train()
+    if mesh.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(mesh.device)
+    optimizer = build_optimizer(chunks, mesh, cfg)
+    tracker = SavedTensorTracker(_storage_ptrs(chunks))
+    timer = PipelineTimer()
+    data = build_data(cfg)
+    for it in range(1, iters + 1):
+        optimizer.zero_grad()
+        batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
+                                mesh.dp_size, device=mesh.device)
+        with tracker:
+            run_schedule(chunks, mesh, batches, schedule=cfg.parallel.pipeline_schedule,
+                         num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg), dtype=dtype,
+                         grad_sync=optimizer, loss_scale=float(optimizer.loss_scale), timer=timer)
+        optimizer.finish_grad_sync()
+        optimizer.step(lr_from_config(cfg, it))
+    out: Dict[str, object] = {k: int(v) for k, v in dict(optimizer.memory_bytes()).items()}
+    out.update(rank=mesh.rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank,
+               activation_bytes=tracker.peak, saved_param_bytes=tracker.param_peak,
+               pipeline_input_bytes=timer.peak_input_bytes, live_after=tracker.live)
+    if mesh.device.type == "cuda":
+        out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
+    return out

@@ -1,0 +1,242 @@
+"""Model-state bytes of one rank, exactly as the ZeRO optimizer lays them out.
+
+The optimizer (``megazero/zero``) puts every trainable parameter of a rank into flat buffers cut
+into buckets: per model chunk (per gather unit under ZeRO-3: each transformer layer, then the rest
+of the chunk) and per reduction *kind* (``dense``; ``sp`` for parameters replicated over TP with
+a partial gradient under sequence parallelism: norms and row-parallel biases; ``emb`` for the tied
+embedding and its copy when pp > 1), in reverse registration order, at most ``bucket_size``
+elements a bucket (ZeRO-3 never splits a unit), each padded to a multiple of the data-parallel
+size ``N``.  With ``n`` the padded elements of all buckets, ``P``/``G`` the bytes of a parameter /
+gradient element, ``K`` the optimizer's bytes per element:
+
+- ``param_bytes``: ``P n`` (stage 3: ``P n / N``);
+- ``grad_bytes``: ``G n`` (stages 2/3: ``G n / N``);
+- ``optim_bytes``: ``K n`` (stages 1-3: ``K n / N``), of which ``master_bytes`` ``4 n`` (or
+  ``4 n / N``) for the fp32 master copy (half precision, or offload); fp32 parameters on the
+  device are their own master weights;
+- ``peak_grad_bytes``: gradients plus the communication buffers of backward, from
+  :func:`grad_peak` (a replay of the optimizer's bucket life cycle, assuming no reduction finishes
+  early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``);
+- ZeRO-3 (``N > 1``): ``gathered_param_bytes``, the full buckets gathered while a unit runs (the
+  chunk's root unit, the current layer and the prefetched one), and ``pinned_param_bytes``: the
+  gathered buckets that autograd keeps alive until backward because a linear layer saves a view of
+  its weight (``weight.t()``) whose storage is the gathered bucket, not the parameter.  Every
+  micro-batch in flight pins its own copy of the stage's linear weights (measured; see
+  ``docs/memory.md``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from megazero.pipeline.partition import chunk_layers
+
+KINDS = ("dense", "sp", "emb")
+MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # the optimizer's default bucket-size bounds
+
+
+class ParamSpec(NamedTuple):
+    """One parameter: elements, reduction kind, ZeRO-3 unit (layer index, or None for the chunk's
+    root unit), whether a linear layer multiplies by it (then ZeRO-3's graph pins its bucket)."""
+    numel: int
+    kind: str
+    unit: Optional[int]
+    linear: bool
+
+
+@dataclass
+class BucketSpec:
+    chunk: int
+    unit: Optional[int]
+    kind: str
+    params: List[int]   # indices into the chunk's ParamSpec list
+    numel: int          # padded to a multiple of dp
+    pinned: bool        # holds a linear weight
+
+
+def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
+    m, tp, sp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel
+    h, d, f = m.hidden_size, m.kv_channels, m.ffn_hidden_size // tp
+    bias, rep = m.add_bias_linear, "sp" if sp else "dense"
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
+
+    def norm():
+        return [ParamSpec(h, rep, idx, False)] * (2 if m.normalization == "LayerNorm" else 1)
+
+    def column(out):
+        return [ParamSpec(out * h, "dense", idx, True)] + ([ParamSpec(out, "dense", idx, False)] if bias else [])
+
+    def row(inp):
+        return [ParamSpec(h * inp, "dense", idx, True)] + ([ParamSpec(h, rep, idx, False)] if bias else [])
+
+    specs = norm() + column(qkv) + row(m.num_attention_heads * d // tp) + norm()
+    if m.activation == "swiglu":
+        specs += column(f)
+    return specs + column(f) + row(f)
+
+
+def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSpec]:
+    """The chunk's parameters in registration order (``models.gpt.GPTModel``)."""
+    m, par = cfg.model, cfg.parallel
+    tp, pp, h = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, m.hidden_size
+    tied = not m.untie_embeddings_and_output_weights
+    vocab = m.padded_vocab_size // tp * h
+    specs: List[ParamSpec] = []
+    if pre:
+        specs.append(ParamSpec(vocab, "emb" if tied and pp > 1 else "dense", None, tied and post))
+        if m.position_embedding_type == "learned_absolute":
+            specs.append(ParamSpec(m.max_position_embeddings * h, "sp" if par.sequence_parallel else "dense",
+                                   None, False))
+    for i in layers:
+        specs += _layer_specs(cfg, i)
+    if post:
+        rep = "sp" if par.sequence_parallel else "dense"
+        specs += [ParamSpec(h, rep, None, False)] * (2 if m.normalization == "LayerNorm" else 1)
+        if not (tied and pre):
+            specs.append(ParamSpec(vocab, "emb" if tied else "dense", None, True))
+    return specs
+
+
+def rank_chunks(cfg, pp_rank: int) -> List[List[ParamSpec]]:
+    """ParamSpecs of each of this stage's chunks."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    ranges = chunk_layers(cfg, pp_rank)
+    return [chunk_param_specs(cfg, r, pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == len(ranges) - 1)
+            for v, r in enumerate(ranges)]
+
+
+def default_bucket_size(total: int) -> int:
+    """The optimizer's default: a quarter of the rank's parameters, within [1M, 40M] elements."""
+    return min(max(-(-total // 4), MIN_BUCKET), MAX_BUCKET)
+
+
+def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[BucketSpec]:
+    """The optimizer's bucket layout (module docstring)."""
+    dp = cfg.parallel.data_parallel_size
+    total = sum(p.numel for c in chunks for p in c)
+    cap = cfg.parallel.ddp_bucket_size or default_bucket_size(total)
+    out: List[BucketSpec] = []
+    for c, specs in enumerate(chunks):
+        if zero_stage == 3:
+            layer_units = sorted({p.unit for p in specs if p.unit is not None})
+            groups = [(u, [i for i, p in enumerate(specs) if p.unit == u]) for u in layer_units]
+            groups.append((None, [i for i, p in enumerate(specs) if p.unit is None]))
+        else:
+            groups = [(None, list(range(len(specs))))]
+        for unit, members in groups:
+            for kind in KINDS:
+                mine = [i for i in reversed(members) if specs[i].kind == kind]
+                current, size = [], 0
+                for i in mine:
+                    if current and zero_stage != 3 and size + specs[i].numel > cap:
+                        out.append(_bucket(c, unit, kind, current, specs, dp))
+                        current, size = [], 0
+                    current.append(i)
+                    size += specs[i].numel
+                if current:
+                    out.append(_bucket(c, unit, kind, current, specs, dp))
+    return out
+
+
+def _bucket(chunk, unit, kind, members, specs, dp) -> BucketSpec:
+    n = sum(specs[i].numel for i in members)
+    return BucketSpec(chunk, unit, kind, list(members), -(-max(n, 1) // dp) * dp,
+                      any(specs[i].linear for i in members))
+
+
+def bytes_per_element(cfg) -> Dict[str, int]:
+    """Bytes per element: parameter ``P``, gradient ``G`` and optimizer ``state`` (Adam: two fp32
+    moments; SGD: the momentum buffer if any)."""
+    pre, opt = cfg.precision, cfg.optimizer
+    P = 2 if (pre.bf16 or pre.fp16) else 4
+    G = 4 if pre.grad_reduce_dtype == "fp32" else P
+    state = 8 if opt.optimizer == "adam" else (4 if opt.sgd_momentum else 0)
+    return {"P": P, "G": G, "state": state}
+
+
+def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
+              backend: str = "nccl") -> int:
+    """Most gradient bytes held in backward: ``persistent`` plus the buckets' temporaries.
+
+    Replays :class:`megazero.zero.ZeroOptimizer`'s life cycle with gradients arriving in reverse
+    registration order: stage 0 reduces in place; stage 1 reduces each complete bucket (last
+    micro-batch) through a full-bucket receive buffer on gloo fp32, one at a time; stages 2/3 copy
+    a bucket's gradients into a full-bucket temporary from its first gradient on, and when it is
+    complete wait for the reduction in flight, then launch its own (gloo fp32: plus a full-bucket
+    receive buffer; native reduce-scatter: a shard-sized partial result)."""
+    G = bytes_per_element(cfg)["G"]
+    dp = cfg.parallel.data_parallel_size
+    gloo_fp32 = backend == "gloo" and G == 4
+    if zero_stage == 0 or dp == 1 and zero_stage == 1:
+        return persistent
+    if zero_stage == 1:
+        return persistent + (max(b.numel for b in buckets) * G if gloo_fp32 else 0)
+    peak = persistent
+    for c, specs in enumerate(chunks):
+        mine = [b for b in buckets if b.chunk == c]
+        where = {i: b for b in mine for i in b.params}
+        arrived: Dict[int, int] = {}
+        live, pending = persistent, 0
+        for i in reversed(range(len(specs))):
+            b = where[i]
+            if id(b) not in arrived:
+                arrived[id(b)] = 0
+                live += b.numel * G
+                peak = max(peak, live)
+            arrived[id(b)] += 1
+            if arrived[id(b)] < len(b.params):
+                continue
+            live -= pending                       # the reduction in flight is waited for and retired
+            if dp == 1:
+                live -= b.numel * G                # added into the shard at once
+                pending = 0
+                continue
+            recv = b.numel * G if gloo_fp32 else b.numel // dp * G
+            pending = b.numel * G + recv
+            live += recv
+            peak = max(peak, live)
+    return peak
+
+
+def zero3_buffers(cfg, buckets: List[BucketSpec]) -> Tuple[int, Dict[int, Dict]]:
+    """ZeRO-3 with dp > 1: (gathered working set, per-chunk pinned bytes ``{"root": r, "layers":
+    {layer: bytes}}``).  The working set is each chunk's root unit (gathered for the chunk's whole
+    forward and backward) plus the two largest layer units (the current one and the prefetch)."""
+    P = bytes_per_element(cfg)["P"]
+    units: Dict[Tuple[int, Optional[int]], int] = {}
+    pinned: Dict[int, Dict] = {}
+    for b in buckets:
+        units[(b.chunk, b.unit)] = units.get((b.chunk, b.unit), 0) + b.numel * P
+        entry = pinned.setdefault(b.chunk, {"root": 0, "layers": {}})
+        if b.pinned:
+            if b.unit is None:
+                entry["root"] += b.numel * P
+            else:
+                entry["layers"][b.unit] = entry["layers"].get(b.unit, 0) + b.numel * P
+    roots = max((v for (c, u), v in units.items() if u is None), default=0)
+    layers = sorted((v for (c, u), v in units.items() if u is not None), reverse=True)
+    return roots + sum(layers[:2]), pinned
+
+
+def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
+    """Model-state bytes of one rank of stage ``pp_rank`` under ``zero_stage`` (module docstring)."""
+    par = cfg.parallel
+    dp = par.data_parallel_size
+    chunks = rank_chunks(cfg, pp_rank)
+    buckets = plan_buckets(cfg, chunks, zero_stage)
+    n = sum(b.numel for b in buckets)
+    shard = n // dp
+    bpe = bytes_per_element(cfg)
+    offload = bool(par.offload_optimizer and zero_stage >= 1)
+    half = bpe["P"] == 2
+    master = 4 if (half or offload) else 0
+    owned = n if zero_stage == 0 else shard
+    out = {"params_per_rank": sum(p.numel for c in chunks for p in c),
+           "param_bytes": bpe["P"] * (shard if zero_stage == 3 else n),
+           "grad_bytes": bpe["G"] * (shard if zero_stage >= 2 else n),
+           "master_bytes": master * owned, "optim_bytes": (master + bpe["state"]) * owned,
+           "optim_on_cpu": offload, "max_bucket_elements": max(b.numel for b in buckets)}
+    out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
+    out["gathered_param_bytes"], out["pinned"] = (0, {}) if zero_stage != 3 or dp == 1 \
+        else zero3_buffers(cfg, buckets)
+    return out

@@ -1,0 +1,480 @@
+"""Layout planner: which TP x PP x DP + ZeRO layouts fit a cluster, and which is fastest.
+
+:func:`enumerate_layouts` walks tensor parallelism (within a node, dividing heads, query groups,
+hidden and FFN sizes), pipeline parallelism (dividing the layers) with virtual stages (the
+interleaved schedule), data parallelism, ZeRO stage, recomputation, sequence parallelism and
+micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
+(:func:`megazero.memory.estimate_stages`) fits ``(1 - margin) x`` GPU memory and ranks them by
+:func:`step_time`, a model of one optimizer step:
+
+- compute: the slowest stage's forward + backward (2x forward) + recomputation's extra forward
+  (:mod:`megazero.flops` counts) per micro-batch, at ``efficiency x`` peak FLOP/s, over
+  ``m + (pp - 1) / vp`` micro-batch slots (the 1F1B / interleaved bubble);
+- tensor parallelism: per layer and micro-batch two all-reduces forward and two backward of the
+  ``[s, b, h]`` activations (all-gather + reduce-scatter pairs under sequence parallelism, the
+  same bytes), two more forward with full recomputation; ring costs ``2 (n-1) (alpha + beta
+  bytes / n)`` on the node's link;
+- pipeline p2p: activations forward and gradients backward, ``alpha + beta bytes`` each, for
+  ``vp m + pp - 1`` slots;
+- data parallelism per ZeRO stage (this code base's schedule): 0 all-reduces the gradients after
+  the last backward; 1 reduce-scatters them and all-gathers the parameters after the step; 2
+  reduce-scatters every micro-batch and all-gathers after the step; 3 reduce-scatters every
+  micro-batch and all-gathers the parameters for each micro-batch's forward and backward.
+  Reductions overlap the backward that produces them, except the last bucket (a quarter of the
+  model by default); the post-step all-gather is exposed; ZeRO-3's gathers overlap compute;
+- optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
+- a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` measures the
+  per-operation cost of small autograd ops, which dominates small models on CPUs).
+
+Links follow the rank order ``tp-dp-pp``: a TP group stays in a node; a DP group (``tp x dp``
+consecutive ranks) or a pipeline neighbour (``tp x dp`` ranks away) crosses nodes when that span
+exceeds the node.  Each link is ``alpha`` seconds per message plus ``beta`` seconds per byte; the
+defaults per GPU are nominal SXM figures, and ``--calibrate`` fits them (and the compute rate)
+from measured collectives on the machine at hand (:mod:`megazero.calibrate`).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
+                            model_flops_per_iteration)
+from megazero.memory import estimate_rank
+
+GB = 1e9
+# name: (bf16 dense TFLOP/s, memory GB, intra-node GB/s per GPU per direction, inter-node GB/s per
+# GPU, HBM GB/s) -- SXM parts with NVLink and one 400 (H100/H200) or 200 (A100) Gb/s NIC per GPU;
+# the L4 is a PCIe card (no NVLink) with 100 Gb/s networking.
+GPUS = {
+    "H100": (989.0, 80.0, 450.0, 50.0, 3350.0),
+    "H200": (989.0, 141.0, 450.0, 50.0, 4800.0),
+    "A100": (312.0, 80.0, 300.0, 25.0, 2039.0),
+    "L4": (121.0, 24.0, 16.0, 12.5, 300.0),
+}
+ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message (NCCL over NVLink / InfiniBand)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha`` seconds per message + ``beta`` seconds per byte."""
+    alpha: float
+    beta: float
+
+    def p2p(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+    def ring(self, nbytes: float, n: int, passes: int = 1) -> float:
+        """A ring collective over ``n`` ranks: ``passes`` = 1 for all-gather / reduce-scatter of a
+        ``nbytes`` buffer, 2 for all-reduce."""
+        if n <= 1:
+            return 0.0
+        return passes * (n - 1) * (self.alpha + self.beta * nbytes / n)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_flops: float
+    efficiency: float
+    memory_bytes: float
+    intra: Link
+    inter: Link
+    hbm_bytes_per_s: float
+    gpus_per_node: int
+    layer_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward (calibrated)
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    zero_stage: int
+    recompute: str
+    sequence_parallel: bool
+    micro_batch_size: int
+    memory_bytes: int = 0
+    step: Dict[str, float] = field(default_factory=dict)
+
+    def settings(self, num_layers: int) -> Dict[str, object]:
+        """Config fields (``megazero.config`` names) of this layout."""
+        out: Dict[str, object] = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+                                  "zero_stage": self.zero_stage, "micro_batch_size": self.micro_batch_size,
+                                  "sequence_parallel": self.sequence_parallel}
+        if self.vpp > 1:
+            out["num_layers_per_virtual_pipeline_stage"] = num_layers // (self.pp * self.vpp)
+        if self.recompute != "none":
+            out["recompute_granularity"] = self.recompute
+        return out
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Optional[Sequence[int]] = None,
+                      recompute: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
+                      max_vpp: int = 4) -> Iterable[Layout]:
+    """Every layout the config's divisibility rules allow on ``gpus`` GPUs (validated configs)."""
+    m, gbs = cfg.model, cfg.training.global_batch_size
+    for tp in _divisors(min(gpus_per_node, gpus)):
+        if gpus % tp or any(x % tp for x in (m.num_attention_heads, m.num_query_groups, m.hidden_size,
+                                              m.ffn_hidden_size)):
+            continue
+        for pp in _divisors(m.num_layers):
+            if gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if gbs % dp:
+                continue
+            mbs = micro_batch_sizes or [b for b in (1, 2, 4, 8, 16) if (gbs // dp) % b == 0]
+            vpps = [v for v in range(1, max_vpp + 1) if pp > 1 and m.num_layers % (pp * v) == 0] or [1]
+            for vpp, mb, zero, rc, sp in itertools.product(vpps, mbs, zero_stages, recompute,
+                                                           (False, True) if tp > 1 else (False,)):
+                n_micro = gbs // (dp * mb) if gbs % (dp * mb) == 0 else 0
+                if not n_micro or (vpp > 1 and n_micro % pp) or (dp == 1 and zero > 0):
+                    continue
+                if sp and m.seq_length % tp:
+                    continue
+                yield Layout(tp, pp, vpp, dp, zero, rc, sp, mb)
+
+
+def layout_config(cfg, layout: Layout, gpus: int):
+    """The validated config of ``layout`` (``cfg``'s model, batch and precision)."""
+    settings = {f: getattr(section, f) for section in (cfg.model, cfg.training, cfg.optimizer, cfg.precision)
+                for f in section.__dataclass_fields__ if f not in ("padded_vocab_size", "num_micro_batches")}
+    for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
+        settings.pop(name, None)
+    settings.update(layout.settings(cfg.model.num_layers), mock_data=True,
+                    offload_optimizer=cfg.parallel.offload_optimizer and layout.zero_stage > 0)
+    return validate(config_from_dict(settings), gpus)
+
+
+def peak_memory(cfg) -> int:
+    """Device bytes of the most loaded rank: the first and the last stage hold the most (the
+    first has the most micro-batches in flight, the last the head and the loss)."""
+    pp = cfg.parallel.pipeline_model_parallel_size
+    return max(int(estimate_rank(cfg, r)["total_bytes"]) for r in sorted({0, pp - 1}))
+
+
+# ---- step time -------------------------------------------------------------------------------
+def _link(span: int, hw: Hardware) -> Link:
+    """The link a group of ``span`` consecutive ranks communicates over."""
+    return hw.intra if span <= hw.gpus_per_node else hw.inter
+
+
+def _stage_forward_flops(cfg) -> float:
+    """Forward FLOPs of one micro-batch on the slowest pipeline stage (whole TP group): its layers,
+    plus the output head on the last stage."""
+    m, par = cfg.model, cfg.parallel
+    tokens = cfg.training.micro_batch_size * m.seq_length
+    layer = layer_forward_flops_per_token(cfg)
+    per_layer = (layer["dense"] + layer["attention"]) * tokens
+    head = 2 * m.hidden_size * m.padded_vocab_size * tokens
+    layers_per_stage = m.num_layers // par.pipeline_model_parallel_size
+    return layers_per_stage * per_layer + head
+
+
+def _recompute_fraction(cfg) -> float:
+    """Extra forward work of recomputation relative to the forward (hardware / model FLOPs)."""
+    model = model_flops_per_iteration(cfg)
+    return (hardware_flops_per_iteration(cfg) - model) / (model / 3.0)
+
+
+def step_time(cfg, hw: Hardware) -> Dict[str, float]:
+    """Seconds per optimizer step and its parts (module docstring) for a validated config."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    tp, pp, dp, vp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                      par.data_parallel_size, par.virtual_pipeline_model_parallel_size)
+    n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
+    rate = hw.peak_flops * hw.efficiency * tp
+    fwd = _stage_forward_flops(cfg) / rate
+    compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
+    act = m.seq_length * tr.micro_batch_size * m.hidden_size * E
+    layers = m.num_layers // pp
+    n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
+    tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)
+    slots = n_micro + (pp - 1) / vp
+    pipeline = slots * (compute + tp_comm)
+    p2p_bytes = act / (tp if par.sequence_parallel else 1)
+    p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
+    dp_comm = _dp_time(cfg, hw, fwd, compute)
+    owned = estimate_rank_elements(cfg)
+    optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
+    total = pipeline + p2p + dp_comm + optimizer
+    return {"compute_s": slots * compute, "tp_comm_s": slots * tp_comm, "bubble_s": (pp - 1) / vp * compute,
+            "p2p_s": p2p, "dp_comm_s": dp_comm, "optimizer_s": optimizer, "step_time_s": total}
+
+
+def estimate_rank_elements(cfg) -> float:
+    """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0)."""
+    from megazero.memory import stage_params
+    n = max(stage_params(cfg, r) for r in {0, cfg.parallel.pipeline_model_parallel_size - 1})
+    return n if cfg.parallel.zero_stage == 0 else n / cfg.parallel.data_parallel_size
+
+
+def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
+    """Exposed data-parallel communication of one step (module docstring)."""
+    from megazero.memory import stage_params
+    par, pre = cfg.parallel, cfg.precision
+    dp, zero, n_micro = par.data_parallel_size, par.zero_stage, cfg.training.num_micro_batches
+    if dp == 1:
+        return 0.0
+    n = max(stage_params(cfg, r) for r in {0, par.pipeline_model_parallel_size - 1})
+    P = 2 if (pre.bf16 or pre.fp16) else 4
+    G = 4 if pre.grad_reduce_dtype == "fp32" else P
+    link = _link(par.tensor_model_parallel_size * dp, hw)
+    bwd = compute - fwd
+    reduce_scatter, all_gather = link.ring(G * n, dp), link.ring(P * n, dp)
+    if zero == 0:
+        ar = link.ring(G * n, dp, 2)
+        return max(ar - bwd, ar / 4)
+    if zero == 1:
+        return max(reduce_scatter - bwd, reduce_scatter / 4) + all_gather
+    per_micro = max(reduce_scatter - bwd, reduce_scatter / 4)
+    if zero == 2:
+        return n_micro * per_micro + all_gather
+    gathers = max(0.0, 2 * all_gather - compute)
+    return n_micro * (per_micro + gathers)
+
+
+# ---- planning --------------------------------------------------------------------------------
+def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None) -> Layout:
+    """Fill in the layout's memory (most loaded rank) and step-time parts (``lc``: its config)."""
+    lc = lc or layout_config(cfg, layout, gpus)
+    layout.memory_bytes = peak_memory(lc)
+    layout.step = step_time(lc, hw)
+    tokens = cfg.training.global_batch_size * cfg.model.seq_length
+    layout.step["tokens_per_sec"] = tokens / layout.step["step_time_s"]
+    layout.step["mfu"] = model_flops_per_iteration(lc) / (layout.step["step_time_s"] * gpus * hw.peak_flops)
+    return layout
+
+
+def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, **choices) -> List[Layout]:
+    """The layouts that fit ``(1 - margin) x`` memory, fastest first (``choices`` restrict the
+    enumeration: ``micro_batch_sizes``, ``recompute``, ``zero_stages``)."""
+    budget = (1.0 - margin) * hw.memory_bytes
+    fits = []
+    for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
+        lc = layout_config(cfg, layout, gpus)
+        layout.memory_bytes = peak_memory(lc)
+        if layout.memory_bytes <= budget:
+            fits.append(evaluate(cfg, layout, gpus, hw, lc))
+    return sorted(fits, key=lambda x: (x.step["step_time_s"], x.memory_bytes))
+
+
+def smallest_memory(cfg, gpus: int, hw: Hardware, **choices) -> Optional[Layout]:
+    """The layout with the least memory per rank (whether it fits or not)."""
+    best = None
+    for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
+        layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus))
+        if best is None or layout.memory_bytes < best.memory_bytes:
+            best = layout
+    return best
+
+
+def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, object]) -> str:
+    """The smallest change that makes something fit: lift the given restrictions (micro-batch
+    sizes, recomputation, ZeRO stages), offload the optimizer, more GPUs, or more memory."""
+    budget = (1.0 - margin) * hw.memory_bytes
+    if any(v is not None for v in choices.values()):
+        found = plan(cfg, gpus, hw, margin)
+        if found:
+            return (f"allow every micro-batch size, recomputation and ZeRO stage: e.g. {describe(found[0])} "
+                    f"fits in {found[0].memory_bytes / GB:.1f} GB")
+    if not cfg.parallel.offload_optimizer:
+        par = cfg.parallel
+        off = validate(cfg.replace(parallel={"offload_optimizer": True, "zero_stage": max(1, par.zero_stage)}),
+                       par.world_size)
+        found = [x for x in plan(off, gpus, hw, margin, zero_stages=(1, 2, 3))]
+        if found:
+            return (f"add --offload-optimizer (optimizer state in host memory): {describe(found[0])} needs "
+                    f"{found[0].memory_bytes / GB:.1f} GB per GPU")
+    for factor in (2, 4, 8, 16):
+        more = gpus * factor
+        found = plan(cfg, more, hw, margin)
+        if found:
+            return f"use {more} GPUs (x{factor}): {describe(found[0])} needs {found[0].memory_bytes / GB:.1f} GB"
+    least = smallest_memory(cfg, gpus, hw)
+    if least is None:
+        return "no layout divides this model and batch on these GPUs; change --gpus or --global-batch-size"
+    return (f"GPUs with at least {least.memory_bytes / (1 - margin) / GB:.0f} GB ({describe(least)} needs "
+            f"{least.memory_bytes / GB:.1f} GB per rank; budget {budget / GB:.1f} GB)")
+
+
+def describe(x: Layout) -> str:
+    rc = "" if x.recompute == "none" else f" recompute {x.recompute}"
+    return (f"TP {x.tp}{' SP' if x.sequence_parallel else ''} x PP {x.pp}"
+            f"{f' (vpp {x.vpp})' if x.vpp > 1 else ''} x DP {x.dp}, ZeRO-{x.zero_stage}{rc}, "
+            f"micro-batch {x.micro_batch_size}")
+
+
+def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
+    """The exact ``pretrain_gpt.py`` flags of a layout (model flags as given, then the layout's)."""
+    out = list(model_args) + ["--seq-length", str(cfg.model.seq_length),
+                              "--global-batch-size", str(cfg.training.global_batch_size),
+                              "--micro-batch-size", str(layout.micro_batch_size),
+                              "--tensor-model-parallel-size", str(layout.tp),
+                              "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.vpp > 1:
+        out += ["--num-layers-per-virtual-pipeline-stage", str(cfg.model.num_layers // (layout.pp * layout.vpp))]
+    if layout.sequence_parallel:
+        out.append("--sequence-parallel")
+    if layout.zero_stage:
+        out += ["--zero-stage", str(layout.zero_stage)]
+    if layout.recompute != "none":
+        out += ["--recompute-granularity", layout.recompute]
+    if cfg.parallel.offload_optimizer and layout.zero_stage:
+        out.append("--offload-optimizer")
+    if cfg.precision.bf16:
+        out.append("--bf16")
+    elif cfg.precision.fp16:
+        out.append("--fp16")
+    return out
+
+
+def to_dict(layout: Layout, model_args: Sequence[str], cfg) -> Dict[str, object]:
+    """The JSON form of one planned layout."""
+    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp,
+            "zero_stage": layout.zero_stage, "recompute": layout.recompute,
+            "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch_size,
+            "memory_gb": round(layout.memory_bytes / GB, 3), "step_time_s": layout.step["step_time_s"],
+            "tokens_per_sec": layout.step["tokens_per_sec"], "mfu": layout.step["mfu"],
+            "breakdown": {k: v for k, v in layout.step.items() if k.endswith("_s") and k != "step_time_s"},
+            "flags": " ".join(flags(layout, model_args, cfg))}
+
+
+# ---- command line ----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan.py", description="Rank the layouts that fit a cluster by "
+                                "estimated step time. Model flags (--model PRESET or --num-layers, "
+                                "--hidden-size, ...) are those of pretrain_gpt.py.")
+    p.add_argument("--gpus", type=int, help="GPUs in total (required unless --calibrate).")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside a node).")
+    p.add_argument("--gpu", default="H100", help=f"GPU type for defaults: {', '.join(GPUS)} (SXM figures).")
+    p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
+    p.add_argument("--gpu-tflops", type=float, help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
+    p.add_argument("--efficiency", type=float, default=0.5, help="Fraction of peak the matmuls reach.")
+    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node (default: --gpu's).")
+    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU between nodes (default: --gpu's).")
+    p.add_argument("--intra-node-latency-us", type=float, default=ALPHA_INTRA * 1e6)
+    p.add_argument("--inter-node-latency-us", type=float, default=ALPHA_INTER * 1e6)
+    p.add_argument("--calibration", help="JSON from --calibrate (scripts/plan.py --calibrate) to use instead.")
+    p.add_argument("--calibrate", action="store_true",
+                   help="Measure the link and compute constants on this machine and print them as JSON.")
+    p.add_argument("--calibrate-ranks", type=int, default=8, help="Ranks for --calibrate.")
+    p.add_argument("--margin", type=float, default=0.1, help="Keep this fraction of memory free.")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", help="Only these micro-batch sizes.")
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, help="Only these recomputation modes.")
+    p.add_argument("--zero-stages", type=int, nargs="+", choices=[0, 1, 2, 3], help="Only these ZeRO stages.")
+    p.add_argument("--top", type=int, default=5, help="Layouts to print.")
+    p.add_argument("--json", action="store_true", help="Print the fitting layouts as JSON, best first.")
+    p.add_argument("--fp32", action="store_true", help="Plan fp32 training (default bf16).")
+    return p
+
+
+def hardware(args) -> Hardware:
+    """The :class:`Hardware` the flags describe (ConfigError naming a bad flag)."""
+    if args.gpu not in GPUS:
+        raise ConfigError(f"--gpu {args.gpu}: unknown GPU; choose one of {', '.join(GPUS)} or give "
+                          "--gpu-tflops, --gpu-memory-gb and the bandwidths")
+    tflops, mem, intra, inter, hbm = GPUS[args.gpu]
+    for flag, v in (("--gpu-memory-gb", args.gpu_memory_gb), ("--gpu-tflops", args.gpu_tflops),
+                    ("--intra-node-bandwidth", args.intra_node_bandwidth),
+                    ("--inter-node-bandwidth", args.inter_node_bandwidth)):
+        if v is not None and not v > 0:
+            raise ConfigError(f"{flag} must be > 0, got {v}")
+    if not 0 < args.efficiency <= 1:
+        raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1), got {args.margin}")
+    intra_link = Link(args.intra_node_latency_us * 1e-6, 1 / ((args.intra_node_bandwidth or intra) * GB))
+    inter_link = Link(args.inter_node_latency_us * 1e-6, 1 / ((args.inter_node_bandwidth or inter) * GB))
+    peak, eff, overhead = (args.gpu_tflops or tflops) * 1e12, args.efficiency, 0.0
+    if args.calibration:
+        from megazero.calibrate import load_calibration
+        cal = load_calibration(args.calibration)
+        intra_link, inter_link = Link(*cal["intra"]), Link(*cal["inter"])
+        peak, eff, overhead = cal["flops"], 1.0, cal.get("layer_overhead_s", 0.0)
+    return Hardware(peak, eff, (args.gpu_memory_gb or mem) * GB, intra_link, inter_link, hbm * GB,
+                    args.gpus_per_node, overhead)
+
+
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
+                "--num-layers-per-virtual-pipeline-stage", "--micro-batch-size", "--sequence-parallel",
+                "--recompute-granularity", "--use-distributed-optimizer", "--pipeline-schedule")
+
+
+def model_config(model_args: Sequence[str], presets, seq_length: Optional[int], global_batch_size: int,
+                 fp32: bool):
+    """The base config (model, batch, precision) the layouts share; ConfigError on bad flags."""
+    given = [a for a in model_args if a.split("=")[0] in LAYOUT_FLAGS]
+    if given:
+        raise ConfigError(f"{given[0].split('=')[0]}: the planner chooses the layout; drop the flag "
+                          "(restrict with --micro-batch-sizes, --recompute, --zero-stages)")
+    if global_batch_size < 1:
+        raise ConfigError(f"--global-batch-size must be a positive integer, got {global_batch_size}")
+    argv = list(model_args) + ["--global-batch-size", str(global_batch_size), "--micro-batch-size", "1"]
+    if seq_length is not None:
+        argv += ["--seq-length", str(seq_length)]
+    if not fp32 and "--fp16" not in argv and "--bf16" not in argv:
+        argv.append("--bf16")
+    if "--mock-data" not in argv and "--data-path" not in argv:
+        argv.append("--mock-data")
+    return parse_args(argv, presets=presets, world_size=1)
+
+
+def _print_table(found: List[Layout], cfg, model_args, top: int, gpus: int, hw: Hardware) -> None:
+    print(f"{len(found)} layouts fit {gpus} GPUs of {hw.memory_bytes / GB:.0f} GB; fastest first:")
+    print(f"{'#':>2} {'layout':<58} {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}")
+    for i, x in enumerate(found[:top], 1):
+        print(f"{i:>2} {describe(x):<58} {x.memory_bytes / GB:>7.1f} {x.step['step_time_s']:>8.3f} "
+              f"{x.step['tokens_per_sec']:>10.0f} {x.step['mfu']:>6.1%}")
+        print(f"   pretrain_gpt.py {' '.join(flags(x, model_args, cfg))}")
+
+
+def main(argv: Optional[Sequence[str]], presets) -> int:
+    """``plan.py``; exit status 2 with a message naming the flag on bad input."""
+    p = _parser()
+    p.add_argument("--seq-length", type=int, help="Sequence length (default: the model's).")
+    p.add_argument("--global-batch-size", type=int, help="Sequences per optimizer step.")
+    args, model_args = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.calibrate:
+            from megazero.calibrate import calibrate
+            print(json.dumps(calibrate(args.calibrate_ranks), indent=2))
+            return 0
+        if args.gpus is None:
+            raise ConfigError("--gpus is required (GPUs in total)")
+        for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {v}")
+        if args.global_batch_size is None:
+            raise ConfigError("--global-batch-size is required (sequences per optimizer step)")
+        hw = hardware(args)
+        cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size, args.fp32)
+    except ConfigError as err:
+        print(f"plan.py: error: {err}", file=sys.stderr)
+        return 2
+    choices = {"micro_batch_sizes": args.micro_batch_sizes, "recompute": args.recompute,
+               "zero_stages": args.zero_stages}
+    found = plan(cfg, args.gpus, hw, args.margin, **{k: v for k, v in choices.items() if v})
+    if args.json:
+        out = [to_dict(x, model_args, cfg) for x in found]
+        if not found:
+            print(json.dumps({"layouts": [], "advice": advice(cfg, args.gpus, hw, args.margin, choices)}))
+            return 1
+        print(json.dumps(out, indent=2))
+        return 0
+    if not found:
+        print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} margin; "
+              f"smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
+        return 1
+    _print_table(found, cfg, model_args, args.top, args.gpus, hw)
+    return 0

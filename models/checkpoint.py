@@ -1,0 +1,43 @@
+"""A whole model from a training checkpoint written under any layout, for export and generation.
+
+``load_model(directory, iteration=None, mesh=None)`` builds the model of the saving run's
+architecture (``config.json``) with pp = 1 at this mesh's TP size (one process by default) and
+loads the checkpoint's master weights into it (in fp32, in eval mode).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Dict, Optional, Tuple
+
+from megazero.config import ModelConfig, config_from_dict, validate
+from megazero.mesh import ParallelMesh
+from .gpt import GPTModel, load_full_state_dict
+
+NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+
+
+def model_settings(saved_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The ModelConfig settings of a saved configuration (``config.json`` of a checkpoint), without
+    the derived ones and without recomputation (inference needs none)."""
+    derived = {f.name for f in fields(ModelConfig) if f.metadata.get("derived")}
+    known = {f.name for f in fields(ModelConfig)}
+    model = {k: v for k, v in saved_config["model"].items() if k in known and k not in derived}
+    return dict(model, **NO_RECOMPUTE)
+
+
+def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[ParallelMesh] = None,
+               flag: str = "--load") -> Tuple[GPTModel, Dict[str, Any]]:
+    """``(model, info)``: the checkpoint's weights in a whole model (this rank's TP shard; every TP
+    rank calls it).  ``info``: ``path``, ``iteration`` and ``config`` (the saving run's, a dict)."""
+    from megazero.checkpoint import read_weights
+    from . import build_model
+    mesh = mesh or ParallelMesh.single()
+    path, meta, saved, weights = read_weights(directory, iteration, flag)
+    settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.tp_size,
+                    pipeline_model_parallel_size=1, mock_data=True,
+                    seed=saved.get("training", {}).get("seed", 1234))
+    cfg = validate(config_from_dict(settings), mesh.world_size)
+    model = build_model(cfg, mesh)
+    load_full_state_dict(model, weights)
+    model.eval()
+    return model, {"path": path, "iteration": int(meta["iteration"]), "config": saved}

@@ -1,0 +1,195 @@
+"""Megatron-LM launch scripts: their flags (sizes scaled down, every flag name kept) parse and run;
+aliases keep Megatron-LM's meaning; speed-only flags are named once; math-changing ones are refused;
+the learning rate of the first iterations follows Megatron-LM's scheduler."""
+import json
+import os
+
+import pytest
+
+from megazero.config import ConfigError, parse_args
+from megazero.config.megatron import IGNORED, REFUSED
+from megazero.lr import lr_from_config
+from megazero.testing import run_ranks
+
+
+def gpt3_175b_flags(tmp, vocab_file, merge_file):
+    """examples/gpt3/train_gpt3_175b_distributed.sh: its flags with the sizes scaled down; --mock-data
+    stands in for --data-path (exclusive here), --rampup-batch-size is left out (refused below)."""
+    return ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
+            "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+            "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+            "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--mock-data", "--vocab-file", vocab_file, "--merge-file", merge_file, "--split", "949,50,1",
+            "--log-interval", "1", "--save-interval", "2", "--eval-interval", "2",
+            "--save", f"{tmp}/ckpt", "--load", f"{tmp}/ckpt", "--eval-iters", "1",
+            "--tensorboard-dir", f"{tmp}/tb", "--metrics-file", f"{tmp}/gpt3.jsonl"]
+
+
+def llama3_8b_flags(tmp):
+    """examples/llama/train_llama3_8b_h100_fp8.sh with DTYPE=bf16 (its FP8 block is conditional; FP8
+    and the decoupled learning rate are refused below), sizes scaled down, mock data."""
+    return ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "224",
+            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+            "--kv-channels", "8", "--seq-length", "32", "--max-position-embeddings", "32",
+            "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
+            "--attention-backend", "fused", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "32",
+            "--lr-decay-samples", "24", "--lr-warmup-samples", "16", "--lr", "0.00015", "--min-lr", "0.00001",
+            "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+            "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+            "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1",
+            "--exit-duration-in-mins", "235",
+            "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+            "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+            "--data-cache-path", f"{tmp}/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0",
+            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+            "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "2", "--save-interval", "1000",
+            "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
+            "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60",
+            "--save", f"{tmp}/ckpt", "--load", f"{tmp}/ckpt", "--tensorboard-dir", f"{tmp}/tb",
+            "--metrics-file", f"{tmp}/llama3.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_bpe(tmp_path_factory):
+    """A small GPT-2 byte-level BPE (vocab.json + merges.txt) with <|endoftext|>."""
+    from tokenizers import ByteLevelBPETokenizer
+    d = tmp_path_factory.mktemp("bpe")
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["To be, or not to be, that is the question."] * 50, vocab_size=300,
+                            special_tokens=["<|endoftext|>"])
+    tok.save_model(str(d))
+    return str(d / "vocab.json"), str(d / "merges.txt")
+
+
+def test_gpt3_flags_parse(tmp_path, gpt2_bpe):
+    cfg = parse_args(gpt3_175b_flags(tmp_path, *gpt2_bpe), world_size=4)
+    with open(gpt2_bpe[0]) as fh:  # GPT2BPETokenizer (from the files): the vocabulary is theirs
+        assert cfg.model.vocab_size == len(json.load(fh)) and cfg.data.tokenizer_type is None
+    assert cfg.precision.fp16 and cfg.optimizer.lr_warmup_fraction == 0.001
+    assert any("--attention-backend" in n for n in cfg.notes)
+    with pytest.raises(ConfigError, match="--rampup-batch-size: batch-size ramp-up is not implemented"):
+        parse_args(gpt3_175b_flags(tmp_path, *gpt2_bpe) + ["--rampup-batch-size", "16", "16", "5859375"],
+                   world_size=4)
+
+
+def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
+    cfg = parse_args(llama3_8b_flags(tmp_path), world_size=2)
+    m = cfg.model
+    assert (m.activation, m.position_embedding_type, m.num_query_groups, m.vocab_size) == ("swiglu", "rope", 2, 128)
+    assert cfg.parallel.zero_stage == 1 and cfg.precision.grad_reduce_dtype == "param"
+    assert not cfg.parallel.sequence_parallel  # TP 1: turned off, as Megatron-LM does
+    assert cfg.training.train_iters == 4  # --train-samples 32 / --global-batch-size 8
+    ignored = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
+    assert len(ignored) == 1
+    for flag in ("--use-mcore-models", "--overlap-param-gather", "--manual-gc", "--context-parallel-size 1",
+                 "--apply-layernorm-1p", "--calculate-per-token-loss", "--data-cache-path"):
+        assert flag in ignored[0], flag
+    assert any(n.startswith("--sequence-parallel turned off") for n in cfg.notes)
+    fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+           "--fp8-param-gather", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]
+    with pytest.raises(ConfigError) as err:
+        parse_args(llama3_8b_flags(tmp_path) + fp8, world_size=2)
+    for flag in ("--fp8-format", "--fp8-param-gather", "--decoupled-lr", "--decoupled-min-lr"):
+        assert f"{flag}:" in str(err.value)
+
+
+def megatron_lr(num_steps, max_lr, min_lr, warmup_steps, decay_steps, init_lr=0.0):
+    """Megatron-LM's OptimizerParamScheduler.get_lr (cosine), written out independently."""
+    import math
+    if warmup_steps > 0 and num_steps <= warmup_steps:
+        return init_lr + (max_lr - init_lr) * float(num_steps) / float(warmup_steps)
+    if num_steps > decay_steps:
+        return min_lr
+    ratio = float(num_steps - warmup_steps) / float(decay_steps - warmup_steps)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def test_first_iterations_follow_megatrons_scheduler(tmp_path):
+    # the scheduler is stepped by the global batch after each iteration, from 0 (sample-based)
+    cfg = parse_args(llama3_8b_flags(tmp_path), world_size=2)
+    want = [megatron_lr((it - 1) * 8, 1.5e-4, 1e-5, 16, 24) for it in range(1, 6)]
+    assert [lr_from_config(cfg, it) for it in range(1, 6)] == pytest.approx(want, rel=1e-12)
+    assert lr_from_config(cfg, 1) == 0.0  # warm-up starts from --lr-warmup-init (0)
+    iters = parse_args(["--mock-data", "--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "3",
+                        "--train-iters", "10", "--lr-warmup-init", "0.2"], world_size=1)
+    want = [megatron_lr(it - 1, 1.0, 0.1, 3, 10, init_lr=0.2) for it in range(1, 12)]
+    assert [lr_from_config(iters, it) for it in range(1, 12)] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+    (["--train-samples", "64", "--train-iters", "4"], "--train-iters cannot be used with --train-samples"),
+    (["--lr-decay-samples", "64"], "--lr-decay-samples needs --train-samples"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction and --lr-warmup-iters"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
+    (["--swiglu", "--activation", "gelu"], "--swiglu means --activation swiglu"),
+    (["--qk-layernorm"], "--qk-layernorm: normalising queries and keys is not implemented"),
+    (["--finetune"], "--finetune needs --load DIR"),
+])
+def test_refused_flags_name_the_flag_and_the_fix(flags, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        parse_args(["--mock-data"] + flags, world_size=1)
+
+
+def test_num_query_groups_needs_group_query_attention():
+    cfg = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "2"], world_size=1)
+    assert cfg.model.num_query_groups == 4 and "--num-query-groups 2 ignored" in cfg.notes[0]
+    cfg = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "2",
+                      "--group-query-attention"], world_size=1)
+    assert cfg.model.num_query_groups == 2 and not cfg.notes
+
+
+def test_every_table_flag_is_in_help():
+    from megazero.config import build_parser
+    text = build_parser().format_help()
+    assert all(flag in text for flag in IGNORED)
+    assert not any(flag in text for flag in REFUSED)  # refused: not advertised
+
+
+def _pretrain(argv):
+    from models.cli import pretrain_main
+    return pretrain_main(argv)
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.slow
+def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
+    """TP 2 x PP 2, fp16, GPT-2 BPE vocabulary, saves and evaluates; run again with more iterations,
+    it resumes from its own --save/--load directory (Megatron-LM's pattern) and continues the
+    metrics file."""
+    argv = gpt3_175b_flags(tmp_path, *gpt2_bpe)
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    rows = _rows(tmp_path / "gpt3.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0
+    assert all(r["loss_scale"] > 1 for r in rows) and "eval_loss" in rows[1]
+    assert os.listdir(tmp_path / "tb") and (tmp_path / "ckpt" / "iter_0000004").is_dir()
+    out = capfd.readouterr().out
+    assert out.count("ignored Megatron-LM flags") == 1 and "--attention-backend" in out
+    assert run_ranks(_pretrain, 4, argv[:argv.index("--train-iters") + 1] + ["6"]
+                     + argv[argv.index("--train-iters") + 2:], timeout=300) == [0] * 4
+    again = _rows(tmp_path / "gpt3.jsonl")
+    assert [r["iteration"] for r in again] == [1, 2, 3, 4, 5, 6] and again[:4] == rows
+    assert "loaded checkpoint" in capfd.readouterr().out
+
+
+@pytest.mark.slow
+def test_llama3_8b_script_runs_scaled_down(tmp_path):
+    """DP 2 with ZeRO-1 (--use-distributed-optimizer), bf16, grouped-query attention, sample-based schedule."""
+    argv = llama3_8b_flags(tmp_path)
+    assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
+    rows = _rows(tmp_path / "llama3.jsonl")
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    assert [r["lr"] for r in rows] == pytest.approx([megatron_lr(8 * i, 1.5e-4, 1e-5, 16, 24) for i in range(4)])
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite
