@@ -1,41 +1,57 @@
 #!/usr/bin/env bash
-# Train on several nodes with torchrun: run this once on every node.
-#   launch/run_multinode.sh --nnodes 2 --node-rank 0 --master-addr node0 [--master-port 29500] \
-#       [--nproc-per-node 8] -- [pretrain_gpt.py flags...]
-# The same settings can come from the environment: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-# NPROC_PER_NODE (default: the node's GPU count, or 1).
+# Train on several nodes with torchrun and c10d rendezvous: run this once on every node.
+#   launch/run_multinode.sh --nnodes 2 --master-addr node0 [--master-port 29500] [--nproc-per-node 8] \
+#       [--max-restarts 3] [--rdzv-id my-job] [--run-dir DIR] -- [pretrain_gpt.py flags...]
+# The same settings can come from the environment: NNODES, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE
+# (default: the node's GPU count, or 1), MAX_RESTARTS (default 0), RDZV_ID (default megazero), RUN_DIR.
+#
+# --nnodes may be a range MIN:MAX (elastic): after a node is lost the others restart and, once
+# MIN nodes are back, go on with fewer data-parallel ranks; with --save DIR --load DIR every
+# restart resumes from the last complete checkpoint, resharded to the new world size.
+# --node-rank is accepted but not needed: c10d rendezvous numbers the nodes.  Logs: every rank's
+# stdout and stderr go to the console and to RUN_DIR/logs/<host>/<run id>/attempt_<k>/<local rank>/.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$root/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
-NNODES="${NNODES:-}" NODE_RANK="${NODE_RANK:-}" MASTER_ADDR="${MASTER_ADDR:-}"
+NNODES="${NNODES:-}" MASTER_ADDR="${MASTER_ADDR:-}"
 MASTER_PORT="${MASTER_PORT:-29500}" NPROC_PER_NODE="${NPROC_PER_NODE:-}"
+MAX_RESTARTS="${MAX_RESTARTS:-0}" RDZV_ID="${RDZV_ID:-megazero}" RUN_DIR="${RUN_DIR:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --nnodes) NNODES="$2"; shift 2 ;;
-    --node-rank) NODE_RANK="$2"; shift 2 ;;
+    --node-rank) shift 2 ;;  # assigned by the c10d rendezvous
     --master-addr) MASTER_ADDR="$2"; shift 2 ;;
     --master-port) MASTER_PORT="$2"; shift 2 ;;
     --nproc-per-node) NPROC_PER_NODE="$2"; shift 2 ;;
+    --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
+    --rdzv-id) RDZV_ID="$2"; shift 2 ;;
+    --run-dir) RUN_DIR="$2"; shift 2 ;;
     --) shift; break ;;
     *) break ;;
   esac
 done
 missing=""
 [ -n "$NNODES" ] || missing="$missing --nnodes"
-[ -n "$NODE_RANK" ] || missing="$missing --node-rank"
 [ -n "$MASTER_ADDR" ] || missing="$missing --master-addr"
 if [ -n "$missing" ]; then
-  echo "run_multinode.sh: missing$missing (or NNODES / NODE_RANK / MASTER_ADDR in the environment)" >&2
+  echo "run_multinode.sh: missing$missing (or NNODES / MASTER_ADDR in the environment)" >&2
   exit 2
 fi
+case "$MAX_RESTARTS" in
+  ''|*[!0-9]*) echo "run_multinode.sh: --max-restarts needs a whole number, got '$MAX_RESTARTS'" >&2; exit 2 ;;
+esac
 if [ -z "$NPROC_PER_NODE" ]; then
   NPROC_PER_NODE=1
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     NPROC_PER_NODE="$(nvidia-smi -L | wc -l)"
   fi
 fi
+RUN_DIR="${RUN_DIR:-runs/$RDZV_ID}"
+LOG_DIR="$RUN_DIR/logs/$(hostname)"
+mkdir -p "$LOG_DIR"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --nproc-per-node "$NPROC_PER_NODE" \
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
+  --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3 \
   "$root/scripts/pretrain_gpt.py" "$@"

@@ -151,11 +151,12 @@ class ParallelMesh:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp",
-              device: Optional[torch.device] = None) -> "ParallelMesh":
-        """Create every tp/dp/pp/mp/embedding group on the default process group (collective), with a
-        warm-up collective on each.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or
-        the CPU) becomes the current CUDA device, so a caller that builds the mesh itself seeds and
-        computes on the rank's own GPU."""
+              device: Optional[torch.device] = None, timeout=None) -> "ParallelMesh":
+        """Create every tp/dp/pp/mp/embedding group on the default process group (collective), each
+        with ``timeout`` (a ``timedelta``; torch's default when None), named by its axis and warmed up
+        by one collective.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or the CPU)
+        becomes the current CUDA device, so a caller that builds the mesh itself seeds and computes
+        on the rank's own GPU."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh.build needs torch.distributed to be initialised first: call "
@@ -164,11 +165,12 @@ class ParallelMesh:
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = rank_groups(world, tp, pp, order)
         device = use_device(device)
+        kwargs = {} if timeout is None else {"timeout": timeout}
         mine = {}
         for key in ("tp", "dp", "pp", "mp", "embedding"):
             for ranks in layout[key]:
                 # every rank must take part in creating every group, in the same order
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, group_desc=key, **kwargs)
                 if rank in ranks:
                     mine[key] = (group, ranks)
         warm_up([mine[key][0] for key in ("tp", "dp", "pp", "mp", "embedding") if key in mine], device)

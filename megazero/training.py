@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
+from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -46,26 +46,31 @@ ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 
 
 # ---- start-up ------------------------------------------------------------------------------
-def init_distributed(device: Optional[torch.device] = None) -> bool:
-    """Join the process group that torchrun (or SLURM + torchrun) describes in the environment.
+def init_distributed(device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> bool:
+    """Join the process group that torchrun (or SLURM + torchrun) describes in the environment, with
+    ``timeout`` (``--distributed-timeout-minutes``; 10 minutes by default) and a store prefix per
+    torchrun restart (:func:`megazero.resilience.join_process_group`).
 
     Does nothing for one process or when a group already exists; returns True when it created
     the group (the caller then destroys it)."""
+    from megazero.resilience import join_process_group
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     device = torch.device(device or default_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device))
+    join_process_group(backend_for(device), timeout or timedelta(minutes=10))
     return True
 
 
 def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> ParallelMesh:
-    """The mesh of the current process group (one process: :meth:`ParallelMesh.single`)."""
+    """The mesh of the current process group (one process: :meth:`ParallelMesh.single`); every
+    group gets ``--distributed-timeout-minutes``."""
+    from megazero.resilience import timeout_of
     if dist.is_initialized() and dist.get_world_size() > 1:
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                  par.rank_order, device)
+                                  par.rank_order, device, timeout=timeout_of(cfg))
     return ParallelMesh.single(device)
 
 
@@ -110,23 +115,25 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
 
 
 # ---- checkpoint hooks ----------------------------------------------------------------------
-def _checkpoint_startup(ck, mesh: ParallelMesh) -> Optional[int]:
+def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     """Before training (collective): ``--save`` must be writable (probed now, not at the first save)
-    and ``--load`` is resolved once, by global rank 0.  Returns the iteration to resume from, or
-    None: no ``--load``, or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the
-    first save.  A ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    and this run its only writer (the directory's lock, held until ``guard`` closes); ``--load`` is
+    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``,
+    or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save.  A
+    ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
     from megazero.checkpoint import check_save_dir, resume_iteration
     if ck.save:
-        check_save_dir(ck.save, mesh)
+        guard.save_lock = check_save_dir(ck.save, mesh)
     return resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
 
 
-def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, iteration: int):
+def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig):
     """``--load``: returns (iteration, skipped iterations, data offset in batches, wandb run id,
     the line to print)."""
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
-    info = load(ck.load, chunks, optimizer, mesh, cfg, iteration=iteration)
+    # --ckpt-step: exactly that iteration; else the newest usable one (a corrupt newest falls back)
+    info = load(ck.load, chunks, optimizer, mesh, cfg, iteration=ck.ckpt_step)
     it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
     consumed = int(extra.get("consumed_samples", it * gbs))
     if consumed % gbs:
@@ -142,16 +149,18 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, iteratio
     line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} "
             f"zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
+    line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
     return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it, extra.get("wandb_run_id"), line
 
 
 def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
-          skipped_total: int) -> None:
+          skipped_total: int, lock=None) -> None:
     from megazero.checkpoint import save
+    optimizer.finish_param_sync()  # parameters complete before anything reads them
     extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total}
     if logger.wandb_id:  # rank 0's metadata: a resumed run continues this wandb run
         extra["wandb_run_id"] = logger.wandb_id
-    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg, extra=extra)
+    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg, extra=extra, lock=lock)
     logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
 
 
@@ -170,9 +179,10 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
     Without ``mesh`` the mesh is built from the current process group (joined from the torchrun
     environment when there is none yet) or is a single process.
     """
+    from megazero.resilience import timeout_of
     created = False
     if mesh is None:
-        created = init_distributed()
+        created = init_distributed(timeout=timeout_of(cfg))
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg = validate(cfg, world)
         mesh = build_mesh(cfg)
@@ -189,9 +199,18 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
 
 
 def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream) -> List[dict]:
+    """:func:`_guarded_loop` under a :class:`~megazero.resilience.RunGuard`: signal handlers and the
+    heartbeat for its duration, a broken collective explained in one message."""
+    from megazero.resilience import RunGuard
+    with RunGuard(cfg, mesh) as guard:
+        return _guarded_loop(cfg, model_provider, mesh, stream, guard)
+
+
+def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
+                  guard) -> List[dict]:
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
-    resume_from = _checkpoint_startup(ck, mesh)  # fails before any training
+    resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     seed_default_generators(tr.seed, mesh)
     chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
     for c in chunks:
@@ -200,8 +219,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
     data = build_data(cfg)
     start_iter, skipped_total, data_offset, wandb_id, loaded = 0, 0, 0, None, None
     if ck.load and resume_from is not None:
-        start_iter, skipped_total, data_offset, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg,
-                                                                           resume_from)
+        start_iter, skipped_total, data_offset, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg)
     logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=start_iter, wandb_id=wandb_id)
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
@@ -221,6 +239,7 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
                      "(written by an earlier run); this run's rows follow")
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
+            guard.begin(it)
             start = time.perf_counter()
             lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
             optimizer.zero_grad()
@@ -252,13 +271,21 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
             history.append(m)
+            guard.check_step(it, loss, stats, optimizer.scaler.dynamic)  # NaN/inf: raises, nothing saved
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
-                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total)
+                guard.phase("checkpoint save")
+                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total, guard.save_lock)
                 saved_at = it
+            stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
+            if stop:
+                logger.print(f"stopping after iteration {it}: {stop}" + ("" if ck.save else " (no --save)"))
+                break
         optimizer.finish_param_sync()  # the last step's overlapped parameter all-gathers (stages 1/2)
-        if ck.save and tr.train_iters > start_iter and saved_at != tr.train_iters:
-            _save(tr.train_iters, chunks, optimizer, mesh, cfg, logger,
-                  (tr.train_iters + data_offset) * tr.global_batch_size, skipped_total)
+        last = history[-1]["iteration"] if history else start_iter
+        if ck.save and last > start_iter and saved_at != last:
+            guard.phase("checkpoint save")
+            _save(last, chunks, optimizer, mesh, cfg, logger, (last + data_offset) * tr.global_batch_size,
+                  skipped_total, guard.save_lock)
     finally:
         logger.close()
     return history
@@ -269,8 +296,14 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
          presets: Optional[Dict[str, dict]] = None) -> int:
     """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
 
-    Returns the exit status: 0, or 2 for an invalid flag combination or a checkpoint that cannot be
-    used (message on stderr)."""
+    Returns the exit status: 0 (also after a clean early stop: signal, time or iteration limit), 2
+    for an invalid flag combination or a checkpoint that cannot be used, 1 for any other failure.
+    Each failure is printed once, without a traceback when it is an expected kind
+    (:func:`megazero.resilience.report_failure`); under torchrun the process ends with its launcher
+    (:func:`megazero.resilience.exit_with_parent`)."""
+    from megazero.resilience import exit_with_parent, report_failure
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = parse_args(argv, presets, world_size=world)
@@ -282,16 +315,14 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
             except ImportError as err:
                 raise ConfigError(str(err)) from None
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+        return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
     from megazero.checkpoint import CheckpointError
     try:
         train(cfg, model_provider)
-    except CheckpointError as err:  # raised on every rank alike (rank 0 decides): a message, not a traceback
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # noqa: BLE001 - reported once, with the exit status
+        code = report_failure(err)
+        # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag
+        return 2 if isinstance(err, CheckpointError) else code
     return 0

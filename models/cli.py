@@ -20,6 +20,13 @@ def pretrain_main(argv: Optional[List[str]] = None) -> int:
     return main(sys.argv[1:] if argv is None else argv, model_provider, PRESETS)
 
 
+def pretrain_entry(argv: Optional[List[str]] = None) -> None:
+    """The ``megazero-pretrain`` console script: :func:`pretrain_main`, then the process ends with its
+    exit status without the interpreter's finalization (see :func:`megazero.resilience.exit_process`)."""
+    from megazero.resilience import exit_process
+    exit_process(pretrain_main(argv))
+
+
 def estimate_memory_main(argv: Optional[List[str]] = None) -> int:
     """Per-rank memory per component for each ZeRO stage; ``--measure``, ``--json``, ``--plot``."""
     from megazero.memory_cli import main

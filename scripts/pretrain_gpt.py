@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
-from models.cli import pretrain_main  # noqa: E402
+from models.cli import pretrain_entry  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(pretrain_main())
+    pretrain_entry()

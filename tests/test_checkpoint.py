@@ -93,7 +93,8 @@ def test_save_interval_tracker_and_files(tmp_path):
     names = sorted(os.listdir(tmp_path))
     assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     files = sorted(os.listdir(checkpoint_path(str(tmp_path), 3)))
-    assert files == ["config.json", "metadata.json", "model_tp00_pp000.pt", "rng_tp00_pp000_dp000.pt"]
+    assert files == ["config.json", "metadata.json", "rng_tp00_pp000_dp000.pt", "shard_tp00_pp000_dp000.bin",
+                     "shard_tp00_pp000_dp000.json"]
     # resuming at the last iteration trains nothing and saves nothing new
     assert _run(_cfg(3, load=str(tmp_path), save=str(tmp_path))) == []
 
@@ -164,17 +165,29 @@ def test_resume_under_another_layout_matches_one_process(saved_tp2_pp2_dp2, name
     assert [m["lr"] for m in second] == [m["lr"] for m in ref[K:]]
 
 
-def test_saved_files_one_per_tp_pp_shard(saved_tp2_pp2_dp2):
+def test_saved_files_one_shard_per_rank(saved_tp2_pp2_dp2):
+    import json
     path = checkpoint_path(saved_tp2_pp2_dp2[0], K)
     files = sorted(os.listdir(path))
-    assert [f for f in files if f.startswith("model_")] == [
-        "model_tp00_pp000.pt", "model_tp00_pp001.pt", "model_tp01_pp000.pt", "model_tp01_pp001.pt"]
+    stems = [f"shard_tp{t:02d}_pp{p:03d}_dp{d:03d}" for t in range(2) for p in range(2) for d in range(2)]
+    assert [f for f in files if f.startswith("shard_")] == sorted(s + e for s in stems for e in (".bin", ".json"))
     assert len([f for f in files if f.startswith("rng_")]) == 8
-    last = torch.load(os.path.join(path, "model_tp01_pp001.pt"), weights_only=True)["params"]
-    assert "output_layer.weight" not in last  # the tied copy is the embedding's
-    assert "final_norm.weight" not in last  # replicated over TP: TP rank 0 writes it
-    qkv = last["decoder.3.attention.qkv.weight"]
-    assert qkv["tensor_model_parallel"] and set(qkv["state"]) == {"master"}  # sgd without momentum
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    assert set(meta["files"]) == set(files) - {"metadata.json"}  # every file recorded with size and CRC
+    written = {}
+    for d in range(2):  # the two DP ranks of (tp 1, pp 1) each wrote a slice
+        index = json.load(open(os.path.join(path, f"shard_tp01_pp001_dp{d:03d}.json")))
+        assert index["run_id"] == meta["run_id"] and index["size"] > 0
+        for name, key, lo, hi, offset in index["entries"]:
+            written.setdefault((name, key), []).append((lo, hi))
+    names = {n for n, _ in written}
+    assert "output_layer.weight" not in names  # the tied copy is the embedding's
+    assert "final_norm.weight" not in names  # replicated over TP: TP rank 0 writes it
+    assert {k for n, k in written if n == "decoder.3.attention.qkv.weight"} == {"master"}  # sgd, no momentum
+    qkv = meta["params"]["decoder.3.attention.qkv.weight"]
+    assert qkv["split"] and qkv["pp"] == 1
+    numel = qkv["shape"][0] * qkv["shape"][1]  # the two DP slices cover the TP-local tensor once
+    assert sum(hi - lo for lo, hi in written[("decoder.3.attention.qkv.weight", "master")]) == numel
 
 
 def test_adam_resharded_to_one_process(tmp_path):
@@ -198,22 +211,19 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     cfg, mesh, chunks, opt = _build(_cfg())
     d = str(tmp_path)
     save(d, 1, chunks, opt, mesh, cfg)
-    real, calls = ckpt_save._write, []
 
-    def crash_after_first_file(obj, path):
-        calls.append(path)
-        if len(calls) > 1:
-            raise OSError("disk full (injected)")
-        real(obj, path)
+    def crash(obj, path):  # the data shard is written, then the RNG file fails
+        raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(ckpt_save, "_write", crash_after_first_file)
+    monkeypatch.setattr(ckpt_save, "_write", crash)
     with pytest.raises(CheckpointError, match="disk full"):
         save(d, 2, chunks, opt, mesh, cfg)
     assert latest_iteration(d) == 1
     assert not os.path.exists(checkpoint_path(d, 2))
-    assert os.listdir(checkpoint_path(d, 2) + ".tmp") == ["model_tp00_pp000.pt"]  # no metadata: incomplete
+    assert not os.path.exists(checkpoint_path(d, 2) + ".tmp")  # a failed save leaves nothing behind
+    os.makedirs(checkpoint_path(d, 2) + ".tmp")  # as a crash (kill -9) mid-save would leave it
 
-    monkeypatch.setattr(ckpt_save, "_write", real)  # a crash while publishing (metadata being written)
+    monkeypatch.undo()  # a crash while publishing (metadata being written)
     monkeypatch.setattr(ckpt_save, "write_json", lambda *a: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(CheckpointError, match="killed"):
         save(d, 2, chunks, opt, mesh, cfg)
@@ -272,7 +282,7 @@ def _save_with_failing_rank(directory, bad_rank):
 
 def test_one_rank_failing_fails_the_save_everywhere(tmp_path):
     errors = run_ranks(_save_with_failing_rank, 2, str(tmp_path), 1, timeout=60)
-    assert "failed on another rank" in errors[0] and "injected" in errors[1]
+    assert "rank 1: " in errors[0] and "injected" in errors[0] and "injected" in errors[1]  # the cause, everywhere
     assert latest_iteration(str(tmp_path)) == 1 and not os.path.exists(checkpoint_path(str(tmp_path), 2))
 
 

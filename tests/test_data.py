@@ -501,8 +501,11 @@ def test_build_data_errors_name_the_problem(corpus, tmp_path):
         build_data(validate(_data_cfg(["0.5", corpus["txt"], "0.5"])))
     with pytest.raises(ConfigError, match="valid split"):
         build_data(validate(_data_cfg([corpus["txt"]], split="100,0,0", eval_interval=2)))
-    small = build_data(validate(_data_cfg([corpus["txt"]], vocab_size=50)))
-    with pytest.raises(ValueError, match="--vocab-size 50"):
+    with pytest.raises(ConfigError, match="token id .* is outside --vocab-size 50"):  # at start-up
+        build_data(validate(_data_cfg([corpus["txt"]], vocab_size=50)))
+    from megazero.data.gpt_dataset import BlendedGPTData
+    small = BlendedGPTData([corpus["txt"]], 16, "90,10,0", vocab_size=50)
+    with pytest.raises(ValueError, match="--vocab-size 50"):  # and per batch, for data not scanned
         small.get_tokens(range(8))
     with pytest.raises(ConfigError, match="--tokenizer-model.*absent.model"):
         validate(_data_cfg([corpus["txt"]], tokenizer_model=str(tmp_path / "absent.model")))
@@ -559,6 +562,28 @@ def test_eod_mask_loss_leaves_out_predictions_across_documents(corpus):
     assert torch.equal(masked["loss_mask"], (~at_eod).float())
     with pytest.raises(ConfigError, match="--eod-mask-loss needs --tokenizer-model"):
         validate(_data_cfg([corpus["txt"]], eod_mask_loss=True), 1)
+
+
+def test_preprocess_refuses_non_text_fields_naming_the_line(corpus, tmp_path, capsys):
+    out = str(tmp_path / "o")
+    for n, record in enumerate(('{"text": null}', '{"text": 12345}', '["text"]'), 1):
+        bad = tmp_path / f"bad{n}.jsonl"
+        bad.write_text('{"text": "fine"}\n' + record + "\n")
+        assert preprocess.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model",
+                                corpus["tok"]]) == 2
+        err = capsys.readouterr().err
+        assert f"bad{n}.jsonl:2" in err and err.count("error:") == 1, err
+        assert ("is null" in err) if n == 1 else ("is int" in err) if n == 2 else ("expected a JSON object" in err)
+    assert not os.path.exists(out + "_text_document.bin")  # nothing written
+
+
+def test_preprocess_unwritable_output_prefix_is_one_message(corpus, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")  # root can write anywhere, but not below a file
+    code = preprocess.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix",
+                            str(blocker / "sub" / "x"), "--tokenizer-model", corpus["tok"]])
+    err = capsys.readouterr().err
+    assert code == 2 and "--output-prefix" in err and "Traceback" not in err and err.count("error:") == 1
 
 
 def test_separate_train_and_valid_sets(tmp_path):

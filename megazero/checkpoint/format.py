@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-FORMAT = "megazero-checkpoint-v1"
+FORMAT = "megazero-checkpoint-v2"  # per-rank data shards (megazero.checkpoint.shards)
+FORMAT_V1 = "megazero-checkpoint-v1"  # one torch file per (tp, pp) shard: still loaded
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CONFIG = "config.json"
@@ -110,30 +111,64 @@ def all_ok(ok: bool, mesh) -> bool:
     return int(failed.item()) == 0
 
 
+def agree(error: Optional[BaseException], mesh, what: str) -> None:
+    """Raise on every rank when any rank failed (collective): the same :class:`CheckpointError`
+    everywhere, with the first failing rank's message (its class kept for a corrupt checkpoint), so
+    rank 0 can report the real cause once."""
+    ok = all_ok(error is None, mesh)
+    if ok:
+        return
+    mine = None if error is None else (mesh.rank, _message(error), type(error).__name__)
+    reports = [mine]
+    if mesh.is_distributed:
+        reports = [None] * mesh.world_size
+        dist.all_gather_object(reports, mine, group=mesh.world_group)
+    rank, message, kind = next(r for r in reports if r is not None)
+    where = f"rank {rank}: " if mesh.is_distributed else ""
+    text = message if message.startswith(what) or not what else f"{what}: {message}"
+    raise _error_class(kind)(where + text) from error
+
+
+def _message(err: BaseException) -> str:
+    import errno as errno_codes
+    if isinstance(err, OSError) and err.errno == errno_codes.ENOSPC:
+        return (f"no space left on device ({err.filename or 'writing a checkpoint file'}); the partial "
+                "checkpoint was removed and the previous one is intact: free space or choose another --save")
+    return str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+
+
 def on_rank0(fn, mesh):
     """``fn()`` run by global rank 0 only, its result (or error) given to every rank by one broadcast
     over the world group (a collective): file-system decisions (tracker, metadata, a writable
     directory) cannot differ between ranks, e.g. on a shared file system that caches attributes.
     An error is raised on every rank as :class:`CheckpointError` with rank 0's message."""
-    result, message, error = None, None, None
+    result, message, error, kind = None, None, None, None
     if mesh.rank == 0:
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, none may hang
-            error = err
+            error, kind = err, type(err).__name__
             message = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     if mesh.is_distributed:
-        box = [(result, message)]
+        box = [(result, message, kind)]
         device = mesh.device if mesh.backend == "nccl" else None
         dist.broadcast_object_list(box, src=0, group=mesh.world_group, device=device)
-        result, message = box[0]
+        result, message, kind = box[0]
     if error is not None:
         if isinstance(error, CheckpointError):
             raise error
         raise CheckpointError(message) from error
     if message is not None:
-        raise CheckpointError(message)
+        raise _error_class(kind)(message)
     return result
+
+
+def _error_class(kind: Optional[str]):
+    """The checkpoint error class named ``kind`` (so every rank raises the same type)."""
+    if kind == "CheckpointCorrupt":
+        from megazero.checkpoint.integrity import CheckpointCorrupt
+        return CheckpointCorrupt
+    return CheckpointError
 
 
 def fsync_dir(path: str) -> None:
@@ -191,36 +226,12 @@ def describe_foreign(directory: str) -> Optional[str]:
 
 
 def resolve_checkpoint(directory: str, iteration: Optional[int] = None, flag: str = "--load") -> Tuple[str, dict]:
-    """``(path, metadata)`` of the latest checkpoint in ``directory`` (or of ``iteration``), as this
-    process sees the file system.  Raises :class:`CheckpointError` saying what the directory is
-    (``flag``: how the user named it)."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"{flag} {directory}: exists and is not a directory")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{flag} {directory}: no such directory")
-    if iteration is None:
-        iteration = latest_iteration(directory)
-        if iteration is None:
-            foreign = describe_foreign(directory)
-            if foreign:
-                raise CheckpointError(f"{flag} {directory}: not a megazero checkpoint directory: {foreign}")
-            partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
-            note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-            raise CheckpointError(f"{flag} {directory}: no checkpoint there: {TRACKER} is missing{note}")
-    path = checkpoint_path(directory, iteration)
-    if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old", METADATA)):
-        path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
-    if not os.path.isfile(os.path.join(path, METADATA)):
-        names = os.listdir(path) if os.path.isdir(path) else []
-        if any(n.startswith("mp_rank_") or n.endswith(".distcp") or n == "common.pt" for n in names):
-            raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which megazero "
-                                  "cannot read; export it to Hugging Face with Megatron-LM's converter and "
-                                  "use scripts/convert_hf.py --direction to-megazero")
-        raise CheckpointError(f"{flag} {directory}: checkpoint {path} is missing or incomplete "
-                              f"(no {METADATA})")
-    meta = read_json(os.path.join(path, METADATA))
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    """``(path, metadata)`` of the latest usable checkpoint in ``directory`` (or of ``iteration``), as
+    this process sees the file system, its metadata and file sizes checked
+    (:func:`megazero.checkpoint.resolve.resolve_here`).  Raises :class:`CheckpointError` saying what
+    the directory is (``flag``: how the user named it)."""
+    from megazero.checkpoint.resolve import resolve_here
+    path, meta, _ = resolve_here(directory, iteration, flag=flag)
     return path, meta
 
 
@@ -228,12 +239,18 @@ def saved_config(directory: str, iteration: Optional[int] = None) -> Optional[di
     """The whole configuration (``config.json``) of a checkpoint, or None when ``directory`` does not
     exist or holds no checkpoint yet.  Raises :class:`CheckpointError` for a directory in another
     format (naming what it is)."""
+    from megazero.checkpoint.resolve import complete_iterations
     if not os.path.isdir(directory):
         return None
-    if iteration is None and latest_iteration(directory) is None:
-        foreign = describe_foreign(directory)
-        if foreign:
-            raise CheckpointError(f"--load {directory}: not a megazero checkpoint directory: {foreign}")
-        return None
+    if iteration is None and not complete_iterations(directory):
+        try:
+            tracked = latest_iteration(directory)
+        except CheckpointError:
+            tracked = -1  # a garbled tracker: resolve_checkpoint explains
+        if tracked is None:
+            foreign = describe_foreign(directory)
+            if foreign:
+                raise CheckpointError(f"--load {directory}: not a megazero checkpoint directory: {foreign}")
+            return None
     path, _ = resolve_checkpoint(directory, iteration)
     return read_json(os.path.join(path, CONFIG))

@@ -1,16 +1,33 @@
-"""Loading a checkpoint into any layout: reassemble each parameter over the saved TP shards, keep
-this rank's slice, hand the per-parameter state to the optimizer (which keeps its DP/ZeRO slice)."""
+"""Loading a checkpoint into any layout.
+
+Format v2 (per-rank data shards, :mod:`megazero.checkpoint.assemble`): each rank reads only the byte
+ranges of its new slice.  Format v1 (one torch file per (tp, pp) shard): reassemble each parameter
+over the saved TP shards, keep this rank's slice, hand the per-parameter state to the optimizer
+(which keeps its DP/ZeRO slice).  Either way a corrupt newest checkpoint makes :func:`load` fall
+back to the previous complete one (:mod:`megazero.checkpoint.resolve`) unless an iteration was asked
+for (``--ckpt-step``).
+
+Loading options (the config's checkpoint section): ``--finetune`` and ``--no-load-optim`` (and a
+weights-only checkpoint, e.g. one converted from Hugging Face by :func:`save_weights`) read only
+the ``master`` weights and keep a fresh optimizer; ``--finetune`` also starts at iteration 0 with
+the generators of this run's start-up; ``--no-load-rng`` reseeds instead of restoring.
+:func:`read_weights` reads every full weight in one process, without a model."""
 from __future__ import annotations
 
 import os
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, SCHEDULER_FIELDS, CheckpointError, all_ok,
-                                        arch_of, latest_iteration, layout_of, named_params, on_rank0,
-                                        read_json, resolve_checkpoint, rng_file, rng_trackers)
+from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS,
+                                        CheckpointError, agree, all_ok, arch_of, latest_iteration, layout_of,
+                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
+from megazero.checkpoint.integrity import CheckpointCorrupt, check_file
+from megazero.checkpoint.resolve import complete_iterations, resolve, resolve_here
+from megazero.checkpoint.shards import SavedShards
 from megazero.tensor_parallel.layers import pad_rows, shard
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
@@ -18,16 +35,6 @@ RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (lay
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _resolve_here(directory: str, iteration: Optional[int]) -> Tuple[str, dict]:
-    """The checkpoint directory and its metadata, as this process sees the file system."""
-    return resolve_checkpoint(directory, iteration)
-
-
-def _resolve(directory: str, iteration: Optional[int], mesh) -> Tuple[str, dict]:
-    """:func:`_resolve_here` on global rank 0, shared with every rank (collective)."""
-    return tuple(on_rank0(lambda: _resolve_here(directory, iteration), mesh))
 
 
 def resume_iteration(load_dir: str, save_dir: Optional[str], mesh, iteration: Optional[int] = None) -> Optional[int]:
@@ -38,11 +45,15 @@ def resume_iteration(load_dir: str, save_dir: Optional[str], mesh, iteration: Op
     one (``--ckpt-step``) instead of the latest."""
     def decide() -> Optional[int]:
         same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
-        if same and os.path.isdir(load_dir) and latest_iteration(load_dir) is None:
-            return None
         if same and not os.path.exists(load_dir):
             return None
-        return int(_resolve_here(load_dir, iteration)[1]["iteration"])
+        if same and os.path.isdir(load_dir) and not complete_iterations(load_dir):
+            try:
+                if latest_iteration(load_dir) is None:
+                    return None
+            except CheckpointError:
+                pass  # a garbled tracker: resolve_here explains
+        return int(resolve_here(load_dir, iteration)[1]["iteration"])
     return on_rank0(decide, mesh)
 
 
@@ -171,22 +182,38 @@ def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str, lo
     return states, frozen
 
 
-def _restore_rng(path: str, meta: dict, chunks, mesh, cfg, allowed: bool = True) -> bool:
-    """Restore this rank's generators when ``allowed`` and the layout matches; else reseed from
-    (seed, iteration)."""
+def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
+    """This rank's saved generator states when the layout is unchanged (checked against the recorded
+    size and checksum; a missing or damaged file is an error), else None."""
     def comparable(layout):
         return {k: v for k, v in layout.items() if k != "zero_stage"}
-    fpath = os.path.join(path, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
-    trackers = rng_trackers(chunks)
-    if allowed and comparable(meta["layout"]) == comparable(layout_of(cfg, mesh)) and os.path.isfile(fpath):
+    if comparable(meta["layout"]) != comparable(layout_of(cfg, mesh)):
+        return None
+    name = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    files = meta.get("files")
+    if files is not None and name not in files:
+        raise CheckpointCorrupt(f"{path}: {name} is not in the checkpoint's file list")
+    fpath = check_file(path, name, files[name]) if files is not None else os.path.join(path, name)
+    if files is None and not os.path.isfile(fpath):
+        return None  # a v1 checkpoint without this rank's file: reseed
+    try:
         rng = torch.load(fpath, map_location="cpu", weights_only=True)
-        if len(rng["trackers"]) == len(trackers):
-            torch.set_rng_state(rng["cpu"])
-            if mesh.device.type == "cuda" and "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"], mesh.device)
-            for t, state in zip(trackers, rng["trackers"]):
-                t.set_state(state)
-            return True
+    except Exception as err:  # noqa: BLE001 - a damaged file is named, never a bare zip error
+        raise CheckpointCorrupt(f"{fpath}: unreadable ({type(err).__name__}: {err})") from None
+    return rng if len(rng.get("trackers", [])) == len(rng_trackers(chunks)) else None
+
+
+def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
+    """Restore the generators from ``rng`` when every rank has its state (agreed, collective); else
+    reseed every rank deterministically from (seed, iteration).  Returns whether they were restored."""
+    trackers = rng_trackers(chunks)
+    if all_ok(rng is not None, mesh):
+        torch.set_rng_state(rng["cpu"])
+        if mesh.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], mesh.device)
+        for t, state in zip(trackers, rng["trackers"]):
+            t.set_state(state)
+        return True
     from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
     seed_default_generators(seed, mesh)
@@ -195,9 +222,94 @@ def _restore_rng(path: str, meta: dict, chunks, mesh, cfg, allowed: bool = True)
     return False
 
 
+def _fresh_optimizer_state(optimizer) -> None:
+    """Zero moments and step 0: the optimizer starts afresh from the loaded weights."""
+    with torch.no_grad():
+        for b in optimizer.buckets:
+            for t in optimizer.update.state[b.index].values():
+                t.zero_()
+    optimizer.step_count, optimizer.skipped_steps = 0, 0
+
+
+def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str, load_optim: bool, load_rng: bool):
+    """Everything this rank needs from the checkpoint, read and verified, nothing committed yet:
+    ``(apply, rng)`` where ``apply()`` commits the model and optimizer state (collective).  Without
+    ``load_optim`` only the master weights are read; without ``load_rng`` no RNG file is read."""
+    def read_rng():
+        return _read_rng(path, meta, chunks, mesh, cfg) if load_rng else None
+    if meta["format"] == FORMAT_V1:
+        bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
+        shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
+        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint, load_optim)
+
+        def apply() -> None:
+            optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
+            with torch.no_grad():
+                for p, t in frozen:
+                    p.copy_(t)
+        return apply, read_rng()
+    check_params(meta, chunks, optimizer, mesh, cfg, path, hint)
+    keys = ["master"] + (_state_names(cfg) if load_optim else [])
+    src = SavedShards(path, meta)
+    try:
+        verify_rank_state(src, chunks, optimizer, mesh, keys)
+        rng = read_rng()
+    except BaseException:
+        src.close()
+        raise
+
+    def apply() -> None:
+        try:
+            if not load_optim:
+                _fresh_optimizer_state(optimizer)
+            load_rank_state(src, chunks, optimizer, mesh, keys)
+        finally:
+            src.close()
+    apply.discard = src.close  # another rank failed: nothing is applied
+    return apply, rng
+
+
+def _load_one(path: str, meta: dict, chunks, optimizer, mesh, cfg) -> Dict[str, object]:
+    ck = cfg.checkpoint
+    weights_only = bool(meta.get("weights_only", False))
+    load_optim = not (ck.finetune or ck.no_load_optim or weights_only)
+    load_rng = not (ck.finetune or ck.no_load_rng or weights_only)
+    hint = _check_compatible(meta, cfg, path, load_optim)
+    if load_optim:
+        _check_scheduler(meta, cfg, path)
+    error, apply, rng = None, None, None
+    try:  # read and verified, not applied
+        apply, rng = _read(path, meta, chunks, optimizer, mesh, cfg, hint, load_optim, load_rng)
+    except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
+        error = err
+    try:
+        agree(error, mesh, "")  # the same error on every rank; a corrupt file lets load() fall back
+    except CheckpointError:
+        getattr(apply, "discard", lambda: None)()
+        raise
+    apply()
+    if load_optim:
+        so = meta["optimizer"]
+        optimizer.step_count = int(so["step"])
+        optimizer.skipped_steps = int(so["skipped_steps"])
+        optimizer.scaler.load_state_dict(so["scaler"])
+    restored = False
+    if not ck.finetune:  # a fine-tuning run keeps the generators of its own start-up
+        restored = _restore_rng(rng, meta, chunks, mesh, cfg)  # reseeded from (seed, iteration) without rng
+    return {"iteration": 0 if ck.finetune else int(meta["iteration"]),
+            "extra": {} if ck.finetune else meta.get("extra", {}), "path": path,
+            "saved_iteration": int(meta["iteration"]), "layout": meta["layout"], "rng_restored": restored,
+            "optimizer_loaded": load_optim}
+
+
 def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] = None) -> Dict[str, object]:
     """Load the latest checkpoint in ``directory`` (or ``iteration``) into this rank's chunks and
     optimizer, whatever layout wrote it (collective: every rank calls it).
+
+    Without ``iteration``, a newest checkpoint that is incomplete or corrupt (a file missing,
+    truncated or altered: sizes and checksums are recorded) is skipped for the previous complete
+    one, with a warning in ``warnings``; a given ``iteration`` (``--ckpt-step``) is that one or an
+    error.
 
     ``--finetune``: the weights only, then iteration 0 with a fresh optimizer, schedule, data
     position and generators.  ``--no-load-optim`` (or a checkpoint of weights only, such as one
@@ -205,57 +317,78 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     the iteration continues.  ``--no-load-rng``: generators reseeded from (seed, iteration).
 
     Returns ``iteration``, ``extra`` (as given to :func:`save`; empty with ``--finetune``),
-    ``path``, ``layout`` (the saving one), ``rng_restored``, ``optimizer_loaded`` and ``seconds``.
-    Raises :class:`CheckpointError` naming the path, the parameter and both shapes, or the
-    setting that differs."""
+    ``path``, ``saved_iteration``, ``layout`` (the saving one), ``rng_restored``,
+    ``optimizer_loaded``, ``seconds`` and ``warnings``.  Raises
+    :class:`CheckpointError` naming the path, the file or parameter and both shapes, or the setting
+    that differs."""
     start = time.perf_counter()
-    ck = cfg.checkpoint
-    path, meta = _resolve(directory, iteration, mesh)  # decided by rank 0: identical on every rank
-    load_optim = not (ck.finetune or ck.no_load_optim or meta.get("weights_only", False))
-    hint = _check_compatible(meta, cfg, path, load_optim)
-    if load_optim:
-        _check_scheduler(meta, cfg, path)
-    bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
-    shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
-    error, states, frozen = None, {}, []
+    skipped: List[int] = []
+    warnings: List[str] = []
+    while True:
+        path, meta, notes = resolve(directory, iteration, mesh, skipped)  # decided by rank 0
+        warnings += notes
+        try:
+            info = _load_one(path, meta, chunks, optimizer, mesh, cfg)
+            break
+        except CheckpointCorrupt as err:
+            if iteration is not None:
+                raise
+            warnings.append(f"{err}; falling back to the previous checkpoint")
+            skipped.append(int(meta["iteration"]))
+    info.update(seconds=time.perf_counter() - start, warnings=warnings)
+    return info
+
+
+def _full_v2(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
+    """One parameter's whole fp32 master weight from v2 shards: saved TP pieces joined, vocabulary
+    padding removed (every block read is checked against its CRC-32)."""
+    info = src.params[name]
+    shape = [int(s) for s in info["shape"]]
+    pieces = []
+    for t in range(src.tp if info["split"] else 1):
+        out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
+        src.read(t, name, "master", 0, out)
+        pieces.append(torch.from_numpy(out).view(shape))
+    full = torch.cat(pieces, dim=info["dim"]) if len(pieces) > 1 else pieces[0]
+    return full[:vocab].clone() if info["vocab_parallel"] else full
+
+
+def _read_weights_at(path: str, meta: dict) -> Dict[str, torch.Tensor]:
+    vocab = meta["model"]["vocab_size"]
+    if meta["format"] == FORMAT_V1:
+        index = _open_model_files(path, meta)
+        saved_tp = meta["layout"]["tp"]
+        return {name: _full(entries, "master", saved_tp, vocab, name, path).clone()
+                for name, entries in sorted(index.items())}
+    src = SavedShards(path, meta)
     try:
-        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint, load_optim)
-    except Exception as err:  # noqa: BLE001 - every rank must stop before the collectives below
-        error = err
-    ok = all_ok(error is None, mesh)
-    if error is not None:
-        raise error if isinstance(error, CheckpointError) else CheckpointError(
-            f"{path}: {type(error).__name__}: {error}") from error
-    if not ok:
-        raise CheckpointError(f"{path}: loading failed on another rank (see its error)")
-    optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
-    with torch.no_grad():
-        for p, t in frozen:
-            p.copy_(t)
-    if load_optim:
-        so = meta["optimizer"]
-        optimizer.step_count = int(so["step"])
-        optimizer.skipped_steps = int(so["skipped_steps"])
-        optimizer.scaler.load_state_dict(so["scaler"])
-    it = 0 if ck.finetune else int(meta["iteration"])
-    restored = False
-    if not ck.finetune:  # a fine-tuning run keeps the generators of its own start-up
-        restored = _restore_rng(path, meta, chunks, mesh, cfg, allowed=not ck.no_load_rng)
-    return {"iteration": it, "extra": {} if ck.finetune else meta.get("extra", {}), "path": path,
-            "saved_iteration": int(meta["iteration"]), "layout": meta["layout"], "rng_restored": restored,
-            "optimizer_loaded": load_optim, "seconds": time.perf_counter() - start}
+        return {name: _full_v2(src, name, vocab) for name in sorted(meta["params"])}
+    finally:
+        src.close()
 
 
 def read_weights(directory: str, iteration: Optional[int] = None,
                  flag: str = "--load") -> Tuple[str, dict, dict, Dict[str, torch.Tensor]]:
-    """One process, no model needed: ``(path, metadata, config, weights)`` of the latest checkpoint
-    in ``directory`` (or ``iteration``), saved under any layout.  ``config`` is the saving run's
-    whole configuration (``config.json``, a dict); ``weights`` maps every parameter's global name to
-    its full fp32 master weight (TP shards joined, vocabulary unpadded; a tied output head is
-    ``word_embeddings.weight``).  ``flag``: how the user named the directory (for errors)."""
-    path, meta = resolve_checkpoint(directory, iteration, flag)
-    index = _open_model_files(path, meta)
-    saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
-    weights = {name: _full(entries, "master", saved_tp, vocab, name, path).clone()
-               for name, entries in sorted(index.items())}
-    return path, meta, read_json(os.path.join(path, CONFIG)), weights
+    """One process, no model needed: ``(path, metadata, config, weights)`` of the latest usable
+    checkpoint in ``directory`` (or ``iteration``), saved under any layout, its sizes and checksums
+    verified (without ``iteration`` a corrupt newest one falls back to the previous, as
+    :func:`load`).  ``config`` is the saving run's whole configuration (``config.json``, a dict);
+    ``weights`` maps every parameter's global name to its full fp32 master weight (TP shards joined,
+    vocabulary unpadded; a tied output head is ``word_embeddings.weight``).  ``flag``: how the user
+    named the directory (for errors)."""
+    skipped: List[int] = []
+    damaged: List[str] = []
+    while True:
+        try:
+            path, meta, _ = resolve_here(directory, iteration, skipped, flag=flag)
+        except CheckpointError as err:
+            if not damaged:
+                raise
+            raise CheckpointCorrupt(f"{flag} {directory}: no usable checkpoint: {'; '.join(damaged)}") from err
+        try:
+            return path, meta, read_json(os.path.join(path, CONFIG)), _read_weights_at(path, meta)
+        except CheckpointCorrupt as err:
+            if iteration is not None:
+                raise
+            damaged.append(str(err))
+            skipped.append(int(meta["iteration"]))

@@ -1,4 +1,5 @@
-"""Writing a checkpoint: every rank its share into ``iter_XXXXXXX.tmp/``, then rank 0 publishes it."""
+"""Writing a checkpoint: every rank its shard into ``iter_XXXXXXX.tmp/`` in parallel, then rank 0
+checks the files and publishes them."""
 from __future__ import annotations
 
 import os
@@ -7,10 +8,14 @@ import time
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
-from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, all_ok, arch_of,
-                                        checkpoint_path, fsync_dir, layout_of, model_file, named_params,
-                                        on_rank0, scheduler_of, rng_file, rng_trackers, write_bytes_durably, write_json)
+from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, agree, arch_of,
+                                        checkpoint_path, fsync_dir, layout_of, named_params, on_rank0,
+                                        rng_file, rng_trackers, scheduler_of, write_bytes_durably, write_json)
+from megazero.checkpoint.integrity import describe_file, seal
+from megazero.checkpoint.lock import SaveLock
+from megazero.checkpoint.shards import write_rank_shard, write_weights_shard
 
 PROBE = ".megazero_write_probe"  # written and removed by check_save_dir
 
@@ -20,54 +25,37 @@ def _write(obj, path: str) -> None:
     write_bytes_durably(path, lambda fh: torch.save(obj, fh))
 
 
-def _agree(error: Optional[BaseException], mesh, what: str) -> None:
-    """Raise on every rank if any rank failed (each failed rank with its own error)."""
-    ok = all_ok(error is None, mesh)
-    if error is not None:
-        raise CheckpointError(f"{what}: {type(error).__name__}: {error}") from error
-    if not ok:
-        raise CheckpointError(f"{what}: failed on another rank (see its error)")
-
-
-def check_save_dir(directory: str, mesh) -> None:
-    """Fail now, not at the first save (by default the end of training), when ``--save directory``
-    is unusable: global rank 0 creates the directory and writes and deletes a probe file; the
-    outcome is shared with every rank (collective).  Raises :class:`CheckpointError` naming
-    ``--save`` and the path on every rank."""
-    def probe() -> None:
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            raise CheckpointError(f"--save {directory}: exists and is not a directory; "
-                                  "give a directory (it is created if missing)")
-        try:
-            os.makedirs(directory, exist_ok=True)
-            path = os.path.join(directory, f"{PROBE}.{os.getpid()}")
-            write_bytes_durably(path, lambda fh: fh.write(b"megazero"))
+def _probe(directory: str) -> None:
+    """Create ``directory`` and write and remove a probe file (removed even when the write fails)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"--save {directory}: exists and is not a directory; "
+                              "give a directory (it is created if missing)")
+    path = os.path.join(directory, f"{PROBE}.{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        write_bytes_durably(path, lambda fh: fh.write(b"megazero"))
+    except OSError as err:
+        raise CheckpointError(f"--save {directory}: cannot write checkpoints there "
+                              f"({type(err).__name__}: {err})") from err
+    finally:
+        if os.path.lexists(path):
             os.remove(path)
-        except OSError as err:
-            raise CheckpointError(f"--save {directory}: cannot write checkpoints there "
-                                  f"({type(err).__name__}: {err})") from err
-    on_rank0(probe, mesh)
 
 
-def _model_payload(chunks, states, mesh, cfg) -> Dict[str, object]:
-    """This (tp, pp) coordinate's parameters: TP shard of the master weight and optimizer moments."""
-    params = {}
-    for name, p in named_params(chunks):
-        if getattr(p, "tied_copy", False):
-            continue  # equals word_embeddings.weight, which the first stage writes
-        split = bool(getattr(p, "tensor_model_parallel", False))
-        if not split and mesh.tp_rank != 0:
-            continue  # replicated over TP: TP rank 0 writes it
-        if p in states:
-            state = {k: v for k, v in states[p].items() if k != "step"}
-        else:  # not trained (no optimizer state): the weight itself
-            state = {"master": p.detach().float().cpu().clone()}
-        params[name] = {"tensor_model_parallel": split,
-                        "partition_dim": int(p.partition_dim) if split else -1,
-                        "vocab_parallel": bool(getattr(p, "vocab_parallel", False)),
-                        "state": state}
-    return {"format": FORMAT, "tp_rank": mesh.tp_rank, "tp_size": mesh.tp_size, "pp_rank": mesh.pp_rank,
-            "padded_vocab_size": cfg.model.padded_vocab_size, "params": params}
+def check_save_dir(directory: str, mesh) -> SaveLock:
+    """Fail now, not at the first save (by default the end of training), when ``--save directory``
+    is unusable, and make this run its only writer: global rank 0 creates the directory, writes and
+    deletes a probe file and takes the directory's lock (:class:`SaveLock`, refused while another
+    run holds it).  Collective; raises :class:`CheckpointError` naming ``--save`` on every rank.
+    Returns the lock (held by rank 0; call ``release()`` when done saving)."""
+    held = []
+
+    def probe_and_lock() -> str:
+        _probe(directory)
+        held.append(SaveLock.acquire(directory))
+        return held[0].run_id
+    run_id = on_rank0(probe_and_lock, mesh)
+    return held[0] if held else SaveLock(directory, run_id)
 
 
 def _rng_payload(chunks, mesh) -> Dict[str, object]:
@@ -93,14 +81,20 @@ def _recover(directory: str) -> None:
             fsync_dir(directory)
 
 
-def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, cfg) -> None:
+def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, lock: SaveLock) -> None:
     """Rank 0: metadata, then the rename that makes the checkpoint exist, then the tracker.
 
     Saving an iteration that exists already swaps it in two renames (``iter_X`` -> ``iter_X.old``,
     ``iter_X.tmp`` -> ``iter_X``); between them the reader takes ``iter_X.old``, so the tracker
     always names a complete checkpoint, and the next save cleans up (:func:`_recover`)."""
-    write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
-    write_json(os.path.join(tmp, METADATA), meta)  # last file: a directory without it is incomplete
+    expected = set(meta["files"]) | {METADATA}
+    present = set(os.listdir(tmp)) | {METADATA}
+    if present != expected:
+        extra, missing = sorted(present - expected), sorted(expected - present)
+        raise CheckpointError(f"{tmp}: unexpected files {extra} / missing files {missing}: another process "
+                              "is writing this checkpoint; the save is not published")
+    lock.check_owner()
+    write_json(os.path.join(tmp, METADATA), seal(meta))  # last file: a directory without it is incomplete
     fsync_dir(tmp)  # every rank's files are in the directory before it is renamed
     old = None
     if os.path.exists(final):  # saving the same iteration again
@@ -117,17 +111,28 @@ def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, c
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Optional[dict] = None) -> float:
-    """Write the checkpoint of ``iteration`` to ``directory`` (collective: every rank calls it).
+def _metadata(iteration: int, optimizer, mesh, cfg, extra, run_id: str, files: dict, params: dict) -> dict:
+    state_names = sorted({k for st in optimizer.state.values() for k in st}) if optimizer.state else []
+    return {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}), "run_id": run_id,
+            "optimizer": {"name": cfg.optimizer.optimizer, "state_names": state_names,
+                          "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),
+                          "scaler": optimizer.scaler.state_dict()},
+            "scheduler": scheduler_of(cfg), "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+            "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
+            "torch_version": torch.__version__}
 
-    ``chunks``: this rank's model chunks; ``optimizer``: its :class:`ZeroOptimizer`; ``extra``: a
-    JSON-serialisable dict stored in the metadata (the trainer's consumed samples, skipped
-    iterations) and returned by :func:`load`.  Returns the seconds it took.  Raises
-    :class:`CheckpointError` on every rank if any rank failed; the previous checkpoint and the
-    tracker are then unchanged."""
-    start = time.perf_counter()
-    final = checkpoint_path(directory, iteration)
-    tmp = final + ".tmp"
+
+def _gather_to_rank0(obj, mesh) -> list:
+    """``obj`` of every rank, in rank order, on global rank 0 (``[]`` elsewhere; collective)."""
+    if not mesh.is_distributed:
+        return [obj]
+    out = [None] * mesh.world_size if mesh.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=mesh.world_group)
+    return out or []
+
+
+def _prepare(directory: str, tmp: str, mesh) -> None:
+    """Rank 0: an empty ``tmp`` (leftovers of a crashed save removed); collective."""
     error = None
     if mesh.rank == 0:
         try:
@@ -137,57 +142,100 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
             os.makedirs(tmp)
         except OSError as err:
             error = err
-    _agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
+    agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
 
-    states = optimizer.param_states(dst=0)  # collective over DP: gathered to the writer (DP rank 0) only
+
+def _write_rank(tmp: str, chunks, optimizer, mesh, run_id: str):
+    """This rank's shard and RNG state; returns ``(files, params)``."""
+    files, params = write_rank_shard(tmp, optimizer, named_params(chunks), mesh, run_id)
+    rng = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    _write(_rng_payload(chunks, mesh), os.path.join(tmp, rng))
+    files[rng] = describe_file(os.path.join(tmp, rng))
+    return files, params
+
+
+def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra, lock: SaveLock) -> None:
+    final = checkpoint_path(directory, iteration)
+    tmp = final + ".tmp"
+    _prepare(directory, tmp, mesh)
+    error, mine = None, ({}, {})
     try:
-        if mesh.dp_rank == 0:
-            model_path = os.path.join(tmp, model_file(mesh.tp_rank, mesh.pp_rank))
-            _write(_model_payload(chunks, states, mesh, cfg), model_path)
-        rng_path = os.path.join(tmp, rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank))
-        _write(_rng_payload(chunks, mesh), rng_path)
-    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        mine = _write_rank(tmp, chunks, optimizer, mesh, lock.run_id)
+    except Exception as err:  # noqa: BLE001 - every rank learns of it below
         error = err
-    del states
-    _agree(error, mesh, f"saving iteration {iteration} to {tmp}")
+    try:
+        agree(error, mesh, f"saving iteration {iteration} to {tmp}")
+        gathered = _gather_to_rank0(mine, mesh)
+        error = None
+        if mesh.rank == 0:
+            try:
+                files, params = {}, {}
+                for f, p in gathered:
+                    files.update(f)
+                    params.update(p)
+                write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+                files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
+                meta = _metadata(iteration, optimizer, mesh, cfg, extra, lock.run_id, files, params)
+                _publish(directory, tmp, final, iteration, meta, lock)
+            except Exception as err:  # noqa: BLE001
+                error = err
+        agree(error, mesh, f"publishing checkpoint {final}")
+    except CheckpointError:
+        if mesh.rank == 0:  # every rank has stopped writing: nothing partial is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
-    if mesh.rank == 0:
-        state_names = sorted(k for st in optimizer.state.values() for k in st) if optimizer.state else []
-        meta = {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}),
-                "optimizer": {"name": cfg.optimizer.optimizer, "state_names": sorted(set(state_names)),
-                              "step": int(optimizer.step_count),
-                              "skipped_steps": int(optimizer.skipped_steps),
-                              "scaler": optimizer.scaler.state_dict()},
-                "scheduler": scheduler_of(cfg), "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
-                "padded_vocab_size": cfg.model.padded_vocab_size,
-                "model_files": [model_file(t, p) for p in range(mesh.pp_size) for t in range(mesh.tp_size)],
-                "torch_version": torch.__version__}
-        try:
-            _publish(directory, tmp, final, iteration, meta, cfg)
-        except Exception as err:  # noqa: BLE001
-            error = err
-    _agree(error, mesh, f"publishing checkpoint {final}")
+
+def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Optional[dict] = None,
+         lock: Optional[SaveLock] = None) -> float:
+    """Write the checkpoint of ``iteration`` to ``directory`` (collective: every rank calls it).
+
+    ``chunks``: this rank's model chunks; ``optimizer``: its :class:`ZeroOptimizer`; ``extra``: a
+    JSON-serialisable dict stored in the metadata (the trainer's consumed samples, skipped
+    iterations) and returned by :func:`load`; ``lock``: the directory's :class:`SaveLock` from
+    :func:`check_save_dir` when the caller holds it for a whole run (else it is taken for this save).
+    Every rank writes its own shard at the same time.  Returns the seconds it took.  Raises
+    :class:`CheckpointError` on every rank if any rank failed (the partial files are removed; the
+    previous checkpoint and the tracker are unchanged), or if the model holds a NaN or inf."""
+    start = time.perf_counter()
+    own = lock is None
+    if own:
+        lock = check_save_dir(directory, mesh)
+    try:
+        _save_locked(directory, iteration, chunks, optimizer, mesh, cfg, extra, lock)
+    finally:
+        if own:
+            lock.release()
     return time.perf_counter() - start
 
 
 def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: Optional[dict] = None) -> str:
     """Write model weights only as the checkpoint of ``iteration`` in ``directory`` (one process, the
-    whole model: e.g. a model converted from Hugging Face).  It has the layout of any checkpoint, so
-    ``--load`` reads it under every layout; its optimizer starts fresh (``metadata.json`` says
-    ``weights_only``).  Returns the checkpoint's path."""
+    whole model: e.g. a model converted from Hugging Face).  The same format as :func:`save` (a data
+    shard with block checksums, sealed metadata listing every file's size and CRC-32, the
+    directory's lock held while writing), so ``--load`` reads it under every layout; its optimizer
+    starts fresh (``metadata.json`` says ``weights_only``).  Returns the checkpoint's path."""
     if mesh.is_distributed:
         raise ValueError("save_weights writes from one process; use save() in a distributed run")
     final = checkpoint_path(directory, iteration)
     tmp = final + ".tmp"
-    os.makedirs(directory, exist_ok=True)
-    _recover(directory)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    _write(_model_payload(chunks, {}, mesh, cfg), os.path.join(tmp, model_file(0, 0)))
-    meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True, "extra": dict(extra or {}),
-            "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None},
-            "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
-            "padded_vocab_size": cfg.model.padded_vocab_size, "model_files": [model_file(0, 0)],
-            "torch_version": torch.__version__}
-    _publish(directory, tmp, final, iteration, meta, cfg)
+    lock = check_save_dir(directory, mesh)
+    try:
+        _prepare(directory, tmp, mesh)
+        try:
+            files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id)
+            write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+            files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
+            meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,
+                    "extra": dict(extra or {}), "run_id": lock.run_id,
+                    "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None},
+                    "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
+                    "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
+                    "torch_version": torch.__version__}
+            _publish(directory, tmp, final, iteration, meta, lock)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        lock.release()
     return final

@@ -12,10 +12,11 @@
 from megazero.config.parsing import build_parser, config_from_dict, parse_args
 from megazero.config.sections import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, Derived, LoggingConfig,
                                       MegazeroConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                      PrecisionConfig, TrainingConfig, field_index, flag_of)
+                                      PrecisionConfig, ResilienceConfig, TrainingConfig, field_index,
+                                      flag_of)
 from megazero.config.validation import derive, validate
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",
            "MegazeroConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
-           "TrainingConfig", "build_parser", "config_from_dict", "derive", "field_index", "flag_of",
-           "parse_args", "validate"]
+           "ResilienceConfig", "TrainingConfig", "build_parser", "config_from_dict", "derive", "field_index",
+           "flag_of", "parse_args", "validate"]

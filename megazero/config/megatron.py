@@ -58,8 +58,6 @@ IGNORED: Dict[str, str] = {  # flag -> why it does not matter here
                                             "(--grad-reduce-dtype fp32)",
     "--attention-softmax-in-fp32": "the attention softmax runs in fp32 already",
     "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
-    "--distributed-timeout-minutes": "process-group time-out only",
-    "--exit-duration-in-mins": "no wall-clock limit here: training runs to its last iteration",
     "--profile": "profiling only", "--profile-step-start": "profiling only",
     "--profile-step-end": "profiling only", "--profile-ranks": "profiling only",
     "--ckpt-format": "megazero writes its own format, which loads under any layout",

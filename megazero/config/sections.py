@@ -225,9 +225,35 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
 
 
+@dataclass
+class ResilienceConfig:
+    """Operations at scale: bounded waits, preemption and time limits, numerical faults."""
+    distributed_timeout_minutes: float = _f(
+        10.0, "Timeout of every collective and point-to-point operation on every process group, in minutes "
+        "(fractions allowed): a rank that stops answering makes the others fail with a message naming the "
+        "operation, the group and the silent ranks.", type=float)
+    exit_signal_handler: bool = _f(False, "On a signal named by --exit-signal, every rank finishes the current "
+                                   "iteration, saves a checkpoint (with --save) and exits 0.")
+    exit_signal: List[str] = _f(["SIGTERM"], "Signals that --exit-signal-handler turns into a save and a clean "
+                                "exit (SLURM's #SBATCH --signal sends SIGUSR1 in launch/slurm.sbatch).",
+                                nargs="+", choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"])
+    exit_duration_in_mins: Optional[float] = _f(
+        None, "Save (with --save) and exit 0 after the iteration during which this many minutes have passed "
+        "since start-up.", type=float)
+    exit_interval: Optional[int] = _f(None, "Save (with --save) and exit 0 after the iteration whose number is a "
+                                      "multiple of this.")
+    check_for_nan_in_loss_and_grad: bool = _f(
+        True, "Stop with an error naming the iteration when the loss or the gradient norm is NaN or inf "
+        "(fp32, bf16 and a constant --loss-scale; fp16's dynamic loss scaler handles its own overflows).",
+        flag="--no-check-for-nan-in-loss-and-grad", action="store_false",
+        flag_help="Do not stop on a NaN or inf loss or gradient norm (such steps are still skipped).")
+    skip_nan_steps: int = _f(0, "Skip up to this many steps with a NaN or inf loss or gradient norm (in all) "
+                             "before stopping.")
+
+
 SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "precision": PrecisionConfig, "data": DataConfig,
-            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig, "resilience": ResilienceConfig}
 
 
 def field_index() -> Dict[str, Tuple[str, Any]]:
@@ -279,6 +305,7 @@ class MegazeroConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     model_preset: Optional[str] = None
     notes: Tuple[str, ...] = ()  # start-up remarks (ignored Megatron-LM flags ...), printed by rank 0
     derived: Optional[Derived] = None

@@ -40,7 +40,8 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
     _check_world(given, world_size)
     resolved = given.resolved(derive(given, world_size))
     for check in (_check_model, _check_sequence_parallel, _check_pipeline, _check_batch, _check_zero,
-                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, _check_data):
+                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, _check_data,
+                  _check_resilience):
         check(resolved)
     return resolved
 
@@ -288,3 +289,25 @@ def _check_data(cfg: MegazeroConfig) -> None:
            "--eod-mask-loss needs --tokenizer-model (the end-of-document id comes from the tokenizer)")
     _check(not data.mock_data or cfg.model.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")
+
+
+def _check_resilience(cfg: MegazeroConfig) -> None:
+    import signal
+    res = cfg.resilience
+    minutes = res.distributed_timeout_minutes
+    _check(isinstance(minutes, (int, float)) and minutes > 0,
+           f"--distributed-timeout-minutes must be > 0 (fractions allowed, e.g. 0.5), got {minutes!r}")
+    _check(res.exit_duration_in_mins is None or res.exit_duration_in_mins > 0,
+           f"--exit-duration-in-mins must be > 0, got {res.exit_duration_in_mins!r}")
+    _check(res.exit_interval is None or (isinstance(res.exit_interval, int) and res.exit_interval >= 1),
+           f"--exit-interval must be a positive integer, got {res.exit_interval!r}")
+    _check(isinstance(res.skip_nan_steps, int) and res.skip_nan_steps >= 0,
+           f"--skip-nan-steps must be >= 0, got {res.skip_nan_steps!r}")
+    signals = list(res.exit_signal or [])
+    _check(bool(signals), "--exit-signal needs at least one signal name, e.g. SIGTERM")
+    for name in signals:
+        _check(isinstance(getattr(signal, str(name), None), signal.Signals),
+               f"--exit-signal {name}: not a signal on this platform; use SIGTERM or SIGUSR1")
+    _check(res.exit_signal_handler or signals == ["SIGTERM"],
+           f"--exit-signal {' '.join(signals)} needs --exit-signal-handler (which turns the signal into a "
+           "save and a clean exit)")

@@ -66,12 +66,15 @@ def _real_data(cfg):
     if d.data_path:
         data = BlendedGPTData(d.data_path, seq, d.split, seed, vocab_size=vocab)
         data.check(splits)
+        data.check_vocab()
         return data
     sources = {"train": BlendedGPTData(d.train_data_path, seq, "1,0,0", seed, vocab_size=vocab)}
     sources["train"].check(("train",))
+    sources["train"].check_vocab()
     if d.valid_data_path:
         sources["valid"] = BlendedGPTData(d.valid_data_path, seq, "0,1,0", seed, vocab_size=vocab)
         sources["valid"].check(("valid",))
+        sources["valid"].check_vocab()
     return SeparateSplits(sources)
 
 

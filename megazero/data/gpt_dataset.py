@@ -307,6 +307,21 @@ class BlendedGPTData:
                 if w > 0:
                     ds.stream(split)
 
+    def check_vocab(self) -> None:
+        """Raise now (not at the first batch that holds one) if a dataset holds a token id at or above
+        ``vocab_size``: the data was tokenized with a larger vocabulary."""
+        if self.vocab_size is None:
+            return
+        for (_, prefix), ds in zip(self.blend, self.datasets):
+            indexed = ds.indexed
+            if np.iinfo(indexed.dtype).max < self.vocab_size:
+                continue  # the file's dtype cannot hold an id that large
+            top = indexed.max_token_id()
+            if top >= self.vocab_size:
+                raise ValueError(f"--data-path {prefix}: token id {top} is outside --vocab-size "
+                                 f"{self.vocab_size}; the data was tokenized with a larger vocabulary: pass its "
+                                 "--tokenizer-model (which sets the vocabulary size) or raise --vocab-size")
+
     def _assignment(self, split: str, upto: int) -> "_BlendIndex":
         """The blend of ``split``, built to at least global index ``upto - 1``."""
         if split not in self._assign:
@@ -328,7 +343,8 @@ class BlendedGPTData:
                 out[row] = self.datasets[which[row]].sample(int(local[row]), split)
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             bad = int(out.max())
-            raise ValueError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
+            from megazero.resilience.errors import DataError
+            raise DataError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
                              "data was tokenized with a larger vocabulary: pass its --tokenizer-model (which "
                              "sets the vocabulary size) or raise --vocab-size")
         return torch.from_numpy(out)

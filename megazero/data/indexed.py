@@ -289,6 +289,18 @@ class IndexedDataset:
         start = self._start(i) + offset
         return self.tokens[start:start + length]
 
+    def max_token_id(self, budget: int = 1 << 31, chunk: int = 1 << 24) -> int:
+        """The largest token id in the ``.bin`` (-1 when empty).  Up to ``budget`` tokens are all
+        scanned; beyond that, ``budget`` tokens in evenly spaced chunks (the rest is checked per batch)."""
+        n = self.num_tokens
+        if n == 0:
+            return -1
+        starts = range(0, n, chunk)
+        if n > budget:
+            k = max(1, budget // chunk)
+            starts = sorted({int(i * (n - chunk) // max(1, k - 1)) for i in range(k)})
+        return max(int(self.tokens[s:s + chunk].max()) for s in starts)
+
     def document(self, k: int) -> np.ndarray:
         """All token ids of document ``k`` (its sequences concatenated)."""
         lo, hi = int(self.document_indices[k]), int(self.document_indices[k + 1])

@@ -83,11 +83,7 @@ def read_documents(paths, keys, text_document="paragraph"):
                         obj = json.loads(line)
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from None
-                    missing = [k for k in keys if k not in obj]
-                    if missing:
-                        raise ValueError(f"{path}:{line_no}: no field {missing[0]!r} "
-                                         f"(--json-keys {' '.join(keys)})")
-                    yield {k: str(obj[k]) for k in keys}
+                    yield _json_document(obj, keys, f"{path}:{line_no}")
         else:
             with open(path, encoding="utf-8", errors="replace") as fh:
                 text = fh.read().lstrip("\ufeff").replace("\r\n", "\n")
@@ -98,6 +94,23 @@ def read_documents(paths, keys, text_document="paragraph"):
                     para = para.strip()
                     if para:
                         yield {"text": para}
+
+
+def _json_document(obj, keys, where: str):
+    """``{key: text}`` of one JSONL record; anything but a string under a key is refused (a null or a
+    number would otherwise be tokenized as the text "None" or "12345")."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise ValueError(f"{where}: no field {missing[0]!r} (--json-keys {' '.join(keys)})")
+    bad = [k for k in keys if not isinstance(obj[k], str)]
+    if bad:
+        value = obj[bad[0]]
+        kind = "null" if value is None else type(value).__name__
+        raise ValueError(f"{where}: field {bad[0]!r} is {kind} ({json.dumps(value)[:40]}), not text; fix or "
+                         "drop that record")
+    return {k: obj[k] for k in keys}
 
 
 class Encoder:
@@ -198,6 +211,11 @@ def main(argv=None) -> int:
             w.finalize()
     except ValueError as err:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the output cannot be written (a read-only directory, a full disk)
+        where = err.filename or args.output_prefix
+        print(f"preprocess_data.py: error: --output-prefix {args.output_prefix}: cannot write {where} "
+              f"({err.strerror or err}); choose a writable location", file=sys.stderr)
         return 2
     finally:
         if pool is not None:

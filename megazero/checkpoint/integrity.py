@@ -1,0 +1,78 @@
+"""Checksums and sizes: every checkpoint file is recorded in ``metadata.json`` and checked on load.
+
+* data shards (``shard_*.bin``) carry a CRC-32 per block of ``BLOCK`` bytes in their index, so a
+  rank that reads a few byte ranges verifies just the blocks under them;
+* every other file (indexes, RNG states, ``config.json``) has its size and CRC-32 in
+  ``metadata.json``; ``metadata.json`` holds the CRC-32 of its own content;
+* a file that is missing, of the wrong size, or whose bytes do not match raises
+  :class:`CheckpointCorrupt` naming it, and ``--load`` falls back to the previous complete
+  checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Dict
+
+from megazero.checkpoint.format import CheckpointError
+
+BLOCK = 4 << 20  # bytes per checksummed block of a data shard
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is missing, truncated or altered (the message names it)."""
+
+
+def crc32_bytes(data, crc: int = 0) -> int:
+    return zlib.crc32(data, crc) & 0xFFFFFFFF
+
+
+def crc32_file(path: str, chunk: int = 1 << 22) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while True:
+            data = fh.read(chunk)
+            if not data:
+                return crc
+            crc = crc32_bytes(data, crc)
+
+
+def describe_file(path: str) -> Dict[str, int]:
+    """``{"size", "crc32"}`` of a file just written (read back once: small files only)."""
+    return {"size": os.path.getsize(path), "crc32": crc32_file(path)}
+
+
+def check_file(directory: str, name: str, expected: Dict[str, int], read_bytes: bool = True) -> str:
+    """Raise :class:`CheckpointCorrupt` unless ``directory/name`` exists with the recorded size (and
+    CRC-32 when ``read_bytes``); returns the path."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise CheckpointCorrupt(f"{path}: missing (the checkpoint lists it)")
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        raise CheckpointCorrupt(f"{path}: {size} bytes, but the checkpoint recorded {expected['size']} "
+                                "(truncated or overwritten)")
+    if read_bytes and "crc32" in expected and crc32_file(path) != expected["crc32"]:
+        raise CheckpointCorrupt(f"{path}: checksum mismatch (the file's bytes changed after it was saved)")
+    return path
+
+
+def seal(meta: dict) -> dict:
+    """``meta`` with ``checksum``: the CRC-32 of its canonical JSON (without that key)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return dict(body, checksum=crc32_bytes(json.dumps(body, sort_keys=True).encode()))
+
+
+def read_sealed_json(path: str) -> dict:
+    """A JSON file written through :func:`seal`, checked; raises :class:`CheckpointCorrupt`."""
+    try:
+        with open(path, "rb") as fh:
+            meta = json.loads(fh.read().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointCorrupt(f"{path}: unreadable JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointCorrupt(f"{path}: not a JSON object")
+    if "checksum" in meta and seal(meta)["checksum"] != meta["checksum"]:
+        raise CheckpointCorrupt(f"{path}: checksum mismatch (the file's content changed after it was saved)")
+    return meta

@@ -1,0 +1,106 @@
+"""Which checkpoint ``--load`` takes: the tracker's, else the newest complete one, skipping any whose
+metadata or file list does not check out (run on global rank 0; its answer is shared).
+
+Order of candidates: the iteration in ``latest_checkpointed_iteration.txt``, then every older
+complete ``iter_*`` directory, newest first.  With a garbled or missing tracker, every complete
+directory, newest first (with a warning).  A candidate is usable when its ``metadata.json`` is
+intact (its own checksum), of a known format, and every file it lists is there with the recorded
+size (``config.json`` also by checksum); deeper checks (block checksums of the data) happen while
+the ranks read, and :func:`megazero.checkpoint.load` moves on to the next candidate when they fail.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence, Tuple
+
+from megazero.checkpoint.format import (CONFIG, FORMAT, FORMAT_V1, METADATA, TRACKER, CheckpointError,
+                                        checkpoint_path, describe_foreign, latest_iteration, on_rank0)
+from megazero.checkpoint.integrity import CheckpointCorrupt, check_file, read_sealed_json
+
+
+def complete_iterations(directory: str) -> List[int]:
+    """Iterations with a complete ``iter_*`` directory (``metadata.json`` present), newest first."""
+    found = set()
+    for name in os.listdir(directory):
+        stem = name[:-len(".old")] if name.endswith(".old") else name
+        if stem.startswith("iter_") and stem[5:].isdigit() and os.path.isfile(os.path.join(directory, name,
+                                                                                              METADATA)):
+            found.add(int(stem[5:]))
+    return sorted(found, reverse=True)
+
+
+def read_metadata(path: str) -> dict:
+    """``path/metadata.json``, checked with the files it lists; raises :class:`CheckpointCorrupt`."""
+    meta = read_sealed_json(os.path.join(path, METADATA))
+    if meta.get("format") not in (FORMAT, FORMAT_V1):
+        raise CheckpointError(f"{path}: not a megazero checkpoint (format {meta.get('format')!r})")
+    for name, expected in sorted(meta.get("files", {}).items()):
+        check_file(path, name, expected, read_bytes=(name == CONFIG))
+    return meta
+
+
+def _order(directory: str, iteration: Optional[int], flag: str = "--load") -> Tuple[List[int], List[str]]:
+    """Candidate iterations, newest first, and notes for the user."""
+    if iteration is not None:
+        return [iteration], []
+    complete = complete_iterations(directory)
+    try:
+        tracked = latest_iteration(directory)
+    except CheckpointError as err:
+        if not complete:
+            raise
+        return complete, [f"{err}; using the newest complete checkpoint instead"]
+    if tracked is None:
+        if not complete:
+            foreign = describe_foreign(directory)
+            if foreign:
+                raise CheckpointError(f"{flag} {directory}: not a megazero checkpoint directory: {foreign}")
+            partial = sorted(n for n in os.listdir(directory) if n.endswith(".tmp"))
+            note = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
+            raise CheckpointError(f"{flag} {directory}: no checkpoint there: {TRACKER} is missing{note}")
+        return complete, [f"{flag} {directory}: {TRACKER} is missing; using the newest complete checkpoint"]
+    return [tracked] + [i for i in complete if i < tracked], []
+
+
+def _megatron_lm(path: str) -> bool:
+    """Whether ``path`` (an ``iter_*`` directory without megazero metadata) holds a Megatron-LM checkpoint."""
+    names = os.listdir(path) if os.path.isdir(path) else []
+    return any(n.startswith("mp_rank_") or n.endswith(".distcp") or n == "common.pt" for n in names)
+
+
+def resolve_here(directory: str, iteration: Optional[int] = None, skip: Sequence[int] = (),
+                 flag: str = "--load") -> Tuple[str, dict, List[str]]:
+    """``(path, metadata, notes)`` of the checkpoint to load, as this process sees the file system
+    (``flag``: how the user named ``directory``, for errors).  A directory in another format (Hugging
+    Face, one ``iter_*`` directory, Megatron-LM) is named with what to run instead."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{flag} {directory}: exists and is not a directory")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{flag} {directory}: no such directory")
+    order, notes = _order(directory, iteration, flag)
+    problems, corrupt = [], True
+    for it in (i for i in order if i not in skip):
+        path = checkpoint_path(directory, it)
+        if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old",
+                                                                                             METADATA)):
+            path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
+        if not os.path.isfile(os.path.join(path, METADATA)):
+            if _megatron_lm(path):
+                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which megazero "
+                                      "cannot read; export it to Hugging Face with Megatron-LM's converter and "
+                                      "use scripts/convert_hf.py --direction to-megazero")
+            problems.append(f"checkpoint {path} is missing or incomplete (no {METADATA})")
+            corrupt = False
+            continue
+        try:
+            return path, read_metadata(path), notes + [f"skipped {p}" for p in problems]
+        except CheckpointCorrupt as err:
+            problems.append(str(err))
+    tried = "; ".join(problems) if problems else "every checkpoint there failed to load"
+    raise (CheckpointCorrupt if problems and corrupt else CheckpointError)(
+        f"{flag} {directory}: no usable checkpoint: {tried}")
+
+
+def resolve(directory: str, iteration: Optional[int], mesh, skip: Sequence[int] = ()):
+    """:func:`resolve_here` on global rank 0, shared with every rank (collective)."""
+    return tuple(on_rank0(lambda: resolve_here(directory, iteration, skip), mesh))

@@ -1,0 +1,110 @@
+"""Errors that end a run with one clear message, and how a rank reports them.
+
+A failure is reported once, without a traceback, when it is one of the expected kinds:
+
+* raised identically on every rank (a bad flag, a checkpoint problem, a diverged run): global
+  rank 0 prints it; every other rank stays silent and waits (bounded) for its launcher to end it,
+  so that ``torchrun`` never kills rank 0 before rank 0 has printed;
+* seen by one rank only (a collective that timed out, a peer that vanished, bad data in this
+  rank's batch): that rank prints it, prefixed with its rank.
+
+Anything else is a bug and keeps its full traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Optional, TextIO
+
+CONFIG_EXIT = 2
+FAILURE_EXIT = 1
+WAIT_FOR_RANK0 = 60.0  # seconds a silent rank waits for its launcher (torchrun ends it once rank 0 exits)
+
+
+class FatalError(RuntimeError):
+    """Stops the run with one message and no traceback.  ``everywhere``: every rank raises the same
+    message (rank 0 reports it); otherwise the rank that raised it reports it."""
+
+    everywhere = True
+
+
+class NumericalError(FatalError):
+    """The loss or the gradient norm became NaN or inf (``--check-for-nan-in-loss-and-grad``)."""
+
+
+class CollectiveError(FatalError):
+    """A collective or point-to-point operation timed out or lost its peer (this rank's view)."""
+
+    everywhere = False
+
+
+class DataError(FatalError, ValueError):
+    """The data this rank read is unusable (e.g. a token id outside the vocabulary)."""
+
+    everywhere = False
+
+
+def _kind(err: BaseException) -> str:
+    """``config``, ``everywhere``, ``local`` or ``bug``."""
+    from megazero.config import ConfigError
+    if isinstance(err, ConfigError):
+        return "config"
+    if isinstance(err, FatalError):
+        return "everywhere" if err.everywhere else "local"
+    from megazero.checkpoint import CheckpointError
+    from megazero.precision import LossScaleError
+    if isinstance(err, (CheckpointError, LossScaleError)):
+        return "everywhere"
+    return "bug"
+
+
+def rank_of_env() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Optional[int] = None,
+                   world_size: Optional[int] = None, stream: Optional[TextIO] = None,
+                   wait: float = WAIT_FOR_RANK0) -> int:
+    """Print ``err`` the way its kind asks (see the module docstring) and return the exit status:
+    2 for a configuration error, 1 otherwise.  A rank that stays silent first waits up to ``wait``
+    seconds when other ranks exist: its launcher ends it once rank 0 has printed and exited."""
+    rank = rank_of_env() if rank is None else rank
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
+    stream = sys.stderr if stream is None else stream
+    kind = _kind(err)
+    code = CONFIG_EXIT if kind == "config" else FAILURE_EXIT
+    if kind == "bug":
+        lines = traceback.format_exception(type(err), err, err.__traceback__)
+        stream.write(f"[rank {rank}] " + "".join(lines))
+    elif kind == "local":
+        stream.write(f"{prog}: error: rank {rank}: {err}\n")
+    elif rank == 0:
+        stream.write(f"{prog}: error: {err}\n")
+    stream.flush()
+    if kind in ("config", "everywhere") and rank != 0 and world > 1 and wait > 0:
+        _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0))
+    return code
+
+
+def exit_process(code: int) -> None:
+    """End the process now with ``code``, after flushing stdout and stderr.
+
+    For entry points, after the run has torn down its own threads and process groups: it skips the
+    interpreter's finalization, where the C++ destructors of the communication libraries can abort
+    ("terminate called without an active exception", SIGABRT) while peers are still exiting."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed pipe must not change the exit status
+            pass
+    os._exit(int(code))
+
+
+def _wait_for_launcher(seconds: float) -> None:
+    """Sleep until the launcher ends this process (it does once rank 0 exits), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    parent = os.getppid()
+    while time.monotonic() < deadline and os.getppid() == parent:
+        time.sleep(0.05)

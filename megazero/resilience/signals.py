@@ -1,0 +1,77 @@
+"""Signals: a preemption notice becomes a flag the trainer acts on; ranks die with their launcher.
+
+:class:`ExitSignals` (``--exit-signal-handler``) turns the first of the ``--exit-signal`` signals
+into a flag (the trainer finishes the iteration, saves and exits 0); a second one ends the process
+at once with the signal's default action.  The handler only records: it never runs collectives
+or I/O, so it is safe at any point of the program.
+
+:func:`exit_with_parent` asks Linux to send SIGTERM to this process when the process that started
+it dies (``prctl(PR_SET_PDEATHSIG)``), so ranks never keep training after ``kill -9`` of their
+``torchrun`` agent; with the exit-signal handler on SIGTERM they save first.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from typing import Dict, List, Optional
+
+PR_SET_PDEATHSIG = 1
+
+
+class ExitSignals:
+    """Handlers for the named signals that set :attr:`received` (the signal's name) on the first one."""
+
+    def __init__(self, names: List[str]):
+        self.names = list(names)
+        self.received: Optional[str] = None
+        self._previous: Dict[int, object] = {}
+
+    def install(self) -> bool:
+        """Install the handlers (main thread only; returns False elsewhere, where Python forbids it)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for name in self.names:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            return
+        self.restore()  # a second signal: the default action, now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def restore(self) -> None:
+        """Put the previous handlers back (idempotent)."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def __enter__(self) -> "ExitSignals":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Linux: deliver ``sig`` to this process when its parent dies.  Returns True when set.  If the
+    parent died before the request took effect, the signal is sent now."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent is already gone: act as if the signal came
+        os.kill(os.getpid(), sig)
+    return True

@@ -1,0 +1,56 @@
+"""When to stop early and cleanly: a preemption signal, ``--exit-duration-in-mins``, ``--exit-interval``.
+
+Every rank must stop after the same iteration, or the ranks that go on would wait forever on the
+ones that left.  The iteration limit is the same everywhere by construction; a signal may reach
+one rank only and clocks differ, so those two are agreed by one all-reduce (MAX) over the world group
+after every iteration of two numbers, the signal received (its number, 0 for none) and whether the
+time is up (a few bytes; skipped when neither is configured).
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megazero.resilience.signals import ExitSignals
+
+
+class StopConditions:
+    """Decides, identically on every rank, whether to save and exit after an iteration."""
+
+    def __init__(self, res_cfg, signals: Optional[ExitSignals], started: Optional[float] = None):
+        self.signals = signals
+        self.duration = res_cfg.exit_duration_in_mins
+        self.interval = res_cfg.exit_interval
+        self.started = time.monotonic() if started is None else started
+
+    @property
+    def needs_agreement(self) -> bool:
+        return self.signals is not None or self.duration is not None
+
+    def _local_flags(self):
+        received = self.signals.received if self.signals is not None else None
+        signum = int(getattr(signal, received)) if received else 0
+        elapsed = (time.monotonic() - self.started) / 60.0
+        late = self.duration is not None and elapsed >= self.duration
+        return float(signum), float(late)
+
+    def reason(self, iteration: int, mesh) -> Optional[str]:
+        """Why to stop after ``iteration`` (the same on every rank; collective when signals or a
+        duration are configured), or None to go on."""
+        signalled, late = self._local_flags()
+        if self.needs_agreement and mesh.is_distributed:
+            device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
+            flags = torch.tensor([signalled, late], dtype=torch.float32, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.world_group)
+            signalled, late = (float(v) for v in flags.tolist())
+        if signalled:
+            return f"{signal.Signals(int(signalled)).name} received (--exit-signal-handler)"
+        if late:
+            return f"--exit-duration-in-mins {self.duration:g} reached"
+        if self.interval and iteration % self.interval == 0:
+            return f"--exit-interval {self.interval} reached"
+        return None
