@@ -75,6 +75,7 @@ class Dims:
     d: int
     fp: int
     vp: int
+    v: int        # the unpadded vocabulary (TP 1's cross-entropy sees only these columns)
     rope: bool
     rms: bool
     swiglu: bool
@@ -111,7 +112,7 @@ def dims(cfg, device: str = "cuda") -> Dims:
     return Dims(s=m.seq_length, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
                 sp=bool(par.sequence_parallel), E=E, M=E if device == "cpu" else 1,
                 ap=m.num_attention_heads // tp, gp=m.num_query_groups // tp, d=m.kv_channels,
-                fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp,
+                fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp, v=m.vocab_size,
                 rope=m.position_embedding_type == "rope", rms=m.normalization == "RMSNorm",
                 swiglu=m.activation == "swiglu", half=half, hidden_dropout=m.hidden_dropout > 0,
                 attention_dropout=m.attention_dropout > 0,
@@ -128,10 +129,19 @@ class Segment(NamedTuple):
 
 # ---- per-layer terms ---------------------------------------------------------------------------
 def norm_bytes(D: Dims) -> int:
-    """One LayerNorm/RMSNorm over ``Tl`` tokens (fp32 math)."""
+    """One LayerNorm/RMSNorm over ``Tl`` tokens (``models.layers.Norm``: the fused kernels on the
+    compute-dtype input, weights passed as parameters, so no weight copies are saved).
+
+    LayerNorm (``F.layer_norm``): its input ``E Tl h`` (the input itself) and mean and rstd, one
+    per token, in the input's dtype on CPU (``E``) and fp32 on CUDA.  RMSNorm (``F.rms_norm``,
+    which on CPU decomposes into fp32 ops): the fp32 input ``4 Tl h`` (a copy in half precision,
+    the input itself in fp32), the rsqrt ``4 Tl`` and the normalised product ``4 Tl h`` (the
+    weight multiply saves the weight, a parameter: not counted).  Measured on CPU (torch 2.13);
+    the CUDA RMSNorm figure assumes the same decomposition (not measured here)."""
     if D.rms:
-        return 4 * D.Tl * D.h * 2 + 4 * D.Tl + (4 * D.h if D.half else 0)
-    return 4 * D.Tl * D.h + 2 * 4 * D.Tl + (2 * 4 * D.h if D.half else 0)
+        return 4 * D.Tl * D.h * 2 + 4 * D.Tl
+    stats = D.E if D.device == "cpu" else 4
+    return D.E * D.Tl * D.h + 2 * stats * D.Tl
 
 
 def dropout_bytes(D: Dims) -> int:
@@ -149,14 +159,36 @@ def _heads(D: Dims) -> int:
 
 
 def _query_is_view(D: Dims) -> bool:
-    """Whether regrouping the query to ``[b, heads, s, d]`` is a view of the QKV output: with one
-    query head per group, or one group on this rank (otherwise it is a contiguous copy)."""
+    """Whether ``Attention.split_qkv``'s query is a view of the QKV output: the ``[s, b, g, n, d]``
+    split reshapes to ``[s, b, g * n, d]`` without a copy with one query head per group, or one
+    group on this rank (otherwise ``reshape`` copies it)."""
     return D.ap == D.gp or D.gp == 1
 
 
-def _query_storage(D: Dims) -> int:
-    """The storage SDPA's saved query lives in: the whole QKV output when the query is a view of it."""
-    return _qkv_out(D) if (not D.rope and _query_is_view(D)) else _heads(D)
+def _grouped(D: Dims) -> bool:
+    """Grouped-query attention (``q_per_group > 1``): ``Attention.core`` repeats the keys and
+    values (``repeat_interleave``: copies); with one query head per group they reach SDPA as they
+    are (views of the QKV output, or the rotated key)."""
+    return D.ap != D.gp
+
+
+def _qkv_kept(D: Dims) -> bool:
+    """Whether SDPA (or the selective recomputation) saves a view of the QKV output: the query
+    without RoPE when it is a view, or the value (and unrotated key) when they are not repeated."""
+    return (not D.rope and _query_is_view(D)) or not _grouped(D)
+
+
+def _query_own(D: Dims) -> int:
+    """The query's own storage when it is not a view of the QKV output (rotated, or regrouped)."""
+    return 0 if (not D.rope and _query_is_view(D)) else _heads(D)
+
+
+def _key_own(D: Dims) -> int:
+    """Keys and values SDPA saves outside the QKV output: the two repeated copies with
+    grouped-query attention, else the rotated key ``E T gp d`` with RoPE (the value is a view)."""
+    if _grouped(D):
+        return 2 * _heads(D)
+    return D.E * D.T * D.gp * D.d if D.rope else 0
 
 
 def _lse(D: Dims) -> int:
@@ -164,23 +196,39 @@ def _lse(D: Dims) -> int:
     return 4 * D.b * D.ap * s
 
 
+def _math_set(D: Dims) -> int:
+    """What the math SDPA saves: the scaled query and key (copies ``2 E T ap d``), the value as
+    given (the repeated copy, or a view of the QKV output: counted by the caller), the softmax,
+    and with attention dropout its mask and the dropped probabilities ``b ap s^2 (E + M)`` (the
+    ``5 a s^2 b`` term of Korthikanti et al. exists only here)."""
+    probs = D.b * D.ap * D.s * D.s
+    dropped = probs * (D.E + D.M) if D.attention_dropout else 0
+    return 2 * _heads(D) + (_heads(D) if _grouped(D) else 0) + probs * D.E + dropped
+
+
 def core_bytes(D: Dims) -> int:
-    """What the attention core (repeat_interleave + SDPA) and the projection's input keep."""
+    """What the attention core (``split_qkv``, RoPE, ``repeat_interleave``, SDPA) and the output
+    projection's input keep.
+
+    Flash/efficient: the QKV output when a saved query/key/value views it (:func:`_qkv_kept`),
+    the query's own storage (:func:`_query_own`), the repeated or rotated keys
+    (:func:`_key_own`), the output ``E T ap d``, the fp32 log-sum-exp, and the projection's
+    regrouped copy of the output where it is one (:func:`_proj_copies`).  Math: :func:`_math_set`,
+    the QKV output when the value is a view of it, and the projection's regrouped copy of the
+    ``[b, ap, s, d]`` output ``E T ap d``."""
+    qkv = _qkv_out(D) if _qkv_kept(D) else 0
     if D.backend == "math":
-        probs = D.b * D.ap * D.s * D.s
-        dropped = probs * (D.E + D.M) if D.attention_dropout else 0
-        return 3 * _heads(D) + probs * D.E + dropped + _heads(D)
-    return _query_storage(D) + 2 * _heads(D) + _heads(D) + _lse(D) + (_heads(D) if _proj_copies(D) else 0)
+        return _math_set(D) + (qkv if not _grouped(D) else 0) + _heads(D)
+    return qkv + _query_own(D) + _key_own(D) + _heads(D) + _lse(D) + (_heads(D) if _proj_copies(D) else 0)
 
 
 def _proj_copies(D: Dims) -> bool:
     """Whether the output projection keeps its own regrouped copy of the SDPA output.  CPU's flash
-    kernel lays its output out like the query: a query viewed out of the QKV output (one query head
-    per group), or rotated from such a view (elementwise ops keep the seq-major layout), gives an
-    output whose ``[s, b, heads * d]`` regrouping is a view.  A regrouped query (grouped-query
-    attention) is contiguous ``[b, heads, s, d]``, and CUDA's kernels write a fresh
-    ``[b, s, heads, d]`` output: both need a copy."""
-    return D.device != "cpu" or not _query_is_view(D)
+    kernel lays its output out like the query, which ``split_qkv`` leaves seq-major (a view of the
+    QKV output, a ``[s, b, heads, d]`` copy permuted, or rotated from either: elementwise ops keep
+    the layout), so the ``[s, b, heads * d]`` regrouping is a view.  CUDA's kernels write a fresh
+    ``[b, s, heads, d]``-strided output (assumed to need a copy, as before; not measured here)."""
+    return D.device != "cpu"
 
 
 def selective_kept(D: Dims) -> int:
@@ -194,9 +242,12 @@ def selective_kept(D: Dims) -> int:
 
 
 def selective_replay(D: Dims) -> int:
-    """Bytes the core's replay saves in backward: the SDPA set without the query it already has
-    (flash), or the math path's set without the projection's copy."""
-    return core_bytes(D) - (_heads(D) if D.backend == "math" else _query_storage(D))
+    """Bytes the core's replay saves in backward, beyond its inputs (already kept): flash, the
+    repeated keys and values (grouped-query attention), the output and the log-sum-exp; math,
+    :func:`_math_set` (its output is not saved inside the core)."""
+    if D.backend == "math":
+        return _math_set(D)
+    return (2 * _heads(D) if _grouped(D) else 0) + _heads(D) + _lse(D)
 
 
 def rope_bytes(D: Dims) -> int:
@@ -233,9 +284,11 @@ def layer_segments(D: Dims, selective: bool) -> List[Segment]:
 
 def group_segment(D: Dims, n_layers: int, selective: bool) -> Segment:
     """Full recomputation of ``n_layers`` layers: keeps the group's input; the replay holds the
-    layers' activations (the input's storage is the first norm's fp32 input in fp32: counted once)."""
+    layers' activations (the input's storage is the first norm's saved input, counted once, except
+    RMSNorm in half precision, which saves an fp32 copy)."""
     inp = D.E * D.Tl * D.h
-    replay = n_layers * layer_bytes(D, selective) + rope_bytes(D) - (inp if not D.half else 0)
+    shared = not (D.rms and D.half)
+    replay = n_layers * layer_bytes(D, selective) + rope_bytes(D) - (inp if shared else 0)
     return Segment(inp, replay)
 
 
@@ -246,8 +299,15 @@ def embedding_bytes(D: Dims) -> int:
 
 
 def head_bytes(D: Dims) -> int:
-    """Final norm, head input, vocab-parallel cross-entropy, and the executor's masked mean."""
-    ce = 4 * D.T * D.vp + 8 * D.T + D.T + D.vp
+    """Final norm, head input, cross-entropy, and the executor's masked mean.  Cross-entropy
+    (``megazero.tensor_parallel.cross_entropy``): at TP 1 ``F.cross_entropy`` on the unpadded
+    columns keeps its fp32 log-softmax ``4 T V``, the labels ``8 T`` and the fp32 total weight (a
+    scalar, ``4``); at TP > 1 the vocab-parallel kernel keeps its fp32 softmax ``4 T Vp``, the
+    clamped local indices ``8 T`` and the ownership mask ``T``."""
+    if D.tp == 1:
+        ce = 4 * D.T * D.v + 8 * D.T + 4
+    else:
+        ce = 4 * D.T * D.vp + 8 * D.T + D.T
     return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T + 4
 
 

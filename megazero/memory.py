@@ -11,7 +11,9 @@ component                   what it counts (where it comes from)
 ``optim_bytes``             fp32 master weights + optimizer moments (``master_bytes`` of it);
                             host memory with ``--offload-optimizer``
 ``comm_bytes``              gradient communication buffers in backward:
-                            ``peak_grad_bytes - grad_bytes``
+                            ``peak_grad_bytes - grad_bytes``, with up to
+                            ``--max-reductions-in-flight`` reductions holding theirs
+                            (:func:`megazero.model_state.grad_peak`)
 ``gathered_param_bytes``    ZeRO-3: full buckets gathered for the units running now
 ``pinned_param_bytes``      ZeRO-3: gathered buckets that the autograd graph of each in-flight
                             micro-batch keeps until its backward (a linear layer saves

@@ -158,25 +158,36 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
               backend: str = "nccl") -> int:
     """Most gradient bytes held in backward: ``persistent`` plus the buckets' temporaries.
 
-    Replays :class:`megazero.zero.ZeroOptimizer`'s life cycle with gradients arriving in reverse
-    registration order: stage 0 reduces in place; stage 1 reduces each complete bucket (last
-    micro-batch) through a full-bucket receive buffer on gloo fp32, one at a time; stages 2/3 copy
-    a bucket's gradients into a full-bucket temporary from its first gradient on, and when it is
-    complete wait for the reduction in flight, then launch its own (gloo fp32: plus a full-bucket
-    receive buffer; native reduce-scatter: a shard-sized partial result)."""
+    Replays :class:`megazero.zero.ZeroOptimizer`'s life cycle (:mod:`megazero.zero.reducers`) with
+    gradients arriving in reverse registration order and at most ``K =
+    cfg.parallel.max_reductions_in_flight`` reductions in flight (:class:`InFlight`: before a
+    launch the oldest are retired until ``K - 1`` remain).  Stage 0 reduces in place; stage 1
+    reduces each complete bucket (last micro-batch) through a full-bucket receive buffer on gloo
+    fp32, so up to ``K`` receive buffers live at once (counted as the ``K`` largest buckets: an
+    upper bound); stages 2/3 copy a bucket's gradients into a full-bucket temporary from its first
+    gradient on, and when it is complete retire down to ``K - 1`` reductions, then launch its own,
+    which holds its temporary plus a receive buffer (gloo fp32: full bucket; native
+    reduce-scatter: a shard-sized partial result) until retired.  No reduction is assumed to
+    finish early (``retire_finished`` retires nothing): an upper bound of
+    ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward.
+    The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
+    so it never sets the peak."""
     G = bytes_per_element(cfg)["G"]
     dp = cfg.parallel.data_parallel_size
+    K = max(1, int(getattr(cfg.parallel, "max_reductions_in_flight", 2) or 2))
     gloo_fp32 = backend == "gloo" and G == 4
     if zero_stage == 0 or dp == 1 and zero_stage == 1:
         return persistent
     if zero_stage == 1:
-        return persistent + (max(b.numel for b in buckets) * G if gloo_fp32 else 0)
+        largest = sorted((b.numel for b in buckets), reverse=True)[:K]
+        return persistent + (sum(largest) * G if gloo_fp32 else 0)
     peak = persistent
     for c, specs in enumerate(chunks):
         mine = [b for b in buckets if b.chunk == c]
         where = {i: b for b in mine for i in b.params}
         arrived: Dict[int, int] = {}
-        live, pending = persistent, 0
+        live = persistent
+        pending: List[int] = []                   # bytes each reduction in flight holds, oldest first
         for i in reversed(range(len(specs))):
             b = where[i]
             if id(b) not in arrived:
@@ -186,13 +197,13 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
             arrived[id(b)] += 1
             if arrived[id(b)] < len(b.params):
                 continue
-            live -= pending                       # the reduction in flight is waited for and retired
             if dp == 1:
                 live -= b.numel * G                # added into the shard at once
-                pending = 0
                 continue
+            while len(pending) > K - 1:            # retire the oldest until K - 1 remain
+                live -= pending.pop(0)
             recv = b.numel * G if gloo_fp32 else b.numel // dp * G
-            pending = b.numel * G + recv
+            pending.append(b.numel * G + recv)
             live += recv
             peak = max(peak, live)
     return peak
