@@ -26,23 +26,22 @@ class RankError(RuntimeError):
 
 def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
     torch.set_num_threads(1)
+    # gloo ranks on CPUs by design: a GPU machine's default device (megazero.mesh.default_device)
+    # must not send them to CUDA (hidden before this process first touches CUDA)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
 
     def failure() -> dict:  # timestamped at the raise, before tear-down can upset the peers
         return {"ok": False, "error": traceback.format_exc(), "time": time.time()}
 
+    joined = False
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        try:
-            payload = {"ok": True, "value": fn(*args, **kwargs)}
-        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-            payload = failure()
-        finally:
-            # no barrier here: a failed rank must not wait for the others
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
+        joined = True
+        payload = {"ok": True, "value": fn(*args, **kwargs)}
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         payload = failure()
     tmp = result_path + ".tmp"
     try:
@@ -50,6 +49,11 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
     except Exception:  # the value could not be saved: report that instead
         torch.save({"ok": False, "error": traceback.format_exc(), "time": time.time()}, tmp)
     os.replace(tmp, result_path)  # the parent never reads a half-written result
+    if joined:  # after the result is out (gloo's tear-down can hang, seen with torch 2.4); no barrier:
+        try:    # a failed rank must not wait for the others
+            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001
+            pass
     os._exit(0)
 
 
@@ -71,9 +75,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         failed = timed_out = False
         done: dict = {}
         try:
-            while any(p.is_alive() for p in procs):
+            while len(done) < world_size:  # a rank is done once its result is written (or it died)
                 for r, p in enumerate(procs):
-                    if r not in done and not p.is_alive():
+                    if r not in done and (os.path.exists(paths[r]) or not p.is_alive()):
                         exists = os.path.exists(paths[r])
                         done[r] = torch.load(paths[r], weights_only=False) if exists else None
                         failed = failed or done[r] is None or not done[r]["ok"]
@@ -87,7 +91,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
                 grace = time.monotonic() + 2.0
                 while any(p.is_alive() for p in procs) and time.monotonic() < grace:
                     time.sleep(0.01)
-        finally:
+        finally:  # ranks still alive: timed out, failed, or past their result in tear-down
+            grace = time.monotonic() + 1.0
+            while not failed and any(p.is_alive() for p in procs) and time.monotonic() < grace:
+                time.sleep(0.01)
             for p in procs:
                 if p.is_alive():
                     p.kill()

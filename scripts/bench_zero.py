@@ -1,5 +1,9 @@
 """Benchmark megazero's ZeRO stages 0-3 against torch DDP and FSDP2 on the same model and ranks.
 
+A focused tool (a stack of MLP blocks, every stage at once, and the gloo collectives on the bucket
+sizes).  The GPT model against every torch-native peer, layout by layout, is
+``scripts/bench_peers.py``; its figures are the ones in the README.
+
 Runs on CPU gloo ranks forked by :func:`megazero.testing.run_ranks` and prints, side by side, the
 step time (median and minimum over rounds, each as a ratio to DDP) and the model-state bytes per
 rank next to the formula in docs/design.md (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
@@ -51,6 +55,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.config import MegazeroConfig  # noqa: E402
+from megazero.distributed import all_gather_single, reduce_scatter_single  # noqa: E402
 from megazero.mesh import ParallelMesh  # noqa: E402
 from megazero.testing import run_ranks  # noqa: E402
 from megazero.zero import build_optimizer, zero_model_state_bytes  # noqa: E402
@@ -182,9 +187,9 @@ def _collectives(args, sizes):
     for size in sizes:
         x, shard, recv = torch.randn(size), torch.empty(size // n), torch.empty(size)
         ops = {"all_reduce": lambda: dist.all_reduce(x),
-               "reduce_scatter": lambda: dist.reduce_scatter_single(shard, x),
+               "reduce_scatter": lambda: reduce_scatter_single(shard, x),
                "a2a_reduce_scatter": lambda: (dist.all_to_all_single(recv, x), recv.view(n, -1).sum(0)),
-               "all_gather": lambda: dist.all_gather_single(x, shard)}
+               "all_gather": lambda: all_gather_single(x, shard)}
         times = {k: [] for k in ops}
         for _ in range(args.steps):
             for k, op in ops.items():
