@@ -206,6 +206,25 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
         return _guarded_loop(cfg, model_provider, mesh, stream, guard)
 
 
+def _iteration_metrics(it: int, consumed: int, loss: float, lr: float, stats: Dict[str, object],
+                       skipped_total: int, elapsed: float, optimizer, mesh: ParallelMesh, rates) -> Dict[str, object]:
+    """One iteration's metrics row; ``rates``: (tokens, model FLOPs, hardware FLOPs per iteration,
+    the device's peak FLOP/s or None)."""
+    tokens, model_flops, hw_flops, peak = rates
+    grad_norm = stats.get("grad_norm")
+    m = {"iteration": it, "consumed_samples": consumed, "loss": loss, "lr": lr,
+         "grad_norm": None if grad_norm is None else float(grad_norm),
+         "loss_scale": float(stats.get("loss_scale", optimizer.loss_scale)),
+         "skipped": int(bool(stats.get("skipped", False))), "skipped_total": skipped_total,
+         "iteration_time": elapsed, "tokens_per_sec": tokens / elapsed,
+         "tflops": model_flops / elapsed / mesh.world_size / 1e12,
+         "hw_tflops": hw_flops / elapsed / mesh.world_size / 1e12}
+    if peak:
+        m["mfu"] = model_flops / elapsed / mesh.world_size / peak
+    m.update(_memory_metrics(optimizer, mesh))
+    return m
+
+
 def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
                   guard) -> List[dict]:
     from megazero.zero import build_optimizer
@@ -252,20 +271,10 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             if mesh.device.type == "cuda":
                 torch.cuda.synchronize(mesh.device)
             elapsed = time.perf_counter() - start
-            skipped = int(bool(stats.get("skipped", False)))
-            skipped_total += skipped
-            grad_norm = stats.get("grad_norm")
+            skipped_total += int(bool(stats.get("skipped", False)))
             consumed = (it + data_offset) * tr.global_batch_size
-            m = {"iteration": it, "consumed_samples": consumed, "loss": loss, "lr": lr,
-                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                 "loss_scale": float(stats.get("loss_scale", optimizer.loss_scale)),
-                 "skipped": skipped, "skipped_total": skipped_total, "iteration_time": elapsed,
-                 "tokens_per_sec": tokens_per_iter / elapsed,
-                 "tflops": model_flops / elapsed / mesh.world_size / 1e12,
-                 "hw_tflops": hw_flops / elapsed / mesh.world_size / 1e12}
-            if peak:
-                m["mfu"] = model_flops / elapsed / mesh.world_size / peak
-            m.update(_memory_metrics(optimizer, mesh))
+            m = _iteration_metrics(it, consumed, loss, lr, stats, skipped_total, elapsed, optimizer, mesh,
+                                   (tokens_per_iter, model_flops, hw_flops, peak))
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
