@@ -123,18 +123,10 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
         if mesh.dp_rank == 0:  # parameters without optimizer state: the weight itself
             for name, p in named:
                 if p not in shapes and writes(p, mesh.tp_rank):
-                    t = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-                    _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
-                    entries.append([name, "master", 0, t.numel(), writer.write(t.numpy())])
-                    params[name] = param_info(p, p.shape, mesh.pp_rank)
+                    _write_weight(writer, entries, params, name, p, mesh.pp_rank)
     finally:
         crcs = writer.close()
-    index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.tp_rank, "pp": mesh.pp_rank,
-             "dp": mesh.dp_rank, "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
-             "entries": entries}
-    index_path = os.path.join(directory, stem + ".json")
-    write_bytes_durably(index_path, lambda fh: fh.write(json.dumps(index).encode()))
-    return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}, params
+    return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
 
 
 def write_weights_shard(directory: str, named, mesh, run_id: str) -> Tuple[Dict[str, dict], dict]:
@@ -146,20 +138,29 @@ def write_weights_shard(directory: str, named, mesh, run_id: str) -> Tuple[Dict[
     entries, params = [], {}
     try:
         for name, p in named:
-            if not writes(p, mesh.tp_rank):
-                continue
-            t = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-            _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
-            entries.append([name, "master", 0, t.numel(), writer.write(t.numpy())])
-            params[name] = param_info(p, p.shape, mesh.pp_rank)
+            if writes(p, mesh.tp_rank):
+                _write_weight(writer, entries, params, name, p, mesh.pp_rank)
     finally:
         crcs = writer.close()
+    return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
+
+
+def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: int) -> None:
+    """Append parameter ``p``'s own fp32 values as its ``master`` entry (refusing NaN/inf)."""
+    t = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+    _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
+    entries.append([name, "master", 0, t.numel(), writer.write(t.numpy())])
+    params[name] = param_info(p, p.shape, pp_rank)
+
+
+def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh, run_id: str) -> Dict[str, dict]:
+    """Write the shard's index (entries, block checksums) durably; ``{file: size/crc}`` of both files."""
     index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.tp_rank, "pp": mesh.pp_rank,
              "dp": mesh.dp_rank, "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
              "entries": entries}
     index_path = os.path.join(directory, stem + ".json")
     write_bytes_durably(index_path, lambda fh: fh.write(json.dumps(index).encode()))
-    return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}, params
+    return {stem + ".bin": {"size": writer.offset}, stem + ".json": describe_file(index_path)}
 
 
 def _finite(t: torch.Tensor) -> bool:
