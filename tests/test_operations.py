@@ -112,6 +112,8 @@ def test_fault_injection_spec():
 def test_failure_kinds():
     gloo = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation"
     assert failure_kind(RuntimeError(gloo)) == "timeout"
+    # what a gloo wait raises when its pair was closed by the timeout (seen inside a backward hook)
+    assert failure_kind(RuntimeError("Application timeout caused pair closure")) == "timeout"
     closed = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
     assert failure_kind(RuntimeError(closed)) == "peer"
     assert failure_kind(torch.distributed.DistBackendError("NCCL communicator was aborted")) == "peer"

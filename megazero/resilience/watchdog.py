@@ -31,6 +31,9 @@ FLIGHT_RECORDER_ENTRIES = "2000"
 GROUP_LABELS = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "dp": "data-parallel",
                 "mp": "model-parallel", "embedding": "embedding", "world": "world"}
 TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught")
+# gloo's own phrases that carry no backend name: a pair closed by the transport's timeout ("Application
+# timeout caused pair closure") arrives as a bare RuntimeError
+GLOO_MARKS = ("gloo", "nccl", "pair.cc", "pair closure")
 PEER_MARKS = ("connection reset", "connection closed", "broken pipe", "connection refused", "end of file",
               "communicator was aborted", "socket", "remote worker", "peer")
 
@@ -138,11 +141,10 @@ def failure_kind(err: BaseException) -> Optional[str]:
     backend_error = isinstance(err, backend_types)
     if not (backend_error or isinstance(err, RuntimeError)):
         return None
-    if any(m in text for m in TIMEOUT_MARKS) and ("gloo" in text or "nccl" in text or backend_error
-                                                  or "operation" in text):
+    from_backend = backend_error or any(m in text for m in GLOO_MARKS)
+    if any(m in text for m in TIMEOUT_MARKS) and (from_backend or "operation" in text):
         return "timeout"
-    if backend_error or (("gloo" in text or "nccl" in text or "pair.cc" in text)
-                         and any(m in text for m in PEER_MARKS)):
+    if backend_error or (from_backend and any(m in text for m in PEER_MARKS)):
         return "peer"
     return None
 
