@@ -1,30 +1,37 @@
-"""Fit the planner's constants on the machine at hand: link alpha/beta and the compute rate.
+"""Fit the planner's constants on the machine at hand: link alpha/beta, the compute rate, the
+per-layer overhead and the cost of waiting on a peer.
 
 :func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.testing.run_ranks`; on a GPU cluster run
 the same measurement under torchrun with NCCL) that all work at once, as in training:
 
-- all-reduces of fp32 buffers from 4 KB to 4 MB, fitted to the ring model
-  ``t = 2 (n-1) alpha + 2 (n-1) / n * bytes * beta`` by least squares;
-- matmuls of training-like shapes: FLOP/s one rank reaches while every rank computes;
-- the per-operation overhead of small autograd ops (forward + backward of a tiny tensor),
-  times the ~60 such operations of a transformer layer's forward and backward: the planner's
-  ``layer_overhead_s``.
+- all-reduces of fp32 buffers from 64 KB to 2 MB in groups of 2, 4 and all ranks (every group at
+  once), each between two matrix products as in a tensor-parallel layer, less the matrix products
+  alone: fitted to the ring model ``t = 2 (n-1) alpha + 2 (n-1) / n * bytes * beta`` by least
+  squares.  Measured under load, so alpha includes the wait for a peer that shares a processor;
+- a GPT layer's forward and backward (layer norms, fused QKV, causal SDPA, output projection,
+  4h GELU MLP) on 256, 512 and 1024 tokens: the least-squares line through the timings gives the
+  FLOP/s a rank reaches on real layers (its slope) and the fixed cost of a layer (its intercept,
+  the planner's ``layer_overhead_s``);
 
-The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node" and
-"inter-node" links are the same measurement.
+``oversubscription`` is the ranks per processor this process may use (1 when each rank has its
+own).  The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node"
+and "inter-node" links are the same measurement.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-SIZES = (1024, 16384, 131072, 1048576)  # fp32 elements: 4 KB .. 4 MB
-OPS_PER_LAYER = 60
+SIZES = (16384, 131072, 524288)  # fp32 elements: 64 KB .. 2 MB
+HIDDEN, HEADS, SEQ = 256, 4, 256  # the timed layer; batches of 1 and 4 sequences
+ROUNDS = 10  # all-reduces per timed loop
 
 
 def _timed(fn, repeats: int) -> float:
@@ -36,33 +43,91 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _rank_measurements(repeats: int = 7) -> Dict[str, object]:
-    """One rank's timings (every rank runs this together)."""
-    out: Dict[str, object] = {"allreduce": []}
-    for n in SIZES:
-        buf = torch.ones(n)
+def _layer_step(x: torch.Tensor, w: Dict[str, torch.Tensor]) -> None:
+    """Forward and backward of one GPT layer on ``x`` [b, s, h] (pre-norm, no biases)."""
+    b, s, h = x.shape
+    q, k, v = (F.layer_norm(x, (h,)) @ w["qkv"]).view(b, s, 3, HEADS, h // HEADS).permute(2, 0, 3, 1, 4)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+    y = x + a @ w["proj"]
+    y = y + F.gelu(F.layer_norm(y, (h,)) @ w["fc1"]) @ w["fc2"]
+    y.sum().backward()
+
+
+def layer_flops(tokens: int, h: int = HIDDEN, s: int = SEQ) -> float:
+    """Forward + backward FLOPs of :func:`_layer_step` (megazero.flops' count for this layer)."""
+    return 3.0 * tokens * (24 * h * h + 4 * s * h)
+
+
+def _time_layers(repeats: int) -> Dict[int, float]:
+    """Median seconds of one layer step at 256, 512 and 1024 tokens."""
+    w = {name: (torch.randn(*shape) * 0.02).requires_grad_() for name, shape in
+         (("qkv", (HIDDEN, 3 * HIDDEN)), ("proj", (HIDDEN, HIDDEN)), ("fc1", (HIDDEN, 4 * HIDDEN)),
+          ("fc2", (4 * HIDDEN, HIDDEN)))}
+    out = {}
+    for batch in (1, 2, 4):
+        x = torch.randn(batch, SEQ, HIDDEN, requires_grad=True)
+        _layer_step(x, w)  # warm-up
         dist.barrier()
-        t = _timed(lambda: dist.all_reduce(buf), repeats)
-        out["allreduce"].append((4 * n, t))
-    a, b = torch.randn(512, 256), torch.randn(256, 1024)
-    dist.barrier()
-    t = _timed(lambda: a @ b, repeats * 3)
-    out["flops"] = 2 * 512 * 256 * 1024 / t
-    x = torch.randn(8, 8, requires_grad=True)
-    dist.barrier()
-    t = _timed(lambda: (x * 2.0).sum().backward(), repeats * 5)
-    out["op_overhead_s"] = t / 3  # three tiny ops (mul, sum, their backward) per sample
+        out[batch * SEQ] = _timed(lambda: _layer_step(x, w), repeats)
     return out
 
 
-def fit_alpha_beta(points: List[tuple], n: int) -> tuple:
-    """Least-squares ``(alpha, beta)`` of the ring all-reduce model from ``(bytes, seconds)``."""
-    xs = [2 * (n - 1) / n * nbytes for nbytes, _ in points]
-    ys = [t for _, t in points]
+def _time_allreduces(repeats: int) -> List[tuple]:
+    """``(group size, bytes, seconds)`` of an all-reduce between matrix products, every group of
+    consecutive ranks at once, less the matrix products alone."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out = []
+    for n in sorted({k for k in (2, 4, world) if world % k == 0}):
+        groups = [dist.new_group(list(range(r, r + n))) for r in range(0, world, n)]
+        group = groups[rank // n]
+        for size in SIZES:
+            buf = torch.ones(size)
+
+            def loop(communicate: bool) -> None:
+                for _ in range(ROUNDS):
+                    a @ b
+                    a @ b
+                    if communicate:
+                        dist.all_reduce(buf, group=group)
+            loop(True)
+            dist.barrier()
+            plain = _timed(lambda: loop(False), repeats)
+            dist.barrier()
+            both = _timed(lambda: loop(True), repeats)
+            out.append((n, 4 * size, max(both - plain, 0.0) / ROUNDS))
+    return out
+
+
+def _rank_measurements(repeats: int = 5) -> Dict[str, object]:
+    """One rank's timings (every rank runs this together)."""
+    return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats)}
+
+
+def fit_layer(timings: Dict[int, float]) -> tuple:
+    """``(flops_per_s, overhead_s)`` of the least-squares line ``t = overhead + layer_flops(tokens)
+    / rate`` through the layer timings (two or more token counts)."""
+    xs = [layer_flops(t) for t in timings]
+    ys = list(timings.values())
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    alpha = max(my - beta * mx, 0.0) / (2 * (n - 1))
-    return alpha, max(beta, 1e-15)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError(f"layer timings do not grow with the work ({timings}); calibrate on a quieter machine")
+    return 1.0 / slope, max(my - slope * mx, 0.0)
+
+
+def fit_alpha_beta(points: List[tuple]) -> tuple:
+    """Least-squares ``(alpha, beta)`` of the ring all-reduce model from ``(n, bytes, seconds)``."""
+    f = [(2.0 * (n - 1), 2.0 * (n - 1) / n * nbytes, t) for n, nbytes, t in points]
+    aa, ab, bb = sum(x * x for x, _, _ in f), sum(x * y for x, y, _ in f), sum(y * y for _, y, _ in f)
+    at, bt = sum(x * t for x, _, t in f), sum(y * t for _, y, t in f)
+    det = aa * bb - ab * ab
+    alpha, beta = (at * bb - bt * ab) / det, (aa * bt - ab * at) / det
+    if beta <= 0:  # bytes did not matter at these sizes: all latency
+        alpha, beta = at / aa, 0.0
+    elif alpha < 0:
+        alpha, beta = 0.0, bt / bb
+    return max(alpha, 0.0), max(beta, 1e-15)
 
 
 def calibrate(ranks: int = 8) -> Dict[str, object]:
@@ -71,13 +136,13 @@ def calibrate(ranks: int = 8) -> Dict[str, object]:
     if ranks < 2:
         raise ValueError(f"--calibrate-ranks must be >= 2, got {ranks}")
     results = run_ranks(_rank_measurements, ranks, timeout=600.0)
-    points = [(nbytes, max(r["allreduce"][i][1] for r in results)) for i, (nbytes, _) in
-              enumerate(results[0]["allreduce"])]
-    alpha, beta = fit_alpha_beta(points, ranks)
-    flops = statistics.median(r["flops"] for r in results)
-    overhead = statistics.median(r["op_overhead_s"] for r in results) * OPS_PER_LAYER
-    return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": flops,
-            "layer_overhead_s": overhead, "allreduce_points": points}
+    points = [(n, nbytes, statistics.median(r["allreduce"][i][2] for r in results))
+              for i, (n, nbytes, _) in enumerate(results[0]["allreduce"])]
+    alpha, beta = fit_alpha_beta(points)
+    rate, overhead = fit_layer({t: statistics.median(r["layer"][t] for r in results) for t in results[0]["layer"]})
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
+            "layer_overhead_s": overhead, "oversubscription": max(1.0, ranks / cores), "allreduce_points": points}
 
 
 def load_calibration(path: str) -> Dict[str, object]:

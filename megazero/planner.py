@@ -19,12 +19,19 @@ micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
 - data parallelism per ZeRO stage (this code base's schedule): 0 all-reduces the gradients after
   the last backward; 1 reduce-scatters them and all-gathers the parameters after the step; 2
   reduce-scatters every micro-batch and all-gathers after the step; 3 reduce-scatters every
-  micro-batch and all-gathers the parameters for each micro-batch's forward and backward.
-  Reductions overlap the backward that produces them, except the last bucket (a quarter of the
-  model by default); the post-step all-gather is exposed; ZeRO-3's gathers overlap compute;
+  micro-batch and all-gathers the parameters for each micro-batch's forward and backward; each
+  bucket is one collective and pays the link's latency.  Reductions overlap the backward that
+  produces them, except the last bucket (a quarter of the model by default); the post-step
+  all-gather is exposed; ZeRO-3's gathers overlap compute;
 - optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
-- a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` measures the
-  per-operation cost of small autograd ops, which dominates small models on CPUs).
+- a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` fits it, the
+  intercept of a real layer's time against its FLOPs, which matters for small models on CPUs).
+
+Ranks that share processors (``Hardware.oversubscription`` > 1: more CPU ranks than cores, as in
+this project's tests) change two things: a rank waiting in the pipeline bubble hands its processor
+to the others, so the step is a rank's own work (the *average* stage's, all progressing together)
+unless the critical path at the full processor's speed is longer; and communication is work for
+the same processors, so no reduction or gather is hidden behind compute.
 
 Links follow the rank order ``tp-dp-pp``: a TP group stays in a node; a DP group (``tp x dp``
 consecutive ranks) or a pipeline neighbour (``tp x dp`` ranks away) crosses nodes when that span
@@ -69,12 +76,13 @@ class Link:
     def p2p(self, nbytes: float) -> float:
         return self.alpha + self.beta * nbytes
 
-    def ring(self, nbytes: float, n: int, passes: int = 1) -> float:
+    def ring(self, nbytes: float, n: int, passes: int = 1, messages: int = 1) -> float:
         """A ring collective over ``n`` ranks: ``passes`` = 1 for all-gather / reduce-scatter of a
-        ``nbytes`` buffer, 2 for all-reduce."""
+        ``nbytes`` buffer, 2 for all-reduce; ``messages``: the buffer goes as that many collectives
+        (buckets), each paying the latency."""
         if n <= 1:
             return 0.0
-        return passes * (n - 1) * (self.alpha + self.beta * nbytes / n)
+        return passes * (n - 1) * (messages * self.alpha + self.beta * nbytes / n)
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,15 @@ class Hardware:
     hbm_bytes_per_s: float
     gpus_per_node: int
     layer_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward (calibrated)
+    oversubscription: float = 1.0  # ranks sharing one processor (CPU ranks beyond the cores; 1 on GPUs)
+
+    @classmethod
+    def from_calibration(cls, cal: Dict[str, object], memory_bytes: float, hbm_bytes_per_s: float,
+                         gpus_per_node: int) -> "Hardware":
+        """The machine a ``plan.py --calibrate`` JSON describes (its compute rate is per rank with
+        every rank busy, so the efficiency is 1)."""
+        return cls(cal["flops"], 1.0, memory_bytes, Link(*cal["intra"]), Link(*cal["inter"]), hbm_bytes_per_s,
+                   gpus_per_node, cal.get("layer_overhead_s", 0.0), max(1.0, cal.get("oversubscription", 1.0)))
 
 
 @dataclass
@@ -169,16 +186,15 @@ def _link(span: int, hw: Hardware) -> Link:
     return hw.intra if span <= hw.gpus_per_node else hw.inter
 
 
-def _stage_forward_flops(cfg) -> float:
+def _stage_forward_flops(cfg, mean: bool = False) -> float:
     """Forward FLOPs of one micro-batch on the slowest pipeline stage (whole TP group): its layers,
-    plus the output head on the last stage."""
-    m, par = cfg.model, cfg.parallel
+    plus the output head on the last stage; ``mean``: averaged over the stages instead."""
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
     tokens = cfg.training.micro_batch_size * m.seq_length
     layer = layer_forward_flops_per_token(cfg)
     per_layer = (layer["dense"] + layer["attention"]) * tokens
     head = 2 * m.hidden_size * m.padded_vocab_size * tokens
-    layers_per_stage = m.num_layers // par.pipeline_model_parallel_size
-    return layers_per_stage * per_layer + head
+    return m.num_layers // pp * per_layer + (head / pp if mean else head)
 
 
 def _recompute_fraction(cfg) -> float:
@@ -194,21 +210,26 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
                       par.data_parallel_size, par.virtual_pipeline_model_parallel_size)
     n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
     rate = hw.peak_flops * hw.efficiency * tp
-    fwd = _stage_forward_flops(cfg) / rate
+    # ranks sharing processors progress together: the average stage sets the pace, not the slowest
+    fwd = _stage_forward_flops(cfg, mean=hw.oversubscription > 1) / rate
     compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
     act = m.seq_length * tr.micro_batch_size * m.hidden_size * E
     layers = m.num_layers // pp
     n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
     tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)
     slots = n_micro + (pp - 1) / vp
-    pipeline = slots * (compute + tp_comm)
+    # a rank's own work, or the critical path through the bubble when that is longer: with ranks
+    # sharing processors, the work was measured at the shared rate and a rank waiting in the bubble
+    # hands its processor to the others, so the bubble costs 1/oversubscription of its length
+    work = n_micro * (compute + tp_comm)
+    pipeline = max(work, slots * (compute + tp_comm) / hw.oversubscription)
     p2p_bytes = act / (tp if par.sequence_parallel else 1)
     p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
     dp_comm = _dp_time(cfg, hw, fwd, compute)
     owned = estimate_rank_elements(cfg)
     optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
     total = pipeline + p2p + dp_comm + optimizer
-    return {"compute_s": slots * compute, "tp_comm_s": slots * tp_comm, "bubble_s": (pp - 1) / vp * compute,
+    return {"compute_s": n_micro * compute, "tp_comm_s": n_micro * tp_comm, "bubble_s": pipeline - work,
             "p2p_s": p2p, "dp_comm_s": dp_comm, "optimizer_s": optimizer, "step_time_s": total}
 
 
@@ -220,28 +241,33 @@ def estimate_rank_elements(cfg) -> float:
 
 
 def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
-    """Exposed data-parallel communication of one step (module docstring)."""
+    """Exposed data-parallel communication of one step (module docstring).  Each bucket is one
+    collective.  With ranks sharing processors nothing overlaps: communicating is work for the
+    same processors (gloo copies and reduces on the CPU), so every reduction and gather counts."""
     from megazero.memory import stage_params
+    from megazero.model_state import plan_buckets, rank_chunks
     par, pre = cfg.parallel, cfg.precision
     dp, zero, n_micro = par.data_parallel_size, par.zero_stage, cfg.training.num_micro_batches
     if dp == 1:
         return 0.0
     n = max(stage_params(cfg, r) for r in {0, par.pipeline_model_parallel_size - 1})
+    buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0), zero))
     P = 2 if (pre.bf16 or pre.fp16) else 4
     G = 4 if pre.grad_reduce_dtype == "fp32" else P
     link = _link(par.tensor_model_parallel_size * dp, hw)
-    bwd = compute - fwd
-    reduce_scatter, all_gather = link.ring(G * n, dp), link.ring(P * n, dp)
+    shared = hw.oversubscription > 1
+    bwd, hidden = (0.0, 0.0) if shared else (compute - fwd, 0.25)
+
+    def exposed(cost: float, behind: float) -> float:  # overlapped with ``behind`` seconds of compute
+        return cost if shared else max(cost - behind, cost * hidden)
+    reduce_scatter, all_gather = link.ring(G * n, dp, 1, buckets), link.ring(P * n, dp, 1, buckets)
     if zero == 0:
-        ar = link.ring(G * n, dp, 2)
-        return max(ar - bwd, ar / 4)
+        return exposed(link.ring(G * n, dp, 2, buckets), bwd)
     if zero == 1:
-        return max(reduce_scatter - bwd, reduce_scatter / 4) + all_gather
-    per_micro = max(reduce_scatter - bwd, reduce_scatter / 4)
+        return exposed(reduce_scatter, bwd) + all_gather
     if zero == 2:
-        return n_micro * per_micro + all_gather
-    gathers = max(0.0, 2 * all_gather - compute)
-    return n_micro * (per_micro + gathers)
+        return n_micro * exposed(reduce_scatter, bwd) + all_gather
+    return n_micro * (exposed(reduce_scatter, bwd) + (2 * all_gather if shared else max(0.0, 2 * all_gather - compute)))
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -396,14 +422,12 @@ def hardware(args) -> Hardware:
         raise ConfigError(f"--margin must be in [0, 1), got {args.margin}")
     intra_link = Link(args.intra_node_latency_us * 1e-6, 1 / ((args.intra_node_bandwidth or intra) * GB))
     inter_link = Link(args.inter_node_latency_us * 1e-6, 1 / ((args.inter_node_bandwidth or inter) * GB))
-    peak, eff, overhead = (args.gpu_tflops or tflops) * 1e12, args.efficiency, 0.0
     if args.calibration:
         from megazero.calibrate import load_calibration
-        cal = load_calibration(args.calibration)
-        intra_link, inter_link = Link(*cal["intra"]), Link(*cal["inter"])
-        peak, eff, overhead = cal["flops"], 1.0, cal.get("layer_overhead_s", 0.0)
-    return Hardware(peak, eff, (args.gpu_memory_gb or mem) * GB, intra_link, inter_link, hbm * GB,
-                    args.gpus_per_node, overhead)
+        return Hardware.from_calibration(load_calibration(args.calibration), (args.gpu_memory_gb or mem) * GB,
+                                         hbm * GB, args.gpus_per_node)
+    return Hardware((args.gpu_tflops or tflops) * 1e12, args.efficiency, (args.gpu_memory_gb or mem) * GB,
+                    intra_link, inter_link, hbm * GB, args.gpus_per_node)
 
 
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
@@ -432,9 +456,10 @@ def model_config(model_args: Sequence[str], presets, seq_length: Optional[int], 
 
 def _print_table(found: List[Layout], cfg, model_args, top: int, gpus: int, hw: Hardware) -> None:
     print(f"{len(found)} layouts fit {gpus} GPUs of {hw.memory_bytes / GB:.0f} GB; fastest first:")
-    print(f"{'#':>2} {'layout':<58} {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}")
+    width = max([len("layout")] + [len(describe(x)) for x in found[:top]])
+    print(f"{'#':>2} {'layout':<{width}} {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}")
     for i, x in enumerate(found[:top], 1):
-        print(f"{i:>2} {describe(x):<58} {x.memory_bytes / GB:>7.1f} {x.step['step_time_s']:>8.3f} "
+        print(f"{i:>2} {describe(x):<{width}} {x.memory_bytes / GB:>7.1f} {x.step['step_time_s']:>8.3f} "
               f"{x.step['tokens_per_sec']:>10.0f} {x.step['mfu']:>6.1%}")
         print(f"   pretrain_gpt.py {' '.join(flags(x, model_args, cfg))}")
 

@@ -92,6 +92,46 @@ def test_step_time_terms_move_the_right_way():
     assert step_time(layout_config(cfg, x, 8), slow)["compute_s"] == pytest.approx(2 * t()["compute_s"])
 
 
+def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
+    """Ranks beyond the cores (8 CPU ranks on 2): a rank waiting in the pipeline bubble hands its
+    processor to the others, and communication is CPU work that no backward hides."""
+    cfg = base(seq=256, gbs=64)
+    h = hw()
+    shared = Hardware(h.peak_flops, h.efficiency, h.memory_bytes, h.intra, h.inter, h.hbm_bytes_per_s, 8,
+                      oversubscription=4.0)
+
+    def t(hardware, **kw):
+        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none", sequence_parallel=False,
+                               micro_batch_size=1), **kw))
+        return step_time(layout_config(cfg, x, 8), hardware)
+
+    deep = t(shared, pp=4, dp=2)
+    assert deep["bubble_s"] == 0 < t(h, pp=4, dp=2)["bubble_s"]
+    # with few micro-batches the critical path still shows: pp 8 and 2 micro-batches (of 32) take
+    # 2 + 7 slots, at a quarter of the processor each
+    few = t(shared, pp=8, dp=1, micro_batch_size=32)
+    assert few["bubble_s"] == pytest.approx(few["compute_s"] * ((2 + 7) / 4 / 2 - 1))
+    # the whole reduction counts when nothing overlaps; at most all of it when it does
+    assert t(shared, zero_stage=2)["dp_comm_s"] > t(h, zero_stage=2)["dp_comm_s"]
+
+
+def test_calibration_fits_recover_the_constants():
+    from megazero.calibrate import fit_alpha_beta, fit_layer, layer_flops
+    alpha, beta = 1.5e-3, 2e-10
+    points = [(n, b, 2 * (n - 1) * (alpha + beta * b / n)) for n in (2, 4, 8) for b in (65536, 524288, 2097152)]
+    assert fit_alpha_beta(points) == pytest.approx((alpha, beta), rel=1e-9)
+    rate, overhead = 1.2e10, 3e-3
+    assert fit_layer({t: overhead + layer_flops(t) / rate for t in (256, 512, 1024)}) == \
+        pytest.approx((rate, overhead), rel=1e-9)
+    with pytest.raises(ValueError, match="quieter machine"):
+        fit_layer({256: 0.02, 1024: 0.01})
+    cal = {"flops": rate, "intra": [alpha, beta], "inter": [alpha, beta], "layer_overhead_s": overhead,
+           "oversubscription": 4.0}
+    machine = Hardware.from_calibration(cal, 64 * GB, 20 * GB, 8)
+    assert (machine.peak_flops, machine.efficiency, machine.intra, machine.oversubscription) == \
+        (rate, 1.0, Link(alpha, beta), 4.0)
+
+
 def test_nothing_fits_gives_the_smallest_change():
     cfg = base(seq=512, gbs=64)
     least = min(x.memory_bytes for x in plan(cfg, 8, hw(80.0), margin=0.0))
@@ -134,3 +174,26 @@ def test_plan_json_schema():
 def test_bad_input_names_the_flag(args, flag):
     res = _run(*args, "--global-batch-size", "32", *([] if "--num-attention-heads" in args else MODEL))
     assert res.returncode == 2 and flag in res.stderr, res.stderr
+
+
+def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
+    """``plan.py --calibrate`` on 2 gloo ranks gives usable constants; bench_planner.py re-predicts
+    earlier measurements from them without running anything."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, SCRIPT, "--calibrate", "--calibrate-ranks", "2"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cal = json.loads(out.stdout)
+    assert cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0 and cal["oversubscription"] >= 1
+    assert {n for n, _, _ in cal["allreduce_points"]} == {2}
+    cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
+    cal_path.write_text(json.dumps(cal))
+    measured.write_text(json.dumps({"measured_s": {"dp8 zero0 mb2": 2.0, "tp8 mb4": 6.0, "tp4 dp2 full mb2": 5.0}}))
+    bench = os.path.join(ROOT, "scripts", "bench_planner.py")
+    out = subprocess.run([sys.executable, bench, "--calibration", str(cal_path), "--measured", str(measured),
+                          "--json", str(tmp_path / "out.json")], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert set(result["predicted_s"]) == {"dp8 zero0 mb2", "tp8 mb4", "tp4 dp2 full mb2"}
+    assert "over 3 layouts" in out.stdout
