@@ -10,8 +10,9 @@ per component:
   recomputation replays inside backward), of the bytes autograd keeps for backward, measured with
   saved-tensor hooks (:class:`SavedTensorTracker`): each storage counted once, parameters left
   out;
-- ``saved_param_bytes``: the peak bytes of parameter storages that autograd keeps and that are
-  not the optimizer's persistent buffers (ZeRO-3's gathered buckets, when the graph pins them);
+- ``saved_param_bytes``: the peak bytes of parameter storages that autograd keeps beyond what
+  the optimizer holds: storages that are neither its persistent buffers nor ZeRO-3 buckets
+  gathered at that moment (a gathered bucket that autograd kept alive after ZeRO-3 freed it);
 - ``pipeline_input_bytes``: the executor's peak received activations (``PipelineTimer``);
 - on CUDA ``max_memory_allocated``.
 
@@ -42,18 +43,21 @@ class SavedTensorTracker:
     backward).  A storage is counted once however many saved tensors view it; it leaves the live
     set when autograd has released every saved tensor that uses it.  Tensors that are
     ``nn.Parameter`` s are saved as themselves (their storage follows ``param.data``) and never
-    count; views of one (``weight.t()`` in a linear layer) pin the storage they view: they count in
-    ``param_peak`` when that storage is not in ``persistent`` (the optimizer's buffers), i.e. a
-    temporary parameter buffer (ZeRO-3's gathered bucket) that the graph keeps alive.
+    count; views of one (``weight.t()`` in a linear layer) keep the storage they view: when that
+    storage is not in ``persistent`` (the optimizer's buffers) they are watched, and at every save
+    ``param_peak`` takes the bytes those storages hold *then*, leaving out the ones ``gathered()``
+    names (ZeRO-3's buckets in use, counted by the optimizer).  A bucket ZeRO-3 freed holds 0
+    bytes; one it dropped while autograd still keeps it counts in full.
     """
 
-    def __init__(self, persistent: Optional[Set[int]] = None):
+    def __init__(self, persistent: Optional[Set[int]] = None, gathered: Optional[Callable[[], set]] = None):
         self.persistent = set(persistent or ())
+        self.gathered = gathered or set
         self.live = 0
         self.peak = 0
-        self.param_live = 0
         self.param_peak = 0
-        self._refs: Dict[int, List[int]] = {}  # storage ptr -> [nbytes, holders, is_param]
+        self._refs: Dict[int, List[int]] = {}  # storage ptr -> [nbytes, holders]
+        self._params: Dict[int, list] = {}  # storage identity -> [storage, holders]
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
@@ -61,32 +65,48 @@ class SavedTensorTracker:
             return t
         st = t.untyped_storage()
         ptr, nbytes = st.data_ptr(), st.nbytes()
-        is_param = isinstance(t._base, torch.nn.Parameter)  # a view (e.g. ``weight.t()``) pins its storage
-        if nbytes == 0 or (is_param and ptr in self.persistent):
+        if isinstance(t._base, torch.nn.Parameter):  # a view (e.g. ``weight.t()``) keeps its storage
+            return self._pack_param_view(t, st)
+        if nbytes == 0:
             return t
         entry = self._refs.get(ptr)
         if entry is None:
-            entry = self._refs[ptr] = [nbytes, 0, int(is_param)]
-            self._add(nbytes, is_param)
+            entry = self._refs[ptr] = [nbytes, 0]
+            self._add(nbytes)
         entry[1] += 1
         held = _Held(t)
         weakref.finalize(held, self._release, ptr)
         return held
 
-    def _add(self, nbytes: int, is_param: bool) -> None:
-        if is_param:
-            self.param_live += nbytes
-            self.param_peak = max(self.param_peak, self.param_live)
-        else:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+    def _pack_param_view(self, t: torch.Tensor, st):
+        if st.data_ptr() in self.persistent:
+            return t
+        key = st._cdata
+        entry = self._params.setdefault(key, [st, 0])
+        entry[1] += 1
+        gathered = self.gathered()
+        held_now = sum(s.nbytes() for k, (s, _) in self._params.items() if k not in gathered)
+        self.param_peak = max(self.param_peak, held_now)
+        held = _Held(t)
+        weakref.finalize(held, self._release_param, key)
+        return held
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
 
     def _release(self, ptr: int) -> None:
         entry = self._refs[ptr]
         entry[1] -= 1
         if entry[1] == 0:
             del self._refs[ptr]
-            self._add(-entry[0], bool(entry[2]))
+            self._add(-entry[0])
+
+    def _release_param(self, key: int) -> None:
+        entry = self._params[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._params[key]
 
     @staticmethod
     def _unpack(obj):
@@ -129,7 +149,8 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     if mesh.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(mesh.device)
     optimizer = build_optimizer(chunks, mesh, cfg)
-    tracker = SavedTensorTracker(_storage_ptrs(chunks))
+    stage3 = getattr(optimizer, "stage3", None)
+    tracker = SavedTensorTracker(_storage_ptrs(chunks), stage3.gathered_storages if stage3 is not None else None)
     timer = PipelineTimer()
     data = build_data(cfg)
     for it in range(1, iters + 1):

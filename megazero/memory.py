@@ -15,9 +15,6 @@ component                   what it counts (where it comes from)
                             ``--max-reductions-in-flight`` reductions holding theirs
                             (:func:`megazero.model_state.grad_peak`)
 ``gathered_param_bytes``    ZeRO-3: full buckets gathered for the units running now
-``pinned_param_bytes``      ZeRO-3: gathered buckets that the autograd graph of each in-flight
-                            micro-batch keeps until its backward (a linear layer saves
-                            ``weight.t()``, a view of the gathered bucket)
 ``activation_bytes``        the peak over the schedule of the bytes autograd saves for backward
                             (:mod:`megazero.activations`: embeddings, attention with the SDPA
                             kernel used, MLP, norms, logits and loss, recomputation replays)
@@ -49,7 +46,7 @@ from megazero.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
 
 COMPONENTS = ("param_bytes", "grad_bytes", "optim_bytes", "comm_bytes", "gathered_param_bytes",
-              "pinned_param_bytes", "activation_bytes", "pipeline_buffer_bytes", "temporary_bytes")
+              "activation_bytes", "pipeline_buffer_bytes", "temporary_bytes")
 
 
 # ---- parameter counts ------------------------------------------------------------------------
@@ -103,30 +100,6 @@ def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda") -> int:
 
 
 # ---- the other components ---------------------------------------------------------------------
-def _pinned_peak(cfg, pp_rank: int, pinned: Dict[int, Dict]) -> int:
-    """ZeRO-3: peak pinned gathered buckets over the schedule.  A chunk forward pins its root unit's
-    and its non-recomputed layers' linear buckets; fully recomputed layers pin theirs only during
-    their replay in backward (one group at a time, once the head and the later layers have
-    released theirs)."""
-    m = cfg.model
-    k = m.recompute_num_layers or 1
-    per_chunk = []
-    for v, layers in enumerate(chunk_layers(cfg, pp_rank)):
-        entry = pinned.get(v, {"root": 0, "layers": {}})
-        by_layer = [entry["layers"].get(i, 0) for i in layers]
-        if m.recompute_granularity == "full":
-            recomputed = len(by_layer) if m.recompute_method != "block" else min(k, len(by_layer))
-            group = k if m.recompute_method != "block" else 1
-            replay = max((sum(by_layer[i:i + group]) for i in range(0, recomputed, group)), default=0)
-            kept = entry["root"] + sum(by_layer[recomputed:])
-            # replays run after the head's and every later layer's backward released their pins
-            per_chunk.append((kept, max(kept, replay)))
-        else:
-            kept = entry["root"] + sum(by_layer)
-            per_chunk.append((kept, kept))
-    return schedule_peak(cfg, pp_rank, per_chunk)
-
-
 def pipeline_input_bytes(cfg, pp_rank: int) -> int:
     """Peak bytes of received stage inputs the executor holds (each until its backward)."""
     D = dims(cfg)
@@ -170,7 +143,6 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     out.update({k: ms[k] for k in ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes",
                                    "master_bytes", "peak_grad_bytes", "gathered_param_bytes", "optim_on_cpu")})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
-    out["pinned_param_bytes"] = _pinned_peak(cfg, pp_rank, ms["pinned"]) if ms["pinned"] else 0
     out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, device)
     out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)

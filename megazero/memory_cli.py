@@ -28,7 +28,7 @@ GIB = 2 ** 30
 # measured key for each compared component (estimate key -> measured key)
 COMPARED = {"param_bytes": "param_bytes", "grad_bytes": "grad_bytes", "optim_bytes": "optim_bytes",
             "peak_grad_bytes": "peak_grad_bytes", "activation_bytes": "activation_bytes",
-            "pinned_param_bytes": "saved_param_bytes", "pipeline_input_bytes": "pipeline_input_bytes"}
+            "pipeline_input_bytes": "pipeline_input_bytes"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,7 +100,7 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
     print(f"{'ZeRO':>4} {'pp':>3} " + " ".join(f"{h:>8}" for h in heads) + "   (GiB per rank)")
     for r in rows:
         vals = [r["param_bytes"], r["grad_bytes"], r["optim_bytes"], r["comm_bytes"],
-                r["gathered_param_bytes"] + r["pinned_param_bytes"], r["activation_bytes"],
+                r["gathered_param_bytes"], r["activation_bytes"],
                 r["pipeline_buffer_bytes"], r["temporary_bytes"], r["total_bytes"]]
         print(f"{r['zero_stage']:>4} {r['pp_rank']:>3} " + " ".join(f"{v / GIB:>8.3f}" for v in vals)
               + ("  (optimizer state in host memory)" if r["optim_on_cpu"] else ""))
@@ -171,8 +171,7 @@ def _measure_main(cfg, ours, world: int, env_world: int, model_provider) -> int:
             print(f"  {name:<22} {c['estimate'] / 2**20:>13.3f} {c['measured'] / 2**20:>13.3f} {ratio:>7.3f}")
         if "max_memory_allocated" in row["components"]:
             c = row["components"]
-            known = sum(c[k]["measured"] for k in ("param_bytes", "peak_grad_bytes", "activation_bytes",
-                                                   "pinned_param_bytes"))
+            known = sum(c[k]["measured"] for k in ("param_bytes", "peak_grad_bytes", "activation_bytes"))
             known += 0 if cfg.parallel.offload_optimizer else c["optim_bytes"]["measured"]
             print(f"  remainder (allocator, temporaries, workspace): "
                   f"{(c['max_memory_allocated']['measured'] - known) / 2**20:.3f} MiB")
@@ -188,7 +187,7 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    parts = [("parameters", lambda r: r["param_bytes"] + r["gathered_param_bytes"] + r["pinned_param_bytes"]),
+    parts = [("parameters", lambda r: r["param_bytes"] + r["gathered_param_bytes"]),
              ("gradients", lambda r: r["grad_bytes"] + r["comm_bytes"]),
              ("optimizer state", lambda r: 0 if r["optim_on_cpu"] else r["optim_bytes"]),
              ("activations", lambda r: r["activation_bytes"]),

@@ -18,11 +18,10 @@ gradient element, ``K`` the optimizer's bytes per element:
   :func:`grad_peak` (a replay of the optimizer's bucket life cycle, assuming no reduction finishes
   early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``);
 - ZeRO-3 (``N > 1``): ``gathered_param_bytes``, the full buckets gathered while a unit runs (the
-  chunk's root unit, the current layer and the prefetched one), and ``pinned_param_bytes``: the
-  gathered buckets that autograd keeps alive until backward because a linear layer saves a view of
-  its weight (``weight.t()``) whose storage is the gathered bucket, not the parameter.  Every
-  micro-batch in flight pins its own copy of the stage's linear weights (measured; see
-  ``docs/memory.md``).
+  chunk's root unit, the current layer and the prefetched one).  Nothing more: the views of
+  gathered weights that autograd saves (``weight.t()`` in a linear layer) hold no memory once
+  ZeRO-3 frees the bucket (its storage is resized to 0 and refilled before the backward;
+  :mod:`megazero.zero.stage3`), which ``tests/test_memory.py`` measures.
 """
 from __future__ import annotations
 
@@ -37,11 +36,10 @@ MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # the optimizer's default bucket
 
 class ParamSpec(NamedTuple):
     """One parameter: elements, reduction kind, ZeRO-3 unit (layer index, or None for the chunk's
-    root unit), whether a linear layer multiplies by it (then ZeRO-3's graph pins its bucket)."""
+    root unit)."""
     numel: int
     kind: str
     unit: Optional[int]
-    linear: bool
 
 
 @dataclass
@@ -51,7 +49,6 @@ class BucketSpec:
     kind: str
     params: List[int]   # indices into the chunk's ParamSpec list
     numel: int          # padded to a multiple of dp
-    pinned: bool        # holds a linear weight
 
 
 def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
@@ -61,13 +58,13 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
 
     def norm():
-        return [ParamSpec(h, rep, idx, False)] * (2 if m.normalization == "LayerNorm" else 1)
+        return [ParamSpec(h, rep, idx)] * (2 if m.normalization == "LayerNorm" else 1)
 
     def column(out):
-        return [ParamSpec(out * h, "dense", idx, True)] + ([ParamSpec(out, "dense", idx, False)] if bias else [])
+        return [ParamSpec(out * h, "dense", idx)] + ([ParamSpec(out, "dense", idx)] if bias else [])
 
     def row(inp):
-        return [ParamSpec(h * inp, "dense", idx, True)] + ([ParamSpec(h, rep, idx, False)] if bias else [])
+        return [ParamSpec(h * inp, "dense", idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
 
     specs = norm() + column(qkv) + row(m.num_attention_heads * d // tp) + norm()
     if m.activation == "swiglu":
@@ -83,17 +80,16 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     vocab = m.padded_vocab_size // tp * h
     specs: List[ParamSpec] = []
     if pre:
-        specs.append(ParamSpec(vocab, "emb" if tied and pp > 1 else "dense", None, tied and post))
+        specs.append(ParamSpec(vocab, "emb" if tied and pp > 1 else "dense", None))
         if m.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec(m.max_position_embeddings * h, "sp" if par.sequence_parallel else "dense",
-                                   None, False))
+            specs.append(ParamSpec(m.max_position_embeddings * h, "sp" if par.sequence_parallel else "dense", None))
     for i in layers:
         specs += _layer_specs(cfg, i)
     if post:
         rep = "sp" if par.sequence_parallel else "dense"
-        specs += [ParamSpec(h, rep, None, False)] * (2 if m.normalization == "LayerNorm" else 1)
+        specs += [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
         if not (tied and pre):
-            specs.append(ParamSpec(vocab, "emb" if tied else "dense", None, True))
+            specs.append(ParamSpec(vocab, "emb" if tied else "dense", None))
     return specs
 
 
@@ -140,8 +136,7 @@ def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[Bu
 
 def _bucket(chunk, unit, kind, members, specs, dp) -> BucketSpec:
     n = sum(specs[i].numel for i in members)
-    return BucketSpec(chunk, unit, kind, list(members), -(-max(n, 1) // dp) * dp,
-                      any(specs[i].linear for i in members))
+    return BucketSpec(chunk, unit, kind, list(members), -(-max(n, 1) // dp) * dp)
 
 
 def bytes_per_element(cfg) -> Dict[str, int]:
@@ -209,24 +204,17 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     return peak
 
 
-def zero3_buffers(cfg, buckets: List[BucketSpec]) -> Tuple[int, Dict[int, Dict]]:
-    """ZeRO-3 with dp > 1: (gathered working set, per-chunk pinned bytes ``{"root": r, "layers":
-    {layer: bytes}}``).  The working set is each chunk's root unit (gathered for the chunk's whole
-    forward and backward) plus the two largest layer units (the current one and the prefetch)."""
+def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
+    """ZeRO-3 with dp > 1: the gathered working set, each chunk's root unit (gathered for the
+    chunk's whole forward and backward) plus the two largest layer units (the current one and the
+    prefetch)."""
     P = bytes_per_element(cfg)["P"]
     units: Dict[Tuple[int, Optional[int]], int] = {}
-    pinned: Dict[int, Dict] = {}
     for b in buckets:
         units[(b.chunk, b.unit)] = units.get((b.chunk, b.unit), 0) + b.numel * P
-        entry = pinned.setdefault(b.chunk, {"root": 0, "layers": {}})
-        if b.pinned:
-            if b.unit is None:
-                entry["root"] += b.numel * P
-            else:
-                entry["layers"][b.unit] = entry["layers"].get(b.unit, 0) + b.numel * P
     roots = max((v for (c, u), v in units.items() if u is None), default=0)
     layers = sorted((v for (c, u), v in units.items() if u is not None), reverse=True)
-    return roots + sum(layers[:2]), pinned
+    return roots + sum(layers[:2])
 
 
 def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
@@ -248,6 +236,5 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
            "master_bytes": master * owned, "optim_bytes": (master + bpe["state"]) * owned,
            "optim_on_cpu": offload, "max_bucket_elements": max(b.numel for b in buckets)}
     out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
-    out["gathered_param_bytes"], out["pinned"] = (0, {}) if zero_stage != 3 or dp == 1 \
-        else zero3_buffers(cfg, buckets)
+    out["gathered_param_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets)
     return out

@@ -134,7 +134,7 @@ def test_estimate_memory_script_json():
     data = json.loads(out)
     assert data["data_parallel_size"] == 4 and len(data["stages"]) == 4
     keys = {"param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "total_bytes", "comm_bytes",
-            "pinned_param_bytes", "gathered_param_bytes", "temporary_bytes", "host_bytes"}
+            "gathered_param_bytes", "temporary_bytes", "host_bytes"}
     assert all(set(s) >= keys for s in data["stages"])
     totals = [s["total_bytes"] for s in data["stages"]]
     assert totals[0] > totals[1] > totals[2]
@@ -188,7 +188,9 @@ def test_estimate_matches_measurement(name):
         assert m["activation_bytes"] > 0
         assert abs(e["activation_bytes"] - m["activation_bytes"]) <= 0.10 * m["activation_bytes"], (name, m)
         assert m["grad_bytes"] <= m["peak_grad_bytes"] <= 1.05 * e["peak_grad_bytes"], (name, m)
-        assert abs(e["pinned_param_bytes"] - m["saved_param_bytes"]) <= 0.10 * max(1, m["saved_param_bytes"])
+        # autograd's views of ZeRO-3's gathered weights hold nothing once a bucket is freed (its
+        # storage is resized to 0); with the bucket dropped instead they held 50-123 KB here
+        assert m["saved_param_bytes"] == 0, (name, m)
         assert e["pipeline_input_bytes"] == m["pipeline_input_bytes"], (name, m)
 
 

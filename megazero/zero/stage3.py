@@ -16,6 +16,14 @@ shard of every bucket; ``param.data`` is an empty tensor.
   the reducer), free it; the optimizer frees whatever is still gathered before each backward and
   at the end of the step (:meth:`Stage3Params.free_all`).
 
+Each bucket gathers into one buffer for the whole run, and *freeing* resizes that buffer's
+storage to 0 bytes (as FSDP does) instead of dropping it.  A linear layer's autograd node saves
+``weight.t()``, a view of the gathered buffer; had the buffer been dropped, that view would keep
+the whole gathered bucket alive until the micro-batch's backward, for every micro-batch in flight.
+With the storage resized to 0 the saved view holds nothing, and the gather before the unit's
+backward refills the same storage (parameters do not change within a step), so the view reads
+the right values again.
+
 So with or without recomputation a chunk holds its root unit (embedding, final norm, head) and at
 most two blocks gathered at any moment: the one in use and the one being prefetched
 (``peak_gathered_bytes``; ``ZeroOptimizer.memory_bytes()["peak_param_bytes"]`` adds the shards).
@@ -44,7 +52,8 @@ class _Unit:
     def __init__(self, index: int, module: torch.nn.Module, chunk: int):
         self.index, self.module, self.chunk = index, module, chunk
         self.buckets: List[Bucket] = []
-        self.full: Optional[Dict[int, torch.Tensor]] = None  # bucket index -> gathered buffer
+        self.full: Optional[Dict[int, torch.Tensor]] = None  # bucket index -> gathered buffer, while gathered
+        self.buffers: Dict[int, torch.Tensor] = {}  # bucket index -> its buffer (storage empty when freed)
         self.handles: list = []
         self.done = 0  # buckets whose gradients are complete in the current backward
 
@@ -102,7 +111,11 @@ class Stage3Params:
                 if self.mesh.dp_size == 1:
                     u.full[b.index] = shard
                     continue
-                full = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+                full = u.buffers.get(b.index)
+                if full is None:
+                    full = u.buffers[b.index] = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
+                else:  # the storage saved views still point at: allocate it again
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
                 self._count(full.nbytes)
                 u.handles.append(all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
                 u.full[b.index] = full
@@ -124,7 +137,9 @@ class Stage3Params:
             for p in b.params:
                 p.data = self.empty
         if self.mesh.dp_size > 1:
-            self._count(-sum(t.nbytes for t in u.full.values()))
+            for t in u.full.values():
+                t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
+                self._count(-t.nbytes)
         u.full, u.handles, u.done = None, [], 0
 
     def _count(self, nbytes: int) -> None:
@@ -145,6 +160,10 @@ class Stage3Params:
         u.done += 1
         if u.done >= len(u.buckets):
             self.free(u)
+
+    def gathered_storages(self) -> set:
+        """Identities (``UntypedStorage._cdata``) of the buffers gathered now."""
+        return {t.untyped_storage()._cdata for u in self.units if u.full is not None for t in u.full.values()}
 
     def live_buffers(self) -> List[torch.Tensor]:
         if self.mesh.dp_size == 1:
