@@ -258,9 +258,12 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout(tmp_path):
             os.kill(pid, signal.SIGKILL) if os.path.exists(f"/proc/{pid}") else None
         assert run.wait(120) != 0
     message = match.group(1)
-    # rank 0 blocks either in the gradient reduction (data-parallel group) or in the per-iteration
-    # stop agreement (world group), depending on where the stop lands; both name the group and ranks
-    assert re.search(r"^\w+ on the (data-parallel|world) group \(ranks \[0, 1\]\) timed out", message), message
+    if hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json"):
+        # rank 0 blocks either in the gradient reduction (data-parallel group) or in the per-iteration
+        # stop agreement (world group), depending on where the stop lands; both name the group and ranks
+        assert re.search(r"^\w+ on the (data-parallel|world) group \(ranks \[0, 1\]\) timed out", message), message
+    else:  # no flight recorder in this torch (2.6 and older): the operation is not known, the rest is
+        assert re.search(r"^a collective or point-to-point operation timed out at iteration \d+", message), message
     assert "after 9 s (--distributed-timeout-minutes 0.15)" in message
     assert re.search(r"Not answering: rank 1 \(pid \d+ on [^)]*\) has stopped", message), message
     assert elapsed < timeout_s + 60, elapsed  # bounded: the timeout plus start-up slack on a loaded machine
