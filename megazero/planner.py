@@ -255,19 +255,19 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
     P = 2 if (pre.bf16 or pre.fp16) else 4
     G = 4 if pre.grad_reduce_dtype == "fp32" else P
     link = _link(par.tensor_model_parallel_size * dp, hw)
-    shared = hw.oversubscription > 1
-    bwd, hidden = (0.0, 0.0) if shared else (compute - fwd, 0.25)
+    shared, bwd = hw.oversubscription > 1, compute - fwd
 
-    def exposed(cost: float, behind: float) -> float:  # overlapped with ``behind`` seconds of compute
-        return cost if shared else max(cost - behind, cost * hidden)
+    def exposed(cost: float) -> float:  # behind the backward, except the last bucket (a quarter)
+        return cost if shared else max(cost - bwd, cost / 4)
     reduce_scatter, all_gather = link.ring(G * n, dp, 1, buckets), link.ring(P * n, dp, 1, buckets)
     if zero == 0:
-        return exposed(link.ring(G * n, dp, 2, buckets), bwd)
+        return exposed(link.ring(G * n, dp, 2, buckets))
     if zero == 1:
-        return exposed(reduce_scatter, bwd) + all_gather
+        return exposed(reduce_scatter) + all_gather
     if zero == 2:
-        return n_micro * exposed(reduce_scatter, bwd) + all_gather
-    return n_micro * (exposed(reduce_scatter, bwd) + (2 * all_gather if shared else max(0.0, 2 * all_gather - compute)))
+        return n_micro * exposed(reduce_scatter) + all_gather
+    gathers = 2 * all_gather if shared else max(0.0, 2 * all_gather - compute)  # forward + backward
+    return n_micro * (exposed(reduce_scatter) + gathers)
 
 
 # ---- planning --------------------------------------------------------------------------------
