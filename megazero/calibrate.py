@@ -1,5 +1,5 @@
 """Fit the planner's constants on the machine at hand: link alpha/beta, the compute rate, the
-per-layer overhead and the cost of waiting on a peer.
+per-layer overhead and how many ranks share a processor.
 
 :func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.testing.run_ranks`; on a GPU cluster run
 the same measurement under torchrun with NCCL) that all work at once, as in training:
@@ -11,7 +11,7 @@ the same measurement under torchrun with NCCL) that all work at once, as in trai
 - a GPT layer's forward and backward (layer norms, fused QKV, causal SDPA, output projection,
   4h GELU MLP) on 256, 512 and 1024 tokens: the least-squares line through the timings gives the
   FLOP/s a rank reaches on real layers (its slope) and the fixed cost of a layer (its intercept,
-  the planner's ``layer_overhead_s``);
+  the planner's ``layer_overhead_s``.
 
 ``oversubscription`` is the ranks per processor this process may use (1 when each rank has its
 own).  The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node"

@@ -441,7 +441,7 @@ def main(argv=None) -> List[dict]:
     args.model_desc = (f"{model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} "
                        f"heads, seq {model['seq_length']}, vocab {model['vocab_size']}, untied, no biases")
     torch.set_num_threads(1)
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    if torch.__version__ < "2.13":  # a TorchVersion: compares as a version
         print(f"warning: the peers are tested on torch 2.13; with {torch.__version__} (2.6 here) the interleaved "
               "pipelining peer lost a rank", file=sys.stderr)
     load0 = os.getloadavg()

@@ -115,7 +115,7 @@ class Stage3Params:
                 if full is None:
                     full = u.buffers[b.index] = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
                 else:  # the storage saved views still point at: allocate it again
-                    full.untyped_storage().resize_(full.numel() * full.element_size())
+                    full.untyped_storage().resize_(full.nbytes)
                 self._count(full.nbytes)
                 u.handles.append(all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
                 u.full[b.index] = full
