@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full,
-                                             normal_init, pad_rows, shard)
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
+                                             normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin
 
@@ -53,6 +53,7 @@ class GPTModel(nn.Module):
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
+        self.onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
         seed, std, h = cfg.training.seed, m.init_method_std, m.hidden_size
         tied = not m.untie_embeddings_and_output_weights
         if pre_process:
@@ -143,7 +144,7 @@ class GPTModel(nn.Module):
             x = layer(x, rope, kv_cache)
         kv_cache.length = past + ids.shape[1]
         x = copy_to_tp(self.final_norm(x), self.mesh)
-        logits = F.linear(x, self.output_weight())
+        logits = linear(x, self.output_weight(), onednn=self.onednn)
         return gather_from_tp(logits, self.mesh)[..., :self.cfg.model.vocab_size].transpose(0, 1)
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -154,7 +155,7 @@ class GPTModel(nn.Module):
             return x
         x = self.final_norm(x)
         x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
-        logits = F.linear(x, self.output_weight())  # [s, b, padded_vocab / tp]
+        logits = linear(x, self.output_weight(), onednn=self.onednn)  # [s, b, padded_vocab / tp]
         vocab = self.cfg.model.vocab_size
         if labels is None:
             return gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()

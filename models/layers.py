@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from megazero.recompute import recompute
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init, resolve_cpu_matmul
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -104,11 +104,12 @@ class Attention(nn.Module):
         self.groups = m.num_query_groups // mesh.tp_size
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
+        onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
         self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear,
-                                        sequence_parallel=sp,
+                                        sequence_parallel=sp, onednn=onednn,
                                         init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
         self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,
-                                      bias=m.add_bias_linear, sequence_parallel=sp,
+                                      bias=m.add_bias_linear, sequence_parallel=sp, onednn=onednn,
                                       init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -163,15 +164,16 @@ class MLP(nn.Module):
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.swiglu = m.activation == "swiglu"
+        onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
 
         def column(name):
             init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
             return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
-                                        sequence_parallel=sp, init=init)
+                                        sequence_parallel=sp, init=init, onednn=onednn)
         self.gate = column("gate") if self.swiglu else None
         self.fc1 = column("fc1")
         self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
-                                     sequence_parallel=sp,
+                                     sequence_parallel=sp, onednn=onednn,
                                      init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

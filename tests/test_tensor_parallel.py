@@ -7,8 +7,10 @@ from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel import mappings as M
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             init_full, normal_init, pad_rows)
+                                             init_full, linear, normal_init, onednn_linear_available, pad_rows,
+                                             resolve_cpu_matmul)
 from megazero.testing import run_ranks
+from tolerance import U32
 
 # The mappings move float64 data; the only arithmetic is a sum over <= 4 ranks of values
 # <= 2e2, so the error is a few ulp: <= 4 * eps64 * 2e2 ~ 2e-13 (observed 1.4e-14 at TP 4).
@@ -198,3 +200,66 @@ def test_cross_entropy_bf16_logits_upcast():
     ref = F.cross_entropy(logits.bfloat16().float()[..., :50].reshape(-1, 50), labels.reshape(-1),
                           reduction="none")
     torch.testing.assert_close(loss.reshape(-1), ref, **CE_LOSS)
+
+
+# ---- linear(): oneDNN products and gradients written into a buffer -------------------------
+ONEDNN = [False] + ([True] if onednn_linear_available() else [])
+
+
+@pytest.mark.parametrize("onednn", ONEDNN)
+@pytest.mark.parametrize("into_buffer", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64(onednn, into_buffer, bias):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 3, 20, generator=g).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(12, 20, generator=g))
+    b = torch.nn.Parameter(torch.randn(12, generator=g)) if bias else None
+    grad_out = torch.randn(3, 6, 12, generator=g).transpose(0, 1)  # a non-contiguous incoming gradient
+    buffer, calls = torch.full((2 * 12 * 20,), float("nan")), []
+    if into_buffer:  # twice, as over two micro-batches: the first overwrites, the second adds
+        weight.write_grad = lambda write: (calls.append(1), write(buffer[7:7 + 240], len(calls) > 1))
+    for _ in range(2 if into_buffer else 1):
+        y = linear(x, weight, b, onednn=onednn)
+        y.backward(grad_out)
+    x64, w64, g64 = x.detach().double(), weight.detach().double(), grad_out.double()
+    n = 2 if into_buffer else 1
+    b64 = torch.zeros(12, dtype=torch.float64) if b is None else b.detach().double()
+    want = {"y": (F.linear(x64, w64, b64), x64.abs() @ w64.abs().t() + b64.abs(), 21),
+            "grad x": (n * g64 @ w64, n * g64.abs() @ w64.abs(), 12 * n),
+            "grad w": (n * g64.reshape(-1, 12).t() @ x64.reshape(-1, 20), n * g64.reshape(-1, 12).abs().t()
+                       @ x64.reshape(-1, 20).abs(), 18 * n)}
+    got = {"y": y, "grad x": x.grad,
+           "grad w": buffer[7:7 + 240].view(12, 20) if into_buffer else weight.grad}
+    for key, (ref, magnitude, terms) in want.items():
+        # a sum of `terms` terms rounds by at most terms * U32 * sum|terms| (and once more on output)
+        bound = terms * U32 * magnitude + U32 * ref.abs()
+        assert ((got[key].double() - ref).abs() <= bound).all(), key
+    assert (weight.grad is None) == into_buffer and len(calls) == (2 if into_buffer else 0)
+    if bias:
+        assert torch.allclose(b.grad.double(), n * g64.sum((0, 1)), rtol=0, atol=40 * n * U32 * float(g64.abs().sum()))
+    assert torch.isnan(buffer[:7]).all() and torch.isnan(buffer[247:]).all()  # nothing written outside
+
+
+def test_linear_keeps_plain_f_linear_outside_fp32_cpu_training():
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w, onednn=True), F.linear(x, w))  # bf16: PyTorch's own (oneDNN) path
+    w32 = torch.nn.Parameter(torch.randn(5, 8))
+    w32.write_grad = lambda write: pytest.fail("no gradient without autograd")
+    with torch.no_grad():
+        linear(torch.randn(4, 8), w32)
+    y = linear(torch.randn(4, 8), w32)
+    assert type(y.grad_fn).__name__ == "_LinearBackward"
+
+
+def test_cpu_matmul_flag(monkeypatch):
+    from megazero.config import ConfigError, MegazeroConfig, validate
+    import megazero.tensor_parallel.layers as layers
+    cfg = MegazeroConfig()
+    cfg.data.mock_data, cfg.precision.cpu_matmul = True, "torch"
+    assert not resolve_cpu_matmul("torch")
+    validate(cfg, 1)
+    monkeypatch.setattr(layers, "onednn_linear_available", lambda: False)
+    assert not resolve_cpu_matmul("auto")
+    cfg.precision.cpu_matmul = "onednn"
+    with pytest.raises(ConfigError, match="--cpu-matmul onednn needs .*use --cpu-matmul torch or auto"):
+        validate(cfg, 1)

@@ -14,7 +14,7 @@ from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.testing import run_ranks
 from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
-from tolerance import R_TRAIN, R_TRAIN_ADAM
+from tolerance import C_FWD_BWD, R_TRAIN, R_TRAIN_ADAM, U32
 
 STAGES = (0, 1, 2, 3)
 
@@ -654,3 +654,95 @@ def _overlapped_gather(stage):
 def test_stage_1_2_parameter_gather_waits_in_the_forward_per_layer():
     for stage in (1, 2):
         assert all(run_ranks(_overlapped_gather, 2, stage))
+
+
+# ---- linear layers write their weight gradients straight into the flat buffer ---------------
+def _graph_names(t):
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo.extend(f for f, _ in fn.next_functions)
+    return {type(fn).__name__ for fn in seen}
+
+
+def _fused_wgrad_step(stages, tp=1, **extra):
+    """One SGD step at lr 1 (no momentum, decay or clipping) from the initial GPT weights, two
+    micro-batches per rank: per stage, the full parameters' change (= the DP-mean gradient)."""
+    from megazero.config import config_from_dict
+    from megazero.data import build_data, micro_batches
+    from models import build_chunks
+    from models.gpt import full_state_dict
+    out = []
+    for stage in stages:
+        settings = dict(GPT, zero_stage=stage, tensor_model_parallel_size=tp, micro_batch_size=2, sgd_momentum=0.0,
+                        lr=1.0, clip_grad=0.0, weight_decay=0.0, untie_embeddings_and_output_weights=True, **extra)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        cfg = validate(config_from_dict(settings), world)
+        mesh = _mesh(tp=tp)
+        (chunk,) = build_chunks(cfg, mesh)
+        before = {n: t.clone() for n, t in full_state_dict(chunk).items()}  # ZeRO-3 frees the storage
+        opt = build_optimizer([chunk], mesh, cfg)
+        fused = {n for n, p in chunk.named_parameters() if hasattr(p, "write_grad")}
+        batches = micro_batches(build_data(cfg), 0, 8, 2, mesh.dp_rank, mesh.dp_size)
+        opt.zero_grad()
+        for m, mb in enumerate(batches):
+            opt.prepare_backward(0, m == len(batches) - 1)
+            loss = (chunk(mb["tokens"], mb["labels"]) * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / len(batches)
+            assert "_LinearBackward" in _graph_names(loss)
+            loss.backward()
+        opt.finish_grad_sync()
+        opt.step(1.0)
+        with opt.gathered_params():
+            after = {n: t.clone() for n, t in full_state_dict(chunk).items()}
+        out.append(({n: before[n] - after[n] for n in before}, fused))
+    return out
+
+
+def _float64_gradients():
+    """The DP-mean gradient of the global batch, in float64 through plain autograd (F.linear), and the
+    largest initial parameter magnitude of each tensor."""
+    from megazero.config import config_from_dict
+    from megazero.data import build_data, micro_batches
+    from models import build_chunks
+    cfg = validate(config_from_dict(dict(GPT, untie_embeddings_and_output_weights=True)), 1)
+    (chunk,) = build_chunks(cfg)
+    chunk.double()
+    for dp in (0, 1):  # the two DP ranks' micro-batches of the 2-rank runs: the same mean
+        for mb in micro_batches(build_data(cfg), 0, 8, 2, dp, 2):
+            loss = (chunk(mb["tokens"], mb["labels"]) * mb["loss_mask"]).sum() / mb["loss_mask"].sum()
+            (loss / 4).backward()
+    assert "_LinearBackward" not in _graph_names(loss)
+    return {n: (p.grad, float(p.detach().abs().max())) for n, p in chunk.named_parameters()}
+
+
+def test_linear_weight_gradients_written_into_the_buffer_match_float64_autograd():
+    ref = _float64_gradients()
+    runs = [(f"one process, stage {s}", r) for s, r in zip(STAGES, _fused_wgrad_step(STAGES))]
+    runs.append(("one process, --cpu-matmul torch", _fused_wgrad_step((0,), cpu_matmul="torch")[0]))
+    two = run_ranks(_fused_wgrad_step, 2, STAGES)
+    runs += [(f"DP 2, stage {s}, rank {rank}", two[rank][i]) for rank in range(2) for i, s in enumerate(STAGES)]
+    two = run_ranks(_fused_wgrad_step, 2, (1,), tp=2, sequence_parallel=True)
+    runs += [(f"TP 2 + SP, rank {rank}", two[rank][0]) for rank in range(2)]
+    linear = {n for n in ref if n.endswith(("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight"))}
+    assert len(linear) == 16 and "output_layer.weight" in ref
+    for name, (delta, fused) in runs:
+        assert fused == linear | {"output_layer.weight"}, name
+        for n, (g, p_max) in ref.items():
+            # the step moved p by -g: fp32 forward + backward (C_FWD_BWD) and the rounding of p - g
+            # and of the difference (a few U32 of |p|); a lost micro-batch would move it by ~|g|
+            bound = C_FWD_BWD * U32 * float(g.abs().max()) + 4 * U32 * p_max
+            assert (delta[n].double() - g).abs().max() <= bound, (name, n)
+    for n in linear | {"output_layer.weight"}:  # the bound is far below the gradients checked
+        g, p_max = ref[n]
+        assert float(g.abs().max()) > 100 * (C_FWD_BWD * U32 * float(g.abs().max()) + 4 * U32 * p_max), n
+
+
+def test_linear_weights_keep_their_grad_when_the_buffer_has_another_dtype():
+    from megazero.config import config_from_dict
+    from models import build_chunks
+    cfg = validate(config_from_dict(dict(GPT, bf16=True, grad_reduce_dtype="fp32")), 1)
+    (chunk,) = build_chunks(cfg)
+    build_optimizer([chunk], _mesh(), cfg)
+    assert not any(hasattr(p, "write_grad") for p in chunk.parameters())  # bf16 weights, fp32 gradients

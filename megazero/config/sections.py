@@ -155,6 +155,9 @@ class PrecisionConfig:
     hysteresis: int = _f(2, "Overflows tolerated before the dynamic scale halves.")
     grad_reduce_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32 or param.",
                                 choices=["fp32", "param"])
+    cpu_matmul: str = _f("auto", "fp32 linear layers on the CPU: onednn (oneDNN's matrix product), torch "
+                         "(PyTorch's BLAS, MKL on x86) or auto (onednn where PyTorch has it on x86).",
+                         choices=["auto", "onednn", "torch"])
 
 
 @dataclass

@@ -13,6 +13,7 @@ import os
 from typing import Any, Dict, Optional
 
 from megazero.config.sections import ConfigError, Derived, MegazeroConfig, field_index
+from megazero.tensor_parallel.layers import resolve_cpu_matmul
 
 
 def _check(cond: bool, message: str) -> None:
@@ -208,6 +209,8 @@ def _check_precision(cfg: MegazeroConfig) -> None:
            f"--initial-loss-scale {pre.initial_loss_scale} is below --min-loss-scale {pre.min_loss_scale}")
     _check(pre.hysteresis >= 1, f"--hysteresis must be >= 1, got {pre.hysteresis}")
     _check(pre.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {pre.loss_scale_window}")
+    with _owned_rule():
+        resolve_cpu_matmul(pre.cpu_matmul)
 
 
 def _check_recompute(cfg: MegazeroConfig) -> None:

@@ -10,10 +10,24 @@ the optimizer, clipping and checkpoints read (see ``docs/internals.md``):
 - ``vocab_parallel = True``: additionally padded along dim 0 to the padded vocabulary (rows
   ``>= vocab_size`` are zero);
 - ``sequence_parallel = True``: replicated, but with a partial gradient under sequence
-  parallelism (summed over TP before the data-parallel reduction).
+  parallelism (summed over TP before the data-parallel reduction);
+- ``linear_weight = True``: used once per forward, by :func:`linear` only, so the optimizer may
+  give it a ``write_grad`` (below).
+
+Every linear layer's product goes through :func:`linear`, which adds two things to ``F.linear``:
+
+- weight-gradient fusion (Megatron-LM's ``--gradient-accumulation-fusion``): when the optimizer
+  has set ``weight.write_grad`` (a gradient buffer of the weight's dtype), the backward computes
+  the weight gradient with one matrix product straight into the weight's slice of the flat
+  gradient buffer (``mm(..., out=)`` for the step's first micro-batch, ``addmm_`` after it) instead
+  of returning it: no ``.grad`` tensor is allocated, accumulated, copied into the buffer and freed;
+- ``--cpu-matmul``: fp32 products on the CPU (forward and input gradient) by oneDNN rather than
+  PyTorch's BLAS (MKL on x86 builds), which on the AMD EPYC CPUs measured here is 15-25 % faster
+  for the model's shapes.  ``auto`` (the default) uses oneDNN wherever PyTorch has it on x86.
 """
 from __future__ import annotations
 
+import platform
 import zlib
 from typing import Callable, Optional, Sequence
 
@@ -64,6 +78,80 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Paramete
     return param
 
 
+def onednn_linear_available() -> bool:
+    """Whether :func:`linear` can run fp32 CPU products through oneDNN: an x86 CPU build of PyTorch
+    with oneDNN and its ``mkldnn::_linear_pointwise`` operator."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except RuntimeError:
+        return False
+
+
+def resolve_cpu_matmul(choice: str) -> bool:
+    """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``
+    (oneDNN where available)."""
+    if choice == "torch":
+        return False
+    available = onednn_linear_available()
+    if choice == "onednn" and not available:
+        raise ValueError("--cpu-matmul onednn needs an x86 CPU build of PyTorch with oneDNN "
+                         "(torch.backends.mkldnn); use --cpu-matmul torch or auto")
+    return available
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` by oneDNN's matrix product."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _fits_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` by oneDNN (``onednn``) and/or with the weight gradient handed to ``write_grad``
+    (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, write_grad, onednn):
+        ctx.save_for_backward(x, weight)
+        ctx.write_grad, ctx.onednn, ctx.has_bias = write_grad, onednn, bias is not None
+        return _onednn(x, weight, bias) if onednn else F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn(grad2d, weight.t()) if ctx.onednn else grad2d.mm(weight)
+            grad_x = grad_x.view(*grad.shape[:-1], weight.shape[1])
+        if ctx.needs_input_grad[1] and ctx.write_grad is not None:
+            def write(dst: torch.Tensor, accumulate: bool) -> None:
+                dst = dst.view(weight.shape)
+                dst.addmm_(grad2d.t(), x2d) if accumulate else torch.mm(grad2d.t(), x2d, out=dst)
+            ctx.write_grad(write)
+        elif ctx.needs_input_grad[1]:
+            grad_weight = grad2d.t().mm(x2d)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad2d.sum(0)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           onednn: bool = False) -> torch.Tensor:
+    """``F.linear``; fp32 products on the CPU by oneDNN when ``onednn``, and the weight gradient
+    written into the optimizer's buffer where it has set ``weight.write_grad`` (the module docstring)."""
+    onednn = onednn and _fits_onednn(x, weight)
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    write_grad = getattr(weight, "write_grad", None) if training and weight.requires_grad else None
+    if training and (onednn or write_grad is not None):
+        return _Linear.apply(x, weight, bias, write_grad, onednn)
+    return _onednn(x, weight, bias) if onednn else F.linear(x, weight, bias)
+
+
 def _param(data: torch.Tensor, mesh) -> nn.Parameter:
     return nn.Parameter(data.to(mesh.device))
 
@@ -77,18 +165,21 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False, init: Optional[InitFn] = None):
+                 gather_output: bool = False, sequence_parallel: bool = False, init: Optional[InitFn] = None,
+                 onednn: bool = False):
         super().__init__()
         self.mesh, self.gather_output, self.sequence_parallel = mesh, gather_output, sequence_parallel
+        self.onednn = onednn
         self.in_features, self.out_features = in_features, out_features
         full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
         self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
+        self.weight.linear_weight = True
         self.bias = mark_tensor_parallel(_param(torch.zeros(out_features // mesh.tp_size), mesh), 0) \
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.onednn)
         return gather_from_tp(y, self.mesh) if self.gather_output else y
 
 
@@ -102,12 +193,14 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, mesh, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 init: Optional[InitFn] = None):
+                 init: Optional[InitFn] = None, onednn: bool = False):
         super().__init__()
         self.mesh, self.input_is_parallel, self.sequence_parallel = mesh, input_is_parallel, sequence_parallel
+        self.onednn = onednn
         self.in_features, self.out_features = in_features, out_features
         full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
         self.weight = mark_tensor_parallel(_param(shard(full, mesh, 1), mesh), 1)
+        self.weight.linear_weight = True
         self.bias = _param(torch.zeros(out_features), mesh) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
@@ -115,7 +208,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.mesh)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, onednn=self.onednn)
         y = reduce_scatter_to_sp(y, self.mesh) if self.sequence_parallel else reduce_from_tp(y, self.mesh)
         return y + self.bias if self.bias is not None else y
 

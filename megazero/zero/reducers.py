@@ -1,8 +1,11 @@
 """Gradient synchronisation over the data-parallel axis: what happens to a bucket during backward.
 
-Gradients reach the flat buffers through ``post_accumulate_grad`` hooks (``param.grad`` is
-added into the bucket and dropped).  When all of a bucket's parameters have their gradient, the
-bucket is *complete* and its reduction can start while backward goes on:
+Gradients reach the flat buffers in one of two ways: a linear layer's weight whose dtype is the
+buffer's gets ``param.write_grad``, through which its backward writes the gradient straight into
+the weight's slice (:func:`megazero.tensor_parallel.layers.linear`); every other parameter's
+``param.grad`` is added in by a ``post_accumulate_grad`` hook and dropped.  When all of a
+bucket's parameters have their gradient, the bucket is *complete* and its reduction can start
+while backward goes on:
 
 - :class:`LastMicroBatchReducer` (stages 0/1): gradients accumulate in the full buffer over the
   micro-batches; each bucket is reduced once, in the last micro-batch's backward (an all-reduce
@@ -30,6 +33,7 @@ no gradient at all in the step (unused parameters) is zeroed when its bucket is 
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional, Protocol, Tuple
@@ -127,13 +131,25 @@ class _Reducer:
         self.in_flight = InFlight(self.grad_bytes)
         self.synced = True  # False from the first gradient until finish_grad_sync
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
+            for p in b.params:
+                if getattr(p, "linear_weight", False) and p.dtype == storage.grads.dtype:
+                    p.write_grad = functools.partial(self._write_grad, p)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if p.grad is None:
+        if p.grad is None:  # the weight's gradient went straight into the buffer (write_grad)
             return
-        b, start, i = self.location[id(p)]
-        self._accumulate(b, start, i, p.grad.reshape(-1))
+        grad = p.grad.reshape(-1)
+        self._write_grad(p, lambda dst, accumulate: dst.add_(grad) if accumulate else dst.copy_(grad))
         p.grad = None
+
+    def _write_grad(self, p: torch.nn.Parameter, write: Callable[[torch.Tensor, bool], None]) -> None:
+        """``write(dst, accumulate)`` puts ``p``'s gradient of this backward into ``dst`` (its flat
+        slice), added to what is there when ``accumulate`` (overwriting it otherwise); then the
+        bucket's bookkeeping as for a gradient arriving through ``.grad``."""
+        b, start, i = self.location[id(p)]
+        dst, accumulate = self._destination(b, start, i, p.numel())
+        write(dst, accumulate)
         self.synced = False
         prog = self.progress[b.index]
         prog.arrived += 1
@@ -195,16 +211,12 @@ class LastMicroBatchReducer(_Reducer):
         super().__init__(storage, overlap, on_bucket_complete, max_in_flight)
         self.last_microbatch = [True] * num_chunks
 
-    def _accumulate(self, b: Bucket, start: int, i: int, grad: torch.Tensor) -> None:
+    def _destination(self, b: Bucket, start: int, i: int, numel: int) -> Tuple[torch.Tensor, bool]:
         prog = self.progress[b.index]
         if not prog.written:
             prog.written = [False] * len(b.params)
-        dst = self.storage.full_grads(b)[start:start + grad.numel()]
-        if prog.written[i]:
-            dst.add_(grad)
-        else:  # the step's first gradient of this parameter: no zeroing pass needed
-            dst.copy_(grad)
-            prog.written[i] = True
+        accumulate, prog.written[i] = prog.written[i], True  # the step's first gradient overwrites
+        return self.storage.full_grads(b)[start:start + numel], accumulate
 
     def _zero_unwritten(self, b: Bucket) -> None:
         """Parameters of ``b`` without a gradient this step hold stale values: zero them."""
@@ -252,20 +264,16 @@ class LastMicroBatchReducer(_Reducer):
 class EveryMicroBatchReducer(_Reducer):
     """Stages 2/3 (see the module docstring)."""
 
-    def _accumulate(self, b: Bucket, start: int, i: int, grad: torch.Tensor) -> None:
+    def _destination(self, b: Bucket, start: int, i: int, numel: int) -> Tuple[torch.Tensor, bool]:
         prog = self.progress[b.index]
-        if prog.partial is None:  # a fresh bucket: each gradient is copied in, not added to zeros
+        if prog.partial is None:  # a fresh bucket: each gradient is written in, not added to zeros
             self.in_flight.retire_finished()
             prog.partial = torch.empty(b.numel, dtype=self.storage.grads.dtype, device=self.mesh.device)
             self.grad_bytes.hold(prog.partial.nbytes)
             prog.partial[b.starts[-1] + b.shapes[-1].numel():].zero_()  # padding
             prog.written = [False] * len(b.params)
-        dst = prog.partial[start:start + grad.numel()]
-        if prog.written[i]:
-            dst.add_(grad)
-        else:
-            dst.copy_(grad)
-            prog.written[i] = True
+        accumulate, prog.written[i] = prog.written[i], True
+        return prog.partial[start:start + numel], accumulate
 
     def _bucket_complete(self, b: Bucket) -> None:
         self._launch(b)
