@@ -22,6 +22,9 @@ they compute the same thing.
 | TP x PP x DP | ``DeviceMesh`` + the TP plan + FSDP2 over DP (``reshard_after_forward`` off for ZeRO-0, on for ZeRO-3, as torchtitan) + ``Schedule1F1B`` |
 
 The peers' AdamW is PyTorch's default implementation (``--peer-optimizer`` picks foreach or fused).
+megazero runs with its default ``--cpu-matmul auto`` (oneDNN products on x86 CPUs; the peers use
+PyTorch's BLAS); ``--cpu-matmul torch`` gives megazero the peers' BLAS, for a like-for-like overhead
+comparison.
 
     python scripts/bench_peers.py                       # every layout, 3.7M-parameter GPT, ~10 min on 2 cores
     python scripts/bench_peers.py --layouts one dp2-zero1 --rounds 40
@@ -414,7 +417,8 @@ def _summary(key: str, layout: Layout, per_rank: List[dict]) -> dict:
 
 def _print_table(rows: List[dict], params: int, load0, load1, args) -> None:
     print(f"{params / 1e6:.2f}M-parameter GPT ({args.model_desc}), global batch 8, fp32 AdamW; "
-          f"{args.rounds} rounds after {args.warmup} warm-up steps; peer AdamW: {args.peer_optimizer}")
+          f"{args.rounds} rounds after {args.warmup} warm-up steps; peer AdamW: {args.peer_optimizer}; "
+          f"megazero --cpu-matmul {args.cpu_matmul}")
     print(f"load average (1 min) {load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
     print(f"{'layout':30} {'peer':6} {'megazero ms':>11} {'peer ms':>8} {'ratio':>6} {'MB/rank':>8} "
           f"{'peer MB':>8} {'formula MB':>10} {'first loss (mz / peer)':>23}")
@@ -431,10 +435,12 @@ def main(argv=None) -> List[dict]:
     p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each side per round)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first (>= 1)")
     p.add_argument("--peer-optimizer", choices=["default", "foreach", "fused"], default="default")
+    p.add_argument("--cpu-matmul", choices=["auto", "onednn", "torch"], default="auto",
+                   help="megazero's --cpu-matmul (torch: PyTorch's BLAS, as the peers)")
     p.add_argument("--quick", action="store_true", help="a tiny model and two rounds: checks that everything runs")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
-    model = dict(QUICK_MODEL if args.quick else MODEL)
+    model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul)
     if args.quick:
         args.rounds, args.warmup = min(args.rounds, 2), 1
     args.warmup = max(1, args.warmup)
