@@ -243,6 +243,10 @@ def test_linear_matches_float64(onednn, into_buffer, bias):
 def test_linear_keeps_plain_f_linear_outside_fp32_cpu_training():
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w, onednn=True), F.linear(x, w))  # bf16: PyTorch's own (oneDNN) path
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype, as for F.linear
+        x32, w32 = x.float(), w.float()
+        assert linear(x32, w32, onednn=True).dtype == torch.bfloat16
+        assert torch.equal(linear(x32, w32, onednn=True), F.linear(x32, w32))
     w32 = torch.nn.Parameter(torch.randn(5, 8))
     w32.write_grad = lambda write: pytest.fail("no gradient without autograd")
     with torch.no_grad():

@@ -107,7 +107,9 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] 
 
 
 def _fits_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+    """fp32 on the CPU, outside CPU autocast (where ``F.linear`` would run in the autocast dtype)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu"))
 
 
 class _Linear(torch.autograd.Function):
