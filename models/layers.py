@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from megazero.recompute import recompute
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init, resolve_cpu_matmul
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, normal_init,
+                                             resolve_cpu_matmul)
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 

@@ -7,8 +7,8 @@ from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel import mappings as M
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             init_full, linear, normal_init, onednn_linear_available, pad_rows,
-                                             resolve_cpu_matmul)
+                                             init_full, linear, normal_init, onednn_linear_available,
+                                             pad_rows, resolve_cpu_matmul)
 from megazero.testing import run_ranks
 from tolerance import U32
 
@@ -236,7 +236,9 @@ def test_linear_matches_float64(onednn, into_buffer, bias):
         assert ((got[key].double() - ref).abs() <= bound).all(), key
     assert (weight.grad is None) == into_buffer and len(calls) == (2 if into_buffer else 0)
     if bias:
-        assert torch.allclose(b.grad.double(), n * g64.sum((0, 1)), rtol=0, atol=40 * n * U32 * float(g64.abs().sum()))
+        # a sum of 18 terms per micro-batch: 18 * n * U32 * sum|terms| bounds it, 40 * n is looser only by 2x
+        bound = 40 * n * U32 * float(g64.abs().sum())
+        assert torch.allclose(b.grad.double(), n * g64.sum((0, 1)), rtol=0, atol=bound)
     assert torch.isnan(buffer[:7]).all() and torch.isnan(buffer[247:]).all()  # nothing written outside
 
 

@@ -676,8 +676,9 @@ def _fused_wgrad_step(stages, tp=1, **extra):
     from models.gpt import full_state_dict
     out = []
     for stage in stages:
-        settings = dict(GPT, zero_stage=stage, tensor_model_parallel_size=tp, micro_batch_size=2, sgd_momentum=0.0,
-                        lr=1.0, clip_grad=0.0, weight_decay=0.0, untie_embeddings_and_output_weights=True, **extra)
+        settings = dict(GPT, zero_stage=stage, tensor_model_parallel_size=tp, micro_batch_size=2,
+                        sgd_momentum=0.0, lr=1.0, clip_grad=0.0, weight_decay=0.0,
+                        untie_embeddings_and_output_weights=True, **extra)
         world = dist.get_world_size() if dist.is_initialized() else 1
         cfg = validate(config_from_dict(settings), world)
         mesh = _mesh(tp=tp)
@@ -689,7 +690,8 @@ def _fused_wgrad_step(stages, tp=1, **extra):
         opt.zero_grad()
         for m, mb in enumerate(batches):
             opt.prepare_backward(0, m == len(batches) - 1)
-            loss = (chunk(mb["tokens"], mb["labels"]) * mb["loss_mask"]).sum() / mb["loss_mask"].sum() / len(batches)
+            mask = mb["loss_mask"]
+            loss = (chunk(mb["tokens"], mb["labels"]) * mask).sum() / mask.sum() / len(batches)
             assert "_LinearBackward" in _graph_names(loss)
             loss.backward()
         opt.finish_grad_sync()
@@ -722,7 +724,8 @@ def test_linear_weight_gradients_written_into_the_buffer_match_float64_autograd(
     runs = [(f"one process, stage {s}", r) for s, r in zip(STAGES, _fused_wgrad_step(STAGES))]
     runs.append(("one process, --cpu-matmul torch", _fused_wgrad_step((0,), cpu_matmul="torch")[0]))
     two = run_ranks(_fused_wgrad_step, 2, STAGES)
-    runs += [(f"DP 2, stage {s}, rank {rank}", two[rank][i]) for rank in range(2) for i, s in enumerate(STAGES)]
+    runs += [(f"DP 2, stage {s}, rank {rank}", two[rank][i])
+             for rank in range(2) for i, s in enumerate(STAGES)]
     two = run_ranks(_fused_wgrad_step, 2, (1,), tp=2, sequence_parallel=True)
     runs += [(f"TP 2 + SP, rank {rank}", two[rank][0]) for rank in range(2)]
     linear = {n for n in ref if n.endswith(("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight"))}

@@ -23,7 +23,8 @@ Every linear layer's product goes through :func:`linear`, which adds two things 
   of returning it: no ``.grad`` tensor is allocated, accumulated, copied into the buffer and freed;
 - ``--cpu-matmul``: fp32 products on the CPU (forward and input gradient) by oneDNN rather than
   PyTorch's BLAS (MKL on x86 builds), which on the AMD EPYC CPU measured here is 9-30 % faster
-  for the model's shapes (weight gradients: no faster, so they stay on ``torch.mm``).  ``auto`` (the default) uses oneDNN wherever PyTorch has it on x86.
+  for the model's shapes (weight gradients: no faster, so they stay on ``torch.mm``).  ``auto``
+  (the default) uses oneDNN wherever PyTorch has it on x86.
 """
 from __future__ import annotations
 
