@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.mesh import ParallelMesh
+from megazero.tensor_parallel import layers as tp_layers
 from megazero.tensor_parallel import mappings as M
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -209,7 +210,8 @@ ONEDNN = [False] + ([True] if onednn_linear_available() else [])
 @pytest.mark.parametrize("onednn", ONEDNN)
 @pytest.mark.parametrize("into_buffer", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_float64(onednn, into_buffer, bias):
+def test_linear_matches_float64(onednn, into_buffer, bias, monkeypatch):
+    monkeypatch.setattr(tp_layers, "ONEDNN_MIN_MACS", 0)  # oneDNN even for this small product
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 3, 20, generator=g).requires_grad_()
     weight = torch.nn.Parameter(torch.randn(12, 20, generator=g))
@@ -243,6 +245,8 @@ def test_linear_matches_float64(onednn, into_buffer, bias):
 
 
 def test_linear_keeps_plain_f_linear_outside_fp32_cpu_training():
+    small_x, small_w = torch.randn(4, 8), torch.randn(5, 8)  # under ONEDNN_MIN_MACS: F.linear's own result
+    assert torch.equal(linear(small_x, small_w, onednn=True), F.linear(small_x, small_w))
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w, onednn=True), F.linear(x, w))  # bf16: PyTorch's own (oneDNN) path
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast decides the dtype, as for F.linear
@@ -259,12 +263,11 @@ def test_linear_keeps_plain_f_linear_outside_fp32_cpu_training():
 
 def test_cpu_matmul_flag(monkeypatch):
     from megazero.config import ConfigError, MegazeroConfig, validate
-    import megazero.tensor_parallel.layers as layers
     cfg = MegazeroConfig()
     cfg.data.mock_data, cfg.precision.cpu_matmul = True, "torch"
     assert not resolve_cpu_matmul("torch")
     validate(cfg, 1)
-    monkeypatch.setattr(layers, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(tp_layers, "onednn_linear_available", lambda: False)
     assert not resolve_cpu_matmul("auto")
     cfg.precision.cpu_matmul = "onednn"
     with pytest.raises(ConfigError, match="--cpu-matmul onednn needs .*use --cpu-matmul torch or auto"):

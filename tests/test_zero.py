@@ -719,10 +719,17 @@ def _float64_gradients():
     return {n: (p.grad, float(p.detach().abs().max())) for n, p in chunk.named_parameters()}
 
 
-def test_linear_weight_gradients_written_into_the_buffer_match_float64_autograd():
+def test_linear_weight_gradients_written_into_the_buffer_match_float64_autograd(monkeypatch):
+    import megazero.tensor_parallel.layers as tp_layers
+    monkeypatch.setattr(tp_layers, "ONEDNN_MIN_MACS", 0)  # the tiny GPT through oneDNN too (forks inherit)
+    onednn_calls, onednn = [], tp_layers._onednn
+    monkeypatch.setattr(tp_layers, "_onednn", lambda *args: (onednn_calls.append(1), onednn(*args))[1])
     ref = _float64_gradients()
     runs = [(f"one process, stage {s}", r) for s, r in zip(STAGES, _fused_wgrad_step(STAGES))]
+    calls = len(onednn_calls)
+    assert (calls > 0) == tp_layers.onednn_linear_available()  # --cpu-matmul auto
     runs.append(("one process, --cpu-matmul torch", _fused_wgrad_step((0,), cpu_matmul="torch")[0]))
+    assert len(onednn_calls) == calls
     two = run_ranks(_fused_wgrad_step, 2, STAGES)
     runs += [(f"DP 2, stage {s}, rank {rank}", two[rank][i])
              for rank in range(2) for i, s in enumerate(STAGES)]
