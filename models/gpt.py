@@ -66,7 +66,8 @@ class GPTModel(nn.Module):
                 # _weight: take ours, without drawing from the default generator
                 self.position_embeddings = nn.Embedding(m.max_position_embeddings, h, _weight=full.to(mesh.device))
                 self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
-        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker) for i in layers})
+        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
+                                      for i in layers})
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):

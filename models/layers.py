@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from megazero.recompute import recompute
-from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, normal_init,
-                                             resolve_cpu_matmul)
+from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -96,7 +95,8 @@ class Attention(nn.Module):
     """Causal self-attention with grouped-query heads split over TP (column-parallel QKV,
     row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False,
+                 onednn: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         self.mesh, self.tracker, self.recompute_core, self.layer_idx = mesh, tracker, recompute_core, layer_idx
@@ -105,7 +105,6 @@ class Attention(nn.Module):
         self.groups = m.num_query_groups // mesh.tp_size
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
         self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear,
                                         sequence_parallel=sp, onednn=onednn,
                                         init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
@@ -160,12 +159,11 @@ class MLP(nn.Module):
     """GELU (tanh approximation) MLP, or SwiGLU ``fc2(silu(gate(x)) * fc1(x))``; column- then
     row-parallel."""
 
-    def __init__(self, cfg, mesh, layer_idx: int):
+    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.swiglu = m.activation == "swiglu"
-        onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
 
         def column(name):
             init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
@@ -189,9 +187,12 @@ class TransformerLayer(nn.Module):
     Hidden dropout acts on activations every TP rank holds in full, so it draws from the default
     generator (same mask on every TP rank); under sequence parallelism each rank holds a
     different part of the sequence, so it runs under the tracker's fork.
+
+    ``onednn``: the linear layers' fp32 CPU products through oneDNN (``--cpu-matmul``, resolved
+    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).
     """
 
-    def __init__(self, cfg, mesh, layer_idx: int, tracker):
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False):
         super().__init__()
         m = cfg.model
         self.sequence_parallel = cfg.parallel.sequence_parallel
@@ -199,9 +200,10 @@ class TransformerLayer(nn.Module):
         norm = lambda: Norm(m.hidden_size, m.normalization, m.norm_epsilon, mesh.device,  # noqa: E731
                             cfg.parallel.sequence_parallel)
         self.input_norm = norm()
-        self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective")
+        self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
+                                   onednn)
         self.post_attention_norm = norm()
-        self.mlp = MLP(cfg, mesh, layer_idx)
+        self.mlp = MLP(cfg, mesh, layer_idx, onednn)
 
     def hidden_dropout(self, h: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:
