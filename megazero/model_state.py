@@ -29,14 +29,16 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megazero.pipeline.partition import chunk_layers
+from megazero.zero.buffers import KINDS, bucket_groups, cut_buckets
+from megazero.zero.stages import overlaps_param_gather
 
-KINDS = ("dense", "sp", "emb")
-MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # the optimizer's default bucket-size bounds
+PLAIN, SP, EMB = KINDS
+
 
 
 class ParamSpec(NamedTuple):
-    """One parameter: elements, reduction kind, ZeRO-3 unit (layer index, or None for the chunk's
-    root unit)."""
+    """One parameter: elements, reduction kind (:data:`megazero.zero.buffers.KINDS`), ZeRO-3 unit
+    (layer index, or None for the chunk's root unit)."""
     numel: int
     kind: str
     unit: Optional[int]
@@ -49,22 +51,23 @@ class BucketSpec:
     kind: str
     params: List[int]   # indices into the chunk's ParamSpec list
     numel: int          # padded to a multiple of dp
+    root: bool          # holds the chunk's own parameters (embedding, final norm, head)
 
 
 def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     m, tp, sp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel
     h, d, f = m.hidden_size, m.kv_channels, m.ffn_hidden_size // tp
-    bias, rep = m.add_bias_linear, "sp" if sp else "dense"
+    bias, rep = m.add_bias_linear, SP if sp else PLAIN
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
 
     def norm():
         return [ParamSpec(h, rep, idx)] * (2 if m.normalization == "LayerNorm" else 1)
 
     def column(out):
-        return [ParamSpec(out * h, "dense", idx)] + ([ParamSpec(out, "dense", idx)] if bias else [])
+        return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if bias else [])
 
     def row(inp):
-        return [ParamSpec(h * inp, "dense", idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
+        return [ParamSpec(h * inp, PLAIN, idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
 
     specs = norm() + column(qkv) + row(m.num_attention_heads * d // tp) + norm()
     if m.activation == "swiglu":
@@ -80,16 +83,16 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     vocab = m.padded_vocab_size // tp * h
     specs: List[ParamSpec] = []
     if pre:
-        specs.append(ParamSpec(vocab, "emb" if tied and pp > 1 else "dense", None))
+        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None))
         if m.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec(m.max_position_embeddings * h, "sp" if par.sequence_parallel else "dense", None))
+            specs.append(ParamSpec(m.max_position_embeddings * h, SP if par.sequence_parallel else PLAIN, None))
     for i in layers:
         specs += _layer_specs(cfg, i)
     if post:
-        rep = "sp" if par.sequence_parallel else "dense"
+        rep = SP if par.sequence_parallel else PLAIN
         specs += [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
         if not (tied and pre):
-            specs.append(ParamSpec(vocab, "emb" if tied else "dense", None))
+            specs.append(ParamSpec(vocab, EMB if tied else PLAIN, None))
     return specs
 
 
@@ -101,42 +104,19 @@ def rank_chunks(cfg, pp_rank: int) -> List[List[ParamSpec]]:
             for v, r in enumerate(ranges)]
 
 
-def default_bucket_size(total: int) -> int:
-    """The optimizer's default: a quarter of the rank's parameters, within [1M, 40M] elements."""
-    return min(max(-(-total // 4), MIN_BUCKET), MAX_BUCKET)
-
-
 def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[BucketSpec]:
-    """The optimizer's bucket layout (module docstring)."""
-    dp = cfg.parallel.data_parallel_size
-    total = sum(p.numel for c in chunks for p in c)
-    cap = cfg.parallel.ddp_bucket_size or default_bucket_size(total)
-    out: List[BucketSpec] = []
-    for c, specs in enumerate(chunks):
-        if zero_stage == 3:
-            layer_units = sorted({p.unit for p in specs if p.unit is not None})
-            groups = [(u, [i for i, p in enumerate(specs) if p.unit == u]) for u in layer_units]
-            groups.append((None, [i for i, p in enumerate(specs) if p.unit is None]))
-        else:
-            groups = [(None, list(range(len(specs))))]
-        for unit, members in groups:
-            for kind in KINDS:
-                mine = [i for i in reversed(members) if specs[i].kind == kind]
-                current, size = [], 0
-                for i in mine:
-                    if current and zero_stage != 3 and size + specs[i].numel > cap:
-                        out.append(_bucket(c, unit, kind, current, specs, dp))
-                        current, size = [], 0
-                    current.append(i)
-                    size += specs[i].numel
-                if current:
-                    out.append(_bucket(c, unit, kind, current, specs, dp))
-    return out
-
-
-def _bucket(chunk, unit, kind, members, specs, dp) -> BucketSpec:
-    n = sum(specs[i].numel for i in members)
-    return BucketSpec(chunk, unit, kind, list(members), -(-max(n, 1) // dp) * dp)
+    """The optimizer's bucket layout, by the optimizer's own functions
+    (:func:`megazero.zero.buffers.bucket_groups` and :func:`~megazero.zero.buffers.cut_buckets`)
+    over the chunks' parameter descriptions."""
+    par = cfg.parallel
+    dp = par.data_parallel_size
+    items = [[(c, i) for i in range(len(specs))] for c, specs in enumerate(chunks)]
+    groups = bucket_groups(items, lambda x: chunks[x[0]][x[1]].unit, zero_stage,
+                           overlaps_param_gather(zero_stage, dp, par.overlap_param_gather))
+    cuts = cut_buckets(groups, dp, par.ddp_bucket_size,
+                       numel=lambda x: chunks[x[0]][x[1]].numel, kind=lambda x: chunks[x[0]][x[1]].kind)
+    return [BucketSpec(cut.chunk, cut.unit, cut.kind, [i for _, i in cut.members], cut.numel,
+                       chunks[cut.chunk][cut.members[0][1]].unit is None) for cut in cuts]
 
 
 def bytes_per_element(cfg) -> Dict[str, int]:
@@ -163,7 +143,8 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     gradient on, and when it is complete retire down to ``K - 1`` reductions, then launch its own,
     which holds its temporary plus a receive buffer (gloo fp32: full bucket; native
     reduce-scatter: a shard-sized partial result) until retired.  No reduction is assumed to
-    finish early (``retire_finished`` retires nothing): an upper bound of
+    finish early (``retire_finished`` retires nothing), and those in flight when one chunk's
+    backward ends are still held during the next chunk's: an upper bound of
     ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward.
     The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
     so it never sets the peak."""
@@ -176,13 +157,12 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     if zero_stage == 1:
         largest = sorted((b.numel for b in buckets), reverse=True)[:K]
         return persistent + (sum(largest) * G if gloo_fp32 else 0)
-    peak = persistent
+    peak = live = persistent
+    pending: List[int] = []                       # bytes each reduction in flight holds, oldest first
     for c, specs in enumerate(chunks):
         mine = [b for b in buckets if b.chunk == c]
         where = {i: b for b in mine for i in b.params}
         arrived: Dict[int, int] = {}
-        live = persistent
-        pending: List[int] = []                   # bytes each reduction in flight holds, oldest first
         for i in reversed(range(len(specs))):
             b = where[i]
             if id(b) not in arrived:
@@ -209,11 +189,11 @@ def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
     chunk's whole forward and backward) plus the two largest layer units (the current one and the
     prefetch)."""
     P = bytes_per_element(cfg)["P"]
-    units: Dict[Tuple[int, Optional[int]], int] = {}
+    units: Dict[Tuple[int, bool], int] = {}
     for b in buckets:
-        units[(b.chunk, b.unit)] = units.get((b.chunk, b.unit), 0) + b.numel * P
-    roots = max((v for (c, u), v in units.items() if u is None), default=0)
-    layers = sorted((v for (c, u), v in units.items() if u is not None), reverse=True)
+        units[(b.unit, b.root)] = units.get((b.unit, b.root), 0) + b.numel * P
+    roots = max((v for (u, root), v in units.items() if root), default=0)
+    layers = sorted((v for (u, root), v in units.items() if not root), reverse=True)
     return roots + sum(layers[:2])
 
 

@@ -215,3 +215,45 @@ def test_plot_writes_a_png(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--plot", str(path),
                     "--model", "gpt2-small", "--world-size", "8", "--bf16"], check=True, capture_output=True)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- one bucket plan for the optimizer and the estimator --------------------------------------
+def _optimizer_buckets(settings):
+    import models
+    from megazero.zero import build_optimizer
+    cfg = cfg_of(2, **settings)
+    par = cfg.parallel
+    mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
+    opt = build_optimizer(models.build_chunks(cfg, mesh), mesh, cfg)
+    return mesh.pp_rank, [(b.chunk, b.unit, b.kind, b.numel) for b in opt.buckets]
+
+
+def _estimated_buckets(settings, pp_rank):
+    from megazero.model_state import plan_buckets, rank_chunks
+    cfg = cfg_of(2, **settings)
+    return [(b.chunk, b.unit, b.kind, b.numel)
+            for b in plan_buckets(cfg, rank_chunks(cfg, pp_rank), cfg.parallel.zero_stage)]
+
+
+@pytest.mark.parametrize("settings", [dict(GPT2, zero_stage=2),
+                                      dict(LLAMA, pipeline_model_parallel_size=2, zero_stage=1),
+                                      dict(GPT2, zero_stage=3)], ids=["dp2-zero2", "pp2-zero1", "dp2-zero3"])
+def test_bucket_plan_has_one_owner(settings, monkeypatch):
+    """The estimator cuts buckets with the optimizer's own rule: changing the default bucket-size
+    bound in megazero.zero.buffers changes the optimizer's and the estimator's plans alike."""
+    from megazero.zero import buffers
+
+    def plans():
+        got = {}
+        for pp_rank, built in run_ranks(_optimizer_buckets, 2, settings):
+            assert _estimated_buckets(settings, pp_rank) == built
+            got[pp_rank] = len(built)
+        return got
+
+    default = plans()
+    monkeypatch.setattr(buffers, "MIN_BUCKET", 4000)  # below a quarter of these models' parameters
+    smaller = plans()
+    if settings.get("zero_stage") == 3:
+        assert smaller == default  # ZeRO-3 never splits a unit
+    else:
+        assert all(smaller[r] > default[r] for r in default)

@@ -25,7 +25,7 @@ of a chunk) so a unit is gathered as a whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,42 +96,88 @@ def _padded(n: int, dp: int) -> int:
     return -(-max(n, 1) // dp) * dp
 
 
-def plan_buckets(groups: Sequence[Tuple[int, Optional[int], Sequence[torch.nn.Parameter]]], dp: int,
-                 bucket_size: Optional[int]) -> List[Bucket]:
-    """Cut ``(chunk, unit, params)`` groups into buckets, one kind at a time.
+class Group(NamedTuple):
+    """Items that :func:`cut_buckets` cuts together: ``unit`` numbers a ZeRO-3 gather unit (never
+    split; None below stage 3); ``block`` is the unit's block index in its chunk (None for the
+    chunk's own items, or when the group is not a unit)."""
+    chunk: int
+    unit: Optional[int]
+    items: List
+    block: Optional[int] = None
 
-    ``bucket_size`` caps elements per bucket (default :func:`default_bucket_size`); ``unit`` groups
-    (ZeRO-3) are never split.  Returns the buckets with their ``offset`` in one flat index space.
+
+def bucket_groups(chunks: Sequence[Sequence], block_of: Callable, stage: int, split_blocks: bool) -> List[Group]:
+    """How each chunk's items (registration order) are grouped before the cut.
+
+    ``block_of(item)`` is the index of the block (:func:`find_units`) the item belongs to, or None
+    for the chunk's own items.  Stage 3: one unit per block, then one for the chunk's own items.
+    ``split_blocks`` (overlapped parameter gather, stages 1/2): the items before the first block
+    item, the block items and those after, last part first (see :mod:`megazero.zero.param_gather`).
+    Otherwise the whole chunk.
     """
-    total = sum(p.numel() for _, _, ps in groups for p in ps)
+    groups: List[Group] = []
+    for c, items in enumerate(chunks):
+        items = list(items)
+        if stage == 3:
+            for block in list(dict.fromkeys(b for b in map(block_of, items) if b is not None)) + [None]:
+                groups.append(Group(c, len(groups), [x for x in items if block_of(x) == block], block))
+            continue
+        idx = [i for i, x in enumerate(items) if block_of(x) is not None]
+        parts = [items[:idx[0]], items[idx[0]:idx[-1] + 1], items[idx[-1] + 1:]] if split_blocks and idx else [items]
+        groups += [Group(c, None, part) for part in reversed(parts) if part]
+    return groups
+
+
+class BucketCut(NamedTuple):
+    """One bucket of a plan: its chunk, unit, kind, members (in layout order) and padded size."""
+    chunk: int
+    unit: Optional[int]
+    kind: str
+    members: List
+    numel: int
+
+
+def cut_buckets(groups: Sequence[Group], dp: int, bucket_size: Optional[int],
+                numel: Callable = lambda p: p.numel(), kind: Callable = param_kind) -> List[BucketCut]:
+    """The bucket plan: :func:`bucket_groups` cut into buckets, one kind at a time.
+
+    Items are laid out in reverse order; a bucket closes before it would pass ``bucket_size``
+    elements (default :func:`default_bucket_size` of all items), except that a ``unit`` group
+    (ZeRO-3) is never split; each bucket is padded to a multiple of ``dp``.  Items are parameters
+    for the optimizer (:func:`plan_buckets`) and parameter descriptions for the memory estimator,
+    which passes its own ``numel`` and ``kind``: one rule serves both.
+    """
+    total = sum(numel(x) for g in groups for x in g.items)
     cap = bucket_size or default_bucket_size(total)
+    out: List[BucketCut] = []
+    for chunk, unit, items, _ in groups:
+        for k in KINDS:
+            current: List = []
+            size = 0
+            for x in [x for x in reversed(list(items)) if kind(x) == k]:
+                if current and unit is None and size + numel(x) > cap:
+                    out.append(BucketCut(chunk, unit, k, current, _padded(size, dp)))
+                    current, size = [], 0
+                current.append(x)
+                size += numel(x)
+            if current:
+                out.append(BucketCut(chunk, unit, k, current, _padded(size, dp)))
+    return out
+
+
+def plan_buckets(groups: Sequence[Group], dp: int, bucket_size: Optional[int]) -> List[Bucket]:
+    """:func:`cut_buckets` over parameters, as :class:`Bucket` s with their ``offset`` in one flat
+    index space."""
     buckets: List[Bucket] = []
     offset = 0
-
-    def close(chunk, unit, kind, params):
-        nonlocal offset
+    for cut in cut_buckets(groups, dp, bucket_size):
         starts, n = [], 0
-        for p in params:
+        for p in cut.members:
             starts.append(n)
             n += p.numel()
-        b = Bucket(len(buckets), chunk, kind, list(params), starts, [p.shape for p in params], _padded(n, dp),
-                   dp, offset, unit, offset // dp)
-        buckets.append(b)
-        offset += b.numel
-
-    for chunk, unit, params in groups:
-        for kind in KINDS:
-            mine = [p for p in reversed(list(params)) if param_kind(p) == kind]
-            current: List[torch.nn.Parameter] = []
-            size = 0
-            for p in mine:
-                if current and unit is None and size + p.numel() > cap:
-                    close(chunk, unit, kind, current)
-                    current, size = [], 0
-                current.append(p)
-                size += p.numel()
-            if current:
-                close(chunk, unit, kind, current)
+        buckets.append(Bucket(len(buckets), cut.chunk, cut.kind, list(cut.members), starts,
+                              [p.shape for p in cut.members], cut.numel, dp, offset, cut.unit, offset // dp))
+        offset += cut.numel
     return buckets
 
 

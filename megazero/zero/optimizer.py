@@ -23,11 +23,11 @@ import torch
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.zero import state as ckpt_state
-from megazero.zero.buffers import Bucket, find_units, plan_buckets, trainable_params
-from megazero.zero.param_gather import OverlappedParamGather, split_around_blocks
+from megazero.zero.buffers import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
+from megazero.zero.param_gather import OverlappedParamGather
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
 from megazero.zero.stage3 import Stage3Params
-from megazero.zero.stages import check_stage, shards_gradients, shards_parameters
+from megazero.zero.stages import check_stage, overlaps_param_gather, shards_gradients, shards_parameters
 from megazero.zero.storage import FlatStorage
 from megazero.zero.update import ShardedUpdate
 
@@ -45,7 +45,7 @@ class ZeroOptimizer:
         self.scaler = build_loss_scaler(pre)
         self.chunks = list(chunks)
         # stages 1/2 on several DP ranks: the parameter all-gather runs during the next forward
-        self.overlap_param_gather = (par.overlap_param_gather and self.stage in (1, 2) and mesh.dp_size > 1)
+        self.overlap_param_gather = overlaps_param_gather(self.stage, mesh.dp_size, par.overlap_param_gather)
         self.step_count = 0
         self.skipped_steps = 0
         units, groups = self._param_groups()
@@ -71,20 +71,15 @@ class ZeroOptimizer:
                                                  len(self.chunks), in_flight)
 
     def _param_groups(self):
-        """``(units, groups)``: ZeRO-3 gather units ``(module, chunk)`` and ``(chunk, unit, params)``
-        groups to cut into buckets (one group per chunk below stage 3)."""
+        """``(units, groups)``: ZeRO-3 gather units ``(module, chunk)`` and the groups to cut into
+        buckets (:func:`megazero.zero.buffers.bucket_groups`, shared with the memory estimator)."""
         seen: Dict[int, bool] = {}
-        groups, units = [], []
-        for c, chunk in enumerate(self.chunks):
-            if self.overlap_param_gather:  # no bucket mixes a layer with the chunk's own parameters
-                groups += [(c, None, part) for part in reversed(split_around_blocks(chunk, trainable_params(chunk, seen)))]
-                continue
-            if not shards_parameters(self.stage):
-                groups.append((c, None, trainable_params(chunk, seen)))
-                continue
-            for m in find_units(chunk):
-                groups.append((c, len(units), trainable_params(m, seen)))
-                units.append((m, c))
+        params = [trainable_params(chunk, seen) for chunk in self.chunks]
+        blocks = [find_units(chunk)[:-1] for chunk in self.chunks]
+        block_of = {id(p): i for bs in blocks for i, b in enumerate(bs) for p in b.parameters()}
+        groups = bucket_groups(params, lambda p: block_of.get(id(p)), self.stage, self.overlap_param_gather)
+        units = [(self.chunks[g.chunk] if g.block is None else blocks[g.chunk][g.block], g.chunk)
+                 for g in groups if g.unit is not None]
         return units, groups
 
     # ---- around backward (the GradSync protocol) ----------------------------------------

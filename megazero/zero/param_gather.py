@@ -12,7 +12,7 @@ largest ``ModuleList`` (its transformer layers), and the chunk itself for every 
 (embedding, final norm, head), which may be used anywhere in the chunk's forward and is waited
 for when the chunk's forward starts.  The bucket layout puts cuts between the parameters
 registered before the blocks, the blocks and those registered after them
-(:func:`split_around_blocks`), so the chunk's own parameters share no bucket with a layer and the
+(:func:`megazero.zero.buffers.bucket_groups`), so the chunk's own parameters share no bucket with a layer and the
 chunk's first wait covers only them.
 
 Anything that reads parameters outside a forward must call :meth:`finish` first (the optimizer
@@ -25,19 +25,6 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from megazero.zero.buffers import Bucket, find_units
-
-
-def split_around_blocks(chunk: torch.nn.Module, params: Sequence[torch.nn.Parameter]):
-    """``params`` (in registration order) cut into those before the first parameter of a block of
-    ``chunk`` (see :func:`find_units`), from it to the last block parameter, and after it; empty
-    parts are left out, and a chunk without blocks gives one part."""
-    blocks = find_units(chunk)[:-1]
-    in_block = {id(p) for b in blocks for p in b.parameters()}
-    idx = [i for i, p in enumerate(params) if id(p) in in_block]
-    if not idx:
-        return [list(params)]
-    parts = [params[:idx[0]], params[idx[0]:idx[-1] + 1], params[idx[-1] + 1:]]
-    return [list(p) for p in parts if len(p)]
 
 
 class OverlappedParamGather:

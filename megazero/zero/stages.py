@@ -33,3 +33,9 @@ def shards_gradients(stage: int) -> bool:
 
 def shards_parameters(stage: int) -> bool:
     return stage >= 3
+
+
+def overlaps_param_gather(stage: int, dp: int, requested: bool) -> bool:
+    """Whether stages 1/2 gather updated parameters during the next forward (``--overlap-param-gather``
+    with several DP ranks); the bucket layout then cuts around the blocks."""
+    return bool(requested) and stage in (1, 2) and dp > 1
