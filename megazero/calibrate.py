@@ -1,7 +1,7 @@
 """Fit the planner's constants on the machine at hand: link alpha/beta, the compute rate, the
 per-layer overhead and how many ranks share a processor.
 
-:func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.testing.run_ranks`; on a GPU cluster run
+:func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.local_ranks.run_ranks`; on a GPU cluster run
 the same measurement under torchrun with NCCL) that all work at once, as in training:
 
 - all-reduces of fp32 buffers from 64 KB to 2 MB in groups of 2, 4 and all ranks (every group at
@@ -132,7 +132,7 @@ def fit_alpha_beta(points: List[tuple]) -> tuple:
 
 def calibrate(ranks: int = 8) -> Dict[str, object]:
     """Measure and fit (module docstring); returns the JSON-able constants."""
-    from megazero.testing import run_ranks
+    from megazero.local_ranks import run_ranks
     if ranks < 2:
         raise ValueError(f"--calibrate-ranks must be >= 2, got {ranks}")
     results = run_ranks(_rank_measurements, ranks, timeout=600.0)

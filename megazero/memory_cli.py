@@ -131,7 +131,7 @@ def _run_measure(cfg, world: int, env_world: int, model_provider, iters: int) ->
             if created:
                 dist.destroy_process_group()
     if world > 1:
-        from megazero.testing import run_ranks
+        from megazero.local_ranks import run_ranks
         return run_ranks(_measure_one, world, cfg, model_provider, iters, timeout=1800.0)
     return [_measure_one(cfg, model_provider, iters)]
 

@@ -18,7 +18,7 @@ end; ``--load`` resumes from the latest one, written under any layout (:mod:`meg
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
 samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
 prints the config's start-up notes (ignored Megatron-LM flags ...) and logs through
-:class:`megazero.logging.TrainingLogger`, which continues the metrics file from the start iteration.  The engine never imports ``models``: callers pass
+:class:`megazero.training_log.TrainingLogger`, which continues the metrics file from the start iteration.  The engine never imports ``models``: callers pass
 ``model_provider(cfg, mesh)`` returning this rank's list of model chunks (one per virtual
 pipeline stage).
 """
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megazero.config import ConfigError, MegazeroConfig, parse_args, validate
 from megazero.data import build_data, micro_batches
 from megazero.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
-from megazero.logging import TrainingLogger
+from megazero.training_log import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
@@ -318,7 +318,7 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         cfg = parse_args(argv, presets, world_size=world)
         build_data(cfg)  # fails early for data settings this build cannot serve
         if cfg.logging.tensorboard_dir:
-            from megazero.logging import tensorboard_writer_class
+            from megazero.training_log import tensorboard_writer_class
             try:
                 tensorboard_writer_class()
             except ImportError as err:

@@ -147,7 +147,7 @@ def main():
     args = parse()
     sys.path.insert(0, args.repo)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megazero.testing import run_ranks
+    from megazero.local_ranks import run_ranks
     directory = args.dir or tempfile.mkdtemp(prefix="megazero-bench-ckpt-")
     try:
         ranks = run_ranks(_run_rank, args.ranks, args, directory, timeout=args.timeout)

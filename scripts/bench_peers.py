@@ -2,7 +2,7 @@
 """megazero against its torch-native peer, layout by layout, on the same model, ranks and batch.
 
 Every layout runs megazero and its peer in one set of forked gloo ranks (one intra-op thread
-each, :func:`megazero.testing.run_ranks`).  After warm-up, each round times one training step of
+each, :func:`megazero.local_ranks.run_ranks`).  After warm-up, each round times one training step of
 each (zero grad, forward and backward of every micro-batch, gradient sync, clipping to 1.0, AdamW
 with weight decay off norms, the local loss on the host), in an order that alternates between
 rounds, each step from a barrier to a barrier, so load changes on a shared machine hit both alike.
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megazero.testing import run_ranks  # noqa: E402
+from megazero.local_ranks import run_ranks  # noqa: E402
 from megazero.zero import zero_model_state_bytes  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)

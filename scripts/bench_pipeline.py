@@ -1,4 +1,4 @@
-"""Measured vs theoretical pipeline bubble on CPU ranks (gloo, forked with megazero.testing.run_ranks).
+"""Measured vs theoretical pipeline bubble on CPU ranks (gloo, forked with megazero.local_ranks.run_ranks).
 
 Each stage's compute is emulated by sleeping (forward ``--fwd-ms``, backward twice that, split over
 the virtual chunks) so the measurement is not distorted by ranks sharing a few CPU cores; ``--matmul``
@@ -111,7 +111,7 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed runs per setting; the median is shown")
     p.add_argument("--matmul", action="store_true", help="real matmuls instead of sleeping")
     args = p.parse_args(argv)
-    from megazero.testing import run_ranks
+    from megazero.local_ranks import run_ranks
     torch.set_num_threads(1)
     print(f"{'pp':>3} {'m':>3} {'schedule':>14} {'theory':>7} {'simulated':>9} {'sim+comm':>8} "
           f"{'measured':>8} {'p2p wait':>8}")

@@ -4,7 +4,7 @@ A focused tool (a stack of MLP blocks, every stage at once, and the gloo collect
 sizes).  The GPT model against every torch-native peer, layout by layout, is
 ``scripts/bench_peers.py``; its figures are the ones in the README.
 
-Runs on CPU gloo ranks forked by :func:`megazero.testing.run_ranks` and prints, side by side, the
+Runs on CPU gloo ranks forked by :func:`megazero.local_ranks.run_ranks` and prints, side by side, the
 step time (median and minimum over rounds, each as a ratio to DDP) and the model-state bytes per
 rank next to the formula in docs/design.md (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
 being their own master copy), then the gloo collectives on the bucket sizes.  Every round runs
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megazero.config import MegazeroConfig  # noqa: E402
 from megazero.distributed import all_gather_single, reduce_scatter_single  # noqa: E402
 from megazero.mesh import ParallelMesh  # noqa: E402
-from megazero.testing import run_ranks  # noqa: E402
+from megazero.local_ranks import run_ranks  # noqa: E402
 from megazero.zero import build_optimizer, zero_model_state_bytes  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from megazero.activations import Dims, core_bytes, dims, layer_bytes
 from megazero.config import config_from_dict, validate
 from megazero.memory import estimate, estimate_rank, estimate_stages, stage_params, total_params
 from megazero.mesh import ParallelMesh
-from megazero.testing import run_ranks
+from megazero.local_ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16)

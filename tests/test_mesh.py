@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.mesh import ParallelMesh, rank_groups
-from megazero.testing import RankError, run_ranks
+from megazero.local_ranks import RankError, run_ranks
 
 
 def test_rank_groups_megatron_8_tp2_pp2():

@@ -7,7 +7,7 @@ with ZeRO-3 follows the single-process bf16 run within the same bound.
 """
 import pytest
 
-from megazero.testing import run_ranks
+from megazero.local_ranks import run_ranks
 from test_training import _cfg, _train_history
 
 STEPS = 12

@@ -14,7 +14,7 @@ from megazero.mesh import ParallelMesh
 from megazero.pipeline.executor import PipelineTimer, _can_deallocate, run_forward_only, run_schedule
 from megazero.pipeline.partition import stage_layers
 from megazero.pipeline.schedules import ScheduleError
-from megazero.testing import run_ranks
+from megazero.local_ranks import run_ranks
 from tolerance import C_FWD, C_FWD_BWD, U32, fp32_bound
 
 V, H, S, B = 13, 8, 5, 2  # vocab, hidden, sequence, micro-batch

@@ -10,7 +10,7 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              init_full, linear, normal_init, onednn_linear_available,
                                              pad_rows, resolve_cpu_matmul)
-from megazero.testing import run_ranks
+from megazero.local_ranks import run_ranks
 from tolerance import U32
 
 # The mappings move float64 data; the only arithmetic is a sum over <= 4 ranks of values

@@ -156,7 +156,7 @@ def _train_history(cfg):
 
 
 def _run(cfg, world):
-    from megazero.testing import run_ranks
+    from megazero.local_ranks import run_ranks
     return run_ranks(_train_history, world, cfg)
 
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from megazero.config import ConfigError, MegazeroConfig, validate
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
-from megazero.testing import run_ranks
+from megazero.local_ranks import run_ranks
 from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
 from tolerance import C_FWD_BWD, R_TRAIN, R_TRAIN_ADAM, U32
 
