@@ -33,9 +33,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.config import ConfigError, MegazeroConfig, parse_args, validate
+from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches
-from megazero.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
+from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training_log import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
@@ -298,40 +298,3 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
     finally:
         logger.close()
     return history
-
-
-# ---- command line --------------------------------------------------------------------------
-def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelProvider] = None,
-         presets: Optional[Dict[str, dict]] = None) -> int:
-    """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
-
-    Returns the exit status: 0 (also after a clean early stop: signal, time or iteration limit), 2
-    for an invalid flag combination or a checkpoint that cannot be used, 1 for any other failure.
-    Each failure is printed once, without a traceback when it is an expected kind
-    (:func:`megazero.resilience.report_failure`); under torchrun the process ends with its launcher
-    (:func:`megazero.resilience.exit_with_parent`)."""
-    from megazero.resilience import exit_with_parent, report_failure
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        exit_with_parent()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg = parse_args(argv, presets, world_size=world)
-        build_data(cfg)  # fails early for data settings this build cannot serve
-        if cfg.logging.tensorboard_dir:
-            from megazero.training_log import tensorboard_writer_class
-            try:
-                tensorboard_writer_class()
-            except ImportError as err:
-                raise ConfigError(str(err)) from None
-    except ConfigError as err:
-        return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
-    if model_provider is None:
-        raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
-    from megazero.checkpoint import CheckpointError
-    try:
-        train(cfg, model_provider)
-    except Exception as err:  # noqa: BLE001 - reported once, with the exit status
-        code = report_failure(err)
-        # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag
-        return 2 if isinstance(err, CheckpointError) else code
-    return 0

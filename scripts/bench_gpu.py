@@ -11,7 +11,7 @@ optimizer steps of one micro-batch:
 - ``transformers``' ``GPT2LMHeadModel`` of the same shape (SDPA attention), fp32 parameters under
   ``torch.autocast(bf16)`` with fused AdamW: what a Hugging Face user runs.
 
-Model FLOPs per step follow Megatron-LM's formula (:mod:`megazero.flops`); MFU divides model
+Model FLOPs per step follow Megatron-LM's formula (:mod:`megazero.planning.flops`); MFU divides model
 TFLOP/s by the device's bf16 dense peak (printed as "-" where unknown).  ``scripts/gpu_check.sh``
 runs this after the GPU tests.  The CUDA path has not been run by its author (no GPU was
 available); ``--device cpu --quick`` runs the same code on a tiny model (a smoke test).
@@ -134,7 +134,7 @@ def _free(device: torch.device) -> None:
 
 def run(args) -> Dict[str, dict]:
     """Time every mode; returns per mode the step time, tokens/s, TFLOP/s and MFU."""
-    from megazero.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
+    from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
     device = torch.device(args.device)
     results: Dict[str, dict] = {}
     modes = ["megazero", "megazero + full recompute", "transformers GPT2LMHeadModel"]

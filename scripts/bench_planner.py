@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The planner's predicted step times against real pretrain_gpt.py runs (printed, never asserted).
 
-Calibrates the link and compute constants on this machine (megazero.calibrate, 8 gloo ranks),
+Calibrates the link and compute constants on this machine (megazero.planning.calibrate, 8 gloo ranks),
 then for each layout of one small model runs ``pretrain_gpt.py`` under torchrun with 8 processes,
 takes the median iteration time after warm-up from its metrics file, and prints it beside the
-planner's prediction (megazero.planner.step_time) and the Spearman rank correlation.
+planner's prediction (megazero.planning.planner.step_time) and the Spearman rank correlation.
 
     python scripts/bench_planner.py [--iters 8] [--passes 2] [--calibration cal.json] [--json out.json]
     python scripts/bench_planner.py --calibration cal.json --measured out.json   # re-predict only
@@ -68,7 +68,7 @@ def spearman(xs, ys):
 
 def predict(flags, nproc, cal):
     from megazero.config import parse_args
-    from megazero.planner import GB, Hardware, step_time
+    from megazero.planning.planner import GB, Hardware, step_time
     cfg = parse_args(MODEL + flags + ["--mock-data"], world_size=nproc)
     hw = Hardware.from_calibration(cal, 64 * GB, 20 * GB, nproc)
     return step_time(cfg, hw)["step_time_s"]
@@ -112,7 +112,7 @@ def main(argv=None):
         with open(a.calibration) as fh:
             cal = json.load(fh)
     else:
-        from megazero.calibrate import calibrate
+        from megazero.planning.calibrate import calibrate
         cal = calibrate(a.nproc)
     print(f"calibration: alpha {cal['intra'][0] * 1e3:.3f} ms, beta {cal['intra'][1] * 1e9:.3f} s/GB, "
           f"{cal['flops'] / 1e9:.2f} GFLOP/s per rank, {cal['layer_overhead_s'] * 1e3:.3f} ms per layer, "

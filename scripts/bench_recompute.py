@@ -4,7 +4,7 @@
 Builds the same model once per mode (none, selective, full uniform, full block) and counts the
 bytes of the distinct tensors autograd saves during one forward (via saved-tensor hooks; the
 parameters are excluded), then prints them beside the estimator's prediction
-(megazero.memory.activation_bytes) and the ratio to no recomputation.
+(megazero.planning.estimate.activation_bytes) and the ratio to no recomputation.
 
     python scripts/bench_recompute.py [--num-layers 4 --hidden-size 128 --seq-length 256 ...]
 """
@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 import models  # noqa: E402
 from megazero.config import config_from_dict, validate  # noqa: E402
-from megazero.memory import activation_bytes  # noqa: E402
+from megazero.planning.estimate import activation_bytes  # noqa: E402
 
 MODES = {"none": {}, "selective": {"recompute_granularity": "selective"},
          "full uniform (1 layer/group)": {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -72,7 +72,7 @@ def main(argv=None):
         print(f"{name:<30} {measured / 2**20:>13.2f} {measured / ref:>8.2f} {estimate:>13.2f}")
     print("measured: kept from forward until backward (incl. the output head and loss, without the\n"
           "executor's loss mask and the recomputation replays); the estimate is the peak over forward and\n"
-          "backward (megazero.activations), replays and the executor's masked mean included.")
+          "backward (megazero.planning.activations), replays and the executor's masked mean included.")
 
 
 if __name__ == "__main__":

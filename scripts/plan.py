@@ -5,7 +5,7 @@
         --seq-length 4096 --global-batch-size 512 [--json] [--gpu H100|H200|A100|L4]
     python scripts/plan.py --calibrate          # fit link and compute constants on this machine
 
-Installed as the console script ``megazero-plan``; the logic is megazero.planner.
+Installed as the console script ``megazero-plan``; the logic is megazero.planning.planner.
 """
 import os
 import sys

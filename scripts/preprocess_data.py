@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
-from megazero.data.preprocess import main  # noqa: E402
+from models.cli.preprocess import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

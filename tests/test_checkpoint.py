@@ -537,7 +537,7 @@ def test_resumed_run_continues_the_metrics_file(tmp_path):
 
 
 def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatch, capsys):
-    from megazero.training import main
+    from models.cli.pretrain import main
     from models.cli import model_provider
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")

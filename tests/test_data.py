@@ -18,6 +18,7 @@ from megazero.config import ConfigError, config_from_dict, validate
 from megazero.data import build_data, micro_batches
 from megazero.data.gpt_dataset import BlendedGPTData, GPTDataset, parse_data_path, parse_split, split_bounds
 from megazero.data import preprocess
+from models.cli import preprocess as preprocess_cli
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, write_index
 from megazero.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 from tolerance import R_TRAIN_ADAM
@@ -56,10 +57,9 @@ def corpus(tmp_path_factory):
                                             "--vocab-size", "256",
                                             "--model-prefix", str(d / "tok"), "--num-threads", "1"]) == 0
     tok = str(d / "tok.model")
-    pre = preprocess
-    assert pre.main(["--input", str(d / "a.txt"), str(d / "b.txt"), "--output-prefix", str(d / "txt"),
+    assert preprocess_cli.main(["--input", str(d / "a.txt"), str(d / "b.txt"), "--output-prefix", str(d / "txt"),
                      "--tokenizer-model", tok, "--append-eod"]) == 0
-    assert pre.main(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "js"),
+    assert preprocess_cli.main(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "js"),
                      "--json-keys", "text", "title",
                      "--tokenizer-model", tok, "--append-eod", "--workers", "2"]) == 0
     return {"dir": d, "tok": tok, "paragraphs": paragraphs, "txt": str(d / "txt_text_document"),
@@ -264,7 +264,7 @@ def test_preprocess_jsonl_keys_and_workers_agree(corpus, tmp_path):
     tok = load_tokenizer(corpus["tok"])
     assert tok.decode(titles.document(7).tolist()[:-1]) == f"lord {WORDS[7]}"
     out = str(tmp_path / "one")
-    assert preprocess.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix", out,
+    assert preprocess_cli.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix", out,
                                             "--tokenizer-model", corpus["tok"], "--append-eod"]) == 0
     for ext in (".bin", ".idx"):
         with open(out + "_text_document" + ext, "rb") as a, open(corpus["js"] + ext, "rb") as b:
@@ -272,22 +272,21 @@ def test_preprocess_jsonl_keys_and_workers_agree(corpus, tmp_path):
 
 
 def test_preprocess_file_documents_and_errors(corpus, tmp_path, capsys):
-    pre = preprocess
     out = str(tmp_path / "f")
-    assert pre.main(["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
+    assert preprocess_cli.main(["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
                      "--output-prefix", out,
                      "--tokenizer-model", corpus["tok"], "--text-document", "file"]) == 0
     ds = IndexedDataset(out + "_text_document")
     assert ds.num_documents == 2 and load_tokenizer(corpus["tok"]).eod not in ds.document(0).tolist()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"body": "b"}\n')
-    assert pre.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model", corpus["tok"]]) == 2
+    assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model", corpus["tok"]]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
-    assert pre.main(["--input", str(bad), "--output-prefix", out,
+    assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out,
                      "--tokenizer-model", str(tmp_path / "x.model")]) == 2
     assert "x.model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        pre.main(["--input", str(tmp_path / "absent.txt"), "--output-prefix", out,
+        preprocess_cli.main(["--input", str(tmp_path / "absent.txt"), "--output-prefix", out,
                   "--tokenizer-model", corpus["tok"]])
     assert "absent.txt" in capsys.readouterr().err
 
@@ -295,11 +294,11 @@ def test_preprocess_file_documents_and_errors(corpus, tmp_path, capsys):
 def test_failed_preprocess_keeps_the_existing_dataset(corpus, tmp_path, capsys):
     out = str(tmp_path / "keep")
     args = ["--output-prefix", out, "--tokenizer-model", corpus["tok"], "--append-eod"]
-    assert preprocess.main(["--input", str(corpus["dir"] / "c.jsonl")] + args) == 0
+    assert preprocess_cli.main(["--input", str(corpus["dir"] / "c.jsonl")] + args) == 0
     files = {ext: open(out + "_text_document" + ext, "rb").read() for ext in (".bin", ".idx")}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n')
-    assert preprocess.main(["--input", str(bad)] + args) == 2
+    assert preprocess_cli.main(["--input", str(bad)] + args) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert {ext: open(out + "_text_document" + ext, "rb").read() for ext in (".bin", ".idx")} == files
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "keep_text_document.bin", "keep_text_document.idx"]
@@ -309,12 +308,12 @@ def test_preprocess_refuses_empty_input(corpus, tmp_path, capsys):
     out = str(tmp_path / "e")
     for name, text in (("empty.txt", ""), ("blank.txt", "\n  \n\n"), ("empty.jsonl", "\n")):
         (tmp_path / name).write_text(text)
-        assert preprocess.main(["--input", str(tmp_path / name), "--output-prefix", out,
+        assert preprocess_cli.main(["--input", str(tmp_path / name), "--output-prefix", out,
                                 "--tokenizer-model", corpus["tok"]]) == 2
         err = capsys.readouterr().err
         assert f"--input {tmp_path / name}: no documents" in err, err
     (tmp_path / "void.jsonl").write_text('{"text": ""}\n')
-    assert preprocess.main(["--input", str(tmp_path / "void.jsonl"), "--output-prefix", out,
+    assert preprocess_cli.main(["--input", str(tmp_path / "void.jsonl"), "--output-prefix", out,
                             "--tokenizer-model", corpus["tok"], "--append-eod"]) == 2
     assert "1 documents but no tokens" in capsys.readouterr().err
     assert not any(f.startswith("e_") for f in os.listdir(tmp_path))
@@ -324,7 +323,7 @@ def test_preprocess_worker_pool_matches_one_process(corpus, tmp_path, monkeypatc
     monkeypatch.setattr(preprocess, "BATCH_BYTES", 2000)  # the 60 KB corpus then uses the pool
     base = ["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
             "--tokenizer-model", corpus["tok"], "--append-eod"]
-    assert preprocess.main(base + ["--output-prefix", str(tmp_path / "w2"), "--workers", "2"]) == 0
+    assert preprocess_cli.main(base + ["--output-prefix", str(tmp_path / "w2"), "--workers", "2"]) == 0
     for ext in (".bin", ".idx"):
         with open(str(tmp_path / "w2_text_document") + ext, "rb") as a, open(corpus["txt"] + ext, "rb") as b:
             assert a.read() == b.read()
@@ -520,7 +519,7 @@ def test_tokenizer_model_sets_the_vocabulary(corpus):
 
 
 def test_pretrain_cli_reports_a_missing_prefix(tmp_path, monkeypatch, capsys):
-    from megazero.training import main
+    from models.cli.pretrain import main
     monkeypatch.setenv("WORLD_SIZE", "1")
     missing = str(tmp_path / "gone_text_document")
     assert main(["--data-path", missing, "--train-iters", "1"], lambda cfg, mesh: None) == 2
@@ -569,7 +568,7 @@ def test_preprocess_refuses_non_text_fields_naming_the_line(corpus, tmp_path, ca
     for n, record in enumerate(('{"text": null}', '{"text": 12345}', '["text"]'), 1):
         bad = tmp_path / f"bad{n}.jsonl"
         bad.write_text('{"text": "fine"}\n' + record + "\n")
-        assert preprocess.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model",
+        assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model",
                                 corpus["tok"]]) == 2
         err = capsys.readouterr().err
         assert f"bad{n}.jsonl:2" in err and err.count("error:") == 1, err
@@ -580,7 +579,7 @@ def test_preprocess_refuses_non_text_fields_naming_the_line(corpus, tmp_path, ca
 def test_preprocess_unwritable_output_prefix_is_one_message(corpus, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")  # root can write anywhere, but not below a file
-    code = preprocess.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix",
+    code = preprocess_cli.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix",
                             str(blocker / "sub" / "x"), "--tokenizer-model", corpus["tok"]])
     err = capsys.readouterr().err
     assert code == 2 and "--output-prefix" in err and "Traceback" not in err and err.count("error:") == 1

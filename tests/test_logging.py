@@ -235,7 +235,7 @@ def test_tensorboard_gets_the_metrics_file_values(tmp_path):
 
 def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys):
     import builtins
-    from megazero.training import main
+    from models.cli.pretrain import main
     real_import = builtins.__import__
 
     def no_tensorboard(name, *args, **kwargs):

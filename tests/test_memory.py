@@ -1,7 +1,7 @@
 """The memory model: parameter counts, the exact model state, and estimate vs measurement.
 
 The six-layout test runs each configuration on forked gloo ranks with the trainer's pieces
-(megazero.measure) and checks the estimate per component: model state exact, activations (bytes
+(megazero.planning.measure) and checks the estimate per component: model state exact, activations (bytes
 autograd keeps for backward, peak over the schedule) within 10%."""
 import json
 import os
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from megazero.activations import Dims, core_bytes, dims, layer_bytes
+from megazero.planning.activations import Dims, core_bytes, dims, layer_bytes
 from megazero.config import config_from_dict, validate
-from megazero.memory import estimate, estimate_rank, estimate_stages, stage_params, total_params
+from megazero.planning.estimate import estimate, estimate_rank, estimate_stages, stage_params, total_params
 from megazero.mesh import ParallelMesh
 from megazero.local_ranks import run_ranks
 
@@ -172,7 +172,7 @@ LAYOUTS = {
 
 def _measure(settings):
     import models
-    from megazero.measure import measure_rank
+    from megazero.planning.measure import measure_rank
     return measure_rank(cfg_of(4, **settings), models.build_chunks, iters=1)
 
 
@@ -229,7 +229,7 @@ def _optimizer_buckets(settings):
 
 
 def _estimated_buckets(settings, pp_rank):
-    from megazero.model_state import plan_buckets, rank_chunks
+    from megazero.planning.model_state import plan_buckets, rank_chunks
     cfg = cfg_of(2, **settings)
     return [(b.chunk, b.unit, b.kind, b.numel)
             for b in plan_buckets(cfg, rank_chunks(cfg, pp_rank), cfg.parallel.zero_stage)]

@@ -8,8 +8,8 @@ import pytest
 
 import models
 from megazero.config import parse_args
-from megazero.memory import estimate_stages
-from megazero.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags, layout_config,
+from megazero.planning.estimate import estimate_stages
+from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags, layout_config,
                               model_config, peak_memory, plan, step_time)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +116,7 @@ def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
 
 
 def test_calibration_fits_recover_the_constants():
-    from megazero.calibrate import fit_alpha_beta, fit_layer, layer_flops
+    from megazero.planning.calibrate import fit_alpha_beta, fit_layer, layer_flops
     alpha, beta = 1.5e-3, 2e-10
     points = [(n, b, 2 * (n - 1) * (alpha + beta * b / n)) for n in (2, 4, 8) for b in (65536, 524288, 2097152)]
     assert fit_alpha_beta(points) == pytest.approx((alpha, beta), rel=1e-9)

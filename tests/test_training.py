@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megazero.config import MegazeroConfig, config_from_dict, validate
-from megazero.flops import (device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration,
+from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration,
                             peak_flops)
 from megazero.lr import learning_rate
-from megazero.training import main
+from models.cli.pretrain import main
 from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

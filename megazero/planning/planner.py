@@ -4,11 +4,11 @@
 hidden and FFN sizes), pipeline parallelism (dividing the layers) with virtual stages (the
 interleaved schedule), data parallelism, ZeRO stage, recomputation, sequence parallelism and
 micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
-(:func:`megazero.memory.estimate_stages`) fits ``(1 - margin) x`` GPU memory and ranks them by
+(:func:`megazero.planning.estimate.estimate_stages`) fits ``(1 - margin) x`` GPU memory and ranks them by
 :func:`step_time`, a model of one optimizer step:
 
 - compute: the slowest stage's forward + backward (2x forward) + recomputation's extra forward
-  (:mod:`megazero.flops` counts) per micro-batch, at ``efficiency x`` peak FLOP/s, over
+  (:mod:`megazero.planning.flops` counts) per micro-batch, at ``efficiency x`` peak FLOP/s, over
   ``m + (pp - 1) / vp`` micro-batch slots (the 1F1B / interleaved bubble);
 - tensor parallelism: per layer and micro-batch two all-reduces forward and two backward of the
   ``[s, b, h]`` activations (all-gather + reduce-scatter pairs under sequence parallelism, the
@@ -37,21 +37,18 @@ Links follow the rank order ``tp-dp-pp``: a TP group stays in a node; a DP group
 consecutive ranks) or a pipeline neighbour (``tp x dp`` ranks away) crosses nodes when that span
 exceeds the node.  Each link is ``alpha`` seconds per message plus ``beta`` seconds per byte; the
 defaults per GPU are nominal SXM figures, and ``--calibrate`` fits them (and the compute rate)
-from measured collectives on the machine at hand (:mod:`megazero.calibrate`).
+from measured collectives on the machine at hand (:mod:`megazero.planning.calibrate`).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
-from megazero.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
+from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
                             model_flops_per_iteration)
-from megazero.memory import estimate_rank
+from megazero.planning.estimate import estimate_rank
 
 GB = 1e9
 # name: (bf16 dense TFLOP/s, memory GB, intra-node GB/s per GPU per direction, inter-node GB/s per
@@ -235,7 +232,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
 
 def estimate_rank_elements(cfg) -> float:
     """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0)."""
-    from megazero.memory import stage_params
+    from megazero.planning.estimate import stage_params
     n = max(stage_params(cfg, r) for r in {0, cfg.parallel.pipeline_model_parallel_size - 1})
     return n if cfg.parallel.zero_stage == 0 else n / cfg.parallel.data_parallel_size
 
@@ -244,8 +241,8 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
     """Exposed data-parallel communication of one step (module docstring).  Each bucket is one
     collective.  With ranks sharing processors nothing overlaps: communicating is work for the
     same processors (gloo copies and reduces on the CPU), so every reduction and gather counts."""
-    from megazero.memory import stage_params
-    from megazero.model_state import plan_buckets, rank_chunks
+    from megazero.planning.estimate import stage_params
+    from megazero.planning.model_state import plan_buckets, rank_chunks
     par, pre = cfg.parallel, cfg.precision
     dp, zero, n_micro = par.data_parallel_size, par.zero_stage, cfg.training.num_micro_batches
     if dp == 1:
@@ -377,34 +374,6 @@ def to_dict(layout: Layout, model_args: Sequence[str], cfg) -> Dict[str, object]
 
 
 # ---- command line ----------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="plan.py", description="Rank the layouts that fit a cluster by "
-                                "estimated step time. Model flags (--model PRESET or --num-layers, "
-                                "--hidden-size, ...) are those of pretrain_gpt.py.")
-    p.add_argument("--gpus", type=int, help="GPUs in total (required unless --calibrate).")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside a node).")
-    p.add_argument("--gpu", default="H100", help=f"GPU type for defaults: {', '.join(GPUS)} (SXM figures).")
-    p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
-    p.add_argument("--gpu-tflops", type=float, help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
-    p.add_argument("--efficiency", type=float, default=0.5, help="Fraction of peak the matmuls reach.")
-    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node (default: --gpu's).")
-    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU between nodes (default: --gpu's).")
-    p.add_argument("--intra-node-latency-us", type=float, default=ALPHA_INTRA * 1e6)
-    p.add_argument("--inter-node-latency-us", type=float, default=ALPHA_INTER * 1e6)
-    p.add_argument("--calibration", help="JSON from --calibrate (scripts/plan.py --calibrate) to use instead.")
-    p.add_argument("--calibrate", action="store_true",
-                   help="Measure the link and compute constants on this machine and print them as JSON.")
-    p.add_argument("--calibrate-ranks", type=int, default=8, help="Ranks for --calibrate.")
-    p.add_argument("--margin", type=float, default=0.1, help="Keep this fraction of memory free.")
-    p.add_argument("--micro-batch-sizes", type=int, nargs="+", help="Only these micro-batch sizes.")
-    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, help="Only these recomputation modes.")
-    p.add_argument("--zero-stages", type=int, nargs="+", choices=[0, 1, 2, 3], help="Only these ZeRO stages.")
-    p.add_argument("--top", type=int, default=5, help="Layouts to print.")
-    p.add_argument("--json", action="store_true", help="Print the fitting layouts as JSON, best first.")
-    p.add_argument("--fp32", action="store_true", help="Plan fp32 training (default bf16).")
-    return p
-
-
 def hardware(args) -> Hardware:
     """The :class:`Hardware` the flags describe (ConfigError naming a bad flag)."""
     if args.gpu not in GPUS:
@@ -423,7 +392,7 @@ def hardware(args) -> Hardware:
     intra_link = Link(args.intra_node_latency_us * 1e-6, 1 / ((args.intra_node_bandwidth or intra) * GB))
     inter_link = Link(args.inter_node_latency_us * 1e-6, 1 / ((args.inter_node_bandwidth or inter) * GB))
     if args.calibration:
-        from megazero.calibrate import load_calibration
+        from megazero.planning.calibrate import load_calibration
         return Hardware.from_calibration(load_calibration(args.calibration), (args.gpu_memory_gb or mem) * GB,
                                          hbm * GB, args.gpus_per_node)
     return Hardware((args.gpu_tflops or tflops) * 1e12, args.efficiency, (args.gpu_memory_gb or mem) * GB,
@@ -452,54 +421,3 @@ def model_config(model_args: Sequence[str], presets, seq_length: Optional[int], 
     if "--mock-data" not in argv and "--data-path" not in argv:
         argv.append("--mock-data")
     return parse_args(argv, presets=presets, world_size=1)
-
-
-def _print_table(found: List[Layout], cfg, model_args, top: int, gpus: int, hw: Hardware) -> None:
-    print(f"{len(found)} layouts fit {gpus} GPUs of {hw.memory_bytes / GB:.0f} GB; fastest first:")
-    width = max([len("layout")] + [len(describe(x)) for x in found[:top]])
-    print(f"{'#':>2} {'layout':<{width}} {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}")
-    for i, x in enumerate(found[:top], 1):
-        print(f"{i:>2} {describe(x):<{width}} {x.memory_bytes / GB:>7.1f} {x.step['step_time_s']:>8.3f} "
-              f"{x.step['tokens_per_sec']:>10.0f} {x.step['mfu']:>6.1%}")
-        print(f"   pretrain_gpt.py {' '.join(flags(x, model_args, cfg))}")
-
-
-def main(argv: Optional[Sequence[str]], presets) -> int:
-    """``plan.py``; exit status 2 with a message naming the flag on bad input."""
-    p = _parser()
-    p.add_argument("--seq-length", type=int, help="Sequence length (default: the model's).")
-    p.add_argument("--global-batch-size", type=int, help="Sequences per optimizer step.")
-    args, model_args = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if args.calibrate:
-            from megazero.calibrate import calibrate
-            print(json.dumps(calibrate(args.calibrate_ranks), indent=2))
-            return 0
-        if args.gpus is None:
-            raise ConfigError("--gpus is required (GPUs in total)")
-        for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
-            if v < 1:
-                raise ConfigError(f"{flag} must be a positive integer, got {v}")
-        if args.global_batch_size is None:
-            raise ConfigError("--global-batch-size is required (sequences per optimizer step)")
-        hw = hardware(args)
-        cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size, args.fp32)
-    except ConfigError as err:
-        print(f"plan.py: error: {err}", file=sys.stderr)
-        return 2
-    choices = {"micro_batch_sizes": args.micro_batch_sizes, "recompute": args.recompute,
-               "zero_stages": args.zero_stages}
-    found = plan(cfg, args.gpus, hw, args.margin, **{k: v for k, v in choices.items() if v})
-    if args.json:
-        out = [to_dict(x, model_args, cfg) for x in found]
-        if not found:
-            print(json.dumps({"layouts": [], "advice": advice(cfg, args.gpus, hw, args.margin, choices)}))
-            return 1
-        print(json.dumps(out, indent=2))
-        return 0
-    if not found:
-        print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} margin; "
-              f"smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
-        return 1
-    _print_table(found, cfg, model_args, args.top, args.gpus, hw)
-    return 0

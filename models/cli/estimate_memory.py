@@ -3,15 +3,15 @@
 - default: a table per ZeRO stage (the pipeline stage that needs most), then every pipeline
   stage under the configured ZeRO stage; ``--json`` prints the same as JSON (``stages``: one row
   per ZeRO stage with ``param_bytes``, ``grad_bytes``, ``optim_bytes``, ``activation_bytes``,
-  ``total_bytes`` and the other components of :mod:`megazero.memory`; ``pipeline_stages``);
+  ``total_bytes`` and the other components of :mod:`megazero.planning.estimate`; ``pipeline_stages``);
 - ``--measure``: runs the configuration for ``--iters`` iterations (one process; several forked
   gloo ranks with ``--world-size N``; or each process under torchrun) and prints each component's
-  estimate beside the measurement (:mod:`megazero.measure`); with ``--json`` per pipeline stage
+  estimate beside the measurement (:mod:`megazero.planning.measure`); with ``--json`` per pipeline stage
   ``{component: {"estimate": bytes, "measured": bytes}}``;
 - ``--plot FILE.png``: stacked bars per ZeRO stage (parameters, gradients, optimizer state,
   activations, the rest) for the most loaded rank.
 
-The engine never imports ``models``: the caller passes the presets and the model provider.
+The presets and the model provider come from :mod:`megazero_models.cli`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
-from megazero.memory import estimate, estimate_stages, total_params
+from megazero.planning.estimate import estimate, estimate_stages, total_params
 
 GIB = 2 ** 30
 # measured key for each compared component (estimate key -> measured key)
@@ -112,7 +112,7 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
 
 # ---- --measure ---------------------------------------------------------------------------------
 def _measure_one(cfg, model_provider, iters: int):
-    from megazero.measure import measure_rank
+    from megazero.planning.measure import measure_rank
     return measure_rank(cfg, model_provider, iters=iters)
 
 

@@ -54,7 +54,7 @@ def _layer_step(x: torch.Tensor, w: Dict[str, torch.Tensor]) -> None:
 
 
 def layer_flops(tokens: int, h: int = HIDDEN, s: int = SEQ) -> float:
-    """Forward + backward FLOPs of :func:`_layer_step` (megazero.flops' count for this layer)."""
+    """Forward + backward FLOPs of :func:`_layer_step` (megazero.planning.flops' count for this layer)."""
     return 3.0 * tokens * (24 * h * h + 4 * s * h)
 
 

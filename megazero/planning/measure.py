@@ -1,4 +1,4 @@
-"""Measure what a configuration really holds, to set beside :func:`megazero.memory.estimate`.
+"""Measure what a configuration really holds, to set beside :func:`megazero.planning.estimate.estimate`.
 
 :func:`measure_rank` runs a few training iterations of a validated config on this rank with the
 trainer's own pieces (mesh, model provider, ZeRO optimizer, data, pipeline executor) and returns

@@ -13,10 +13,10 @@ component                   what it counts (where it comes from)
 ``comm_bytes``              gradient communication buffers in backward:
                             ``peak_grad_bytes - grad_bytes``, with up to
                             ``--max-reductions-in-flight`` reductions holding theirs
-                            (:func:`megazero.model_state.grad_peak`)
+                            (:func:`megazero.planning.model_state.grad_peak`)
 ``gathered_param_bytes``    ZeRO-3: full buckets gathered for the units running now
 ``activation_bytes``        the peak over the schedule of the bytes autograd saves for backward
-                            (:mod:`megazero.activations`: embeddings, attention with the SDPA
+                            (:mod:`megazero.planning.activations`: embeddings, attention with the SDPA
                             kernel used, MLP, norms, logits and loss, recomputation replays)
 ``pipeline_buffer_bytes``   received stage inputs held until their backward that autograd does
                             not already hold (half precision without full recomputation), and
@@ -26,9 +26,9 @@ component                   what it counts (where it comes from)
                             backward elsewhere (an approximation, not measured on CPU)
 ==========================  ===================================================================
 
-Model state (``param/grad/optim``) is exact: :mod:`megazero.model_state` replays the
+Model state (``param/grad/optim``) is exact: :mod:`megazero.planning.model_state` replays the
 optimizer's bucket layout.  Activations are exact for what autograd saves (checked by
-``tests/test_memory.py`` against :mod:`megazero.measure`).  ``comm_bytes`` is an upper bound of
+``tests/test_memory.py`` against :mod:`megazero.planning.measure`).  ``comm_bytes`` is an upper bound of
 the measured high-water mark (a reduction that finishes early frees its buffers sooner), and the
 ZeRO-3 working set an estimate.  ``total_bytes`` is the device total; ``host_bytes`` the host
 memory of ``--offload-optimizer`` (the optimizer state and one bucket's fp32 gradient copy).
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from megazero.activations import (dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks)
-from megazero.model_state import bytes_per_element, model_state, rank_chunks
+from megazero.planning.activations import (dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks)
+from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
 
 COMPONENTS = ("param_bytes", "grad_bytes", "optim_bytes", "comm_bytes", "gathered_param_bytes",

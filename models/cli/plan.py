@@ -1,0 +1,91 @@
+"""``scripts/plan.py`` / ``megazero-plan``: rank the layouts that fit a cluster by estimated step
+time (:mod:`megazero.planning.planner`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence
+
+from megazero.config import ConfigError
+from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOMPUTE, Hardware, Layout, advice,
+                                       describe, flags, hardware, model_config, plan, to_dict)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plan.py", description="Rank the layouts that fit a cluster by "
+                                "estimated step time. Model flags (--model PRESET or --num-layers, "
+                                "--hidden-size, ...) are those of pretrain_gpt.py.")
+    p.add_argument("--gpus", type=int, help="GPUs in total (required unless --calibrate).")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside a node).")
+    p.add_argument("--gpu", default="H100", help=f"GPU type for defaults: {', '.join(GPUS)} (SXM figures).")
+    p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
+    p.add_argument("--gpu-tflops", type=float, help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
+    p.add_argument("--efficiency", type=float, default=0.5, help="Fraction of peak the matmuls reach.")
+    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node (default: --gpu's).")
+    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU between nodes (default: --gpu's).")
+    p.add_argument("--intra-node-latency-us", type=float, default=ALPHA_INTRA * 1e6)
+    p.add_argument("--inter-node-latency-us", type=float, default=ALPHA_INTER * 1e6)
+    p.add_argument("--calibration", help="JSON from --calibrate (scripts/plan.py --calibrate) to use instead.")
+    p.add_argument("--calibrate", action="store_true",
+                   help="Measure the link and compute constants on this machine and print them as JSON.")
+    p.add_argument("--calibrate-ranks", type=int, default=8, help="Ranks for --calibrate.")
+    p.add_argument("--margin", type=float, default=0.1, help="Keep this fraction of memory free.")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", help="Only these micro-batch sizes.")
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, help="Only these recomputation modes.")
+    p.add_argument("--zero-stages", type=int, nargs="+", choices=[0, 1, 2, 3], help="Only these ZeRO stages.")
+    p.add_argument("--top", type=int, default=5, help="Layouts to print.")
+    p.add_argument("--json", action="store_true", help="Print the fitting layouts as JSON, best first.")
+    p.add_argument("--fp32", action="store_true", help="Plan fp32 training (default bf16).")
+    return p
+
+
+def _print_table(found: List[Layout], cfg, model_args, top: int, gpus: int, hw: Hardware) -> None:
+    print(f"{len(found)} layouts fit {gpus} GPUs of {hw.memory_bytes / GB:.0f} GB; fastest first:")
+    width = max([len("layout")] + [len(describe(x)) for x in found[:top]])
+    print(f"{'#':>2} {'layout':<{width}} {'mem GB':>7} {'step s':>8} {'tokens/s':>10} {'MFU':>6}")
+    for i, x in enumerate(found[:top], 1):
+        print(f"{i:>2} {describe(x):<{width}} {x.memory_bytes / GB:>7.1f} {x.step['step_time_s']:>8.3f} "
+              f"{x.step['tokens_per_sec']:>10.0f} {x.step['mfu']:>6.1%}")
+        print(f"   pretrain_gpt.py {' '.join(flags(x, model_args, cfg))}")
+
+
+def main(argv: Optional[Sequence[str]], presets) -> int:
+    """``plan.py``; exit status 2 with a message naming the flag on bad input."""
+    p = _parser()
+    p.add_argument("--seq-length", type=int, help="Sequence length (default: the model's).")
+    p.add_argument("--global-batch-size", type=int, help="Sequences per optimizer step.")
+    args, model_args = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.calibrate:
+            from megazero.planning.calibrate import calibrate
+            print(json.dumps(calibrate(args.calibrate_ranks), indent=2))
+            return 0
+        if args.gpus is None:
+            raise ConfigError("--gpus is required (GPUs in total)")
+        for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {v}")
+        if args.global_batch_size is None:
+            raise ConfigError("--global-batch-size is required (sequences per optimizer step)")
+        hw = hardware(args)
+        cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size, args.fp32)
+    except ConfigError as err:
+        print(f"plan.py: error: {err}", file=sys.stderr)
+        return 2
+    choices = {"micro_batch_sizes": args.micro_batch_sizes, "recompute": args.recompute,
+               "zero_stages": args.zero_stages}
+    found = plan(cfg, args.gpus, hw, args.margin, **{k: v for k, v in choices.items() if v})
+    if args.json:
+        out = [to_dict(x, model_args, cfg) for x in found]
+        if not found:
+            print(json.dumps({"layouts": [], "advice": advice(cfg, args.gpus, hw, args.margin, choices)}))
+            return 1
+        print(json.dumps(out, indent=2))
+        return 0
+    if not found:
+        print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} margin; "
+              f"smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
+        return 1
+    _print_table(found, cfg, model_args, args.top, args.gpus, hw)
+    return 0

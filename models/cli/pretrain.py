@@ -1,0 +1,46 @@
+"""``scripts/pretrain_gpt.py`` / ``megazero-pretrain``: parse and validate the flags, then train
+(:func:`megazero.training.train`)."""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Sequence
+
+from megazero.config import ConfigError, parse_args
+from megazero.data import build_data
+from megazero.training import ModelProvider, train
+
+
+def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelProvider] = None,
+         presets: Optional[Dict[str, dict]] = None) -> int:
+    """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
+
+    Returns the exit status: 0 (also after a clean early stop: signal, time or iteration limit), 2
+    for an invalid flag combination or a checkpoint that cannot be used, 1 for any other failure.
+    Each failure is printed once, without a traceback when it is an expected kind
+    (:func:`megazero.resilience.report_failure`); under torchrun the process ends with its launcher
+    (:func:`megazero.resilience.exit_with_parent`)."""
+    from megazero.resilience import exit_with_parent, report_failure
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_parent()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = parse_args(argv, presets, world_size=world)
+        build_data(cfg)  # fails early for data settings this build cannot serve
+        if cfg.logging.tensorboard_dir:
+            from megazero.training_log import tensorboard_writer_class
+            try:
+                tensorboard_writer_class()
+            except ImportError as err:
+                raise ConfigError(str(err)) from None
+    except ConfigError as err:
+        return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
+    if model_provider is None:
+        raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
+    from megazero.checkpoint import CheckpointError
+    try:
+        train(cfg, model_provider)
+    except Exception as err:  # noqa: BLE001 - reported once, with the exit status
+        code = report_failure(err)
+        # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag
+        return 2 if isinstance(err, CheckpointError) else code
+    return 0
