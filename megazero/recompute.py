@@ -2,7 +2,7 @@
 
 :func:`recompute` runs ``function(*args)`` without keeping its activations and runs it again
 during backward.  The default generator's state (CPU or the current CUDA device) and the
-tensor-parallel :class:`~megazero.tensor_parallel.random.RNGTracker` state are captured before
+tensor-parallel :class:`~megazero.tensor_parallel.rng.RNGTracker` state are captured before
 the first run and restored for the second, so dropout masks are identical and results equal a
 run without recomputation.
 """
@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from megazero.tensor_parallel.random import RNGTracker, _get_rng_state, _set_rng_state
+from megazero.tensor_parallel.rng import RNGTracker, _get_rng_state, _set_rng_state
 
 
 class _Recompute(torch.autograd.Function):

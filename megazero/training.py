@@ -40,7 +40,7 @@ from megazero.training_log import TrainingLogger
 from megazero.lr import lr_from_config
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
-from megazero.tensor_parallel.random import seed_default_generators
+from megazero.tensor_parallel.rng import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
 

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 from megazero.mesh import ParallelMesh
 from megazero.pipeline.partition import chunk_layers
-from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
+from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
 from .generate import generate  # noqa: F401
 from .gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
 from .presets import PRESETS, get_preset  # noqa: F401

@@ -140,7 +140,7 @@ def test_mesh_built_by_the_caller_takes_the_local_rank_gpu():
     out = _python("""
 import torch, torch.distributed as dist
 from megazero.mesh import ParallelMesh
-from megazero.tensor_parallel.random import seed_default_generators
+from megazero.tensor_parallel.rng import seed_default_generators
 dist.init_process_group("nccl")  # no device chosen: the mesh picks cuda:LOCAL_RANK
 mesh = ParallelMesh.build(pp=2)
 seed_default_generators(3, mesh)

@@ -136,7 +136,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
     from megazero.precision import compute_dtype
-    from megazero.tensor_parallel.random import seed_default_generators
+    from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training import build_mesh
     from megazero.zero import build_optimizer
 
