@@ -286,33 +286,6 @@ def test_one_rank_failing_fails_the_save_everywhere(tmp_path):
     assert latest_iteration(str(tmp_path)) == 1 and not os.path.exists(checkpoint_path(str(tmp_path), 2))
 
 
-def _states_to_dp0(zero):
-    import models
-    from megazero.training import build_mesh
-    from megazero.zero import build_optimizer
-    cfg = validate(_cfg(zero=zero, optimizer="adam"), 2)
-    mesh = build_mesh(cfg)
-    chunks = models.build_chunks(cfg, mesh)
-    opt = build_optimizer(chunks, mesh, cfg)
-    everywhere, to_dp0 = opt.param_states(), opt.param_states(dst=0)
-    shapes = opt.param_shapes()
-    with opt.gathered_params():
-        full = {p: p.shape for p in shapes}
-    names = {p: n for n, p in chunks[0].named_parameters()}
-    same = len(to_dp0) == len(everywhere) and all(
-        torch.equal(to_dp0[p][k], v) for p, st in everywhere.items() for k, v in st.items())
-    return {"received": {names[p]: sorted(st) for p, st in to_dp0.items()}, "same": same,
-            "shapes_ok": shapes == full and len(shapes) == len(everywhere)}
-
-
-@pytest.mark.parametrize("zero", [0, 3])
-def test_param_states_gathered_to_dp_rank0_only(zero):
-    rank0, rank1 = run_ranks(_states_to_dp0, 2, zero, timeout=60)
-    assert rank0["same"] and rank0["received"] and rank1["received"] == {}  # rank 1 holds no full copy
-    assert set(rank0["received"]["word_embeddings.weight"]) == {"exp_avg", "exp_avg_sq", "master", "step"}
-    assert rank0["shapes_ok"] and rank1["shapes_ok"]  # shapes from the buckets, no gather needed
-
-
 # ---- (d) errors -----------------------------------------------------------------------------
 def test_load_errors_name_the_path(tmp_path):
     missing = str(tmp_path / "nowhere")

@@ -210,42 +210,26 @@ def test_save_and_load_time_and_files_are_per_rank(tmp_path):
     assert all(torch.equal(before[k], t) for k, t in opt.update.master.items())
 
 
-def _write_v1(d, iteration, chunks, opt, mesh, cfg):
-    """A checkpoint in the format earlier versions wrote (one torch file per (tp, pp) shard)."""
-    from megazero.checkpoint.format import (arch_of, layout_of, model_file, named_params, rng_file,
-                                            scheduler_of)
-    path = checkpoint_path(d, iteration)
-    os.makedirs(path)
-    states = opt.param_states()
-    params = {name: {"tensor_model_parallel": bool(getattr(p, "tensor_model_parallel", False)),
-                     "partition_dim": int(getattr(p, "partition_dim", -1)),
-                     "vocab_parallel": bool(getattr(p, "vocab_parallel", False)),
-                     "state": {k: v for k, v in states[p].items() if k != "step"}}
-              for name, p in named_params(chunks) if not getattr(p, "tied_copy", False)}
-    torch.save({"format": "megazero-checkpoint-v1", "tp_rank": 0, "tp_size": 1, "pp_rank": 0,
-                "padded_vocab_size": cfg.model.padded_vocab_size, "params": params},
-               os.path.join(path, model_file(0, 0)))
-    torch.save({"cpu": torch.get_rng_state(), "trackers": []}, os.path.join(path, rng_file(0, 0, 0)))
-    meta = {"format": "megazero-checkpoint-v1", "iteration": iteration, "extra": {"v": 1},
-            "optimizer": {"name": "adam", "state_names": ["exp_avg", "exp_avg_sq"], "step": 5,
-                          "skipped_steps": 0, "scaler": opt.scaler.state_dict()},
-            "scheduler": scheduler_of(cfg), "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
-            "padded_vocab_size": cfg.model.padded_vocab_size, "model_files": [model_file(0, 0)]}
-    json.dump(meta, open(os.path.join(path, "metadata.json"), "w"))
-    open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w").write(f"{iteration}\n")
+def _retag(d, iteration, fmt):
+    """Checkpoint ``iteration`` in ``d`` relabelled as format ``fmt`` (its metadata unsealed, as v1 wrote it)."""
+    path = os.path.join(checkpoint_path(d, iteration), "metadata.json")
+    meta = json.load(open(path))
+    meta.pop("checksum")
+    json.dump(dict(meta, format=fmt), open(path, "w"))
 
 
-def test_checkpoints_of_the_previous_format_still_load(tmp_path):
+@pytest.mark.parametrize("fmt,needle", [
+    ("megazero-checkpoint-v1", r"format 'megazero-checkpoint-v1' is not read by this version of megazero, which "
+                               r"reads 'megazero-checkpoint-v2'; megazero at commit 827a2fe"),
+    ("someone-elses-v3", r"not a megazero checkpoint \(metadata format 'someone-elses-v3', expected "
+                         r"'megazero-checkpoint-v2'\)")])
+def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path, fmt, needle):
     d = str(tmp_path)
-    cfg, mesh, chunks, opt = _build(_cfg())
-    expect = [t.clone() for t in opt.update.tensors()]
-    _write_v1(d, 3, chunks, opt, mesh, cfg)
-    with torch.no_grad():
-        for t in opt.update.tensors():
-            t.zero_()
-    info = load(d, chunks, opt, mesh, cfg)
-    assert info["iteration"] == 3 and info["extra"] == {"v": 1} and opt.step_count == 5
-    assert all(torch.equal(a, b) for a, b in zip(expect, opt.update.tensors()))
+    cfg, mesh, chunks, opt = _two_checkpoints(d)
+    _retag(d, 2, fmt)  # refused, never skipped for iteration 1: it is no damage
+    with pytest.raises(CheckpointError, match=needle) as err:
+        load(d, chunks, opt, mesh, cfg)
+    assert not isinstance(err.value, CheckpointCorrupt) and "iter_0000002" in str(err.value)
 
 
 def test_weights_only_checkpoint_is_v2_with_checksums_and_loads_fresh(tmp_path):

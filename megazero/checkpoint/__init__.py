@@ -30,8 +30,8 @@ Loading (:mod:`megazero.checkpoint.reader`, :mod:`megazero.checkpoint.assemble`)
 computes the element ranges of its new slice, maps them through the saved TP split and vocabulary
 padding to byte ranges of the saved shards, and reads only those (memory-mapped, each 4 MiB block
 checked against its CRC-32 once).  Nothing is committed until every rank has read and verified its
-part.  Checkpoints of format v1 (one torch file per (tp, pp) shard, written by earlier versions) still
-load.
+part.  ``metadata.json`` names the format (``megazero-checkpoint-v2``); a checkpoint in any other,
+including the ``megazero-checkpoint-v1`` of earlier versions, is refused with an error naming it.
 
 Integrity (:mod:`megazero.checkpoint.integrity`, :mod:`megazero.checkpoint.resolve`): a file that is
 missing, truncated or altered is named in the error; ``--load`` then falls back to the previous

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 FORMAT = "megazero-checkpoint-v2"  # per-rank data shards (megazero.checkpoint.shards)
-FORMAT_V1 = "megazero-checkpoint-v1"  # one torch file per (tp, pp) shard: still loaded
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 CONFIG = "config.json"
@@ -38,10 +37,6 @@ class CheckpointError(RuntimeError):
 def checkpoint_path(directory: str, iteration: int) -> str:
     """``DIR/iter_0000010``: the directory of one iteration's checkpoint."""
     return os.path.join(directory, f"iter_{iteration:07d}")
-
-
-def model_file(tp_rank: int, pp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
 
 
 def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:

@@ -1,9 +1,7 @@
 """Loading a checkpoint into any layout.
 
-Format v2 (per-rank data shards, :mod:`megazero.checkpoint.assemble`): each rank reads only the byte
-ranges of its new slice.  Format v1 (one torch file per (tp, pp) shard): reassemble each parameter
-over the saved TP shards, keep this rank's slice, hand the per-parameter state to the optimizer
-(which keeps its DP/ZeRO slice).  Either way a corrupt newest checkpoint makes :func:`load` fall
+Each rank reads only the byte ranges of its new slice from the per-rank data shards
+(:mod:`megazero.checkpoint.assemble`).  A corrupt newest checkpoint makes :func:`load` fall
 back to the previous complete one (:mod:`megazero.checkpoint.resolve`) unless an iteration was asked
 for (``--ckpt-step``).
 
@@ -22,13 +20,12 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, EMBEDDING, FORMAT_V1, SCHEDULER_FIELDS,
-                                        CheckpointError, agree, all_ok, arch_of, latest_iteration, layout_of,
-                                        named_params, on_rank0, read_json, rng_file, rng_trackers)
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, CheckpointError, agree, all_ok,
+                                        arch_of, latest_iteration, layout_of, on_rank0, read_json, rng_file,
+                                        rng_trackers)
 from megazero.checkpoint.integrity import CheckpointCorrupt, check_file
 from megazero.checkpoint.resolve import complete_iterations, resolve, resolve_here
 from megazero.checkpoint.shards import SavedShards
-from megazero.tensor_parallel.layers import pad_rows, shard
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
 
@@ -103,85 +100,6 @@ def _check_scheduler(meta: dict, cfg, path: str) -> None:
                               "--override-opt-param-scheduler to use this run's")
 
 
-def _open_model_files(path: str, meta: dict) -> Dict[str, Dict[int, dict]]:
-    """``name -> {saved tp rank: entry}`` over every model file (memory-mapped: read on use)."""
-    index: Dict[str, Dict[int, dict]] = {}
-    for fname in meta["model_files"]:
-        fpath = os.path.join(path, fname)
-        if not os.path.isfile(fpath):
-            raise CheckpointError(f"{path}: model file {fname} is missing")
-        payload = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
-        for name, entry in payload["params"].items():
-            index.setdefault(name, {})[payload["tp_rank"]] = entry
-    return index
-
-
-def _full(entries: Dict[int, dict], key: str, saved_tp: int, vocab: int, name: str,
-          path: str) -> torch.Tensor:
-    """One state tensor of a parameter, whole: saved TP pieces concatenated, vocab padding removed."""
-    first = entries[min(entries)]
-    if first["tensor_model_parallel"] and saved_tp > 1:
-        missing = [t for t in range(saved_tp) if t not in entries]
-        if missing:
-            raise CheckpointError(f"{path}: parameter {name} lacks the shards of tensor-parallel ranks "
-                                  f"{missing}")
-        t = torch.cat([entries[r]["state"][key] for r in range(saved_tp)], dim=first["partition_dim"])
-    else:
-        t = first["state"][key]
-    return t[:vocab] if first["vocab_parallel"] else t
-
-
-def _expected_full_shape(p, local_shape, mesh, cfg) -> Tuple[int, ...]:
-    shape = list(local_shape)
-    if getattr(p, "tensor_model_parallel", False):
-        shape[p.partition_dim] *= mesh.tp_size
-    if getattr(p, "vocab_parallel", False):
-        shape[0] = cfg.model.vocab_size
-    return tuple(shape)
-
-
-def _local(t: torch.Tensor, p, mesh, cfg) -> torch.Tensor:
-    """This rank's slice of a full (unpadded) tensor: vocabulary padded, TP-sharded.  May be a view
-    of the memory-mapped file: the optimizer copies it into its own storage."""
-    if getattr(p, "vocab_parallel", False):
-        t = pad_rows(t, cfg.model.padded_vocab_size)
-    if getattr(p, "tensor_model_parallel", False):
-        t = shard(t, mesh, p.partition_dim)
-    return t
-
-
-def _read_states(path: str, meta: dict, chunks, shapes, mesh, cfg, hint: str, load_optim: bool = True):
-    """Per-parameter states for this rank (``{param: {master, moments..., step}}``); without
-    ``load_optim`` the moments start at zero and the step at 0 (a fresh optimizer)."""
-    index = _open_model_files(path, meta)
-    saved_tp, vocab = meta["layout"]["tp"], meta["model"]["vocab_size"]
-    moments = _state_names(cfg)
-    step = torch.tensor(int(meta["optimizer"]["step"]) if load_optim else 0)
-    suffix = f" (model settings differ: {hint})" if hint else ""
-    states, frozen = {}, []
-    for name, p in named_params(chunks):
-        key = EMBEDDING if getattr(p, "tied_copy", False) else name
-        label = name if key == name else f"{name} (tied to {key})"
-        if key not in index:
-            raise CheckpointError(f"{path}: parameter {label} is not in the checkpoint{suffix}")
-        entries = index[key]
-        want = _expected_full_shape(p, shapes[id(p)], mesh, cfg)
-        master = _full(entries, "master", saved_tp, vocab, label, path)
-        if tuple(master.shape) != want:
-            raise CheckpointError(f"{path}: parameter {label} has shape {tuple(master.shape)} in the "
-                                  f"checkpoint but {want} in this model{suffix}")
-        if not p.requires_grad:
-            frozen.append((p, _local(master, p, mesh, cfg)))
-            continue
-        states[p] = {"master": _local(master, p, mesh, cfg), "step": step}
-        for k in moments:
-            states[p][k] = (_local(_full(entries, k, saved_tp, vocab, label, path), p, mesh, cfg) if load_optim
-                            else torch.zeros_like(states[p]["master"]))
-    if hint:  # every parameter fit, yet the model differs (e.g. fewer layers): refuse a partial load
-        raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
-    return states, frozen
-
-
 def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
     """This rank's saved generator states when the layout is unchanged (checked against the recorded
     size and checksum; a missing or damaged file is an error), else None."""
@@ -190,12 +108,9 @@ def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
     if comparable(meta["layout"]) != comparable(layout_of(cfg, mesh)):
         return None
     name = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
-    files = meta.get("files")
-    if files is not None and name not in files:
+    if name not in meta["files"]:
         raise CheckpointCorrupt(f"{path}: {name} is not in the checkpoint's file list")
-    fpath = check_file(path, name, files[name]) if files is not None else os.path.join(path, name)
-    if files is None and not os.path.isfile(fpath):
-        return None  # a v1 checkpoint without this rank's file: reseed
+    fpath = check_file(path, name, meta["files"][name])
     try:
         rng = torch.load(fpath, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - a damaged file is named, never a bare zip error
@@ -214,7 +129,7 @@ def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
         for t, state in zip(trackers, rng["trackers"]):
             t.set_state(state)
         return True
-    from megazero.tensor_parallel.random import RNGTracker, seed_default_generators
+    from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
     seed_default_generators(seed, mesh)
     for t in trackers:
@@ -235,25 +150,12 @@ def _read(path: str, meta: dict, chunks, optimizer, mesh, cfg, hint: str, load_o
     """Everything this rank needs from the checkpoint, read and verified, nothing committed yet:
     ``(apply, rng)`` where ``apply()`` commits the model and optimizer state (collective).  Without
     ``load_optim`` only the master weights are read; without ``load_rng`` no RNG file is read."""
-    def read_rng():
-        return _read_rng(path, meta, chunks, mesh, cfg) if load_rng else None
-    if meta["format"] == FORMAT_V1:
-        bucketed = optimizer.param_shapes()  # ZeRO-3 shards its parameters: full shapes from the buckets
-        shapes = {id(p): tuple(bucketed.get(p, p.shape)) for _, p in named_params(chunks)}
-        states, frozen = _read_states(path, meta, chunks, shapes, mesh, cfg, hint, load_optim)
-
-        def apply() -> None:
-            optimizer.load_param_states(states)  # keeps this rank's DP/ZeRO slice; parameters follow
-            with torch.no_grad():
-                for p, t in frozen:
-                    p.copy_(t)
-        return apply, read_rng()
     check_params(meta, chunks, optimizer, mesh, cfg, path, hint)
     keys = ["master"] + (_state_names(cfg) if load_optim else [])
     src = SavedShards(path, meta)
     try:
         verify_rank_state(src, chunks, optimizer, mesh, keys)
-        rng = read_rng()
+        rng = _read_rng(path, meta, chunks, mesh, cfg) if load_rng else None
     except BaseException:
         src.close()
         raise
@@ -339,8 +241,8 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     return info
 
 
-def _full_v2(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
-    """One parameter's whole fp32 master weight from v2 shards: saved TP pieces joined, vocabulary
+def _full_weight(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
+    """One parameter's whole fp32 master weight: saved TP pieces joined, vocabulary
     padding removed (every block read is checked against its CRC-32)."""
     info = src.params[name]
     shape = [int(s) for s in info["shape"]]
@@ -355,14 +257,9 @@ def _full_v2(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
 
 def _read_weights_at(path: str, meta: dict) -> Dict[str, torch.Tensor]:
     vocab = meta["model"]["vocab_size"]
-    if meta["format"] == FORMAT_V1:
-        index = _open_model_files(path, meta)
-        saved_tp = meta["layout"]["tp"]
-        return {name: _full(entries, "master", saved_tp, vocab, name, path).clone()
-                for name, entries in sorted(index.items())}
     src = SavedShards(path, meta)
     try:
-        return {name: _full_v2(src, name, vocab) for name in sorted(meta["params"])}
+        return {name: _full_weight(src, name, vocab) for name in sorted(meta["params"])}
     finally:
         src.close()
 

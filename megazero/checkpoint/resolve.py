@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from megazero.checkpoint.format import (CONFIG, FORMAT, FORMAT_V1, METADATA, TRACKER, CheckpointError,
+from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError,
                                         checkpoint_path, describe_foreign, latest_iteration, on_rank0)
 from megazero.checkpoint.integrity import CheckpointCorrupt, check_file, read_sealed_json
+
+RETIRED = {"megazero-checkpoint-v1": "827a2fe"}  # formats earlier versions wrote: the last commit reading each
 
 
 def complete_iterations(directory: str) -> List[int]:
@@ -32,11 +34,19 @@ def complete_iterations(directory: str) -> List[int]:
 def read_metadata(path: str) -> dict:
     """``path/metadata.json``, checked with the files it lists; raises :class:`CheckpointCorrupt`."""
     meta = read_sealed_json(os.path.join(path, METADATA))
-    if meta.get("format") not in (FORMAT, FORMAT_V1):
-        raise CheckpointError(f"{path}: not a megazero checkpoint (format {meta.get('format')!r})")
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(_unknown_format(path, meta.get("format")))
     for name, expected in sorted(meta.get("files", {}).items()):
         check_file(path, name, expected, read_bytes=(name == CONFIG))
     return meta
+
+
+def _unknown_format(path: str, found) -> str:
+    if found in RETIRED:
+        return (f"{path}: checkpoint format {found!r} is not read by this version of megazero, which reads "
+                f"{FORMAT!r}; megazero at commit {RETIRED[found]} (and earlier) reads it and saves {FORMAT!r}: "
+                "resume it there with --save NEW_DIR to convert it")
+    return f"{path}: not a megazero checkpoint (metadata format {found!r}, expected {FORMAT!r})"
 
 
 def _order(directory: str, iteration: Optional[int], flag: str = "--load") -> Tuple[List[int], List[str]]:

@@ -11,18 +11,17 @@ It composes four pieces, each in its own module:
   rank's slice, in host memory with ``--offload-optimizer``;
 - :mod:`megazero.zero.stage3`: under stage 3, gathering each unit's parameters just before use.
 
-Checkpoint state (layout-free per parameter, or the shard as is) is in :mod:`megazero.zero.state`.
+Checkpoints read and write the update's tensors in place (:mod:`megazero.checkpoint`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
-from megazero.zero import state as ckpt_state
 from megazero.zero.buffers import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
 from megazero.zero.param_gather import OverlappedParamGather
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
@@ -197,30 +196,15 @@ class ZeroOptimizer:
         finally:
             self.stage3.free_all()
 
-    # ---- checkpoint state (see megazero.zero.state) -------------------------------------
+    # ---- checkpoint state (megazero.checkpoint reads and writes the update's tensors) ----
     @property
     def state(self) -> Dict[int, Dict[str, torch.Tensor]]:
         """Optimizer moments per bucket index (this rank's slice)."""
         return self.update.state
 
-    def param_states(self, dst: Optional[int] = None):
-        """Layout-free state per parameter, gathered to DP rank ``dst`` (every DP rank when None)."""
-        return ckpt_state.param_states(self, dst)
-
-    def load_param_states(self, states) -> None:
-        """Inverse of :meth:`param_states` under any layout."""
-        ckpt_state.load_param_states(self, states)
-
     def param_shapes(self) -> Dict[torch.nn.Parameter, torch.Size]:
         """Every trainable parameter's full shape, from the bucket metadata (no gather under ZeRO-3)."""
         return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
-
-    def state_dict(self) -> Dict[str, object]:
-        """This rank's shard as is (same stage, DP size and layout to load)."""
-        return ckpt_state.shard_state_dict(self)
-
-    def load_state_dict(self, sd: Dict[str, object]) -> None:
-        ckpt_state.load_shard_state_dict(self, sd)
 
 
 def _bucket_values(b: Bucket, device) -> torch.Tensor:
