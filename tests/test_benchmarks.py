@@ -80,7 +80,7 @@ def test_bench_gpu_quick_runs_on_cpu():
     out = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert set(out["results"]) == {"megazero", "megazero + full recompute", "transformers GPT2LMHeadModel"}
     rec, plain = out["results"]["megazero + full recompute"], out["results"]["megazero"]
-    assert rec["loss"] == pytest.approx(plain["loss"], rel=1e-2)  # bf16: the same model, recomputed
+    assert rec["loss"] == plain["loss"]  # the same model and batch: recomputation changes no arithmetic
     assert rec["hw_tflops"] / rec["model_tflops"] > 1.2  # recomputation's extra forward is counted
 
 
