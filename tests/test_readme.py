@@ -1,0 +1,190 @@
+"""The commands in README.md and docs/*.md are written as the programs accept them.
+
+Every fenced ```bash block is read.  For each ``scripts/*.py`` or ``megazero-*`` command, every
+``--flag`` it passes must appear in that program's ``--help``.  For each shell script named
+(``scripts/*.sh``, ``launch/*.sh``, ``launch/*.sbatch``) the file must exist and parse
+(``bash -n``), and each ``--flag`` must be one the script handles itself (it appears in its text)
+or, for a script that hands its arguments to ``pretrain_gpt.py``, one ``pretrain_gpt.py --help``
+lists; after a ``--`` only the latter.  Nothing is run beyond ``--help`` and ``bash -n``.
+
+README.md and docs/usage.md are checked in the fast tier; the other pages, whose commands name
+the benchmark scripts, are marked slow.
+"""
+import configparser
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST_DOCS = ["README.md", "docs/usage.md"]
+OTHER_DOCS = sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                    if f.endswith(".md") and os.path.join("docs", f) not in FAST_DOCS)
+PRETRAIN = "scripts/pretrain_gpt.py"
+# console scripts (setup.cfg) and the checkout's script each one is
+CONSOLE = {"megazero-pretrain": PRETRAIN, "megazero-estimate-memory": "scripts/estimate_memory.py",
+           "megazero-plan": "scripts/plan.py"}
+# their --help lists their own flags and says that the model and layout flags are pretrain_gpt.py's
+TAKES_PRETRAIN_FLAGS = {"scripts/estimate_memory.py", "scripts/plan.py"}
+SEPARATORS = {"|", "||", "&&", ";", "&"}
+PY_SCRIPT = re.compile(r"(?:^|/)(scripts/[\w/]+\.py)$")
+SH_SCRIPT = re.compile(r"(?:^|/)((?:scripts|launch)/[\w/.-]+\.(?:sh|sbatch))$")
+
+_helps = {}
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+
+def help_texts(scripts):
+    """``--help`` of each script (run once per script, all at once, with this interpreter)."""
+    todo = sorted(set(scripts) - set(_helps))
+    procs = {s: subprocess.Popen([sys.executable, os.path.join(ROOT, s), "--help"], cwd=ROOT, env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in todo}
+    for s, p in procs.items():
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{s} --help exited with {p.returncode}:\n{out[-2000:]}"
+        _helps[s] = out
+    return {s: _helps[s] for s in scripts}
+
+
+def bash_blocks(text):
+    return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+
+
+def commands(block):
+    """Each command of a bash block as a token list (continuations joined, comments dropped)."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        tokens, current = shlex.split(line, comments=True), []
+        for t in tokens + [";"]:
+            if t in SEPARATORS:
+                if current:
+                    out.append(current)
+                current = []
+            else:
+                current.append(t)
+    return out
+
+
+def program(tokens):
+    """(kind, path, arguments) of the first megazero program in a command, or None."""
+    for i, t in enumerate(tokens):
+        if t in CONSOLE or t.startswith("megazero-"):
+            return "console", t, tokens[i + 1:]
+        m = PY_SCRIPT.search(t)
+        if m:
+            return "python", m.group(1), tokens[i + 1:]
+        m = SH_SCRIPT.search(t)
+        if m:
+            return "shell", m.group(1), tokens[i + 1:]
+    return None
+
+
+def flags(args):
+    return [a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2]
+
+
+def has_flag(text, flag):
+    return re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", text) is not None
+
+
+def documented_commands(doc):
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read()
+    found = []
+    for block in bash_blocks(text):
+        for tokens in commands(block):
+            prog = program(tokens)
+            if prog:
+                found.append((" ".join(tokens), *prog))
+    return found
+
+
+def console_scripts():
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
+    return {line.split("=")[0].strip() for line in lines if line.strip()}
+
+
+def problems(found):
+    """What is wrong with ``found`` (from :func:`documented_commands`): a list of messages."""
+    bad = []
+    declared = console_scripts()
+    scripts = {PRETRAIN}
+    for _, kind, path, _ in found:
+        if kind == "console" and path in CONSOLE:
+            scripts.add(CONSOLE[path])
+        elif kind == "python" and os.path.isfile(os.path.join(ROOT, path)):
+            scripts.add(path)
+    helps = help_texts(scripts)
+    for cmd, kind, path, args in found:
+        if kind == "console":
+            if path not in declared:
+                bad.append(f"{cmd}: {path} is not a console script in setup.cfg")
+                continue
+            if path not in CONSOLE:
+                bad.append(f"{cmd}: {path}: add it to CONSOLE in this test")
+                continue
+            path = CONSOLE[path]
+        full = os.path.join(ROOT, path)
+        if not os.path.isfile(full):
+            bad.append(f"{cmd}: {path} does not exist")
+            continue
+        if kind == "shell":
+            check = subprocess.run(["bash", "-n", full], capture_output=True, text=True)
+            if check.returncode != 0:
+                bad.append(f"{cmd}: bash -n {path}: {check.stderr.strip()}")
+            with open(full) as f:
+                own = f.read()
+            if "-m pytest" in own:
+                continue  # its arguments go to pytest
+            forwards = PRETRAIN in own
+            split = args.index("--") if "--" in args else len(args)
+            for i, arg in enumerate(args):
+                if not flags([arg]):
+                    continue
+                flag = flags([arg])[0]
+                own_flag = i < split and has_flag(own, flag)  # after "--" everything is pretrain_gpt.py's
+                if not (own_flag or forwards and has_flag(helps[PRETRAIN], flag)):
+                    bad.append(f"{cmd}: {path} does not take {flag}")
+            continue
+        text = helps[path] + (helps[PRETRAIN] if path in TAKES_PRETRAIN_FLAGS else "")
+        for flag in flags(args):
+            if not has_flag(text, flag):
+                bad.append(f"{cmd}: {flag} is not in {path} --help")
+    return bad
+
+
+@pytest.mark.parametrize("doc", FAST_DOCS)
+def test_commands_in_the_readme_and_usage_guide_match_the_programs(doc):
+    found = documented_commands(doc)
+    assert found, f"no commands found in {doc}"
+    assert problems(found) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", OTHER_DOCS)
+def test_commands_in_the_other_docs_match_the_programs(doc):
+    assert problems(documented_commands(doc)) == []
+
+
+def test_the_check_reads_the_readme_and_catches_a_wrong_flag():
+    found = {path for _, _, path, _ in documented_commands("README.md")}
+    assert {"scripts/demo.sh", "scripts/test.sh", PRETRAIN, "launch/run_local.sh"} <= found
+    block = ("python scripts/generate.py --load ckpt --no-such-flag 1   # comment --ignored\n"
+             "NPROC=2 launch/run_local.sh --max-restarts 1 -- --max-restarts 2 \\\n    --mock-data\n"
+             "bash scripts/no_such_script.sh\n")
+    found = [(" ".join(t), *program(t)) for t in commands(block)]
+    assert problems(found) == [
+        "python scripts/generate.py --load ckpt --no-such-flag 1: --no-such-flag is not in "
+        "scripts/generate.py --help",
+        "NPROC=2 launch/run_local.sh --max-restarts 1 -- --max-restarts 2 --mock-data: "
+        "launch/run_local.sh does not take --max-restarts",
+        "bash scripts/no_such_script.sh: scripts/no_such_script.sh does not exist",
+    ]
