@@ -161,6 +161,36 @@ def problems(found):
     return bad
 
 
+def slug(heading):
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def prose(path):
+    """A markdown file without its fenced blocks."""
+    with open(path) as f:
+        return re.sub(r"^```.*?^```", "", f.read(), flags=re.S | re.M)
+
+
+def test_links_between_the_docs_reach_a_file_and_heading():
+    bad = []
+    for doc in FAST_DOCS + OTHER_DOCS:
+        text = prose(os.path.join(ROOT, doc))
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path)) if path else \
+                os.path.join(ROOT, doc)
+            if not os.path.exists(full):
+                bad.append(f"{doc}: {target}: no such file")
+            elif anchor:
+                headings = {slug(h) for h in re.findall(r"^#+ (.*)$", prose(full), re.M)}
+                if anchor not in headings:
+                    bad.append(f"{doc}: {target}: no such heading")
+    assert bad == []
+
+
 @pytest.mark.parametrize("doc", FAST_DOCS)
 def test_commands_in_the_readme_and_usage_guide_match_the_programs(doc):
     found = documented_commands(doc)
