@@ -81,7 +81,7 @@ optimizer and schedule, the generators of this run's start-up), ``--no-load-opti
 optimizer and loss scaler; iteration and data position continue; the schedule settings are not
 compared), ``--no-load-rng`` (reseeded as above), ``--ckpt-step`` (an iteration other than the
 latest; no fallback to an older one then).  A directory in another format is named
-(:func:`~megazero.checkpoint.format.describe_foreign`): a Hugging Face directory, one ``iter_*``
+(:func:`~megazero.checkpoint.resolve.describe_foreign`): a Hugging Face directory, one ``iter_*``
 directory, a Megatron-LM checkpoint.
 
 API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
@@ -89,13 +89,23 @@ collective (every rank calls them); :func:`latest_iteration` reads the tracker; 
 :func:`read_weights` (every full fp32 weight, any layout, no model, checksums verified) and
 :func:`saved_config` run in one process.  Errors are :class:`CheckpointError`
 (:class:`CheckpointCorrupt` for damaged files).
+
+Modules, each importing only those before it: :mod:`~megazero.checkpoint.errors` (the error
+classes), :mod:`~megazero.checkpoint.format` (file names, what the metadata records about model,
+layout and schedule), :mod:`~megazero.checkpoint.integrity` (checksums, durable writes),
+:mod:`~megazero.checkpoint.comm` (the collectives that make every rank agree),
+:mod:`~megazero.checkpoint.resolve` (which checkpoint to load; foreign directories named),
+:mod:`~megazero.checkpoint.lock`, :mod:`~megazero.checkpoint.shards`,
+:mod:`~megazero.checkpoint.assemble`, :mod:`~megazero.checkpoint.reader`,
+:mod:`~megazero.checkpoint.writer`.
 """
-from megazero.checkpoint.format import (CheckpointError, checkpoint_path, latest_iteration,  # noqa: F401
-                                        saved_config)
-from megazero.checkpoint.integrity import CheckpointCorrupt  # noqa: F401
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError  # noqa: F401
+from megazero.checkpoint.format import checkpoint_path  # noqa: F401
 from megazero.checkpoint.lock import SaveLock  # noqa: F401
 from megazero.checkpoint.reader import load, read_weights, resume_iteration  # noqa: F401
+from megazero.checkpoint.resolve import latest_iteration, saved_config  # noqa: F401
 from megazero.checkpoint.writer import check_save_dir, save, save_weights  # noqa: F401
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "SaveLock", "check_save_dir", "checkpoint_path",
-           "latest_iteration", "load", "read_weights", "resume_iteration", "save", "save_weights", "saved_config"]
+           "latest_iteration", "load", "read_weights", "resume_iteration", "save", "save_weights",
+           "saved_config"]

@@ -5,7 +5,7 @@ For every bucket this rank updates (its DP/ZeRO slice under the new layout) and 
 (:func:`megazero.checkpoint.shards.fill_range`: only the byte ranges needed, memory-mapped, each
 4 MiB block checked against its CRC-32 once).  Two passes over the same mapped bytes:
 :func:`verify_rank_state` checks every block and that every element is present, copying nothing;
-only when every rank has passed (:func:`megazero.checkpoint.format.agree`) does
+only when every rank has passed (:func:`megazero.checkpoint.comm.agree`) does
 :func:`load_rank_state` copy the values straight into the optimizer's own tensors (through one
 bucket-sized staging buffer when they live on a GPU) and republish the parameters bucket by bucket.
 A corrupt checkpoint therefore leaves the model untouched (``load`` can fall back to an older one),
@@ -18,7 +18,8 @@ from typing import List
 import numpy as np
 import torch
 
-from megazero.checkpoint.format import EMBEDDING, CheckpointError, named_params
+from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.format import EMBEDDING, named_params
 from megazero.checkpoint.shards import SavedShards, fill_range, full_shape, param_info
 
 
@@ -82,8 +83,8 @@ def verify_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]
             _fill_bucket(src, b, names, shapes, mesh, keys, lo, hi, {k: _sink(hi - lo) for k in keys})
             src.release()  # the mapped pages of this bucket leave this process's memory
         for name, p in _frozen(chunks, shapes):
-            fill_range(src, saved_name(name, p), "master", param_info(p, p.shape, mesh.pp_rank), mesh.tp_rank, 0,
-                       _sink(p.numel()))
+            info = param_info(p, p.shape, mesh.pp_rank)
+            fill_range(src, saved_name(name, p), "master", info, mesh.tp_rank, 0, _sink(p.numel()))
     finally:
         src.verify_only = False
 
@@ -115,6 +116,6 @@ def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) 
     with torch.no_grad():
         for name, p in _frozen(chunks, shapes):
             values = np.empty(p.numel(), dtype=np.float32)
-            fill_range(src, saved_name(name, p), "master", param_info(p, p.shape, mesh.pp_rank), mesh.tp_rank, 0,
-                       values)
+            info = param_info(p, p.shape, mesh.pp_rank)
+            fill_range(src, saved_name(name, p), "master", info, mesh.tp_rank, 0, values)
             p.copy_(torch.from_numpy(values).view(p.shape))

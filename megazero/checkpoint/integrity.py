@@ -1,4 +1,5 @@
-"""Checksums and sizes: every checkpoint file is recorded in ``metadata.json`` and checked on load.
+"""Checksums, sizes and durable writes: every checkpoint file is written to disk before it counts,
+recorded in ``metadata.json`` and checked on load.
 
 * data shards (``shard_*.bin``) carry a CRC-32 per block of ``BLOCK`` bytes in their index, so a
   rank that reads a few byte ranges verifies just the blocks under them;
@@ -6,7 +7,9 @@
   ``metadata.json``; ``metadata.json`` holds the CRC-32 of its own content;
 * a file that is missing, of the wrong size, or whose bytes do not match raises
   :class:`CheckpointCorrupt` naming it, and ``--load`` falls back to the previous complete
-  checkpoint.
+  checkpoint;
+* files are flushed to disk (``fsync``) before the directory entries that name them, and the
+  directory entries before a rename or the tracker (:func:`write_bytes_durably`, :func:`fsync_dir`).
 """
 from __future__ import annotations
 
@@ -15,13 +18,9 @@ import os
 import zlib
 from typing import Dict
 
-from megazero.checkpoint.format import CheckpointError
+from megazero.checkpoint.errors import CheckpointCorrupt
 
 BLOCK = 4 << 20  # bytes per checksummed block of a data shard
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint file is missing, truncated or altered (the message names it)."""
 
 
 def crc32_bytes(data, crc: int = 0) -> int:
@@ -76,3 +75,31 @@ def read_sealed_json(path: str) -> dict:
     if "checksum" in meta and seal(meta)["checksum"] != meta["checksum"]:
         raise CheckpointCorrupt(f"{path}: checksum mismatch (the file's content changed after it was saved)")
     return meta
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renames) durable, where supported."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path: str, write) -> None:
+    """``write(fh)`` into ``path``, flushed to disk before returning."""
+    with open(path, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_json(path: str, obj) -> None:
+    write_bytes_durably(path, lambda fh: fh.write(json.dumps(obj, indent=1, sort_keys=True).encode()))
+
+
+def read_json(path: str):
+    with open(path) as fh:
+        return json.load(fh)

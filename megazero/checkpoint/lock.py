@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Optional
 
-from megazero.checkpoint.format import CheckpointError
+from megazero.checkpoint.errors import CheckpointError
 
 LOCK = ".megazero.lock"
 

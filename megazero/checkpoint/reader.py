@@ -20,12 +20,14 @@ import numpy as np
 import torch
 
 from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, CheckpointError, agree, all_ok,
-                                        arch_of, latest_iteration, layout_of, on_rank0, read_json, rng_file,
+from megazero.checkpoint.comm import agree, all_ok, on_rank0
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, arch_of, layout_of, rng_file,
                                         rng_trackers)
-from megazero.checkpoint.integrity import CheckpointCorrupt, check_file
-from megazero.checkpoint.resolve import complete_iterations, resolve, resolve_here
+from megazero.checkpoint.integrity import check_file, read_json
+from megazero.checkpoint.resolve import complete_iterations, latest_iteration, resolve, resolve_here
 from megazero.checkpoint.shards import SavedShards
+from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
 
@@ -34,7 +36,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def resume_iteration(load_dir: str, save_dir: Optional[str], mesh, iteration: Optional[int] = None) -> Optional[int]:
+def resume_iteration(load_dir: str, save_dir: Optional[str], mesh,
+                     iteration: Optional[int] = None) -> Optional[int]:
     """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
     ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
     yet.  Decided by global rank 0 and shared with every rank (collective); any other missing or
@@ -93,7 +96,8 @@ def _check_scheduler(meta: dict, cfg, path: str) -> None:
     for k in SCHEDULER_FIELDS:
         if k in saved and saved[k] != getattr(cfg.optimizer, k):
             note = " (it defaults to --train-iters)" if cfg.is_filled(k) else ""
-            diffs.append(f"{_flag(k)} {saved[k]} in the checkpoint, {getattr(cfg.optimizer, k)} in this run{note}")
+            mine = getattr(cfg.optimizer, k)
+            diffs.append(f"{_flag(k)} {saved[k]} in the checkpoint, {mine} in this run{note}")
     if diffs:
         raise CheckpointError(f"{path}: the learning-rate schedule differs from the checkpoint's: "
                               f"{'; '.join(diffs)}. Resume with the checkpoint's values, or pass "
@@ -129,7 +133,6 @@ def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
         for t, state in zip(trackers, rng["trackers"]):
             t.set_state(state)
         return True
-    from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
     seed_default_generators(seed, mesh)
     for t in trackers:
@@ -281,7 +284,8 @@ def read_weights(directory: str, iteration: Optional[int] = None,
         except CheckpointError as err:
             if not damaged:
                 raise
-            raise CheckpointCorrupt(f"{flag} {directory}: no usable checkpoint: {'; '.join(damaged)}") from err
+            tried = "; ".join(damaged)
+            raise CheckpointCorrupt(f"{flag} {directory}: no usable checkpoint: {tried}") from err
         try:
             return path, meta, read_json(os.path.join(path, CONFIG)), _read_weights_at(path, meta)
         except CheckpointCorrupt as err:

@@ -7,17 +7,38 @@ directory, newest first (with a warning).  A candidate is usable when its ``meta
 intact (its own checksum), of a known format, and every file it lists is there with the recorded
 size (``config.json`` also by checksum); deeper checks (block checksums of the data) happen while
 the ranks read, and :func:`megazero.checkpoint.load` moves on to the next candidate when they fail.
+
+A directory in another format is named, with what to run instead (:func:`describe_foreign`): a
+Hugging Face directory, one ``iter_*`` directory, a Megatron-LM checkpoint, a checkpoint of a
+format this version no longer reads.  :func:`saved_config` reads the configuration of the
+checkpoint :func:`resolve_here` picks, in one process.
 """
 from __future__ import annotations
 
 import os
 from typing import List, Optional, Sequence, Tuple
 
-from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError,
-                                        checkpoint_path, describe_foreign, latest_iteration, on_rank0)
-from megazero.checkpoint.integrity import CheckpointCorrupt, check_file, read_sealed_json
+from megazero.checkpoint.comm import on_rank0
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from megazero.checkpoint.format import CONFIG, FORMAT, METADATA, TRACKER, checkpoint_path
+from megazero.checkpoint.integrity import check_file, read_json, read_sealed_json
 
-RETIRED = {"megazero-checkpoint-v1": "827a2fe"}  # formats earlier versions wrote: the last commit reading each
+# formats earlier versions wrote, and the last commit that reads each
+RETIRED = {"megazero-checkpoint-v1": "827a2fe"}
+CONVERT = "python scripts/convert_hf.py --direction to-megazero --input {src} --output CKPT_DIR"
+
+
+def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration in ``DIR/latest_checkpointed_iteration.txt``, or None without a tracker."""
+    path = os.path.join(directory, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        text = fh.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
 def complete_iterations(directory: str) -> List[int]:
@@ -25,8 +46,8 @@ def complete_iterations(directory: str) -> List[int]:
     found = set()
     for name in os.listdir(directory):
         stem = name[:-len(".old")] if name.endswith(".old") else name
-        if stem.startswith("iter_") and stem[5:].isdigit() and os.path.isfile(os.path.join(directory, name,
-                                                                                              METADATA)):
+        complete = os.path.isfile(os.path.join(directory, name, METADATA))
+        if stem.startswith("iter_") and stem[5:].isdigit() and complete:
             found.add(int(stem[5:]))
     return sorted(found, reverse=True)
 
@@ -44,9 +65,35 @@ def read_metadata(path: str) -> dict:
 def _unknown_format(path: str, found) -> str:
     if found in RETIRED:
         return (f"{path}: checkpoint format {found!r} is not read by this version of megazero, which reads "
-                f"{FORMAT!r}; megazero at commit {RETIRED[found]} (and earlier) reads it and saves {FORMAT!r}: "
-                "resume it there with --save NEW_DIR to convert it")
+                f"{FORMAT!r}; megazero at commit {RETIRED[found]} (and earlier) reads it and saves "
+                f"{FORMAT!r}: resume it there with --save NEW_DIR to convert it")
     return f"{path}: not a megazero checkpoint (metadata format {found!r}, expected {FORMAT!r})"
+
+
+def describe_foreign(directory: str) -> Optional[str]:
+    """What a directory without a megazero tracker holds, and what to run instead; None when it is
+    nothing recognisable."""
+    def has(*names) -> bool:
+        return all(os.path.exists(os.path.join(directory, n)) for n in names)
+    if not os.path.isdir(directory):
+        return None
+    if has(METADATA) and os.path.basename(os.path.normpath(directory)).startswith("iter_"):
+        parent = os.path.dirname(os.path.normpath(directory)) or "."
+        return (f"{directory} is one iteration of a megazero checkpoint; pass its parent directory: --load "
+                f"{parent} (add --ckpt-step N for an iteration other than the latest)")
+    if has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json")
+                               or has("pytorch_model.bin")):
+        return (f"{directory} is a Hugging Face model directory; convert it to a checkpoint first: "
+                + CONVERT.format(src=directory) + ", then train with --load CKPT_DIR --finetune "
+                "--use-checkpoint-args")
+    if has("model.pt", "config.json"):
+        return (f"{directory} holds a single-file megazero export (model.pt), not a training checkpoint; "
+                "export it to Hugging Face with scripts/convert_hf.py --direction to-hf and convert that "
+                "back with --direction to-megazero")
+    names = os.listdir(directory)
+    if any(n.startswith("iter_") for n in names) and not any(n.startswith(TRACKER) for n in names):
+        return f"{directory} has iter_* directories but no {TRACKER}; it was not written by megazero"
+    return None
 
 
 def _order(directory: str, iteration: Optional[int], flag: str = "--load") -> Tuple[List[int], List[str]]:
@@ -91,14 +138,14 @@ def resolve_here(directory: str, iteration: Optional[int] = None, skip: Sequence
     problems, corrupt = [], True
     for it in (i for i in order if i not in skip):
         path = checkpoint_path(directory, it)
-        if not os.path.isfile(os.path.join(path, METADATA)) and os.path.isfile(os.path.join(path + ".old",
-                                                                                             METADATA)):
+        interrupted = os.path.isfile(os.path.join(path + ".old", METADATA))
+        if not os.path.isfile(os.path.join(path, METADATA)) and interrupted:
             path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
         if not os.path.isfile(os.path.join(path, METADATA)):
             if _megatron_lm(path):
-                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which megazero "
-                                      "cannot read; export it to Hugging Face with Megatron-LM's converter and "
-                                      "use scripts/convert_hf.py --direction to-megazero")
+                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which "
+                                      "megazero cannot read; export it to Hugging Face with Megatron-LM's "
+                                      "converter and use scripts/convert_hf.py --direction to-megazero")
             problems.append(f"checkpoint {path} is missing or incomplete (no {METADATA})")
             corrupt = False
             continue
@@ -114,3 +161,23 @@ def resolve_here(directory: str, iteration: Optional[int] = None, skip: Sequence
 def resolve(directory: str, iteration: Optional[int], mesh, skip: Sequence[int] = ()):
     """:func:`resolve_here` on global rank 0, shared with every rank (collective)."""
     return tuple(on_rank0(lambda: resolve_here(directory, iteration, skip), mesh))
+
+
+def saved_config(directory: str, iteration: Optional[int] = None) -> Optional[dict]:
+    """The whole configuration (``config.json``) of a checkpoint, or None when ``directory`` does not
+    exist or holds no checkpoint yet.  Raises :class:`CheckpointError` for a directory in another
+    format (naming what it is)."""
+    if not os.path.isdir(directory):
+        return None
+    if iteration is None and not complete_iterations(directory):
+        try:
+            tracked = latest_iteration(directory)
+        except CheckpointError:
+            tracked = -1  # a garbled tracker: resolve_here explains
+        if tracked is None:
+            foreign = describe_foreign(directory)
+            if foreign:
+                raise CheckpointError(f"--load {directory}: not a megazero checkpoint directory: {foreign}")
+            return None
+    path, _, _ = resolve_here(directory, iteration)
+    return read_json(os.path.join(path, CONFIG))

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from megazero.checkpoint.format import CheckpointError, write_bytes_durably
-from megazero.checkpoint.integrity import BLOCK, CheckpointCorrupt, check_file, crc32_bytes, describe_file
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from megazero.checkpoint.integrity import BLOCK, check_file, crc32_bytes, describe_file, write_bytes_durably
 
 SHARD_FORMAT = "megazero-shard-v1"
 
@@ -153,7 +153,8 @@ def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: in
     params[name] = param_info(p, p.shape, pp_rank)
 
 
-def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh, run_id: str) -> Dict[str, dict]:
+def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh,
+                 run_id: str) -> Dict[str, dict]:
     """Write the shard's index (entries, block checksums) durably; ``{file: size/crc}`` of both files."""
     index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.tp_rank, "pp": mesh.pp_rank,
              "dp": mesh.dp_rank, "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
@@ -296,7 +297,8 @@ def full_shape(info: dict, tp_size: int, vocab: Optional[int]) -> Tuple[int, ...
 ROWS_AT_ONCE = 1 << 22  # elements per step when columns are re-split (bounds the temporary)
 
 
-def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, lo: int, out: np.ndarray) -> None:
+def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, lo: int,
+               out: np.ndarray) -> None:
     """``out`` (float32, numpy) = elements ``[lo, lo + out.size)`` of this rank's TP-local tensor of
     ``name`` under the new layout ``new`` (:func:`param_info` of this run's parameter)."""
     saved = src.params[name]

@@ -10,10 +10,11 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, CheckpointError, agree, arch_of,
-                                        checkpoint_path, fsync_dir, layout_of, named_params, on_rank0,
-                                        rng_file, rng_trackers, scheduler_of, write_bytes_durably, write_json)
-from megazero.checkpoint.integrity import describe_file, seal
+from megazero.checkpoint.comm import agree, on_rank0
+from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, arch_of, checkpoint_path,
+                                        layout_of, named_params, rng_file, rng_trackers, scheduler_of)
+from megazero.checkpoint.integrity import describe_file, fsync_dir, seal, write_bytes_durably, write_json
 from megazero.checkpoint.lock import SaveLock
 from megazero.checkpoint.shards import write_rank_shard, write_weights_shard
 
@@ -228,7 +229,8 @@ def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: O
             files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
             meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,
                     "extra": dict(extra or {}), "run_id": lock.run_id,
-                    "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None},
+                    "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0,
+                                  "scaler": None},
                     "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
                     "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
                     "torch_version": torch.__version__}

@@ -12,7 +12,10 @@ import json
 from dataclasses import fields
 from typing import Any, Dict, Optional, Sequence
 
-from megazero.config import megatron
+from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.format import CHECKPOINT_ARGS
+from megazero.checkpoint.resolve import saved_config
+from megazero.config.megatron import add_flags, translate
 from megazero.config.sections import SECTIONS, ConfigError, MegazeroConfig, field_index, flag_of
 
 
@@ -29,7 +32,7 @@ def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.Argument
         for f in fields(cls):
             if not f.metadata.get("derived"):
                 group.add_argument(flag_of(f), **_argparse_kwargs(f))
-    megatron.add_flags(p)
+    add_flags(p)
     return p
 
 
@@ -93,7 +96,6 @@ def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Op
 def _checkpoint_model_args(settings: Dict[str, Any]) -> Dict[str, Any]:
     """``--use-checkpoint-args``: the architecture settings of the ``--load`` checkpoint (none when
     the directory holds no checkpoint yet: the load itself then decides)."""
-    from megazero.checkpoint.format import CHECKPOINT_ARGS, CheckpointError, saved_config
     if not settings.get("load"):
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model's "
                           "architecture from)")
@@ -147,7 +149,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     if "config" in ns:
         settings.update(_load_file(ns.pop("config")))
     settings.update(ns)
-    settings, notes = megatron.translate(settings, set(ns))
+    settings, notes = translate(settings, set(ns))
     cfg = config_from_dict(settings, presets)
     cfg.notes = tuple(notes)
     return validate(cfg, world_size) if validate_now else cfg

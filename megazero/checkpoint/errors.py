@@ -1,0 +1,12 @@
+"""The checkpoint errors; every other checkpoint module may import them (this one imports only the
+shared base, :class:`megazero.errors.MegazeroError`)."""
+from megazero.errors import MegazeroError
+
+
+class CheckpointError(MegazeroError, RuntimeError):
+    """A checkpoint that cannot be written or loaded; the message names the path or parameter.
+    Raised alike on every rank (the collectives of :mod:`megazero.checkpoint.comm` see to it)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is missing, truncated or altered (the message names it)."""

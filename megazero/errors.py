@@ -1,0 +1,29 @@
+"""The base class of the errors megazero expects, each carrying how it ends a run.
+
+The subsystems derive their errors from :class:`MegazeroError` (``ConfigError``,
+``CheckpointError``, ``LossScaleError``, the resilience errors), so
+:mod:`megazero.resilience.errors` reports any of them from its ``kind`` alone, without importing
+the subsystem that raised it.  This module imports nothing.
+
+Kinds:
+
+* ``"config"``: an invalid setting, raised alike on every rank; global rank 0 prints it and the
+  exit status is 2;
+* ``"everywhere"``: raised alike on every rank (a checkpoint problem, a diverged run); global rank
+  0 prints it, the exit status is 1;
+* ``"local"``: seen by one rank only (a collective that timed out, bad data in this rank's batch);
+  that rank prints it, prefixed with its rank.
+
+Any other exception is a bug and keeps its traceback.
+"""
+
+CONFIG = "config"
+EVERYWHERE = "everywhere"
+LOCAL = "local"
+
+
+class MegazeroError(Exception):
+    """An expected failure that ends the run with one message and no traceback; ``kind`` (a class
+    attribute) says which rank reports it and with which exit status."""
+
+    kind = EVERYWHERE
