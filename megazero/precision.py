@@ -29,8 +29,10 @@ from typing import Dict
 
 import torch
 
+from megazero.errors import MegazeroError
 
-class LossScaleError(RuntimeError):
+
+class LossScaleError(MegazeroError, RuntimeError):
     """The dynamic loss scale fell below ``--min-loss-scale``: training has diverged."""
 
 

@@ -1,6 +1,7 @@
 """Operations at scale: bounded waits, preemption and time limits, crash recovery, numerical faults,
 one message per failure.  Unit tests first; end-to-end runs of pretrain_gpt.py under torchrun are
 marked slow (each a few seconds of tiny training on gloo, every process killed in ``finally``)."""
+import ast
 import json
 import os
 import re
@@ -134,6 +135,28 @@ def test_one_report_per_failure(capsys):
     except KeyError as bug:
         assert report_failure(bug, rank=2, world_size=4, wait=0) == 1
     assert "Traceback" in capsys.readouterr().err  # a bug keeps its traceback
+
+
+def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(capsys):
+    """The reporter goes by each class's ``kind`` (megazero.errors), so it needs none of the
+    subsystems that raise them: megazero.resilience imports no config, checkpoint or precision."""
+    from megazero.checkpoint import CheckpointCorrupt
+    from megazero.precision import LossScaleError
+    from megazero.resilience import DataError
+    assert report_failure(LossScaleError("diverged"), rank=0, world_size=1, wait=0) == 1
+    assert report_failure(CheckpointCorrupt("x.bin: checksum"), rank=0, world_size=1, wait=0) == 1
+    assert report_failure(DataError("token 7 out of range"), rank=1, world_size=2, wait=0) == 1
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: diverged\npretrain_gpt.py: error: x.bin: checksum\n"
+                                       "pretrain_gpt.py: error: rank 1: token 7 out of range\n")
+    imported, package = set(), os.path.join(ROOT, "megazero", "resilience")
+    for name in (n for n in os.listdir(package) if n.endswith(".py")):
+        for node in ast.walk(ast.parse(open(os.path.join(package, name)).read())):  # inside functions too
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+    assert not {m for m in imported if m.split(".")[:2] in (["megazero", "config"], ["megazero", "checkpoint"],
+                                                            ["megazero", "precision"])}
 
 
 # ---- numerical faults, in process ---------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Errors that end a run with one clear message, and how a rank reports them.
 
-A failure is reported once, without a traceback, when it is one of the expected kinds:
+A failure is reported once, without a traceback, when it is a
+:class:`~megazero.errors.MegazeroError`; its class's ``kind`` says how (this module imports none of
+the subsystems that raise them):
 
-* raised identically on every rank (a bad flag, a checkpoint problem, a diverged run): global
-  rank 0 prints it; every other rank stays silent and waits (bounded) for its launcher to end it,
-  so that ``torchrun`` never kills rank 0 before rank 0 has printed;
-* seen by one rank only (a collective that timed out, a peer that vanished, bad data in this
-  rank's batch): that rank prints it, prefixed with its rank.
+* raised identically on every rank (``config``: a bad flag; ``everywhere``: a checkpoint problem,
+  a diverged run): global rank 0 prints it; every other rank stays silent and waits (bounded) for
+  its launcher to end it, so that ``torchrun`` never kills rank 0 before rank 0 has printed;
+* seen by one rank only (``local``: a collective that timed out, a peer that vanished, bad data in
+  this rank's batch): that rank prints it, prefixed with its rank.
 
 Anything else is a bug and keeps its full traceback.
 """
@@ -18,16 +20,16 @@ import time
 import traceback
 from typing import Optional, TextIO
 
+from megazero.errors import CONFIG, EVERYWHERE, LOCAL, MegazeroError
+
 CONFIG_EXIT = 2
 FAILURE_EXIT = 1
 WAIT_FOR_RANK0 = 60.0  # seconds a silent rank waits for its launcher (torchrun ends it once rank 0 exits)
 
 
-class FatalError(RuntimeError):
-    """Stops the run with one message and no traceback.  ``everywhere``: every rank raises the same
-    message (rank 0 reports it); otherwise the rank that raised it reports it."""
-
-    everywhere = True
+class FatalError(MegazeroError, RuntimeError):
+    """Stops the run with one message and no traceback; every rank raises the same message (rank 0
+    reports it) unless the subclass's ``kind`` is ``local`` (the rank that raised it reports it)."""
 
 
 class NumericalError(FatalError):
@@ -37,27 +39,18 @@ class NumericalError(FatalError):
 class CollectiveError(FatalError):
     """A collective or point-to-point operation timed out or lost its peer (this rank's view)."""
 
-    everywhere = False
+    kind = LOCAL
 
 
 class DataError(FatalError, ValueError):
     """The data this rank read is unusable (e.g. a token id outside the vocabulary)."""
 
-    everywhere = False
+    kind = LOCAL
 
 
 def _kind(err: BaseException) -> str:
-    """``config``, ``everywhere``, ``local`` or ``bug``."""
-    from megazero.config import ConfigError
-    if isinstance(err, ConfigError):
-        return "config"
-    if isinstance(err, FatalError):
-        return "everywhere" if err.everywhere else "local"
-    from megazero.checkpoint import CheckpointError
-    from megazero.precision import LossScaleError
-    if isinstance(err, (CheckpointError, LossScaleError)):
-        return "everywhere"
-    return "bug"
+    """``config``, ``everywhere``, ``local`` (:mod:`megazero.errors`) or ``bug``."""
+    return err.kind if isinstance(err, MegazeroError) else "bug"
 
 
 def rank_of_env() -> int:
@@ -74,16 +67,16 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
     stream = sys.stderr if stream is None else stream
     kind = _kind(err)
-    code = CONFIG_EXIT if kind == "config" else FAILURE_EXIT
+    code = CONFIG_EXIT if kind == CONFIG else FAILURE_EXIT
     if kind == "bug":
         lines = traceback.format_exception(type(err), err, err.__traceback__)
         stream.write(f"[rank {rank}] " + "".join(lines))
-    elif kind == "local":
+    elif kind == LOCAL:
         stream.write(f"{prog}: error: rank {rank}: {err}\n")
     elif rank == 0:
         stream.write(f"{prog}: error: {err}\n")
     stream.flush()
-    if kind in ("config", "everywhere") and rank != 0 and world > 1 and wait > 0:
+    if kind in (CONFIG, EVERYWHERE) and rank != 0 and world > 1 and wait > 0:
         _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0))
     return code
 
