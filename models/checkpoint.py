@@ -34,9 +34,8 @@ def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[P
     mesh = mesh or ParallelMesh.single()
     path, meta, saved, weights = read_weights(directory, iteration, flag)
     settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.tp_size,
-                    pipeline_model_parallel_size=1, mock_data=True,
-                    seed=saved.get("training", {}).get("seed", 1234))
-    cfg = validate(config_from_dict(settings), mesh.world_size)
+                    pipeline_model_parallel_size=1, seed=saved.get("training", {}).get("seed", 1234))
+    cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)
     model = build_model(cfg, mesh)
     load_full_state_dict(model, weights)
     model.eval()

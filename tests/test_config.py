@@ -127,6 +127,18 @@ def test_no_data_source():
         parse_args(["--num-layers", "2"], world_size=1)
 
 
+def test_a_layout_check_needs_no_data():
+    """check_data=False (a model to load weights into, a planned layout) skips the data settings only."""
+    layout = config_from_dict({"num_layers": 2, "tensor_model_parallel_size": 2})
+    assert not validate(layout, world_size=2, check_data=False).data.mock_data
+    with pytest.raises(ConfigError, match="no training data: pass --mock-data"):
+        validate(layout, world_size=2)
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+        validate(config_from_dict({"tensor_model_parallel_size": 3}), world_size=3, check_data=False)
+    with pytest.raises(ConfigError, match="--mock-data and --data-path are exclusive"):
+        validate(config_from_dict({"mock_data": True, "data_path": ["x"]}), world_size=1)
+
+
 def test_hidden_not_divisible_by_tp():
     cfg = config_from_dict({"mock_data": True, "hidden_size": 98, "num_attention_heads": 4,
                             "kv_channels": 32, "tensor_model_parallel_size": 4})

@@ -4,7 +4,9 @@
 with the pure function :func:`derive`, and returns a resolved copy.  Each section has one small
 check; a rule that belongs to another module (the pipeline split, the schedule's micro-batch rule,
 the ZeRO stages, the rank order) is checked by that module and its ValueError becomes a
-:class:`ConfigError` that names the flag.
+:class:`ConfigError` that names the flag.  The data settings are checked only for a run that
+reads data (``check_data``): a model built to load weights into, or a layout the planner weighs,
+needs no dataset.
 """
 from __future__ import annotations
 
@@ -30,9 +32,12 @@ def _owned_rule(prefix: str = ""):
         raise ConfigError(f"{prefix}{err}") from None
 
 
-def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroConfig:
+def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
+             check_data: bool = True) -> MegazeroConfig:
     """Check every setting against the others and return the resolved config (derived values
     filled in); ``cfg`` is not changed.  ``world_size`` defaults to ``$WORLD_SIZE`` or 1.
+    ``check_data=False`` leaves out the data settings (a training run needs ``--mock-data`` or
+    ``--data-path``; building a model to load weights into, or planning a layout, needs neither).
     Validating a resolved config again derives its defaults afresh.  Raises ConfigError."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -40,8 +45,9 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None) -> MegazeroC
     _check_numbers(given)
     _check_world(given, world_size)
     resolved = given.resolved(derive(given, world_size))
+    data = (_check_data,) if check_data else ()
     for check in (_check_model, _check_sequence_parallel, _check_pipeline, _check_batch, _check_zero,
-                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, _check_data,
+                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, *data,
                   _check_resilience):
         check(resolved)
     return resolved
