@@ -19,13 +19,3 @@ def reduce_scatter_single(output, input, group=None, async_op: bool = False):  #
     """Sum ``input`` over the ranks and keep this rank's slice (dim 0) in ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
-
-
-def gather(tensor, gather_list, group, group_dst: int) -> None:
-    """Gather ``tensor`` from every rank of ``group`` into ``gather_list`` on the rank whose index in
-    ``group`` is ``group_dst`` (``dist.gather``'s ``group_dst`` is new in torch 2.6: before it the
-    destination is named by its global rank)."""
-    try:
-        dist.gather(tensor, gather_list, group=group, group_dst=group_dst)
-    except TypeError:  # no group_dst keyword
-        dist.gather(tensor, gather_list, dst=dist.get_global_rank(group, group_dst), group=group)

@@ -222,10 +222,6 @@ class ParallelMesh:
     def backend(self) -> str:
         return backend_for(self.device)
 
-    def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline stage ``pp_rank`` in this rank's pipeline."""
-        return self.pp_ranks[pp_rank]
-
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
                 f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size} on {self.device}")

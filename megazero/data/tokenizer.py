@@ -163,9 +163,6 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-
-
 def tokenizer_from_settings(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size):
     """The tokenizer that ``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``/``--merge-file``
     describe, or None when they name none.  Without a type it follows the files given."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
-
 from megazero.resilience.errors import NumericalError
 
 
@@ -55,8 +53,3 @@ class NanGuard:
             "diverged and the step was not applied; nothing was saved from it. Lower --lr (or --loss-scale), "
             "raise --lr-warmup-iters or --clip-grad, or resume from the last checkpoint; --skip-nan-steps K "
             "skips up to K such steps, --no-check-for-nan-in-loss-and-grad never stops")
-
-
-def nonfinite(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds a NaN or inf (one reduction, no copy)."""
-    return t.numel() > 0 and not bool(torch.isfinite(t).all())

@@ -87,10 +87,6 @@ class Bucket:
                 out.append((p, a, b))
         return out
 
-    def signature(self) -> Tuple:
-        """What must match for a saved optimizer shard to load into this bucket."""
-        return (self.chunk, self.kind, self.numel, self.dp, tuple(tuple(s) for s in self.shapes))
-
 
 def _padded(n: int, dp: int) -> int:
     return -(-max(n, 1) // dp) * dp

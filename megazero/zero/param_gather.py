@@ -71,8 +71,4 @@ class OverlappedParamGather:
         """Wait for every gather still in flight (before reading parameters outside a forward)."""
         for i in list(self.pending):
             self.pending.pop(i).wait()
-
-    def remove_hooks(self) -> None:
-        for h in self.hooks:
-            h.remove()
         self.hooks = []

@@ -195,8 +195,3 @@ class Stage3Params:
             self.gather(u)
             self.gather(self._next_in_backward(u), wait=False)
         return hook
-
-    def remove_hooks(self) -> None:
-        for h in self.hook_handles:
-            h.remove()
-        self.hook_handles = []
