@@ -153,8 +153,8 @@ def _mesh_groups(mesh) -> Dict[str, Tuple[str, List[int]]]:
     """``group_name -> (label, ranks)`` for this rank's groups."""
     out = {}
     for key in GROUP_LABELS:
-        group = getattr(mesh, f"{key}_group", None)
-        ranks = list(range(mesh.world_size)) if key == "world" else list(getattr(mesh, f"{key}_ranks", []))
+        group = getattr(mesh, f"{key}_group")
+        ranks = list(range(mesh.world_size)) if key == "world" else list(getattr(mesh, f"{key}_ranks"))
         if group is not None and ranks:
             try:
                 out[str(group.group_name)] = (key, ranks)
