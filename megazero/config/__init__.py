@@ -10,10 +10,10 @@
   whose message names the flag and the fix.
 """
 from megazero.config.parsing import build_parser, config_from_dict, parse_args
-from megazero.config.sections import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, Derived, LoggingConfig,
-                                      MegazeroConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                                      PrecisionConfig, ResilienceConfig, TrainingConfig, field_index,
-                                      flag_of)
+from megazero.config.sections import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, Derived,
+                                      LoggingConfig, MegazeroConfig, ModelConfig, OptimizerConfig,
+                                      ParallelConfig, PrecisionConfig, ResilienceConfig, TrainingConfig,
+                                      field_index, flag_of)
 from megazero.config.validation import derive, validate
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",

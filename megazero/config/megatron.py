@@ -33,12 +33,13 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
 
 _FUSION = "kernel fusion only: the same numbers either way"
 _LOGGING = "logging detail only"
+_SDPA = "attention is torch's scaled_dot_product_attention, which picks its fastest kernel"
 IGNORED: Dict[str, str] = {  # flag -> why it does not matter here
     "--use-mcore-models": "megazero has one GPT implementation",
     "--use-legacy-models": "megazero has one GPT implementation",
     "--transformer-impl": "megazero has one GPT implementation (no Transformer Engine)",
-    "--use-flash-attn": "attention is torch's scaled_dot_product_attention, which picks its fastest kernel",
-    "--attention-backend": "attention is torch's scaled_dot_product_attention, which picks its fastest kernel",
+    "--use-flash-attn": _SDPA,
+    "--attention-backend": _SDPA,
     "--overlap-param-gather": "when ZeRO's parameter all-gather runs is a speed matter",
     "--cross-entropy-loss-fusion": _FUSION,
     "--no-gradient-accumulation-fusion": _FUSION,
@@ -97,20 +98,21 @@ REFUSED: Dict[str, str] = {  # flag -> why and what to do
 
 # flags with a rule of their own (see translate); value kinds for argparse
 SPECIAL: Dict[str, Dict[str, Any]] = {
-    "--use-distributed-optimizer": dict(action="store_true", help="Shard the optimizer state over the "
-                                        "data-parallel ranks (= --zero-stage 1, or the stage given)."),
-    "--group-query-attention": dict(action="store_true", help="Grouped-query attention: --num-query-groups "
-                                    "applies only with this flag (Megatron-LM's rule)."),
-    "--grad-reduce-in-bf16": dict(action="store_true", help="Reduce gradients in bf16 (= --grad-reduce-dtype "
-                                  "param with --bf16)."),
+    "--use-distributed-optimizer": dict(action="store_true", help="Shard the optimizer state over "
+                                        "the data-parallel ranks (= --zero-stage 1, or the stage given)."),
+    "--group-query-attention": dict(action="store_true", help="Grouped-query attention: "
+                                    "--num-query-groups applies only with this flag (Megatron-LM's rule)."),
+    "--grad-reduce-in-bf16": dict(action="store_true", help="Reduce gradients in bf16 "
+                                  "(= --grad-reduce-dtype param with --bf16)."),
     "--context-parallel-size": dict(type=int, help="Only 1 (no context parallelism)."),
     "--rotary-percent": dict(type=float, help="Only 1.0 (rotary embeddings on the whole head)."),
-    "--calculate-per-token-loss": dict(action="store_true", help="Average the loss over tokens: the same "
-                                       "number here unless --eod-mask-loss, which it is refused with."),
-    "--apply-layernorm-1p": dict(action="store_true", help="Megatron-LM stores norm scales minus one; the "
-                                 "same model in exact arithmetic here, where norm scales get no weight decay."),
-    "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have no "
-                                    "learned table)."),
+    "--calculate-per-token-loss": dict(action="store_true", help="Average the loss over tokens: the "
+                                       "same number here unless --eod-mask-loss, which it is refused with."),
+    "--apply-layernorm-1p": dict(action="store_true", help="Megatron-LM stores norm scales minus one; "
+                                 "the same model in exact arithmetic here, where norm scales get no weight "
+                                 "decay."),
+    "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
+                                    "no learned table)."),
 }
 
 
@@ -156,11 +158,13 @@ def translate(settings: Dict[str, Any], command_line: Set[str]) -> Tuple[Dict[st
     ignored = [f"{f} ({IGNORED[f]})" for f in IGNORED if f in given]
     notes = _special(given, out, command_line, ignored)
     if ignored:
-        notes.insert(0, "ignored Megatron-LM flags that only tune speed or logging here: " + "; ".join(ignored))
+        notes.insert(0, "ignored Megatron-LM flags that only tune speed or logging here: "
+                     + "; ".join(ignored))
     return out, notes
 
 
-def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str], ignored: List[str]) -> List[str]:
+def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
+             ignored: List[str]) -> List[str]:
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
     flags accepted without effect to ``ignored``)."""
     notes: List[str] = []
@@ -168,11 +172,12 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
         out["zero_stage"] = max(1, out.get("zero_stage", 1))
     if "num_query_groups" in command_line and not given.get("--group-query-attention"):
         notes.append(f"--num-query-groups {out.pop('num_query_groups')} ignored: it applies only with "
-                     "--group-query-attention (Megatron-LM's rule); add that flag for grouped-query attention")
+                     "--group-query-attention (Megatron-LM's rule); add that flag for grouped-query "
+                     "attention")
     if given.get("--grad-reduce-in-bf16"):
         if not out.get("bf16"):
-            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 parameter "
-                              "dtype); add --bf16 or drop the flag")
+            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 "
+                              "parameter dtype); add --bf16 or drop the flag")
         out["grad_reduce_dtype"] = "param"
     cp = given.get("--context-parallel-size")
     if cp is not None and cp != 1:
@@ -186,18 +191,18 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
     if rp == 1.0:
         ignored.append("--rotary-percent 1.0 (rotary embeddings always cover the whole head)")
     if given.get("--calculate-per-token-loss") and out.get("eod_mask_loss"):
-        raise ConfigError("--calculate-per-token-loss with --eod-mask-loss is not implemented (micro-batches then "
-                          "hold different token counts); drop one of them")
+        raise ConfigError("--calculate-per-token-loss with --eod-mask-loss is not implemented "
+                          "(micro-batches then hold different token counts); drop one of them")
     if given.get("--calculate-per-token-loss"):
-        ignored.append("--calculate-per-token-loss (every micro-batch holds the same number of tokens, so the "
-                       "per-token mean is the mean of the micro-batch means)")
+        ignored.append("--calculate-per-token-loss (every micro-batch holds the same number of tokens, "
+                       "so the per-token mean is the mean of the micro-batch means)")
     if given.get("--apply-layernorm-1p"):
-        ignored.append("--apply-layernorm-1p (the same model in exact arithmetic: norm scales are stored as is and, "
-                       "as in Megatron-LM, get no weight decay; in bf16 the compute copy of a scale near 1 is "
-                       "coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
+        ignored.append("--apply-layernorm-1p (the same model in exact arithmetic: norm scales are stored "
+                       "as is and, as in Megatron-LM, get no weight decay; in bf16 the compute copy of a "
+                       "scale near 1 is coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
     if given.get("--no-position-embedding") and out.get("position_embedding_type") != "rope":
-        raise ConfigError("--no-position-embedding: a model without any position embedding is not implemented; "
-                          "use it with --position-embedding-type rope or drop it")
+        raise ConfigError("--no-position-embedding: a model without any position embedding is not "
+                          "implemented; use it with --position-embedding-type rope or drop it")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
     if out.get("sequence_parallel") and out.get("tensor_model_parallel_size", 1) == 1:

@@ -131,7 +131,8 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
                 per_section["parallel"]["zero_stage"] = max(1, settings.get("zero_stage", 1))
             continue
         if key not in index:
-            raise ConfigError(f"unknown setting {key!r} (flag --{key.replace('_', '-')}); see --help for the list")
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = value
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
     if vocab is not None:

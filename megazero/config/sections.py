@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from megazero.errors import CONFIG, MegazeroError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer",
-                   "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 class ConfigError(MegazeroError, ValueError):
@@ -59,16 +59,19 @@ class ParallelConfig:
     max_reductions_in_flight: int = _f(
         2, "Gradient reductions (stages 1-3: each holds a bucket-sized buffer) that may run at once while "
         "backward goes on; before another starts, the oldest is waited for.")
-    overlap_param_gather: bool = _f(True, "Stages 1/2: the all-gather of the updated parameters runs during the "
-                                    "next forward, each layer waiting only for its own bucket.",
-                                    flag="--no-overlap-param-gather", action="store_false",
-                                    flag_help="Stages 1/2: wait for the parameter all-gather inside the "
-                                    "optimizer step.")
-    rank_order: str = _f("tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
+    overlap_param_gather: bool = _f(
+        True, "Stages 1/2: the all-gather of the updated parameters runs during the "
+        "next forward, each layer waiting only for its own bucket.",
+        flag="--no-overlap-param-gather", action="store_false",
+        flag_help="Stages 1/2: wait for the parameter all-gather inside the "
+        "optimizer step.")
+    rank_order: str = _f(
+        "tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
     # derived (see Derived)
     world_size: int = _f(1, "Number of processes (taken from WORLD_SIZE; not a flag).", derived=True)
     data_parallel_size: int = _f(1, "world size / (tp x pp) (derived).", derived=True)
-    virtual_pipeline_model_parallel_size: int = _f(1, "Model chunks per pipeline stage (derived).", derived=True)
+    virtual_pipeline_model_parallel_size: int = _f(
+        1, "Model chunks per pipeline stage (derived).", derived=True)
 
 
 @dataclass
@@ -76,9 +79,11 @@ class ModelConfig:
     """The GPT architecture (GPT-2 and LLaMA styles)."""
     num_layers: int = _f(2, "Transformer layers.")
     hidden_size: int = _f(64, "Hidden size.")
-    ffn_hidden_size: Optional[int] = _f(None, "MLP hidden size (default 4 x hidden, or LLaMA's 8/3 rule for swiglu).")
+    ffn_hidden_size: Optional[int] = _f(
+        None, "MLP hidden size (default 4 x hidden, or LLaMA's 8/3 rule for swiglu).")
     num_attention_heads: int = _f(4, "Attention heads.")
-    num_query_groups: Optional[int] = _f(None, "Key/value heads for grouped-query attention (default: heads).")
+    num_query_groups: Optional[int] = _f(
+        None, "Key/value heads for grouped-query attention (default: heads).")
     kv_channels: Optional[int] = _f(None, "Channels per head (default hidden / heads).")
     seq_length: int = _f(64, "Training sequence length.")
     max_position_embeddings: Optional[int] = _f(None, "Learned position table size (default seq length).")
@@ -112,7 +117,8 @@ class TrainingConfig:
     """Batch sizes, length of training, evaluation."""
     micro_batch_size: int = _f(2, "Sequences per micro-batch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Sequences per optimizer step (default micro x DP).")
-    train_iters: Optional[int] = _f(None, "Optimizer steps (default 10, or --train-samples / --global-batch-size).")
+    train_iters: Optional[int] = _f(
+        None, "Optimizer steps (default 10, or --train-samples / --global-batch-size).")
     train_samples: Optional[int] = _f(None, "Train on this many samples instead of a number of iterations "
                                       "(Megatron-LM's sample-based training; exclusive with --train-iters).")
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
@@ -128,7 +134,8 @@ class OptimizerConfig:
     optimizer: str = _f("adam", "adam (AdamW) or sgd.", choices=["adam", "sgd"])
     lr: float = _f(1e-3, "Peak learning rate.", type=float)
     min_lr: float = _f(0.0, "Learning rate at the end of decay.", type=float)
-    lr_decay_style: str = _f("cosine", "constant, linear or cosine.", choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = _f(
+        "cosine", "constant, linear or cosine.", choices=["constant", "linear", "cosine"])
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
     lr_decay_iters: Optional[int] = _f(None, "Steps over which to decay (default --train-iters).")
     lr_warmup_init: float = _f(0.0, "Learning rate at the first warm-up step (Megatron-LM's: warm-up rises "
@@ -166,24 +173,28 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     """Where the tokens come from."""
-    data_path: List[str] = _f([], "Megatron-format dataset prefix(es) (PREFIX.bin/.idx, written by "
-                              "scripts/preprocess_data.py or Megatron-LM), optionally weighted: [w1] p1 [w2] p2.",
-                              nargs="+")
-    train_data_path: List[str] = _f([], "Megatron-format prefix(es) of the training set alone (weights as "
-                                    "--data-path); no --split. Evaluation then reads --valid-data-path.", nargs="+")
+    data_path: List[str] = _f(
+        [], "Megatron-format dataset prefix(es) (PREFIX.bin/.idx, written by "
+        "scripts/preprocess_data.py or Megatron-LM), optionally weighted: [w1] p1 [w2] p2.",
+        nargs="+")
+    train_data_path: List[str] = _f(
+        [], "Megatron-format prefix(es) of the training set alone (weights as "
+        "--data-path); no --split. Evaluation then reads --valid-data-path.", nargs="+")
     valid_data_path: List[str] = _f([], "Megatron-format prefix(es) of the validation set (with "
                                     "--train-data-path).", nargs="+")
     split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path).")
     mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
-    tokenizer_model: Optional[str] = _f(None, "sentencepiece .model file or Hugging Face tokenizer directory; "
-                                        "its vocabulary size replaces --vocab-size.")
-    tokenizer_type: Optional[str] = _f(None, "Megatron-LM's tokenizer types that megazero has: a sentencepiece model "
-                                       "(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer) or a "
-                                       "Hugging Face directory (HuggingFaceTokenizer) in --tokenizer-model; "
-                                       "GPT2BPETokenizer from --vocab-file and --merge-file; NullTokenizer (no "
-                                       "tokenizer: ids below --vocab-size, plus one end-of-document id). Default: "
-                                       "from the files given.",
-                                       choices=list(TOKENIZER_TYPES))
+    tokenizer_model: Optional[str] = _f(
+        None, "sentencepiece .model file or Hugging Face tokenizer directory; "
+        "its vocabulary size replaces --vocab-size.")
+    tokenizer_type: Optional[str] = _f(
+        None, "Megatron-LM's tokenizer types that megazero has: a sentencepiece model "
+        "(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer) or a "
+        "Hugging Face directory (HuggingFaceTokenizer) in --tokenizer-model; "
+        "GPT2BPETokenizer from --vocab-file and --merge-file; NullTokenizer (no "
+        "tokenizer: ids below --vocab-size, plus one end-of-document id). Default: "
+        "from the files given.",
+        choices=list(TOKENIZER_TYPES))
     vocab_file: Optional[str] = _f(None, "GPT-2 BPE vocabulary (vocab.json) for GPT2BPETokenizer.")
     merge_file: Optional[str] = _f(None, "GPT-2 BPE merges (merges.txt) for GPT2BPETokenizer.")
     num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
@@ -194,25 +205,29 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     """Saving and loading."""
-    save: Optional[str] = _f(None, "Directory to save checkpoints to (iter_XXXXXXX/ per save and "
-                             "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
+    save: Optional[str] = _f(
+        None, "Directory to save checkpoints to (iter_XXXXXXX/ per save and "
+        "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
     load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
                              "continue); the same directory as --save may be empty (first job starts fresh).")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
-    finetune: bool = _f(False, "With --load: take the model weights only and start at iteration 0 with a fresh "
-                        "optimizer, learning-rate schedule, data position and RNG (Megatron-LM's --finetune).")
-    no_load_optim: bool = _f(False, "With --load: do not load the optimizer state (moments, step, loss scaler); "
-                             "the iteration, data position and schedule still continue.")
+    finetune: bool = _f(
+        False, "With --load: take the model weights only and start at iteration 0 with a fresh "
+        "optimizer, learning-rate schedule, data position and RNG (Megatron-LM's --finetune).")
+    no_load_optim: bool = _f(
+        False, "With --load: do not load the optimizer state (moments, step, loss scaler); "
+        "the iteration, data position and schedule still continue.")
     no_load_rng: bool = _f(False, "With --load: do not restore the generators; reseed them from "
                            "(--seed, iteration) instead.")
     use_checkpoint_args: bool = _f(False, "Take the model's architecture (layers, sizes, heads, vocabulary, "
                                    "norms, ...) from the --load checkpoint; architecture flags given on the "
                                    "command line still win.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
-    override_opt_param_scheduler: bool = _f(False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
-                                            "--lr-decay-iters and --lr-decay-style even where they differ "
-                                            "from the checkpoint's (otherwise such a difference is an error).")
+    override_opt_param_scheduler: bool = _f(
+        False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
+        "--lr-decay-iters and --lr-decay-style even where they differ "
+        "from the checkpoint's (otherwise such a difference is an error).")
 
 
 @dataclass
@@ -238,16 +253,19 @@ class ResilienceConfig:
         10.0, "Timeout of every collective and point-to-point operation on every process group, in minutes "
         "(fractions allowed): a rank that stops answering makes the others fail with a message naming the "
         "operation, the group and the silent ranks.", type=float)
-    exit_signal_handler: bool = _f(False, "On a signal named by --exit-signal, every rank finishes the current "
-                                   "iteration, saves a checkpoint (with --save) and exits 0.")
-    exit_signal: List[str] = _f(["SIGTERM"], "Signals that --exit-signal-handler turns into a save and a clean "
-                                "exit (SLURM's #SBATCH --signal sends SIGUSR1 in launch/slurm.sbatch).",
-                                nargs="+", choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"])
+    exit_signal_handler: bool = _f(
+        False, "On a signal named by --exit-signal, every rank finishes the current "
+        "iteration, saves a checkpoint (with --save) and exits 0.")
+    exit_signal: List[str] = _f(
+        ["SIGTERM"], "Signals that --exit-signal-handler turns into a save and a clean "
+        "exit (SLURM's #SBATCH --signal sends SIGUSR1 in launch/slurm.sbatch).",
+        nargs="+", choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"])
     exit_duration_in_mins: Optional[float] = _f(
         None, "Save (with --save) and exit 0 after the iteration during which this many minutes have passed "
         "since start-up.", type=float)
-    exit_interval: Optional[int] = _f(None, "Save (with --save) and exit 0 after the iteration whose number is a "
-                                      "multiple of this.")
+    exit_interval: Optional[int] = _f(
+        None, "Save (with --save) and exit 0 after the iteration whose number is a "
+        "multiple of this.")
     check_for_nan_in_loss_and_grad: bool = _f(
         True, "Stop with an error naming the iteration when the loss or the gradient norm is NaN or inf "
         "(fp32, bf16 and a constant --loss-scale; fp16's dynamic loss scaler handles its own overflows).",

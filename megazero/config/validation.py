@@ -77,11 +77,12 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
     heads, hidden = mod.num_attention_heads, mod.hidden_size
     swiglu_ffn = -(-int(8 * hidden / 3) // 64) * 64  # LLaMA's 8/3 rule, rounded up to 64
     global_batch = tr.global_batch_size or tr.micro_batch_size * dp
+    interleaved = cfg.parallel.num_layers_per_virtual_pipeline_stage
     rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
              "ffn_hidden_size": swiglu_ffn if mod.activation == "swiglu" else 4 * hidden,
              "max_position_embeddings": mod.seq_length, "global_batch_size": tr.micro_batch_size * dp,
              "train_iters": tr.train_samples // global_batch if tr.train_samples else 10,
-             "pipeline_schedule": "interleaved" if cfg.parallel.num_layers_per_virtual_pipeline_stage else "1f1b"}
+             "pipeline_schedule": "interleaved" if interleaved else "1f1b"}
     if tr.train_samples:  # Megatron-LM's sample-based schedule: lengths in samples
         rules["lr_decay_samples"] = tr.train_samples
     else:
@@ -104,7 +105,8 @@ def _check_numbers(cfg: MegazeroConfig) -> None:
     for flag, v in (("--global-batch-size", tr.global_batch_size), ("--kv-channels", mod.kv_channels),
                     ("--ffn-hidden-size", mod.ffn_hidden_size), ("--num-query-groups", mod.num_query_groups),
                     ("--max-position-embeddings", mod.max_position_embeddings),
-                    ("--lr-decay-iters", opt.lr_decay_iters), ("--recompute-num-layers", mod.recompute_num_layers)):
+                    ("--lr-decay-iters", opt.lr_decay_iters),
+                    ("--recompute-num-layers", mod.recompute_num_layers)):
         _check(v is None or (isinstance(v, int) and v >= 1), f"{flag} must be a positive integer, got {v!r}")
     _check(tr.train_iters is None or tr.train_iters >= 0, f"--train-iters must be >= 0, got {tr.train_iters}")
     for flag, v in (("--train-samples", tr.train_samples), ("--lr-decay-samples", opt.lr_decay_samples),
@@ -135,14 +137,14 @@ def _check_model(cfg: MegazeroConfig) -> None:
            f"--hidden-size {mod.hidden_size} is not divisible by --num-attention-heads "
            f"{mod.num_attention_heads}; change one or set --kv-channels")
     _check(mod.num_attention_heads % tp == 0,
-           f"--num-attention-heads {mod.num_attention_heads} is not divisible by --tensor-model-parallel-size "
-           f"{tp}; use a tensor-parallel size that divides the number of heads")
+           f"--num-attention-heads {mod.num_attention_heads} is not divisible by "
+           f"--tensor-model-parallel-size {tp}; use a tensor-parallel size that divides the number of heads")
     _check(mod.num_attention_heads % mod.num_query_groups == 0,
            f"--num-attention-heads {mod.num_attention_heads} is not divisible by --num-query-groups "
            f"{mod.num_query_groups}; each key/value head must serve a whole number of query heads")
     _check(mod.num_query_groups % tp == 0,
-           f"--num-query-groups {mod.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}; "
-           "use a tensor-parallel size that divides the number of key/value heads")
+           f"--num-query-groups {mod.num_query_groups} is not divisible by --tensor-model-parallel-size "
+           f"{tp}; use a tensor-parallel size that divides the number of key/value heads")
     _check(mod.hidden_size % tp == 0,
            f"hidden size {mod.hidden_size} is not divisible by tensor-model-parallel size {tp} "
            "(--hidden-size, --tensor-model-parallel-size); choose a hidden size that TP divides")
@@ -160,8 +162,8 @@ def _check_model(cfg: MegazeroConfig) -> None:
 def _check_sequence_parallel(cfg: MegazeroConfig) -> None:
     par, tp = cfg.parallel, cfg.parallel.tensor_model_parallel_size
     if par.sequence_parallel:
-        _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across "
-               "the tensor-parallel ranks); drop the flag or raise the tensor-parallel size")
+        _check(tp > 1, "--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations "
+               "across the tensor-parallel ranks); drop the flag or raise the tensor-parallel size")
         _check(cfg.model.seq_length % tp == 0, f"--sequence-parallel: --seq-length {cfg.model.seq_length} is "
                f"not divisible by --tensor-model-parallel-size {tp}")
 
@@ -239,8 +241,8 @@ def _check_schedule_units(cfg: MegazeroConfig) -> None:
                          ("--lr-warmup-samples", opt.lr_warmup_samples == 0)):
             _check(ok, f"{flag} needs --train-samples (sample-based training); use "
                    f"{flag.replace('samples', 'iters')} with --train-iters")
-    warmups = [f for f, v in (("--lr-warmup-iters", opt.lr_warmup_iters), ("--lr-warmup-samples",
-                                                                         opt.lr_warmup_samples)) if v]
+    warmups = [f for f, v in (("--lr-warmup-iters", opt.lr_warmup_iters),
+                              ("--lr-warmup-samples", opt.lr_warmup_samples)) if v]
     _check(opt.lr_warmup_fraction is None or not warmups,
            f"--lr-warmup-fraction and {' '.join(warmups)} both set the warm-up; give one")
     _check(opt.lr_warmup_fraction is None or 0.0 <= opt.lr_warmup_fraction <= 1.0,
@@ -286,11 +288,13 @@ def _check_data(cfg: MegazeroConfig) -> None:
     real = [f for f, v in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path)) if v]
     _check(data.mock_data or real, "no training data: pass --mock-data for synthetic tokens or "
            "--data-path PREFIX for a Megatron-format dataset (see scripts/preprocess_data.py)")
-    _check(not (data.mock_data and real), f"--mock-data and {real[0] if real else ''} are exclusive; choose one")
+    _check(not (data.mock_data and real),
+           f"--mock-data and {real[0] if real else ''} are exclusive; choose one")
     _check(len(real) < 2, "--data-path and --train-data-path are exclusive: --split cuts one set, the other "
            "names separate sets; choose one")
     _check(not data.valid_data_path or data.train_data_path,
-           "--valid-data-path goes with --train-data-path (with --data-path, --split makes the validation set)")
+           "--valid-data-path goes with --train-data-path (with --data-path, --split makes the validation "
+           "set)")
     _check(not (data.train_data_path and cfg.training.eval_interval and not data.valid_data_path),
            "--eval-interval with --train-data-path needs --valid-data-path (the set to evaluate on)")
     has_tokenizer = data.tokenizer_model or data.vocab_file or data.tokenizer_type
