@@ -114,7 +114,8 @@ def test_fp16_loss_scale_continues(tmp_path):
     (dict(fp16=True), dict(fp16=True, loss_scale=128.0), 128.0),  # constant --loss-scale: saved state ignored
     (dict(fp16=True), dict(bf16=True), 1.0),  # bf16 needs no scaling
     ({}, dict(fp16=True, initial_loss_scale=2.0 ** 10), 2.0 ** 10),  # fp32 -> fp16: --initial-loss-scale
-    (dict(fp16=True, initial_loss_scale=2.0 ** 20), dict(fp16=True), 2.0 ** 20),  # dynamic -> dynamic continues
+    # dynamic -> dynamic continues
+    (dict(fp16=True, initial_loss_scale=2.0 ** 20), dict(fp16=True), 2.0 ** 20),
 ])
 def test_loss_scale_on_resume_follows_this_runs_scaler(tmp_path, saved, resumed, want):
     cfg, mesh, chunks, opt = _build(_cfg(num_layers=2, **saved))
@@ -170,7 +171,8 @@ def test_saved_files_one_shard_per_rank(saved_tp2_pp2_dp2):
     path = checkpoint_path(saved_tp2_pp2_dp2[0], K)
     files = sorted(os.listdir(path))
     stems = [f"shard_tp{t:02d}_pp{p:03d}_dp{d:03d}" for t in range(2) for p in range(2) for d in range(2)]
-    assert [f for f in files if f.startswith("shard_")] == sorted(s + e for s in stems for e in (".bin", ".json"))
+    shards = sorted(s + e for s in stems for e in (".bin", ".json"))
+    assert [f for f in files if f.startswith("shard_")] == shards
     assert len([f for f in files if f.startswith("rng_")]) == 8
     meta = json.load(open(os.path.join(path, "metadata.json")))
     assert set(meta["files"]) == set(files) - {"metadata.json"}  # every file recorded with size and CRC
@@ -282,7 +284,8 @@ def _save_with_failing_rank(directory, bad_rank):
 
 def test_one_rank_failing_fails_the_save_everywhere(tmp_path):
     errors = run_ranks(_save_with_failing_rank, 2, str(tmp_path), 1, timeout=60)
-    assert "rank 1: " in errors[0] and "injected" in errors[0] and "injected" in errors[1]  # the cause, everywhere
+    # the cause, everywhere
+    assert "rank 1: " in errors[0] and "injected" in errors[0] and "injected" in errors[1]
     assert latest_iteration(str(tmp_path)) == 1 and not os.path.exists(checkpoint_path(str(tmp_path), 2))
 
 
@@ -391,12 +394,14 @@ def test_load_mismatch_errors(one_process_checkpoint, changes, needle):
     (dict(min_lr=0.01), "--min-lr 0.0 in the checkpoint, 0.01 in this run"),
     (dict(lr_warmup_iters=1), "--lr-warmup-iters 0 in the checkpoint, 1 in this run"),
     (dict(lr_decay_iters=8), "--lr-decay-iters 4 in the checkpoint, 8 in this run"),
-    (dict(lr_decay_iters=None, train_iters=6), r"--lr-decay-iters 4 in the checkpoint, 6 in this run \(it defaults"),
+    (dict(lr_decay_iters=None, train_iters=6),
+     r"--lr-decay-iters 4 in the checkpoint, 6 in this run \(it defaults"),
     (dict(lr_decay_style="linear"), "--lr-decay-style cosine in the checkpoint, linear in this run"),
 ])
 def test_lr_schedule_must_match_unless_overridden(one_process_checkpoint, changes, needle):
     cfg, mesh, chunks, opt = _build(_cfg(**changes))
-    with pytest.raises(CheckpointError, match=f"learning-rate schedule differs.*{needle}.*--override-opt-param-sch"):
+    message = f"learning-rate schedule differs.*{needle}.*--override-opt-param-sch"
+    with pytest.raises(CheckpointError, match=message):
         load(one_process_checkpoint, chunks, opt, mesh, cfg)
     cfg, mesh, chunks, opt = _build(_cfg(override_opt_param_scheduler=True, **changes))
     assert load(one_process_checkpoint, chunks, opt, mesh, cfg)["iteration"] == 1
@@ -447,7 +452,8 @@ def test_finetune_starts_at_iteration_zero_with_a_fresh_optimizer(trained_two_st
 
 def test_no_load_optim_continues_the_iteration_with_fresh_moments(trained_two_steps):
     d, _ = trained_two_steps
-    cfg, mesh, chunks, opt = _build(_cfg(N, "adam", load=d, no_load_optim=True, lr=0.5))  # schedule not checked
+    cfg, mesh, chunks, opt = _build(
+        _cfg(N, "adam", load=d, no_load_optim=True, lr=0.5))  # schedule not checked
     info = load(d, chunks, opt, mesh, cfg)
     assert info["iteration"] == K and info["extra"]["consumed_samples"] == K * 8 and opt.step_count == 0
     hist = _run(_cfg(N, "adam", load=d, no_load_optim=True))
@@ -468,7 +474,8 @@ def test_use_checkpoint_args_takes_the_architecture(trained_two_steps, tmp_path)
     d, _ = trained_two_steps
     cfg = parse_args(["--mock-data", "--load", d, "--use-checkpoint-args", "--finetune"], world_size=1)
     m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length) == (4, 32, 4, 100, 16)
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.vocab_size, m.seq_length)
+    assert shape == (4, 32, 4, 100, 16)
     cfg = parse_args(["--mock-data", "--load", d, "--use-checkpoint-args", "--seq-length", "8"], world_size=1)
     assert cfg.model.seq_length == 8 and cfg.model.num_layers == 4  # flags given still win
     with pytest.raises(ConfigError, match="--use-checkpoint-args needs --load DIR"):
@@ -515,4 +522,5 @@ def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
     assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
-    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {tmp_path / 'absent'}: no such")
+    absent = tmp_path / "absent"
+    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {absent}: no such")

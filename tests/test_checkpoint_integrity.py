@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from megazero.checkpoint import (CheckpointCorrupt, CheckpointError, SaveLock, check_save_dir, checkpoint_path,
-                                 latest_iteration, load, save)
+from megazero.checkpoint import (CheckpointCorrupt, CheckpointError, SaveLock, check_save_dir,
+                                 checkpoint_path, latest_iteration, load, save)
 from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from megazero.local_ranks import run_ranks
@@ -155,7 +155,8 @@ def test_disk_full_on_save_leaves_the_previous_checkpoint_and_nothing_else(tmp_p
         save(d, 1, chunks, opt, mesh, cfg)
         with pytest.raises(CheckpointError, match="no space left on device.*previous one is intact"):
             save(d, 2, chunks, opt, mesh, cfg)
-        assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # no tmp, no probe
+        # no tmp, no probe
+        assert sorted(os.listdir(d)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
         assert load(d, chunks, opt, mesh, cfg)["iteration"] == 1
         with pytest.raises(CheckpointError, match="no space left on device"):  # the disk is still full
             save(d, 3, chunks, opt, mesh, cfg)
@@ -211,7 +212,8 @@ def test_save_and_load_time_and_files_are_per_rank(tmp_path):
 
 
 def _retag(d, iteration, fmt):
-    """Checkpoint ``iteration`` in ``d`` relabelled as format ``fmt`` (its metadata unsealed, as v1 wrote it)."""
+    """Checkpoint ``iteration`` in ``d`` relabelled as format ``fmt`` (its metadata unsealed, as v1
+    wrote it)."""
     path = os.path.join(checkpoint_path(d, iteration), "metadata.json")
     meta = json.load(open(path))
     meta.pop("checksum")
@@ -219,8 +221,8 @@ def _retag(d, iteration, fmt):
 
 
 @pytest.mark.parametrize("fmt,needle", [
-    ("megazero-checkpoint-v1", r"format 'megazero-checkpoint-v1' is not read by this version of megazero, which "
-                               r"reads 'megazero-checkpoint-v2'; megazero at commit 827a2fe"),
+    ("megazero-checkpoint-v1", r"format 'megazero-checkpoint-v1' is not read by this version of megazero, "
+                               r"which reads 'megazero-checkpoint-v2'; megazero at commit 827a2fe"),
     ("someone-elses-v3", r"not a megazero checkpoint \(metadata format 'someone-elses-v3', expected "
                          r"'megazero-checkpoint-v2'\)")])
 def test_a_checkpoint_of_another_format_is_refused_by_name(tmp_path, fmt, needle):
@@ -242,7 +244,8 @@ def test_weights_only_checkpoint_is_v2_with_checksums_and_loads_fresh(tmp_path):
     path = save_weights(d, chunks, mesh, cfg, iteration=0)
     meta = json.load(open(os.path.join(path, "metadata.json")))
     assert meta["format"] == FORMAT and meta["weights_only"] and "checksum" in meta
-    assert sorted(meta["files"]) == ["config.json", "shard_tp00_pp000_dp000.bin", "shard_tp00_pp000_dp000.json"]
+    shard = "shard_tp00_pp000_dp000"
+    assert sorted(meta["files"]) == ["config.json", shard + ".bin", shard + ".json"]
     _, _, saved_cfg, weights = read_weights(d)
     assert saved_cfg["model"]["hidden_size"] == 32
     for name, p in named_params(chunks):

@@ -22,8 +22,9 @@ def test_defaults_and_derived_values():
 
 
 def test_make_vocab_size_divisible_by():
-    cfg = parse("--vocab-size", "50257", "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size",
-                "4", world=4)
+    cfg = parse(
+        "--vocab-size", "50257", "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size",
+        "4", world=4)
     assert cfg.model.padded_vocab_size == 50432  # next multiple of 256
 
 
@@ -68,12 +69,14 @@ def test_unknown_setting_in_file(tmp_path):
      "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     (["--pipeline-model-parallel-size", "3"], 3,
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
-    (["--pipeline-model-parallel-size", "8"], 8, "--pipeline-model-parallel-size 8 is larger than --num-layers 4"),
+    (["--pipeline-model-parallel-size", "8"], 8,
+     "--pipeline-model-parallel-size 8 is larger than --num-layers 4"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      "--num-layers 4 is not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
       "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
-     r"--pipeline-model-parallel-size 2 stages: .*multiple of the pipeline-parallel size 2, got 3; allowed counts: 2, 4, 6"),
+     r"--pipeline-model-parallel-size 2 stages: .*multiple of the pipeline-parallel size 2, got 3; "
+     r"allowed counts: 2, 4, 6"),
     (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1",
       "--decoder-last-pipeline-num-layers", "1"], 3, None),  # 1 + 2 + 1: valid
     (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"], 3,
@@ -84,7 +87,8 @@ def test_unknown_setting_in_file(tmp_path):
      "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2 = 4"),
     (["--sequence-parallel", "--sequence-parallel"], 1, None),  # turned off with TP 1, as in Megatron-LM
     (["--fp16", "--bf16"], 1, "--fp16 and --bf16 cannot be used together"),
-    (["--tensor-model-parallel-size", "3"], 8, "world size 8 is not divisible by --tensor-model-parallel-size 3"),
+    (["--tensor-model-parallel-size", "3"], 8,
+     "world size 8 is not divisible by --tensor-model-parallel-size 3"),
     (["--offload-optimizer"], 1, "--offload-optimizer needs --zero-stage 1, 2 or 3"),
     (["--hidden-size", "100", "--num-attention-heads", "3"], 1,
      "--hidden-size 100 is not divisible by --num-attention-heads 3"),
@@ -104,7 +108,8 @@ def test_unknown_setting_in_file(tmp_path):
      "--lr-decay-iters 5 must be greater than --lr-warmup-iters 5"),
     (["--adam-beta1", "1.0"], 1, "--adam-beta1/--adam-beta2 must be in"),
     (["--seed", "-5"], 1, "--seed must be >= 0, got -5"),
-    (["--eval-interval", "2", "--eval-iters", "0"], 1, "--eval-iters must be >= 1 when --eval-interval is set"),
+    (["--eval-interval", "2", "--eval-iters", "0"], 1,
+     "--eval-iters must be >= 1 when --eval-interval is set"),
     (["--rank-order", "foo"], 1, "--rank-order: unknown axis 'foo'"),
     (["--vocab-size", "1"], 1, "--vocab-size must be at least 2 for --mock-data"),
 ])
@@ -133,7 +138,8 @@ def test_a_layout_check_needs_no_data():
     assert not validate(layout, world_size=2, check_data=False).data.mock_data
     with pytest.raises(ConfigError, match="no training data: pass --mock-data"):
         validate(layout, world_size=2)
-    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by "
+                                          "--tensor-model-parallel-size 3"):
         validate(config_from_dict({"tensor_model_parallel_size": 3}), world_size=3, check_data=False)
     with pytest.raises(ConfigError, match="--mock-data and --data-path are exclusive"):
         validate(config_from_dict({"mock_data": True, "data_path": ["x"]}), world_size=1)

@@ -25,14 +25,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 RUN_LOCAL = os.path.join(ROOT, "launch", "run_local.sh")
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "4", "--optimizer", "sgd",
-        "--lr", "0.1", "--lr-decay-iters", "40", "--log-interval", "1"]
+        "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--optimizer", "sgd", "--lr", "0.1", "--lr-decay-iters", "40", "--log-interval", "1"]
 
 
 def _settings(**extra):
-    base = dict(mock_data=True, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                micro_batch_size=1, global_batch_size=4, optimizer="sgd", lr=0.1, lr_decay_iters=40,
-                log_interval=100)
+    base = dict(
+        mock_data=True, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+        micro_batch_size=1, global_batch_size=4, optimizer="sgd", lr=0.1, lr_decay_iters=40,
+        log_interval=100)
     return config_from_dict(dict(base, **extra))
 
 
@@ -66,9 +67,9 @@ def test_resilience_flags_parse():
                              "SIGUSR1", "SIGTERM", "--exit-duration-in-mins", "230", "--exit-interval", "100",
                              "--no-check-for-nan-in-loss-and-grad", "--skip-nan-steps", "3"], world_size=1)
     res = cfg.resilience
-    assert (res.distributed_timeout_minutes, res.exit_signal, res.exit_duration_in_mins, res.exit_interval,
-            res.check_for_nan_in_loss_and_grad, res.skip_nan_steps) == (0.5, ["SIGUSR1", "SIGTERM"], 230.0, 100,
-                                                                       False, 3)
+    got = (res.distributed_timeout_minutes, res.exit_signal, res.exit_duration_in_mins, res.exit_interval,
+           res.check_for_nan_in_loss_and_grad, res.skip_nan_steps)
+    assert got == (0.5, ["SIGUSR1", "SIGTERM"], 230.0, 100, False, 3)
 
 
 # ---- pieces -----------------------------------------------------------------------------------
@@ -77,7 +78,8 @@ def test_nan_guard_counts_and_names_the_iteration():
     guard = NanGuard(res, dynamic_scaler=False, precision="bf16")
     assert guard.check(1, 4.2, 1.0, skipped=False) is False
     assert guard.check(2, float("nan"), float("nan"), skipped=True) is True  # one skipped step allowed
-    with pytest.raises(NumericalError, match=r"iteration 3: the gradient norm is inf \(bf16\) after 1 skipped"):
+    with pytest.raises(NumericalError,
+                       match=r"iteration 3: the gradient norm is inf \(bf16\) after 1 skipped"):
         guard.check(3, 4.0, float("inf"), skipped=True)
     dynamic = NanGuard(res, dynamic_scaler=True, precision="fp16")  # the loss scaler's business
     assert all(dynamic.check(i, float("nan"), float("inf"), skipped=True) for i in range(10))
@@ -146,7 +148,8 @@ def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(c
     assert report_failure(LossScaleError("diverged"), rank=0, world_size=1, wait=0) == 1
     assert report_failure(CheckpointCorrupt("x.bin: checksum"), rank=0, world_size=1, wait=0) == 1
     assert report_failure(DataError("token 7 out of range"), rank=1, world_size=2, wait=0) == 1
-    assert capsys.readouterr().err == ("pretrain_gpt.py: error: diverged\npretrain_gpt.py: error: x.bin: checksum\n"
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: diverged\n"
+                                       "pretrain_gpt.py: error: x.bin: checksum\n"
                                        "pretrain_gpt.py: error: rank 1: token 7 out of range\n")
     imported, package = set(), os.path.join(ROOT, "megazero", "resilience")
     for name in (n for n in os.listdir(package) if n.endswith(".py")):
@@ -155,8 +158,8 @@ def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(c
                 imported.add(node.module)
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
-    assert not {m for m in imported if m.split(".")[:2] in (["megazero", "config"], ["megazero", "checkpoint"],
-                                                            ["megazero", "precision"])}
+    subsystems = (["megazero", "config"], ["megazero", "checkpoint"], ["megazero", "precision"])
+    assert not {m for m in imported if m.split(".")[:2] in subsystems}
 
 
 # ---- numerical faults, in process ---------------------------------------------------------------
@@ -166,8 +169,8 @@ def test_divergence_stops_naming_the_iteration_and_saves_nothing_after(tmp_path)
         _train(_settings(optimizer="adam", lr=1e6, train_iters=6, save=d, save_interval=1))
     from megazero.checkpoint import latest_iteration
     assert latest_iteration(d) == 1  # the finite model of iteration 1; nothing after
-    with pytest.raises(NumericalError, match=r"iteration 1: the gradient norm is nan \(fp16 under the constant "
-                                             r"loss scale 1e\+30\)"):
+    with pytest.raises(NumericalError, match=r"iteration 1: the gradient norm is nan \(fp16 under the "
+                                             r"constant loss scale 1e\+30\)"):
         _train(_settings(fp16=True, loss_scale=1e30, train_iters=3))
     with pytest.raises(NumericalError, match="iteration 4: .* after 2 skipped steps"):
         _train(_settings(optimizer="adam", lr=1e6, train_iters=6, skip_nan_steps=2))
@@ -284,9 +287,11 @@ def test_a_stopped_rank_makes_the_others_fail_within_the_timeout(tmp_path):
     if hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json"):
         # rank 0 blocks either in the gradient reduction (data-parallel group) or in the per-iteration
         # stop agreement (world group), depending on where the stop lands; both name the group and ranks
-        assert re.search(r"^\w+ on the (data-parallel|world) group \(ranks \[0, 1\]\) timed out", message), message
+        pattern = r"^\w+ on the (data-parallel|world) group \(ranks \[0, 1\]\) timed out"
+        assert re.search(pattern, message), message
     else:  # no flight recorder in this torch (2.6 and older): the operation is not known, the rest is
-        assert re.search(r"^a collective or point-to-point operation timed out at iteration \d+", message), message
+        pattern = r"^a collective or point-to-point operation timed out at iteration \d+"
+        assert re.search(pattern, message), message
     assert "after 9 s (--distributed-timeout-minutes 0.15)" in message
     assert re.search(r"Not answering: rank 1 \(pid \d+ on [^)]*\) has stopped", message), message
     assert elapsed < timeout_s + 60, elapsed  # bounded: the timeout plus start-up slack on a loaded machine
@@ -360,7 +365,8 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") and _state(p) != "Z"
                                                   for p in ranks):
             time.sleep(0.2)
-        assert not any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in ranks), "orphans kept running"
+        alive = [p for p in ranks if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+        assert not alive, "orphans kept running"
 
 
 def _state(pid):
