@@ -214,7 +214,7 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
         raise ValueError("from_hf builds the whole model; use a mesh with pipeline-model-parallel size 1")
     settings = dict(config_from_hf(hf.config), tensor_model_parallel_size=mesh.tp_size,
                     pipeline_model_parallel_size=1, **(cfg_overrides or {}))
-    cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # the caller's data is its own
+    cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)
     load_full_state_dict(model, megazero_state_from_hf(hf.state_dict(), cfg))
     return model
@@ -242,7 +242,8 @@ def to_hf(model: GPTModel, out_dir: str) -> Optional[str]:
     return out_dir
 
 
-TOKENIZER_CHECK = ["Hello world, this is a tokenizer check: 12345.", "ROMEO:\nBut, soft! what light\n\n  breaks?"]
+TOKENIZER_CHECK = ["Hello world, this is a tokenizer check: 12345.",
+                   "ROMEO:\nBut, soft! what light\n\n  breaks?"]
 
 
 def export_tokenizer(path: str, out_dir: str) -> str:
