@@ -1,9 +1,10 @@
 """The base class of the errors megazero expects, each carrying how it ends a run.
 
-The subsystems derive their errors from :class:`MegazeroError` (``ConfigError``,
-``CheckpointError``, ``LossScaleError``, the resilience errors), so
-:mod:`megazero.resilience.errors` reports any of them from its ``kind`` alone, without importing
-the subsystem that raised it.  This module imports nothing.
+The subsystems derive their errors from :class:`MegazeroError` (``CheckpointError``,
+``LossScaleError``, the resilience errors), so :mod:`megazero.resilience.errors` reports any of
+them from its ``kind`` alone, without importing the subsystem that raised it.  :class:`ConfigError`
+is defined here (and re-exported by :mod:`megazero.config`) because the data and planning code
+raise it too, and the config imports them.  This module imports nothing.
 
 Kinds:
 
@@ -27,3 +28,9 @@ class MegazeroError(Exception):
     attribute) says which rank reports it and with which exit status."""
 
     kind = EVERYWHERE
+
+
+class ConfigError(MegazeroError, ValueError):
+    """An inconsistent or invalid setting; the message names the flag and how to fix it."""
+
+    kind = CONFIG

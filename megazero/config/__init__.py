@@ -7,14 +7,15 @@
   named in ``cfg.notes``, math-changing ones refused), applied by :func:`parse_args`;
 - :mod:`megazero.config.validation`: :func:`validate` checks a config and returns it resolved
   (derived values filled in) without changing its argument; errors are :class:`ConfigError`
-  whose message names the flag and the fix.
+  (defined in :mod:`megazero.errors`, which the data and planning code import too) whose message
+  names the flag and the fix.
 """
 from megazero.config.parsing import build_parser, config_from_dict, parse_args
-from megazero.config.sections import (SECTIONS, CheckpointConfig, ConfigError, DataConfig, Derived,
-                                      LoggingConfig, MegazeroConfig, ModelConfig, OptimizerConfig,
-                                      ParallelConfig, PrecisionConfig, ResilienceConfig, TrainingConfig,
-                                      field_index, flag_of)
+from megazero.config.sections import (SECTIONS, CheckpointConfig, DataConfig, Derived, LoggingConfig,
+                                      MegazeroConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                      PrecisionConfig, ResilienceConfig, TrainingConfig, field_index, flag_of)
 from megazero.config.validation import derive, validate
+from megazero.errors import ConfigError
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",
            "MegazeroConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",

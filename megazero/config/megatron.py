@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Set, Tuple
 
-from megazero.config.sections import ConfigError
+from megazero.errors import ConfigError
 
 PREFIX = "megatron__"  # argparse dest prefix of the flags defined here
 

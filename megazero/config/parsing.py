@@ -16,7 +16,9 @@ from megazero.checkpoint.errors import CheckpointError
 from megazero.checkpoint.format import CHECKPOINT_ARGS
 from megazero.checkpoint.resolve import saved_config
 from megazero.config.megatron import add_flags, translate
-from megazero.config.sections import SECTIONS, ConfigError, MegazeroConfig, field_index, flag_of
+from megazero.data.tokenizer import tokenizer_from_settings
+from megazero.errors import ConfigError
+from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag_of
 
 
 def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.ArgumentParser:
@@ -83,7 +85,6 @@ def _load_file(path: str) -> Dict[str, Any]:
 def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Optional[int]:
     """The vocabulary size the tokenizer settings give (as in Megatron-LM, it sets the model's), or
     None without a tokenizer."""
-    from megazero.data.tokenizer import tokenizer_from_settings
     try:
         tok = tokenizer_from_settings(data.get("tokenizer_type"), data.get("tokenizer_model"),
                                       data.get("vocab_file"), data.get("merge_file"), vocab_size)

@@ -11,16 +11,8 @@ import copy
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from megazero.errors import CONFIG, MegazeroError
-
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
-
-
-class ConfigError(MegazeroError, ValueError):
-    """An inconsistent or invalid setting; the message names the flag and how to fix it."""
-
-    kind = CONFIG
 
 
 def _f(default, help: str, **meta):  # noqa: A002 - mirrors argparse

@@ -14,7 +14,8 @@ import contextlib
 import os
 from typing import Any, Dict, Optional
 
-from megazero.config.sections import ConfigError, Derived, MegazeroConfig, field_index
+from megazero.config.sections import Derived, MegazeroConfig, field_index
+from megazero.errors import ConfigError
 from megazero.tensor_parallel.layers import resolve_cpu_matmul
 
 

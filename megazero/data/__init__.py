@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megazero.data.mock import MockGPTData
+from megazero.errors import ConfigError
 
 __all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches"]
 # Real data (``--data-path``): megazero.data.indexed (Megatron's .bin/.idx), megazero.data.tokenizer,
@@ -29,7 +30,6 @@ def build_data(cfg):
     """The token source that the (validated) config asks for."""
     if cfg.data.mock_data:
         return MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
-    from megazero.config import ConfigError
     d = cfg.data
     if not (d.data_path or d.train_data_path):
         raise ConfigError("no training data: pass --mock-data or --data-path PREFIX")
