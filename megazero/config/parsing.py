@@ -19,6 +19,7 @@ from megazero.config.megatron import add_flags, translate
 from megazero.data.tokenizer import tokenizer_from_settings
 from megazero.errors import ConfigError
 from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag_of
+from megazero.config.validation import validate
 
 
 def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.ArgumentParser:
@@ -143,9 +144,12 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str, dict]] = None,
-               world_size: Optional[int] = None, validate_now: bool = True) -> MegazeroConfig:
-    """Parse Megatron-style flags (after an optional --config file and --model preset) and validate."""
-    from megazero.config.validation import validate
+               world_size: Optional[int] = None, validate_now: bool = True,
+               check_data: bool = True) -> MegazeroConfig:
+    """Parse Megatron-style flags (after an optional --config file and --model preset) and validate
+    (:func:`~megazero.config.validation.validate`; ``check_data=False`` for a program that reads no
+    data, such as a memory estimate or the layout planner: then neither --mock-data nor
+    --data-path is needed)."""
     ns = vars(build_parser(presets).parse_args(argv))
     settings: Dict[str, Any] = {}
     if "config" in ns:
@@ -154,4 +158,4 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     settings, notes = translate(settings, set(ns))
     cfg = config_from_dict(settings, presets)
     cfg.notes = tuple(notes)
-    return validate(cfg, world_size) if validate_now else cfg
+    return validate(cfg, world_size, check_data) if validate_now else cfg
