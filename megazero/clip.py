@@ -52,7 +52,8 @@ def local_square_sums(pieces: Iterable[Tuple[torch.Tensor, bool]]) -> torch.Tens
             groups[0 if counted else 1].append(tensor.detach().reshape(-1))
     device = next((g[0].device for g in groups if g), torch.device("cpu"))
     if device.type == "cpu" or not hasattr(torch, "_foreach_norm"):
-        return torch.stack([sum((square_sum(t) for t in g), torch.zeros((), dtype=torch.float64, device=device))
+        return torch.stack([sum((square_sum(t) for t in g),
+                                torch.zeros((), dtype=torch.float64, device=device))
                             for g in groups])
     return torch.stack([_foreach_square_sum(g, device) for g in groups])
 

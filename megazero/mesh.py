@@ -88,7 +88,8 @@ def default_device() -> torch.device:
     """The device this process should compute on: its local CUDA device (``$LOCAL_RANK`` modulo the
     GPUs it sees) when there is one, else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", local_device_index(os.environ.get("LOCAL_RANK"), torch.cuda.device_count()))
+        return torch.device("cuda", local_device_index(os.environ.get("LOCAL_RANK"),
+                                                       torch.cuda.device_count()))
     return torch.device("cpu")
 
 

@@ -18,9 +18,9 @@ end; ``--load`` resumes from the latest one, written under any layout (:mod:`meg
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
 samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
 prints the config's start-up notes (ignored Megatron-LM flags ...) and logs through
-:class:`megazero.training_log.TrainingLogger`, which continues the metrics file from the start iteration.  The engine never imports ``models``: callers pass
-``model_provider(cfg, mesh)`` returning this rank's list of model chunks (one per virtual
-pipeline stage).
+:class:`megazero.training_log.TrainingLogger`, which continues the metrics file from the start
+iteration.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
+returning this rank's list of model chunks (one per virtual pipeline stage).
 """
 from __future__ import annotations
 
@@ -146,8 +146,8 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig):
         what = f"iteration {it}, {consumed} samples"
     fresh = "" if info["optimizer_loaded"] else "; fresh optimizer"
     rng = "restored" if info["rng_restored"] else ("from --seed" if ck.finetune else "reseeded")
-    line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} dp {lay['dp']} "
-            f"zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
+    line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} "
+            f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
     return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it, extra.get("wandb_run_id"), line
@@ -207,7 +207,8 @@ def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Parall
 
 
 def _iteration_metrics(it: int, consumed: int, loss: float, lr: float, stats: Dict[str, object],
-                       skipped_total: int, elapsed: float, optimizer, mesh: ParallelMesh, rates) -> Dict[str, object]:
+                       skipped_total: int, elapsed: float, optimizer, mesh: ParallelMesh,
+                       rates) -> Dict[str, object]:
     """One iteration's metrics row; ``rates``: (tokens, model FLOPs, hardware FLOPs per iteration,
     the device's peak FLOP/s or None)."""
     tokens, model_flops, hw_flops, peak = rates
@@ -254,8 +255,8 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
     elif loaded:
         logger.print(loaded)
     if logger.dropped_rows:
-        logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration {start_iter} "
-                     "(written by an earlier run); this run's rows follow")
+        logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration "
+                     f"{start_iter} (written by an earlier run); this run's rows follow")
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)

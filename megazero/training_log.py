@@ -107,7 +107,8 @@ def trim_metrics_file(path: str, last_iteration: int) -> int:
             row = json.loads(line)
         except ValueError:
             row = None
-        if isinstance(row, dict) and isinstance(row.get("iteration"), int) and row["iteration"] > last_iteration:
+        if (isinstance(row, dict) and isinstance(row.get("iteration"), int)
+                and row["iteration"] > last_iteration):
             continue
         kept.append(line if line.endswith("\n") else line + "\n")
     if len(kept) != len(lines):

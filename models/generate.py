@@ -31,7 +31,8 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, t
     if top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative - sorted_scores.softmax(dim=-1) >= top_p  # the mass before this token already suffices
+        # the mass before this token already suffices
+        drop = cumulative - sorted_scores.softmax(dim=-1) >= top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
     probs = scores.softmax(dim=-1)
@@ -60,9 +61,11 @@ def generate(model, ids: torch.Tensor, max_new_tokens: int = 32, temperature: fl
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     m = model.cfg.model
-    if m.position_embedding_type == "learned_absolute" and ids.shape[1] + max_new_tokens > m.max_position_embeddings:
-        raise ValueError(f"{ids.shape[1]} prompt tokens + --max-new-tokens {max_new_tokens} exceed the model's "
-                         f"{m.max_position_embeddings} learned positions; shorten the prompt or generate fewer")
+    if (m.position_embedding_type == "learned_absolute"
+            and ids.shape[1] + max_new_tokens > m.max_position_embeddings):
+        raise ValueError(f"{ids.shape[1]} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
+                         f"model's {m.max_position_embeddings} learned positions; shorten the prompt or "
+                         "generate fewer")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

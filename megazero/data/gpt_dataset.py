@@ -101,7 +101,8 @@ class _SplitStream:
         self.ds, self.seq_length = ds, seq_length
         self.seed, self.split = seed, split
         self.doc_bounds = np.asarray(doc_bounds, dtype=np.int64)
-        self.tokens_per_epoch = int(ds.sequence_lengths[self.doc_bounds[0]:self.doc_bounds[-1]].sum(dtype=np.int64))
+        self.tokens_per_epoch = int(
+            ds.sequence_lengths[self.doc_bounds[0]:self.doc_bounds[-1]].sum(dtype=np.int64))
         self.samples_per_epoch = max(0, (self.tokens_per_epoch - 1) // seq_length)
         self._epochs: Dict[int, Tuple[np.ndarray, ...]] = {}
 
@@ -316,8 +317,9 @@ class BlendedGPTData:
             top = indexed.max_token_id()
             if top >= self.vocab_size:
                 raise ValueError(f"--data-path {prefix}: token id {top} is outside --vocab-size "
-                                 f"{self.vocab_size}; the data was tokenized with a larger vocabulary: pass its "
-                                 "--tokenizer-model (which sets the vocabulary size) or raise --vocab-size")
+                                 f"{self.vocab_size}; the data was tokenized with a larger vocabulary: "
+                                 "pass its --tokenizer-model (which sets the vocabulary size) or raise "
+                                 "--vocab-size")
 
     def _assignment(self, split: str, upto: int) -> "_BlendIndex":
         """The blend of ``split``, built to at least global index ``upto - 1``."""
@@ -342,6 +344,6 @@ class BlendedGPTData:
             bad = int(out.max())
             from megazero.resilience.errors import DataError
             raise DataError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
-                             "data was tokenized with a larger vocabulary: pass its --tokenizer-model (which "
-                             "sets the vocabulary size) or raise --vocab-size")
+                            "data was tokenized with a larger vocabulary: pass its --tokenizer-model (which "
+                            "sets the vocabulary size) or raise --vocab-size")
         return torch.from_numpy(out)

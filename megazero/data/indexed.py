@@ -80,7 +80,8 @@ def write_index(path: str, dtype, sequence_lengths: Sequence[int], document_indi
 _CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounds the temporary memory)
 
 
-def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray, itemsize: int) -> int:
+def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray,
+                 itemsize: int) -> int:
     """Validate an index's arrays (vectorised, in chunks); return the number of tokens it describes.
 
     Megatron writes ``pointers`` as the running byte offset of the lengths (0, l0*s, (l0+l1)*s, ...),
@@ -99,9 +100,10 @@ def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.
         bad = np.flatnonzero(pointers[lo:lo + _CHECK_CHUNK] != expect)
         if bad.size:
             k = lo + int(bad[0])
-            raise ValueError(f"{path}: corrupted index: sequence {k} points at byte {int(pointers[k])} of the .bin, "
-                             f"but the lengths before it put it at byte {int(expect[bad[0]])} (pointers must be "
-                             "the running sum of the lengths; the lengths or the pointers are damaged)")
+            raise ValueError(f"{path}: corrupted index: sequence {k} points at byte {int(pointers[k])} "
+                             f"of the .bin, but the lengths before it put it at byte {int(expect[bad[0]])} "
+                             "(pointers must be the running sum of the lengths; the lengths or the pointers "
+                             "are damaged)")
         total += int(ends[-1]) if ends.size else 0
     n_doc = int(docs.shape[0])
     if n_doc == 0:

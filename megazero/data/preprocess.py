@@ -109,7 +109,8 @@ class Encoder:
             for key, seq in out.items():
                 ids.setdefault(key, []).extend(seq)
                 lengths.setdefault(key, []).append(len(seq))
-        return ({k: (np.asarray(ids[k], dtype=np.int64), np.asarray(lengths[k], dtype=np.int64)) for k in ids},
+        return ({k: (np.asarray(ids[k], dtype=np.int64), np.asarray(lengths[k], dtype=np.int64))
+                 for k in ids},
                 len(docs), n_bytes)
 
 

@@ -127,7 +127,8 @@ class GPT2BPETokenizer:
     @property
     def eod(self) -> int:
         if self.eos_id < 0:
-            raise ValueError(f"--vocab-file {self.paths[0]}: no {self.EOD_TOKEN} token to mark the end of a document")
+            raise ValueError(f"--vocab-file {self.paths[0]}: no {self.EOD_TOKEN} token to mark the end "
+                             "of a document")
         return self.eos_id
 
     def encode(self, text: str) -> List[int]:
@@ -183,16 +184,18 @@ def tokenizer_from_settings(tokenizer_type, tokenizer_model, vocab_file, merge_f
                              "--merge-file merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
     if not tokenizer_model:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model "
-                         f"({'a Hugging Face tokenizer directory' if tokenizer_type == 'HuggingFaceTokenizer' else 'a sentencepiece .model file'})")
+        what = ("a Hugging Face tokenizer directory" if tokenizer_type == "HuggingFaceTokenizer"
+                else "a sentencepiece .model file")
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model ({what})")
     if tokenizer_type == "HuggingFaceTokenizer":
         if not os.path.isdir(tokenizer_model):
-            raise ValueError(f"--tokenizer-type HuggingFaceTokenizer: --tokenizer-model {tokenizer_model} is not "
-                             "a directory (save the tokenizer with save_pretrained)")
+            raise ValueError(f"--tokenizer-type HuggingFaceTokenizer: --tokenizer-model {tokenizer_model} "
+                             "is not a directory (save the tokenizer with save_pretrained)")
         return HFTokenizer(tokenizer_model)
     if os.path.isdir(tokenizer_model):
-        raise ValueError(f"--tokenizer-type {tokenizer_type}: --tokenizer-model {tokenizer_model} is a directory; "
-                         "give the sentencepiece .model file (or --tokenizer-type HuggingFaceTokenizer)")
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: --tokenizer-model {tokenizer_model} is a "
+                         "directory; give the sentencepiece .model file (or --tokenizer-type "
+                         "HuggingFaceTokenizer)")
     return SentencePieceTokenizer(tokenizer_model)
 
 

@@ -30,7 +30,6 @@ def p2p_tensor_shape(cfg) -> Tuple[int, int, int]:
     return (seq, cfg.training.micro_batch_size, cfg.model.hidden_size)
 
 
-
 def peer_rank(mesh, action: Action, vp: int = 1) -> int:
     """Global rank at the other end of a communication action of this rank."""
     stage, _ = peer(action, mesh.pp_rank, mesh.pp_size, vp)
@@ -118,6 +117,6 @@ class StageComm:
         """End of the schedule: every send completed (returned, as :meth:`complete_sends`), and no
         receive left unused."""
         if self._recvs:
-            raise RuntimeError(f"pipeline stage {self.mesh.pp_rank}: receives {sorted(map(str, self._recvs))} "
-                               "were posted but never used")
+            raise RuntimeError(f"pipeline stage {self.mesh.pp_rank}: receives "
+                               f"{sorted(map(str, self._recvs))} were posted but never used")
         return self.complete_sends()

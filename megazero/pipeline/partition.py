@@ -16,8 +16,8 @@ def check_layout(num_layers: int, pp: int, vp_layers: Optional[int] = None, firs
                  last: Optional[int] = None) -> None:
     """Raise ValueError (naming the flags) unless the layers split over the stages as asked."""
     if pp > num_layers:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}; every "
-                         "stage needs at least one layer")
+        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers {num_layers}; "
+                         "every stage needs at least one layer")
     uneven = first is not None or last is not None
     if vp_layers is not None:
         if vp_layers < 1:
@@ -40,8 +40,8 @@ def check_layout(num_layers: int, pp: int, vp_layers: Optional[int] = None, firs
     if min(first or 0, last or 0, rest) < 0 or (middle == 0 and rest != 0) \
             or (middle > 0 and (rest % middle or rest // middle < 1)):
         raise ValueError(f"cannot split {num_layers} layers over {pp} stages with first={first}, last={last} "
-                         f"(--decoder-first/last-pipeline-num-layers): the {rest} layers left cannot be split "
-                         f"evenly over the other {middle} pipeline stages")
+                         f"(--decoder-first/last-pipeline-num-layers): the {rest} layers left cannot be "
+                         f"split evenly over the other {middle} pipeline stages")
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,

@@ -112,7 +112,8 @@ def fit_layer(timings: Dict[int, float]) -> tuple:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     if slope <= 0:
-        raise ValueError(f"layer timings do not grow with the work ({timings}); calibrate on a quieter machine")
+        raise ValueError(f"layer timings do not grow with the work ({timings}); "
+                         "calibrate on a quieter machine")
     return 1.0 / slope, max(my - slope * mx, 0.0)
 
 
@@ -139,10 +140,12 @@ def calibrate(ranks: int = 8) -> Dict[str, object]:
     points = [(n, nbytes, statistics.median(r["allreduce"][i][2] for r in results))
               for i, (n, nbytes, _) in enumerate(results[0]["allreduce"])]
     alpha, beta = fit_alpha_beta(points)
-    rate, overhead = fit_layer({t: statistics.median(r["layer"][t] for r in results) for t in results[0]["layer"]})
+    rate, overhead = fit_layer({t: statistics.median(r["layer"][t] for r in results)
+                                for t in results[0]["layer"]})
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
-            "layer_overhead_s": overhead, "oversubscription": max(1.0, ranks / cores), "allreduce_points": points}
+            "layer_overhead_s": overhead, "oversubscription": max(1.0, ranks / cores),
+            "allreduce_points": points}
 
 
 def load_calibration(path: str) -> Dict[str, object]:

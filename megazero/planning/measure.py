@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Set
 
 import torch
 
+
 class _Held:
     """What the pack hook hands to autograd: the tensor, and a finaliser that fires when autograd
     releases it (after the backward that used it)."""
@@ -150,7 +151,8 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
         torch.cuda.reset_peak_memory_stats(mesh.device)
     optimizer = build_optimizer(chunks, mesh, cfg)
     stage3 = getattr(optimizer, "stage3", None)
-    tracker = SavedTensorTracker(_storage_ptrs(chunks), stage3.gathered_storages if stage3 is not None else None)
+    tracker = SavedTensorTracker(_storage_ptrs(chunks),
+                                 stage3.gathered_storages if stage3 is not None else None)
     timer = PipelineTimer()
     data = build_data(cfg)
     for it in range(1, iters + 1):

@@ -35,7 +35,6 @@ from megazero.zero.stages import overlaps_param_gather
 PLAIN, SP, EMB = KINDS
 
 
-
 class ParamSpec(NamedTuple):
     """One parameter: elements, reduction kind (:data:`megazero.zero.buffers.KINDS`), ZeRO-3 unit
     (layer index, or None for the chunk's root unit)."""
@@ -85,7 +84,8 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     if pre:
         specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None))
         if m.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec(m.max_position_embeddings * h, SP if par.sequence_parallel else PLAIN, None))
+            specs.append(ParamSpec(m.max_position_embeddings * h,
+                                   SP if par.sequence_parallel else PLAIN, None))
     for i in layers:
         specs += _layer_specs(cfg, i)
     if post:

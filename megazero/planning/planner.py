@@ -47,7 +47,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
 from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
-                            model_flops_per_iteration)
+                                     model_flops_per_iteration)
 from megazero.planning.estimate import estimate_rank
 
 GB = 1e9
@@ -100,7 +100,8 @@ class Hardware:
         """The machine a ``plan.py --calibrate`` JSON describes (its compute rate is per rank with
         every rank busy, so the efficiency is 1)."""
         return cls(cal["flops"], 1.0, memory_bytes, Link(*cal["intra"]), Link(*cal["inter"]), hbm_bytes_per_s,
-                   gpus_per_node, cal.get("layer_overhead_s", 0.0), max(1.0, cal.get("oversubscription", 1.0)))
+                   gpus_per_node, cal.get("layer_overhead_s", 0.0),
+                   max(1.0, cal.get("oversubscription", 1.0)))
 
 
 @dataclass
@@ -118,7 +119,8 @@ class Layout:
 
     def settings(self, num_layers: int) -> Dict[str, object]:
         """Config fields (``megazero.config`` names) of this layout."""
-        out: Dict[str, object] = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+        out: Dict[str, object] = {"tensor_model_parallel_size": self.tp,
+                                  "pipeline_model_parallel_size": self.pp,
                                   "zero_stage": self.zero_stage, "micro_batch_size": self.micro_batch_size,
                                   "sequence_parallel": self.sequence_parallel}
         if self.vpp > 1:
@@ -139,7 +141,7 @@ def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Opt
     m, gbs = cfg.model, cfg.training.global_batch_size
     for tp in _divisors(min(gpus_per_node, gpus)):
         if gpus % tp or any(x % tp for x in (m.num_attention_heads, m.num_query_groups, m.hidden_size,
-                                              m.ffn_hidden_size)):
+                                             m.ffn_hidden_size)):
             continue
         for pp in _divisors(m.num_layers):
             if gpus % (tp * pp):
@@ -313,7 +315,8 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
                     f"fits in {found[0].memory_bytes / GB:.1f} GB")
     if not cfg.parallel.offload_optimizer:
         par = cfg.parallel
-        off = validate(cfg.replace(parallel={"offload_optimizer": True, "zero_stage": max(1, par.zero_stage)}),
+        off = validate(cfg.replace(parallel={"offload_optimizer": True,
+                                             "zero_stage": max(1, par.zero_stage)}),
                        par.world_size)
         found = [x for x in plan(off, gpus, hw, margin, zero_stages=(1, 2, 3))]
         if found:
@@ -323,7 +326,8 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         more = gpus * factor
         found = plan(cfg, more, hw, margin)
         if found:
-            return f"use {more} GPUs (x{factor}): {describe(found[0])} needs {found[0].memory_bytes / GB:.1f} GB"
+            return (f"use {more} GPUs (x{factor}): {describe(found[0])} needs "
+                    f"{found[0].memory_bytes / GB:.1f} GB")
     least = smallest_memory(cfg, gpus, hw)
     if least is None:
         return "no layout divides this model and batch on these GPUs; change --gpus or --global-batch-size"
@@ -346,7 +350,8 @@ def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
                               "--tensor-model-parallel-size", str(layout.tp),
                               "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.vpp > 1:
-        out += ["--num-layers-per-virtual-pipeline-stage", str(cfg.model.num_layers // (layout.pp * layout.vpp))]
+        out += ["--num-layers-per-virtual-pipeline-stage",
+                str(cfg.model.num_layers // (layout.pp * layout.vpp))]
     if layout.sequence_parallel:
         out.append("--sequence-parallel")
     if layout.zero_stage:

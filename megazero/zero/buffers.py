@@ -102,7 +102,8 @@ class Group(NamedTuple):
     block: Optional[int] = None
 
 
-def bucket_groups(chunks: Sequence[Sequence], block_of: Callable, stage: int, split_blocks: bool) -> List[Group]:
+def bucket_groups(chunks: Sequence[Sequence], block_of: Callable, stage: int,
+                  split_blocks: bool) -> List[Group]:
     """How each chunk's items (registration order) are grouped before the cut.
 
     ``block_of(item)`` is the index of the block (:func:`find_units`) the item belongs to, or None
@@ -119,7 +120,8 @@ def bucket_groups(chunks: Sequence[Sequence], block_of: Callable, stage: int, sp
                 groups.append(Group(c, len(groups), [x for x in items if block_of(x) == block], block))
             continue
         idx = [i for i, x in enumerate(items) if block_of(x) is not None]
-        parts = [items[:idx[0]], items[idx[0]:idx[-1] + 1], items[idx[-1] + 1:]] if split_blocks and idx else [items]
+        parts = ([items[:idx[0]], items[idx[0]:idx[-1] + 1], items[idx[-1] + 1:]] if split_blocks and idx
+                 else [items])
         groups += [Group(c, None, part) for part in reversed(parts) if part]
     return groups
 

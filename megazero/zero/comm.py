@@ -32,8 +32,8 @@ class Reduction:
     temporary.
     """
 
-    def __init__(self, work, finish: Optional[Callable[[], None]] = None, held_input: Optional[torch.Tensor] = None,
-                 nbytes: int = 0, finish_bytes: int = 0):
+    def __init__(self, work, finish: Optional[Callable[[], None]] = None,
+                 held_input: Optional[torch.Tensor] = None, nbytes: int = 0, finish_bytes: int = 0):
         self.work, self.finish, self.held_input = work, finish, held_input
         self.nbytes, self.finish_bytes = nbytes, finish_bytes
 

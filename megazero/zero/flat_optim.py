@@ -75,7 +75,8 @@ class FlatAdamW:
         except (NotImplementedError, RuntimeError):
             if self.fused_devices.get(master.device.type):
                 raise  # it worked before: a real error
-            self.fused_devices[master.device.type] = False  # no kernel for this device: raised before any write
+            # no kernel for this device: raised before any write
+            self.fused_devices[master.device.type] = False
             return False
         self.fused_devices[master.device.type] = True
         return True

@@ -12,8 +12,8 @@ largest ``ModuleList`` (its transformer layers), and the chunk itself for every 
 (embedding, final norm, head), which may be used anywhere in the chunk's forward and is waited
 for when the chunk's forward starts.  The bucket layout puts cuts between the parameters
 registered before the blocks, the blocks and those registered after them
-(:func:`megazero.zero.buffers.bucket_groups`), so the chunk's own parameters share no bucket with a layer and the
-chunk's first wait covers only them.
+(:func:`megazero.zero.buffers.bucket_groups`), so the chunk's own parameters share no bucket
+with a layer and the chunk's first wait covers only them.
 
 Anything that reads parameters outside a forward must call :meth:`finish` first (the optimizer
 does in ``step()``, ``gathered_params()`` and when loading; the trainer at the end of training).
@@ -42,7 +42,8 @@ class OverlappedParamGather:
         self.order += [b.index for b in buckets if b.index not in self.order]  # parameters of no unit
 
     @staticmethod
-    def _unit_buckets(chunk: torch.nn.Module, bucket_of: Dict[int, int]) -> List[Tuple[torch.nn.Module, List[int]]]:
+    def _unit_buckets(chunk: torch.nn.Module,
+                      bucket_of: Dict[int, int]) -> List[Tuple[torch.nn.Module, List[int]]]:
         """``(module, bucket indices)`` per unit of ``chunk`` in forward order: the chunk first (its
         own parameters), then its blocks."""
         units = find_units(chunk)

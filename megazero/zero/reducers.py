@@ -126,11 +126,13 @@ class _Reducer:
         self.buckets = storage.buckets
         self.on_bucket_complete = on_bucket_complete
         self.progress = [BucketProgress() for _ in self.buckets]
-        self.location = {id(p): (b, s, i) for b in self.buckets for i, (p, s) in enumerate(zip(b.params, b.starts))}
+        self.location = {id(p): (b, s, i) for b in self.buckets
+                         for i, (p, s) in enumerate(zip(b.params, b.starts))}
         self.grad_bytes = GradBytes(storage.grads.untyped_storage().nbytes())
         self.in_flight = InFlight(self.grad_bytes)
         self.synced = True  # False from the first gradient until finish_grad_sync
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                      for b in self.buckets for p in b.params]
         for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
             for p in b.params:
                 if getattr(p, "linear_weight", False) and p.dtype == storage.grads.dtype:
@@ -298,7 +300,8 @@ class EveryMicroBatchReducer(_Reducer):
             self.grad_bytes.hold(-partial.nbytes)
             return
         self._retire_for_launch()
-        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.dp_group, 1.0 / dp, accumulate=accumulate),
+        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.dp_group, 1.0 / dp,
+                                            accumulate=accumulate),
                              partial.nbytes)
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:

@@ -33,7 +33,8 @@ class FlatStorage:
         shard_total = sum(b.shard_numel for b in buckets)
         self.sharded_params = shards_parameters(stage)
         self.sharded_grads = shards_gradients(stage)
-        self.params = torch.zeros(shard_total if self.sharded_params else total, dtype=dtype, device=mesh.device)
+        self.params = torch.zeros(shard_total if self.sharded_params else total, dtype=dtype,
+                                  device=mesh.device)
         self.grads = torch.zeros(shard_total if self.sharded_grads else total, dtype=grad_dtype,
                                  device=mesh.device)
 

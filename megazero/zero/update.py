@@ -45,7 +45,8 @@ class ShardedUpdate:
         """Set up bucket ``b`` from its full fp32 values (after ``storage.adopt``)."""
         lo, hi = self.storage.updated_range(b)
         if self.pinned:
-            self.master[b.index] = torch.empty(hi - lo, dtype=torch.float32, pin_memory=True).copy_(full[lo:hi])
+            self.master[b.index] = torch.empty(hi - lo, dtype=torch.float32,
+                                               pin_memory=True).copy_(full[lo:hi])
         elif self.separate_master:
             self.master[b.index] = full[lo:hi].to(self.device, copy=True)
         else:

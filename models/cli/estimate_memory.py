@@ -106,7 +106,8 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
               + ("  (optimizer state in host memory)" if r["optim_on_cpu"] else ""))
     if par.pipeline_model_parallel_size > 1:
         print(f"per pipeline stage at ZeRO {par.zero_stage}: " + ", ".join(
-            f"stage {s['pp_rank']} {s['total_bytes'] / GIB:.3f} GiB ({s['in_flight_micro_batches']} in flight)"
+            f"stage {s['pp_rank']} {s['total_bytes'] / GIB:.3f} GiB "
+            f"({s['in_flight_micro_batches']} in flight)"
             for s in estimate_stages(cfg, None, device)))
 
 
@@ -208,4 +209,3 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

@@ -8,8 +8,8 @@ import sys
 from typing import List, Optional, Sequence
 
 from megazero.config import ConfigError
-from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOMPUTE, Hardware, Layout, advice,
-                                       describe, flags, hardware, model_config, plan, to_dict)
+from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOMPUTE, Hardware, Layout,
+                                       advice, describe, flags, hardware, model_config, plan, to_dict)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,13 +20,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (TP stays inside a node).")
     p.add_argument("--gpu", default="H100", help=f"GPU type for defaults: {', '.join(GPUS)} (SXM figures).")
     p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
-    p.add_argument("--gpu-tflops", type=float, help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
+    p.add_argument("--gpu-tflops", type=float,
+                   help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
     p.add_argument("--efficiency", type=float, default=0.5, help="Fraction of peak the matmuls reach.")
-    p.add_argument("--intra-node-bandwidth", type=float, help="GB/s per GPU inside a node (default: --gpu's).")
-    p.add_argument("--inter-node-bandwidth", type=float, help="GB/s per GPU between nodes (default: --gpu's).")
+    p.add_argument("--intra-node-bandwidth", type=float,
+                   help="GB/s per GPU inside a node (default: --gpu's).")
+    p.add_argument("--inter-node-bandwidth", type=float,
+                   help="GB/s per GPU between nodes (default: --gpu's).")
     p.add_argument("--intra-node-latency-us", type=float, default=ALPHA_INTRA * 1e6)
     p.add_argument("--inter-node-latency-us", type=float, default=ALPHA_INTER * 1e6)
-    p.add_argument("--calibration", help="JSON from --calibrate (scripts/plan.py --calibrate) to use instead.")
+    p.add_argument("--calibration",
+                   help="JSON from --calibrate (scripts/plan.py --calibrate) to use instead.")
     p.add_argument("--calibrate", action="store_true",
                    help="Measure the link and compute constants on this machine and print them as JSON.")
     p.add_argument("--calibrate-ranks", type=int, default=8, help="Ranks for --calibrate.")
@@ -84,8 +88,8 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         print(json.dumps(out, indent=2))
         return 0
     if not found:
-        print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} margin; "
-              f"smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
+        print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} "
+              f"margin; smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
         return 1
     _print_table(found, cfg, model_args, args.top, args.gpus, hw)
     return 0

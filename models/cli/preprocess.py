@@ -24,13 +24,14 @@ def parse_args(argv=None):
                    "(a directory is a Hugging Face tokenizer, a file a sentencepiece model).")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize (default text).")
     p.add_argument("--append-eod", action="store_true", help="End every document with the EOD id.")
-    p.add_argument("--workers", type=int, default=1, help="Tokenizer processes (default 1; inputs under 2 x 256 KB use 1).")
+    p.add_argument("--workers", type=int, default=1,
+                   help="Tokenizer processes (default 1; inputs under 2 x 256 KB use 1).")
     p.add_argument("--text-document", default="paragraph", choices=["paragraph", "file"],
                    help="Plain-text inputs: a document per blank-line-separated paragraph or per file.")
     p.add_argument("--split-sentences", action="store_true", help="Not supported (refused).")
     p.add_argument("--keep-newlines", action="store_true",
-                   help="Accepted for Megatron compatibility (no effect): text reaches the tokenizer with its "
-                   "newlines; whether they become tokens depends on how the tokenizer was trained "
+                   help="Accepted for Megatron compatibility (no effect): text reaches the tokenizer "
+                   "with its newlines; whether they become tokens depends on how the tokenizer was trained "
                    "(scripts/train_tokenizer.py --keep-newlines).")
     p.add_argument("--log-interval", type=int, default=0, help="Print progress every this many documents.")
     args = p.parse_args(argv)
@@ -72,7 +73,8 @@ def main(argv=None) -> int:
         if workers > 1:
             import multiprocessing as mp
             pool = mp.get_context("fork").Pool(workers, initializer=encoder.initializer)
-            results = pool.imap(encoder.encode_batch, batches(docs, preprocess.BATCH_BYTES, preprocess.BATCH_DOCS))
+            results = pool.imap(encoder.encode_batch,
+                                batches(docs, preprocess.BATCH_BYTES, preprocess.BATCH_DOCS))
         else:
             results = map(encoder.encode_batch, batches(docs, preprocess.BATCH_BYTES, preprocess.BATCH_DOCS))
         for encoded, batch_docs, batch_bytes in results:
