@@ -24,7 +24,8 @@ if ROOT not in sys.path:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="Checkpoint directory (pretrain_gpt.py --save, or converted).")
+    p.add_argument("--load", required=True,
+                   help="Checkpoint directory (pretrain_gpt.py --save, or converted).")
     p.add_argument("--iteration", type=int, help="Checkpoint iteration (default: the latest).")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="Prompt text (needs a tokenizer).")
@@ -37,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="Sample from the smallest set of tokens whose "
                    "probability reaches P (1: all).")
     p.add_argument("--seed", type=int, default=1234, help="Seed of the sampling generator.")
-    p.add_argument("--stop-at-eod", action="store_true", help="Stop at the tokenizer's end-of-document token.")
+    p.add_argument("--stop-at-eod", action="store_true",
+                   help="Stop at the tokenizer's end-of-document token.")
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of the text.")
     return p.parse_args(argv)
 

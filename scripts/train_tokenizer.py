@@ -18,7 +18,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="Text files to train on.")
     p.add_argument("--vocab-size", type=int, default=8000, help="Vocabulary size (default 8000).")
-    p.add_argument("--model-prefix", required=True, 
+    p.add_argument("--model-prefix", required=True,
                    help="Output prefix: writes PREFIX.model and PREFIX.vocab.")
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"],
                    help="sentencepiece model type (default bpe).")

@@ -89,8 +89,8 @@ def test_bench_gpu_quick_runs_on_cpu():
                     reason="the torch-native peers are tested on torch 2.13; on 2.6 the interleaved "
                     "pipelining peer lost a rank (README, Supported versions)")
 def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
-    proc = _run([sys.executable, "scripts/bench_peers.py", "--quick", "--layouts", "one", "dp2-zero1", "tp2-sp",
-                 "pp2-interleaved", "--json", "-"])
+    proc = _run([sys.executable, "scripts/bench_peers.py", "--quick", "--layouts", "one", "dp2-zero1",
+                 "tp2-sp", "pp2-interleaved", "--json", "-"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"]
     assert [r["layout"] for r in rows] == ["one", "dp2-zero1", "tp2-sp", "pp2-interleaved"]

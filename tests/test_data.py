@@ -57,11 +57,12 @@ def corpus(tmp_path_factory):
                                             "--vocab-size", "256",
                                             "--model-prefix", str(d / "tok"), "--num-threads", "1"]) == 0
     tok = str(d / "tok.model")
-    assert preprocess_cli.main(["--input", str(d / "a.txt"), str(d / "b.txt"), "--output-prefix", str(d / "txt"),
-                     "--tokenizer-model", tok, "--append-eod"]) == 0
+    assert preprocess_cli.main(["--input", str(d / "a.txt"), str(d / "b.txt"),
+                                "--output-prefix", str(d / "txt"),
+                                "--tokenizer-model", tok, "--append-eod"]) == 0
     assert preprocess_cli.main(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "js"),
-                     "--json-keys", "text", "title",
-                     "--tokenizer-model", tok, "--append-eod", "--workers", "2"]) == 0
+                                "--json-keys", "text", "title",
+                                "--tokenizer-model", tok, "--append-eod", "--workers", "2"]) == 0
     return {"dir": d, "tok": tok, "paragraphs": paragraphs, "txt": str(d / "txt_text_document"),
             "js": str(d / "js_text_document"), "title": str(d / "js_title_document")}
 
@@ -265,7 +266,7 @@ def test_preprocess_jsonl_keys_and_workers_agree(corpus, tmp_path):
     assert tok.decode(titles.document(7).tolist()[:-1]) == f"lord {WORDS[7]}"
     out = str(tmp_path / "one")
     assert preprocess_cli.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix", out,
-                                            "--tokenizer-model", corpus["tok"], "--append-eod"]) == 0
+                                "--tokenizer-model", corpus["tok"], "--append-eod"]) == 0
     for ext in (".bin", ".idx"):
         with open(out + "_text_document" + ext, "rb") as a, open(corpus["js"] + ext, "rb") as b:
             assert a.read() == b.read()
@@ -274,20 +275,21 @@ def test_preprocess_jsonl_keys_and_workers_agree(corpus, tmp_path):
 def test_preprocess_file_documents_and_errors(corpus, tmp_path, capsys):
     out = str(tmp_path / "f")
     assert preprocess_cli.main(["--input", str(corpus["dir"] / "a.txt"), str(corpus["dir"] / "b.txt"),
-                     "--output-prefix", out,
-                     "--tokenizer-model", corpus["tok"], "--text-document", "file"]) == 0
+                                "--output-prefix", out,
+                                "--tokenizer-model", corpus["tok"], "--text-document", "file"]) == 0
     ds = IndexedDataset(out + "_text_document")
     assert ds.num_documents == 2 and load_tokenizer(corpus["tok"]).eod not in ds.document(0).tolist()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"body": "b"}\n')
-    assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model", corpus["tok"]]) == 2
+    assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out,
+                                "--tokenizer-model", corpus["tok"]]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
     assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out,
-                     "--tokenizer-model", str(tmp_path / "x.model")]) == 2
+                                "--tokenizer-model", str(tmp_path / "x.model")]) == 2
     assert "x.model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         preprocess_cli.main(["--input", str(tmp_path / "absent.txt"), "--output-prefix", out,
-                  "--tokenizer-model", corpus["tok"]])
+                             "--tokenizer-model", corpus["tok"]])
     assert "absent.txt" in capsys.readouterr().err
 
 
@@ -309,12 +311,12 @@ def test_preprocess_refuses_empty_input(corpus, tmp_path, capsys):
     for name, text in (("empty.txt", ""), ("blank.txt", "\n  \n\n"), ("empty.jsonl", "\n")):
         (tmp_path / name).write_text(text)
         assert preprocess_cli.main(["--input", str(tmp_path / name), "--output-prefix", out,
-                                "--tokenizer-model", corpus["tok"]]) == 2
+                                    "--tokenizer-model", corpus["tok"]]) == 2
         err = capsys.readouterr().err
         assert f"--input {tmp_path / name}: no documents" in err, err
     (tmp_path / "void.jsonl").write_text('{"text": ""}\n')
     assert preprocess_cli.main(["--input", str(tmp_path / "void.jsonl"), "--output-prefix", out,
-                            "--tokenizer-model", corpus["tok"], "--append-eod"]) == 2
+                                "--tokenizer-model", corpus["tok"], "--append-eod"]) == 2
     assert "1 documents but no tokens" in capsys.readouterr().err
     assert not any(f.startswith("e_") for f in os.listdir(tmp_path))
 
@@ -569,10 +571,11 @@ def test_preprocess_refuses_non_text_fields_naming_the_line(corpus, tmp_path, ca
         bad = tmp_path / f"bad{n}.jsonl"
         bad.write_text('{"text": "fine"}\n' + record + "\n")
         assert preprocess_cli.main(["--input", str(bad), "--output-prefix", out, "--tokenizer-model",
-                                corpus["tok"]]) == 2
+                                    corpus["tok"]]) == 2
         err = capsys.readouterr().err
         assert f"bad{n}.jsonl:2" in err and err.count("error:") == 1, err
-        assert ("is null" in err) if n == 1 else ("is int" in err) if n == 2 else ("expected a JSON object" in err)
+        assert (("is null" in err) if n == 1 else ("is int" in err) if n == 2
+                else ("expected a JSON object" in err))
     assert not os.path.exists(out + "_text_document.bin")  # nothing written
 
 
@@ -580,7 +583,7 @@ def test_preprocess_unwritable_output_prefix_is_one_message(corpus, tmp_path, ca
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")  # root can write anywhere, but not below a file
     code = preprocess_cli.main(["--input", str(corpus["dir"] / "c.jsonl"), "--output-prefix",
-                            str(blocker / "sub" / "x"), "--tokenizer-model", corpus["tok"]])
+                                str(blocker / "sub" / "x"), "--tokenizer-model", corpus["tok"]])
     err = capsys.readouterr().err
     assert code == 2 and "--output-prefix" in err and "Traceback" not in err and err.count("error:") == 1
 
@@ -590,7 +593,8 @@ def test_separate_train_and_valid_sets(tmp_path):
     evaluation only the second, no --split."""
     train_prefix = _numbered(tmp_path, "train", 40, base=0)
     valid_prefix = _numbered(tmp_path, "valid", 40, base=100, seed=1)
-    cfg = validate(_data_cfg([], train_data_path=[train_prefix], valid_data_path=[valid_prefix], eval_interval=2))
+    cfg = validate(_data_cfg([], train_data_path=[train_prefix], valid_data_path=[valid_prefix],
+                             eval_interval=2))
     data = build_data(cfg)
     assert int(data.get_tokens(range(16), "train").max()) < 40  # every token names a training document
     assert int(data.get_tokens(range(16), "valid").min()) >= 100

@@ -98,7 +98,8 @@ LAYOUTS = [  # (name, GPUs, flags)
     ("tp2", 2, ["--tensor-model-parallel-size", "2"]),
     ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2-1f1b", 2, ["--pipeline-model-parallel-size", "2"]),
-    ("pp2-interleaved", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp2-interleaved", 2, ["--pipeline-model-parallel-size", "2",
+                            "--num-layers-per-virtual-pipeline-stage", "1"]),
     ("dp2-zero1", 2, ["--zero-stage", "1"]),  # parameter all-gather overlapped with the next forward
     ("dp2-zero2-k1", 2, ["--zero-stage", "2", "--max-reductions-in-flight", "1"]),
     ("dp2-zero3-recompute", 2, ["--zero-stage", "3", "--recompute-granularity", "full"]),

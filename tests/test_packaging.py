@@ -29,15 +29,16 @@ def _run(cmd, cwd, env=None):
 @pytest.fixture(scope="module")
 def fresh_env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pkg")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"),
-          str(ROOT)], cwd=tmp)
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+          "-w", str(tmp / "dist"), str(ROOT)], cwd=tmp)
     (wheel,) = (tmp / "dist").glob("megazero-*.whl")
     env_dir = tmp / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).strip())
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-         cwd=tmp)
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     cwd=tmp).strip())
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+          str(wheel)], cwd=tmp)
     # another distribution's top-level `models`, installed afterwards: it replaces any `models` there
     shutil.rmtree(site / "models", ignore_errors=True)
     (site / "models").mkdir()
@@ -65,16 +66,17 @@ def test_wheel_holds_every_package(fresh_env):
                     for p in (ROOT / "megazero").rglob("__init__.py"))
     listed = _run([str(python), "-c", "import importlib, sys\n"
                    f"for name in {source + ['megazero_models']!r}: importlib.import_module(name)\n"
-                   "import megazero, megazero_models; print(megazero.__file__); print(megazero_models.__file__)"],
+                   "import megazero, megazero_models; print(megazero.__file__); "
+                   "print(megazero_models.__file__)"],
                   cwd=project)
     assert str(ROOT) not in listed  # imported from the installed wheel, not this checkout
 
 
 def test_entry_points_ignore_a_foreign_models_package(fresh_env):
     python, project = fresh_env
-    out = _entry_point(python, project, "megazero-pretrain", "--mock-data", "--num-layers", "1", "--hidden-size",
-                       "16", "--num-attention-heads", "2", "--seq-length", "8", "--vocab-size", "32",
-                       "--train-iters", "2", "--log-interval", "1")
+    out = _entry_point(python, project, "megazero-pretrain", "--mock-data", "--num-layers", "1",
+                       "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+                       "--vocab-size", "32", "--train-iters", "2", "--log-interval", "1")
     assert "iteration" in out and "2/2" in out
     out = _entry_point(python, project, "megazero-estimate-memory", "--model", "gpt2-small", "--json")
     assert '"total_params"' in out

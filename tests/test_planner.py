@@ -9,8 +9,8 @@ import pytest
 import models
 from megazero.config import parse_args
 from megazero.planning.estimate import estimate_stages
-from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags, layout_config,
-                              model_config, peak_memory, plan, step_time)
+from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags,
+                                       layout_config, model_config, peak_memory, plan, step_time)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "plan.py")
@@ -19,8 +19,8 @@ MODEL = ["--num-layers", "8", "--hidden-size", "96", "--num-attention-heads", "6
 
 def hw(memory_gb=80.0, per_node=8, overhead=0.0):
     tflops, _, intra, inter, hbm = GPUS["H100"]
-    return Hardware(tflops * 1e12, 0.5, memory_gb * GB, Link(5e-6, 1 / (intra * GB)), Link(15e-6, 1 / (inter * GB)),
-                    hbm * GB, per_node, overhead)
+    return Hardware(tflops * 1e12, 0.5, memory_gb * GB, Link(5e-6, 1 / (intra * GB)),
+                    Link(15e-6, 1 / (inter * GB)), hbm * GB, per_node, overhead)
 
 
 def base(seq=128, gbs=32, args=MODEL):
@@ -78,8 +78,8 @@ def test_step_time_terms_move_the_right_way():
     h = hw()
 
     def t(**kw):
-        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none", sequence_parallel=False,
-                               micro_batch_size=1), **kw))
+        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
+                               sequence_parallel=False, micro_batch_size=1), **kw))
         return step_time(layout_config(cfg, x, 8), h)
 
     assert t(recompute="full")["compute_s"] > t(recompute="selective")["compute_s"] > t()["compute_s"]
@@ -101,8 +101,8 @@ def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
                       oversubscription=4.0)
 
     def t(hardware, **kw):
-        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none", sequence_parallel=False,
-                               micro_batch_size=1), **kw))
+        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
+                               sequence_parallel=False, micro_batch_size=1), **kw))
         return step_time(layout_config(cfg, x, 8), hardware)
 
     deep = t(shared, pp=4, dp=2)
@@ -118,7 +118,8 @@ def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
 def test_calibration_fits_recover_the_constants():
     from megazero.planning.calibrate import fit_alpha_beta, fit_layer, layer_flops
     alpha, beta = 1.5e-3, 2e-10
-    points = [(n, b, 2 * (n - 1) * (alpha + beta * b / n)) for n in (2, 4, 8) for b in (65536, 524288, 2097152)]
+    points = [(n, b, 2 * (n - 1) * (alpha + beta * b / n))
+              for n in (2, 4, 8) for b in (65536, 524288, 2097152)]
     assert fit_alpha_beta(points) == pytest.approx((alpha, beta), rel=1e-9)
     rate, overhead = 1.2e10, 3e-3
     assert fit_layer({t: overhead + layer_flops(t) / rate for t in (256, 512, 1024)}) == \
@@ -149,8 +150,8 @@ def _run(*args):
 
 
 def test_plan_json_schema():
-    res = _run("--json", "--gpus", "8", "--gpu-memory-gb", "24", "--global-batch-size", "32", "--seq-length", "128",
-               *MODEL, "--top", "3")
+    res = _run("--json", "--gpus", "8", "--gpu-memory-gb", "24", "--global-batch-size", "32",
+               "--seq-length", "128", *MODEL, "--top", "3")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     keys = {"tp", "pp", "vpp", "dp", "zero_stage", "recompute", "sequence_parallel", "micro_batch_size",
@@ -184,15 +185,17 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     cal = json.loads(out.stdout)
-    assert cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0 and cal["oversubscription"] >= 1
+    assert (cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0
+            and cal["oversubscription"] >= 1)
     assert {n for n, _, _ in cal["allreduce_points"]} == {2}
     cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
     cal_path.write_text(json.dumps(cal))
-    measured.write_text(json.dumps({"measured_s": {"dp8 zero0 mb2": 2.0, "tp8 mb4": 6.0, "tp4 dp2 full mb2": 5.0}}))
+    measured.write_text(json.dumps({"measured_s": {"dp8 zero0 mb2": 2.0, "tp8 mb4": 6.0,
+                                                   "tp4 dp2 full mb2": 5.0}}))
     bench = os.path.join(ROOT, "scripts", "bench_planner.py")
     out = subprocess.run([sys.executable, bench, "--calibration", str(cal_path), "--measured", str(measured),
-                          "--json", str(tmp_path / "out.json")], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+                          "--json", str(tmp_path / "out.json")], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert set(result["predicted_s"]) == {"dp8 zero0 mb2", "tp8 mb4", "tp4 dp2 full mb2"}

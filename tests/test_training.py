@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megazero.config import MegazeroConfig, config_from_dict, validate
-from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration,
-                            peak_flops)
+from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
+                                     model_flops_per_iteration, peak_flops)
 from megazero.lr import learning_rate
 from models.cli.pretrain import main
 from tolerance import R_TRAIN, R_TRAIN_ADAM
@@ -100,7 +100,8 @@ def _never_called(cfg, mesh):
      "--num-attention-heads 3"),
     (4, ["--global-batch-size", "6", "--micro-batch-size", "1"], "--global-batch-size 6"),
     (1, ["--fp16", "--bf16"], "--fp16"),
-    (2, ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "15"], "--sequence-parallel"),
+    (2, ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "15"],
+     "--sequence-parallel"),
     (2, ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3"),
     (1, ["--recompute-method", "block"], "--recompute-method"),
     (1, ["--min-lr", "1.0", "--lr", "0.1"], "--min-lr"),
@@ -144,8 +145,8 @@ def _cfg(tp=1, pp=1, zero=0, iters=4, optimizer="sgd", **extra):
     settings = dict(mock_data=True, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=100, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     zero_stage=zero, global_batch_size=8, micro_batch_size=1, train_iters=iters,
-                    eval_interval=2, eval_iters=1, optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3,
-                    log_interval=100)
+                    eval_interval=2, eval_iters=1, optimizer=optimizer,
+                    lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
     return config_from_dict(dict(settings, **extra))
 
 
@@ -247,8 +248,8 @@ def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
     param_bytes = {0: ref[0]["param_bytes"]}
     for zero in (1, 3):
         got, out = _pretrain(tmp_path, f"zero{zero}", ["--tensor-model-parallel-size", "2",
-                                                      "--pipeline-model-parallel-size", "2",
-                                                      "--zero-stage", str(zero)], nproc=8)
+                                                       "--pipeline-model-parallel-size", "2",
+                                                       "--zero-stage", str(zero)], nproc=8)
         assert f"tp 2 pp 2 dp 2 zero {zero}" in out and out.count("iteration 3/3") == 1  # rank 0 only
         assert [m["iteration"] for m in got] == [1, 2, 3]
         for key in ("loss", "grad_norm"):

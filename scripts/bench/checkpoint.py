@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Checkpoint save/load time and peak extra host memory: megazero vs torch.distributed.checkpoint.
 
-    python scripts/bench_checkpoint.py                      # this checkout, GPT-2 small (124M), 4 ranks, ZeRO-2
-    python scripts/bench_checkpoint.py --repo /path/to/old  # the same measurement with another checkout's code
+    python scripts/bench_checkpoint.py                      # this checkout, GPT-2 (124M), 4 ranks, ZeRO-2
+    python scripts/bench_checkpoint.py --repo /path/to/old  # the same measurement, another checkout's code
 
 Every rank builds the model and a ZeRO optimizer (Adam moments filled with random values), then
 for each method: save, then load back into freshly zeroed state, checking the values round-trip.
@@ -159,10 +159,12 @@ def main():
     print(f"{args.model}: {r0['params'] / 1e6:.1f}M parameters, {args.ranks} ranks, ZeRO-{args.zero_stage}, "
           f"code from {args.repo}; optimizer state per rank {r0['shard_bytes'] / mib:.0f} MiB "
           f"(master + Adam moments), resident before {r0['rss'] / mib:.0f} MiB")
-    print(f"{'method':<10} {'save s':>8} {'save peak MiB':>14} {'load s':>8} {'load peak MiB':>14}  round trip")
+    print(f"{'method':<10} {'save s':>8} {'save peak MiB':>14} "
+          f"{'load s':>8} {'load peak MiB':>14}  round trip")
     for method in args.methods:
         rows = [r[method] for r in ranks]
-        print(f"{method:<10} {max(x['save_s'] for x in rows):>8.2f} {max(x['save_mem'] for x in rows) / mib:>14.0f} "
+        print(f"{method:<10} {max(x['save_s'] for x in rows):>8.2f} "
+              f"{max(x['save_mem'] for x in rows) / mib:>14.0f} "
               f"{max(x['load_s'] for x in rows):>8.2f} {max(x['load_mem'] for x in rows) / mib:>14.0f}  "
               f"{'exact' if all(x['same'] for x in rows) else 'DIFFERS'}")
     return 0

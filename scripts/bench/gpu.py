@@ -130,7 +130,8 @@ def _free(device: torch.device) -> None:
 
 def run(args) -> Dict[str, dict]:
     """Time every mode; returns per mode the step time, tokens/s, TFLOP/s and MFU."""
-    from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
+    from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
+                                         model_flops_per_iteration)
     device = torch.device(args.device)
     results: Dict[str, dict] = {}
     modes = ["megazero", "megazero + full recompute", "transformers GPT2LMHeadModel"]
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="a tiny model and two steps (a smoke test, e.g. on cpu)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model and two steps (a smoke test, e.g. on cpu)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': stdout)")
     args = p.parse_args(argv)
     if args.quick:
@@ -182,9 +184,9 @@ def main(argv=None) -> int:
     n = gpt_params(args.vocab, args.hidden, args.layers, args.seq, tied=True, bias=True)
     results = run(args)
     name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
-    print(f"{name}: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab "
-          f"{args.vocab}, tied ({n / 1e6:,.1f}M parameters), micro-batch {args.micro_batch}, {args.dtype}; "
-          f"median of {args.steps} steps after {args.warmup}")
+    print(f"{name}: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
+          f"vocab {args.vocab}, tied ({n / 1e6:,.1f}M parameters), micro-batch {args.micro_batch}, "
+          f"{args.dtype}; median of {args.steps} steps after {args.warmup}")
     print(f"{'mode':30} {'ms/step':>9} {'tokens/s':>10} {'model TFLOP/s':>14} {'hw TFLOP/s':>11} {'MFU':>6} "
           f"{'max GB':>7} {'loss':>7}")
     for mode, r in results.items():

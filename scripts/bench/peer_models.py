@@ -101,7 +101,8 @@ def megazero_name(name: str, first_layer: int = 0) -> str:
 
 
 @torch.no_grad()
-def copy_from_megazero(plain: PlainGPT, state: dict, first_layer: int = 0, vocab: Optional[int] = None) -> None:
+def copy_from_megazero(plain: PlainGPT, state: dict, first_layer: int = 0,
+                       vocab: Optional[int] = None) -> None:
     """Load megazero's full (TP-gathered, unpadded) parameters ``state`` into ``plain``."""
     for name, p in plain.named_parameters():
         t = state[megazero_name(name, first_layer)]

@@ -17,9 +17,13 @@ they compute the same thing.
 | one process | a plain ``nn.Module`` GPT (``scripts/bench/peer_models.py``) + ``torch.optim.AdamW`` |
 | DP, ZeRO-0/1/2 | ``DistributedDataParallel`` (``gradient_as_bucket_view``) |
 | DP, ZeRO-3 | FSDP2 ``fully_shard`` on every block and the root |
-| TP (+ SP) | DTensor ``parallelize_module`` (``ColwiseParallel``/``RowwiseParallel``, vocab-parallel embedding and head, ``SequenceParallel`` norms) + ``loss_parallel`` |
+| TP (+ SP) | DTensor ``parallelize_module`` (the TP plan, below) + ``loss_parallel`` |
 | PP 1F1B / interleaved | ``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` |
-| TP x PP x DP | ``DeviceMesh`` + the TP plan + FSDP2 over DP (``reshard_after_forward`` off for ZeRO-0, on for ZeRO-3, as torchtitan) + ``Schedule1F1B`` |
+| TP x PP x DP | ``DeviceMesh`` + the TP plan + FSDP2 over DP (resharding below) + ``Schedule1F1B`` |
+
+The TP plan: ``ColwiseParallel``/``RowwiseParallel``, vocab-parallel embedding and head,
+``SequenceParallel`` norms.  Under TP x PP x DP, FSDP2's ``reshard_after_forward`` is off for
+ZeRO-0 and on for ZeRO-3, as torchtitan.
 
 The peers' AdamW is PyTorch's default implementation (``--peer-optimizer`` picks foreach or fused).
 megazero runs with its default ``--cpu-matmul auto`` (oneDNN products on x86 CPUs; the peers use
@@ -87,11 +91,11 @@ LAYOUTS = {
                               {"pipeline_model_parallel_size": 2, "micro_batch_size": 2,
                                "num_layers_per_virtual_pipeline_stage": 1}, "pp", {"vp": 2}),
     "3d-zero0": Layout("TP2 x PP2 x DP2, ZeRO-0", 8,
-                       {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "micro_batch_size": 2,
-                        "zero_stage": 0}, "3d", {"reshard": False}),
+                       {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                        "micro_batch_size": 2, "zero_stage": 0}, "3d", {"reshard": False}),
     "3d-zero3": Layout("TP2 x PP2 x DP2, ZeRO-3", 8,
-                       {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "micro_batch_size": 2,
-                        "zero_stage": 3}, "3d", {"reshard": True}),
+                       {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                        "micro_batch_size": 2, "zero_stage": 3}, "3d", {"reshard": True}),
 }
 
 
@@ -109,12 +113,14 @@ def _megazero(layout: Layout, model: dict):
     world = layout.world
     settings = dict(BASE, **model, **layout.settings)
     if "micro_batch_size" not in layout.settings:  # one micro-batch of this DP rank's share, as the peer
-        tp, pp = settings.get("tensor_model_parallel_size", 1), settings.get("pipeline_model_parallel_size", 1)
+        tp, pp = (settings.get("tensor_model_parallel_size", 1),
+                  settings.get("pipeline_model_parallel_size", 1))
         settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp))
     cfg = validate(config_from_dict(settings), world)
     par = cfg.parallel
-    mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                              device=torch.device("cpu")) if world > 1 else ParallelMesh.single(torch.device("cpu"))
+    mesh = (ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                               device=torch.device("cpu"))
+            if world > 1 else ParallelMesh.single(torch.device("cpu")))
     chunks = models.build_chunks(cfg, mesh)
     weights = {}
     for c in chunks:
@@ -126,8 +132,9 @@ def _megazero(layout: Layout, model: dict):
 
     def step() -> Optional[float]:
         opt.zero_grad()
-        losses = run_schedule(chunks, mesh, batches, schedule=par.pipeline_schedule, num_micro_batches=len(batches),
-                              tensor_shape=p2p_tensor_shape(cfg), grad_sync=opt, loss_scale=opt.loss_scale)
+        losses = run_schedule(chunks, mesh, batches, schedule=par.pipeline_schedule,
+                              num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg),
+                              grad_sync=opt, loss_scale=opt.loss_scale)
         opt.finish_grad_sync()
         opt.step(cfg.optimizer.lr)
         return sum(float(x) for x in losses) / len(losses) if losses else None
@@ -204,15 +211,18 @@ def tp_plan(model, sp: bool) -> dict:
         plan["word_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     for i in range(len(model.layers)):
         pre = f"layers.{i}."
-        plan.update({pre + "qkv": ColwiseParallel(input_layouts=seq), pre + "proj": RowwiseParallel(output_layouts=seq),
-                     pre + "fc1": ColwiseParallel(input_layouts=seq), pre + "fc2": RowwiseParallel(output_layouts=seq)})
+        plan.update({pre + "qkv": ColwiseParallel(input_layouts=seq),
+                     pre + "proj": RowwiseParallel(output_layouts=seq),
+                     pre + "fc1": ColwiseParallel(input_layouts=seq),
+                     pre + "fc2": RowwiseParallel(output_layouts=seq)})
         if sp:
             plan[pre + "input_norm"] = SequenceParallel()
             plan[pre + "post_attention_norm"] = SequenceParallel()
     if model.last:
         if sp:
             plan["final_norm"] = SequenceParallel()
-        plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+        plan["output_layer"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                               use_local_output=False)
     return plan
 
 
@@ -296,8 +306,8 @@ def _pp_peer(layout: Layout, cfg, mesh, weights, how: str):
     params = [p for m in mods for p in m.parameters()]
     opt = _peer_optimizer(params, how)
     tokens, labels = _share(cfg, mesh)
-    step = _pipeline_step(sched, (mesh.pp_rank == 0, mesh.pp_rank == pp - 1), opt, params, tokens, labels, micro,
-                          mesh.pp_group, contextlib.nullcontext)
+    step = _pipeline_step(sched, (mesh.pp_rank == 0, mesh.pp_rank == pp - 1), opt, params, tokens, labels,
+                          micro, mesh.pp_group, contextlib.nullcontext)
     return step, lambda: _local_bytes(params, opt)
 
 
@@ -307,7 +317,8 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    dm = init_device_mesh("cpu", (mesh.pp_size, mesh.dp_size, mesh.tp_size), mesh_dim_names=("pp", "dp", "tp"))
+    dm = init_device_mesh("cpu", (mesh.pp_size, mesh.dp_size, mesh.tp_size),
+                          mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, pp = dm["pp"].get_local_rank(), mesh.pp_size
     dp_rank = dm["dp"].get_local_rank()
     net = _peer_model(cfg, weights, _stage_layers(cfg, pp_rank, pp), pp_rank == 0, pp_rank == pp - 1)
@@ -323,7 +334,8 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     opt = _peer_optimizer(params, how)
     from megazero.data import build_data, sample_range
     share = cfg.training.global_batch_size // mesh.dp_size
-    ids = build_data(cfg).get_tokens(list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.dp_size)))
+    ids = build_data(cfg).get_tokens(
+        list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.dp_size)))
     assert ids.shape[0] == share
     step = _pipeline_step(sched, (pp_rank == 0, pp_rank == pp - 1), opt, params, ids[:, :-1].contiguous(),
                           ids[:, 1:].contiguous(), micro, dm["pp"].get_group(), loss_parallel)
@@ -386,7 +398,8 @@ def _run_layout(layout: Layout, model: dict, rounds: int, warmup: int, how: str)
             step()
     times = interleaved_rounds(modes, rounds, _barrier)
     return {"times": times, "first_loss": first, "numel": numel, "dp": mesh.dp_size,
-            "megazero_bytes": {k: v for k, v in mz_memory().items() if k in ("param_bytes", "grad_bytes", "optim_bytes")},
+            "megazero_bytes": {k: v for k, v in mz_memory().items()
+                               if k in ("param_bytes", "grad_bytes", "optim_bytes")},
             "peer_bytes": peer_memory()}
 
 
@@ -399,7 +412,8 @@ def _summary(key: str, layout: Layout, per_rank: List[dict]) -> dict:
     formula = zero_model_state_bytes(worst["numel"], layout.zero_stage, worst["dp"], 4, 4, 8)["total_bytes"]
     return {"layout": key, "name": layout.name, "world": layout.world, "peer": layout.peer,
             "megazero_ms": mz * 1e3, "peer_ms": peer * 1e3, "ratio": mz / peer,
-            "megazero_min_ms": min(res["times"]["megazero"]) * 1e3, "peer_min_ms": min(res["times"]["peer"]) * 1e3,
+            "megazero_min_ms": min(res["times"]["megazero"]) * 1e3,
+            "peer_min_ms": min(res["times"]["peer"]) * 1e3,
             "megazero_mb": sum(worst["megazero_bytes"].values()) / 2 ** 20,
             "peer_mb": sum(worst["peer_bytes"].values()) / 2 ** 20, "formula_mb": formula / 2 ** 20,
             "first_loss": res["first_loss"], "rounds": len(res["times"]["megazero"])}
@@ -427,28 +441,30 @@ def main(argv=None) -> int:
     p.add_argument("--peer-optimizer", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--cpu-matmul", choices=["auto", "onednn", "torch"], default="auto",
                    help="megazero's --cpu-matmul (torch: PyTorch's BLAS, as the peers)")
-    p.add_argument("--quick", action="store_true", help="a tiny model and two rounds: checks that everything runs")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model and two rounds: checks that everything runs")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
     model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul)
     if args.quick:
         args.rounds, args.warmup = min(args.rounds, 2), 1
     args.warmup = max(1, args.warmup)
-    args.model_desc = (f"{model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} "
-                       f"heads, seq {model['seq_length']}, vocab {model['vocab_size']}, untied, no biases")
+    args.model_desc = (f"{model['num_layers']} layers, hidden {model['hidden_size']}, "
+                       f"{model['num_attention_heads']} heads, seq {model['seq_length']}, "
+                       f"vocab {model['vocab_size']}, untied, no biases")
     torch.set_num_threads(1)
     if torch.__version__ < "2.13":  # a TorchVersion: compares as a version
-        print(f"warning: the peers are tested on torch 2.13; with {torch.__version__} (2.6 here) the interleaved "
-              "pipelining peer lost a rank", file=sys.stderr)
+        print(f"warning: the peers are tested on torch 2.13; with {torch.__version__} (2.6 here) the "
+              "interleaved pipelining peer lost a rank", file=sys.stderr)
     load0 = os.getloadavg()
     rows = []
     for key in args.layouts:
         layout = LAYOUTS[key]
-        per_rank = run_ranks(_run_layout, layout.world, layout, model, args.rounds, args.warmup, args.peer_optimizer,
-                             timeout=3600)
+        per_rank = run_ranks(_run_layout, layout.world, layout, model, args.rounds, args.warmup,
+                             args.peer_optimizer, timeout=3600)
         rows.append(_summary(key, layout, per_rank))
-        print(f"  {layout.name}: megazero {rows[-1]['megazero_ms']:.1f} ms, peer {rows[-1]['peer_ms']:.1f} ms",
-              file=sys.stderr, flush=True)
+        print(f"  {layout.name}: megazero {rows[-1]['megazero_ms']:.1f} ms, "
+              f"peer {rows[-1]['peer_ms']:.1f} ms", file=sys.stderr, flush=True)
     load1 = os.getloadavg()
     params = sum(_params_of(model))
     _print_table(rows, params, load0, load1, args)

@@ -24,14 +24,15 @@ MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "
 LAYOUTS = {  # name: layout flags (8 ranks)
     "dp8 zero0 mb2": ["--micro-batch-size", "2"],
     "dp8 zero2 mb1": ["--micro-batch-size", "1", "--zero-stage", "2"],
-    "tp2 dp4 zero1 mb2": ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2", "--zero-stage", "1"],
+    "tp2 dp4 zero1 mb2": ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                          "--zero-stage", "1"],
     "tp2sp dp4 selective mb4": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                 "--micro-batch-size", "4", "--recompute-granularity", "selective"],
     "tp4 dp2 full mb2": ["--tensor-model-parallel-size", "4", "--micro-batch-size", "2",
                          "--recompute-granularity", "full"],
     "pp2 dp4 mb1": ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
-    "pp2 vpp2 dp4 mb1": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
-                         "--micro-batch-size", "1"],
+    "pp2 vpp2 dp4 mb1": ["--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "1"],
     "pp4 dp2 mb2": ["--pipeline-model-parallel-size", "4", "--micro-batch-size", "2"],
     "tp2 pp2 dp2 zero3 mb1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                               "--micro-batch-size", "1", "--zero-stage", "3"],
@@ -105,7 +106,8 @@ def main(argv=None):
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
     p.add_argument("--calibration", help="Use this calibration JSON instead of measuring one.")
     p.add_argument("--measured", help="Reuse the measured step times of an earlier --json output.")
-    p.add_argument("--json", metavar="PATH", help="Also write calibration, predictions and measurements here.")
+    p.add_argument("--json", metavar="PATH",
+                   help="Also write calibration, predictions and measurements here.")
     a = p.parse_args(argv)
     if a.calibration:
         with open(a.calibration) as fh:

@@ -216,8 +216,8 @@ def main(argv=None) -> int:
     print(f"{n} ranks, {numel / 1e6:.2f}M parameters (fp32 Adam: formula P=4 G=4 K=8 bytes/param), "
           f"{args.micro} micro-batches x {args.batch} samples per rank, {args.steps} rounds")
     print(f"load average (1 min) {load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
-    print(f"{'mode':7} {'median ms':>9} {'min ms':>7} {'vs DDP':>7} {'min vs':>7} {'param MB':>9} {'grad MB':>8} "
-          f"{'optim MB':>9} {'total MB':>9} {'formula MB':>11}")
+    print(f"{'mode':7} {'median ms':>9} {'min ms':>7} {'vs DDP':>7} {'min vs':>7} {'param MB':>9} "
+          f"{'grad MB':>8} {'optim MB':>9} {'total MB':>9} {'formula MB':>11}")
     like = {"ddp": 0, "fsdp2": 3}
     for mode, r in res.items():
         stage = like[mode] if mode in like else int(mode[-1])
