@@ -99,7 +99,7 @@ def test_flash_attention_keeps_no_seq_squared_term():
 def test_layer_bytes_by_hand_gpt2_fp32():
     """One GPT-2 layer on CPU, fp32, TP 1, no dropout: every saved tensor by hand."""
     cfg = cfg_of(1, **GPT2, micro_batch_size=2)
-    s, b, h, a, d, f = 16, 2, 32, 4, 8, 128
+    s, b, h, a, f = 16, 2, 32, 4, 128
     T = s * b
     norm = 4 * T * h + 2 * 4 * T                            # fp32 input, mean, rstd
     attention = 4 * T * 3 * h + 4 * T * h + 4 * b * a * s  # qkv (q, k, v are views of it), out, lse
@@ -129,7 +129,8 @@ def test_offload_moves_optimizer_bytes_to_the_host():
 def test_estimate_memory_script_json():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--json",
                           "--model", "gpt2-small", "--world-size", "8", "--tensor-model-parallel-size", "2",
-                          "--bf16", "--max-reductions-in-flight", "1"],  # 2 in flight: ZeRO-2 can exceed ZeRO-1
+                          # 2 in flight: ZeRO-2 can exceed ZeRO-1
+                          "--bf16", "--max-reductions-in-flight", "1"],
                          capture_output=True, text=True, check=True).stdout
     data = json.loads(out)
     assert data["data_parallel_size"] == 4 and len(data["stages"]) == 4
@@ -199,7 +200,8 @@ def test_measure_script_json():
     args = [sys.executable, os.path.join(ROOT, "scripts", "estimate_memory.py"), "--measure", "--json",
             "--world-size", "4", "--iters", "1", "--num-layers", "4", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "300",
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "4"]
     out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout
     data = json.loads(out)
     assert [s["pp_rank"] for s in data["stages"]] == [0, 1]

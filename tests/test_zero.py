@@ -91,7 +91,7 @@ def _toy_run(cfg, steps=3, micro=2, h=8, recompute_layers=False, poison=(), lr=0
             snaps.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
     return {"params": snaps[-1], "snaps": snaps, "stats": stats, "memory": opt.memory_bytes(),
             "numel": opt.num_parameters(), "buckets": len(opt.buckets),
-            "max_bucket_bytes": max(b.numel for b in opt.buckets) * torch.empty(0, dtype=opt.grad_dtype).element_size()}
+            "max_bucket_bytes": max(b.numel for b in opt.buckets) * opt.storage.grads.element_size()}
 
 
 def _close(a, b, atol):
@@ -450,7 +450,8 @@ def _gpt_train(stages, tp=1, pp=1, **extra):
         params = {}
         with optimizer.gathered_params():  # ZeRO-3: collective over DP
             for chunk in chunks:
-                params.update({n: t.detach().float().cpu().clone() for n, t in full_state_dict(chunk).items()})
+                params.update({n: t.detach().float().cpu().clone()
+                               for n, t in full_state_dict(chunk).items()})
         out.append(([(h["loss"], h["grad_norm"], h["param_bytes"]) for h in hist], params))
     return out
 
@@ -503,7 +504,8 @@ def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
 
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
-             "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}}
+             "full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                      "recompute_num_layers": 1}}
 
 
 def _zero3_param_peaks():
@@ -544,14 +546,15 @@ def _overlapped_gather(stage):
         opt.step(0.05)
         if overlap:
             gather = opt.param_gather
-            units = [set(w) for _, w in gather._unit_buckets(model, {id(p): b.index for b in opt.buckets
-                                                                      for p in b.params})]
+            bucket_of = {id(p): b.index for b in opt.buckets for p in b.params}
+            units = [set(w) for _, w in gather._unit_buckets(model, bucket_of)]
             assert len(units) == 4 and not any(units[0] & u for u in units[1:])  # the chunk's own: apart
             assert sorted(gather.pending) == sorted(b.index for b in opt.buckets)  # nothing waited in step()
             seen = []  # what is still in flight when the second layer starts (its own gather waited)
             model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(sorted(gather.pending)))
             model(x)
-            assert seen == [sorted(units[3] - units[2])] and seen[0]  # all but the third layer's were waited for
+            # all but the third layer's were waited for
+            assert seen == [sorted(units[3] - units[2])] and seen[0]
         with opt.gathered_params():
             out[overlap] = {n: p.detach().clone() for n, p in model.named_parameters()}
         assert not opt.param_gather or not opt.param_gather.pending

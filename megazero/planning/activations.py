@@ -24,7 +24,8 @@ Per transformer layer (no recomputation):
   (GPT-2), so the whole QKV output ``E T (ap + 2 gp) d`` stays alive; otherwise it is its own
   ``E T ap d`` (rotated, or regrouped).  The output projection keeps a regrouped copy of the SDPA
   output ``E T ap d``, except on CPU when the query was a view of the QKV output (the output then
-  regroups as a view unless grouped-query attention regrouped the query).  Math SDPA (CPU with attention dropout): the scaled query and key
+  regroups as a view unless grouped-query attention regrouped the query).  Math SDPA (CPU with
+  attention dropout): the scaled query and key
   ``2 E T ap d``, the value ``E T ap d``, the softmax, the dropout mask and the dropped
   probabilities ``b ap s^2 (2 E + M)`` (the ``5 a s^2 b`` term of Korthikanti et al. exists
   only here), and the regrouped output ``E T ap d`` for the projection;
@@ -43,7 +44,8 @@ norm, the head's input ``E T h``, the cross-entropy's fp32 softmax ``4 T Vp``, s
 Recomputation: ``full`` keeps only each recomputed group's input ``E Tl h``; during backward the
 group is replayed and holds one group's activations at a time.  ``selective`` keeps the attention
 core's inputs (the QKV output storage, plus the rotated query/key with RoPE, plus the regrouped
-query with grouped-query attention when that is a copy) instead of the SDPA's saved set, and replays one layer's core
+query with grouped-query attention when that is a copy) instead of the SDPA's saved set, and
+replays one layer's core
 in backward.
 
 A chunk is a list of :class:`Segment` s in forward order; its backward frees them in reverse, a

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megazero.errors import ConfigError
+
 SIZES = (16384, 131072, 524288)  # fp32 elements: 64 KB .. 2 MB
 HIDDEN, HEADS, SEQ = 256, 4, 256  # the timed layer; batches of 1, 2 and 4 sequences
 ROUNDS = 10  # all-reduces per timed loop
@@ -150,7 +152,6 @@ def calibrate(ranks: int = 8) -> Dict[str, object]:
 
 def load_calibration(path: str) -> Dict[str, object]:
     """A calibration written by ``plan.py --calibrate``; ConfigError naming the flag when unusable."""
-    from megazero.config import ConfigError
     try:
         with open(path) as fh:
             cal = json.load(fh)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from megazero.planning.activations import (dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks)
+from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks
 from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
 
@@ -140,8 +140,9 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     backend = backend or ("gloo" if device == "cpu" else "nccl")
     ms = model_state(cfg, pp_rank, stage, backend)
     out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
-    out.update({k: ms[k] for k in ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes",
-                                   "master_bytes", "peak_grad_bytes", "gathered_param_bytes", "optim_on_cpu")})
+    keys = ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "peak_grad_bytes",
+            "gathered_param_bytes", "optim_on_cpu")
+    out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
     out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, device)
     out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)

@@ -150,7 +150,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     if mesh.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(mesh.device)
     optimizer = build_optimizer(chunks, mesh, cfg)
-    stage3 = getattr(optimizer, "stage3", None)
+    stage3 = optimizer.stage3
     tracker = SavedTensorTracker(_storage_ptrs(chunks),
                                  stage3.gathered_storages if stage3 is not None else None)
     timer = PipelineTimer()

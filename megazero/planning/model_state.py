@@ -150,7 +150,7 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     so it never sets the peak."""
     G = bytes_per_element(cfg)["G"]
     dp = cfg.parallel.data_parallel_size
-    K = max(1, int(getattr(cfg.parallel, "max_reductions_in_flight", 2) or 2))
+    K = cfg.parallel.max_reductions_in_flight
     gloo_fp32 = backend == "gloo" and G == 4
     if zero_stage == 0 or dp == 1 and zero_stage == 1:
         return persistent

@@ -167,9 +167,9 @@ def layout_config(cfg, layout: Layout, gpus: int):
                 for f in section.__dataclass_fields__ if f not in ("padded_vocab_size", "num_micro_batches")}
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         settings.pop(name, None)
-    settings.update(layout.settings(cfg.model.num_layers), mock_data=True,
+    settings.update(layout.settings(cfg.model.num_layers),
                     offload_optimizer=cfg.parallel.offload_optimizer and layout.zero_stage > 0)
-    return validate(config_from_dict(settings), gpus)
+    return validate(config_from_dict(settings), gpus, check_data=False)
 
 
 def peak_memory(cfg) -> int:
@@ -317,7 +317,7 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         par = cfg.parallel
         off = validate(cfg.replace(parallel={"offload_optimizer": True,
                                              "zero_stage": max(1, par.zero_stage)}),
-                       par.world_size)
+                       par.world_size, check_data=False)
         found = [x for x in plan(off, gpus, hw, margin, zero_stages=(1, 2, 3))]
         if found:
             return (f"add --offload-optimizer (optimizer state in host memory): {describe(found[0])} needs "
@@ -423,6 +423,4 @@ def model_config(model_args: Sequence[str], presets, seq_length: Optional[int], 
         argv += ["--seq-length", str(seq_length)]
     if not fp32 and "--fp16" not in argv and "--bf16" not in argv:
         argv.append("--bf16")
-    if "--mock-data" not in argv and "--data-path" not in argv:
-        argv.append("--mock-data")
-    return parse_args(argv, presets=presets, world_size=1)
+    return parse_args(argv, presets=presets, world_size=1, check_data=False)

@@ -51,20 +51,24 @@ class ZeroOptimizer:
         self.buckets = plan_buckets(groups, mesh.dp_size, par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype)
-        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, par.offload_optimizer, mesh.tp_rank)
+        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, par.offload_optimizer,
+                                    mesh.tp_rank)
         for b in self.buckets:
             full = _bucket_values(b, mesh.device)
             self.storage.adopt(b, full)
             self.update.add_bucket(b, full)
             del full
-        self.param_gather = OverlappedParamGather(self.chunks, self.buckets) if self.overlap_param_gather else None
+        self.param_gather = None
+        if self.overlap_param_gather:
+            self.param_gather = OverlappedParamGather(self.chunks, self.buckets)
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
         in_flight = par.max_reductions_in_flight
         if shards_gradients(self.stage):
-            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete, in_flight)
+            self.reducer = EveryMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete,
+                                                  in_flight)
         else:
             self.reducer = LastMicroBatchReducer(self.storage, par.overlap_grad_reduce, on_complete,
                                                  len(self.chunks), in_flight)
@@ -111,7 +115,8 @@ class ZeroOptimizer:
         if not self.reducer.synced:
             self.finish_grad_sync()
         scale = self.scaler.scale
-        norm, found_inf = global_norm_and_overflow(local_square_sums(self.update.grad_norm_pieces()), self.mesh)
+        squares = local_square_sums(self.update.grad_norm_pieces())
+        norm, found_inf = global_norm_and_overflow(squares, self.mesh)
         norm = norm / scale
         self.reducer.end_step()
         if found_inf:
@@ -174,9 +179,12 @@ class ZeroOptimizer:
         grads = [self.storage.grads] + self.reducer.partial_buffers()
         shard = self.storage.params.untyped_storage().nbytes()
         gathered = self.stage3.peak_gathered_bytes if self.stage3 is not None else 0
-        return {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads), "optim_bytes": nbytes(self.update.tensors()),
-                "peak_grad_bytes": self.reducer.grad_bytes.peak, "peak_param_bytes": shard + gathered,
-                **({"host_staging_bytes": nbytes(self.update.staging.values())} if self.update.staging else {})}
+        out = {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads),
+               "optim_bytes": nbytes(self.update.tensors()), "peak_grad_bytes": self.reducer.grad_bytes.peak,
+               "peak_param_bytes": shard + gathered}
+        if self.update.staging:
+            out["host_staging_bytes"] = nbytes(self.update.staging.values())
+        return out
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""

@@ -54,14 +54,14 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
         return 0
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     world = ours.world_size or env_world
-    if "--mock-data" not in rest and "--data-path" not in rest:
-        rest = rest + ["--mock-data"]
+    if ours.measure and "--mock-data" not in rest and "--data-path" not in rest:
+        rest = rest + ["--mock-data"]  # a measurement runs the model on data
     try:
         if world < 1:
             raise ConfigError(f"--world-size must be a positive integer, got {world}")
         if ours.iters < 1:
             raise ConfigError(f"--iters must be >= 1, got {ours.iters}")
-        cfg = parse_args(rest, presets=presets, world_size=world)
+        cfg = parse_args(rest, presets=presets, world_size=world, check_data=ours.measure)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
