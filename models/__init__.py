@@ -7,6 +7,8 @@
 - :func:`generate` (``model, ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id``):
   greedy or sampled continuation with a KV cache (:mod:`models.generate`).
 - :mod:`models.checkpoint`: ``load_model(directory)``, a whole model from a training checkpoint.
+- :mod:`models.saved_activations`: what the model saves for backward, the memory estimator's
+  ``saved`` argument (:mod:`megazero.planning.estimate`).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
 from .generate import generate  # noqa: F401
 from .gpt import GPTModel, full_state_dict, load_full_state_dict  # noqa: F401
 from .presets import PRESETS, get_preset  # noqa: F401
+from . import saved_activations  # noqa: F401
 
 
 def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:

@@ -1,5 +1,9 @@
 """The transformer layer of the GPT family: norms, rotary embeddings, attention and MLP.
 
+What each module here saves for backward is declared in :mod:`megazero_models.saved_activations`
+(the memory estimator's input): change a forward, change its entry there (``tests/test_memory.py``
+measures both).
+
 Hidden states are ``[seq, batch, hidden]`` (``[seq / tp, batch, hidden]`` under sequence
 parallelism). Weights are initialised full from ``(seed, global layer index, parameter name)``
 and sliced for this TP rank (see :mod:`megazero.tensor_parallel.layers`).

@@ -10,16 +10,20 @@ import sys
 
 import pytest
 
-from megazero.planning.activations import Dims, core_bytes, dims, layer_bytes
+from megazero.planning.activations import Dims, dims
 from megazero.config import config_from_dict, validate
 from megazero.planning.estimate import estimate, estimate_rank, estimate_stages, stage_params, total_params
 from megazero.mesh import ParallelMesh
 from megazero.local_ranks import run_ranks
+from models import saved_activations
+from models.saved_activations import core_bytes, layer_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16)
 LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
              add_bias_linear=False, num_query_groups=2, untie_embeddings_and_output_weights=True)
+
+SAVED = saved_activations  # what the model declares it saves for backward
 
 
 def cfg_of(world=1, **kw):
@@ -54,13 +58,13 @@ def test_total_params_match_one_process(arch):
 def test_rank_never_holds_more_than_the_padded_model():
     cfg = cfg_of(8, **dict(GPT2, vocab_size=50257), tensor_model_parallel_size=2)
     assert total_params(cfg) < total_params(cfg, padded=True)
-    assert estimate(cfg)[0]["params_per_rank"] <= total_params(cfg, padded=True)
+    assert estimate(cfg, saved=SAVED)[0]["params_per_rank"] <= total_params(cfg, padded=True)
 
 
 def test_estimate_follows_the_zero_formula():
     # one bucket whose size is a multiple of DP: the layout formula holds exactly
     cfg = cfg_of(8, **GPT2, bf16=True, tensor_model_parallel_size=2)
-    rows = estimate(cfg)
+    rows = estimate(cfg, saved=SAVED)
     n = 4
     psi = rows[0]["param_bytes"] // 2
     assert [r["param_bytes"] for r in rows] == [2 * psi, 2 * psi, 2 * psi, 2 * psi // n]
@@ -73,13 +77,13 @@ def test_estimate_follows_the_zero_formula():
 
 def test_recomputation_orders_activations_and_full_beats_selective():
     base = dict(GPT2, bf16=True, tensor_model_parallel_size=2, hidden_dropout=0.1, attention_dropout=0.1)
-    acts = [estimate_rank(cfg_of(8, **base, **extra), 0)["activation_bytes"]
+    acts = [estimate_rank(cfg_of(8, **base, **extra), 0, saved=SAVED)["activation_bytes"]
             for extra in ({}, {"recompute_granularity": "selective"}, {"recompute_granularity": "full"})]
     assert acts[0] > acts[1] > acts[2] > 0
     # full recomputation stays below selective on a deep pipeline too (the bug the old rule had)
     deep = dict(LLAMA, num_layers=8, pipeline_model_parallel_size=8, global_batch_size=16, micro_batch_size=1)
-    full = estimate_rank(cfg_of(8, **deep, recompute_granularity="full"), 0)["activation_bytes"]
-    sel = estimate_rank(cfg_of(8, **deep, recompute_granularity="selective"), 0)["activation_bytes"]
+    full, sel = (estimate_rank(cfg_of(8, **deep, recompute_granularity=g), 0, saved=SAVED)["activation_bytes"]
+                 for g in ("full", "selective"))
     assert full < sel
 
 
@@ -109,16 +113,16 @@ def test_layer_bytes_by_hand_gpt2_fp32():
 
 def test_pipeline_schedule_counts_in_flight_micro_batches():
     base = dict(GPT2, num_layers=4, pipeline_model_parallel_size=4, global_batch_size=16, micro_batch_size=2)
-    one_f = estimate_stages(cfg_of(4, **base))
-    gpipe = estimate_stages(cfg_of(4, **base, pipeline_schedule="gpipe"))
+    one_f = estimate_stages(cfg_of(4, **base), saved=SAVED)
+    gpipe = estimate_stages(cfg_of(4, **base, pipeline_schedule="gpipe"), saved=SAVED)
     assert [r["in_flight_micro_batches"] for r in one_f] == [4, 3, 2, 1]
     assert [r["in_flight_micro_batches"] for r in gpipe] == [8, 8, 8, 8]
     assert gpipe[1]["activation_bytes"] == 8 * one_f[1]["activation_bytes"] // 3
 
 
 def test_offload_moves_optimizer_bytes_to_the_host():
-    on = estimate(cfg_of(2, **GPT2, zero_stage=2, offload_optimizer=True), device="cpu")
-    off = estimate(cfg_of(2, **GPT2, zero_stage=2), device="cpu")
+    on = estimate(cfg_of(2, **GPT2, zero_stage=2, offload_optimizer=True), device="cpu", saved=SAVED)
+    off = estimate(cfg_of(2, **GPT2, zero_stage=2), device="cpu", saved=SAVED)
     assert on[2]["optim_on_cpu"] and not on[0]["optim_on_cpu"]
     assert on[2]["total_bytes"] == off[2]["total_bytes"] - off[2]["optim_bytes"]
     # fp32 params offloaded need a separate fp32 master copy on the host: 4 + 8 bytes per param
@@ -181,7 +185,7 @@ def _measure(settings):
 def test_estimate_matches_measurement(name):
     settings = dict(LAYOUTS[name], micro_batch_size=2)
     cfg = cfg_of(4, **settings)
-    est = {r["pp_rank"]: r for r in estimate_stages(cfg, device="cpu", backend="gloo")}
+    est = {r["pp_rank"]: r for r in estimate_stages(cfg, device="cpu", backend="gloo", saved=SAVED)}
     for m in run_ranks(_measure, 4, settings):
         e = est[m["pp_rank"]]
         for key in ("param_bytes", "grad_bytes", "optim_bytes"):

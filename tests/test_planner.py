@@ -12,6 +12,7 @@ from megazero.planning.estimate import estimate_stages
 from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags,
                                        layout_config, model_config, peak_memory, plan, step_time)
 
+SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "plan.py")
 MODEL = ["--num-layers", "8", "--hidden-size", "96", "--num-attention-heads", "6", "--vocab-size", "1000"]
@@ -55,22 +56,22 @@ def test_flags_parse_and_reproduce_the_layout():
             (x.tp, x.pp, x.dp, x.vpp, x.zero_stage, x.sequence_parallel)
         assert parsed.training.micro_batch_size == x.micro_batch_size and parsed.precision.bf16
         assert (parsed.model.recompute_granularity or "none") == x.recompute
-        assert peak_memory(parsed) == peak_memory(layout_config(cfg, x, 16))
+        assert peak_memory(parsed, saved=SAVED) == peak_memory(layout_config(cfg, x, 16), saved=SAVED)
 
 
 def test_memory_filter_and_order():
     cfg = base(seq=512, gbs=64)
-    roomy = plan(cfg, 8, hw(80.0), margin=0.1)
+    roomy = plan(cfg, 8, hw(80.0), margin=0.1, saved=SAVED)
     need = sorted(x.memory_bytes for x in roomy)
     budget_gb = need[len(need) // 2] / GB / 0.9  # half of the layouts fit this memory
-    tight = plan(cfg, 8, hw(budget_gb), margin=0.1)
+    tight = plan(cfg, 8, hw(budget_gb), margin=0.1, saved=SAVED)
     assert 0 < len(tight) < len(roomy)
     assert all(x.memory_bytes <= 0.9 * budget_gb * GB for x in tight)
     times = [x.step["step_time_s"] for x in tight]
     assert times == sorted(times)
     for x in tight[:3]:
         lc = layout_config(cfg, x, 8)
-        assert x.memory_bytes == max(r["total_bytes"] for r in estimate_stages(lc))
+        assert x.memory_bytes == max(r["total_bytes"] for r in estimate_stages(lc, saved=SAVED))
 
 
 def test_step_time_terms_move_the_right_way():
@@ -135,13 +136,14 @@ def test_calibration_fits_recover_the_constants():
 
 def test_nothing_fits_gives_the_smallest_change():
     cfg = base(seq=512, gbs=64)
-    least = min(x.memory_bytes for x in plan(cfg, 8, hw(80.0), margin=0.0))
+    least = min(x.memory_bytes for x in plan(cfg, 8, hw(80.0), margin=0.0, saved=SAVED))
     tiny = hw(least / GB * 0.97)  # a little less than the leanest layout needs
-    assert plan(cfg, 8, tiny, margin=0.0) == []
-    msg = advice(cfg, 8, tiny, 0.0, {"micro_batch_sizes": None, "recompute": None, "zero_stages": None})
+    assert plan(cfg, 8, tiny, margin=0.0, saved=SAVED) == []
+    msg = advice(cfg, 8, tiny, 0.0, {"micro_batch_sizes": None, "recompute": None, "zero_stages": None},
+                 saved=SAVED)
     assert "offload" in msg or "GPUs" in msg
     restricted = advice(cfg, 8, hw(80.0), 0.0, {"micro_batch_sizes": [16], "recompute": None,
-                                                "zero_stages": None})
+                                                "zero_stages": None}, saved=SAVED)
     assert "allow every micro-batch size" in restricted
 
 

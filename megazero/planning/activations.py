@@ -1,8 +1,10 @@
-"""Activation bytes that autograd keeps for backward, counted from the model code.
+"""Activation bytes that autograd keeps for backward, per rank, over the pipeline schedule.
 
-Every term below is a tensor that an autograd node of ``models/gpt.py``, ``models/layers.py``,
-``megazero/tensor_parallel/*`` or ``megazero/recompute.py`` saves (one storage counted once,
-parameters left out), per micro-batch, on one rank.  Notation: ``s`` sequence, ``b`` micro-batch,
+What each part of the model saves is declared by the model (for megazero's GPT,
+:mod:`megazero_models.saved_activations`) and passed in as ``saved``: an object with
+``embedding_bytes(D)``, ``layer_segments(D, selective)``, ``group_segment(D, n_layers)``,
+``rope_bytes(D)`` and ``head_bytes(D)`` of a :class:`Dims` (per micro-batch, on one rank), in
+:class:`Segment` s where backward frees in steps.  Notation: ``s`` sequence, ``b`` micro-batch,
 ``h`` hidden, ``T = s*b`` tokens, ``Tl`` the tokens a rank holds outside the tensor-parallel
 regions (``T / tp`` under sequence parallelism, else ``T``), ``ap = heads / tp`` and
 ``gp = query_groups / tp`` heads per rank of ``d`` channels, ``fp = ffn / tp``, ``Vp`` the padded
@@ -10,43 +12,11 @@ vocabulary per TP rank, ``E`` bytes of the compute dtype (4 fp32, 2 bf16/fp16), 
 dropout mask element (``E`` on CPU, where dropout multiplies by a mask of the input's dtype; 1 on
 CUDA, whose fused dropout keeps a bool mask).
 
-Per transformer layer (no recomputation):
-
-- each norm (computed in fp32): LayerNorm keeps its fp32 input ``4 Tl h`` (the layer input
-  itself in fp32, a copy in half precision), mean and rstd ``2 * 4 Tl``; RMSNorm keeps the fp32
-  input ``4 Tl h``, the rsqrt ``4 Tl`` and the normalised product ``4 Tl h``; in half precision
-  both keep fp32 copies of their weight (and bias): ``4 h`` each;
-- the QKV projection keeps its input ``E T h`` (the norm output, or the sequence-gathered copy);
-- attention, flash/efficient SDPA (CPU without attention dropout, CUDA): the query storage, the
-  key and value after ``repeat_interleave`` (always copies, ``2 E T ap d``), the output
-  ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s`` (efficient kernel: ``s`` rounded up to 32).
-  The query is a view of the fused QKV output when there is no RoPE and one query head per group
-  (GPT-2), so the whole QKV output ``E T (ap + 2 gp) d`` stays alive; otherwise it is its own
-  ``E T ap d`` (rotated, or regrouped).  The output projection keeps a regrouped copy of the SDPA
-  output ``E T ap d``, except on CPU when the query was a view of the QKV output (the output then
-  regroups as a view unless grouped-query attention regrouped the query).  Math SDPA (CPU with
-  attention dropout): the scaled query and key
-  ``2 E T ap d``, the value ``E T ap d``, the softmax, the dropout mask and the dropped
-  probabilities ``b ap s^2 (2 E + M)`` (the ``5 a s^2 b`` term of Korthikanti et al. exists
-  only here), and the regrouped output ``E T ap d`` for the projection;
-- RoPE keeps fp32 ``cos`` and ``sin`` ``2 * 4 s d`` once per chunk forward (shared by its layers);
-- each hidden dropout keeps its mask ``M Tl h``;
-- the MLP keeps its input ``E T h`` (twice under sequence parallelism with SwiGLU: gate and fc1
-  each gather it), GELU its input and output ``2 E T fp``, SwiGLU the gate output, its SiLU, the
-  fc1 output and the product ``4 E T fp``.
-
-Embedding (first stage): the token ids ``8 T`` (with TP > 1 the shifted ids ``8 T`` and the
-out-of-range mask ``T``), the dropout mask ``M Tl h``.  Head and loss (last stage): the final
-norm, the head's input ``E T h``, the cross-entropy's fp32 softmax ``4 T Vp``, shifted labels
-``8 T``, ownership mask ``T`` and vocabulary mask ``Vp``; the executor's loss keeps the loss mask
-``4 T`` and one fp32 scalar.
-
 Recomputation: ``full`` keeps only each recomputed group's input ``E Tl h``; during backward the
 group is replayed and holds one group's activations at a time.  ``selective`` keeps the attention
 core's inputs (the QKV output storage, plus the rotated query/key with RoPE, plus the regrouped
 query with grouped-query attention when that is a copy) instead of the SDPA's saved set, and
-replays one layer's core
-in backward.
+replays one layer's core in backward.
 
 A chunk is a list of :class:`Segment` s in forward order; its backward frees them in reverse, a
 recomputed segment first adding its replay.  :func:`stage_activation_peak` walks the pipeline
@@ -56,7 +26,7 @@ in-flight micro-batches of 1F1B, interleaved 1F1B or GPipe are counted as they o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple
+from typing import List, NamedTuple
 
 from megazero.pipeline.partition import chunk_layers
 from megazero.pipeline.schedules import interleaved_warmup
@@ -129,214 +99,30 @@ class Segment(NamedTuple):
     freed_first: int = 0
 
 
-# ---- per-layer terms ---------------------------------------------------------------------------
-def norm_bytes(D: Dims) -> int:
-    """One LayerNorm/RMSNorm over ``Tl`` tokens (``models.layers.Norm``: the fused kernels on the
-    compute-dtype input, weights passed as parameters, so no weight copies are saved).
-
-    LayerNorm (``F.layer_norm``): its input ``E Tl h`` (the input itself) and mean and rstd, one
-    per token, in the input's dtype on CPU (``E``) and fp32 on CUDA.  RMSNorm (``F.rms_norm``,
-    which on CPU decomposes into fp32 ops): the fp32 input ``4 Tl h`` (a copy in half precision,
-    the input itself in fp32), the rsqrt ``4 Tl`` and the normalised product ``4 Tl h`` (the
-    weight multiply saves the weight, a parameter: not counted).  Measured on CPU (torch 2.13);
-    the CUDA RMSNorm figure assumes the same decomposition (not measured here)."""
-    if D.rms:
-        return 4 * D.Tl * D.h * 2 + 4 * D.Tl
-    stats = D.E if D.device == "cpu" else 4
-    return D.E * D.Tl * D.h + 2 * stats * D.Tl
-
-
-def dropout_bytes(D: Dims) -> int:
-    """One hidden dropout's mask (0 without dropout)."""
-    return D.M * D.Tl * D.h if D.hidden_dropout else 0
-
-
-def _qkv_out(D: Dims) -> int:
-    return D.E * D.T * (D.ap + 2 * D.gp) * D.d
-
-
-def _heads(D: Dims) -> int:
-    """Bytes of one ``[b, ap, s, d]`` tensor."""
-    return D.E * D.T * D.ap * D.d
-
-
-def _query_is_view(D: Dims) -> bool:
-    """Whether ``Attention.split_qkv``'s query is a view of the QKV output: the ``[s, b, g, n, d]``
-    split reshapes to ``[s, b, g * n, d]`` without a copy with one query head per group, or one
-    group on this rank (otherwise ``reshape`` copies it)."""
-    return D.ap == D.gp or D.gp == 1
-
-
-def _grouped(D: Dims) -> bool:
-    """Grouped-query attention (``q_per_group > 1``): ``Attention.core`` repeats the keys and
-    values (``repeat_interleave``: copies); with one query head per group they reach SDPA as they
-    are (views of the QKV output, or the rotated key)."""
-    return D.ap != D.gp
-
-
-def _qkv_kept(D: Dims) -> bool:
-    """Whether SDPA (or the selective recomputation) saves a view of the QKV output: the query
-    without RoPE when it is a view, or the value (and unrotated key) when they are not repeated."""
-    return (not D.rope and _query_is_view(D)) or not _grouped(D)
-
-
-def _query_own(D: Dims) -> int:
-    """The query's own storage when it is not a view of the QKV output (rotated, or regrouped)."""
-    return 0 if (not D.rope and _query_is_view(D)) else _heads(D)
-
-
-def _key_own(D: Dims) -> int:
-    """Keys and values SDPA saves outside the QKV output: the two repeated copies with
-    grouped-query attention, else the rotated key ``E T gp d`` with RoPE (the value is a view)."""
-    if _grouped(D):
-        return 2 * _heads(D)
-    return D.E * D.T * D.gp * D.d if D.rope else 0
-
-
-def _lse(D: Dims) -> int:
-    s = -(-D.s // 32) * 32 if D.backend == "efficient" else D.s
-    return 4 * D.b * D.ap * s
-
-
-def _math_set(D: Dims) -> int:
-    """What the math SDPA saves: the scaled query and key (copies ``2 E T ap d``), the value as
-    given (the repeated copy, or a view of the QKV output: counted by the caller), the softmax,
-    and with attention dropout its mask and the dropped probabilities ``b ap s^2 (E + M)`` (the
-    ``5 a s^2 b`` term of Korthikanti et al. exists only here)."""
-    probs = D.b * D.ap * D.s * D.s
-    dropped = probs * (D.E + D.M) if D.attention_dropout else 0
-    return 2 * _heads(D) + (_heads(D) if _grouped(D) else 0) + probs * D.E + dropped
-
-
-def core_bytes(D: Dims) -> int:
-    """What the attention core (``split_qkv``, RoPE, ``repeat_interleave``, SDPA) and the output
-    projection's input keep.
-
-    Flash/efficient: the QKV output when a saved query/key/value views it (:func:`_qkv_kept`),
-    the query's own storage (:func:`_query_own`), the repeated or rotated keys
-    (:func:`_key_own`), the output ``E T ap d``, the fp32 log-sum-exp, and the projection's
-    regrouped copy of the output where it is one (:func:`_proj_copies`).  Math: :func:`_math_set`,
-    the QKV output when the value is a view of it, and the projection's regrouped copy of the
-    ``[b, ap, s, d]`` output ``E T ap d``."""
-    qkv = _qkv_out(D) if _qkv_kept(D) else 0
-    if D.backend == "math":
-        return _math_set(D) + (qkv if not _grouped(D) else 0) + _heads(D)
-    return qkv + _query_own(D) + _key_own(D) + _heads(D) + _lse(D) + (_heads(D) if _proj_copies(D) else 0)
-
-
-def _proj_copies(D: Dims) -> bool:
-    """Whether the output projection keeps its own regrouped copy of the SDPA output.  CPU's flash
-    kernel lays its output out like the query, which ``split_qkv`` leaves seq-major (a view of the
-    QKV output, a ``[s, b, heads, d]`` copy permuted, or rotated from either: elementwise ops keep
-    the layout), so the ``[s, b, heads * d]`` regrouping is a view.  CUDA's kernels write a fresh
-    ``[b, s, heads, d]``-strided output (assumed to need a copy, as before; not measured here)."""
-    return D.device != "cpu"
-
-
-def selective_kept(D: Dims) -> int:
-    """The recomputed core's saved inputs (q, k, v) and its output, kept by the projection."""
-    kept = _qkv_out(D)                       # v (and k, q without RoPE) are views of the QKV output
-    if D.rope:
-        kept += _heads(D) + D.E * D.T * D.gp * D.d   # rotated q and k
-    elif not _query_is_view(D):
-        kept += _heads(D)                     # q regrouped to [b, heads, s, d]
-    return kept + _heads(D)  # the output the projection keeps (math: its regrouped copy)
-
-
-def selective_replay(D: Dims) -> int:
-    """Bytes the core's replay saves in backward, beyond its inputs (already kept): flash, the
-    repeated keys and values (grouped-query attention), the output and the log-sum-exp; math,
-    :func:`_math_set` (its output is not saved inside the core)."""
-    if D.backend == "math":
-        return _math_set(D)
-    return (2 * _heads(D) if _grouped(D) else 0) + _heads(D) + _lse(D)
-
-
-def rope_bytes(D: Dims) -> int:
-    """fp32 cos and sin ``[s, d]`` (once per chunk forward)."""
-    return 2 * 4 * D.s * D.d if D.rope else 0
-
-
-def mlp_bytes(D: Dims) -> int:
-    inputs = D.E * D.T * D.h * (2 if (D.sp and D.swiglu) else 1)
-    return inputs + D.E * D.T * D.fp * (4 if D.swiglu else 2)
-
-
-def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
-    """One transformer layer's kept bytes by part (module docstring)."""
-    attn = selective_kept(D) if selective else core_bytes(D)
-    return {"norms": 2 * norm_bytes(D), "qkv_input": D.E * D.T * D.h, "attention": attn,
-            "mlp": mlp_bytes(D), "dropout": 2 * dropout_bytes(D)}
-
-
-def layer_bytes(D: Dims, selective: bool = False) -> int:
-    return sum(layer_parts(D, selective).values())
-
-
-def layer_segments(D: Dims, selective: bool) -> List[Segment]:
-    """A layer as two segments (attention half, MLP half) in forward order."""
-    attn = norm_bytes(D) + D.E * D.T * D.h + dropout_bytes(D)
-    mlp = norm_bytes(D) + mlp_bytes(D) + dropout_bytes(D)
-    if not selective:
-        return [Segment(attn + core_bytes(D)), Segment(mlp)]
-    # backward reaches the core's replay after the dropout mask and the projection's input are freed
-    return [Segment(attn + selective_kept(D), selective_replay(D), dropout_bytes(D) + _heads(D)),
-            Segment(mlp)]
-
-
-def group_segment(D: Dims, n_layers: int, selective: bool) -> Segment:
-    """Full recomputation of ``n_layers`` layers: keeps the group's input; the replay holds the
-    layers' activations (the input's storage is the first norm's saved input, counted once, except
-    RMSNorm in half precision, which saves an fp32 copy)."""
-    inp = D.E * D.Tl * D.h
-    shared = not (D.rms and D.half)
-    replay = n_layers * layer_bytes(D, selective) + rope_bytes(D) - (inp if shared else 0)
-    return Segment(inp, replay)
-
-
-# ---- ends of the model -------------------------------------------------------------------------
-def embedding_bytes(D: Dims) -> int:
-    ids = 8 * D.T if D.tp == 1 else 8 * D.T + D.T
-    return ids + dropout_bytes(D)
-
-
-def head_bytes(D: Dims) -> int:
-    """Final norm, head input, cross-entropy, and the executor's masked mean.  Cross-entropy
-    (``megazero.tensor_parallel.cross_entropy``): at TP 1 ``F.cross_entropy`` on the unpadded
-    columns keeps its fp32 log-softmax ``4 T V``, the labels ``8 T`` and the fp32 total weight (a
-    scalar, ``4``); at TP > 1 the vocab-parallel kernel keeps its fp32 softmax ``4 T Vp``, the
-    clamped local indices ``8 T`` and the ownership mask ``T``."""
-    if D.tp == 1:
-        ce = 4 * D.T * D.v + 8 * D.T + 4
-    else:
-        ce = 4 * D.T * D.vp + 8 * D.T + D.T
-    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T + 4
-
-
-def chunk_segments(cfg, D: Dims, n_layers: int, pre: bool, post: bool) -> List[Segment]:
+def chunk_segments(cfg, D: Dims, n_layers: int, pre: bool, post: bool, saved) -> List[Segment]:
     """One chunk's segments in forward order (recomputation as configured)."""
     m = cfg.model
     selective = m.recompute_granularity == "selective"
-    segs = [Segment(embedding_bytes(D))] if pre else []
+    segs = [Segment(saved.embedding_bytes(D))] if pre else []
     if m.recompute_granularity == "full":
         k = m.recompute_num_layers or 1
         if m.recompute_method == "block":
             recomputed = min(k, n_layers)
-            segs += [group_segment(D, 1, False) for _ in range(recomputed)]
+            segs += [saved.group_segment(D, 1) for _ in range(recomputed)]
             plain = n_layers - recomputed
             if plain:
-                segs.append(Segment(rope_bytes(D)))
+                segs.append(Segment(saved.rope_bytes(D)))
             for _ in range(plain):
-                segs += layer_segments(D, False)
+                segs += saved.layer_segments(D, False)
         else:
-            segs += [group_segment(D, min(k, n_layers - i), False) for i in range(0, n_layers, k)]
+            segs += [saved.group_segment(D, min(k, n_layers - i)) for i in range(0, n_layers, k)]
     else:
         if n_layers:
-            segs.append(Segment(rope_bytes(D)))
+            segs.append(Segment(saved.rope_bytes(D)))
         for _ in range(n_layers):
-            segs += layer_segments(D, selective)
+            segs += saved.layer_segments(D, selective)
     if post:
-        segs.append(Segment(head_bytes(D)))
+        segs.append(Segment(saved.head_bytes(D)))
     return segs
 
 
@@ -352,13 +138,13 @@ def chunk_profile(segments: List[Segment]) -> tuple:
 
 
 # ---- a pipeline stage over the schedule --------------------------------------------------------
-def stage_chunks(cfg, pp_rank: int, device: str = "cuda") -> List[tuple]:
+def stage_chunks(cfg, pp_rank: int, saved, device: str = "cuda") -> List[tuple]:
     """(kept, backward peak) of each of this stage's chunks for one micro-batch."""
     D = dims(cfg, device)
     pp = cfg.parallel.pipeline_model_parallel_size
     ranges = chunk_layers(cfg, pp_rank)
     return [chunk_profile(chunk_segments(cfg, D, len(r), pp_rank == 0 and v == 0,
-                                         pp_rank == pp - 1 and v == len(ranges) - 1))
+                                         pp_rank == pp - 1 and v == len(ranges) - 1, saved))
             for v, r in enumerate(ranges)]
 
 
@@ -417,6 +203,6 @@ def in_flight(cfg, pp_rank: int) -> int:
     return most
 
 
-def stage_activation_peak(cfg, pp_rank: int, device: str = "cuda") -> int:
+def stage_activation_peak(cfg, pp_rank: int, saved, device: str = "cuda") -> int:
     """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
-    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, device))
+    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, saved, device))

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak, stage_chunks
+from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak
 from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
 
@@ -94,9 +94,9 @@ def bytes_per_param(cfg) -> Dict[str, int]:
     return {"param": bpe["P"], "grad": bpe["G"], "optim": master + bpe["state"]}
 
 
-def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda") -> int:
+def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda", *, saved) -> int:
     """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
-    return stage_activation_peak(cfg, pp_rank, device)
+    return stage_activation_peak(cfg, pp_rank, saved, device)
 
 
 # ---- the other components ---------------------------------------------------------------------
@@ -133,7 +133,7 @@ def _temporary(cfg, pp_rank: int, device: str) -> int:
 
 
 def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: str = "cuda",
-                  backend: Optional[str] = None) -> Dict[str, object]:
+                  backend: Optional[str] = None, *, saved) -> Dict[str, object]:
     """Every component (module docstring) for one rank of stage ``pp_rank``; ``zero_stage``
     defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA."""
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
@@ -144,7 +144,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
             "gathered_param_bytes", "optim_on_cpu")
     out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
-    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, device)
+    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device)
     out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
     out["temporary_bytes"] = _temporary(cfg, pp_rank, device)
@@ -158,27 +158,17 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
 
 
 def estimate_stages(cfg, zero_stage: Optional[int] = None, device: str = "cuda",
-                    backend: Optional[str] = None) -> List[Dict[str, object]]:
+                    backend: Optional[str] = None, *, saved) -> List[Dict[str, object]]:
     """:func:`estimate_rank` for every pipeline stage."""
-    return [estimate_rank(cfg, r, zero_stage, device, backend)
+    return [estimate_rank(cfg, r, zero_stage, device, backend, saved=saved)
             for r in range(cfg.parallel.pipeline_model_parallel_size)]
 
 
-def estimate(cfg, device: str = "cuda", backend: Optional[str] = None) -> List[Dict[str, object]]:
+def estimate(cfg, device: str = "cuda", backend: Optional[str] = None, *, saved) -> List[Dict[str, object]]:
     """One row per ZeRO stage 0-3: the pipeline stage that needs the most device memory.
     ``--offload-optimizer`` applies to stages 1-3 (stage 0 keeps its optimizer on the device)."""
     rows = []
     for stage in range(4):
-        per_stage = estimate_stages(cfg, stage, device, backend)
+        per_stage = estimate_stages(cfg, stage, device, backend, saved=saved)
         rows.append(max(per_stage, key=lambda r: r["total_bytes"]))
     return rows
-
-
-def worst_stage_total(cfg, device: str = "cuda") -> int:
-    """Device bytes of the most loaded rank under the config's own ZeRO stage."""
-    return max(int(r["total_bytes"]) for r in estimate_stages(cfg, None, device))
-
-
-def stage_chunk_profiles(cfg, pp_rank: int, device: str = "cuda"):
-    """(kept, backward peak) activation bytes per chunk for one micro-batch (for reports)."""
-    return stage_chunks(cfg, pp_rank, device)

@@ -172,11 +172,11 @@ def layout_config(cfg, layout: Layout, gpus: int):
     return validate(config_from_dict(settings), gpus, check_data=False)
 
 
-def peak_memory(cfg) -> int:
+def peak_memory(cfg, *, saved) -> int:
     """Device bytes of the most loaded rank: the first and the last stage hold the most (the
     first has the most micro-batches in flight, the last the head and the loss)."""
     pp = cfg.parallel.pipeline_model_parallel_size
-    return max(int(estimate_rank(cfg, r)["total_bytes"]) for r in sorted({0, pp - 1}))
+    return max(int(estimate_rank(cfg, r, saved=saved)["total_bytes"]) for r in sorted({0, pp - 1}))
 
 
 # ---- step time -------------------------------------------------------------------------------
@@ -270,10 +270,10 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
 
 
 # ---- planning --------------------------------------------------------------------------------
-def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None) -> Layout:
+def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None, *, saved) -> Layout:
     """Fill in the layout's memory (most loaded rank) and step-time parts (``lc``: its config)."""
     lc = lc or layout_config(cfg, layout, gpus)
-    layout.memory_bytes = peak_memory(lc)
+    layout.memory_bytes = peak_memory(lc, saved=saved)
     layout.step = step_time(lc, hw)
     tokens = cfg.training.global_batch_size * cfg.model.seq_length
     layout.step["tokens_per_sec"] = tokens / layout.step["step_time_s"]
@@ -281,35 +281,36 @@ def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None) -> Layout:
     return layout
 
 
-def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, **choices) -> List[Layout]:
+def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, **choices) -> List[Layout]:
     """The layouts that fit ``(1 - margin) x`` memory, fastest first (``choices`` restrict the
-    enumeration: ``micro_batch_sizes``, ``recompute``, ``zero_stages``)."""
+    enumeration: ``micro_batch_sizes``, ``recompute``, ``zero_stages``; ``saved``: what the model
+    saves for backward, :mod:`megazero.planning.activations`)."""
     budget = (1.0 - margin) * hw.memory_bytes
     fits = []
     for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
         lc = layout_config(cfg, layout, gpus)
-        layout.memory_bytes = peak_memory(lc)
+        layout.memory_bytes = peak_memory(lc, saved=saved)
         if layout.memory_bytes <= budget:
-            fits.append(evaluate(cfg, layout, gpus, hw, lc))
+            fits.append(evaluate(cfg, layout, gpus, hw, lc, saved=saved))
     return sorted(fits, key=lambda x: (x.step["step_time_s"], x.memory_bytes))
 
 
-def smallest_memory(cfg, gpus: int, hw: Hardware, **choices) -> Optional[Layout]:
+def smallest_memory(cfg, gpus: int, hw: Hardware, *, saved, **choices) -> Optional[Layout]:
     """The layout with the least memory per rank (whether it fits or not)."""
     best = None
     for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
-        layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus))
+        layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus), saved=saved)
         if best is None or layout.memory_bytes < best.memory_bytes:
             best = layout
     return best
 
 
-def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, object]) -> str:
+def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, object], *, saved) -> str:
     """The smallest change that makes something fit: lift the given restrictions (micro-batch
     sizes, recomputation, ZeRO stages), offload the optimizer, more GPUs, or more memory."""
     budget = (1.0 - margin) * hw.memory_bytes
     if any(v is not None for v in choices.values()):
-        found = plan(cfg, gpus, hw, margin)
+        found = plan(cfg, gpus, hw, margin, saved=saved)
         if found:
             return (f"allow every micro-batch size, recomputation and ZeRO stage: e.g. {describe(found[0])} "
                     f"fits in {found[0].memory_bytes / GB:.1f} GB")
@@ -318,17 +319,17 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         off = validate(cfg.replace(parallel={"offload_optimizer": True,
                                              "zero_stage": max(1, par.zero_stage)}),
                        par.world_size, check_data=False)
-        found = [x for x in plan(off, gpus, hw, margin, zero_stages=(1, 2, 3))]
+        found = plan(off, gpus, hw, margin, saved=saved, zero_stages=(1, 2, 3))
         if found:
             return (f"add --offload-optimizer (optimizer state in host memory): {describe(found[0])} needs "
                     f"{found[0].memory_bytes / GB:.1f} GB per GPU")
     for factor in (2, 4, 8, 16):
         more = gpus * factor
-        found = plan(cfg, more, hw, margin)
+        found = plan(cfg, more, hw, margin, saved=saved)
         if found:
             return (f"use {more} GPUs (x{factor}): {describe(found[0])} needs "
                     f"{found[0].memory_bytes / GB:.1f} GB")
-    least = smallest_memory(cfg, gpus, hw)
+    least = smallest_memory(cfg, gpus, hw, saved=saved)
     if least is None:
         return "no layout divides this model and batch on these GPUs; change --gpus or --global-batch-size"
     return (f"GPUs with at least {least.memory_bytes / (1 - margin) / GB:.0f} GB ({describe(least)} needs "

@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 from megazero.config import ConfigError, parse_args
 from megazero.planning.estimate import estimate, estimate_stages, total_params
 
+from .. import saved_activations
+
 GIB = 2 ** 30
 # measured key for each compared component (estimate key -> measured key)
 COMPARED = {"param_bytes": "param_bytes", "grad_bytes": "grad_bytes", "optim_bytes": "optim_bytes",
@@ -68,14 +70,14 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
     if ours.measure:
         return _measure_main(cfg, ours, world, env_world, model_provider)
     device = ours.device or "cuda"
-    rows = estimate(cfg, device)
+    rows = estimate(cfg, device, saved=saved_activations)
+    stages = estimate_stages(cfg, None, device, saved=saved_activations)
     if ours.plot:
         plot(rows, ours.plot, _title(cfg, world))
     if ours.json:
         print(json.dumps({"total_params": total_params(cfg), "padded_total_params": total_params(cfg, True),
                           "world_size": world, "data_parallel_size": cfg.parallel.data_parallel_size,
-                          "device": device, "stages": rows,
-                          "pipeline_stages": estimate_stages(cfg, None, device)}, indent=2))
+                          "device": device, "stages": rows, "pipeline_stages": stages}, indent=2))
         return 0
     _print_estimate(cfg, rows, world, device)
     return 0
@@ -108,7 +110,7 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
         print(f"per pipeline stage at ZeRO {par.zero_stage}: " + ", ".join(
             f"stage {s['pp_rank']} {s['total_bytes'] / GIB:.3f} GiB "
             f"({s['in_flight_micro_batches']} in flight)"
-            for s in estimate_stages(cfg, None, device)))
+            for s in estimate_stages(cfg, None, device, saved=saved_activations)))
 
 
 # ---- --measure ---------------------------------------------------------------------------------
@@ -141,7 +143,7 @@ def compare(cfg, measured: List[dict], device: str) -> List[dict]:
     """Per pipeline stage ``{"pp_rank", "components": {name: {"estimate", "measured"}}}`` (measured:
     the largest value over the stage's ranks)."""
     out = []
-    for est in estimate_stages(cfg, None, device):
+    for est in estimate_stages(cfg, None, device, saved=saved_activations):
         ranks = [m for m in measured if m["pp_rank"] == est["pp_rank"]]
         comps = {name: {"estimate": int(est[name]), "measured": max(int(m[key]) for m in ranks)}
                  for name, key in COMPARED.items()}

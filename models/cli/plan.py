@@ -11,6 +11,8 @@ from megazero.config import ConfigError
 from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOMPUTE, Hardware, Layout,
                                        advice, describe, flags, hardware, model_config, plan, to_dict)
 
+from .. import saved_activations
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plan.py", description="Rank the layouts that fit a cluster by "
@@ -79,17 +81,19 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         return 2
     choices = {"micro_batch_sizes": args.micro_batch_sizes, "recompute": args.recompute,
                "zero_stages": args.zero_stages}
-    found = plan(cfg, args.gpus, hw, args.margin, **{k: v for k, v in choices.items() if v})
+    found = plan(cfg, args.gpus, hw, args.margin, saved=saved_activations,
+                 **{k: v for k, v in choices.items() if v})
+    change = None if found else advice(cfg, args.gpus, hw, args.margin, choices, saved=saved_activations)
     if args.json:
         out = [to_dict(x, model_args, cfg) for x in found]
         if not found:
-            print(json.dumps({"layouts": [], "advice": advice(cfg, args.gpus, hw, args.margin, choices)}))
+            print(json.dumps({"layouts": [], "advice": change}))
             return 1
         print(json.dumps(out, indent=2))
         return 0
     if not found:
         print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} "
-              f"margin; smallest change: {advice(cfg, args.gpus, hw, args.margin, choices)}")
+              f"margin; smallest change: {change}")
         return 1
     _print_table(found, cfg, model_args, args.top, args.gpus, hw)
     return 0

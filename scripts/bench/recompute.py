@@ -65,7 +65,7 @@ def main(argv=None):
         cfg = validate(config_from_dict(dict(base, **extra)), 1)
         measured = saved_bytes(cfg)
         ref = ref or measured
-        estimate = activation_bytes(cfg, 0, "cpu") / 2**20
+        estimate = activation_bytes(cfg, 0, "cpu", saved=models.saved_activations) / 2**20
         print(f"{name:<30} {measured / 2**20:>13.2f} {measured / ref:>8.2f} {estimate:>13.2f}")
     print("measured: kept from forward until backward (incl. the output head and loss, without the\n"
           "executor's loss mask and the recomputation replays); the estimate is the peak over forward and\n"
