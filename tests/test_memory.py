@@ -246,8 +246,8 @@ def _estimated_buckets(settings, pp_rank):
                                       dict(GPT2, zero_stage=3)], ids=["dp2-zero2", "pp2-zero1", "dp2-zero3"])
 def test_bucket_plan_has_one_owner(settings, monkeypatch):
     """The estimator cuts buckets with the optimizer's own rule: changing the default bucket-size
-    bound in megazero.zero.buffers changes the optimizer's and the estimator's plans alike."""
-    from megazero.zero import buffers
+    bound in megazero.zero.buckets changes the optimizer's and the estimator's plans alike."""
+    from megazero.zero import buckets
 
     def plans():
         got = {}
@@ -257,7 +257,7 @@ def test_bucket_plan_has_one_owner(settings, monkeypatch):
         return got
 
     default = plans()
-    monkeypatch.setattr(buffers, "MIN_BUCKET", 4000)  # below a quarter of these models' parameters
+    monkeypatch.setattr(buckets, "MIN_BUCKET", 4000)  # below a quarter of these models' parameters
     smaller = plans()
     if settings.get("zero_stage") == 3:
         assert smaller == default  # ZeRO-3 never splits a unit

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megazero.pipeline.partition import chunk_layers
-from megazero.zero.buffers import KINDS, bucket_groups, cut_buckets
+from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
 from megazero.zero.stages import overlaps_param_gather
 
 PLAIN, SP, EMB = KINDS
 
 
 class ParamSpec(NamedTuple):
-    """One parameter: elements, reduction kind (:data:`megazero.zero.buffers.KINDS`), ZeRO-3 unit
+    """One parameter: elements, reduction kind (:data:`megazero.zero.buckets.KINDS`), ZeRO-3 unit
     (layer index, or None for the chunk's root unit)."""
     numel: int
     kind: str
@@ -106,7 +106,7 @@ def rank_chunks(cfg, pp_rank: int) -> List[List[ParamSpec]]:
 
 def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[BucketSpec]:
     """The optimizer's bucket layout, by the optimizer's own functions
-    (:func:`megazero.zero.buffers.bucket_groups` and :func:`~megazero.zero.buffers.cut_buckets`)
+    (:func:`megazero.zero.buckets.bucket_groups` and :func:`~megazero.zero.buckets.cut_buckets`)
     over the chunks' parameter descriptions."""
     par = cfg.parallel
     dp = par.data_parallel_size

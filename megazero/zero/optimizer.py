@@ -22,7 +22,7 @@ import torch
 
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
-from megazero.zero.buffers import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
+from megazero.zero.buckets import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
 from megazero.zero.param_gather import OverlappedParamGather
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
 from megazero.zero.stage3 import Stage3Params
@@ -75,7 +75,7 @@ class ZeroOptimizer:
 
     def _param_groups(self):
         """``(units, groups)``: ZeRO-3 gather units ``(module, chunk)`` and the groups to cut into
-        buckets (:func:`megazero.zero.buffers.bucket_groups`, shared with the memory estimator)."""
+        buckets (:func:`megazero.zero.buckets.bucket_groups`, shared with the memory estimator)."""
         seen: Dict[int, bool] = {}
         params = [trainable_params(chunk, seen) for chunk in self.chunks]
         blocks = [find_units(chunk)[:-1] for chunk in self.chunks]

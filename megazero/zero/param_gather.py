@@ -7,12 +7,12 @@ gathers in the order the forward uses the buckets and lets each *unit* wait for 
 just before its forward (a forward pre-hook), so the gathers of later layers run while earlier
 layers compute.
 
-Units are those of ZeRO-3 (:func:`megazero.zero.buffers.find_units`): each block of a chunk's
+Units are those of ZeRO-3 (:func:`megazero.zero.buckets.find_units`): each block of a chunk's
 largest ``ModuleList`` (its transformer layers), and the chunk itself for every other parameter
 (embedding, final norm, head), which may be used anywhere in the chunk's forward and is waited
 for when the chunk's forward starts.  The bucket layout puts cuts between the parameters
 registered before the blocks, the blocks and those registered after them
-(:func:`megazero.zero.buffers.bucket_groups`), so the chunk's own parameters share no bucket
+(:func:`megazero.zero.buckets.bucket_groups`), so the chunk's own parameters share no bucket
 with a layer and the chunk's first wait covers only them.
 
 Anything that reads parameters outside a forward must call :meth:`finish` first (the optimizer
@@ -24,7 +24,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from megazero.zero.buffers import Bucket, find_units
+from megazero.zero.buckets import Bucket, find_units
 
 
 class OverlappedParamGather:

@@ -41,7 +41,7 @@ from typing import Callable, Deque, List, Optional, Protocol, Tuple
 import torch
 import torch.distributed as dist
 
-from megazero.zero.buffers import Bucket
+from megazero.zero.buckets import Bucket
 from megazero.zero.comm import Reduction, all_reduce_mean, reduce_scatter
 from megazero.zero.stages import shards_optimizer
 from megazero.zero.storage import FlatStorage

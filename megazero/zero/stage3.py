@@ -40,7 +40,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from megazero.distributed import all_gather_single
-from megazero.zero.buffers import Bucket
+from megazero.zero.buckets import Bucket
 
 
 def _in_backward() -> bool:

@@ -19,7 +19,7 @@ from typing import List, Tuple
 import torch
 
 from megazero.distributed import all_gather_single
-from megazero.zero.buffers import Bucket
+from megazero.zero.buckets import Bucket
 from megazero.zero.stages import shards_gradients, shards_optimizer, shards_parameters
 
 

@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=30, help="timed rounds (one step of every mode each)")
     p.add_argument("--bucket-size", type=int, default=None, help="megazero bucket elements (default: "
-                   "megazero.zero.buffers.default_bucket_size)")
+                   "megazero.zero.buckets.default_bucket_size)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"])
     p.add_argument("--no-collectives", dest="collectives", action="store_false",
