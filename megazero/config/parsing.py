@@ -20,7 +20,8 @@ def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.Argument
     """The argparse parser for every flag (defaults suppressed so given flags can be told apart)."""
     p = argparse.ArgumentParser(
         description="Pretrain a GPT model with tensor, pipeline and data parallelism and ZeRO.",
-        argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False)  # as Megatron-LM's: a flag is spelled out, never guessed from a prefix
     p.add_argument("--config", help="YAML or JSON file of settings; flags override it.")
     p.add_argument("--model", dest="model_preset", choices=sorted(presets) if presets else None,
                    help="Named model preset" + (f" ({', '.join(sorted(presets))})" if presets else ""))
@@ -142,7 +143,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
                world_size: Optional[int] = None, validate_now: bool = True) -> MegazeroConfig:
     """Parse Megatron-style flags (after an optional --config file and --model preset) and validate."""
     from megazero.config.validation import validate
-    ns = vars(build_parser(presets).parse_args(argv))
+    parser = build_parser(presets)
+    parsed, extras = parser.parse_known_args(argv)
+    if extras:
+        message = megatron.unrecognized_message(extras, parser)
+        if not message.startswith("unrecognized"):
+            raise ConfigError(message)
+        parser.error(message)
+    ns = vars(parsed)
     settings: Dict[str, Any] = {}
     if "config" in ns:
         settings.update(_load_file(ns.pop("config")))
