@@ -41,6 +41,7 @@ from megazero.logging import TrainingLogger
 from megazero.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
+from megazero.summary import startup_summary
 from megazero.tensor_parallel.random import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
@@ -270,6 +271,8 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration, wandb_id=wandb_id)
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
+    for line in startup_summary(cfg, data, mesh.rank):
+        logger.print(f"megazero: {line}")
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops_per_iteration(cfg) / 1e12:.3g} model "

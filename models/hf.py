@@ -42,7 +42,7 @@ LLAMA_LAYER = [("input_norm.weight", "input_layernorm.weight", False),
 LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"),
                 ("final_norm.weight", "model.norm.weight"),
                 ("output_layer.weight", "lm_head.weight")]
-GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
+GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}  # HF -> megazero
 
 
 def _unsupported(field: str, value, fix: str):
@@ -59,7 +59,7 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
     if kind == "gpt2":
         if c.activation_function not in GPT2_ACTIVATIONS:
             _unsupported("activation_function", c.activation_function,
-                         f"megazero's GPT-2 uses {GPT2_ACTIVATIONS}")
+                         f"megazero's GPT-2 uses one of {', '.join(GPT2_ACTIVATIONS)}")
         for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                           ("add_cross_attention", False)):
             if getattr(c, field, ok) != ok:
@@ -68,7 +68,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
                     ffn_hidden_size=c.n_inner or 4 * c.n_embd, vocab_size=c.vocab_size,
                     max_position_embeddings=c.n_positions, seq_length=c.n_positions,
                     norm_epsilon=c.layer_norm_epsilon, position_embedding_type="learned_absolute",
-                    normalization="LayerNorm", activation="gelu", add_bias_linear=True,
+                    normalization="LayerNorm", activation=GPT2_ACTIVATIONS[c.activation_function],
+                    add_bias_linear=True,
                     untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                     hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
                     init_method_std=c.initializer_range)
@@ -100,8 +101,10 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
 def _arch(m) -> str:
     """'gpt2' or 'llama' for a ModelConfig; ConfigError if neither matches exactly."""
     feats = (m.position_embedding_type, m.normalization, m.activation, m.add_bias_linear)
-    if feats == ("learned_absolute", "LayerNorm", "gelu", True) and m.kv_channels * m.num_attention_heads == \
-            m.hidden_size and m.num_query_groups == m.num_attention_heads:
+    heads = m.num_attention_heads
+    plain_heads = m.kv_channels * heads == m.hidden_size and m.num_query_groups == heads
+    gelu = m.activation in ("gelu", "gelu_exact")
+    if feats[:2] + feats[3:] == ("learned_absolute", "LayerNorm", True) and gelu and plain_heads:
         return "gpt2"
     if feats == ("rope", "RMSNorm", "swiglu", False):
         return "llama"
@@ -174,7 +177,8 @@ def hf_config_from(cfg):
         eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
         out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
                          n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
-                         activation_function="gelu_new", layer_norm_epsilon=m.norm_epsilon,
+                         activation_function="gelu_new" if m.activation == "gelu" else "gelu",
+                         layer_norm_epsilon=m.norm_epsilon,
                          resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                          attn_pdrop=m.attention_dropout,
                          initializer_range=m.init_method_std,

@@ -188,14 +188,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation) MLP, or SwiGLU ``fc2(silu(gate(x)) * fc1(x))``; column- then
-    row-parallel."""
+    """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or SwiGLU
+    ``fc2(silu(gate(x)) * fc1(x))``; column- then row-parallel."""
 
     def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.swiglu = m.activation == "swiglu"
+        self.gelu_approximation = "tanh" if m.activation == "gelu" else "none"  # gelu_exact: erf
 
         def column(name):
             init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
@@ -209,7 +210,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        h = F.silu(self.gate(x)) * h if self.swiglu else F.gelu(h, approximate="tanh")
+        if self.swiglu:
+            h = F.silu(self.gate(x)) * h
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximation)
         return self.fc2(h)
 
 

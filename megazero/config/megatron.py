@@ -18,7 +18,7 @@ built (:func:`translate`), and returns the remarks instead of printing them.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from megazero.config.megatron_table import DEFAULT_ONLY, IGNORED, REFUSED, classify, pinned_flags
 from megazero.config.sections import ConfigError
@@ -69,6 +69,29 @@ def implemented_flags() -> Set[str]:
     from megazero.config.sections import field_index, flag_of
     own = {flag_of(f) for _, f in field_index().values() if not f.metadata.get("derived")}
     return own | set(SWITCHES) | set(SPECIAL) | set(ALIASES)
+
+
+# settings Megatron-LM has no default for (it requires them); megazero has small ones and says so
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
+
+
+def required_notes(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> List[str]:
+    """The start-up remark naming the settings Megatron-LM requires that took megazero's defaults
+    (neither given, nor set by the ``--model`` preset or the ``--use-checkpoint-args`` checkpoint)."""
+    from megazero.config.sections import field_index
+    preset = settings.get("model_preset") or settings.get("model")
+    known = set(settings) | set((presets or {}).get(preset, {}) if isinstance(preset, str) else ())
+    if settings.get("use_checkpoint_args"):
+        known |= {"num_layers", "hidden_size", "num_attention_heads", "seq_length"}
+    if settings.get("train_samples"):
+        known.add("train_iters")
+    index = field_index()
+    missing = [n for n in REQUIRED + ("train_iters",) if n not in known]
+    if not missing:
+        return []
+    shown = ", ".join(f"--{n.replace('_', '-')} {index[n][1].default if n != 'train_iters' else 10}"
+                      for n in missing)
+    return [f"Megatron-LM requires these settings, which took megazero's defaults: {shown}"]
 
 
 def _taken(parser: argparse.ArgumentParser) -> Set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from megazero.config import megatron
 from megazero.config.sections import SECTIONS, ConfigError, MegazeroConfig, field_index, flag_of
@@ -133,10 +133,29 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             raise ConfigError(f"unknown setting {key!r} (flag --{key.replace('_', '-')}); see --help for the list")
         per_section[index[key][0]][key] = value
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
+    notes = _no_tokenizer(per_section) if vocab is None else []
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
-                          model_preset=preset if isinstance(preset, str) else None)
+                          model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _no_tokenizer(per_section: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Real data without a tokenizer: an error without --vocab-size (the model's vocabulary would be a
+    default unrelated to the data), a warning with it (no tokenizer checks the ids or goes with exports)."""
+    data = per_section["data"]
+    real = [f for f in ("data_path", "train_data_path") if data.get(f)]
+    if not real:
+        return []
+    flag = "--" + real[0].replace("_", "-")
+    if "vocab_size" not in per_section["model"]:
+        raise ConfigError(f"{flag} without a tokenizer: the vocabulary size is unknown. Give the tokenizer "
+                          "the data was made with (--tokenizer-model, or --vocab-file/--merge-file; its "
+                          "vocabulary sets the model's), or --tokenizer-type NullTokenizer --vocab-size N, "
+                          "or at least --vocab-size N (the largest id + 1)")
+    return [f"WARNING: {flag} without a tokenizer: the model's vocabulary is --vocab-size "
+            f"{per_section['model']['vocab_size']}, which nothing checks against the data's tokenizer, and "
+            "exported models carry no tokenizer; pass --tokenizer-model to use the data's own"]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str, dict]] = None,
@@ -157,5 +176,5 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     settings.update(ns)
     settings, notes = megatron.translate(settings, set(ns))
     cfg = config_from_dict(settings, presets)
-    cfg.notes = tuple(notes)
+    cfg.notes = tuple(notes) + cfg.notes + tuple(megatron.required_notes(settings, presets))
     return validate(cfg, world_size) if validate_now else cfg

@@ -76,7 +76,8 @@ class ModelConfig:
     """The GPT architecture (GPT-2 and LLaMA styles)."""
     num_layers: int = _f(2, "Transformer layers.")
     hidden_size: int = _f(64, "Hidden size.")
-    ffn_hidden_size: Optional[int] = _f(None, "MLP hidden size (default 4 x hidden, or LLaMA's 8/3 rule for swiglu).")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP hidden size (default 4 x hidden, or with swiglu 8/3 x "
+                                        "hidden rounded down to a multiple of 64, Megatron-LM's rule).")
     num_attention_heads: int = _f(4, "Attention heads.")
     num_query_groups: Optional[int] = _f(None, "Key/value heads for grouped-query attention (default: heads).")
     kv_channels: Optional[int] = _f(None, "Channels per head (default hidden / heads).")
@@ -105,14 +106,15 @@ class ModelConfig:
         "(Hugging Face's rope_scaling type 'linear').", type=float)
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", type=float)
-    activation: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or swiglu (LLaMA).",
-                         choices=["gelu", "swiglu"])
+    activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
+                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu) or swiglu (LLaMA).",
+                         choices=["gelu_exact", "gelu", "swiglu"])
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
-    hidden_dropout: float = _f(0.0, "Dropout after attention and MLP.", type=float)
-    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", type=float)
+    hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
+    attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
     init_method_std: float = _f(0.02, "Std of the normal initialisation.", type=float)
     recompute_granularity: Optional[str] = _f(None, "Activation recomputation: full or selective.",
                                               choices=["full", "selective"])
@@ -141,7 +143,7 @@ class TrainingConfig:
         nargs=3, type=int)
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
     eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
-    eval_iters: int = _f(2, "Batches per evaluation.")
+    eval_iters: int = _f(100, "Batches per evaluation.")
     # derived (see Derived)
     num_micro_batches: int = _f(1, "global batch / (micro batch x DP) (derived).", derived=True)
 
@@ -178,7 +180,7 @@ class OptimizerConfig:
     adam_beta1: float = _f(0.9, "Adam beta1.", type=float)
     adam_beta2: float = _f(0.999, "Adam beta2.", type=float)
     adam_eps: float = _f(1e-8, "Adam epsilon.", type=float)
-    sgd_momentum: float = _f(0.0, "SGD momentum.", type=float)
+    sgd_momentum: float = _f(0.9, "SGD momentum.", type=float)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", type=float)
 
 
@@ -258,7 +260,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     """Console, metrics file and wandb."""
-    log_interval: int = _f(1, "Print a progress line every this many steps.")
+    log_interval: int = _f(100, "Print a progress line every this many steps.")
     metrics_file: Optional[str] = _f(None, "Append one JSON object per step to this file (rank 0); a resumed "
                                      "run drops the rows after its checkpoint's iteration first.")
     tensorboard_dir: Optional[str] = _f(None, "Write the same values as the metrics file as TensorBoard "

@@ -71,7 +71,7 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
     from megazero.batch_schedule import iterations_for_samples, schedule_of
     mod, tr = cfg.model, cfg.training
     heads, hidden = mod.num_attention_heads, mod.hidden_size
-    swiglu_ffn = -(-int(8 * hidden / 3) // 64) * 64  # LLaMA's 8/3 rule, rounded up to 64
+    swiglu_ffn = max(64, int((4 * hidden * 2 / 3) / 64) * 64)  # Megatron-LM's: 8/3 x hidden, down to 64s
     default_batch = tr.micro_batch_size * dp
     if tr.step_batch_size_schedule:  # the schedule's last batch size
         default_batch = schedule_of(tr, mod.seq_length, None)[-1][1]
