@@ -13,11 +13,13 @@ from megazero.testing import run_ranks
 
 
 def gpt3_175b_flags(tmp, vocab_file, merge_file):
-    """examples/gpt3/train_gpt3_175b_distributed.sh: its flags with the sizes scaled down; --mock-data
-    stands in for --data-path (exclusive here), --rampup-batch-size is left out (refused below)."""
+    """NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh as of d98e8a6 (2026-08): its flags
+    with the sizes scaled down, the batch-size schedule's thresholds too (tokens, as there: 4 sequences
+    until 128 tokens, then 8); --mock-data stands in for --data-path (exclusive here)."""
     return ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto",
-            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 128:8",
+            "--train-iters", "4",
             "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
             "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
             "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
@@ -74,8 +76,14 @@ def test_gpt3_flags_parse(tmp_path, gpt2_bpe):
         assert cfg.model.vocab_size == len(json.load(fh)) and cfg.data.tokenizer_type is None
     assert cfg.precision.fp16 and cfg.optimizer.lr_warmup_fraction == 0.001
     assert any("--attention-backend" in n for n in cfg.notes)
-    ramp = parse_args(gpt3_175b_flags(tmp_path, *gpt2_bpe) + ["--rampup-batch-size", "2", "2", "16"], world_size=4)
-    assert ramp.training.rampup_batch_size == [2, 2, 16]  # older Megatron-LM's ramp-up, up to the global 8
+    # the model its authors meant: Megatron-LM's dropout and (erf) GELU, the batch-size schedule
+    m = cfg.model
+    assert (m.hidden_dropout, m.attention_dropout, m.activation) == (0.1, 0.1, "gelu_exact")
+    assert cfg.training.step_batch_size_schedule == "0:4 128:8" and cfg.training.global_batch_size == 8
+    older = gpt3_175b_flags(tmp_path, *gpt2_bpe)
+    older[older.index("--step-batch-size-schedule"):older.index("--step-batch-size-schedule") + 2] = \
+        ["--rampup-batch-size", "2", "2", "16"]  # the example before April 2026
+    assert parse_args(older, world_size=4).training.rampup_batch_size == [2, 2, 16]
 
 
 def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
@@ -150,7 +158,7 @@ def test_num_query_groups_needs_group_query_attention():
     assert cfg.model.num_query_groups == 4 and "--num-query-groups 2 ignored" in cfg.notes[0]
     cfg = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "2",
                       "--group-query-attention"], world_size=1)
-    assert cfg.model.num_query_groups == 2 and not cfg.notes
+    assert cfg.model.num_query_groups == 2 and not [n for n in cfg.notes if "--num-query-groups" in n]
 
 
 def test_every_table_flag_is_in_help():
@@ -181,6 +189,8 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
     assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
     rows = _rows(tmp_path / "gpt3.jsonl")
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0
+    assert [r["global_batch_size"] for r in rows] == [4, 8, 8, 8]  # 128 tokens = 4 sequences, then 8
+    assert [r["consumed_samples"] for r in rows] == [4, 12, 20, 28]
     assert all(r["loss_scale"] > 1 for r in rows) and "eval_loss" in rows[1]
     assert os.listdir(tmp_path / "tb") and (tmp_path / "ckpt" / "iter_0000004").is_dir()
     out = capfd.readouterr().out
@@ -189,6 +199,7 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
                      + argv[argv.index("--train-iters") + 2:], timeout=300) == [0] * 4
     again = _rows(tmp_path / "gpt3.jsonl")
     assert [r["iteration"] for r in again] == [1, 2, 3, 4, 5, 6] and again[:4] == rows
+    assert again[-1]["consumed_samples"] == 44
     assert "loaded checkpoint" in capfd.readouterr().out
 
 

@@ -21,7 +21,8 @@ def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.Argument
     p = argparse.ArgumentParser(
         description="Pretrain a GPT model with tensor, pipeline and data parallelism and ZeRO.",
         argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False)  # as Megatron-LM's: a flag is spelled out, never guessed from a prefix
+        allow_abbrev=False,  # as Megatron-LM's: a flag is spelled out, never guessed from a prefix
+        usage="%(prog)s [--flag VALUE ...]  (Megatron-LM's flags; --help lists them all)")
     p.add_argument("--config", help="YAML or JSON file of settings; flags override it.")
     p.add_argument("--model", dest="model_preset", choices=sorted(presets) if presets else None,
                    help="Named model preset" + (f" ({', '.join(sorted(presets))})" if presets else ""))
@@ -44,7 +45,21 @@ def _argparse_kwargs(f) -> Dict[str, Any]:
     else:
         kw["type"] = meta.get("type", _scalar_type(f))
         kw.update({k: meta[k] for k in ("choices", "nargs") if k in meta})
+        if "choices" in meta and kw["type"] is str:
+            kw["type"] = _Choice(meta["choices"])
     return kw
+
+
+class _Choice:
+    """A choice in any letter case as its canonical spelling (``rmsnorm`` is ``RMSNorm``, as scripts
+    built on Megatron-LM spell it); other words pass through for argparse to refuse."""
+
+    def __init__(self, choices):
+        self.canonical = {c.lower(): c for c in choices}
+        self.__name__ = "choice"  # argparse names the type in its errors
+
+    def __call__(self, text: str) -> str:
+        return self.canonical.get(text.lower(), text)
 
 
 def _scalar_type(f):
