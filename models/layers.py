@@ -137,7 +137,8 @@ class Attention(nn.Module):
         self.groups = m.num_query_groups // mesh.tp_size
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear,
+        qkv_bias = m.add_bias_linear or m.add_qkv_bias
+        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=qkv_bias,
                                         sequence_parallel=sp, onednn=onednn,
                                         init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
         self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,

@@ -27,8 +27,8 @@ SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_dec
                     "lr_wsd_decay_iters", "lr_wsd_decay_samples", "decoupled_lr", "decoupled_min_lr")
 
 # ModelConfig fields --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, in megazero's terms)
-CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "use_rope_scaling",
-                                 "rope_scaling_factor", "rope_scaling_low_freq_factor",
+CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
+                                 "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                                  "rope_scaling_high_freq_factor",
                                  "rope_scaling_original_max_position_embeddings",
                                  "rotary_seq_len_interpolation_factor")

@@ -261,7 +261,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
 
 REFUSED: Dict[str, str] = {
     "--qk-layernorm": "normalising queries and keys is not implemented",
-    "--add-qkv-bias": "a QKV bias without the other linear biases is not implemented",
     "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
     "--rotary-interleaved": "interleaved rotary pairs are not implemented (megazero rotates halves, as "
                             "Hugging Face LLaMA does)",

@@ -112,6 +112,8 @@ class ModelConfig:
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")
+    add_qkv_bias: bool = _f(False, "Biases on the query, key and value projections, even without "
+                            "--add-bias-linear's other biases (Qwen2; Megatron-LM's --add-qkv-bias).")
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
     hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
     attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
