@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -37,9 +38,10 @@ from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training_log import TrainingLogger
-from megazero.lr import lr_from_config
+from megazero.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
+from megazero.summary import startup_summary
 from megazero.tensor_parallel.rng import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
@@ -121,22 +123,30 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``,
     or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save.  A
     ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
-    from megazero.checkpoint import check_save_dir, resume_iteration
+    from megazero.checkpoint import CheckpointError, check_save_dir, resume_iteration
     if ck.save:
         guard.save_lock = check_save_dir(ck.save, mesh)
-    return resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
+    it = resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
+    if ck.load and it is None and ck.exit_on_missing_checkpoint:  # every rank: the answer is rank 0's
+        raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}; check the "
+                              "path, "
+                              "or drop the flag to start from scratch")
+    return it
 
 
-def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig):
-    """``--load``: returns (iteration, skipped iterations, data offset in batches, wandb run id,
-    the line to print)."""
+def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule):
+    """``--load``: returns (iteration, skipped iterations, samples consumed, samples the learning-rate
+    schedule has counted, wandb run id, the line to print)."""
+    from megazero.batch_schedule import consumed_after
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
     # --ckpt-step: exactly that iteration; else the newest usable one (a corrupt newest falls back)
     info = load(ck.load, chunks, optimizer, mesh, cfg, iteration=ck.ckpt_step)
     it, extra, gbs = info["iteration"], info["extra"], cfg.training.global_batch_size
-    consumed = int(extra.get("consumed_samples", it * gbs))
-    if consumed % gbs:
+    consumed = int(extra.get("consumed_samples", consumed_after(schedule, it)))
+    skipped = int(extra.get("skipped_iterations", 0))
+    lr_samples = int(extra.get("lr_samples", (it - skipped) * gbs))  # older checkpoints: a constant batch
+    if len(schedule) == 1 and consumed % gbs:
         raise CheckpointError(f"{info['path']}: {consumed} consumed samples is not a multiple of "
                               f"--global-batch-size {gbs}; resume with a global batch size that divides it")
     lay = info["layout"]
@@ -150,14 +160,17 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig):
             f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
-    return it, int(extra.get("skipped_iterations", 0)), consumed // gbs - it, extra.get("wandb_run_id"), line
+    return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
 
 
-def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, consumed: int,
-          skipped_total: int, lock=None) -> None:
+def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, position,
+          lock=None) -> None:
+    """Save iteration ``it``; ``position``: (samples consumed, skipped iterations, samples the
+    learning-rate schedule has counted)."""
     from megazero.checkpoint import save
     optimizer.finish_param_sync()  # parameters complete before anything reads them
-    extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total}
+    consumed, skipped_total, lr_samples = position
+    extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total, "lr_samples": lr_samples}
     if logger.wandb_id:  # rank 0's metadata: a resumed run continues this wandb run
         extra["wandb_run_id"] = logger.wandb_id
     seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg, extra=extra, lock=lock)
@@ -226,8 +239,22 @@ def _iteration_metrics(it: int, consumed: int, loss: float, lr: float, stats: Di
     return m
 
 
-def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
-                  guard) -> List[dict]:
+@dataclass
+class Position:
+    """Where training stands: the last iteration done, samples consumed, iterations skipped (fp16
+    overflows) and samples the learning-rate schedule has counted (those of the steps taken)."""
+    iteration: int = 0
+    consumed: int = 0
+    skipped: int = 0
+    lr_samples: int = 0
+
+    def saved(self):
+        return self.consumed, self.skipped, self.lr_samples
+
+
+def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream, guard):
+    """Model, optimizer, data, the resumed position and the logger (with the start-up lines printed)."""
+    from megazero.batch_schedule import schedule_of
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
@@ -237,45 +264,75 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
         c.train()
     optimizer = build_optimizer(chunks, mesh, cfg)
     data = build_data(cfg)
-    start_iter, skipped_total, data_offset, wandb_id, loaded = 0, 0, 0, None, None
+    schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
+    pos, wandb_id, loaded = Position(), None, None
     if ck.load and resume_from is not None:
-        start_iter, skipped_total, data_offset, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg)
-    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=start_iter, wandb_id=wandb_id)
+        it, skipped, consumed, lr_samples, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
+        pos = Position(it, consumed, skipped, lr_samples)
+    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration, wandb_id=wandb_id)
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
-    model_flops, hw_flops = model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg)
-    peak = device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16")
-    tokens_per_iter = tr.global_batch_size * cfg.model.seq_length
+    for line in startup_summary(cfg, data, mesh.rank):
+        logger.print(f"megazero: {line}")
     logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
-                 f"{tr.micro_batch_size} per DP rank | {model_flops / 1e12:.3g} model TFLOP per iteration")
-    history, saved_at = [], None
+                 f"{tr.micro_batch_size} per DP rank | {model_flops_per_iteration(cfg) / 1e12:.3g} model "
+                 "TFLOP "
+                 "per iteration")
     if ck.load and resume_from is None:
         logger.print(f"no checkpoint in {ck.load} yet (it is also --save): starting from scratch")
     elif loaded:
         logger.print(loaded)
     if logger.dropped_rows:
         logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration "
-                     f"{start_iter} (written by an earlier run); this run's rows follow")
+                     f"{pos.iteration} (written by an earlier run); this run's rows follow")
+    return chunks, optimizer, data, schedule, pos, logger
+
+
+def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos: Position, batch: int, work):
+    """One training iteration of ``batch`` samples from ``pos`` (advanced in place); returns the
+    metrics row (timing, throughput and memory included), the optimizer's stats and the loss.
+    ``work``: (model FLOPs, hardware FLOPs) of a full global batch and the device's peak FLOP/s."""
+    tr = cfg.training
+    start = time.perf_counter()
+    lr, decoupled_lr = lrs_at(cfg, pos.lr_samples)  # skipped steps do not advance the schedule
+    optimizer.zero_grad()
+    batches = micro_batches(data, None, batch, tr.micro_batch_size, mesh.dp_rank, mesh.dp_size,
+                            device=mesh.device, first=pos.consumed)
+    losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
+    optimizer.finish_grad_sync()
+    stats = optimizer.step(lr, decoupled_lr)
+    loss = _mean_loss(losses, mesh)  # also synchronises the ranks before timing
+    if mesh.device.type == "cuda":
+        torch.cuda.synchronize(mesh.device)
+    elapsed = time.perf_counter() - start
+    skipped = bool(stats.get("skipped", False))
+    pos.iteration, pos.consumed = pos.iteration + 1, pos.consumed + batch
+    pos.skipped, pos.lr_samples = pos.skipped + int(skipped), pos.lr_samples + (0 if skipped else batch)
+    share = batch / tr.global_batch_size  # of a full batch's work (batch-size ramp-up)
+    rates = (batch * cfg.model.seq_length, work[0] * share, work[1] * share, work[2])
+    m = _iteration_metrics(pos.iteration, pos.consumed, loss, lr, stats, pos.skipped, elapsed, optimizer,
+                           mesh, rates)
+    if decoupled_lr is not None:
+        m["decoupled_lr"] = decoupled_lr
+    if tr.step_batch_size_schedule or tr.rampup_batch_size:
+        m["global_batch_size"] = batch
+    return m, stats, loss
+
+
+def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
+                  guard) -> List[dict]:
+    from megazero.batch_schedule import batch_size_at
+    tr, ck = cfg.training, cfg.checkpoint
+    chunks, optimizer, data, schedule, pos, logger = _startup(cfg, model_provider, mesh, stream, guard)
+    start_iter, history, saved_at = pos.iteration, [], None
+    work = (model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg),
+            device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16"))
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)
-            start = time.perf_counter()
-            lr = lr_from_config(cfg, it - skipped_total)  # skipped steps do not advance the schedule
-            optimizer.zero_grad()
-            batches = micro_batches(data, it - 1 + data_offset, tr.global_batch_size, tr.micro_batch_size,
-                                    mesh.dp_rank, mesh.dp_size, device=mesh.device)
-            losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
-            optimizer.finish_grad_sync()
-            stats = optimizer.step(lr)
-            loss = _mean_loss(losses, mesh)  # also synchronises the ranks before timing
-            if mesh.device.type == "cuda":
-                torch.cuda.synchronize(mesh.device)
-            elapsed = time.perf_counter() - start
-            skipped_total += int(bool(stats.get("skipped", False)))
-            consumed = (it + data_offset) * tr.global_batch_size
-            m = _iteration_metrics(it, consumed, loss, lr, stats, skipped_total, elapsed, optimizer, mesh,
-                                   (tokens_per_iter, model_flops, hw_flops, peak))
+            batch = batch_size_at(schedule, pos.consumed)
+            m, stats, loss = _step(cfg, chunks, optimizer, data, mesh, pos, batch, work)
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
@@ -284,18 +341,16 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             guard.check_step(it, loss, stats, optimizer.scaler.dynamic)  # NaN/inf: raises, nothing saved
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
                 guard.phase("checkpoint save")
-                _save(it, chunks, optimizer, mesh, cfg, logger, consumed, skipped_total, guard.save_lock)
+                _save(it, chunks, optimizer, mesh, cfg, logger, pos.saved(), guard.save_lock)
                 saved_at = it
             stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
             if stop:
                 logger.print(f"stopping after iteration {it}: {stop}" + ("" if ck.save else " (no --save)"))
                 break
         optimizer.finish_param_sync()  # the last step's overlapped parameter all-gathers (stages 1/2)
-        last = history[-1]["iteration"] if history else start_iter
-        if ck.save and last > start_iter and saved_at != last:
+        if ck.save and pos.iteration > start_iter and saved_at != pos.iteration:
             guard.phase("checkpoint save")
-            _save(last, chunks, optimizer, mesh, cfg, logger, (last + data_offset) * tr.global_batch_size,
-                  skipped_total, guard.save_lock)
+            _save(pos.iteration, chunks, optimizer, mesh, cfg, logger, pos.saved(), guard.save_lock)
     finally:
         logger.close()
     return history

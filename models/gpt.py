@@ -25,7 +25,7 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
-from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin
+from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin, rope_scaling_of
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -61,6 +61,7 @@ class GPTModel(nn.Module):
                 m.vocab_size, m.padded_vocab_size, h, mesh, reduce_scatter=self.sequence_parallel,
                 init=normal_init(seed, *EMBEDDING_KEY, std))
             self.word_embeddings.weight.shared_embedding = tied and mesh.pp_size > 1
+            self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
                 full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
                 # _weight: take ours, without drawing from the default generator
@@ -78,6 +79,7 @@ class GPTModel(nn.Module):
                 w = self.output_layer.weight
                 w.vocab_parallel = True
                 w.shared_embedding = w.tied_copy = tied
+                w.is_embedding_or_output_parameter = True  # --decoupled-lr, as Megatron-LM marks it
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -99,7 +101,7 @@ class GPTModel(nn.Module):
         if m.position_embedding_type != "rope":
             return None
         seq = x.shape[0] * (self.mesh.tp_size if self.sequence_parallel else 1)
-        cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device)
+        cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:

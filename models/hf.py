@@ -1,7 +1,9 @@
-"""Hugging Face ``transformers`` interop: GPT-2 (``GPT2LMHeadModel``) and LLaMA (``LlamaForCausalLM``).
+"""Hugging Face ``transformers`` interop: GPT-2 (``GPT2LMHeadModel``), LLaMA (``LlamaForCausalLM``, with
+LLaMA-3.x RoPE scaling), Qwen2 (``Qwen2ForCausalLM``) and Mistral without a sliding window (imported as
+a LLaMA).
 
-- :func:`config_from_hf` maps a ``transformers`` config to ModelConfig field overrides and rejects
-  what megazero cannot reproduce exactly (naming the field).
+- :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
+  overrides and rejects what megazero cannot reproduce exactly (naming the field).
 - :func:`from_hf` builds a megazero model (pp = 1) holding this rank's TP shard of the weights.
 - :func:`to_hf` writes ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM``
   loads. With TP > 1 it gathers the shards first: every TP rank must call it (collective) and
@@ -9,8 +11,9 @@
 
 Layout differences handled here: GPT-2's ``Conv1D`` weights are ``[in, out]`` (transposed) and
 its ``c_attn`` stacks ``[q; k; v]``; LLaMA has separate ``q/k/v_proj`` and ``gate/up/down_proj``.
-megazero's fused QKV is grouped per key/value head (see :mod:`models.layers`). LLaMA's q/k rows
-are already in the half-split ``rotate_half`` layout megazero uses, so they are copied as is.
+megazero's fused QKV (and Qwen2's QKV bias) is grouped per key/value head (see :mod:`models.layers`).
+LLaMA's q/k rows are already in the half-split ``rotate_half`` layout megazero uses, so they are
+copied as is.
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megazero.config import ConfigError, config_from_dict, validate
+from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
+from .hf_config import GPT2_ACTIVATIONS, arch_of, config_from_hf, hf_config_from  # noqa: F401 - public names
 
 GPT2_LAYER = [  # (megazero name, HF name, HF stores it transposed)
     ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
@@ -42,73 +46,6 @@ LLAMA_LAYER = [("input_norm.weight", "input_layernorm.weight", False),
 LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"),
                 ("final_norm.weight", "model.norm.weight"),
                 ("output_layer.weight", "lm_head.weight")]
-GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-
-
-def _unsupported(field: str, value, fix: str):
-    raise ConfigError(f"unsupported Hugging Face config: {field}={value!r}; {fix}")
-
-
-def config_from_hf(hf_config) -> Dict[str, Any]:
-    """ModelConfig field overrides equivalent to a ``GPT2Config`` or ``LlamaConfig``.
-
-    Raises :class:`ConfigError` naming the field for anything megazero does not implement
-    (rope scaling, attention/MLP biases in LLaMA, activations other than GELU-tanh / SiLU, ...).
-    """
-    c, kind = hf_config, getattr(hf_config, "model_type", None)
-    if kind == "gpt2":
-        if c.activation_function not in GPT2_ACTIVATIONS:
-            _unsupported("activation_function", c.activation_function,
-                         f"megazero's GPT-2 uses {GPT2_ACTIVATIONS}")
-        for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                          ("add_cross_attention", False)):
-            if getattr(c, field, ok) != ok:
-                _unsupported(field, getattr(c, field), f"only {field}={ok} is supported")
-        return dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
-                    ffn_hidden_size=c.n_inner or 4 * c.n_embd, vocab_size=c.vocab_size,
-                    max_position_embeddings=c.n_positions, seq_length=c.n_positions,
-                    norm_epsilon=c.layer_norm_epsilon, position_embedding_type="learned_absolute",
-                    normalization="LayerNorm", activation="gelu", add_bias_linear=True,
-                    untie_embeddings_and_output_weights=not c.tie_word_embeddings,
-                    hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-                    init_method_std=c.initializer_range)
-    if kind == "llama":
-        if c.hidden_act != "silu":
-            _unsupported("hidden_act", c.hidden_act, "megazero's LLaMA uses silu (SwiGLU)")
-        for field in ("attention_bias", "mlp_bias"):
-            if getattr(c, field, False):
-                _unsupported(field, True, "megazero's LLaMA has no linear biases")
-        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            _unsupported("rope_scaling", rope, "only plain RoPE (rope_type 'default') is supported")
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
-                    num_attention_heads=c.num_attention_heads,
-                    num_query_groups=c.num_key_value_heads or c.num_attention_heads, kv_channels=head_dim,
-                    ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
-                    max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
-                    norm_epsilon=c.rms_norm_eps, position_embedding_type="rope",
-                    rotary_base=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
-                    normalization="RMSNorm", activation="swiglu", add_bias_linear=False,
-                    untie_embeddings_and_output_weights=not c.tie_word_embeddings, hidden_dropout=0.0,
-                    attention_dropout=c.attention_dropout, init_method_std=c.initializer_range)
-    raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; "
-                      "megazero imports 'gpt2' and 'llama'")
-
-
-def _arch(m) -> str:
-    """'gpt2' or 'llama' for a ModelConfig; ConfigError if neither matches exactly."""
-    feats = (m.position_embedding_type, m.normalization, m.activation, m.add_bias_linear)
-    if feats == ("learned_absolute", "LayerNorm", "gelu", True) and m.kv_channels * m.num_attention_heads == \
-            m.hidden_size and m.num_query_groups == m.num_attention_heads:
-        return "gpt2"
-    if feats == ("rope", "RMSNorm", "swiglu", False):
-        return "llama"
-    raise ConfigError(f"no transformers architecture matches (position_embedding_type, normalization, "
-                      f"activation, add_bias_linear) = {feats}; GPT-2 and LLaMA layouts are supported")
-
-
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
     parts = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
@@ -122,8 +59,8 @@ def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
 
 
 def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
-    """Full megazero tensors (unsharded, unpadded) from a GPT-2 / LLaMA ``state_dict``."""
-    m, arch = cfg.model, _arch(cfg.model)
+    """Full megazero tensors (unsharded, unpadded) from a GPT-2 / LLaMA / Qwen2 / Mistral ``state_dict``."""
+    m, arch = cfg.model, arch_of(cfg.model)
     layer_map, global_map = (GPT2_LAYER, GPT2_GLOBAL) if arch == "gpt2" else (LLAMA_LAYER, LLAMA_GLOBAL)
     prefix = "transformer.h." if arch == "gpt2" else "model.layers."
     out = {mz: hf_state[hf] for mz, hf in global_map if hf in hf_state}
@@ -138,61 +75,34 @@ def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg) -> Dict[str, 
             out[f"decoder.{i}.attention.qkv.weight"] = _fuse_qkv(*w.chunk(3), m.num_query_groups)
             out[f"decoder.{i}.attention.qkv.bias"] = _fuse_qkv(*hf_state[src + "attn.c_attn.bias"].chunk(3),
                                                                m.num_query_groups)
-        else:
-            qkv = [hf_state[f"{src}self_attn.{n}_proj.weight"] for n in "qkv"]
-            out[f"decoder.{i}.attention.qkv.weight"] = _fuse_qkv(*qkv, m.num_query_groups)
+            continue
+        for kind in ("weight", "bias") if arch == "qwen2" else ("weight",):
+            qkv = [hf_state[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"]
+            out[f"decoder.{i}.attention.qkv.{kind}"] = _fuse_qkv(*qkv, m.num_query_groups)
     return {k: v.detach().float() for k, v in out.items()}
 
 
 def hf_state_from_megazero(state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
     """The inverse of :func:`megazero_state_from_hf` (HF parameter names; tied head omitted)."""
-    m, arch = cfg.model, _arch(cfg.model)
+    m, arch = cfg.model, arch_of(cfg.model)
     layer_map, global_map = (GPT2_LAYER, GPT2_GLOBAL) if arch == "gpt2" else (LLAMA_LAYER, LLAMA_GLOBAL)
     prefix = "transformer.h." if arch == "gpt2" else "model.layers."
     out = {hf: state[mz] for mz, hf in global_map if mz in state}
+    split = dict(heads=m.num_attention_heads, groups=m.num_query_groups, head_dim=m.kv_channels)
     for i in range(m.num_layers):
         dst, src = f"{prefix}{i}.", f"decoder.{i}."
         for mz, hf, transposed in layer_map:
             out[dst + hf] = state[src + mz].t() if transposed else state[src + mz]
-        q, k, v = _split_qkv(state[src + "attention.qkv.weight"], m.num_attention_heads, m.num_query_groups,
-                             m.kv_channels)
+        q, k, v = _split_qkv(state[src + "attention.qkv.weight"], **split)
         if arch == "gpt2":
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            out[dst + "attn.c_attn.bias"] = torch.cat(_split_qkv(state[src + "attention.qkv.bias"],
-                                                                 m.num_attention_heads, m.num_query_groups,
-                                                                 m.kv_channels))
-        else:
-            out.update({f"{dst}self_attn.{n}_proj.weight": t for n, t in zip("qkv", (q, k, v))})
+            out[dst + "attn.c_attn.bias"] = torch.cat(_split_qkv(state[src + "attention.qkv.bias"], **split))
+            continue
+        out.update({f"{dst}self_attn.{n}_proj.weight": t for n, t in zip("qkv", (q, k, v))})
+        if arch == "qwen2":
+            biases = _split_qkv(state[src + "attention.qkv.bias"], **split)
+            out.update({f"{dst}self_attn.{n}_proj.bias": t for n, t in zip("qkv", biases)})
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def hf_config_from(cfg):
-    """A ``transformers`` config (GPT2Config or LlamaConfig) for a megazero config."""
-    m = cfg.model
-    if _arch(m) == "gpt2":
-        from transformers import GPT2Config
-        eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
-        out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
-                         n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
-                         activation_function="gelu_new", layer_norm_epsilon=m.norm_epsilon,
-                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
-                         attn_pdrop=m.attention_dropout,
-                         initializer_range=m.init_method_std,
-                         tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-                         bos_token_id=eod, eos_token_id=eod)
-        out.architectures = ["GPT2LMHeadModel"]
-    else:
-        from transformers import LlamaConfig
-        out = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                          intermediate_size=m.ffn_hidden_size,
-                          num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                          num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels,
-                          max_position_embeddings=max(m.max_position_embeddings, m.seq_length),
-                          rms_norm_eps=m.norm_epsilon, rope_theta=m.rotary_base, hidden_act="silu",
-                          attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
-                          tie_word_embeddings=not m.untie_embeddings_and_output_weights)
-        out.architectures = ["LlamaForCausalLM"]
-    return out
 
 
 def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,

@@ -62,9 +62,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(seq: int, dim: int, base: float, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``cos, sin`` of shape ``[seq, dim]`` in Hugging Face's half-split layout."""
+def rope_scaling_of(m) -> Dict[str, float]:
+    """The RoPE scaling of a ModelConfig: ``{}`` or keys ``llama3`` (factor), ``low``, ``high``,
+    ``original`` (LLaMA-3.x) and ``linear`` (position interpolation factor)."""
+    out: Dict[str, float] = {}
+    if m.use_rope_scaling:
+        out.update(llama3=m.rope_scaling_factor, low=m.rope_scaling_low_freq_factor,
+                   high=m.rope_scaling_high_freq_factor,
+                   original=m.rope_scaling_original_max_position_embeddings)
+    if m.rotary_seq_len_interpolation_factor is not None:
+        out["linear"] = m.rotary_seq_len_interpolation_factor
+    return out
+
+
+def rope_inv_freq(dim: int, base: float, device, scaling: Optional[Dict[str, float]] = None) -> torch.Tensor:
+    """fp32 rotary frequencies ``[dim / 2]``, with LLaMA-3.x scaling and/or linear position
+    interpolation (``scaling`` from :func:`rope_scaling_of`), as Hugging Face computes them."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = scaling or {}
+    if "llama3" in scaling:
+        factor, low, high, original = (scaling[k] for k in ("llama3", "low", "high", "original"))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)  # long waves: slowed down
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    if "linear" in scaling:
+        inv_freq = inv_freq / scaling["linear"]
+    return inv_freq
+
+
+def rope_cos_sin(seq: int, dim: int, base: float, device,
+                 scaling: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos, sin`` of shape ``[seq, dim]`` in Hugging Face's half-split layout."""
+    inv_freq = rope_inv_freq(dim, base, device, scaling)
     freqs = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -109,7 +141,8 @@ class Attention(nn.Module):
         self.groups = m.num_query_groups // mesh.tp_size
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=m.add_bias_linear,
+        qkv_bias = m.add_bias_linear or m.add_qkv_bias
+        self.qkv = ColumnParallelLinear(m.hidden_size, qkv_out, mesh, bias=qkv_bias,
                                         sequence_parallel=sp, onednn=onednn,
                                         init=normal_init(seed, layer_idx, "attention.qkv.weight", std))
         self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,
@@ -160,14 +193,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation) MLP, or SwiGLU ``fc2(silu(gate(x)) * fc1(x))``; column- then
-    row-parallel."""
+    """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or SwiGLU
+    ``fc2(silu(gate(x)) * fc1(x))``; column- then row-parallel."""
 
     def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.swiglu = m.activation == "swiglu"
+        self.gelu_approximation = "tanh" if m.activation == "gelu" else "none"  # gelu_exact: erf
 
         def column(name):
             init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
@@ -181,7 +215,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        h = F.silu(self.gate(x)) * h if self.swiglu else F.gelu(h, approximate="tanh")
+        if self.swiglu:
+            h = F.silu(self.gate(x)) * h
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximation)
         return self.fc2(h)
 
 

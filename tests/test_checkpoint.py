@@ -21,7 +21,8 @@ def _cfg(iters=N, optimizer="sgd", **extra):
     settings = dict(mock_data=True, num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16,
                     vocab_size=100, global_batch_size=8, micro_batch_size=1, train_iters=iters,
                     lr_decay_iters=N, optimizer=optimizer, lr=0.1 if optimizer == "sgd" else 3e-3,
-                    log_interval=100)
+                    log_interval=100, hidden_dropout=0.0, attention_dropout=0.0,  # no dropout: to compare
+                    sgd_momentum=0.0)  # plain SGD: no optimizer state but the master weights
     aliases = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size", "zero": "zero_stage"}
     settings.update({aliases.get(k, k): v for k, v in extra.items()})
     return config_from_dict(settings)
@@ -91,7 +92,8 @@ def test_save_interval_tracker_and_files(tmp_path):
     assert len(hist) == 3
     assert latest_iteration(str(tmp_path)) == 3  # every 2 iterations and at the end
     names = sorted(os.listdir(tmp_path))
-    assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert names == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt",
+                     "megazero_config.json"]
     files = sorted(os.listdir(checkpoint_path(str(tmp_path), 3)))
     assert files == ["config.json", "metadata.json", "rng_tp00_pp000_dp000.pt", "shard_tp00_pp000_dp000.bin",
                      "shard_tp00_pp000_dp000.json"]
@@ -396,7 +398,7 @@ def test_load_mismatch_errors(one_process_checkpoint, changes, needle):
     (dict(lr_decay_iters=8), "--lr-decay-iters 4 in the checkpoint, 8 in this run"),
     (dict(lr_decay_iters=None, train_iters=6),
      r"--lr-decay-iters 4 in the checkpoint, 6 in this run \(it defaults"),
-    (dict(lr_decay_style="linear"), "--lr-decay-style cosine in the checkpoint, linear in this run"),
+    (dict(lr_decay_style="cosine"), "--lr-decay-style linear in the checkpoint, cosine in this run"),
 ])
 def test_lr_schedule_must_match_unless_overridden(one_process_checkpoint, changes, needle):
     cfg, mesh, chunks, opt = _build(_cfg(**changes))

@@ -142,7 +142,7 @@ def test_a_layout_check_needs_no_data():
                                           "--tensor-model-parallel-size 3"):
         validate(config_from_dict({"tensor_model_parallel_size": 3}), world_size=3, check_data=False)
     with pytest.raises(ConfigError, match="--mock-data and --data-path are exclusive"):
-        validate(config_from_dict({"mock_data": True, "data_path": ["x"]}), world_size=1)
+        validate(config_from_dict({"mock_data": True, "data_path": ["x"], "vocab_size": 512}), world_size=1)
     assert not parse_args(["--num-layers", "2"], world_size=1, check_data=False).data.mock_data
 
 

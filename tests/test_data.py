@@ -490,7 +490,7 @@ def _data_cfg(data_path, **extra):
     settings = dict(data_path=list(data_path), num_layers=2, hidden_size=32, num_attention_heads=4,
                     seq_length=16, vocab_size=256, global_batch_size=8, micro_batch_size=2, train_iters=8,
                     eval_interval=0, eval_iters=1, optimizer="adam", lr=1e-2, lr_warmup_iters=0,
-                    log_interval=100, split="90,10,0")
+                    log_interval=100, split="90,10,0", hidden_dropout=0.0, attention_dropout=0.0)
     return config_from_dict(dict(settings, **extra))
 
 
@@ -524,7 +524,8 @@ def test_pretrain_cli_reports_a_missing_prefix(tmp_path, monkeypatch, capsys):
     from models.cli.pretrain import main
     monkeypatch.setenv("WORLD_SIZE", "1")
     missing = str(tmp_path / "gone_text_document")
-    assert main(["--data-path", missing, "--train-iters", "1"], lambda cfg, mesh: None) == 2
+    argv = ["--data-path", missing, "--vocab-size", "256", "--train-iters", "1"]
+    assert main(argv, lambda cfg, mesh: None) == 2
     assert missing + ".idx" in capsys.readouterr().err
 
 

@@ -105,7 +105,7 @@ def test_export_from_one_process(saved, tmp_path):
 
 
 @pytest.mark.parametrize("kind,over,field", [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),  # llama3, linear: ok
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),

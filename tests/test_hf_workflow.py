@@ -68,6 +68,7 @@ def workflow(request, tmp_path_factory):
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "2",
             "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(GBS),
             "--train-iters", "3", "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", str(SEED),
+            "--hidden-dropout", "0", "--attention-dropout", "0",  # no dropout: the first loss is HF's
             "--save", str(d / "run"), "--metrics-file", str(d / "metrics.jsonl")]
     assert run_ranks(_pretrain, 8, argv, timeout=300) == [0] * 8
     assert convert.main(["--direction", "to-hf", "--input", str(d / "run"), "--output", str(d / "exported")]) == 0
@@ -137,7 +138,9 @@ def test_exported_run_with_a_sentencepiece_tokenizer_works_in_a_pipeline(tmp_pat
     tok = str(tmp_path / "tok.model")
     _train_with_tokenizer(["--mock-data", "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "32",
                            "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "2",
-                           "--micro-batch-size", "2", "--init-method-std", "0.3", "--save", str(tmp_path / "run")])
+                           "--micro-batch-size", "2", "--init-method-std", "0.3",
+                           "--save", str(tmp_path / "run"), "--hidden-dropout", "0",
+                           "--attention-dropout", "0"])
     convert = _script("convert_hf")
     assert convert.main(["--direction", "to-hf", "--input", str(tmp_path / "run"), "--output", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").exists()

@@ -13,11 +13,13 @@ from megazero.local_ranks import run_ranks
 
 
 def gpt3_175b_flags(tmp, vocab_file, merge_file):
-    """examples/gpt3/train_gpt3_175b_distributed.sh: its flags with the sizes scaled down; --mock-data
-    stands in for --data-path (exclusive here), --rampup-batch-size is left out (refused below)."""
+    """NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh as of d98e8a6 (2026-08): its flags
+    with the sizes scaled down, the batch-size schedule's thresholds too (tokens, as there: 4 sequences
+    until 128 tokens, then 8); --mock-data stands in for --data-path (exclusive here)."""
     return ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto",
-            "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
+            "--micro-batch-size", "1", "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 128:8",
+            "--train-iters", "4",
             "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
             "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
             "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
@@ -74,9 +76,14 @@ def test_gpt3_flags_parse(tmp_path, gpt2_bpe):
         assert cfg.model.vocab_size == len(json.load(fh)) and cfg.data.tokenizer_type is None
     assert cfg.precision.fp16 and cfg.optimizer.lr_warmup_fraction == 0.001
     assert any("--attention-backend" in n for n in cfg.notes)
-    with pytest.raises(ConfigError, match="--rampup-batch-size: batch-size ramp-up is not implemented"):
-        parse_args(gpt3_175b_flags(tmp_path, *gpt2_bpe) + ["--rampup-batch-size", "16", "16", "5859375"],
-                   world_size=4)
+    # the model its authors meant: Megatron-LM's dropout and (erf) GELU, the batch-size schedule
+    m = cfg.model
+    assert (m.hidden_dropout, m.attention_dropout, m.activation) == (0.1, 0.1, "gelu_exact")
+    assert cfg.training.step_batch_size_schedule == "0:4 128:8" and cfg.training.global_batch_size == 8
+    older = gpt3_175b_flags(tmp_path, *gpt2_bpe)
+    older[older.index("--step-batch-size-schedule"):older.index("--step-batch-size-schedule") + 2] = \
+        ["--rampup-batch-size", "2", "2", "16"]  # the example before April 2026
+    assert parse_args(older, world_size=4).training.rampup_batch_size == [2, 2, 16]
 
 
 def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
@@ -93,22 +100,27 @@ def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
         assert flag in ignored[0], flag
     assert any(n.startswith("--sequence-parallel turned off") for n in cfg.notes)
     fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
-           "--fp8-param-gather", "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]
+           "--fp8-param-gather"]
+    decoupled = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]
     with pytest.raises(ConfigError) as err:
-        parse_args(llama3_8b_flags(tmp_path) + fp8, world_size=2)
-    for flag in ("--fp8-format", "--fp8-param-gather", "--decoupled-lr", "--decoupled-min-lr"):
+        parse_args(llama3_8b_flags(tmp_path) + fp8 + decoupled, world_size=2)
+    for flag in ("--fp8-format", "--fp8-param-gather"):
         assert f"{flag}:" in str(err.value)
+    assert "--decoupled-lr" not in str(err.value)  # implemented
+    cfg = parse_args(llama3_8b_flags(tmp_path) + decoupled, world_size=2)
+    assert (cfg.optimizer.decoupled_lr, cfg.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
 
 
-def megatron_lr(num_steps, max_lr, min_lr, warmup_steps, decay_steps, init_lr=0.0):
-    """Megatron-LM's OptimizerParamScheduler.get_lr (cosine), written out independently."""
+def megatron_lr(num_steps, max_lr, min_lr, warmup_steps, decay_steps, init_lr=0.0, style="cosine"):
+    """Megatron-LM's OptimizerParamScheduler.get_lr (cosine or linear), written out independently."""
     import math
     if warmup_steps > 0 and num_steps <= warmup_steps:
         return init_lr + (max_lr - init_lr) * float(num_steps) / float(warmup_steps)
     if num_steps > decay_steps:
         return min_lr
     ratio = float(num_steps - warmup_steps) / float(decay_steps - warmup_steps)
-    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
 
 
 def test_first_iterations_follow_megatrons_scheduler(tmp_path):
@@ -119,7 +131,8 @@ def test_first_iterations_follow_megatrons_scheduler(tmp_path):
     assert lr_from_config(cfg, 1) == 0.0  # warm-up starts from --lr-warmup-init (0)
     iters = parse_args(["--mock-data", "--lr", "1.0", "--min-lr", "0.1", "--lr-warmup-iters", "3",
                         "--train-iters", "10", "--lr-warmup-init", "0.2"], world_size=1)
-    want = [megatron_lr(it - 1, 1.0, 0.1, 3, 10, init_lr=0.2) for it in range(1, 12)]
+    # no --lr-decay-style: Megatron-LM's default, linear
+    want = [megatron_lr(it - 1, 1.0, 0.1, 3, 10, init_lr=0.2, style="linear") for it in range(1, 12)]
     assert [lr_from_config(iters, it) for it in range(1, 12)] == pytest.approx(want, rel=1e-12)
 
 
@@ -145,14 +158,17 @@ def test_num_query_groups_needs_group_query_attention():
     assert cfg.model.num_query_groups == 4 and "--num-query-groups 2 ignored" in cfg.notes[0]
     cfg = parse_args(["--mock-data", "--num-attention-heads", "4", "--num-query-groups", "2",
                       "--group-query-attention"], world_size=1)
-    assert cfg.model.num_query_groups == 2 and not cfg.notes
+    assert cfg.model.num_query_groups == 2 and not [n for n in cfg.notes if "--num-query-groups" in n]
 
 
 def test_every_table_flag_is_in_help():
+    import argparse
     from megazero.config import build_parser
-    text = build_parser().format_help()
+    parser = build_parser()
+    text = parser.format_help()
     assert all(flag in text for flag in IGNORED)
-    assert not any(flag in text for flag in REFUSED)  # refused: not advertised
+    shown = {s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+    assert not shown & set(REFUSED)  # refused: not advertised
 
 
 def _pretrain(argv):
@@ -173,6 +189,8 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
     assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
     rows = _rows(tmp_path / "gpt3.jsonl")
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4] and rows[0]["lr"] == 0.0
+    assert [r["global_batch_size"] for r in rows] == [4, 8, 8, 8]  # 128 tokens = 4 sequences, then 8
+    assert [r["consumed_samples"] for r in rows] == [4, 12, 20, 28]
     assert all(r["loss_scale"] > 1 for r in rows) and "eval_loss" in rows[1]
     assert os.listdir(tmp_path / "tb") and (tmp_path / "ckpt" / "iter_0000004").is_dir()
     out = capfd.readouterr().out
@@ -181,6 +199,7 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
                      + argv[argv.index("--train-iters") + 2:], timeout=300) == [0] * 4
     again = _rows(tmp_path / "gpt3.jsonl")
     assert [r["iteration"] for r in again] == [1, 2, 3, 4, 5, 6] and again[:4] == rows
+    assert again[-1]["consumed_samples"] == 44
     assert "loaded checkpoint" in capfd.readouterr().out
 
 

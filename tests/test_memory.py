@@ -19,7 +19,8 @@ from models import saved_activations
 from models.saved_activations import core_bytes, layer_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16)
+GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16,
+            hidden_dropout=0.0, attention_dropout=0.0)  # dropout only where a layout asks for it
 LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
              add_bias_linear=False, num_query_groups=2, untie_embeddings_and_output_weights=True)
 

@@ -14,13 +14,13 @@ from tolerance import C_FWD, C_FWD_BWD, fp32_bound
 # logits and losses C_FWD * U32 * max|ref|, gradients C_FWD_BWD * U32 * max|grad| per tensor.
 # Observed at TP 2/4 with and without sequence parallelism: logits/losses <= 3 U32 * max,
 # gradients <= 15 U32 * max (llama input_norm.weight).
-STYLES = {
+STYLES = {  # without dropout unless a test asks for it
     "gpt2": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                 make_vocab_size_divisible_by=8),
+                 make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0),
     "llama": dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
                   seq_length=16, vocab_size=100, make_vocab_size_divisible_by=8,
                   position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                  add_bias_linear=False,
+                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
                   untie_embeddings_and_output_weights=True),
 }
 

@@ -318,7 +318,8 @@ def test_errors():
 
 # ---- the real GPT model (models.build_chunks) ------------------------------------------------
 GPT = dict(num_layers=4, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40,
-           make_vocab_size_divisible_by=8, micro_batch_size=2, mock_data=True, seed=11)
+           make_vocab_size_divisible_by=8, micro_batch_size=2, mock_data=True, seed=11,
+           hidden_dropout=0.0, attention_dropout=0.0)  # no dropout: the pipeline is compared with one process
 LLAMA = dict(GPT, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=32,
              position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
              add_bias_linear=False)

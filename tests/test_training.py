@@ -146,7 +146,8 @@ def _cfg(tp=1, pp=1, zero=0, iters=4, optimizer="sgd", **extra):
                     vocab_size=100, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                     zero_stage=zero, global_batch_size=8, micro_batch_size=1, train_iters=iters,
                     eval_interval=2, eval_iters=1, optimizer=optimizer,
-                    lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100)
+                    lr=0.1 if optimizer == "sgd" else 3e-3, log_interval=100,
+                    hidden_dropout=0.0, attention_dropout=0.0)  # no dropout: to compare
     return config_from_dict(dict(settings, **extra))
 
 

@@ -22,10 +22,15 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
 SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_init",
-                    "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples")
+                    "lr_warmup_fraction", "lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_style",
+                    "lr_wsd_decay_iters", "lr_wsd_decay_samples", "decoupled_lr", "decoupled_min_lr")
 
 # ModelConfig fields --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, in megazero's terms)
-CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base")
+CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
+                                 "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                                 "rope_scaling_high_freq_factor",
+                                 "rope_scaling_original_max_position_embeddings",
+                                 "rotary_seq_len_interpolation_factor")
 
 
 def checkpoint_path(directory: str, iteration: int) -> str:

@@ -18,8 +18,9 @@ built (:func:`translate`), and returns the remarks instead of printing them.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from megazero.config.megatron_table import DEFAULT_ONLY, IGNORED, REFUSED, classify, pinned_flags
 from megazero.errors import ConfigError
 
 PREFIX = "megatron__"  # argparse dest prefix of the flags defined here
@@ -29,71 +30,14 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--use-rotary-position-embeddings": ("position_embedding_type", "rope"),
     "--recompute-activations": ("recompute_granularity", "selective"),
     "--overlap-grad-reduce": ("overlap_grad_reduce", True),
+    "--optimizer-cpu-offload": ("offload_optimizer", True),
+    "--override-opt_param-scheduler": ("override_opt_param_scheduler", True),
+    "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
+    "--openai-gelu": ("activation", "gelu"),
 }
 
-_FUSION = "kernel fusion only: the same numbers either way"
-_LOGGING = "logging detail only"
-_SDPA = "attention is torch's scaled_dot_product_attention, which picks its fastest kernel"
-IGNORED: Dict[str, str] = {  # flag -> why it does not matter here
-    "--use-mcore-models": "megazero has one GPT implementation",
-    "--use-legacy-models": "megazero has one GPT implementation",
-    "--transformer-impl": "megazero has one GPT implementation (no Transformer Engine)",
-    "--use-flash-attn": _SDPA,
-    "--attention-backend": _SDPA,
-    "--overlap-param-gather": "when ZeRO's parameter all-gather runs is a speed matter",
-    "--cross-entropy-loss-fusion": _FUSION,
-    "--no-gradient-accumulation-fusion": _FUSION,
-    "--no-masked-softmax-fusion": _FUSION,
-    "--no-bias-gelu-fusion": _FUSION,
-    "--no-bias-swiglu-fusion": _FUSION,
-    "--no-bias-dropout-fusion": _FUSION,
-    "--no-rope-fusion": _FUSION,
-    "--no-persist-layer-norm": _FUSION,
-    "--manual-gc": "Python garbage-collection timing only",
-    "--manual-gc-interval": "Python garbage-collection timing only",
-    "--empty-unused-memory-level": "CUDA cache management only",
-    "--log-throughput": "tokens/s and TFLOP/s are always logged",
-    "--data-cache-path": "dataset indices are built in memory, not cached on disk",
-    "--no-mmap-bin-files": "how the .bin files are read only",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 already "
-                                            "(--grad-reduce-dtype fp32)",
-    "--attention-softmax-in-fp32": "the attention softmax runs in fp32 already",
-    "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
-    "--profile": "profiling only", "--profile-step-start": "profiling only",
-    "--profile-step-end": "profiling only", "--profile-ranks": "profiling only",
-    "--ckpt-format": "megazero writes its own format, which loads under any layout",
-    "--tiktoken-pattern": "used by TikTokenizer only",
-    "--no-create-attention-mask-in-dataloader": "attention is causal by construction: no mask is built",
-    "--use-cpu-initialization": "initialisation does not depend on the device here",
-    "--timing-log-level": _LOGGING, "--timing-log-option": _LOGGING,
-    "--log-timers-to-tensorboard": _LOGGING, "--log-memory-to-tensorboard": _LOGGING,
-    "--log-validation-ppl-to-tensorboard": _LOGGING, "--log-params-norm": _LOGGING,
-    "--log-num-zeros-in-grad": _LOGGING, "--tensorboard-log-interval": _LOGGING,
-    "--tensorboard-queue-size": _LOGGING, "--log-loss-scale-to-tensorboard": _LOGGING,
-    "--log-world-size-to-tensorboard": _LOGGING,
-}
-
-_FP8 = "FP8 training is not implemented; use --bf16"
-REFUSED: Dict[str, str] = {  # flag -> why and what to do
-    "--rampup-batch-size": "batch-size ramp-up is not implemented: megazero trains with --global-batch-size "
-                           "from the first step; drop the flag",
-    "--decoupled-lr": "a separate learning rate for the embedding and output layer is not implemented; drop "
-                      "it (those parameters then follow --lr)",
-    "--decoupled-min-lr": "a separate learning rate for the embedding and output layer is not implemented; "
-                          "drop it (those parameters then follow --min-lr)",
-    "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-amax-history-len": _FP8,
-    "--fp8-amax-compute-algo": _FP8, "--fp8-param-gather": _FP8, "--fp8-margin": _FP8,
-    "--num-experts": "mixture of experts is not implemented",
-    "--expert-model-parallel-size": "mixture of experts is not implemented",
-    "--qk-layernorm": "normalising queries and keys is not implemented",
-    "--add-qkv-bias": "a QKV bias without the other linear biases is not implemented",
-    "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
-    "--rotary-interleaved": "interleaved rotary pairs are not implemented (megazero rotates halves, as "
-                            "Hugging Face LLaMA does)",
-    "--use-rope-scaling": "RoPE scaling is not implemented",
-    "--squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
-    "--fp32-residual-connection": "fp32 residuals are not implemented",
-    "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented",
+ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
+    "--persistent-save-interval": "save_interval",
 }
 
 # flags with a rule of their own (see translate); value kinds for argparse
@@ -117,11 +61,48 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
 
 
 def _dest(flag: str) -> str:
-    return PREFIX + flag[2:].replace("-", "_")
+    return PREFIX + flag[2:]  # the flag itself (argparse takes any string), so it maps back exactly
+
+
+def implemented_flags() -> Set[str]:
+    """Megatron-LM flag names that megazero implements: its settings' flags and this module's
+    aliases and rules."""
+    from megazero.config.sections import field_index, flag_of
+    own = {flag_of(f) for _, f in field_index().values() if not f.metadata.get("derived")}
+    return own | set(SWITCHES) | set(SPECIAL) | set(ALIASES)
+
+
+# settings Megatron-LM has no default for (it requires them); megazero has small ones and says so
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
+
+
+def required_notes(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> List[str]:
+    """The start-up remark naming the settings Megatron-LM requires that took megazero's defaults
+    (neither given, nor set by the ``--model`` preset or the ``--use-checkpoint-args`` checkpoint)."""
+    from megazero.config.sections import field_index
+    preset = settings.get("model_preset") or settings.get("model")
+    known = set(settings) | set((presets or {}).get(preset, {}) if isinstance(preset, str) else ())
+    if settings.get("use_checkpoint_args"):
+        known |= {"num_layers", "hidden_size", "num_attention_heads", "seq_length"}
+    if settings.get("train_samples"):
+        known.add("train_iters")
+    index = field_index()
+    missing = [n for n in REQUIRED + ("train_iters",) if n not in known]
+    if not missing:
+        return []
+    shown = ", ".join(f"--{n.replace('_', '-')} {index[n][1].default if n != 'train_iters' else 10}"
+                      for n in missing)
+    return [f"Megatron-LM requires these settings, which took megazero's defaults: {shown}"]
+
+
+def _taken(parser: argparse.ArgumentParser) -> Set[str]:
+    return set(parser._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add the Megatron-LM flags of this module to ``parser`` (its own group in ``--help``)."""
+    """Add Megatron-LM's flags that megazero has no setting of the same name for: the aliases and rules
+    of this module, and every flag of :mod:`megazero.config.megatron_table` (those of the pinned list
+    that its prefix rules cover included), each in its own group of ``--help``."""
     group = parser.add_argument_group(
         "Megatron-LM", "Megatron-LM flags: aliases of the settings above, and flags that only tune speed or "
         "logging there (accepted, ignored, named at start-up). Flags that would change the math and are "
@@ -132,10 +113,56 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                            help=f"= --{name.replace('_', '-')}{shown}.")
     for flag, kw in SPECIAL.items():
         group.add_argument(flag, dest=_dest(flag), **kw)
-    for flag, why in IGNORED.items():
-        group.add_argument(flag, dest=_dest(flag), nargs="*", metavar="VALUE", help=f"Ignored: {why}.")
-    for flag in REFUSED:
-        group.add_argument(flag, dest=_dest(flag), nargs="*", help=argparse.SUPPRESS)
+    for flag, name in ALIASES.items():
+        original = next(a for a in parser._actions if a.dest == name)  # noqa: SLF001
+        group.add_argument(flag, dest=name, type=original.type, help=f"= {original.option_strings[0]}.")
+    for flag, (values, why) in DEFAULT_ONLY.items():
+        group.add_argument(flag, dest=_dest(flag), nargs="*", metavar="VALUE",
+                           help=f"Only {' or '.join(values)} (Megatron-LM's default): {why}.")
+    taken = _taken(parser)
+    for flag in dict.fromkeys([*IGNORED, *REFUSED, *pinned_flags()]):
+        if flag in taken:
+            continue
+        kind, why = classify(flag)
+        if kind == "ignored":
+            group.add_argument(flag, dest=_dest(flag), nargs="*", metavar="VALUE", help=f"Ignored: {why}.")
+        elif kind == "refused":
+            group.add_argument(flag, dest=_dest(flag), nargs="*", help=argparse.SUPPRESS)
+
+
+def unrecognized_message(extras: List[str], parser: argparse.ArgumentParser) -> str:
+    """The error for command-line words no flag took: a flag that a prefix rule of
+    :mod:`megazero.config.megatron_table` refuses is named with the reason (a Megatron-LM flag newer than
+    the pinned list); any other is said to be unknown to Megatron-LM too."""
+    from megazero.config.megatron_table import pinned_origin
+    flags = [w.split("=", 1)[0] for w in extras if w.startswith("--")]
+    refused = [(f, classify(f)[1]) for f in flags if classify(f)[0] == "refused"]
+    if refused:
+        return "; ".join(f"{f}: {why}" for f, why in refused)
+    words = " ".join(extras)
+    if not flags:
+        return f"unrecognized arguments: {words} (values without a flag)"
+    return (f"unrecognized arguments: {words} (not megazero flags, and not among Megatron-LM's flags either, "
+            f"as of {pinned_origin()}; see --help)")
+
+
+def _default_only(given: Dict[str, Any], ignored: List[str]) -> None:
+    """:data:`DEFAULT_ONLY` flags: named as ignored with Megatron-LM's default, refused with another value."""
+    def same(value: str, accepted: str) -> bool:
+        try:
+            return float(value) == float(accepted)
+        except ValueError:
+            return value.lower() == accepted.lower()
+    for flag, (accepted, why) in DEFAULT_ONLY.items():
+        if flag not in given:
+            continue
+        values = given[flag] if isinstance(given[flag], list) else [given[flag]]
+        if len(values) != 1 or not any(same(str(values[0]), a) for a in accepted):
+            shown = " ".join(str(v) for v in values)
+            raise ConfigError(f"{flag} {shown}: {why}; use {' or '.join(accepted)} (Megatron-LM's default) "
+                              "or "
+                              "drop the flag")
+        ignored.append(f"{flag} {values[0]} ({why})")
 
 
 def translate(settings: Dict[str, Any], command_line: Set[str]) -> Tuple[Dict[str, Any], List[str]]:
@@ -144,22 +171,22 @@ def translate(settings: Dict[str, Any], command_line: Set[str]) -> Tuple[Dict[st
     ``command_line``: the setting names given as flags (Megatron-LM's ``--num-query-groups`` rule
     applies to them).  Returns the settings and the start-up remarks; raises :class:`ConfigError`
     for a refused flag or a value megazero cannot honour."""
-    given = {"--" + k[len(PREFIX):].replace("_", "-"): v for k, v in settings.items() if k.startswith(PREFIX)}
+    given = {"--" + k[len(PREFIX):]: v for k, v in settings.items() if k.startswith(PREFIX)}
     out = {k: v for k, v in settings.items() if not k.startswith(PREFIX)}
-    refused = [f for f in REFUSED if f in given]
+    refused = [f for f in given if classify(f)[0] == "refused"]
     if refused:
-        raise ConfigError("; ".join(f"{f}: {REFUSED[f]}" for f in refused))
+        raise ConfigError("; ".join(f"{f}: {classify(f)[1]}" for f in refused))
     for flag, (name, value) in SWITCHES.items():
         if given.get(flag):
             if name in out and out[name] != value:
                 raise ConfigError(f"{flag} means --{name.replace('_', '-')} {value}, but "
                                   f"{out[name]!r} is given too; drop one")
             out[name] = value
-    ignored = [f"{f} ({IGNORED[f]})" for f in IGNORED if f in given]
+    ignored = [f"{f} ({classify(f)[1]})" for f in given if classify(f)[0] == "ignored"]
+    _default_only(given, ignored)
     notes = _special(given, out, command_line, ignored)
     if ignored:
-        notes.insert(0, "ignored Megatron-LM flags that only tune speed or logging here: "
-                     + "; ".join(ignored))
+        notes.insert(0, "ignored Megatron-LM flags (no effect here): " + "; ".join(ignored))
     return out, notes
 
 

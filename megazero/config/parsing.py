@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import fields
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from megazero.checkpoint.errors import CheckpointError
 from megazero.checkpoint.format import CHECKPOINT_ARGS
 from megazero.checkpoint.resolve import saved_config
-from megazero.config.megatron import add_flags, translate
+from megazero.config.megatron import add_flags, required_notes, translate, unrecognized_message
 from megazero.data.tokenizer import tokenizer_from_settings
 from megazero.errors import ConfigError
 from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag_of
@@ -26,7 +26,9 @@ def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.Argument
     """The argparse parser for every flag (defaults suppressed so given flags can be told apart)."""
     p = argparse.ArgumentParser(
         description="Pretrain a GPT model with tensor, pipeline and data parallelism and ZeRO.",
-        argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # as Megatron-LM's: a flag is spelled out, never guessed from a prefix
+        usage="%(prog)s [--flag VALUE ...]  (Megatron-LM's flags; --help lists them all)")
     p.add_argument("--config", help="YAML or JSON file of settings; flags override it.")
     p.add_argument("--model", dest="model_preset", choices=sorted(presets) if presets else None,
                    help="Named model preset" + (f" ({', '.join(sorted(presets))})" if presets else ""))
@@ -49,7 +51,21 @@ def _argparse_kwargs(f) -> Dict[str, Any]:
     else:
         kw["type"] = meta.get("type", _scalar_type(f))
         kw.update({k: meta[k] for k in ("choices", "nargs") if k in meta})
+        if "choices" in meta and kw["type"] is str:
+            kw["type"] = _Choice(meta["choices"])
     return kw
+
+
+class _Choice:
+    """A choice in any letter case as its canonical spelling (``rmsnorm`` is ``RMSNorm``, as scripts
+    built on Megatron-LM spell it); other words pass through for argparse to refuse."""
+
+    def __init__(self, choices):
+        self.canonical = {c.lower(): c for c in choices}
+        self.__name__ = "choice"  # argparse names the type in its errors
+
+    def __call__(self, text: str) -> str:
+        return self.canonical.get(text.lower(), text)
 
 
 def _scalar_type(f):
@@ -137,10 +153,29 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = value
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
+    notes = _no_tokenizer(per_section) if vocab is None else []
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
-                          model_preset=preset if isinstance(preset, str) else None)
+                          model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _no_tokenizer(per_section: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Real data without a tokenizer: an error without --vocab-size (the model's vocabulary would be a
+    default unrelated to the data), a warning with it (no tokenizer checks the ids or goes with exports)."""
+    data = per_section["data"]
+    real = [f for f in ("data_path", "train_data_path") if data.get(f)]
+    if not real:
+        return []
+    flag = "--" + real[0].replace("_", "-")
+    if "vocab_size" not in per_section["model"]:
+        raise ConfigError(f"{flag} without a tokenizer: the vocabulary size is unknown. Give the tokenizer "
+                          "the data was made with (--tokenizer-model, or --vocab-file/--merge-file; its "
+                          "vocabulary sets the model's), or --tokenizer-type NullTokenizer --vocab-size N, "
+                          "or at least --vocab-size N (the largest id + 1)")
+    return [f"WARNING: {flag} without a tokenizer: the model's vocabulary is --vocab-size "
+            f"{per_section['model']['vocab_size']}, which nothing checks against the data's tokenizer, and "
+            "exported models carry no tokenizer; pass --tokenizer-model to use the data's own"]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str, dict]] = None,
@@ -150,12 +185,19 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     (:func:`~megazero.config.validation.validate`; ``check_data=False`` for a program that reads no
     data, such as a memory estimate or the layout planner: then neither --mock-data nor
     --data-path is needed)."""
-    ns = vars(build_parser(presets).parse_args(argv))
+    parser = build_parser(presets)
+    parsed, extras = parser.parse_known_args(argv)
+    if extras:
+        message = unrecognized_message(extras, parser)
+        if not message.startswith("unrecognized"):
+            raise ConfigError(message)
+        parser.error(message)
+    ns = vars(parsed)
     settings: Dict[str, Any] = {}
     if "config" in ns:
         settings.update(_load_file(ns.pop("config")))
     settings.update(ns)
     settings, notes = translate(settings, set(ns))
     cfg = config_from_dict(settings, presets)
-    cfg.notes = tuple(notes)
+    cfg.notes = tuple(notes) + cfg.notes + tuple(required_notes(settings, presets))
     return validate(cfg, world_size, check_data) if validate_now else cfg

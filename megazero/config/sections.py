@@ -29,6 +29,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = _f(1, "Pipeline stages the layers are cut into.")
     num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
         None, "Layers per virtual stage; enables the interleaved 1F1B schedule.")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(
+        None, "Model chunks per pipeline stage, instead of --num-layers-per-virtual-pipeline-stage (which is "
+        "then --num-layers / (pipeline size x this)).")
     decoder_first_pipeline_num_layers: Optional[int] = _f(
         None, "Layers on the first pipeline stage (uneven split); the rest are spread evenly.")
     decoder_last_pipeline_num_layers: Optional[int] = _f(
@@ -72,7 +75,8 @@ class ModelConfig:
     num_layers: int = _f(2, "Transformer layers.")
     hidden_size: int = _f(64, "Hidden size.")
     ffn_hidden_size: Optional[int] = _f(
-        None, "MLP hidden size (default 4 x hidden, or LLaMA's 8/3 rule for swiglu).")
+        None, "MLP hidden size (default 4 x hidden, or with swiglu 8/3 x hidden rounded down to a "
+        "multiple of 64, Megatron-LM's rule).")
     num_attention_heads: int = _f(4, "Attention heads.")
     num_query_groups: Optional[int] = _f(
         None, "Key/value heads for grouped-query attention (default: heads).")
@@ -84,16 +88,35 @@ class ModelConfig:
     position_embedding_type: str = _f("learned_absolute", "learned_absolute (GPT-2) or rope (LLaMA).",
                                       choices=["learned_absolute", "rope"])
     rotary_base: float = _f(10000.0, "RoPE base.", type=float)
+    use_rope_scaling: bool = _f(
+        False, "LLaMA-3.x RoPE scaling (Megatron-LM's --use-rope-scaling): rotary frequencies whose "
+        "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor "
+        "are divided by --rope-scaling-factor, those below ... / --rope-scaling-high-freq-factor are kept, "
+        "and those between are interpolated.")
+    rope_scaling_factor: float = _f(8.0, "LLaMA-3.x RoPE scaling factor (with --use-rope-scaling).",
+                                    type=float)
+    rope_scaling_low_freq_factor: float = _f(1.0, "LLaMA-3.x RoPE scaling: low-frequency factor.",
+                                             type=float)
+    rope_scaling_high_freq_factor: float = _f(4.0, "LLaMA-3.x RoPE scaling: high-frequency factor.",
+                                              type=float)
+    rope_scaling_original_max_position_embeddings: int = _f(
+        8192, "LLaMA-3.x RoPE scaling: the context length the model was first trained for.")
+    rotary_seq_len_interpolation_factor: Optional[float] = _f(
+        None, "Linear RoPE scaling (position interpolation): positions are divided by this factor "
+        "(Hugging Face's rope_scaling type 'linear').", type=float)
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", type=float)
-    activation: str = _f("gelu", "MLP activation: gelu (tanh approximation, GPT-2) or swiglu (LLaMA).",
-                         choices=["gelu", "swiglu"])
+    activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
+                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu) or swiglu (LLaMA).",
+                         choices=["gelu_exact", "gelu", "swiglu"])
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")
+    add_qkv_bias: bool = _f(False, "Biases on the query, key and value projections, even without "
+                            "--add-bias-linear's other biases (Qwen2; Megatron-LM's --add-qkv-bias).")
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
-    hidden_dropout: float = _f(0.0, "Dropout after attention and MLP.", type=float)
-    attention_dropout: float = _f(0.0, "Dropout on attention probabilities.", type=float)
+    hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
+    attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
     init_method_std: float = _f(0.02, "Std of the normal initialisation.", type=float)
     recompute_granularity: Optional[str] = _f(None, "Activation recomputation: full or selective.",
                                               choices=["full", "selective"])
@@ -113,9 +136,17 @@ class TrainingConfig:
         None, "Optimizer steps (default 10, or --train-samples / --global-batch-size).")
     train_samples: Optional[int] = _f(None, "Train on this many samples instead of a number of iterations "
                                       "(Megatron-LM's sample-based training; exclusive with --train-iters).")
+    step_batch_size_schedule: Optional[str] = _f(
+        None, "Global batch size by tokens consumed, Megatron-LM's format: 'THRESHOLD:BATCH ...' with K, M, "
+        "B, T suffixes, e.g. '0:16 2.4B:320 4.8B:624' (16 sequences until 2.4 billion tokens, then 320 ...); "
+        "the first threshold is 0. --global-batch-size, if given, must equal the last batch size.")
+    rampup_batch_size: Optional[List[int]] = _f(
+        None, "Batch-size ramp-up (older Megatron-LM's): START INCREMENT SAMPLES: start with START "
+        "sequences and grow by INCREMENT in equal steps over SAMPLES samples up to --global-batch-size.",
+        nargs=3, type=int)
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
     eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
-    eval_iters: int = _f(2, "Batches per evaluation.")
+    eval_iters: int = _f(100, "Batches per evaluation.")
     # derived (see Derived)
     num_micro_batches: int = _f(1, "global batch / (micro batch x DP) (derived).", derived=True)
 
@@ -126,8 +157,19 @@ class OptimizerConfig:
     optimizer: str = _f("adam", "adam (AdamW) or sgd.", choices=["adam", "sgd"])
     lr: float = _f(1e-3, "Peak learning rate.", type=float)
     min_lr: float = _f(0.0, "Learning rate at the end of decay.", type=float)
-    lr_decay_style: str = _f(
-        "cosine", "constant, linear or cosine.", choices=["constant", "linear", "cosine"])
+    lr_decay_style: str = _f("linear", "Decay after warm-up: constant, linear, cosine, inverse-square-root "
+                             "(lr x sqrt(warm-up / steps)) or WSD (warm-up, stable at --lr, then a final "
+                             "decay of --lr-wsd-decay-iters steps in --lr-wsd-decay-style).",
+                             choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_wsd_decay_style: str = _f("exponential", "Shape of WSD's final decay: exponential, linear, cosine or "
+                                 "minus_sqrt.", choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: steps of the final decay, which ends where decay "
+                                           "ends (--lr-decay-iters).")
+    lr_wsd_decay_samples: Optional[int] = _f(None, "WSD with --train-samples: samples of the final decay.")
+    decoupled_lr: Optional[float] = _f(None, "Peak learning rate of the input embedding and the output layer "
+                                       "(default: --lr); the same schedule.", type=float)
+    decoupled_min_lr: Optional[float] = _f(None, "Final learning rate of the input embedding and the output "
+                                           "layer (default: --min-lr); needs --decoupled-lr.", type=float)
     lr_warmup_iters: int = _f(0, "Linear warm-up steps.")
     lr_decay_iters: Optional[int] = _f(None, "Steps over which to decay (default --train-iters).")
     lr_warmup_init: float = _f(0.0, "Learning rate at the first warm-up step (Megatron-LM's: warm-up rises "
@@ -141,7 +183,7 @@ class OptimizerConfig:
     adam_beta1: float = _f(0.9, "Adam beta1.", type=float)
     adam_beta2: float = _f(0.999, "Adam beta2.", type=float)
     adam_eps: float = _f(1e-8, "Adam epsilon.", type=float)
-    sgd_momentum: float = _f(0.0, "SGD momentum.", type=float)
+    sgd_momentum: float = _f(0.9, "SGD momentum.", type=float)
     clip_grad: float = _f(1.0, "Clip the global gradient norm to this (0: no clipping).", type=float)
 
 
@@ -216,6 +258,9 @@ class CheckpointConfig:
                                    "norms, ...) from the --load checkpoint; architecture flags given on the "
                                    "command line still win.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
+    exit_on_missing_checkpoint: bool = _f(
+        False, "With --load: stop with an error when the directory holds no checkpoint, instead of "
+        "starting from scratch (also when it is --save).")
     override_opt_param_scheduler: bool = _f(
         False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
         "--lr-decay-iters and --lr-decay-style even where they differ "
@@ -225,7 +270,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     """Console, metrics file and wandb."""
-    log_interval: int = _f(1, "Print a progress line every this many steps.")
+    log_interval: int = _f(100, "Print a progress line every this many steps.")
     metrics_file: Optional[str] = _f(None, "Append one JSON object per step to this file (rank 0); a resumed "
                                      "run drops the rows after its checkpoint's iteration first.")
     tensorboard_dir: Optional[str] = _f(None, "Write the same values as the metrics file as TensorBoard "

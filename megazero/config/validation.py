@@ -44,6 +44,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     given = cfg.given()
     _check_numbers(given)
+    _check_batch_schedule(given)
     _check_world(given, world_size)
     resolved = given.resolved(derive(given, world_size))
     data = (_check_data,) if check_data else ()
@@ -62,7 +63,7 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
     index = field_index()
     filled = {name: value for name, value in _default_rules(cfg, dp).items()
               if getattr(getattr(cfg, index[name][0]), name) is None}
-    vpl = par.num_layers_per_virtual_pipeline_stage
+    vpl = par.num_layers_per_virtual_pipeline_stage or filled.get("num_layers_per_virtual_pipeline_stage")
     multiple = mod.make_vocab_size_divisible_by * tp
     global_batch = tr.global_batch_size or filled["global_batch_size"]
     return Derived(world_size=world_size, data_parallel_size=dp,
@@ -74,16 +75,28 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
 
 def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
     """The value each defaultable setting takes when left unset."""
+    from megazero.batch_schedule import iterations_for_samples, schedule_of
     mod, tr = cfg.model, cfg.training
     heads, hidden = mod.num_attention_heads, mod.hidden_size
-    swiglu_ffn = -(-int(8 * hidden / 3) // 64) * 64  # LLaMA's 8/3 rule, rounded up to 64
-    global_batch = tr.global_batch_size or tr.micro_batch_size * dp
-    interleaved = cfg.parallel.num_layers_per_virtual_pipeline_stage
+    swiglu_ffn = max(64, int((4 * hidden * 2 / 3) / 64) * 64)  # Megatron-LM's: 8/3 x hidden, down to 64s
+    default_batch = tr.micro_batch_size * dp
+    if tr.step_batch_size_schedule:  # the schedule's last batch size
+        default_batch = schedule_of(tr, mod.seq_length, None)[-1][1]
+    global_batch = tr.global_batch_size or default_batch
+    if tr.train_samples and (tr.step_batch_size_schedule or tr.rampup_batch_size):
+        train_iters = iterations_for_samples(schedule_of(tr, mod.seq_length, global_batch), tr.train_samples)
+    else:
+        train_iters = tr.train_samples // global_batch if tr.train_samples else 10
     rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
              "ffn_hidden_size": swiglu_ffn if mod.activation == "swiglu" else 4 * hidden,
-             "max_position_embeddings": mod.seq_length, "global_batch_size": tr.micro_batch_size * dp,
-             "train_iters": tr.train_samples // global_batch if tr.train_samples else 10,
-             "pipeline_schedule": "interleaved" if interleaved else "1f1b"}
+             "max_position_embeddings": mod.seq_length, "global_batch_size": default_batch,
+             "train_iters": train_iters,
+             "pipeline_schedule": "1f1b"}
+    chunks, pp = cfg.parallel.num_virtual_stages_per_pipeline_rank, cfg.parallel.pipeline_model_parallel_size
+    if chunks and chunks > 1:  # Megatron-LM's other way to ask for the interleaved schedule
+        rules["num_layers_per_virtual_pipeline_stage"] = max(1, mod.num_layers // (pp * chunks))
+    if cfg.parallel.num_layers_per_virtual_pipeline_stage or (chunks and chunks > 1):
+        rules["pipeline_schedule"] = "interleaved"
     if tr.train_samples:  # Megatron-LM's sample-based schedule: lengths in samples
         rules["lr_decay_samples"] = tr.train_samples
     else:
@@ -118,6 +131,26 @@ def _check_numbers(cfg: MegazeroConfig) -> None:
     _check(tr.eval_interval == 0 or tr.eval_iters >= 1,
            f"--eval-iters must be >= 1 when --eval-interval is set, got {tr.eval_iters}")
     _check(cfg.logging.log_interval >= 1, f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
+
+
+def _check_batch_schedule(cfg: MegazeroConfig) -> None:
+    """``--step-batch-size-schedule`` / ``--rampup-batch-size`` well formed (before anything is derived)."""
+    from megazero.batch_schedule import schedule_of
+    tr = cfg.training
+    _check(not (tr.step_batch_size_schedule and tr.rampup_batch_size),
+           "--step-batch-size-schedule and --rampup-batch-size both set the batch size; give one")
+    _check(not tr.rampup_batch_size or tr.global_batch_size,
+           "--rampup-batch-size needs --global-batch-size (the batch size it ramps up to)")
+    if not (tr.step_batch_size_schedule or tr.rampup_batch_size):
+        return
+    with _owned_rule():
+        schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
+    last = schedule[-1][1]
+    _check(not tr.step_batch_size_schedule or tr.global_batch_size in (None, last),
+           f"--global-batch-size {tr.global_batch_size} differs from the last batch size {last} of "
+           "--step-batch-size-schedule; drop --global-batch-size (Megatron-LM refuses the two together) or "
+           "make "
+           "them equal")
 
 
 def _check_world(cfg: MegazeroConfig, world: int) -> None:
@@ -158,6 +191,24 @@ def _check_model(cfg: MegazeroConfig) -> None:
            f"rope needs an even head dimension, got {mod.kv_channels}")
     for flag, v in (("--hidden-dropout", mod.hidden_dropout), ("--attention-dropout", mod.attention_dropout)):
         _check(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
+    _check_rope_scaling(mod)
+
+
+def _check_rope_scaling(mod) -> None:
+    linear = mod.rotary_seq_len_interpolation_factor
+    for flag, on in (("--use-rope-scaling", mod.use_rope_scaling),
+                     ("--rotary-seq-len-interpolation-factor", linear is not None)):
+        _check(not on or mod.position_embedding_type == "rope",
+               f"{flag} scales rotary embeddings: it needs --position-embedding-type rope")
+    _check(linear is None or linear > 0, f"--rotary-seq-len-interpolation-factor must be > 0, got {linear}")
+    if mod.use_rope_scaling:
+        low, high = mod.rope_scaling_low_freq_factor, mod.rope_scaling_high_freq_factor
+        _check(mod.rope_scaling_factor > 0, "--rope-scaling-factor must be > 0, got "
+                                            f"{mod.rope_scaling_factor}")
+        _check(0 < low < high, f"--rope-scaling-low-freq-factor {low} must be positive and below "
+               f"--rope-scaling-high-freq-factor {high}")
+        _check(mod.rope_scaling_original_max_position_embeddings >= 1,
+               "--rope-scaling-original-max-position-embeddings must be a positive integer")
 
 
 def _check_sequence_parallel(cfg: MegazeroConfig) -> None:
@@ -172,6 +223,16 @@ def _check_sequence_parallel(cfg: MegazeroConfig) -> None:
 def _check_pipeline(cfg: MegazeroConfig) -> None:
     from megazero.pipeline.partition import check_layout
     par = cfg.parallel
+    chunks, pp = par.num_virtual_stages_per_pipeline_rank, par.pipeline_model_parallel_size
+    if chunks is not None:
+        _check(chunks >= 1, f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {chunks}")
+        _check(chunks == 1 or cfg.is_filled("num_layers_per_virtual_pipeline_stage"),
+               "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set "
+               "the "
+               "virtual stages; give one")
+        _check(cfg.model.num_layers % (pp * chunks) == 0, f"--num-layers {cfg.model.num_layers} is not "
+                                                          "divisible "
+               f"by --pipeline-model-parallel-size {pp} x --num-virtual-stages-per-pipeline-rank {chunks}")
     split = (par.num_layers_per_virtual_pipeline_stage, par.decoder_first_pipeline_num_layers,
              par.decoder_last_pipeline_num_layers)
     _check(par.pipeline_model_parallel_size > 1 or split == (None, None, None),
@@ -186,16 +247,22 @@ def _check_pipeline(cfg: MegazeroConfig) -> None:
 
 
 def _check_batch(cfg: MegazeroConfig) -> None:
+    from megazero.batch_schedule import schedule_of, sizes
     from megazero.pipeline.schedules import check_schedule
     par, tr = cfg.parallel, cfg.training
-    dp, mbs, gbs = par.data_parallel_size, tr.micro_batch_size, tr.global_batch_size
-    _check(gbs % (mbs * dp) == 0, f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-           f"{mbs} x data-parallel size {dp} = {mbs * dp}")
-    with _owned_rule(f"--global-batch-size {gbs} / (--micro-batch-size {mbs} x DP {dp}) = "
-                     f"{tr.num_micro_batches} micro-batches on --pipeline-model-parallel-size "
-                     f"{par.pipeline_model_parallel_size} stages: "):
-        check_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size, tr.num_micro_batches,
-                       par.virtual_pipeline_model_parallel_size)
+    dp, mbs = par.data_parallel_size, tr.micro_batch_size
+    flag = "--global-batch-size"
+    if tr.step_batch_size_schedule or tr.rampup_batch_size:
+        flag = "--step-batch-size-schedule" if tr.step_batch_size_schedule else "--rampup-batch-size"
+    for gbs in sizes(schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)):
+        what = f"{flag} batch size {gbs}" if flag != "--global-batch-size" else f"{flag} {gbs}"
+        _check(gbs % (mbs * dp) == 0, f"{what} is not divisible by --micro-batch-size {mbs} x data-parallel "
+               f"size {dp} = {mbs * dp}")
+        with _owned_rule(f"{what} / (--micro-batch-size {mbs} x DP {dp}) = {gbs // (mbs * dp)} "
+                         "micro-batches on "
+                         f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size} stages: "):
+            check_schedule(par.pipeline_schedule, par.pipeline_model_parallel_size, gbs // (mbs * dp),
+                           par.virtual_pipeline_model_parallel_size)
 
 
 def _check_zero(cfg: MegazeroConfig) -> None:
@@ -249,6 +316,17 @@ def _check_schedule_units(cfg: MegazeroConfig) -> None:
     _check(opt.lr_warmup_fraction is None or 0.0 <= opt.lr_warmup_fraction <= 1.0,
            f"--lr-warmup-fraction must be in [0, 1], got {opt.lr_warmup_fraction}")
     _check(opt.lr_warmup_samples >= 0, f"--lr-warmup-samples must be >= 0, got {opt.lr_warmup_samples}")
+    wsd_iters, wsd_samples = opt.lr_wsd_decay_iters, opt.lr_wsd_decay_samples
+    if tr.train_samples:
+        _check(wsd_iters is None, "--lr-wsd-decay-iters cannot be used with --train-samples; give "
+               "--lr-wsd-decay-samples")
+    else:
+        _check(wsd_samples is None, "--lr-wsd-decay-samples needs --train-samples; use --lr-wsd-decay-iters")
+    if opt.lr_decay_style == "WSD":
+        wsd, flag = (wsd_samples, "--lr-wsd-decay-samples") if tr.train_samples else (wsd_iters,
+                                                                                      "--lr-wsd-decay-iters")
+        _check(wsd is not None, f"--lr-decay-style WSD needs {flag} (the length of the final decay)")
+        _check(wsd >= 1, f"{flag} must be a positive integer, got {wsd}")
     _check(opt.lr_warmup_init >= 0, f"--lr-warmup-init must be >= 0, got {opt.lr_warmup_init}")
 
 
@@ -257,6 +335,16 @@ def _check_optimizer(cfg: MegazeroConfig) -> None:
     _check_schedule_units(cfg)
     _check(opt.lr >= 0 and opt.min_lr >= 0, "--lr and --min-lr must be >= 0")
     _check(opt.min_lr <= opt.lr, f"--min-lr {opt.min_lr} is above --lr {opt.lr}")
+    _check(opt.decoupled_min_lr is None or opt.decoupled_lr is not None,
+           "--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak rate)")
+    if opt.decoupled_lr is not None:
+        floor = opt.decoupled_min_lr if opt.decoupled_min_lr is not None else opt.min_lr
+        _check(opt.decoupled_lr >= 0 and floor >= 0, "--decoupled-lr and --decoupled-min-lr must be >= 0")
+        _check(floor <= opt.decoupled_lr, f"the decoupled minimum {floor} (--decoupled-min-lr, default "
+                                          "--min-lr) "
+               f"is above --decoupled-lr {opt.decoupled_lr}")
+        _check(opt.lr_warmup_init <= opt.decoupled_lr, f"--lr-warmup-init {opt.lr_warmup_init} is above "
+               f"--decoupled-lr {opt.decoupled_lr} (warm-up rises from it to each peak)")
     _check(opt.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got {opt.clip_grad}")
     _check(opt.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0, got {opt.lr_warmup_iters}")
     _check(0.0 <= opt.adam_beta1 < 1.0 and 0.0 <= opt.adam_beta2 < 1.0,
@@ -280,7 +368,8 @@ def _check_checkpoint(cfg: MegazeroConfig) -> None:
         _check(v is None or (isinstance(v, str) and v.strip() != ""), f"{flag} needs a directory, got {v!r}")
     for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
                      ("--no-load-rng", ck.no_load_rng), ("--use-checkpoint-args", ck.use_checkpoint_args),
-                     ("--ckpt-step", ck.ckpt_step is not None)):
+                     ("--ckpt-step", ck.ckpt_step is not None),
+                     ("--exit-on-missing-checkpoint", ck.exit_on_missing_checkpoint)):
         _check(not on or ck.load, f"{flag} needs --load DIR (the checkpoint to start from)")
 
 

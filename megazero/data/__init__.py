@@ -5,6 +5,8 @@ global samples ``indices``.  :func:`micro_batches` is the only place that decide
 goes where, so every layout sees the same data:
 
 * the global batch of step ``t`` is samples ``[t * G, (t + 1) * G)`` (``G`` = global batch size);
+  with a batch-size schedule (:mod:`megazero.batch_schedule`) the batch of each step is the next
+  ``G_t`` samples after those consumed, ``[c_t, c_t + G_t)``;
 * data-parallel rank ``d`` of ``D`` takes the contiguous share ``[t*G + d*G/D, t*G + (d+1)*G/D)``;
 * it cuts the share, in order, into micro-batches of ``--micro-batch-size`` samples.
 
@@ -78,23 +80,27 @@ def _real_data(cfg):
     return SeparateSplits(sources)
 
 
-def sample_range(step: int, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> range:
-    """Global sample indices of data-parallel rank ``dp_rank``'s share of batch ``step``."""
+def sample_range(step: Optional[int], global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 first: Optional[int] = None) -> range:
+    """Global sample indices of data-parallel rank ``dp_rank``'s share of batch ``step`` (of the batch
+    that starts at sample ``first`` instead, when given: a batch-size schedule)."""
     if global_batch_size % dp_size:
         raise ValueError(f"global batch {global_batch_size} is not divisible by data-parallel size {dp_size}")
     share = global_batch_size // dp_size
-    start = step * global_batch_size + dp_rank * share
+    start = (step * global_batch_size if first is None else first) + dp_rank * share
     return range(start, start + share)
 
 
-def micro_batches(source, step: int, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
-                  dp_size: int = 1, split: str = "train",
-                  device: Optional[torch.device] = None) -> List[Dict[str, torch.Tensor]]:
-    """This rank's micro-batches of batch ``step``: dicts of ``tokens``, ``labels`` (the next
-    token) and ``loss_mask``, each ``[micro_batch_size, seq_length]``.  The mask is all ones
-    unless the source has a ``masked_token`` (``--eod-mask-loss``): positions whose input is that
-    token (the prediction across a document boundary) are then left out, as in Megatron-LM."""
-    indices = sample_range(step, global_batch_size, dp_rank, dp_size)
+def micro_batches(source, step: Optional[int], global_batch_size: int, micro_batch_size: int,
+                  dp_rank: int = 0, dp_size: int = 1, split: str = "train",
+                  device: Optional[torch.device] = None,
+                  first: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+    """This rank's micro-batches of batch ``step`` (or of the batch of ``global_batch_size`` samples
+    that starts at sample ``first``): dicts of ``tokens``, ``labels`` (the next token) and
+    ``loss_mask``, each ``[micro_batch_size, seq_length]``.  The mask is all ones unless the source
+    has a ``masked_token`` (``--eod-mask-loss``): positions whose input is that token (the
+    prediction across a document boundary) are then left out, as in Megatron-LM."""
+    indices = sample_range(step, global_batch_size, dp_rank, dp_size, first)
     if len(indices) % micro_batch_size:
         raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size "
                          f"{micro_batch_size}")

@@ -172,6 +172,9 @@ class GPTDataset:
             self._streams[split] = stream
         return self._streams[split]
 
+    def num_samples_per_epoch(self, split: str) -> int:
+        return self.stream(split).samples_per_epoch
+
     def sample(self, index: int, split: str = "train") -> np.ndarray:
         return self.stream(split).sample(index)
 

@@ -56,7 +56,7 @@ def layer_params(cfg) -> int:
     h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
     bias = m.add_bias_linear
-    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) + h if bias else 0)
+    attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0) + (h if bias else 0)
     if m.activation == "swiglu":
         mlp = 3 * h * f + ((2 * f + h) if bias else 0)
     else:

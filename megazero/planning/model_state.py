@@ -62,13 +62,13 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     def norm():
         return [ParamSpec(h, rep, idx)] * (2 if m.normalization == "LayerNorm" else 1)
 
-    def column(out):
-        return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if bias else [])
+    def column(out, with_bias=bias):
+        return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if with_bias else [])
 
     def row(inp):
         return [ParamSpec(h * inp, PLAIN, idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
 
-    specs = norm() + column(qkv) + row(m.num_attention_heads * d // tp) + norm()
+    specs = norm() + column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp) + norm()
     if m.activation == "swiglu":
         specs += column(f)
     return specs + column(f) + row(f)

@@ -13,12 +13,12 @@ share of a CPU step.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
-
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 Segments = List[Tuple[int, int]]
+Decoupled = Optional[Tuple[Segments, float]]  # (segments, their own rate): --decoupled-lr
 
 
 class FlatAdamW:
@@ -35,13 +35,18 @@ class FlatAdamW:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
-               decay: Segments, lr: float, step: int, grad_mul: float = 1.0) -> None:
+               decay: Segments, lr: float, step: int, grad_mul: float = 1.0,
+               decoupled: Decoupled = None) -> None:
+        """One step; ``decoupled``: (segments, their rate) for parameters with a rate of their own
+        (``--decoupled-lr``), None when every element runs at ``lr``."""
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        if self._fused((master, grad, m, v), decay, lr, step, grad_mul):
+        runs = _rate_runs(master.numel(), lr, decoupled)
+        if self._fused((master, grad, m, v), decay, runs, step, grad_mul):
             return
-        if self.weight_decay and lr:
-            for a, b in decay:
-                master[a:b].mul_(1.0 - lr * self.weight_decay)
+        if self.weight_decay:
+            for segments, rate in runs:
+                for a, b in _intersect(decay, segments) if rate else ():
+                    master[a:b].mul_(1.0 - rate * self.weight_decay)
         if grad_mul != 1.0:
             grad.mul_(grad_mul)
         m.lerp_(grad, 1.0 - self.beta1)
@@ -49,13 +54,18 @@ class FlatAdamW:
         bc1 = 1.0 - self.beta1 ** step
         bc2 = 1.0 - self.beta2 ** step
         denom = (v.sqrt() / math.sqrt(bc2)).add_(self.eps)
-        master.addcdiv_(m, denom, value=-lr / bc1)
+        if len(runs) == 1:  # one rate covers the whole slice
+            master.addcdiv_(m, denom, value=-runs[0][1] / bc1)
+            return
+        for segments, rate in runs:
+            for a, b in segments:
+                master[a:b].addcdiv_(m[a:b], denom[a:b], value=-rate / bc1)
 
-    def _fused(self, flat, decay: Segments, lr: float, step: int, grad_mul: float) -> bool:
+    def _fused(self, flat, decay: Segments, runs, step: int, grad_mul: float) -> bool:
         """PyTorch's fused AdamW kernel on ``flat = (master, grad, exp_avg, exp_avg_sq)``, when this
-        torch has one for the device (CPUs since 2.4); False (nothing done) otherwise.  The decayed
-        segments and the others go in as two lists of views, so the decay is applied inside the
-        kernel's single pass instead of a pass of its own."""
+        torch has one for the device (CPUs since 2.4); False (nothing done) otherwise.  For each rate
+        of ``runs``, the decayed segments and the others go in as two lists of views, so the decay is
+        applied inside the kernel's single pass instead of a pass of its own."""
         master, grad = flat[0], flat[1]
         fused = getattr(torch, "_fused_adamw_", None)
         if fused is None or grad.dtype != master.dtype or grad.device != master.device:
@@ -65,12 +75,13 @@ class FlatAdamW:
         step_t = torch.tensor(float(step), device=master.device)
         scale = None if grad_mul == 1.0 else torch.tensor(1.0 / grad_mul, device=master.device)
         decayed = decay if self.weight_decay else []
-        runs = [(decayed, self.weight_decay), (_complement(decayed, master.numel()), 0.0)]
+        parts = [(_intersect(part, segments), wd, rate) for segments, rate in runs
+                 for part, wd in ((decayed, self.weight_decay), (_complement(decayed, master.numel()), 0.0))]
         try:
-            for segments, wd in runs:
+            for segments, wd, rate in parts:
                 if segments:
                     views = [[t[a:b] for a, b in segments] for t in flat]
-                    fused(*views, [], [step_t] * len(segments), lr=lr, beta1=self.beta1, beta2=self.beta2,
+                    fused(*views, [], [step_t] * len(segments), lr=rate, beta1=self.beta1, beta2=self.beta2,
                           weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False, grad_scale=scale)
         except (NotImplementedError, RuntimeError):
             if self.fused_devices.get(master.device.type):
@@ -80,6 +91,30 @@ class FlatAdamW:
             return False
         self.fused_devices[master.device.type] = True
         return True
+
+
+def _rate_runs(n: int, lr: float, decoupled: Decoupled) -> List[Tuple[Segments, float]]:
+    """``[(segments, rate)]`` covering ``[0, n)``: one run at ``lr``, or two with ``decoupled``."""
+    if not decoupled or not decoupled[0]:
+        return [([(0, n)], lr)]
+    segments, rate = decoupled
+    rest = _complement(segments, n)
+    return ([(rest, lr)] if rest else []) + [(list(segments), rate)]
+
+
+def _intersect(a: Segments, b: Segments) -> Segments:
+    """The overlap of two sorted lists of disjoint ``(start, end)`` ranges."""
+    out, j = [], 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < hi:
+            start, end = max(lo, b[k][0]), min(hi, b[k][1])
+            if start < end:
+                out.append((start, end))
+            k += 1
+    return out
 
 
 def _complement(segments: Segments, n: int) -> Segments:
@@ -105,7 +140,8 @@ class FlatSGD:
         return {name: torch.zeros_like(master) for name in self.state_names}
 
     def update(self, master: torch.Tensor, grad: torch.Tensor, state: Dict[str, torch.Tensor],
-               decay: Segments, lr: float, step: int, grad_mul: float = 1.0) -> None:
+               decay: Segments, lr: float, step: int, grad_mul: float = 1.0,
+               decoupled: Decoupled = None) -> None:
         if grad_mul != 1.0:
             grad.mul_(grad_mul)
         if self.weight_decay:
@@ -118,7 +154,13 @@ class FlatSGD:
             else:
                 buf.mul_(self.momentum).add_(grad)
             grad = buf
-        master.add_(grad, alpha=-lr)
+        runs = _rate_runs(master.numel(), lr, decoupled)
+        if len(runs) == 1:  # one rate covers the whole slice
+            master.add_(grad, alpha=-runs[0][1])
+            return
+        for segments, rate in runs:
+            for a, b in segments:
+                master[a:b].add_(grad[a:b], alpha=-rate)
 
 
 def build_flat_optimizer(opt_cfg):

@@ -16,7 +16,7 @@ Checkpoints read and write the update's tensors in place (:mod:`megazero.checkpo
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,9 +108,10 @@ class ZeroOptimizer:
         self.reducer.zero_grad()
 
     # ---- the step -----------------------------------------------------------------------
-    def step(self, lr: float) -> Dict[str, object]:
-        """Unscale, check overflow (world-wide), clip and update.  Returns ``skipped``,
-        ``grad_norm`` (before clipping, unscaled), ``loss_scale`` (in force after the step)."""
+    def step(self, lr: float, decoupled_lr: Optional[float] = None) -> Dict[str, object]:
+        """Unscale, check overflow (world-wide), clip and update with rate ``lr`` (``decoupled_lr``
+        for the parameters marked ``is_embedding_or_output_parameter``, when given).  Returns
+        ``skipped``, ``grad_norm`` (before clipping, unscaled), ``loss_scale`` (in force after the step)."""
         self.finish_param_sync()  # the previous step's gathers (normally done by the forward)
         if not self.reducer.synced:
             self.finish_grad_sync()
@@ -125,11 +126,11 @@ class ZeroOptimizer:
             return {"skipped": True, "grad_norm": norm, "loss_scale": self.scaler.scale}
         factor = clip_coefficient(norm, self.clip_grad) / scale
         self.step_count += 1
-        self._update_and_gather(lr, factor)
+        self._update_and_gather((lr, decoupled_lr), factor)
         self.scaler.update(False)
         return {"skipped": False, "grad_norm": norm, "loss_scale": self.scaler.scale}
 
-    def _update_and_gather(self, lr: float, factor: float) -> None:
+    def _update_and_gather(self, lr: Tuple[float, Optional[float]], factor: float) -> None:
         """Update every bucket and start all-gathering its parameters (stages 1/2), in the order the
         next forward needs them; with overlap the forward waits for each, otherwise here."""
         overlap = self.param_gather

@@ -15,7 +15,7 @@ it, see them); before a master is written again its previous upload is waited fo
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,8 @@ from megazero.clip import counts_in_norm
 from megazero.zero.buckets import Bucket
 from megazero.zero.flat_optim import build_flat_optimizer
 from megazero.zero.storage import FlatStorage
+
+LR = Tuple[float, Optional[float]]  # (rate, rate of the embedding and output weights; None: the same)
 
 
 class ShardedUpdate:
@@ -39,6 +41,7 @@ class ShardedUpdate:
         self.master: Dict[int, torch.Tensor] = {}
         self.state: Dict[int, Dict[str, torch.Tensor]] = {}
         self.decay: Dict[int, List[Tuple[int, int]]] = {}
+        self.decoupled: Dict[int, List[Tuple[int, int]]] = {}  # ranges of embedding/output weights
         self.norm_pieces: Dict[int, List[Tuple[int, int, bool]]] = {}
 
     def add_bucket(self, b: Bucket, full: torch.Tensor) -> None:
@@ -53,6 +56,8 @@ class ShardedUpdate:
             self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
         self.state[b.index] = self.optim.init_state(self.master[b.index])
         self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if p.dim() > 1])
+        self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
+                                          if getattr(p, "is_embedding_or_output_parameter", False)])
         self.norm_pieces[b.index] = self._norm_pieces(b)
 
     def _norm_pieces(self, b: Bucket) -> List[Tuple[int, int, bool]]:
@@ -71,13 +76,14 @@ class ShardedUpdate:
         return [(self.storage.grad_slice(b, a, e), counted)
                 for b in self.storage.buckets for a, e, counted in self.norm_pieces[b.index]]
 
-    def apply(self, b: Bucket, lr: float, step: int, grad_mul: float) -> None:
-        """Optimizer step number ``step`` on bucket ``b``; the compute-dtype parameters of the
-        updated range follow the masters."""
+    def apply(self, b: Bucket, lr: LR, step: int, grad_mul: float) -> None:
+        """Optimizer step number ``step`` on bucket ``b`` with ``lr`` = (rate, rate of the embedding and
+        output weights or None: the same); the compute-dtype parameters of the updated range follow
+        the masters."""
         grad = self.storage.updated_grads(b).to(self.device, torch.float32)  # fp32 grads: no copy
         self._update(b, grad, lr, step, grad_mul)
 
-    def apply_all(self, buckets: Sequence[Bucket], lr: float, step: int, grad_mul: float) -> Iterator[Bucket]:
+    def apply_all(self, buckets: Sequence[Bucket], lr: LR, step: int, grad_mul: float) -> Iterator[Bucket]:
         """:meth:`apply` on ``buckets`` in order, yielding each once its parameters are updated
         (stream-ordered on a GPU).  Offloading from a GPU, every gradient download starts first."""
         if not self.pinned:
@@ -102,12 +108,14 @@ class ShardedUpdate:
         done.record()
         return done
 
-    def _update(self, b: Bucket, grad: torch.Tensor, lr: float, step: int, grad_mul: float) -> None:
+    def _update(self, b: Bucket, grad: torch.Tensor, lr: LR, step: int, grad_mul: float) -> None:
         upload = self.uploads.pop(b.index, None)
         if upload is not None:  # the master is about to change: its last upload must be over
             upload.synchronize()
-        self.optim.update(self.master[b.index], grad, self.state[b.index], self.decay[b.index], lr, step,
-                          grad_mul=grad_mul)
+        rate, decoupled_rate = lr
+        decoupled = (self.decoupled[b.index], decoupled_rate) if decoupled_rate is not None else None
+        self.optim.update(self.master[b.index], grad, self.state[b.index], self.decay[b.index], rate, step,
+                          grad_mul=grad_mul, decoupled=decoupled)
         self.publish(b)
 
     def publish(self, b: Bucket) -> None:

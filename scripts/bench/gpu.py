@@ -40,7 +40,8 @@ def _settings(args, recompute: bool) -> dict:
              seq_length=args.seq, max_position_embeddings=args.seq, vocab_size=args.vocab,
              make_vocab_size_divisible_by=64, micro_batch_size=args.micro_batch,
              global_batch_size=args.micro_batch, mock_data=True, optimizer="adam", lr=1e-4,
-             lr_decay_style="constant", clip_grad=1.0, bf16=args.dtype == "bf16")
+             lr_decay_style="constant", clip_grad=1.0, bf16=args.dtype == "bf16",
+             hidden_dropout=0.0, attention_dropout=0.0, activation="gelu")  # the model measured before
     if recompute:
         s.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return s

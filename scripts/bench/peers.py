@@ -59,7 +59,8 @@ MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=12
 QUICK_MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=128)
 BASE = dict(untie_embeddings_and_output_weights=True, add_bias_linear=False, optimizer="adam", lr=1e-4,
             lr_decay_style="constant", weight_decay=0.01, clip_grad=1.0, global_batch_size=8, mock_data=True,
-            make_vocab_size_divisible_by=64)
+            make_vocab_size_divisible_by=64, hidden_dropout=0.0, attention_dropout=0.0,
+            activation="gelu")  # as the peers: no dropout, the tanh GELU
 
 
 @dataclass
