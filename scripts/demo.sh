@@ -58,6 +58,7 @@ rm -rf "$out/ckpt"
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 2 \
   --recompute-granularity selective \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
+  --hidden-dropout 0 --attention-dropout 0 --activation gelu \
   --data-path "$data/shakespeare_text_document" --tokenizer-model "$data/tokenizer.model" --split 969,30,1 \
   --micro-batch-size 2 --global-batch-size $((8 * dp)) --train-iters "${DEMO_ITERS:-200}" \
   --optimizer adam --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine \
