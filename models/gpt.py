@@ -65,7 +65,8 @@ class GPTModel(nn.Module):
             if m.position_embedding_type == "learned_absolute":
                 full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
                 # _weight: take ours, without drawing from the default generator
-                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h, _weight=full.to(mesh.device))
+                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h,
+                                                        _weight=full.to(mesh.device))
                 self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
         self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
                                       for i in layers})

@@ -46,6 +46,8 @@ LLAMA_LAYER = [("input_norm.weight", "input_layernorm.weight", False),
 LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"),
                 ("final_norm.weight", "model.norm.weight"),
                 ("output_layer.weight", "lm_head.weight")]
+
+
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
     parts = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])

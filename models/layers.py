@@ -135,7 +135,8 @@ class Attention(nn.Module):
                  onednn: bool = False):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
-        self.mesh, self.tracker, self.recompute_core, self.layer_idx = mesh, tracker, recompute_core, layer_idx
+        self.mesh, self.tracker = mesh, tracker
+        self.recompute_core, self.layer_idx = recompute_core, layer_idx
         self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
         self.q_per_group = m.num_attention_heads // m.num_query_groups
         self.groups = m.num_query_groups // mesh.tp_size

@@ -63,7 +63,8 @@ def workflow(request, tmp_path_factory):
     hf = tiny_hf(kind)
     hf.save_pretrained(str(d / "hf"))
     convert = _script("convert_hf")
-    assert convert.main(["--direction", "to-megazero", "--input", str(d / "hf"), "--output", str(d / "ckpt")]) == 0
+    assert convert.main(["--direction", "to-megazero", "--input", str(d / "hf"),
+                         "--output", str(d / "ckpt")]) == 0
     argv = ["--load", str(d / "ckpt"), "--finetune", "--use-checkpoint-args", "--mock-data",
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "2",
             "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(GBS),
@@ -71,7 +72,8 @@ def workflow(request, tmp_path_factory):
             "--hidden-dropout", "0", "--attention-dropout", "0",  # no dropout: the first loss is HF's
             "--save", str(d / "run"), "--metrics-file", str(d / "metrics.jsonl")]
     assert run_ranks(_pretrain, 8, argv, timeout=300) == [0] * 8
-    assert convert.main(["--direction", "to-hf", "--input", str(d / "run"), "--output", str(d / "exported")]) == 0
+    assert convert.main(["--direction", "to-hf", "--input", str(d / "run"),
+                         "--output", str(d / "exported")]) == 0
     rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
     return kind, hf, d, rows
 
@@ -106,7 +108,8 @@ def test_export_logits_equal_megazero_logits(workflow):
 def test_generate_greedy_equals_transformers(workflow):
     kind, hf, d, rows = workflow
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"), "--load", str(d / "run"),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "generate.py"),
+                           "--load", str(d / "run"),
                            "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--json"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -136,13 +139,15 @@ def test_exported_run_with_a_sentencepiece_tokenizer_works_in_a_pipeline(tmp_pat
     spm.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=64,
                                    model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2)
     tok = str(tmp_path / "tok.model")
-    _train_with_tokenizer(["--mock-data", "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "32",
+    _train_with_tokenizer(["--mock-data", "--tokenizer-model", tok,
+                           "--num-layers", "2", "--hidden-size", "32",
                            "--num-attention-heads", "4", "--seq-length", "32", "--train-iters", "2",
                            "--micro-batch-size", "2", "--init-method-std", "0.3",
                            "--save", str(tmp_path / "run"), "--hidden-dropout", "0",
                            "--attention-dropout", "0"])
     convert = _script("convert_hf")
-    assert convert.main(["--direction", "to-hf", "--input", str(tmp_path / "run"), "--output", str(tmp_path / "hf")]) == 0
+    assert convert.main(["--direction", "to-hf", "--input", str(tmp_path / "run"),
+                         "--output", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").exists()
     pipe = transformers.pipeline("text-generation", str(tmp_path / "hf"))
     pipe.model.generation_config.eos_token_id = None

@@ -20,8 +20,9 @@ def gpt3_175b_flags(tmp, vocab_file, merge_file):
             "--seq-length", "32", "--max-position-embeddings", "32", "--attention-backend", "auto",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 128:8",
             "--train-iters", "4",
-            "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
-            "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+            "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
+            "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
             "--lr-warmup-fraction", ".001", "--lr-decay-iters", "4",
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--mock-data", "--vocab-file", vocab_file, "--merge-file", merge_file, "--split", "949,50,1",
@@ -37,13 +38,15 @@ def llama3_8b_flags(tmp):
             "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
             "--kv-channels", "8", "--seq-length", "32", "--max-position-embeddings", "32",
             "--position-embedding-type", "rope", "--rotary-base", "1000000", "--rotary-percent", "1.0",
-            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu",
+            "--init-method-std", "0.0134",
             "--attention-backend", "fused", "--apply-layernorm-1p", "--untie-embeddings-and-output-weights",
             "--disable-bias-linear",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "32",
             "--lr-decay-samples", "24", "--lr-warmup-samples", "16", "--lr", "0.00015", "--min-lr", "0.00001",
-            "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
-            "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+            "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
             "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1",
             "--exit-duration-in-mins", "235",
             "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
@@ -89,7 +92,8 @@ def test_gpt3_flags_parse(tmp_path, gpt2_bpe):
 def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
     cfg = parse_args(llama3_8b_flags(tmp_path), world_size=2)
     m = cfg.model
-    assert (m.activation, m.position_embedding_type, m.num_query_groups, m.vocab_size) == ("swiglu", "rope", 2, 128)
+    assert ((m.activation, m.position_embedding_type, m.num_query_groups, m.vocab_size)
+            == ("swiglu", "rope", 2, 128))
     assert cfg.parallel.zero_stage == 1 and cfg.precision.grad_reduce_dtype == "param"
     assert not cfg.parallel.sequence_parallel  # TP 1: turned off, as Megatron-LM does
     assert cfg.training.train_iters == 4  # --train-samples 32 / --global-batch-size 8
@@ -205,10 +209,12 @@ def test_gpt3_175b_script_runs_scaled_down(tmp_path, gpt2_bpe, capfd):
 
 @pytest.mark.slow
 def test_llama3_8b_script_runs_scaled_down(tmp_path):
-    """DP 2 with ZeRO-1 (--use-distributed-optimizer), bf16, grouped-query attention, sample-based schedule."""
+    """DP 2 with ZeRO-1 (--use-distributed-optimizer), bf16, grouped-query attention,
+    sample-based schedule."""
     argv = llama3_8b_flags(tmp_path)
     assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
     rows = _rows(tmp_path / "llama3.jsonl")
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
-    assert [r["lr"] for r in rows] == pytest.approx([megatron_lr(8 * i, 1.5e-4, 1e-5, 16, 24) for i in range(4)])
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [megatron_lr(8 * i, 1.5e-4, 1e-5, 16, 24) for i in range(4)])
     assert all(r["loss"] == r["loss"] for r in rows)  # finite
