@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("megatron_flags", os.path.join(ROOT, "scripts", "megatron_flags.py"))
+    spec = importlib.util.spec_from_file_location("megatron_flags", os.path.join(ROOT, "scripts",
+                                                                                 "megatron_flags.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -24,7 +25,8 @@ def test_pinned_list_is_a_generated_list_of_names():
     flags = pinned_flags()
     assert len(flags) > 800 and flags == sorted(set(flags)) and all(f.startswith("--") for f in flags)
     assert "Megatron-LM git" in pinned_origin()
-    for flag in ("--num-layers", "--step-batch-size-schedule", "--moe-router-topk", "--exit-on-missing-checkpoint",
+    for flag in ("--num-layers", "--step-batch-size-schedule", "--moe-router-topk",
+                 "--exit-on-missing-checkpoint",
                  "--no-check-for-nan-in-loss-and-grad", "--lr-wsd-decay-style", "--log-progress"):
         assert flag in flags, flag  # literal add_argument calls and dataclass fields alike
     assert "--rampup-batch-size" in flags and "--decoupled-lr" in flags
@@ -58,7 +60,8 @@ class TrainConfig(BaseConfig):
     use_thing: bool = False
     internal_field: int = 3
     derived: int = field(init=False, default=0)
-    save_interval: int = field(default=0, metadata={"argparse_meta": {"arg_names": ["--save-interval", "--persistent-save-interval"]}})
+    save_interval: int = field(default=0, metadata={"argparse_meta": {
+        "arg_names": ["--save-interval", "--persistent-save-interval"]}})
 
 @dataclass
 class OtherConfig:
@@ -74,7 +77,8 @@ def test_extractor_reads_literal_flags_and_dataclass_fields(tmp_path):
         (tmp_path / path).write_text(textwrap.dedent(text))
     mod = _script()
     got = mod.megatron_flags(mod.Source(str(tmp_path)))
-    assert got == sorted(["--micro-batch-size", "--lr", "--learning-rate", "--wandb-logging", "--no-wandb-logging",
+    assert got == sorted(["--micro-batch-size", "--lr", "--learning-rate", "--wandb-logging",
+                          "--no-wandb-logging",
                           "--seq-length", "--train-iters", "--no-check-for-nan", "--disable-check-for-nan",
                           "--use-thing", "--save-interval", "--persistent-save-interval", "--kept"])
     out = tmp_path / "flags.txt"
@@ -149,9 +153,12 @@ def test_flags_megatron_does_not_have_are_unrecognized(capsys):
 
 
 def test_named_no_ops_of_the_issue_parse_with_a_note():
-    cfg = parse_args(["--mock-data", "--log-progress", "--logging-level", "20", "--no-log-loss-scale-to-tensorboard",
-                      "--num-dataset-builder-threads", "4", "--dataloader-type", "single", "--main-grads-dtype",
-                      "fp32", "--use-precision-aware-optimizer", "--persistent-save-interval", "7", "--save", "/x"],
+    cfg = parse_args(["--mock-data", "--log-progress", "--logging-level", "20",
+                      "--no-log-loss-scale-to-tensorboard",
+                      "--num-dataset-builder-threads", "4", "--dataloader-type", "single",
+                      "--main-grads-dtype",
+                      "fp32", "--use-precision-aware-optimizer", "--persistent-save-interval", "7", "--save",
+                      "/x"],
                      world_size=1)
     (note,) = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
     for flag in ("--log-progress", "--logging-level", "--no-log-loss-scale-to-tensorboard",
@@ -162,16 +169,20 @@ def test_named_no_ops_of_the_issue_parse_with_a_note():
 
 
 def test_aliases_keep_megatrons_meaning():
-    cfg = parse_args(["--mock-data", "--optimizer-cpu-offload", "--use-distributed-optimizer", "--openai-gelu",
+    cfg = parse_args(["--mock-data", "--optimizer-cpu-offload", "--use-distributed-optimizer",
+                      "--openai-gelu",
                       "--use-tp-pp-dp-mapping", "--override-opt_param-scheduler"], world_size=1)
     assert cfg.parallel.offload_optimizer and cfg.model.activation == "gelu"
     assert cfg.parallel.rank_order == "tp-pp-dp" and cfg.checkpoint.override_opt_param_scheduler
     cfg = parse_args(["--mock-data", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
-                      "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"], world_size=2)
-    assert cfg.parallel.num_layers_per_virtual_pipeline_stage == 2 and cfg.parallel.pipeline_schedule == "interleaved"
+                      "--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"],
+                     world_size=2)
+    par = cfg.parallel
+    assert par.num_layers_per_virtual_pipeline_stage == 2 and par.pipeline_schedule == "interleaved"
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
     with pytest.raises(ConfigError, match="--num-virtual-stages-per-pipeline-rank and "
                                           "--num-layers-per-virtual-pipeline-stage"):
         parse_args(["--mock-data", "--num-layers", "8", "--pipeline-model-parallel-size", "2",
-                    "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+                    "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
+                    "2"],
                    world_size=2)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from megazero.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples, parse_step_schedule,
+from megazero.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
+                                     parse_step_schedule,
                                      rampup_schedule)
 from megazero.config import ConfigError, config_from_dict, parse_args
 from megazero.lr import lr_from_config, lrs_at
@@ -49,10 +50,13 @@ BASE = ["--mock-data", "--lr", "1.0", "--min-lr", "0.1", "--train-iters", "20", 
 ])
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_lr_follows_megatrons_scheduler(style, extra, warmup):
-    cfg = parse_args(BASE + ["--lr-decay-style", style, "--lr-warmup-iters", str(warmup), "--lr-decay-iters", "16"]
+    cfg = parse_args(BASE + ["--lr-decay-style", style, "--lr-warmup-iters", str(warmup), "--lr-decay-iters",
+                             "16"]
                      + extra, world_size=1)
     wsd = 6 * 4 if extra else None
-    wsd_style = extra[extra.index("--lr-wsd-decay-style") + 1] if "--lr-wsd-decay-style" in extra else "exponential"
+    wsd_style = "exponential"
+    if "--lr-wsd-decay-style" in extra:
+        wsd_style = extra[extra.index("--lr-wsd-decay-style") + 1]
     want = [megatron_get_lr((i - 1) * 4, 1.0, 0.1, warmup * 4, 16 * 4, style, wsd=wsd, wsd_style=wsd_style)
             for i in range(1, 22)]
     got = [lr_from_config(cfg, i) for i in range(1, 22)]
@@ -64,23 +68,28 @@ def test_lr_follows_megatrons_scheduler(style, extra, warmup):
 def test_lr_values_worked_out_by_hand():
     cfg = parse_args(BASE + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-decay-iters", "10",
                              "--min-lr", "0"], world_size=1)
-    # the final decay starts after 6 iterations; half-way through it (iteration 9) exponential gives 2/sqrt(2) - 1
-    assert lr_from_config(cfg, 7) == 1.0 and lr_from_config(cfg, 9) == pytest.approx(math.sqrt(2) - 1, rel=1e-12)
+    # the final decay starts after 6 iterations; half-way through (iteration 9) exponential: 2/sqrt(2) - 1
+    assert lr_from_config(cfg, 7) == 1.0 and lr_from_config(cfg, 9) == pytest.approx(math.sqrt(2) - 1,
+                                                                                     rel=1e-12)
     assert lr_from_config(cfg, 11) == 0.0
     isr = parse_args(BASE + ["--lr-decay-style", "inverse-square-root", "--min-lr", "0"], world_size=1)
-    # no warm-up: Megatron-LM's max(warmup, 1) sample, so lr / sqrt(samples consumed) from the second iteration
-    assert [lr_from_config(isr, i) for i in (1, 2, 3)] == pytest.approx([1.0, 1 / math.sqrt(4), 1 / math.sqrt(8)])
+    # no warm-up: Megatron-LM's max(warmup, 1) sample, so lr / sqrt(samples consumed) from iteration 2
+    assert [lr_from_config(isr, i) for i in (1, 2, 3)] == pytest.approx([1.0, 1 / math.sqrt(4),
+                                                                         1 / math.sqrt(8)])
 
 
 def test_sample_based_wsd_and_decoupled_lr():
-    cfg = parse_args(["--mock-data", "--lr", "2.0", "--min-lr", "0.2", "--train-samples", "64", "--global-batch-size",
+    cfg = parse_args(["--mock-data", "--lr", "2.0", "--min-lr", "0.2", "--train-samples", "64",
+                      "--global-batch-size",
                       "8", "--micro-batch-size", "8", "--lr-warmup-samples", "8", "--lr-decay-style", "WSD",
                       "--lr-wsd-decay-samples", "24", "--decoupled-lr", "4.0", "--decoupled-min-lr", "0.4"],
                      world_size=1)
     for n in range(0, 72, 8):
         lr, dec = lrs_at(cfg, n)
-        assert lr == pytest.approx(megatron_get_lr(n, 2.0, 0.2, 8, 64, "WSD", wsd=24, wsd_style="exponential"))
-        assert dec == pytest.approx(megatron_get_lr(n, 4.0, 0.4, 8, 64, "WSD", wsd=24, wsd_style="exponential"))
+        assert lr == pytest.approx(megatron_get_lr(n, 2.0, 0.2, 8, 64, "WSD", wsd=24,
+                                                   wsd_style="exponential"))
+        assert dec == pytest.approx(megatron_get_lr(n, 4.0, 0.4, 8, 64, "WSD", wsd=24,
+                                                    wsd_style="exponential"))
     no_min = parse_args(BASE + ["--decoupled-lr", "3.0"], world_size=1)
     assert lrs_at(no_min, 10 ** 6) == (0.1, 0.1)  # --decoupled-min-lr defaults to --min-lr, as in Megatron-LM
     assert lrs_at(parse_args(BASE, world_size=1), 0)[1] is None
@@ -90,14 +99,16 @@ def test_sample_based_wsd_and_decoupled_lr():
     (["--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (["--lr-wsd-decay-samples", "4"], "--lr-wsd-decay-samples needs --train-samples"),
     (["--decoupled-min-lr", "0.1"], "--decoupled-min-lr needs --decoupled-lr"),
-    (["--decoupled-lr", "0.05"], r"the decoupled minimum 0.1 \(--decoupled-min-lr, default --min-lr\) is above"),
+    (["--decoupled-lr", "0.05"],
+     r"the decoupled minimum 0.1 \(--decoupled-min-lr, default --min-lr\) is above"),
     (["--step-batch-size-schedule", "1M:4"], "the first threshold must be 0"),
     (["--step-batch-size-schedule", "0:4 oops"], "'oops' is not THRESHOLD:BATCH"),
     (["--step-batch-size-schedule", "0:2 64K:8", "--global-batch-size", "4"],
      "--global-batch-size 4 differs from the last batch size 8"),
-    (["--step-batch-size-schedule", "0:3 64K:4"], "--step-batch-size-schedule batch size 3 is not divisible by "
-                                                  "--micro-batch-size 2"),
-    (["--rampup-batch-size", "2", "3", "100", "--global-batch-size", "4"], "must be START plus a whole number"),
+    (["--step-batch-size-schedule", "0:3 64K:4"],
+     "--step-batch-size-schedule batch size 3 is not divisible by --micro-batch-size 2"),
+    (["--rampup-batch-size", "2", "3", "100", "--global-batch-size", "4"],
+     "must be START plus a whole number"),
     (["--rampup-batch-size", "2", "2", "100"], "--rampup-batch-size needs --global-batch-size"),
     (["--rampup-batch-size", "2", "2", "100", "--step-batch-size-schedule", "0:4"], "give one"),
     (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load DIR"),
@@ -113,7 +124,8 @@ def test_step_schedule_thresholds_are_tokens():
     # Megatron-LM's GPT-3 175B example with --seq-length 2048
     s = parse_step_schedule("0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536", 2048)
     assert s[0] == (0, 16) and s[1] == (2_400_000_000 // 2048, 320) and s[-1] == (12 * 10 ** 9 // 2048, 1536)
-    assert batch_size_at(s, 0) == 16 and batch_size_at(s, s[1][0] - 1) == 16 and batch_size_at(s, s[1][0]) == 320
+    assert batch_size_at(s, 0) == 16 and batch_size_at(s, s[1][0] - 1) == 16 and batch_size_at(s,
+                                                                                               s[1][0]) == 320
     assert parse_step_schedule("0:4,1K:8", 10) == ((0, 4), (100, 8))
 
 
@@ -125,20 +137,25 @@ def old_megatron_rampup(consumed, start, increment, samples, final):
     return start + int(consumed / per_increment) * increment
 
 
-@pytest.mark.parametrize("start,increment,samples,final", [(16, 16, 5859375, 1536), (2, 2, 30, 8), (4, 4, 7, 16)])
+@pytest.mark.parametrize("start,increment,samples,final", [(16, 16, 5859375, 1536), (2, 2, 30, 8), (4, 4, 7,
+                                                                                                    16)])
 def test_rampup_matches_older_megatron(start, increment, samples, final):
     schedule = rampup_schedule(start, increment, samples, final)
     assert schedule[0] == (0, start) and schedule[-1][1] == final
-    probe = sorted({c for t, _ in schedule for c in (t - 1, t, t + 1) if c >= 0} | set(range(0, min(samples, 500))))
+    probe = sorted({c for t, _ in schedule for c in (t - 1, t, t + 1) if c >= 0} | set(range(0, min(samples,
+                                                                                                    500))))
     for consumed in probe:
-        assert batch_size_at(schedule, consumed) == old_megatron_rampup(consumed, start, increment, samples, final)
+        assert batch_size_at(schedule, consumed) == old_megatron_rampup(consumed, start, increment, samples,
+                                                                        final)
 
 
 def test_iterations_and_consumed_samples():
     s = ((0, 2), (4, 4), (12, 8))
     assert [batch_size_at(s, consumed_after(s, i)) for i in range(5)] == [2, 2, 4, 4, 8]
-    assert consumed_after(s, 5) == 20 and iterations_for_samples(s, 20) == 5 and iterations_for_samples(s, 21) == 6
-    cfg = parse_args(["--mock-data", "--micro-batch-size", "2", "--train-samples", "21", "--step-batch-size-schedule",
+    assert consumed_after(s, 5) == 20
+    assert iterations_for_samples(s, 20) == 5 and iterations_for_samples(s, 21) == 6
+    cfg = parse_args(["--mock-data", "--micro-batch-size", "2", "--train-samples", "21",
+                      "--step-batch-size-schedule",
                       "0:2 64:4 192:8", "--seq-length", "16"], world_size=1)
     assert cfg.training.train_iters == 6 and cfg.training.global_batch_size == 8
 
@@ -157,7 +174,8 @@ def _train(cfg):
     return train(cfg, models.build_chunks)
 
 
-RAMPUP = dict(rampup_batch_size=[2, 2, 8], global_batch_size=8)  # 2, 2 (at 4 samples: 4), 4, then 8 from sample 8
+RAMPUP = dict(rampup_batch_size=[2, 2, 8],
+              global_batch_size=8)  # 2, 2 (at 4 samples: 4), 4, then 8 from sample 8
 
 
 def test_rampup_training_matches_one_process_and_its_sample_order():
@@ -238,8 +256,8 @@ def test_decoupled_lr_moves_only_the_embedding_and_output_layer():
 def test_decoupled_lr_under_tp_pp_zero_matches_one_process():
     extra = dict(decoupled_lr=0.3, decoupled_min_lr=0.01, lr_decay_style="cosine", global_batch_size=4)
     (ref,) = run_ranks(_train, 1, _tiny(3, **extra))
-    got = run_ranks(_train, 4, _tiny(3, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                               zero_stage=2), **extra))
+    layout = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, zero_stage=2)
+    got = run_ranks(_train, 4, _tiny(3, layout, **extra))
     assert [m["loss"] for m in got[0]] == pytest.approx([m["loss"] for m in ref], rel=R_TRAIN)
     assert [m["decoupled_lr"] for m in ref] == [lrs_at(_validated(extra), 4 * i)[1] for i in range(3)]
     (plain,) = run_ranks(_train, 1, _tiny(3, global_batch_size=4, lr_decay_style="cosine"))
@@ -265,7 +283,8 @@ def test_flat_update_with_two_rates_is_torchs_with_two_param_groups(kind, decoup
               for part, wd in ((decay, 0.1), (_complement(decay, n), 0.0)) for seg in _intersect(part, segs)]
     params = [torch.nn.Parameter(master[a:b].clone()) for (a, b), _, _ in pieces]
     groups = [dict(params=[p], lr=rate, weight_decay=wd) for p, (_, rate, wd) in zip(params, pieces)]
-    ref = torch.optim.AdamW(groups, foreach=False) if kind == "adam" else torch.optim.SGD(groups, momentum=0.9)
+    ref = torch.optim.AdamW(groups, foreach=False) if kind == "adam" else torch.optim.SGD(groups,
+                                                                                          momentum=0.9)
     for step, grad in enumerate(grads, 1):
         opt.update(flat, grad.clone(), state, decay, lr, step, decoupled=(decoupled, lr2))
         for p, ((a, b), _, _) in zip(params, pieces):
