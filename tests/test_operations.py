@@ -25,13 +25,14 @@ SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 RUN_LOCAL = os.path.join(ROOT, "launch", "run_local.sh")
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "1", "--global-batch-size", "4", "--optimizer", "sgd",
-        "--lr", "0.1", "--lr-decay-iters", "40", "--log-interval", "1"]
+        "--lr", "0.1", "--lr-decay-iters", "40", "--log-interval", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]  # no dropout: runs and layouts compare
 
 
 def _settings(**extra):
     base = dict(mock_data=True, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                 micro_batch_size=1, global_batch_size=4, optimizer="sgd", lr=0.1, lr_decay_iters=40,
-                log_interval=100)
+                log_interval=100, hidden_dropout=0.0, attention_dropout=0.0)  # as TINY
     return config_from_dict(dict(base, **extra))
 
 
