@@ -6,7 +6,8 @@ Every flag of Megatron-LM's parser (the pinned list ``megatron_flags.txt``) has 
   ``--lr-warmup-fraction``, ``--tokenizer-type`` ...);
 - :data:`SWITCHES` and :data:`ALIASES`: aliases with Megatron-LM's meaning (``--swiglu`` is
   ``--activation swiglu``); :data:`SPECIAL`: flags with a rule of their own, applied in
-  :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ``--context-parallel-size``, ...);
+  :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ``--context-parallel-size``,
+  ...);
 - the tables of :mod:`megazero.config.megatron_table`: ignored flags (named with the reason on one
   start-up line, rank 0), flags accepted only at Megatron-LM's default, and refused flags (named,
   with what to do instead).
