@@ -3,8 +3,9 @@
 One iteration, on every rank:
 
 1. learning rate from the schedule (:mod:`megazero.lr`);
-2. ``optimizer.zero_grad()``; this data-parallel rank's micro-batches of the global batch
-   (:func:`megazero.data.micro_batches`: the same samples at every layout);
+2. ``optimizer.zero_grad()``; this data-parallel rank's micro-batches of the global batch, the next
+   ``G`` samples of the one sample order (:func:`megazero.data.micro_batches`: the same samples at
+   every layout; ``G`` follows :mod:`megazero.batch_schedule` with a batch-size schedule);
 3. ``run_schedule``: forward and backward of every micro-batch through the pipeline, the
    optimizer acting as the gradient-sync hook and supplying the loss scale;
 4. ``optimizer.finish_grad_sync()`` and ``optimizer.step(lr)`` (clipping, loss-scale update,
@@ -17,7 +18,8 @@ batches.  With ``--save`` a checkpoint is written every ``--save-interval`` iter
 end; ``--load`` resumes from the latest one, written under any layout (:mod:`megazero.checkpoint`):
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
 samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
-prints the config's start-up notes (ignored Megatron-LM flags ...) and logs through
+prints the config's start-up notes (ignored Megatron-LM flags ...) and the start-up summary
+(:mod:`megazero.summary`: parameters, settings, data, tokenizer) and logs through
 :class:`megazero.training_log.TrainingLogger`, which continues the metrics file from the start
 iteration.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
 returning this rank's list of model chunks (one per virtual pipeline stage).

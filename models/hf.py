@@ -18,7 +18,7 @@ copied as is.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -60,51 +60,72 @@ def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
     return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]
 
 
+def _maps(arch: str):
+    """(layer map, global map, HF layer-name prefix) of an architecture."""
+    if arch == "gpt2":
+        return GPT2_LAYER, GPT2_GLOBAL, "transformer.h."
+    return LLAMA_LAYER, LLAMA_GLOBAL, "model.layers."
+
+
+def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The full (unsharded, unpadded) megazero tensor ``name`` from a Hugging Face model's tensors,
+    fetched one by one with ``get(hf_name)``."""
+    m, arch = cfg.model, arch_of(cfg.model)
+    layer_map, global_map, prefix = _maps(arch)
+    if not name.startswith("decoder."):
+        return get(dict(global_map)[name])
+    _, i, rest = name.split(".", 2)
+    src = f"{prefix}{i}."
+    for mz, hf, transposed in layer_map:
+        if rest == mz:
+            return get(src + hf).t() if transposed else get(src + hf)
+    kind = rest.rsplit(".", 1)[1]  # attention.qkv.weight / .bias
+    if arch == "gpt2":
+        w = get(src + f"attn.c_attn.{kind}")
+        return _fuse_qkv(*(w.t() if kind == "weight" else w).chunk(3), m.num_query_groups)
+    return _fuse_qkv(*[get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv"], m.num_query_groups)
+
+
+def hf_pieces(name: str, tensor: torch.Tensor, cfg) -> List[Tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors (name, view or tensor) of megazero tensor ``name`` (full, unpadded)."""
+    m, arch = cfg.model, arch_of(cfg.model)
+    layer_map, global_map, prefix = _maps(arch)
+    if not name.startswith("decoder."):
+        return [(dict(global_map)[name], tensor)]
+    _, i, rest = name.split(".", 2)
+    dst = f"{prefix}{i}."
+    for mz, hf, transposed in layer_map:
+        if rest == mz:
+            return [(dst + hf, tensor.t() if transposed else tensor)]
+    kind = rest.rsplit(".", 1)[1]
+    q, k, v = _split_qkv(tensor, m.num_attention_heads, m.num_query_groups, m.kv_channels)
+    if arch == "gpt2":
+        joined = torch.cat([q, k, v])
+        return [(dst + f"attn.c_attn.{kind}", joined.t() if kind == "weight" else joined)]
+    return [(f"{dst}self_attn.{n}_proj.{kind}", t) for n, t in zip("qkv", (q, k, v))]
+
+
+def megazero_names(cfg) -> List[str]:
+    """Every megazero parameter name of a whole model of ``cfg``, embeddings first, layers in order."""
+    m, arch = cfg.model, arch_of(cfg.model)
+    layer_map, global_map, _ = _maps(arch)
+    names = ["word_embeddings.weight"] + (["position_embeddings.weight"] if arch == "gpt2" else [])
+    qkv = ["attention.qkv.weight"] + (["attention.qkv.bias"] if m.add_bias_linear or m.add_qkv_bias else [])
+    for i in range(m.num_layers):
+        names += [f"decoder.{i}.{mz}" for mz, _, _ in layer_map] + [f"decoder.{i}.{n}" for n in qkv]
+    names += [mz for mz, _ in global_map if mz.startswith("final_norm.")]
+    names = [n for n in names if arch == "gpt2" or not n.endswith("final_norm.bias")]
+    return names + (["output_layer.weight"] if m.untie_embeddings_and_output_weights else [])
+
+
 def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
     """Full megazero tensors (unsharded, unpadded) from a GPT-2 / LLaMA / Qwen2 / Mistral ``state_dict``."""
-    m, arch = cfg.model, arch_of(cfg.model)
-    layer_map, global_map = (GPT2_LAYER, GPT2_GLOBAL) if arch == "gpt2" else (LLAMA_LAYER, LLAMA_GLOBAL)
-    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
-    out = {mz: hf_state[hf] for mz, hf in global_map if hf in hf_state}
-    if not m.untie_embeddings_and_output_weights:
-        out.pop("output_layer.weight", None)
-    for i in range(m.num_layers):
-        src = f"{prefix}{i}."
-        for mz, hf, transposed in layer_map:
-            out[f"decoder.{i}.{mz}"] = hf_state[src + hf].t() if transposed else hf_state[src + hf]
-        if arch == "gpt2":
-            w = hf_state[src + "attn.c_attn.weight"].t()
-            out[f"decoder.{i}.attention.qkv.weight"] = _fuse_qkv(*w.chunk(3), m.num_query_groups)
-            out[f"decoder.{i}.attention.qkv.bias"] = _fuse_qkv(*hf_state[src + "attn.c_attn.bias"].chunk(3),
-                                                               m.num_query_groups)
-            continue
-        for kind in ("weight", "bias") if arch == "qwen2" else ("weight",):
-            qkv = [hf_state[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"]
-            out[f"decoder.{i}.attention.qkv.{kind}"] = _fuse_qkv(*qkv, m.num_query_groups)
-    return {k: v.detach().float() for k, v in out.items()}
+    return {n: megazero_tensor(n, cfg, hf_state.__getitem__).detach().float() for n in megazero_names(cfg)}
 
 
 def hf_state_from_megazero(state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
     """The inverse of :func:`megazero_state_from_hf` (HF parameter names; tied head omitted)."""
-    m, arch = cfg.model, arch_of(cfg.model)
-    layer_map, global_map = (GPT2_LAYER, GPT2_GLOBAL) if arch == "gpt2" else (LLAMA_LAYER, LLAMA_GLOBAL)
-    prefix = "transformer.h." if arch == "gpt2" else "model.layers."
-    out = {hf: state[mz] for mz, hf in global_map if mz in state}
-    split = dict(heads=m.num_attention_heads, groups=m.num_query_groups, head_dim=m.kv_channels)
-    for i in range(m.num_layers):
-        dst, src = f"{prefix}{i}.", f"decoder.{i}."
-        for mz, hf, transposed in layer_map:
-            out[dst + hf] = state[src + mz].t() if transposed else state[src + mz]
-        q, k, v = _split_qkv(state[src + "attention.qkv.weight"], **split)
-        if arch == "gpt2":
-            out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-            out[dst + "attn.c_attn.bias"] = torch.cat(_split_qkv(state[src + "attention.qkv.bias"], **split))
-            continue
-        out.update({f"{dst}self_attn.{n}_proj.weight": t for n, t in zip("qkv", (q, k, v))})
-        if arch == "qwen2":
-            biases = _split_qkv(state[src + "attention.qkv.bias"], **split)
-            out.update({f"{dst}self_attn.{n}_proj.bias": t for n, t in zip("qkv", biases)})
-    return {k: v.contiguous() for k, v in out.items()}
+    return {hf: t.contiguous() for name, tensor in state.items() for hf, t in hf_pieces(name, tensor, cfg)}
 
 
 def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,

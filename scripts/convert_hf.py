@@ -1,18 +1,21 @@
 #!/usr/bin/env python
-"""Convert between a Hugging Face GPT-2 / LLaMA directory and a megazero training checkpoint.
+"""Convert between a Hugging Face GPT-2 / LLaMA / Qwen2 / Mistral directory and a megazero training
+checkpoint, one tensor at a time (peak memory about one tensor plus a layer, not the model).
 
 to-megazero: HF_DIR (save_pretrained) -> a checkpoint directory in the --save layout
     (latest_checkpointed_iteration.txt, iter_0000000/ with the model weights only), which
     pretrain_gpt.py reads under any TP/PP/DP/ZeRO layout:
         pretrain_gpt.py --load CKPT --finetune --use-checkpoint-args [data, parallel, optimizer flags]
 to-hf: a --save directory of any run (any layout; the latest checkpoint, or --iteration N) ->
-    HF_DIR that transformers.AutoModelForCausalLM.from_pretrained loads.  When the run used a
-    tokenizer (--tokenizer-model in its config, or given here) it goes into HF_DIR too, so
-    transformers.pipeline("text-generation", HF_DIR) works.
+    HF_DIR that transformers.AutoModelForCausalLM.from_pretrained loads, in --dtype, cut into
+    --max-shard-size safetensors files with an index.  When the run used a tokenizer (--tokenizer-model
+    in its config, or given here) it goes into HF_DIR too, with generation_config.json, so
+    transformers.pipeline("text-generation", HF_DIR) works.  A converted checkpoint keeps the source's
+    tokenizer files and generation_config.json in CKPT/hf_files, and names them as its tokenizer.
 
 Examples:
   python scripts/convert_hf.py --direction to-megazero --input hf_gpt2/ --output ckpt_gpt2/
-  python scripts/convert_hf.py --direction to-hf --input runs/demo/ckpt --output hf_demo/
+  python scripts/convert_hf.py --direction to-hf --input runs/demo/ckpt --output hf_demo/ --dtype bf16
 """
 from __future__ import annotations
 
@@ -26,10 +29,9 @@ if ROOT not in sys.path:
 
 
 def to_megazero(src: str, dst: str) -> str:
-    """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only)."""
-    from megazero.checkpoint import CheckpointError, latest_iteration, save_weights
-    from megazero.mesh import ParallelMesh
-    from models.hf import from_hf
+    """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only), tensor by tensor."""
+    from megazero.checkpoint import CheckpointError, latest_iteration
+    from models.hf_convert import to_megazero as convert
     if not os.path.isdir(src):
         raise CheckpointError(f"--input {src}: no such directory (give a Hugging Face model directory, as "
                               "written by save_pretrained)")
@@ -38,33 +40,26 @@ def to_megazero(src: str, dst: str) -> str:
                               "export it with --direction to-hf")
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"--input {src}: no config.json, so not a Hugging Face model directory")
-    model = from_hf(src)
-    return save_weights(dst, [model], ParallelMesh.single(), model.cfg, iteration=0,
-                        extra={"converted_from": os.path.abspath(src)})
+    return convert(src, dst)
 
 
-def to_hf(src: str, dst: str, iteration=None, tokenizer=None) -> str:
+def to_hf(src: str, dst: str, iteration=None, tokenizer=None, dtype: str = "fp32",
+          max_shard_size: str = "5GB") -> str:
     """Checkpoint directory ``src`` -> HF directory ``dst``; returns a line describing what was written."""
-    from models.checkpoint import load_model
-    from models.hf import export_tokenizer, to_hf as write_hf
-    model, info = load_model(src, iteration, flag="--input")
-    write_hf(model, dst)
-    line = f"wrote {dst} from {info['path']} (iteration {info['iteration']})"
-    tokenizer = tokenizer or info["config"].get("data", {}).get("tokenizer_model")
-    if not tokenizer:
-        return line + "; no tokenizer (the run had none: pass --tokenizer-model to add one)"
-    if not os.path.exists(tokenizer):
-        return line + f"; tokenizer {tokenizer} not found from here (pass --tokenizer-model PATH)"
+    from models.hf_convert import to_hf as convert
+    return convert(src, dst, iteration, tokenizer, dtype, max_shard_size)
+
+
+def _return_freed_memory() -> None:
+    """glibc: serve allocations of 4 MiB and more with their own mappings, returned to the system when
+    freed, so one large tensor after another does not leave the heap grown (this process only)."""
+    import ctypes
+    import ctypes.util
     try:
-        tok = export_tokenizer(tokenizer, dst)
-    except ValueError as err:
-        return line + f"; tokenizer not exported: {err}"
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(dst)  # the tokenizer's special ids in the model's config
-    config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    config.pad_token_id = tok.pad_token_id
-    config.save_pretrained(dst)
-    return line + f" with tokenizer {tokenizer} ({type(tok).__name__})"
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (a fixed threshold also stops glibc raising it)
+    except (OSError, AttributeError):
+        pass  # another C library: its own policy
 
 
 def main(argv=None) -> int:
@@ -77,16 +72,32 @@ def main(argv=None) -> int:
     p.add_argument("--iteration", type=int, help="to-hf: export this iteration (default: the latest)")
     p.add_argument("--tokenizer-model", help="to-hf: the tokenizer to put beside the model (default: the "
                    "training run's --tokenizer-model)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="to-hf: dtype of the exported weights (default fp32); to-megazero keeps fp32 master "
+                   "weights whatever the source's")
+    p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors file (e.g. 5GB, "
+                   "500MB); a larger model is cut into model-0000i-of-0000N.safetensors with an index")
     args = p.parse_args(argv)
+    if args.direction == "to-megazero" and args.dtype not in (None, "fp32"):
+        p.error(f"--dtype {args.dtype} applies to --direction to-hf: a megazero checkpoint holds fp32 master "
+                f"weights (training updates them); export with --direction to-hf --dtype {args.dtype}")
+    try:
+        from models.safetensors_io import parse_size
+        if parse_size(args.max_shard_size) < 1:
+            raise ValueError
+    except ValueError:
+        p.error(f"--max-shard-size {args.max_shard_size}: give a size such as 5GB, 500MB or 1000000")
     from megazero.checkpoint import CheckpointError
     from megazero.config import ConfigError
+    _return_freed_memory()
     try:
         if args.direction == "to-megazero":
             path = to_megazero(args.input, args.output)
             print(f"wrote {path}: train it with pretrain_gpt.py --load {args.output} --finetune "
                   "--use-checkpoint-args ...")
         else:
-            print(to_hf(args.input, args.output, args.iteration, args.tokenizer_model))
+            print(to_hf(args.input, args.output, args.iteration, args.tokenizer_model, args.dtype or "fp32",
+                        args.max_shard_size))
     except (CheckpointError, ConfigError, OSError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
         return 2

@@ -62,7 +62,7 @@ rm -rf "$out/ckpt"
   --data-path "$data/shakespeare_text_document" --tokenizer-model "$data/tokenizer.model" --split 969,30,1 \
   --micro-batch-size 2 --global-batch-size $((8 * dp)) --train-iters "${DEMO_ITERS:-200}" \
   --optimizer adam --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 10 --lr-decay-style cosine \
-  --weight-decay 0.01 --clip-grad 1.0 --seed 1234 \
+  --weight-decay 0.01 --clip-grad 1.0 --seed 1234 --hidden-dropout 0 --attention-dropout 0 --activation gelu \
   --eval-interval 50 --eval-iters 4 --log-interval 10 \
   --save "$out/ckpt" --metrics-file "$out/metrics.jsonl" "$@"
 trained=$(date +%s)

@@ -93,6 +93,11 @@ def has_flag(text, flag):
     return re.search(r"(?<![\w-])" + re.escape(flag) + r"(?![\w-])", text) is not None
 
 
+def has_option(help_text, flag):
+    """Whether ``--help`` declares ``flag`` (at the start of an option line, not only in some text)."""
+    return re.search(r"(?m)^  (?:-\S+(?: \S+)*?, )*" + re.escape(flag) + r"(?![\w-])", help_text) is not None
+
+
 def documented_commands(doc):
     with open(os.path.join(ROOT, doc)) as f:
         text = f.read()
@@ -151,12 +156,12 @@ def problems(found):
                     continue
                 flag = flags([arg])[0]
                 own_flag = i < split and has_flag(own, flag)  # after "--" everything is pretrain_gpt.py's
-                if not (own_flag or forwards and has_flag(helps[PRETRAIN], flag)):
+                if not (own_flag or forwards and has_option(helps[PRETRAIN], flag)):
                     bad.append(f"{cmd}: {path} does not take {flag}")
             continue
         text = helps[path] + (helps[PRETRAIN] if path in TAKES_PRETRAIN_FLAGS else "")
         for flag in flags(args):
-            if not has_flag(text, flag):
+            if not has_option(text, flag):
                 bad.append(f"{cmd}: {flag} is not in {path} --help")
     return bad
 

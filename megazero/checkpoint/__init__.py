@@ -86,7 +86,8 @@ directory, a Megatron-LM checkpoint.
 
 API: :func:`save`, :func:`load`, :func:`check_save_dir` and :func:`resume_iteration` are
 collective (every rank calls them); :func:`latest_iteration` reads the tracker; :func:`save_weights`,
-:func:`read_weights` (every full fp32 weight, any layout, no model, checksums verified) and
+:func:`read_weights` (every full fp32 weight, any layout, no model, checksums verified; :func:`open_weights`
+the same one parameter at a time) and
 :func:`saved_config` run in one process.  Errors are :class:`CheckpointError`
 (:class:`CheckpointCorrupt` for damaged files).
 
@@ -102,10 +103,10 @@ layout and schedule), :mod:`~megazero.checkpoint.integrity` (checksums, durable 
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError  # noqa: F401
 from megazero.checkpoint.format import checkpoint_path  # noqa: F401
 from megazero.checkpoint.lock import SaveLock  # noqa: F401
-from megazero.checkpoint.reader import load, read_weights, resume_iteration  # noqa: F401
+from megazero.checkpoint.reader import load, open_weights, read_weights, resume_iteration  # noqa: F401
 from megazero.checkpoint.resolve import latest_iteration, saved_config  # noqa: F401
 from megazero.checkpoint.writer import check_save_dir, save, save_weights  # noqa: F401
 
 __all__ = ["CheckpointCorrupt", "CheckpointError", "SaveLock", "check_save_dir", "checkpoint_path",
-           "latest_iteration", "load", "read_weights", "resume_iteration", "save", "save_weights",
-           "saved_config"]
+           "latest_iteration", "load", "open_weights", "read_weights", "resume_iteration", "save",
+           "save_weights", "saved_config"]

@@ -26,7 +26,7 @@ from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, a
                                         rng_trackers)
 from megazero.checkpoint.integrity import check_file, read_json
 from megazero.checkpoint.resolve import complete_iterations, latest_iteration, resolve, resolve_here
-from megazero.checkpoint.shards import SavedShards
+from megazero.checkpoint.shards import SavedShards, full_shape
 from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
 
 RESEED_STRIDE = 1_000_003  # resume seed = seed + RESEED_STRIDE * iteration (layout changed)
@@ -265,6 +265,52 @@ def _read_weights_at(path: str, meta: dict) -> Dict[str, torch.Tensor]:
         return {name: _full_weight(src, name, vocab) for name in sorted(meta["params"])}
     finally:
         src.close()
+
+
+def _read_full_streaming(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
+    """One parameter's whole fp32 master weight from v2 shards, assembled in one tensor of its own (a
+    TP piece at a time; the mapped pages are released after each piece)."""
+    info = src.params[name]
+    tp = src.tp if info["split"] else 1
+    shape = list(full_shape(info, tp, vocab if info["vocab_parallel"] else None))
+    out = torch.empty(shape, dtype=torch.float32)
+    local = [int(x) for x in info["shape"]]
+    dim = info["dim"] if info["split"] else 0
+    for t in range(tp):
+        first = t * local[dim]
+        take = max(0, min(local[dim], shape[dim] - first))  # the padded vocabulary's tail is skipped
+        if take == 0:
+            continue
+        if dim == 0:
+            _read_chunked(src, t, name, out.narrow(0, first, take).reshape(-1).numpy())
+        else:  # split along columns: read the piece whole, then place it
+            piece = np.empty(int(np.prod(local, dtype=np.int64)), dtype=np.float32)
+            _read_chunked(src, t, name, piece)
+            out.narrow(dim, first, take).copy_(torch.from_numpy(piece).view(local))
+    return out
+
+
+STREAM_ELEMENTS = 1 << 22  # read at most this many values (16 MiB) through the memory map at once
+
+
+def _read_chunked(src: SavedShards, tp: int, name: str, dest: np.ndarray) -> None:
+    """``dest`` = the first ``dest.size`` master values of TP piece ``tp`` of ``name``, read in bounded
+    pieces whose mapped pages are released after each (so only ``dest`` stays resident)."""
+    for lo in range(0, dest.size, STREAM_ELEMENTS):
+        src.read(tp, name, "master", lo, dest[lo:lo + STREAM_ELEMENTS])
+        src.release()
+
+
+def open_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load"):
+    """``(path, metadata, config, get, close)`` of a checkpoint whose weights are read one parameter at
+    a time: ``get(name)`` returns its full fp32 master weight (TP shards joined, vocabulary unpadded) in
+    memory of its own, each block checked against its CRC-32 as it is read; ``close()`` when done.
+    For an export that must not hold the whole model (:func:`read_weights` reads all at once)."""
+    path, meta, _ = resolve_here(directory, iteration, flag=flag)
+    config = read_json(os.path.join(path, CONFIG))
+    vocab = meta["model"]["vocab_size"]
+    src = SavedShards(path, meta)
+    return path, meta, config, lambda name: _read_full_streaming(src, name, vocab), src.close
 
 
 def read_weights(directory: str, iteration: Optional[int] = None,

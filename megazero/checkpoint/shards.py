@@ -129,27 +129,39 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
 
 
-def write_weights_shard(directory: str, named, mesh, run_id: str) -> Tuple[Dict[str, dict], dict]:
+def write_weights_shard(directory: str, named, mesh, run_id: str,
+                        values=None) -> Tuple[Dict[str, dict], dict]:
     """Write the weights of a whole model held by one process (no optimizer: the ``master`` entries
     only) as the shard of rank (0, 0, 0) into ``directory``; returns ``({file: size/crc}, {name:
-    param_info})`` as :func:`write_rank_shard`.  Raises on a NaN/inf or an I/O error."""
+    param_info})`` as :func:`write_rank_shard`.  Raises on a NaN/inf or an I/O error.
+
+    ``values(name, p)``: the parameter's full values when they are not in ``p`` itself (a model on the
+    meta device: a conversion streams them one at a time); a vocabulary-padded parameter may get its
+    unpadded rows, the padding is written as zeros."""
     stem = shard_stem(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
     writer = BlockWriter(os.path.join(directory, stem + ".bin"))
     entries, params = [], {}
     try:
         for name, p in named:
             if writes(p, mesh.tp_rank):
-                _write_weight(writer, entries, params, name, p, mesh.pp_rank)
+                _write_weight(writer, entries, params, name, p, mesh.pp_rank,
+                              values(name, p) if values is not None else None)
     finally:
         crcs = writer.close()
     return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
 
 
-def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: int) -> None:
-    """Append parameter ``p``'s own fp32 values as its ``master`` entry (refusing NaN/inf)."""
-    t = p.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: int, value=None) -> None:
+    """Append parameter ``p``'s fp32 values (``value``, zero-padded to ``p``'s size, when given) as its
+    ``master`` entry (refusing NaN/inf)."""
+    t = (p.detach() if value is None else value).to("cpu", torch.float32).reshape(-1).contiguous()
     _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
-    entries.append([name, "master", 0, t.numel(), writer.write(t.numpy())])
+    if t.numel() > p.numel():
+        raise ValueError(f"{name}: {t.numel()} values for a parameter of {p.numel()}")
+    start = writer.write(t.numpy())
+    for pad in range(t.numel(), p.numel(), 1 << 22):  # vocabulary padding, in bounded pieces
+        writer.write(np.zeros(min(1 << 22, p.numel() - pad), dtype=np.float32))
+    entries.append([name, "master", 0, p.numel(), start])
     params[name] = param_info(p, p.shape, pp_rank)
 
 

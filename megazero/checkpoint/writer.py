@@ -210,12 +210,15 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
     return time.perf_counter() - start
 
 
-def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: Optional[dict] = None) -> str:
+def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: Optional[dict] = None,
+                 values=None) -> str:
     """Write model weights only as the checkpoint of ``iteration`` in ``directory`` (one process, the
     whole model: e.g. a model converted from Hugging Face).  The same format as :func:`save` (a data
     shard with block checksums, sealed metadata listing every file's size and CRC-32, the
     directory's lock held while writing), so ``--load`` reads it under every layout; its optimizer
-    starts fresh (``metadata.json`` says ``weights_only``).  Returns the checkpoint's path."""
+    starts fresh (``metadata.json`` says ``weights_only``).  Returns the checkpoint's path.
+    ``values``: see :func:`~megazero.checkpoint.shards.write_weights_shard` (a model on the meta
+    device whose weights come one at a time)."""
     if mesh.is_distributed:
         raise ValueError("save_weights writes from one process; use save() in a distributed run")
     final = checkpoint_path(directory, iteration)
@@ -224,7 +227,7 @@ def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: O
     try:
         _prepare(directory, tmp, mesh)
         try:
-            files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id)
+            files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id, values)
             write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
             files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
             meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,

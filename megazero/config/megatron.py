@@ -1,19 +1,20 @@
 """Megatron-LM's flags under Megatron-LM's names, so its launch scripts run unchanged.
 
-Three kinds, each a table below:
+Every flag of Megatron-LM's parser (the pinned list ``megatron_flags.txt``) has an answer:
 
-- :data:`SWITCHES`: aliases of megazero settings with Megatron-LM's meaning (``--swiglu`` is
-  ``--activation swiglu``); a few more with a rule of their own are handled in :func:`translate`
-  (``--group-query-attention``, ``--grad-reduce-in-bf16``, ``--context-parallel-size``, ...);
-- :data:`IGNORED`: flags that only tune speed, memory or logging on Megatron-LM; accepted, and
-  named with the reason on one start-up line (rank 0);
-- :data:`REFUSED`: Megatron-LM flags that would change the math and that megazero does not
-  implement; refused by name, with what to do instead.
+- megazero settings of the same name (:mod:`megazero.config.sections`: ``--train-samples``,
+  ``--lr-warmup-fraction``, ``--tokenizer-type`` ...);
+- :data:`SWITCHES` and :data:`ALIASES`: aliases with Megatron-LM's meaning (``--swiglu`` is
+  ``--activation swiglu``); :data:`SPECIAL`: flags with a rule of their own, applied in
+  :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ``--context-parallel-size``,
+  ...);
+- the tables of :mod:`megazero.config.megatron_table`: ignored flags (named with the reason on one
+  start-up line, rank 0), flags accepted only at Megatron-LM's default, and refused flags (named,
+  with what to do instead).
 
-Settings that megazero shares with Megatron-LM under the same name (``--train-samples``,
-``--lr-warmup-fraction``, ``--tokenizer-type`` ...) are ordinary fields of
-:mod:`megazero.config.sections`.  Everything here works on the parsed flags before the config is
-built (:func:`translate`), and returns the remarks instead of printing them.
+Everything here works on the parsed flags before the config is built (:func:`translate`), and
+returns the remarks instead of printing them; :func:`required_notes` names the settings Megatron-LM
+requires that took megazero's defaults.
 """
 from __future__ import annotations
 

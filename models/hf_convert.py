@@ -1,0 +1,133 @@
+"""Converting between Hugging Face directories and megazero checkpoints one tensor at a time (what
+``scripts/convert_hf.py`` runs): the model is never held whole, so a 7B model converts in a few GB.
+
+- :func:`to_megazero`: the megazero model is built on the meta device (names, shapes, layouts, no
+  memory); each parameter is made from the Hugging Face tensors it needs, read from the safetensors
+  files as it is written; the tokenizer files and ``generation_config.json`` go to ``DST/hf_files``,
+  which the checkpoint's configuration names as its tokenizer.
+- :func:`to_hf`: each parameter of the checkpoint is read alone (any saved layout), split into its
+  Hugging Face tensors and streamed into ``model-0000i-of-0000N.safetensors`` shards of
+  ``--max-shard-size`` (with ``model.safetensors.index.json``) in ``--dtype``; then ``config.json``,
+  ``generation_config.json`` and the tokenizer.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from megazero.config import config_from_dict, validate
+from megazero.mesh import ParallelMesh
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+            "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+ASSETS = "hf_files"  # beside the iter_* directories of a converted checkpoint
+
+
+def _whole_model_cfg(settings: dict):
+    whole = dict(settings, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, mock_data=True)
+    return validate(config_from_dict(whole), 1)
+
+
+def to_megazero(src: str, dst: str) -> str:
+    """Hugging Face directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only)."""
+    from transformers import AutoConfig
+    from megazero.checkpoint import save_weights
+    from . import build_model
+    from .hf import config_from_hf, megazero_names, megazero_tensor
+    from .safetensors_io import HFWeights
+    cfg = _whole_model_cfg(config_from_hf(AutoConfig.from_pretrained(src)))
+    meta = ParallelMesh.single(torch.device("meta"))
+    with torch.device("meta"):
+        skeleton = build_model(cfg, meta)
+    names = megazero_names(cfg)
+    built = [n for n, _ in skeleton.named_parameters()]
+    if sorted(names) != sorted(built):
+        raise RuntimeError(f"the Hugging Face mapping names {sorted(set(names) ^ set(built))} differently "
+                           "from the model")
+    weights = HFWeights(src)
+    if _copy_hf_files(src, os.path.join(dst, ASSETS)):
+        cfg.data.tokenizer_model, cfg.data.tokenizer_type = os.path.abspath(os.path.join(dst, ASSETS)), \
+            "HuggingFaceTokenizer"
+
+    def values(name, _p):  # fp32, read and converted a chunk at a time
+        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32))
+    return save_weights(dst, [skeleton], ParallelMesh.single(), cfg, iteration=0,
+                        extra={"converted_from": os.path.abspath(src)}, values=values)
+
+
+def _copy_hf_files(src: str, dst: str) -> bool:
+    """Copy the tokenizer files and generation_config.json of ``src``; whether a tokenizer was there."""
+    present = [f for f in HF_FILES if os.path.isfile(os.path.join(src, f))]
+    if present:
+        os.makedirs(dst, exist_ok=True)
+    for f in present:
+        shutil.copy2(os.path.join(src, f), os.path.join(dst, f))
+    return any(f in present for f in TOKENIZER_FILES)
+
+
+def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
+          dtype: str = "fp32", max_shard_size: str = "5GB") -> str:
+    """Checkpoint directory ``src`` -> Hugging Face directory ``dst``; returns a line saying what was
+    written."""
+    from megazero.checkpoint import open_weights
+    from .checkpoint import model_settings
+    from .hf import hf_config_from, hf_pieces, megazero_names
+    from .safetensors_io import ShardedWriter, parse_size
+    path, meta, saved, get, close = open_weights(src, iteration, flag="--input")
+    cfg = _whole_model_cfg(model_settings(saved))
+    names = megazero_names(cfg)
+    qkv_parts = 1 if cfg.model.position_embedding_type == "learned_absolute" else 3  # GPT-2: c_attn whole
+    count = sum(qkv_parts if ".attention.qkv." in n else 1 for n in names)
+    writer = ShardedWriter(dst, parse_size(max_shard_size), count)
+    try:
+        for name in names:
+            tensor = get(name)
+            for hf_name, t in hf_pieces(name, tensor, cfg):
+                writer.add(hf_name, t, DTYPES[dtype])
+            del tensor
+        files = writer.close()
+    finally:
+        close()
+    hf_config = hf_config_from(cfg)
+    hf_config.dtype = str(DTYPES[dtype]).replace("torch.", "")
+    hf_config.save_pretrained(dst)
+    plural = "s" if len(files) > 1 else ""
+    line = (f"wrote {dst} ({len(files)} safetensors file{plural}, {dtype}) from {path} "
+            f"(iteration {meta['iteration']})")
+    return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"))
+
+
+def _tokenizer_and_generation(dst: str, tokenizer: Optional[str]) -> str:
+    """Export the tokenizer (its special ids into config.json) and write generation_config.json (the
+    tokenizer directory's own when it has one); returns what to add to the report line."""
+    from transformers import AutoConfig, GenerationConfig
+    from .hf import export_tokenizer
+    note = ""
+    if not tokenizer:
+        note = "; no tokenizer (the run had none: pass --tokenizer-model to add one)"
+    elif not os.path.exists(tokenizer):
+        note = f"; tokenizer {tokenizer} not found from here (pass --tokenizer-model PATH)"
+    else:
+        try:
+            tok = export_tokenizer(tokenizer, dst)
+        except ValueError as err:
+            note = f"; tokenizer not exported: {err}"
+        else:
+            config = AutoConfig.from_pretrained(dst)  # the tokenizer's special ids in the model's config
+            config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
+            config.pad_token_id = tok.pad_token_id
+            config.save_pretrained(dst)
+            note = f" with tokenizer {tokenizer} ({type(tok).__name__})"
+    own = None
+    if tokenizer and os.path.isdir(tokenizer):
+        own = os.path.join(tokenizer, "generation_config.json")
+    if own and os.path.isfile(own):
+        shutil.copy2(own, os.path.join(dst, "generation_config.json"))
+    else:
+        GenerationConfig.from_model_config(AutoConfig.from_pretrained(dst)).save_pretrained(dst)
+    return note + "; generation_config.json"
