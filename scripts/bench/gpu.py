@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import time
 from typing import Callable, Dict, Optional
 
-
 import torch
+
+from bench import write_json
 
 QUICK = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, micro_batch=2, steps=2, warmup=1)
 
@@ -196,12 +196,7 @@ def main(argv=None) -> int:
         print(f"{mode:30} {r['step_s'] * 1e3:9.1f} {r['tokens_per_s']:10.0f} {r['model_tflops']:14.1f} "
               f"{r['hw_tflops']:11.1f} {mfu:>6} {mem:>7} {r['loss']:7.3f}")
     if args.json:
-        text = json.dumps({"device": name, "params": n, "args": vars(args), "results": results}, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        write_json({"device": name, "params": n, "args": vars(args), "results": results}, args.json)
     return 0
 
 

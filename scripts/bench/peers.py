@@ -38,7 +38,6 @@ comparison.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench import write_json
 from bench.timing import interleaved_rounds
 from megazero.local_ranks import run_ranks
 from megazero.zero import zero_model_state_bytes
@@ -471,12 +471,7 @@ def main(argv=None) -> int:
     _print_table(rows, params, load0, load1, args)
     if args.json:
         out = {"model": model, "rounds": args.rounds, "load_average": [load0[0], load1[0]], "rows": rows}
-        text = json.dumps(out, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+        write_json(out, args.json)
     return 0
 
 
