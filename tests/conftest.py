@@ -62,7 +62,6 @@ SLOW_TIER = (
     "test_pipeline.py::test_gpt_pipeline_matches_oracle",
     "test_pipeline.py::test_pipeline_matches_oracle",
     "test_pipeline.py::test_sent_outputs_deallocated",
-    "test_planner.py::test_bad_input_names_the_flag",
     "test_planner.py::test_calibrate_measures_this_machine_and_bench_planner_repredicts",
     "test_planner.py::test_flags_parse_and_reproduce_the_layout",
     "test_planner.py::test_memory_filter_and_order",

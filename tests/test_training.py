@@ -241,22 +241,21 @@ def _pretrain(tmp_path, name, flags, nproc=None):
 
 @pytest.mark.slow
 def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
-    """torchrun, 8 ranks (TP 2 x PP 2 x DP 2) under ZeRO-1 and ZeRO-3, against plain python."""
+    """torchrun, 8 ranks (TP 2 x PP 2 x DP 2) under ZeRO-3, against plain python (the other stages
+    on this layout are compared in-process by test_zero.py)."""
     ref, out = _pretrain(tmp_path, "single", [])
     assert "iteration 3/3" in out
     fields = ("iteration", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_sec",
               "param_bytes", "grad_bytes", "optim_bytes")
     assert all(f in m for m in ref for f in fields)
-    param_bytes = {0: ref[0]["param_bytes"]}
-    for zero in (1, 3):
-        got, out = _pretrain(tmp_path, f"zero{zero}", ["--tensor-model-parallel-size", "2",
-                                                       "--pipeline-model-parallel-size", "2",
-                                                       "--zero-stage", str(zero)], nproc=8)
-        assert f"tp 2 pp 2 dp 2 zero {zero}" in out and out.count("iteration 3/3") == 1  # rank 0 only
-        assert [m["iteration"] for m in got] == [1, 2, 3]
-        for key in ("loss", "grad_norm"):
-            assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], rel=R_TRAIN), key
-        assert [m["lr"] for m in got] == [m["lr"] for m in ref]
-        param_bytes[zero] = got[0]["param_bytes"]
-    # rank 0's parameters: TP x PP split them (ZeRO-1), ZeRO-3 also shards them over DP
-    assert param_bytes[0] / 2 > param_bytes[1] > param_bytes[3]
+    got, out = _pretrain(tmp_path, "zero3", ["--tensor-model-parallel-size", "2",
+                                              "--pipeline-model-parallel-size", "2",
+                                              "--zero-stage", "3"], nproc=8)
+    assert "tp 2 pp 2 dp 2 zero 3" in out and out.count("iteration 3/3") == 1  # rank 0 only
+    assert [m["iteration"] for m in got] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in ref], rel=R_TRAIN), key
+    assert [m["lr"] for m in got] == [m["lr"] for m in ref]
+    # rank 0 holds its TP x PP part of the parameters (first stage: the embedding and 2 of 4 layers,
+    # halved by TP: over a quarter of the model), which ZeRO-3 halves again over DP
+    assert got[0]["param_bytes"] < ref[0]["param_bytes"] / 4
