@@ -281,6 +281,8 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = _f(None, "wandb run name.")
     wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
+    dry_run: bool = _f(False, "Validate the flags for a job of $WORLD_SIZE ranks (default 1), print the "
+                       "layout and exit 0 without training.", action="store_true")
 
 
 @dataclass

@@ -42,24 +42,19 @@ from measured collectives on the machine at hand (:mod:`megazero.planning.calibr
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
 from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
                                      model_flops_per_iteration)
 from megazero.planning.estimate import estimate_rank
+from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, micro_batch_seconds
 
 GB = 1e9
 # name: (bf16 dense TFLOP/s, memory GB, intra-node GB/s per GPU per direction, inter-node GB/s per
-# GPU, HBM GB/s) -- SXM parts with NVLink and one 400 (H100/H200) or 200 (A100) Gb/s NIC per GPU;
-# the L4 is a PCIe card (no NVLink) with 100 Gb/s networking.
-GPUS = {
-    "H100": (989.0, 80.0, 450.0, 50.0, 3350.0),
-    "H200": (989.0, 141.0, 450.0, 50.0, 4800.0),
-    "A100": (312.0, 80.0, 300.0, 25.0, 2039.0),
-    "L4": (121.0, 24.0, 16.0, 12.5, 300.0),
-}
+# GPU, HBM GB/s): gpu_model.GPU_TYPES, where each figure's source is given
+GPUS = {name: (g.peak_tflops, g.memory_gb, g.link_gbs, g.net_gbs, g.hbm_gbs) for name, g in GPU_TYPES.items()}
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message (NCCL over NVLink / InfiniBand)
 RECOMPUTE = ("none", "selective", "full")
 
@@ -93,6 +88,18 @@ class Hardware:
     gpus_per_node: int
     layer_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward (calibrated)
     oversubscription: float = 1.0  # ranks sharing one processor (CPU ranks beyond the cores; 1 on GPUs)
+    gpu: Optional[GpuType] = None  # compute by shape (gpu_model) instead of a flat efficiency
+    attention: str = "flash"  # the attention kernel the shape model times: flash | unfused
+    knee: float = KNEE
+
+    @classmethod
+    def for_gpu(cls, gpu: GpuType, gpus_per_node: int = 8, attention: str = "flash",
+                knee: float = KNEE, memory_gb: Optional[float] = None) -> "Hardware":
+        """A cluster of ``gpu``s timed by shape (:mod:`megazero.planning.gpu_model`)."""
+        return cls(gpu.peak_tflops * 1e12, gpu.gemm_max, (memory_gb or gpu.memory_gb) * GB,
+                   Link(gpu.alpha_intra, 1 / (gpu.link_gbs * GB * gpu.busbw)),
+                   Link(gpu.alpha_inter, 1 / (gpu.net_gbs * GB * gpu.busbw)), gpu.hbm_gbs * GB,
+                   gpus_per_node, gpu=gpu, attention=attention, knee=knee)
 
     @classmethod
     def from_calibration(cls, cal: Dict[str, object], memory_bytes: float, hbm_bytes_per_s: float,
@@ -208,14 +215,18 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     tp, pp, dp, vp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                       par.data_parallel_size, par.virtual_pipeline_model_parallel_size)
     n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
-    rate = hw.peak_flops * hw.efficiency * tp
-    # ranks sharing processors progress together: the average stage sets the pace, not the slowest
-    fwd = _stage_forward_flops(cfg, mean=hw.oversubscription > 1) / rate
-    compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
     act = m.seq_length * tr.micro_batch_size * m.hidden_size * E
-    layers = m.num_layers // pp
-    n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
-    tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)
+    if hw.gpu is not None:  # by shape
+        t = micro_batch_seconds(cfg, hw.gpu, hw.knee, hw.attention)
+        fwd, compute, tp_comm = t["fwd"], t["compute"], t["tp_comm"] + t["cp_comm"]
+    else:
+        rate = hw.peak_flops * hw.efficiency * tp
+        # ranks sharing processors progress together: the average stage sets the pace, not the slowest
+        fwd = _stage_forward_flops(cfg, mean=hw.oversubscription > 1) / rate
+        compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
+        layers = m.num_layers // pp
+        n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
+        tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)
     slots = n_micro + (pp - 1) / vp
     # a rank's own work, or the critical path through the bubble when that is longer: with ranks
     # sharing processors, the work was measured at the shared rate and a rank waiting in the bubble
@@ -314,7 +325,9 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         if found:
             return (f"allow every micro-batch size, recomputation and ZeRO stage: e.g. {describe(found[0])} "
                     f"fits in {found[0].memory_bytes / GB:.1f} GB")
+    offloaded = ""
     if not cfg.parallel.offload_optimizer:
+        offloaded = " (--offload-optimizer alone is not enough)"
         par = cfg.parallel
         off = validate(cfg.replace(parallel={"offload_optimizer": True,
                                              "zero_stage": max(1, par.zero_stage)}),
@@ -328,12 +341,13 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         found = plan(cfg, more, hw, margin, saved=saved)
         if found:
             return (f"use {more} GPUs (x{factor}): {describe(found[0])} needs "
-                    f"{found[0].memory_bytes / GB:.1f} GB")
+                    f"{found[0].memory_bytes / GB:.1f} GB{offloaded}")
     least = smallest_memory(cfg, gpus, hw, saved=saved)
     if least is None:
         return "no layout divides this model and batch on these GPUs; change --gpus or --global-batch-size"
-    return (f"GPUs with at least {least.memory_bytes / (1 - margin) / GB:.0f} GB ({describe(least)} needs "
-            f"{least.memory_bytes / GB:.1f} GB per rank; budget {budget / GB:.1f} GB)")
+    return (f"GPUs with at least {least.memory_bytes / (1 - margin) / GB:.0f} GB, or more than {gpus * 16} "
+            f"GPUs{offloaded}: {describe(least)}, the leanest layout here, needs "
+            f"{least.memory_bytes / GB:.1f} GB per rank against a budget of {budget / GB:.1f} GB")
 
 
 def describe(x: Layout) -> str:
@@ -381,28 +395,37 @@ def to_dict(layout: Layout, model_args: Sequence[str], cfg) -> Dict[str, object]
 
 # ---- command line ----------------------------------------------------------------------------
 def hardware(args) -> Hardware:
-    """The :class:`Hardware` the flags describe (ConfigError naming a bad flag)."""
-    if args.gpu not in GPUS:
-        raise ConfigError(f"--gpu {args.gpu}: unknown GPU; choose one of {', '.join(GPUS)} or give "
-                          "--gpu-tflops, --gpu-memory-gb and the bandwidths")
-    tflops, mem, intra, inter, hbm = GPUS[args.gpu]
+    """The :class:`Hardware` the flags describe (ConfigError naming a bad flag): the ``--gpu`` type
+    timed by shape (:mod:`megazero.planning.gpu_model`), or at a flat ``--efficiency`` of peak."""
+    if args.gpu not in GPU_TYPES:
+        raise ConfigError(f"--gpu {args.gpu}: unknown GPU type; choose one of {', '.join(GPU_TYPES)}, or the "
+                          "closest one with --gpu-tflops, --gpu-memory-gb and the bandwidths set to yours")
     for flag, v in (("--gpu-memory-gb", args.gpu_memory_gb), ("--gpu-tflops", args.gpu_tflops),
                     ("--intra-node-bandwidth", args.intra_node_bandwidth),
                     ("--inter-node-bandwidth", args.inter_node_bandwidth)):
         if v is not None and not v > 0:
             raise ConfigError(f"{flag} must be > 0, got {v}")
-    if not 0 < args.efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     if not 0 <= args.margin < 1:
         raise ConfigError(f"--margin must be in [0, 1), got {args.margin}")
-    intra_link = Link(args.intra_node_latency_us * 1e-6, 1 / ((args.intra_node_bandwidth or intra) * GB))
-    inter_link = Link(args.inter_node_latency_us * 1e-6, 1 / ((args.inter_node_bandwidth or inter) * GB))
+    gpu = GPU_TYPES[args.gpu]
+    gpu = replace(gpu, peak_tflops=args.gpu_tflops or gpu.peak_tflops,
+                  memory_gb=args.gpu_memory_gb or gpu.memory_gb,
+                  link_gbs=args.intra_node_bandwidth or gpu.link_gbs,
+                  net_gbs=args.inter_node_bandwidth or gpu.net_gbs,
+                  alpha_intra=args.intra_node_latency_us * 1e-6,
+                  alpha_inter=args.inter_node_latency_us * 1e-6)
     if args.calibration:
         from megazero.planning.calibrate import load_calibration
-        return Hardware.from_calibration(load_calibration(args.calibration), (args.gpu_memory_gb or mem) * GB,
-                                         hbm * GB, args.gpus_per_node)
-    return Hardware((args.gpu_tflops or tflops) * 1e12, args.efficiency, (args.gpu_memory_gb or mem) * GB,
-                    intra_link, inter_link, hbm * GB, args.gpus_per_node)
+        return Hardware.from_calibration(load_calibration(args.calibration), gpu.memory_gb * GB,
+                                         gpu.hbm_gbs * GB, args.gpus_per_node)
+    if args.efficiency is None:
+        return Hardware.for_gpu(gpu, args.gpus_per_node)
+    return Hardware(gpu.peak_tflops * 1e12, args.efficiency, gpu.memory_gb * GB,
+                    Link(gpu.alpha_intra, 1 / (gpu.link_gbs * GB)),
+                    Link(gpu.alpha_inter, 1 / (gpu.net_gbs * GB)),
+                    gpu.hbm_gbs * GB, args.gpus_per_node)
 
 
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",

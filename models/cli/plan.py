@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -12,6 +13,7 @@ from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOM
                                        advice, describe, flags, hardware, model_config, plan, to_dict)
 
 from .. import saved_activations
+from .launch_script import KINDS, launch_script
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gb", type=float, help="Memory per GPU in GB (default: the --gpu's).")
     p.add_argument("--gpu-tflops", type=float,
                    help="Dense 16-bit peak TFLOP/s per GPU (default: the --gpu's).")
-    p.add_argument("--efficiency", type=float, default=0.5, help="Fraction of peak the matmuls reach.")
+    p.add_argument("--efficiency", type=float,
+                   help="Time every matmul at this fraction of peak instead of the --gpu's efficiency by "
+                        "shape (docs/planning.md).")
     p.add_argument("--intra-node-bandwidth", type=float,
                    help="GB/s per GPU inside a node (default: --gpu's).")
     p.add_argument("--inter-node-bandwidth", type=float,
@@ -43,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="Layouts to print.")
     p.add_argument("--json", action="store_true", help="Print the fitting layouts as JSON, best first.")
     p.add_argument("--fp32", action="store_true", help="Plan fp32 training (default bf16).")
+    p.add_argument("--emit-launch", choices=KINDS,
+                   help="Write the launch script of the fastest layout (SLURM batch script, or torchrun on "
+                        "every node) to --emit-path, or print it alone.")
+    p.add_argument("--emit-path", help="File for --emit-launch (made executable).")
     return p
 
 
@@ -74,6 +82,8 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
                 raise ConfigError(f"{flag} must be a positive integer, got {v}")
         if args.global_batch_size is None:
             raise ConfigError("--global-batch-size is required (sequences per optimizer step)")
+        if args.emit_path and not args.emit_launch:
+            raise ConfigError("--emit-path goes with --emit-launch slurm|torchrun")
         hw = hardware(args)
         cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size, args.fp32)
     except ConfigError as err:
@@ -95,5 +105,18 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} "
               f"margin; smallest change: {change}")
         return 1
+    if args.emit_launch:
+        best = found[0]
+        text = launch_script(args.emit_launch, flags(best, model_args, cfg), args.gpus, args.gpus_per_node,
+                             f"{describe(best)}, {best.memory_bytes / GB:.1f} GB per GPU, "
+                             f"{best.step['step_time_s']:.3g} s per step predicted")
+        if not args.emit_path:
+            print(text, end="")
+            return 0
+        with open(args.emit_path, "w") as fh:
+            fh.write(text)
+        os.chmod(args.emit_path, 0o755)
     _print_table(found, cfg, model_args, args.top, args.gpus, hw)
+    if args.emit_path:
+        print(f"wrote the {args.emit_launch} launch script of layout 1 to {args.emit_path}")
     return 0

@@ -34,6 +34,13 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
                 raise ConfigError(str(err)) from None
     except ConfigError as err:
         return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
+    if cfg.logging.dry_run:
+        from megazero.summary import parameter_line
+        par = cfg.parallel
+        print(f"dry run: the flags are valid for {world} ranks: tp {par.tensor_model_parallel_size} "
+              f"pp {par.pipeline_model_parallel_size} dp {par.data_parallel_size} zero {par.zero_stage}; "
+              f"{parameter_line(cfg)}")
+        return 0
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
     from megazero.checkpoint import CheckpointError

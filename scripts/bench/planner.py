@@ -8,6 +8,10 @@ planner's prediction (megazero.planning.planner.step_time) and the Spearman rank
 
     python scripts/bench_planner.py [--iters 8] [--passes 2] [--calibration cal.json] [--json out.json]
     python scripts/bench_planner.py --calibration cal.json --measured out.json   # re-predict only
+
+``--published`` instead prints published large runs beside the planner's prediction for their
+layouts (bench/published.py names the sources); ``--fit`` refits the GPU constants on the rows
+marked for fitting first and prints the fitted values.
 """
 import argparse
 import json
@@ -16,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from bench.published import report, spearman
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,26 +50,6 @@ LAYOUTS = {  # name: layout flags (8 ranks)
     "tp2 dp4 full mb1": ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1",
                          "--recompute-granularity", "full"],
 }
-
-
-def spearman(xs, ys):
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
 def predict(flags, nproc, cal):
@@ -108,7 +94,19 @@ def main(argv=None):
     p.add_argument("--measured", help="Reuse the measured step times of an earlier --json output.")
     p.add_argument("--json", metavar="PATH",
                    help="Also write calibration, predictions and measurements here.")
+    p.add_argument("--published", action="store_true",
+                   help="Compare with published large runs instead of measuring here.")
+    p.add_argument("--fit", action="store_true", help="With --published: refit the GPU constants first.")
     a = p.parse_args(argv)
+    if a.published:
+        types = knee = None
+        if a.fit:
+            from bench.published import fit
+            types, knee = fit()
+        print(report(types, knee))
+        return
+    if a.fit:
+        p.error("--fit goes with --published")
     if a.calibration:
         with open(a.calibration) as fh:
             cal = json.load(fh)

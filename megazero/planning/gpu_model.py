@@ -1,0 +1,170 @@
+"""The time of one micro-batch on a GPU, by shape: what the planner uses for a named GPU type.
+
+Compute, per TP rank, for the slowest pipeline stage:
+
+- **Matmuls** run at ``peak x gemm_max x I / (I + knee x balance)``.  ``I = 2MNK / (E (MN + NK +
+  MK))`` is the GEMM's arithmetic intensity (FLOPs per byte of its operands and result, ``E``
+  bytes an element) and ``balance = peak / HBM bandwidth`` the GPU's (the roofline's ridge): a
+  GEMM far above the ridge approaches ``gemm_max`` of peak, one near it reaches half of that.  So a
+  25600-wide layer runs faster per FLOP than a 2304-wide one, and tensor parallelism, which
+  narrows every GEMM, costs efficiency as well as communication.  Backward is two GEMMs of the
+  same three dimensions (input and weight gradients) per forward GEMM.
+- **Attention** ``softmax(QK^T) V`` with a memory-efficient kernel (FlashAttention, SDPA's flash
+  path): ``4 s_q s_kv d`` FLOPs a head forward, halved by the causal mask that the kernel skips,
+  backward 2.5x forward (it recomputes the scores), at ``attn_eff`` of peak.  The unfused kernel
+  of older Megatron-LM releases (``attention="unfused"``) instead runs two batched GEMMs per head
+  at the GEMM efficiency of their shape and writes the ``s x s`` scores: scale, mask and softmax
+  read and write them once each way, dropout reads, writes and keeps a 1-byte mask.
+- **Element-wise and normalisation** work is bandwidth-bound: per token and layer the forward
+  reads and writes 23 hidden-size vectors (two layer norms 2 each, two dropouts 2.5, two residual
+  adds 3, bias + GeLU on the 4h-wide MLP 8), the backward twice that, at the HBM bandwidth; under
+  sequence parallelism each TP rank does ``1/t`` of it.
+
+Communication: TP's collectives (two forward and two backward per layer, two more forward under
+full recomputation) on the node's link, exposed; CP's ring passes each K/V block (and its
+gradient backward) to the next rank, hidden behind the attention it feeds when that is longer.
+Pipeline and data-parallel terms are the planner's (:mod:`megazero.planning.planner`).
+
+Every constant of :data:`GPU_TYPES` is documented there with its source; ``gemm_max``,
+``knee`` and ``attn_eff`` are fitted by ``scripts/bench_planner.py --published --fit`` on the
+published rows marked for fitting (:mod:`megazero.planning.published`), and the other rows are
+reported as held out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+# Elements per token and layer that element-wise forward work reads and writes (module docstring).
+ELEMENTWISE_VECTORS = 23.0
+# Scores passes of the unfused attention, in elements of s x s per head: scale/mask/softmax read and
+# write (2), dropout reads, writes and keeps a 1-byte mask (2.5); backward reads and writes each again.
+UNFUSED_SCORE_PASSES_FWD, UNFUSED_SCORE_PASSES_BWD = 4.5, 6.0
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """One GPU type and its node.  ``*_gbs``: GB/s; ``link_gbs``: per GPU per direction inside
+    the node; ``net_gbs``: per GPU between nodes; ``busbw``: the fraction of a link's bandwidth a
+    ring collective reaches; ``alpha_*``: seconds per message."""
+    name: str
+    peak_tflops: float
+    memory_gb: float
+    hbm_gbs: float
+    link_gbs: float
+    net_gbs: float
+    gemm_max: float
+    attn_eff: float
+    busbw: float = 0.8
+    alpha_intra: float = 5e-6
+    alpha_inter: float = 15e-6
+
+
+# Shared by every type: the GEMM efficiency knee in units of the GPU's roofline ridge (fitted).
+KNEE = 0.2
+
+# Sources: peak dense 16-bit TFLOP/s, memory and HBM bandwidth from NVIDIA's A100 (SXM4 80GB), H100
+# (SXM5) and H200 datasheets and the L4 datasheet; NVLink per direction is half the datasheet's
+# bidirectional figure (A100 600 GB/s, H100/H200 900 GB/s; the L4 has none: PCIe Gen4 x16 at 32 GB/s,
+# half usable each way); the network is one HDR 200 Gb/s (DGX A100) or NDR 400 Gb/s (DGX H100) NIC per
+# GPU, 100 Gb/s for L4 servers.  busbw 0.8: an assumption (ring all-reduce bus bandwidth / link).
+# gemm_max: fitted (module docstring; 2026-12 fit: knee 0.202, A100 0.80, H100 0.645).  attn_eff, the
+# flash kernel's fraction of peak forward + backward: an assumption (0.5 A100, 0.4 H100), not fitted:
+# no published row here isolates it (the A100 rows ran the unfused kernel).  H200: the H100's compute
+# with the H200's memory, unvalidated; L4: the A100's efficiencies, unvalidated.
+GPU_TYPES: Dict[str, GpuType] = {
+    "A100": GpuType("A100", 312.0, 80.0, 2039.0, 300.0, 25.0, gemm_max=0.80, attn_eff=0.5),
+    "H100": GpuType("H100", 989.0, 80.0, 3350.0, 450.0, 50.0, gemm_max=0.645, attn_eff=0.4),
+    "H200": GpuType("H200", 989.0, 141.0, 4800.0, 450.0, 50.0, gemm_max=0.645, attn_eff=0.4),
+    "L4": GpuType("L4", 121.0, 24.0, 300.0, 16.0, 12.5, gemm_max=0.80, attn_eff=0.5),
+}
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GpuType, elem: int = 2, knee: float = KNEE) -> float:
+    """Time of one ``m x k`` by ``k x n`` matmul (module docstring)."""
+    flops = 2.0 * m * n * k
+    intensity = flops / (elem * (m * n + n * k + m * k))
+    balance = gpu.peak_tflops * 1e12 / (gpu.hbm_gbs * 1e9)
+    eff = gpu.gemm_max * intensity / (intensity + knee * balance)
+    return flops / (gpu.peak_tflops * 1e12 * eff)
+
+
+def layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
+    """(M, N, K) of one layer's forward matmuls on one TP rank for ``tokens`` tokens."""
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h = m.hidden_size
+    kv_ch = m.kv_channels or h // m.num_attention_heads
+    q, kv = m.num_attention_heads * kv_ch, (m.num_query_groups or m.num_attention_heads) * kv_ch
+    ffn = m.ffn_hidden_size or 4 * h
+    up = 2 * ffn if m.activation == "swiglu" else ffn
+    return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t), (tokens, up // t, h), (tokens, h, ffn // t)]
+
+
+def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = "flash") -> Dict[str, float]:
+    """Seconds of one micro-batch on the slowest stage: ``fwd`` (forward compute), ``compute``
+    (forward + backward + recomputation), ``tp_comm`` and ``cp_comm`` (exposed), for a validated
+    config, GPU type and attention kernel (``flash`` or ``unfused``)."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.training
+    t, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    cp = getattr(par, "context_parallel_size", 1)
+    elem = 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
+    s, b, h = m.seq_length, tr.micro_batch_size, m.hidden_size
+    tokens = b * s // cp
+    heads = m.num_attention_heads // t
+    d = m.kv_channels or h // m.num_attention_heads
+    hbm = gpu.hbm_gbs * 1e9
+    gemm = sum(gemm_seconds(*g, gpu, elem, knee) for g in layer_gemms(cfg, tokens))
+    if attention == "unfused":
+        bmm = 2 * b * heads * gemm_seconds(s, s, d, gpu, elem, knee)
+        scores = b * heads * s * s * elem / hbm
+        attn_f, attn_b = bmm + UNFUSED_SCORE_PASSES_FWD * scores, 2 * bmm + UNFUSED_SCORE_PASSES_BWD * scores
+    else:
+        flops = 4.0 * b * heads * (s // cp) * s * d * 0.5
+        attn_f = flops / (gpu.peak_tflops * 1e12 * gpu.attn_eff)
+        attn_b = 2.5 * attn_f
+    spread = t if par.sequence_parallel else 1
+    elementwise = ELEMENTWISE_VECTORS * tokens * h * elem / spread / hbm
+    layer_f = gemm + attn_f + elementwise
+    layer_b = 2 * gemm + attn_b + 2 * elementwise
+    recompute = {"full": layer_f, "selective": attn_f}.get(m.recompute_granularity or "none", 0.0)
+    vocab = m.padded_vocab_size or m.vocab_size
+    head = gemm_seconds(tokens, vocab // t, h, gpu, elem, knee)
+    first, middle, last = stage_layers(cfg)
+    # the slowest stage: a middle (or the first) one, or the last with the output head
+    per_layer = layer_f + layer_b + recompute
+    busiest = max(first, middle)
+    if pp > 1 and busiest * per_layer >= last * per_layer + 3 * head:
+        layers, fwd, compute = busiest, busiest * layer_f, busiest * per_layer
+    else:
+        layers, fwd, compute = last, last * layer_f + head, last * per_layer + 3 * head
+    act = tokens * h * elem
+    link = gpu.alpha_intra, 1.0 / (gpu.link_gbs * 1e9 * gpu.busbw)
+    n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1
+    tp_comm = n_tp * _ring(act, t, 2, *link)
+    cp_comm = 0.0
+    if cp > 1:
+        kv = (m.num_query_groups or m.num_attention_heads) * d // t
+        block = 2 * tokens * kv * elem  # this rank's K and V
+        net = (gpu.alpha_inter, 1.0 / (gpu.net_gbs * 1e9 * gpu.busbw)) if cp * t > 8 else link
+        step = net[0] + net[1] * block
+        passes = 1 + 2 + (1 if m.recompute_granularity == "full" else 0)  # K/V fwd, K/V + dK/dV bwd
+        cp_comm = layers * max(0.0, passes * (cp - 1) * step - (attn_f + attn_b))
+    return {"fwd": fwd, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm}
+
+
+def stage_layers(cfg) -> Tuple[int, int, int]:
+    """Layers on the first, a middle and the last pipeline stage (the first/last-stage flags of
+    an uneven split, else an even one)."""
+    m, par = cfg.model, cfg.parallel
+    pp = par.pipeline_model_parallel_size
+    if pp == 1:
+        return m.num_layers, m.num_layers, m.num_layers
+    first = par.decoder_first_pipeline_num_layers
+    last = getattr(par, "decoder_last_pipeline_num_layers", None)
+    rest, middles = m.num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
+    middle = -(-rest // middles) if middles else 0
+    return first or middle, middle, last or middle
+
+
+def _ring(nbytes: float, n: int, passes: int, alpha: float, beta: float) -> float:
+    return 0.0 if n <= 1 else passes * (n - 1) * (alpha + beta * nbytes / n)
