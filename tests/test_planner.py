@@ -176,7 +176,8 @@ def test_plan_json_schema():
 ])
 def test_bad_input_names_the_flag(args, flag, capsys):
     from models.cli import plan_main  # in-process: the script itself is run by test_plan_json_schema
-    code = plan_main([*args, "--global-batch-size", "32", *([] if "--num-attention-heads" in args else MODEL)])
+    model = [] if "--num-attention-heads" in args else MODEL
+    code = plan_main([*args, "--global-batch-size", "32", *model])
     err = capsys.readouterr().err
     assert code == 2 and flag in err, err
 

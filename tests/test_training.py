@@ -249,8 +249,8 @@ def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
               "param_bytes", "grad_bytes", "optim_bytes")
     assert all(f in m for m in ref for f in fields)
     got, out = _pretrain(tmp_path, "zero3", ["--tensor-model-parallel-size", "2",
-                                              "--pipeline-model-parallel-size", "2",
-                                              "--zero-stage", "3"], nproc=8)
+                                             "--pipeline-model-parallel-size", "2",
+                                             "--zero-stage", "3"], nproc=8)
     assert "tp 2 pp 2 dp 2 zero 3" in out and out.count("iteration 3/3") == 1  # rank 0 only
     assert [m["iteration"] for m in got] == [1, 2, 3]
     for key in ("loss", "grad_norm"):

@@ -32,6 +32,7 @@ reported as held out.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -40,6 +41,33 @@ ELEMENTWISE_VECTORS = 23.0
 # Scores passes of the unfused attention, in elements of s x s per head: scale/mask/softmax read and
 # write (2), dropout reads, writes and keeps a 1-byte mask (2.5); backward reads and writes each again.
 UNFUSED_SCORE_PASSES_FWD, UNFUSED_SCORE_PASSES_BWD = 4.5, 6.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha`` seconds per message + ``beta`` seconds per byte."""
+    alpha: float
+    beta: float
+
+    def p2p(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+    def ring(self, nbytes: float, n: int, passes: int = 1, messages: int = 1) -> float:
+        """A ring collective over ``n`` ranks: ``passes`` = 1 for all-gather / reduce-scatter of a
+        ``nbytes`` buffer, 2 for all-reduce; ``messages``: the buffer goes as that many collectives
+        (buckets), each paying the latency."""
+        if n <= 1:
+            return 0.0
+        return passes * (n - 1) * (messages * self.alpha + self.beta * nbytes / n)
+
+    def all_reduce(self, nbytes: float, n: int, messages: int = 1) -> float:
+        """An all-reduce over ``n`` ranks: the cheaper of a ring and a (double binary) tree, which
+        pays ``2 log2 n`` latencies instead of ``2 (n - 1)`` and sends each byte about twice, as NCCL
+        picks between them by size and scale."""
+        if n <= 1:
+            return 0.0
+        tree = 2 * (messages * self.alpha * math.ceil(math.log2(n)) + self.beta * nbytes)
+        return min(self.ring(nbytes, n, 2, messages), tree)
 
 
 @dataclass(frozen=True)
@@ -61,14 +89,14 @@ class GpuType:
 
 
 # Shared by every type: the GEMM efficiency knee in units of the GPU's roofline ridge (fitted).
-KNEE = 0.2
+KNEE = 0.2326
 
 # Sources: peak dense 16-bit TFLOP/s, memory and HBM bandwidth from NVIDIA's A100 (SXM4 80GB), H100
 # (SXM5) and H200 datasheets and the L4 datasheet; NVLink per direction is half the datasheet's
 # bidirectional figure (A100 600 GB/s, H100/H200 900 GB/s; the L4 has none: PCIe Gen4 x16 at 32 GB/s,
 # half usable each way); the network is one HDR 200 Gb/s (DGX A100) or NDR 400 Gb/s (DGX H100) NIC per
 # GPU, 100 Gb/s for L4 servers.  busbw 0.8: an assumption (ring all-reduce bus bandwidth / link).
-# gemm_max: fitted (module docstring; 2026-12 fit: knee 0.202, A100 0.80, H100 0.645).  attn_eff, the
+# gemm_max: fitted (module docstring; 2026-12 fit: knee 0.2326, A100 0.80, H100 0.645).  attn_eff, the
 # flash kernel's fraction of peak forward + backward: an assumption (0.5 A100, 0.4 H100), not fitted:
 # no published row here isolates it (the A100 rows ran the unfused kernel).  H200: the H100's compute
 # with the H200's memory, unvalidated; L4: the A100's efficiencies, unvalidated.
@@ -138,15 +166,15 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     else:
         layers, fwd, compute = last, last * layer_f + head, last * per_layer + 3 * head
     act = tokens * h * elem
-    link = gpu.alpha_intra, 1.0 / (gpu.link_gbs * 1e9 * gpu.busbw)
+    link = Link(gpu.alpha_intra, 1.0 / (gpu.link_gbs * 1e9 * gpu.busbw))
     n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1
-    tp_comm = n_tp * _ring(act, t, 2, *link)
+    tp_comm = n_tp * link.all_reduce(act, t)
     cp_comm = 0.0
     if cp > 1:
         kv = (m.num_query_groups or m.num_attention_heads) * d // t
         block = 2 * tokens * kv * elem  # this rank's K and V
-        net = (gpu.alpha_inter, 1.0 / (gpu.net_gbs * 1e9 * gpu.busbw)) if cp * t > 8 else link
-        step = net[0] + net[1] * block
+        net = Link(gpu.alpha_inter, 1.0 / (gpu.net_gbs * 1e9 * gpu.busbw)) if cp * t > 8 else link
+        step = net.p2p(block)
         passes = 1 + 2 + (1 if m.recompute_granularity == "full" else 0)  # K/V fwd, K/V + dK/dV bwd
         cp_comm = layers * max(0.0, passes * (cp - 1) * step - (attn_f + attn_b))
     return {"fwd": fwd, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm}
@@ -164,7 +192,3 @@ def stage_layers(cfg) -> Tuple[int, int, int]:
     rest, middles = m.num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
     middle = -(-rest // middles) if middles else 0
     return first or middle, middle, last or middle
-
-
-def _ring(nbytes: float, n: int, passes: int, alpha: float, beta: float) -> float:
-    return 0.0 if n <= 1 else passes * (n - 1) * (alpha + beta * nbytes / n)

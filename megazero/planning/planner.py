@@ -49,7 +49,7 @@ from megazero.config import ConfigError, config_from_dict, parse_args, validate
 from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
                                      model_flops_per_iteration)
 from megazero.planning.estimate import estimate_rank
-from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, micro_batch_seconds
+from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, Link, micro_batch_seconds
 
 GB = 1e9
 # name: (bf16 dense TFLOP/s, memory GB, intra-node GB/s per GPU per direction, inter-node GB/s per
@@ -57,24 +57,6 @@ GB = 1e9
 GPUS = {name: (g.peak_tflops, g.memory_gb, g.link_gbs, g.net_gbs, g.hbm_gbs) for name, g in GPU_TYPES.items()}
 ALPHA_INTRA, ALPHA_INTER = 5e-6, 15e-6  # seconds per message (NCCL over NVLink / InfiniBand)
 RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Link:
-    """``alpha`` seconds per message + ``beta`` seconds per byte."""
-    alpha: float
-    beta: float
-
-    def p2p(self, nbytes: float) -> float:
-        return self.alpha + self.beta * nbytes
-
-    def ring(self, nbytes: float, n: int, passes: int = 1, messages: int = 1) -> float:
-        """A ring collective over ``n`` ranks: ``passes`` = 1 for all-gather / reduce-scatter of a
-        ``nbytes`` buffer, 2 for all-reduce; ``messages``: the buffer goes as that many collectives
-        (buckets), each paying the latency."""
-        if n <= 1:
-            return 0.0
-        return passes * (n - 1) * (messages * self.alpha + self.beta * nbytes / n)
 
 
 @dataclass(frozen=True)
@@ -226,7 +208,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
         compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
         layers = m.num_layers // pp
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
-        tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)
+        tp_comm = n_tp * _link(tp, hw).all_reduce(act, tp)
     slots = n_micro + (pp - 1) / vp
     # a rank's own work, or the critical path through the bubble when that is longer: with ranks
     # sharing processors, the work was measured at the shared rate and a rank waiting in the bubble
@@ -271,7 +253,7 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
         return cost if shared else max(cost - bwd, cost / 4)
     reduce_scatter, all_gather = link.ring(G * n, dp, 1, buckets), link.ring(P * n, dp, 1, buckets)
     if zero == 0:
-        return exposed(link.ring(G * n, dp, 2, buckets))
+        return exposed(link.all_reduce(G * n, dp, buckets))
     if zero == 1:
         return exposed(reduce_scatter) + all_gather
     if zero == 2:
