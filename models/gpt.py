@@ -8,7 +8,7 @@ the final norm and output head when ``post_process``. Parameter names use global
 Tied embeddings: with both ends in one chunk the head multiplies by the embedding weight
 itself; otherwise (pp > 1) the last stage holds ``output_layer.weight``, initialised equal to
 the embedding and marked ``shared_embedding`` and ``tied_copy`` (the first stage's embedding is
-marked ``shared_embedding``); the optimizer sums their gradients over ``mesh.embedding_group``.
+marked ``shared_embedding``); the optimizer sums their gradients over ``mesh.group("embedding")``.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class GPTModel(nn.Module):
         m = cfg.model
         if m.padded_vocab_size <= 0:
             raise ValueError("the config is not validated: call megazero.config.validate(cfg) first")
-        if mesh.tp_size != cfg.parallel.tensor_model_parallel_size:
-            raise ValueError(f"mesh tp size {mesh.tp_size} != --tensor-model-parallel-size "
+        if mesh.size("tp") != cfg.parallel.tensor_model_parallel_size:
+            raise ValueError(f"mesh tp size {mesh.size('tp')} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
@@ -60,7 +60,7 @@ class GPTModel(nn.Module):
             self.word_embeddings = VocabParallelEmbedding(
                 m.vocab_size, m.padded_vocab_size, h, mesh, reduce_scatter=self.sequence_parallel,
                 init=normal_init(seed, *EMBEDDING_KEY, std))
-            self.word_embeddings.weight.shared_embedding = tied and mesh.pp_size > 1
+            self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
                 full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
@@ -87,7 +87,7 @@ class GPTModel(nn.Module):
         """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
         x = self.word_embeddings(ids.t())
         if hasattr(self, "position_embeddings"):
-            start = offset + (self.mesh.tp_rank * x.shape[0] if self.sequence_parallel else 0)
+            start = offset + (self.mesh.coord("tp") * x.shape[0] if self.sequence_parallel else 0)
             x = x + self.position_embeddings.weight[start:start + x.shape[0]].unsqueeze(1).to(x.dtype)
         p = self.cfg.model.hidden_dropout
         if self.training and p > 0:
@@ -101,7 +101,7 @@ class GPTModel(nn.Module):
         m = self.cfg.model
         if m.position_embedding_type != "rope":
             return None
-        seq = x.shape[0] * (self.mesh.tp_size if self.sequence_parallel else 1)
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
         cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
@@ -168,9 +168,9 @@ class GPTModel(nn.Module):
 
 # ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------
 def _gather(t: torch.Tensor, param, mesh) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False) and mesh.tp_size > 1:
-        parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=mesh.tp_group)
+    if getattr(param, "tensor_model_parallel", False) and mesh.size("tp") > 1:
+        parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
+        dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
         t = torch.cat(parts, dim=param.partition_dim)
     return t
 

@@ -139,7 +139,7 @@ class Attention(nn.Module):
         self.recompute_core, self.layer_idx = recompute_core, layer_idx
         self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
         self.q_per_group = m.num_attention_heads // m.num_query_groups
-        self.groups = m.num_query_groups // mesh.tp_size
+        self.groups = m.num_query_groups // mesh.size("tp")
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias

@@ -38,7 +38,7 @@ def _count(settings):
     par = cfg.parallel
     mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     chunks = models.build_chunks(cfg, mesh)
-    return mesh.pp_rank, sum(p.numel() for c in chunks for p in c.parameters())
+    return mesh.coord("pp"), sum(p.numel() for c in chunks for p in c.parameters())
 
 
 @pytest.mark.parametrize("arch", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -232,7 +232,7 @@ def _optimizer_buckets(settings):
     par = cfg.parallel
     mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     opt = build_optimizer(models.build_chunks(cfg, mesh), mesh, cfg)
-    return mesh.pp_rank, [(b.chunk, b.unit, b.kind, b.numel) for b in opt.buckets]
+    return mesh.coord("pp"), [(b.chunk, b.unit, b.kind, b.numel) for b in opt.buckets]
 
 
 def _estimated_buckets(settings, pp_rank):

@@ -45,7 +45,8 @@ def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def layout_of(cfg, mesh) -> Dict[str, object]:
     """Everything that decides which rank holds what (RNG states are kept only when it matches)."""
     par = cfg.parallel
-    return {"world_size": mesh.world_size, "tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
+    return {"world_size": mesh.world_size, "tp": mesh.size("tp"), "pp": mesh.size("pp"),
+            "dp": mesh.size("dp"),
             "zero_stage": par.zero_stage, "rank_order": mesh.order,
             "virtual_stage_layers": par.num_layers_per_virtual_pipeline_stage,
             "first_stage_layers": par.decoder_first_pipeline_num_layers,

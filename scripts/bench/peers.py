@@ -128,8 +128,8 @@ def _megazero(layout: Layout, model: dict):
         weights.update(full_state_dict(c))  # before ZeRO-3 shards them
     opt = build_optimizer(chunks, mesh, cfg)
     tr = cfg.training
-    batches = micro_batches(build_data(cfg), 0, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
-                            mesh.dp_size)
+    batches = micro_batches(build_data(cfg), 0, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
+                            mesh.size("dp"))
 
     def step() -> Optional[float]:
         opt.zero_grad()
@@ -166,8 +166,8 @@ def _peer_optimizer(params, how: str):
 def _share(cfg, mesh):
     """This DP rank's samples of the first global batch: ``(tokens, labels)``, ``[share, seq]``."""
     from megazero.data import build_data, sample_range
-    ids = build_data(cfg).get_tokens(list(sample_range(0, cfg.training.global_batch_size, mesh.dp_rank,
-                                                       mesh.dp_size)))
+    ids = build_data(cfg).get_tokens(list(sample_range(0, cfg.training.global_batch_size, mesh.coord("dp"),
+                                                       mesh.size("dp"))))
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
@@ -232,11 +232,11 @@ def _tp_peer(layout: Layout, cfg, mesh, weights, how: str):
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from bench.peer_models import clip_peer_grads
     sp = layout.peer_opts.get("sp", False)
-    tp_mesh = init_device_mesh("cpu", (mesh.tp_size,))
+    tp_mesh = init_device_mesh("cpu", (mesh.size("tp"),))
     net = _peer_model(cfg, weights, range(cfg.model.num_layers), True, True)
     parallelize_module(net, tp_mesh, tp_plan(net, sp))
     if sp:
-        net.sequence_shard = (mesh.tp_rank, mesh.tp_size)
+        net.sequence_shard = (mesh.coord("tp"), mesh.size("tp"))
     opt = _peer_optimizer(net.parameters(), how)
     tokens, labels = _share(cfg, mesh)
     params = list(net.parameters())
@@ -293,22 +293,23 @@ def _pp_peer(layout: Layout, cfg, mesh, weights, how: str):
     per rank (stage ``v * pp + rank``, as megazero's chunks)."""
     import contextlib
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-    vp, pp = layout.peer_opts.get("vp", 1), mesh.pp_size
+    vp, pp = layout.peer_opts.get("vp", 1), mesh.size("pp")
     total = vp * pp
     mods, stages = [], []
     for v in range(vp):
-        index = v * pp + mesh.pp_rank
+        index = v * pp + mesh.coord("pp")
         net = _peer_model(cfg, weights, _stage_layers(cfg, index, total), index == 0, index == total - 1)
         mods.append(net)
-        stages.append(PipelineStage(net, index, total, torch.device("cpu"), group=mesh.pp_group))
+        stages.append(PipelineStage(net, index, total, torch.device("cpu"), group=mesh.group("pp")))
     micro = cfg.training.num_micro_batches
     sched = (ScheduleInterleaved1F1B(stages, micro, loss_fn=_loss_fn) if vp > 1
              else Schedule1F1B(stages[0], micro, loss_fn=_loss_fn))
     params = [p for m in mods for p in m.parameters()]
     opt = _peer_optimizer(params, how)
     tokens, labels = _share(cfg, mesh)
-    step = _pipeline_step(sched, (mesh.pp_rank == 0, mesh.pp_rank == pp - 1), opt, params, tokens, labels,
-                          micro, mesh.pp_group, contextlib.nullcontext)
+    ends = (mesh.coord("pp") == 0, mesh.coord("pp") == pp - 1)
+    step = _pipeline_step(sched, ends, opt, params, tokens, labels, micro, mesh.group("pp"),
+                          contextlib.nullcontext)
     return step, lambda: _local_bytes(params, opt)
 
 
@@ -318,9 +319,9 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    dm = init_device_mesh("cpu", (mesh.pp_size, mesh.dp_size, mesh.tp_size),
+    dm = init_device_mesh("cpu", (mesh.size("pp"), mesh.size("dp"), mesh.size("tp")),
                           mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, pp = dm["pp"].get_local_rank(), mesh.pp_size
+    pp_rank, pp = dm["pp"].get_local_rank(), mesh.size("pp")
     dp_rank = dm["dp"].get_local_rank()
     net = _peer_model(cfg, weights, _stage_layers(cfg, pp_rank, pp), pp_rank == 0, pp_rank == pp - 1)
     parallelize_module(net, dm["tp"], tp_plan(net, False))
@@ -334,9 +335,9 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     params = list(net.parameters())
     opt = _peer_optimizer(params, how)
     from megazero.data import build_data, sample_range
-    share = cfg.training.global_batch_size // mesh.dp_size
+    share = cfg.training.global_batch_size // mesh.size("dp")
     ids = build_data(cfg).get_tokens(
-        list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.dp_size)))
+        list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.size("dp"))))
     assert ids.shape[0] == share
     step = _pipeline_step(sched, (pp_rank == 0, pp_rank == pp - 1), opt, params, ids[:, :-1].contiguous(),
                           ids[:, 1:].contiguous(), micro, dm["pp"].get_group(), loss_parallel)
@@ -398,7 +399,7 @@ def _run_layout(layout: Layout, model: dict, rounds: int, warmup: int, how: str)
         for step in modes.values():
             step()
     times = interleaved_rounds(modes, rounds, _barrier)
-    return {"times": times, "first_loss": first, "numel": numel, "dp": mesh.dp_size,
+    return {"times": times, "first_loss": first, "numel": numel, "dp": mesh.size("dp"),
             "megazero_bytes": {k: v for k, v in mz_memory().items()
                                if k in ("param_bytes", "grad_bytes", "optim_bytes")},
             "peer_bytes": peer_memory()}
