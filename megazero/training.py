@@ -74,14 +74,16 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
     if dist.is_initialized() and dist.get_world_size() > 1:
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                  par.rank_order, device, timeout=timeout_of(cfg))
+                                  par.rank_order, device, timeout=timeout_of(cfg),
+                                  cp=par.context_parallel_size)
     return ParallelMesh.single(device)
 
 
 # ---- one step ------------------------------------------------------------------------------
 def _mean_loss(losses: Sequence, mesh: ParallelMesh) -> float:
-    """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank."""
-    owner = mesh.is_last_stage and mesh.coord("tp") == 0
+    """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank (every
+    CP rank holds the same, global, loss: one of them counts)."""
+    owner = mesh.is_last_stage and mesh.coord("tp") == 0 and mesh.coord("cp") == 0
     local = sum(float(x) for x in losses) / max(1, len(losses)) if owner and losses else 0.0
     if not mesh.is_distributed:
         return local
@@ -276,7 +278,8 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
         logger.print(f"megazero: {note}")
     for line in startup_summary(cfg, data, mesh.rank):
         logger.print(f"megazero: {line}")
-    sizes = " ".join(f"{a} {mesh.size(a)}" for a in ("tp", "pp", "dp"))
+    axes = ("tp", "cp", "pp", "dp") if mesh.size("cp") > 1 else ("tp", "pp", "dp")
+    sizes = " ".join(f"{a} {mesh.size(a)}" for a in axes)
     logger.print(f"megazero: {mesh.describe()} | {sizes} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops_per_iteration(cfg) / 1e12:.3g} model "

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -53,6 +54,7 @@ class GPTModel(nn.Module):
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
+        self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
         self.onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
         seed, std, h = cfg.training.seed, m.init_method_std, m.hidden_size
         tied = not m.untie_embeddings_and_output_weights
@@ -84,9 +86,18 @@ class GPTModel(nn.Module):
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
+        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/cp) (/tp), b, h]`` (with
+        dropout); under context parallelism this CP rank's chunks of the sequence, at their true
+        global positions."""
+        if self.cp_size > 1:
+            ids = split_for_cp(ids, 1, self.cp_size, self.cp_rank)
         x = self.word_embeddings(ids.t())
-        if hasattr(self, "position_embeddings"):
+        if hasattr(self, "position_embeddings") and self.cp_size > 1:
+            pos = self.positions(ids.shape[1] * self.cp_size, ids.device)
+            if self.sequence_parallel:
+                pos = pos[self.mesh.coord("tp") * x.shape[0]:][:x.shape[0]]
+            x = x + self.position_embeddings.weight[pos].unsqueeze(1).to(x.dtype)
+        elif hasattr(self, "position_embeddings"):
             start = offset + (self.mesh.coord("tp") * x.shape[0] if self.sequence_parallel else 0)
             x = x + self.position_embeddings.weight[start:start + x.shape[0]].unsqueeze(1).to(x.dtype)
         p = self.cfg.model.hidden_dropout
@@ -97,12 +108,20 @@ class GPTModel(nn.Module):
             return F.dropout(x, p)
         return x
 
+    def positions(self, seq: int, device) -> torch.Tensor:
+        """Global positions of the tokens this CP rank holds of a ``seq``-token sequence."""
+        return cp_positions(seq, self.cp_size, self.cp_rank, device=device)
+
     def _rope(self, x: torch.Tensor, offset: int = 0):
         m = self.cfg.model
         if m.position_embedding_type != "rope":
             return None
-        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
-        cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
+        full = offset + seq * self.cp_size
+        cos, sin = rope_cos_sin(full, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
+        if self.cp_size > 1:  # the rotation of each token's true global position
+            pos = self.positions(full, x.device)
+            return cos[pos], sin[pos]
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +158,9 @@ class GPTModel(nn.Module):
         """Generation step: logits ``[b, s, vocab]`` (unpadded, gathered over TP) of tokens ``ids``
         ``[b, s]`` that follow the ``kv_cache.length`` positions already in ``kv_cache``, whose keys
         and values it extends.  The whole model only (pp = 1), without sequence parallelism."""
-        if not (self.pre_process and self.post_process) or self.sequence_parallel:
-            raise ValueError("decode needs the whole model (pp = 1) without --sequence-parallel")
+        if not (self.pre_process and self.post_process) or self.sequence_parallel or self.cp_size > 1:
+            raise ValueError("decode needs the whole model (pp = 1) without --sequence-parallel or "
+                             "--context-parallel-size > 1")
         past = kv_cache.length
         x = self.embed(ids, offset=past)
         rope = self._rope(x, offset=past)
@@ -162,8 +182,13 @@ class GPTModel(nn.Module):
         logits = linear(x, self.output_weight(), onednn=self.onednn)  # [s, b, padded_vocab / tp]
         vocab = self.cfg.model.vocab_size
         if labels is None:
-            return gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+            logits = gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
+            return gather_cp_loss(logits, self.mesh.group("cp"), self.cp_size, self.cp_rank)
+        if self.cp_size > 1:
+            labels = split_for_cp(labels, 1, self.cp_size, self.cp_rank)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+        # every CP rank: the whole sequence's per-token loss (the global token mean follows)
+        return gather_cp_loss(loss, self.mesh.group("cp"), self.cp_size, self.cp_rank)
 
 
 # ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------

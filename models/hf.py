@@ -164,7 +164,7 @@ def to_hf(model: GPTModel, out_dir: str) -> Optional[str]:
     if not (model.pre_process and model.post_process):
         raise ValueError("to_hf needs the whole model (pp = 1); gather pipeline stages first")
     state = full_state_dict(model)
-    if model.mesh.coord("tp") != 0 or model.mesh.coord("dp") != 0:
+    if model.mesh.coord("tp") != 0 or model.mesh.coord("dp", "cp") != 0:
         return None
     hf_config = hf_config_from(model.cfg)
     hf_config.dtype = str(next(model.parameters()).dtype).replace("torch.", "")

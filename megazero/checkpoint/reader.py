@@ -111,7 +111,7 @@ def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
         return {k: v for k, v in layout.items() if k != "zero_stage"}
     if comparable(meta["layout"]) != comparable(layout_of(cfg, mesh)):
         return None
-    name = rng_file(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp"))
+    name = rng_file(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     if name not in meta["files"]:
         raise CheckpointCorrupt(f"{path}: {name} is not in the checkpoint's file list")
     fpath = check_file(path, name, meta["files"][name])

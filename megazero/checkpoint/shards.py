@@ -107,12 +107,12 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     ``named``: ``[(global name, param)]`` of this rank.  Raises on a NaN/inf or an I/O error."""
     names = {id(p): n for n, p in named}
     shapes = optimizer.param_shapes()
-    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp"))
+    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     writer = BlockWriter(os.path.join(directory, stem + ".bin"))
     entries, params = [], {}
     try:
         for b in optimizer.buckets:
-            lo, segs, host = _bucket_pieces(optimizer, b, mesh.coord("tp"), mesh.coord("dp"), names)
+            lo, segs, host = _bucket_pieces(optimizer, b, mesh.coord("tp"), mesh.coord("dp", "cp"), names)
             for key, t in host.items():
                 _refuse_nonfinite(t, segs, lo, key)
                 for name, p, a, e, start in segs:
@@ -120,7 +120,7 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
                     entries.append([name, key, a - start, e - start, offset])
             for name, p, a, e, start in segs:
                 params[name] = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
-        if mesh.coord("dp") == 0:  # parameters without optimizer state: the weight itself
+        if mesh.coord("dp", "cp") == 0:  # parameters without optimizer state: the weight itself
             for name, p in named:
                 if p not in shapes and writes(p, mesh.coord("tp")):
                     _write_weight(writer, entries, params, name, p, mesh.coord("pp"))
@@ -138,7 +138,7 @@ def write_weights_shard(directory: str, named, mesh, run_id: str,
     ``values(name, p)``: the parameter's full values when they are not in ``p`` itself (a model on the
     meta device: a conversion streams them one at a time); a vocabulary-padded parameter may get its
     unpadded rows, the padding is written as zeros."""
-    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp"))
+    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     writer = BlockWriter(os.path.join(directory, stem + ".bin"))
     entries, params = [], {}
     try:
@@ -169,7 +169,7 @@ def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh,
                  run_id: str) -> Dict[str, dict]:
     """Write the shard's index (entries, block checksums) durably; ``{file: size/crc}`` of both files."""
     index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.coord("tp"), "pp": mesh.coord("pp"),
-             "dp": mesh.coord("dp"), "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
+             "dp": mesh.coord("dp", "cp"), "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
              "entries": entries}
     index_path = os.path.join(directory, stem + ".json")
     write_bytes_durably(index_path, lambda fh: fh.write(json.dumps(index).encode()))

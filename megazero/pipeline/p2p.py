@@ -24,7 +24,7 @@ from megazero.pipeline.schedules import Action, peer
 
 def p2p_tensor_shape(cfg) -> Tuple[int, int, int]:
     """Shape of the tensor sent between stages, from a validated config."""
-    seq = cfg.model.seq_length
+    seq = cfg.model.seq_length // cfg.parallel.context_parallel_size
     if cfg.parallel.sequence_parallel:
         seq //= cfg.parallel.tensor_model_parallel_size
     return (seq, cfg.training.micro_batch_size, cfg.model.hidden_size)
