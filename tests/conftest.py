@@ -37,6 +37,7 @@ SLOW_TIER = (
     "test_checkpoint_integrity.py::test_one_ranks_corrupt_shard_makes_every_rank_fall_back",
     "test_context_parallel.py::test_blockwise_kernel_matches_plain_attention",
     "test_context_parallel.py::test_context_parallel_attention_matches_one_process",
+    "test_cp_model.py::test_context_parallel_model_matches_one_process",
     "test_data.py::test_preprocess_script_runs_standalone",
     "test_data.py::test_training_on_preprocessed_text_one_process_and_dp2",
     "test_generate.py::test_plot_metrics_overlays_runs",
