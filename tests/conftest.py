@@ -69,6 +69,7 @@ SLOW_TIER = (
     "test_planner.py::test_memory_filter_and_order",
     "test_planner.py::test_nothing_fits_gives_the_smallest_change",
     "test_planner.py::test_plan_json_schema",
+    "test_planner.py::test_context_parallel_proposed_when_nothing_fits_without_it",
     "test_readme.py::test_commands_in_the_readme_and_usage_guide_match_the_programs",
     "test_readme.py::test_links_between_the_docs_reach_a_file_and_heading",
     "test_tensor_parallel.py::test_mappings_forward_and_backward",
