@@ -15,7 +15,7 @@ partial softmaxes with the log-sum-exp rule, which reorders the sums of one forw
 (C_FWD / C_FWD_BWD U32 of the largest entry); training runs under R_TRAIN. Checked by hand that
 these tests fail when the math is broken: positions of the contiguous instead of the load-balanced
 split (RoPE and learned) and the loss gather's backward without the factor CP each fail the model
-test.
+test; stage 1's gradient reduce-scatter over dp instead of dp x cp fails the interleaved trainer test.
 """
 import pytest
 import torch
@@ -134,3 +134,12 @@ def test_context_parallel_refusals(over, needle):
     settings.update(over)
     with pytest.raises(ConfigError, match=needle):
         validate(config_from_dict(settings), 8)
+
+
+def test_startup_line_shows_cp_and_the_chunk_split():
+    from megazero.summary import context_parallel_line
+    settings = dict(STYLES["gpt2"], mock_data=True)
+    assert context_parallel_line(validate(config_from_dict(settings), 1)) is None
+    line = context_parallel_line(validate(config_from_dict(dict(settings, context_parallel_size=4)), 4))
+    assert line == ("context parallel: CP 4 | --seq-length 16 in 8 chunks of 2 tokens; CP rank i holds "
+                    "chunks i and 7-i (4 tokens per rank) | ring attention (p2p)")

@@ -20,6 +20,8 @@ they compute the same thing.
 | TP (+ SP) | DTensor ``parallelize_module`` (the TP plan, below) + ``loss_parallel`` |
 | PP 1F1B / interleaved | ``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` |
 | TP x PP x DP | ``DeviceMesh`` + the TP plan + FSDP2 over DP (resharding below) + ``Schedule1F1B`` |
+| CP 2 / CP 4 | a plain ring attention from torch primitives (``scripts/bench/cp_peer.py``: torch's own
+  ``context_parallel`` does not run on CPUs) in the PlainGPT, gradients summed over the CP group |
 
 The TP plan: ``ColwiseParallel``/``RowwiseParallel``, vocab-parallel embedding and head,
 ``SequenceParallel`` norms.  Under TP x PP x DP, FSDP2's ``reshard_after_forward`` is off for
@@ -34,6 +36,7 @@ comparison.
     python scripts/bench_peers.py --layouts one dp2-zero1 --rounds 40
     python scripts/bench_peers.py --quick               # tiny model, two rounds: a smoke test
     python scripts/bench_peers.py --json results.json
+    python scripts/bench_peers.py --layouts cp2 cp4 --seq-length 1024   # context parallelism
 """
 from __future__ import annotations
 
@@ -91,6 +94,8 @@ LAYOUTS = {
     "pp2-interleaved": Layout("PP 2, interleaved (2 chunks)", 2,
                               {"pipeline_model_parallel_size": 2, "micro_batch_size": 2,
                                "num_layers_per_virtual_pipeline_stage": 1}, "pp", {"vp": 2}),
+    "cp2": Layout("CP 2 (ring attention)", 2, {"context_parallel_size": 2}, "cp"),
+    "cp4": Layout("CP 4 (ring attention)", 4, {"context_parallel_size": 4}, "cp"),
     "3d-zero0": Layout("TP2 x PP2 x DP2, ZeRO-0", 8,
                        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                         "micro_batch_size": 2, "zero_stage": 0}, "3d", {"reshard": False}),
@@ -114,13 +119,13 @@ def _megazero(layout: Layout, model: dict):
     world = layout.world
     settings = dict(BASE, **model, **layout.settings)
     if "micro_batch_size" not in layout.settings:  # one micro-batch of this DP rank's share, as the peer
-        tp, pp = (settings.get("tensor_model_parallel_size", 1),
-                  settings.get("pipeline_model_parallel_size", 1))
-        settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp))
+        tp, pp, cp = (settings.get(f"{axis}_parallel_size", 1)
+                      for axis in ("tensor_model", "pipeline_model", "context"))
+        settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp * cp))
     cfg = validate(config_from_dict(settings), world)
     par = cfg.parallel
     mesh = (ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                               device=torch.device("cpu"))
+                               device=torch.device("cpu"), cp=par.context_parallel_size)
             if world > 1 else ParallelMesh.single(torch.device("cpu")))
     chunks = models.build_chunks(cfg, mesh)
     weights = {}
@@ -344,8 +349,51 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     return step, lambda: _local_bytes(params, opt)
 
 
+def _cp_peer(layout: Layout, cfg, mesh, weights, how: str):
+    """The PlainGPT with every block's attention a plain ring (``bench/cp_peer.py``) over the CP
+    group; each rank embeds its tokens at their global positions, and the gradients (of the local
+    tokens' share of the global mean loss) are summed over the group."""
+    import functools
+    from bench.cp_peer import balanced_positions, plain_ring_attention
+    net = _peer_model(cfg, weights, range(cfg.model.num_layers), True, True)
+    n, rank, group = mesh.size("cp"), mesh.coord("cp"), mesh.group("cp")
+    seq = cfg.model.seq_length
+    positions = [balanced_positions(seq, n, r) for r in range(n)]
+    mine = positions[rank]
+
+    def attention(block, x):
+        b, s = x.shape[:2]
+        q, k, v = block.qkv(x).view(b, s, -1, 3, block.head_dim).permute(3, 0, 2, 1, 4)
+        y = plain_ring_attention(q, k, v, group, positions)
+        return block.proj(y.transpose(1, 2).reshape(b, s, -1))
+    for block in net.layers:
+        block.attention = functools.partial(attention, block)
+    opt = _peer_optimizer(net.parameters(), how)
+    tokens, labels = _share(cfg, mesh)
+    tokens, local_labels = tokens[:, mine], labels[:, mine]
+    params = list(net.parameters())
+
+    def step() -> float:
+        opt.zero_grad()
+        x = net.word_embeddings(tokens) + net.position_embeddings(mine)
+        for block in net.layers:
+            x = block(x)
+        logits = net.output_layer(net.final_norm(x))
+        loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
+        loss.backward()
+        for p in params:
+            dist.all_reduce(p.grad, group=group)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total.item()
+
+    return step, lambda: _local_bytes(params, opt)
+
+
 PEERS: Dict[str, Callable] = {"plain": _flat_peer, "ddp": _flat_peer, "fsdp2": _flat_peer, "tp": _tp_peer,
-                              "pp": _pp_peer, "3d": _3d_peer}
+                              "pp": _pp_peer, "3d": _3d_peer, "cp": _cp_peer}
 
 
 def _local_bytes(params, opt) -> Dict[str, int]:
@@ -446,8 +494,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a tiny model and two rounds: checks that everything runs")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
+    p.add_argument("--seq-length", type=int, help="the model's sequence length (default 128; --quick 16)")
     args = p.parse_args(argv)
     model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul)
+    if args.seq_length:
+        model["seq_length"] = args.seq_length
     if args.quick:
         args.rounds, args.warmup = min(args.rounds, 2), 1
     args.warmup = max(1, args.warmup)
