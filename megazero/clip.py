@@ -91,7 +91,7 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh)
     """Clip plain ``.grad`` tensors of a model that is *not* under ZeRO (already reduced over DP:
     each DP replica holds the same gradient, so only DP rank 0 contributes).  Returns the norm."""
     params = [p for p in params if p.grad is not None]
-    pieces = [(p.grad, counts_in_norm(p, mesh.tp_rank) and mesh.dp_rank == 0) for p in params]
+    pieces = [(p.grad, counts_in_norm(p, mesh.coord("tp")) and mesh.coord("dp", "cp") == 0) for p in params]
     norm, _ = global_norm_and_overflow(local_square_sums(pieces), mesh)
     coef = clip_coefficient(norm, max_norm)
     if coef < 1.0:

@@ -1,48 +1,62 @@
-"""Process-group mesh: which ranks share a tensor-, pipeline- or data-parallel group.
+"""Process-group mesh of named axes: which ranks share a tensor-, context-, data- or pipeline-parallel
+group, or any product of them.
 
-`rank_groups` is the pure layout (no process group needed, unit-tested on its own);
-`ParallelMesh` turns it into live `torch.distributed` groups and this rank's coordinates.
+`rank_groups` / `axis_groups` are the pure layout (no process group needed, unit-tested on their own);
+`ParallelMesh` turns it into live `torch.distributed` groups and this rank's coordinates, handed
+out by axis name: ``mesh.size("tp")``, ``mesh.coord("pp")``, ``mesh.group("dp", "cp")``,
+``mesh.ranks("pp")``.
 
-The default order is Megatron-LM's "tp-dp-pp": tp varies fastest, then dp, then pp, so
-``rank = tp_rank + tp * dp_rank + tp * dp * pp_rank``.  An order string names the axes
-from fastest to slowest; any permutation of ``tp``, ``dp`` and ``pp`` is accepted.
+The layout is Megatron-core's ``RankGenerator``: an order string names the axes from fastest to
+slowest (default ``tp-cp-ep-dp-pp``; ``ep``, expert parallelism, is reserved and always of size 1
+here). An axis of size 1 may be left out of the string (it is appended), so the older ``tp-dp-pp``
+style strings keep working; an axis of size > 1 must be named. With strides ``stride[a]`` the
+product of the sizes of the axes named before ``a``, ``rank = sum(coord[a] * stride[a])``. The
+group of a set of axes holds the ranks that differ only in those axes, listed with the first-named
+axis varying fastest (Megatron's ``generate_masked_orthogonal_rank_groups``); groups are listed by
+the remaining axes' coordinates, again first-named fastest.
 """
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+EMBEDDING = "embedding"
+# the groups a live mesh creates: every axis, the model-parallel tp x pp group, the dp x cp group
+# that reduces gradients and shards the distributed optimizer, and tp x cp
+MESH_GROUPS = (("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp"), ("dp", "cp"), ("tp", "cp"))
 
 
-def parse_rank_order(order: str) -> List[str]:
+def parse_rank_order(order: str, sizes: Optional[Dict[str, int]] = None) -> List[str]:
+    """The axes of ``order``, fastest first, completed with the axes it leaves out (which must then
+    be of size 1 in ``sizes``; no check without ``sizes``)."""
     tokens = order.lower().split("-")
     unknown = [t for t in tokens if t not in AXES]
     if unknown:
         raise ValueError(
-            f"unknown axis {unknown[0]!r} in rank order {order!r}; use a permutation of tp, dp and pp "
-            "such as 'tp-dp-pp' (Megatron-LM's default) or 'tp-pp-dp'")
-    if sorted(tokens) != sorted(AXES):
-        raise ValueError(f"rank order {order!r} must name each of tp, dp and pp exactly once, "
-                         "e.g. 'tp-dp-pp'")
+            f"unknown axis {unknown[0]!r} in rank order {order!r}; name the axes tp, cp, ep, dp and pp "
+            "from fastest to slowest, such as 'tp-cp-ep-dp-pp' (Megatron-LM's default) or 'tp-dp-pp'")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"rank order {order!r} must name each axis at most once (each of tp, dp and pp "
+                         "exactly once), e.g. 'tp-cp-ep-dp-pp'")
+    for axis in AXES:
+        if axis in tokens:
+            continue
+        if sizes is not None and sizes.get(axis, 1) != 1:
+            raise ValueError(f"--rank-order {order!r} does not name axis {axis!r}, whose size is "
+                             f"{sizes[axis]}; name every axis of size > 1, e.g. 'tp-cp-ep-dp-pp'")
+        tokens.append(axis)
     return tokens
 
 
-def rank_groups(world_size: int, tp: int = 1, pp: int = 1,
-                order: str = "tp-dp-pp") -> Dict[str, List[List[int]]]:
-    """Megatron-LM's process-group layout, as lists of rank lists.
-
-    Returns a dict with keys ``"tp"``, ``"dp"``, ``"pp"``, ``"mp"`` (the tp x pp model-parallel
-    group of each data-parallel replica) and ``"embedding"`` (first and last rank of each
-    pipeline group; one rank when pp == 1).
-    """
+def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> Dict[str, int]:
     for name, value in (("world size", world_size), ("tensor-model-parallel size", tp),
-                        ("pipeline-model-parallel size", pp)):
+                        ("pipeline-model-parallel size", pp), ("context-parallel size", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if world_size % (tp * pp) != 0:
@@ -50,32 +64,49 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1,
             f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
             f"pipeline-model-parallel size {pp} = {tp * pp}; choose sizes whose product divides the "
             "world size")
-    sizes = {"tp": tp, "pp": pp, "dp": world_size // (tp * pp)}
-    axes = parse_rank_order(order)
-    # stride of each axis in the rank number: the first-named axis varies fastest
-    strides, stride = {}, 1
-    for a in axes:
-        strides[a] = stride
-        stride *= sizes[a]
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
+            f"context-parallel size {cp} x pipeline-model-parallel size {pp} = {tp * cp * pp}; choose "
+            "sizes whose product divides the world size")
+    return {"tp": tp, "cp": cp, "ep": 1, "dp": world_size // (tp * pp * cp), "pp": pp}
 
-    def rank_of(coord: Dict[str, int]) -> int:
-        return sum(coord[a] * strides[a] for a in AXES)
 
-    def groups_varying(varying: List[str]) -> List[List[int]]:
-        fixed = [a for a in axes if a not in varying]
-        out = []
-        # iterate fixed axes with the fastest one innermost so groups come out in rank order
-        for fixed_vals in itertools.product(*[range(sizes[a]) for a in reversed(fixed)]):
-            base = dict(zip(reversed(fixed), fixed_vals))
-            members = []
-            for var_vals in itertools.product(*[range(sizes[a]) for a in reversed(varying)]):
-                members.append(rank_of({**base, **dict(zip(reversed(varying), var_vals))}))
-            out.append(sorted(members))
-        return sorted(out)
+def axis_groups(sizes: Dict[str, int], order: str, axes: Sequence[str]) -> List[List[int]]:
+    """The rank groups of the product of ``axes`` (Megatron-core's masked orthogonal groups): each
+    group holds the ranks whose coordinates differ only along ``axes``."""
+    names = parse_rank_order(order, sizes)
+    bad = [a for a in axes if a not in AXES]
+    if bad:
+        raise ValueError(f"unknown mesh axis {bad[0]!r}; the axes are {', '.join(AXES)}")
+    shape = [sizes.get(a, 1) for a in names]
+    strides = [1]
+    for s in shape[:-1]:
+        strides.append(strides[-1] * s)
+    inside = [i for i, a in enumerate(names) if a in axes]
+    outside = [i for i, a in enumerate(names) if a not in axes]
 
-    result = {"tp": groups_varying(["tp"]), "dp": groups_varying(["dp"]), "pp": groups_varying(["pp"]),
-              "mp": groups_varying(["tp", "pp"])}
-    result["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in result["pp"]]
+    def offsets(dims):  # every combination of coordinates along dims, first dim fastest
+        out = [0]
+        for i in dims:
+            out = [base + c * strides[i] for c in range(shape[i]) for base in out]
+        return out
+    members = offsets(inside)
+    return [[start + m for m in members] for start in offsets(outside)]
+
+
+def rank_groups(world_size: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
+                cp: int = 1) -> Dict[str, List[List[int]]]:
+    """Megatron-LM's process-group layout, as lists of rank lists.
+
+    Returns a dict with keys ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"mp"`` (the tp x pp
+    model-parallel group), ``"dp-cp"`` (the gradient-reduction group), ``"tp-cp"`` and
+    ``"embedding"`` (first and last rank of each pipeline group; one rank when pp == 1).
+    """
+    sizes = _check_sizes(world_size, tp, pp, cp)
+    result = {"-".join(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
+    result["mp"] = result.pop("tp-pp")
+    result[EMBEDDING] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in result["pp"]]
     return result
 
 
@@ -118,44 +149,46 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _key(axes: Sequence[str]) -> Tuple[str, ...]:
+    """The canonical name of a group: ``("embedding",)`` or its axes in ``AXES`` order."""
+    if tuple(axes) == (EMBEDDING,):
+        return (EMBEDDING,)
+    if not axes:
+        raise ValueError("name at least one mesh axis, e.g. mesh.group('dp', 'cp')")
+    bad = [a for a in axes if a not in AXES]
+    if bad:
+        raise ValueError(f"unknown mesh axis {bad[0]!r}; the axes are {', '.join(AXES)} "
+                         f"(and the {EMBEDDING!r} group)")
+    return tuple(a for a in AXES if a in axes)
+
+
 @dataclass
 class ParallelMesh:
-    """The live process groups and this rank's place in them.
+    """The live process groups and this rank's place in them, by axis name.
 
     Build it with :meth:`ParallelMesh.build` after ``torch.distributed`` is initialised, or with
     :meth:`ParallelMesh.single` for one process.  Everything that needs a group receives the
-    mesh explicitly; there are no module-level globals.
+    mesh explicitly; there are no module-level globals.  ``sizes`` maps each axis of ``AXES`` to
+    its size; ``groups`` maps a canonical group name (:func:`_key`) to ``(process group or None,
+    ranks)`` of this rank's group.
     """
 
     world_size: int
     rank: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
     device: torch.device
-    order: str = "tp-dp-pp"
-    tp_group: Optional[object] = None
-    pp_group: Optional[object] = None
-    dp_group: Optional[object] = None
-    mp_group: Optional[object] = None
-    embedding_group: Optional[object] = None
+    order: str = DEFAULT_ORDER
+    sizes: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in AXES})
+    groups: Dict[Tuple[str, ...], Tuple[Optional[object], List[int]]] = field(default_factory=dict)
     world_group: Optional[object] = None
-    tp_ranks: List[int] = field(default_factory=list)
-    pp_ranks: List[int] = field(default_factory=list)
-    dp_ranks: List[int] = field(default_factory=list)
-    mp_ranks: List[int] = field(default_factory=list)
-    embedding_ranks: List[int] = field(default_factory=list)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def build(cls, tp: int = 1, pp: int = 1, order: str = "tp-dp-pp",
-              device: Optional[torch.device] = None, timeout=None) -> "ParallelMesh":
-        """Create every tp/dp/pp/mp/embedding group on the default process group (collective), each
-        with ``timeout`` (a ``timedelta``; torch's default when None), named by its axis and warmed up
-        by one collective.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or the CPU)
+    def build(cls, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
+              device: Optional[torch.device] = None, timeout=None, cp: int = 1) -> "ParallelMesh":
+        """Create every group of ``MESH_GROUPS`` and the embedding group on the default process group
+        (collective), each with ``timeout`` (a ``timedelta``; torch's default when None), named by its
+        axes and warmed up by one collective; a product group equal to one already made (an axis of
+        size 1) reuses it.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or the CPU)
         becomes the current CUDA device, so a caller that builds the mesh itself seeds and computes
         on the rank's own GPU."""
         if not dist.is_available() or not dist.is_initialized():
@@ -164,76 +197,106 @@ class ParallelMesh:
                 "torch.distributed.init_process_group (torchrun sets the environment) or use "
                 "ParallelMesh.single() for one process")
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = rank_groups(world, tp, pp, order)
+        sizes = _check_sizes(world, tp, pp, cp)
+        parse_rank_order(order, sizes)
         device = use_device(device)
         kwargs = {} if timeout is None else {"timeout": timeout}
-        mine = {}
-        for key in ("tp", "dp", "pp", "mp", "embedding"):
-            for ranks in layout[key]:
+        layouts = {_key(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
+        layouts[(EMBEDDING,)] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in layouts[("pp",)]]
+        mine, made = {}, {}
+        for key, layout in layouts.items():
+            signature = tuple(tuple(g) for g in layout)
+            if signature in made:  # same partition as an earlier group: share it
+                mine[key] = mine[made[signature]]
+                continue
+            made[signature] = key
+            for ranks in layout:
                 # every rank must take part in creating every group, in the same order
-                group = dist.new_group(ranks, group_desc=key, **kwargs)
+                group = dist.new_group(ranks, group_desc="-".join(key), **kwargs)
                 if rank in ranks:
                     mine[key] = (group, ranks)
-        warm_up([mine[key][0] for key in ("tp", "dp", "pp", "mp", "embedding") if key in mine], device)
-        tp_ranks, pp_ranks, dp_ranks = mine["tp"][1], mine["pp"][1], mine["dp"][1]
-        emb = mine.get("embedding", (None, []))
-        return cls(world_size=world, rank=rank, tp_size=tp, pp_size=pp, dp_size=world // (tp * pp),
-                   tp_rank=tp_ranks.index(rank), pp_rank=pp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
-                   device=torch.device(device), order=order,
-                   tp_group=mine["tp"][0], pp_group=mine["pp"][0], dp_group=mine["dp"][0],
-                   mp_group=mine["mp"][0], embedding_group=emb[0], world_group=dist.group.WORLD,
-                   tp_ranks=tp_ranks, pp_ranks=pp_ranks, dp_ranks=dp_ranks, mp_ranks=mine["mp"][1],
-                   embedding_ranks=emb[1])
+        warm_up([mine[made[s]][0] for s in made], device)
+        return cls(world_size=world, rank=rank, device=torch.device(device), order=order, sizes=sizes,
+                   groups=mine, world_group=dist.group.WORLD)
 
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":
         """A mesh of one process (no process groups; collectives become no-ops)."""
-        return cls(world_size=1, rank=0, tp_size=1, pp_size=1, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                   device=use_device(device), tp_ranks=[0], pp_ranks=[0], dp_ranks=[0],
-                   mp_ranks=[0], embedding_ranks=[0])
+        keys = [_key(axes) for axes in MESH_GROUPS] + [(EMBEDDING,)]
+        return cls(world_size=1, rank=0, device=use_device(device), groups={k: (None, [0]) for k in keys})
 
-    # ---- coordinates --------------------------------------------------------------------
+    # ---- lookup by axis name ------------------------------------------------------------
+    def _entry(self, axes: Sequence[str]) -> Tuple[Optional[object], List[int]]:
+        key = _key(axes)
+        if key not in self.groups:
+            made = ", ".join("-".join(k) for k in self.groups)
+            raise KeyError(f"this mesh has no {'-'.join(key)} group; it holds {made}")
+        return self.groups[key]
+
+    def size(self, *axes: str) -> int:
+        """The size of an axis, or of the product of several (``size("dp", "cp")``)."""
+        if tuple(axes) == (EMBEDDING,):
+            return len(self.ranks(EMBEDDING))
+        out = 1
+        for a in _key(axes):
+            out *= self.sizes[a]
+        return out
+
+    def coord(self, *axes: str) -> int:
+        """This rank's index in its group of ``axes`` (its coordinate along one axis)."""
+        return self.ranks(*axes).index(self.rank)
+
+    def group(self, *axes: str):
+        """This rank's process group of ``axes`` (None in a one-process mesh)."""
+        return self._entry(axes)[0]
+
+    def ranks(self, *axes: str) -> List[int]:
+        """The global ranks of this rank's group of ``axes``, in group order."""
+        return self._entry(axes)[1]
+
+    # ---- conveniences -------------------------------------------------------------------
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.coord("pp") == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.coord("pp") == self.size("pp") - 1
 
     @property
     def next_rank(self) -> Optional[int]:
         """Global rank of the next pipeline stage (None on the last stage)."""
-        return None if self.is_last_stage else self.pp_ranks[self.pp_rank + 1]
+        return None if self.is_last_stage else self.ranks("pp")[self.coord("pp") + 1]
 
     @property
     def prev_rank(self) -> Optional[int]:
         """Global rank of the previous pipeline stage (None on the first stage)."""
-        return None if self.is_first_stage else self.pp_ranks[self.pp_rank - 1]
+        return None if self.is_first_stage else self.ranks("pp")[self.coord("pp") - 1]
 
     @property
     def in_embedding_group(self) -> bool:
-        return self.rank in self.embedding_ranks and self.pp_size > 1
+        return self.rank in self.ranks(EMBEDDING) and self.size("pp") > 1
 
     @property
     def backend(self) -> str:
         return backend_for(self.device)
 
     def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-                f"pp {self.pp_rank}/{self.pp_size} dp {self.dp_rank}/{self.dp_size} on {self.device}")
+        coords = " ".join(f"{a} {self.coord(a)}/{self.size(a)}" for a in ("tp", "cp", "pp", "dp")
+                          if a != "cp" or self.size("cp") > 1)
+        return f"rank {self.rank}/{self.world_size}: {coords} on {self.device}"
 
     def device_mesh(self):
-        """A ``torch.distributed.device_mesh.DeviceMesh`` with dims ("pp", "dp", "tp") for DTensor/DCP
-        interop (collective: every rank must call it)."""
+        """A ``torch.distributed.device_mesh.DeviceMesh`` with dims ("pp", "dp", "cp", "tp") for
+        DTensor/DCP interop (collective: every rank must call it)."""
         from torch.distributed.device_mesh import DeviceMesh
-        axes = parse_rank_order(self.order)
-        sizes = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size}
+        axes = parse_rank_order(self.order, self.sizes)
         slow_to_fast = list(reversed(axes))
-        ranks = torch.arange(self.world_size).reshape([sizes[a] for a in slow_to_fast])
-        ranks = ranks.permute([slow_to_fast.index(a) for a in ("pp", "dp", "tp")])
-        return DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", "dp", "tp"))
+        ranks = torch.arange(self.world_size).reshape([self.sizes[a] for a in slow_to_fast])
+        dims = ("pp", "dp", "cp", "tp")
+        ranks = ranks.permute([slow_to_fast.index(a) for a in dims + ("ep",)]).squeeze(-1)
+        return DeviceMesh(self.device.type, ranks, mesh_dim_names=dims)

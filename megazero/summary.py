@@ -125,7 +125,21 @@ def write_config(cfg, directory: str) -> str:
     return path
 
 
+def context_parallel_line(cfg) -> Optional[str]:
+    """How the sequence is split over the CP group (None without context parallelism)."""
+    par, s = cfg.parallel, cfg.model.seq_length
+    cp = par.context_parallel_size
+    if cp == 1:
+        return None
+    chunks = 2 * cp
+    attention = "ring attention (p2p)" if par.cp_comm_type == "p2p" else "Ulysses all-to-all (a2a)"
+    return (f"context parallel: CP {cp} | --seq-length {s} in {chunks} chunks of {s // chunks} tokens; CP "
+            f"rank i holds chunks i and {chunks - 1}-i ({s // cp} tokens per rank) | {attention}")
+
+
 def startup_summary(cfg, data, rank: int = 0) -> List[str]:
     """The summary lines; rank 0 also writes the config to ``--save`` (when given)."""
     written = write_config(cfg, cfg.checkpoint.save) if rank == 0 and cfg.checkpoint.save else None
-    return [parameter_line(cfg), settings_line(cfg, written), *data_lines(cfg, data), tokenizer_line(cfg)]
+    cp = context_parallel_line(cfg)
+    return [parameter_line(cfg), settings_line(cfg, written), *([cp] if cp else []), *data_lines(cfg, data),
+            tokenizer_line(cfg)]

@@ -74,18 +74,20 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
     if dist.is_initialized() and dist.get_world_size() > 1:
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                  par.rank_order, device, timeout=timeout_of(cfg))
+                                  par.rank_order, device, timeout=timeout_of(cfg),
+                                  cp=par.context_parallel_size)
     return ParallelMesh.single(device)
 
 
 # ---- one step ------------------------------------------------------------------------------
 def _mean_loss(losses: Sequence, mesh: ParallelMesh) -> float:
-    """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank."""
-    owner = mesh.is_last_stage and mesh.tp_rank == 0
+    """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank (every
+    CP rank holds the same, global, loss: one of them counts)."""
+    owner = mesh.is_last_stage and mesh.coord("tp") == 0 and mesh.coord("cp") == 0
     local = sum(float(x) for x in losses) / max(1, len(losses)) if owner and losses else 0.0
     if not mesh.is_distributed:
         return local
-    value = torch.tensor([local / mesh.dp_size if owner else 0.0], dtype=torch.float64,
+    value = torch.tensor([local / mesh.size("dp") if owner else 0.0], dtype=torch.float64,
                          device=mesh.device if mesh.backend == "nccl" else "cpu")
     dist.all_reduce(value, group=mesh.world_group)
     return float(value.item())
@@ -110,8 +112,8 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
     losses = []
     with torch.no_grad():
         for k in range(tr.eval_iters):
-            batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
-                                    mesh.dp_size, split="valid", device=mesh.device)
+            batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
+                                    mesh.size("dp"), split="valid", device=mesh.device)
             losses.append(_mean_loss(_forward_backward(chunks, batches, mesh, cfg, forward_only=True), mesh))
     for c in chunks:
         c.train()
@@ -276,7 +278,9 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
         logger.print(f"megazero: {note}")
     for line in startup_summary(cfg, data, mesh.rank):
         logger.print(f"megazero: {line}")
-    logger.print(f"megazero: {mesh.describe()} | tp {mesh.tp_size} pp {mesh.pp_size} dp {mesh.dp_size} "
+    axes = ("tp", "cp", "pp", "dp") if mesh.size("cp") > 1 else ("tp", "pp", "dp")
+    sizes = " ".join(f"{a} {mesh.size(a)}" for a in axes)
+    logger.print(f"megazero: {mesh.describe()} | {sizes} "
                  f"zero {cfg.parallel.zero_stage} | {tr.num_micro_batches} micro-batches of "
                  f"{tr.micro_batch_size} per DP rank | {model_flops_per_iteration(cfg) / 1e12:.3g} model "
                  "TFLOP "
@@ -299,7 +303,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     start = time.perf_counter()
     lr, decoupled_lr = lrs_at(cfg, pos.lr_samples)  # skipped steps do not advance the schedule
     optimizer.zero_grad()
-    batches = micro_batches(data, None, batch, tr.micro_batch_size, mesh.dp_rank, mesh.dp_size,
+    batches = micro_batches(data, None, batch, tr.micro_batch_size, mesh.coord("dp"), mesh.size("dp"),
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()

@@ -31,12 +31,12 @@ def build_chunks(cfg, mesh: Optional[ParallelMesh] = None) -> List[GPTModel]:
     and creates one :class:`RNGTracker` shared by the chunks. ``cfg`` must be validated.
     """
     mesh = mesh or ParallelMesh.single()
-    if mesh.pp_size != cfg.parallel.pipeline_model_parallel_size:
-        raise ValueError(f"mesh pp size {mesh.pp_size} != --pipeline-model-parallel-size "
+    if mesh.size("pp") != cfg.parallel.pipeline_model_parallel_size:
+        raise ValueError(f"mesh pp size {mesh.size('pp')} != --pipeline-model-parallel-size "
                          f"{cfg.parallel.pipeline_model_parallel_size}")
     stage_seed = seed_default_generators(cfg.training.seed, mesh)
-    tracker = RNGTracker(stage_seed, mesh.tp_rank, mesh.device)
-    ranges = chunk_layers(cfg, mesh.pp_rank)
+    tracker = RNGTracker(stage_seed, mesh.coord("tp"), mesh.device)
+    ranges = chunk_layers(cfg, mesh.coord("pp"))
     return [GPTModel(cfg, mesh, layers, pre_process=mesh.is_first_stage and v == 0,
                      post_process=mesh.is_last_stage and v == len(ranges) - 1, rng_tracker=tracker)
             for v, layers in enumerate(ranges)]

@@ -33,7 +33,7 @@ def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[P
     from . import build_model
     mesh = mesh or ParallelMesh.single()
     path, meta, saved, weights = read_weights(directory, iteration, flag)
-    settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.tp_size,
+    settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.size("tp"),
                     pipeline_model_parallel_size=1, seed=saved.get("training", {}).get("seed", 1234))
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)
     model = build_model(cfg, mesh)

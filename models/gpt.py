@@ -8,7 +8,7 @@ the final norm and output head when ``post_process``. Parameter names use global
 Tied embeddings: with both ends in one chunk the head multiplies by the embedding weight
 itself; otherwise (pp > 1) the last stage holds ``output_layer.weight``, initialised equal to
 the embedding and marked ``shared_embedding`` and ``tied_copy`` (the first stage's embedding is
-marked ``shared_embedding``); the optimizer sums their gradients over ``mesh.embedding_group``.
+marked ``shared_embedding``); the optimizer sums their gradients over ``mesh.group("embedding")``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -47,12 +48,13 @@ class GPTModel(nn.Module):
         m = cfg.model
         if m.padded_vocab_size <= 0:
             raise ValueError("the config is not validated: call megazero.config.validate(cfg) first")
-        if mesh.tp_size != cfg.parallel.tensor_model_parallel_size:
-            raise ValueError(f"mesh tp size {mesh.tp_size} != --tensor-model-parallel-size "
+        if mesh.size("tp") != cfg.parallel.tensor_model_parallel_size:
+            raise ValueError(f"mesh tp size {mesh.size('tp')} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
+        self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
         self.onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
         seed, std, h = cfg.training.seed, m.init_method_std, m.hidden_size
         tied = not m.untie_embeddings_and_output_weights
@@ -60,7 +62,7 @@ class GPTModel(nn.Module):
             self.word_embeddings = VocabParallelEmbedding(
                 m.vocab_size, m.padded_vocab_size, h, mesh, reduce_scatter=self.sequence_parallel,
                 init=normal_init(seed, *EMBEDDING_KEY, std))
-            self.word_embeddings.weight.shared_embedding = tied and mesh.pp_size > 1
+            self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
                 full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
@@ -84,10 +86,19 @@ class GPTModel(nn.Module):
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/tp), b, h]`` (with dropout)."""
+        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/cp) (/tp), b, h]`` (with
+        dropout); under context parallelism this CP rank's chunks of the sequence, at their true
+        global positions."""
+        if self.cp_size > 1:
+            ids = split_for_cp(ids, 1, self.cp_size, self.cp_rank)
         x = self.word_embeddings(ids.t())
-        if hasattr(self, "position_embeddings"):
-            start = offset + (self.mesh.tp_rank * x.shape[0] if self.sequence_parallel else 0)
+        if hasattr(self, "position_embeddings") and self.cp_size > 1:
+            pos = self.positions(ids.shape[1] * self.cp_size, ids.device)
+            if self.sequence_parallel:
+                pos = pos[self.mesh.coord("tp") * x.shape[0]:][:x.shape[0]]
+            x = x + self.position_embeddings.weight[pos].unsqueeze(1).to(x.dtype)
+        elif hasattr(self, "position_embeddings"):
+            start = offset + (self.mesh.coord("tp") * x.shape[0] if self.sequence_parallel else 0)
             x = x + self.position_embeddings.weight[start:start + x.shape[0]].unsqueeze(1).to(x.dtype)
         p = self.cfg.model.hidden_dropout
         if self.training and p > 0:
@@ -97,12 +108,20 @@ class GPTModel(nn.Module):
             return F.dropout(x, p)
         return x
 
+    def positions(self, seq: int, device) -> torch.Tensor:
+        """Global positions of the tokens this CP rank holds of a ``seq``-token sequence."""
+        return cp_positions(seq, self.cp_size, self.cp_rank, device=device)
+
     def _rope(self, x: torch.Tensor, offset: int = 0):
         m = self.cfg.model
         if m.position_embedding_type != "rope":
             return None
-        seq = x.shape[0] * (self.mesh.tp_size if self.sequence_parallel else 1)
-        cos, sin = rope_cos_sin(offset + seq, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
+        full = offset + seq * self.cp_size
+        cos, sin = rope_cos_sin(full, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
+        if self.cp_size > 1:  # the rotation of each token's true global position
+            pos = self.positions(full, x.device)
+            return cos[pos], sin[pos]
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +158,9 @@ class GPTModel(nn.Module):
         """Generation step: logits ``[b, s, vocab]`` (unpadded, gathered over TP) of tokens ``ids``
         ``[b, s]`` that follow the ``kv_cache.length`` positions already in ``kv_cache``, whose keys
         and values it extends.  The whole model only (pp = 1), without sequence parallelism."""
-        if not (self.pre_process and self.post_process) or self.sequence_parallel:
-            raise ValueError("decode needs the whole model (pp = 1) without --sequence-parallel")
+        if not (self.pre_process and self.post_process) or self.sequence_parallel or self.cp_size > 1:
+            raise ValueError("decode needs the whole model (pp = 1) without --sequence-parallel or "
+                             "--context-parallel-size > 1")
         past = kv_cache.length
         x = self.embed(ids, offset=past)
         rope = self._rope(x, offset=past)
@@ -162,15 +182,20 @@ class GPTModel(nn.Module):
         logits = linear(x, self.output_weight(), onednn=self.onednn)  # [s, b, padded_vocab / tp]
         vocab = self.cfg.model.vocab_size
         if labels is None:
-            return gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+            logits = gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
+            return gather_cp_loss(logits, self.mesh.group("cp"), self.cp_size, self.cp_rank)
+        if self.cp_size > 1:
+            labels = split_for_cp(labels, 1, self.cp_size, self.cp_rank)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+        # every CP rank: the whole sequence's per-token loss (the global token mean follows)
+        return gather_cp_loss(loss, self.mesh.group("cp"), self.cp_size, self.cp_rank)
 
 
 # ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------
 def _gather(t: torch.Tensor, param, mesh) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False) and mesh.tp_size > 1:
-        parts = [torch.empty_like(t) for _ in range(mesh.tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=mesh.tp_group)
+    if getattr(param, "tensor_model_parallel", False) and mesh.size("tp") > 1:
+        parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
+        dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
         t = torch.cat(parts, dim=param.partition_dim)
     return t
 

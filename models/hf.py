@@ -143,9 +143,9 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
     mesh = mesh or ParallelMesh.single()
-    if mesh.pp_size != 1:
+    if mesh.size("pp") != 1:
         raise ValueError("from_hf builds the whole model; use a mesh with pipeline-model-parallel size 1")
-    settings = dict(config_from_hf(hf.config), tensor_model_parallel_size=mesh.tp_size,
+    settings = dict(config_from_hf(hf.config), tensor_model_parallel_size=mesh.size("tp"),
                     pipeline_model_parallel_size=1, **(cfg_overrides or {}))
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)
@@ -164,7 +164,7 @@ def to_hf(model: GPTModel, out_dir: str) -> Optional[str]:
     if not (model.pre_process and model.post_process):
         raise ValueError("to_hf needs the whole model (pp = 1); gather pipeline stages first")
     state = full_state_dict(model)
-    if model.mesh.tp_rank != 0 or model.mesh.dp_rank != 0:
+    if model.mesh.coord("tp") != 0 or model.mesh.coord("dp", "cp") != 0:
         return None
     hf_config = hf_config_from(model.cfg)
     hf_config.dtype = str(next(model.parameters()).dtype).replace("torch.", "")

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from megazero.context_parallel import ring_attention
 from megazero.recompute import recompute
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 
@@ -137,9 +138,10 @@ class Attention(nn.Module):
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         self.mesh, self.tracker = mesh, tracker
         self.recompute_core, self.layer_idx = recompute_core, layer_idx
+        self.cp_comm_type = cfg.parallel.cp_comm_type
         self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
         self.q_per_group = m.num_attention_heads // m.num_query_groups
-        self.groups = m.num_query_groups // mesh.tp_size
+        self.groups = m.num_query_groups // mesh.size("tp")
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias
@@ -151,7 +153,12 @@ class Attention(nn.Module):
                                       init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V, causal; ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``."""
+        """softmax(QK^T / sqrt(d)) V, causal; ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``.
+        Under context parallelism ``s`` is this CP rank's part of the sequence (the load-balanced
+        split) and attention runs over the CP group: ring attention (p2p) or Ulysses (a2a), whose
+        kernel never forms the s x s matrix and takes grouped K/V heads as they are."""
+        if self.mesh.size("cp") > 1:
+            return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type)
         if self.q_per_group > 1:  # grouped-query: each key/value head serves q_per_group query heads
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)

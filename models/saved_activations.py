@@ -124,6 +124,22 @@ def _math_set(D: Dims) -> int:
     return 2 * _heads(D) + (_heads(D) if _grouped(D) else 0) + probs * D.E + dropped
 
 
+def _cp_core(D: Dims) -> int:
+    """Context parallelism. Ring attention (:mod:`megazero.context_parallel.ring_attention`) saves q, k,
+    v as given (keys and values are not repeated: the kernel folds the grouped query heads), its
+    output ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s``; the value is a view of the QKV output,
+    so that stays; the output is ``[b, ap, s, d]``-contiguous, so the projection keeps a regrouped copy.
+    Ulysses saves, inside its kernel, the all-to-all'ed q, k, v (keys and values repeated to the
+    query heads when the groups do not divide by CP), its output and log-sum-exp, all of the same
+    size as this rank's share, plus the projection's copy; the QKV output and rotated q/k are not
+    saved by anything."""
+    if D.backend == "ring":
+        rotated_key = D.E * D.T * D.gp * D.d if D.rope else 0
+        return _qkv_out(D) + _query_own(D) + rotated_key + 2 * _heads(D) + _lse(D)
+    groups = D.gp if D.gp % D.cp == 0 else D.ap
+    return D.E * D.T * (D.ap + 2 * groups) * D.d + 2 * _heads(D) + _lse(D)
+
+
 def core_bytes(D: Dims) -> int:
     """What the attention core (``split_qkv``, RoPE, ``repeat_interleave``, SDPA) and the output
     projection's input keep.
@@ -134,6 +150,8 @@ def core_bytes(D: Dims) -> int:
     regrouped copy of the output where it is one (:func:`_proj_copies`).  Math: :func:`_math_set`,
     the QKV output when the value is a view of it, and the projection's regrouped copy of the
     ``[b, ap, s, d]`` output ``E T ap d``."""
+    if D.cp > 1:
+        return _cp_core(D)
     qkv = _qkv_out(D) if _qkv_kept(D) else 0
     if D.backend == "math":
         return _math_set(D) + (qkv if not _grouped(D) else 0) + _heads(D)
@@ -165,6 +183,10 @@ def selective_replay(D: Dims) -> int:
     :func:`_math_set` (its output is not saved inside the core)."""
     if D.backend == "math":
         return _math_set(D)
+    if D.backend == "ring":  # the output and the log-sum-exp (q, k, v are the kept inputs)
+        return _heads(D) + _lse(D)
+    if D.backend == "ulysses":  # its own q, k, v, output and log-sum-exp
+        return _cp_core(D) - _heads(D)
     return (2 * _heads(D) if _grouped(D) else 0) + _heads(D) + _lse(D)
 
 
@@ -226,4 +248,4 @@ def head_bytes(D: Dims) -> int:
         ce = 4 * D.T * D.v + 8 * D.T + 4
     else:
         ce = 4 * D.T * D.vp + 8 * D.T + D.T
-    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T + 4
+    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T * D.cp + 4  # the masked mean: the whole sequence

@@ -99,7 +99,8 @@ def test_llama3_flags_parse_with_megatrons_meaning(tmp_path):
     assert cfg.training.train_iters == 4  # --train-samples 32 / --global-batch-size 8
     ignored = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
     assert len(ignored) == 1
-    for flag in ("--use-mcore-models", "--overlap-param-gather", "--manual-gc", "--context-parallel-size 1",
+    assert cfg.parallel.context_parallel_size == 1  # a megazero setting now, not an ignored flag
+    for flag in ("--use-mcore-models", "--overlap-param-gather", "--manual-gc",
                  "--apply-layernorm-1p", "--calculate-per-token-loss", "--data-cache-path"):
         assert flag in ignored[0], flag
     assert any(n.startswith("--sequence-parallel turned off") for n in cfg.notes)
@@ -141,7 +142,8 @@ def test_first_iterations_follow_megatrons_scheduler(tmp_path):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: context parallelism is not implemented"),
+    (["--context-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 1 x "
+     "--context-parallel-size 2"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--train-samples", "64", "--train-iters", "4"], "--train-iters cannot be used with --train-samples"),

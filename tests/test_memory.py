@@ -38,7 +38,7 @@ def _count(settings):
     par = cfg.parallel
     mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     chunks = models.build_chunks(cfg, mesh)
-    return mesh.pp_rank, sum(p.numel() for c in chunks for p in c.parameters())
+    return mesh.coord("pp"), sum(p.numel() for c in chunks for p in c.parameters())
 
 
 @pytest.mark.parametrize("arch", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -232,7 +232,7 @@ def _optimizer_buckets(settings):
     par = cfg.parallel
     mesh = ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size)
     opt = build_optimizer(models.build_chunks(cfg, mesh), mesh, cfg)
-    return mesh.pp_rank, [(b.chunk, b.unit, b.kind, b.numel) for b in opt.buckets]
+    return mesh.coord("pp"), [(b.chunk, b.unit, b.kind, b.numel) for b in opt.buckets]
 
 
 def _estimated_buckets(settings, pp_rank):
@@ -264,3 +264,26 @@ def test_bucket_plan_has_one_owner(settings, monkeypatch):
         assert smaller == default  # ZeRO-3 never splits a unit
     else:
         assert all(smaller[r] > default[r] for r in default)
+
+
+# ---- context parallelism: activation bytes per rank ----------------------------------------------
+CP_LONG = dict(LLAMA, num_layers=2, seq_length=256, global_batch_size=4, micro_batch_size=1)
+
+
+@pytest.mark.slow
+def test_context_parallel_activations_estimate_and_cp1():
+    """CP 4 holds a quarter of the sequence: its measured activation bytes are within 10% of the
+    estimate and at most 0.3x CP 1's at the same sequence length (CP 1's also within 10%)."""
+    results = {}
+    for cp in (1, 4):
+        settings = dict(CP_LONG, context_parallel_size=cp)
+        cfg = cfg_of(4, **settings)
+        (est,) = estimate_stages(cfg, device="cpu", backend="gloo", saved=SAVED)
+        measured = run_ranks(_measure, 4, settings)
+        for m in measured:
+            error = abs(est["activation_bytes"] - m["activation_bytes"])
+            assert error <= 0.10 * m["activation_bytes"], (cp, m)
+            for key in ("param_bytes", "grad_bytes", "optim_bytes"):
+                assert est[key] == m[key], (cp, key)
+        results[cp] = max(m["activation_bytes"] for m in measured)
+    assert results[4] <= 0.3 * results[1], results

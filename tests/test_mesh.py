@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.mesh import ParallelMesh, rank_groups
+from megazero.mesh import ParallelMesh, axis_groups, rank_groups
 from megazero.local_ranks import RankError, run_ranks
 
 
@@ -68,7 +68,9 @@ def test_rank_groups_errors(args, msg):
 
 
 def test_rank_groups_unknown_order():
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        rank_groups(8, 2, 2, order="tp-xp-pp")
+    with pytest.raises(ValueError, match="does not name axis 'dp', whose size is 2"):
         rank_groups(8, 2, 2, order="tp-ep-pp")
     with pytest.raises(ValueError, match="exactly once"):
         rank_groups(8, 2, 2, order="tp-tp-pp")
@@ -85,13 +87,14 @@ def _mesh_probe():
     out = {}
     for key in ("tp", "dp", "pp", "mp"):
         x = torch.tensor([float(m.rank)])
-        dist.all_reduce(x, group=getattr(m, f"{key}_group"))
+        dist.all_reduce(x, group=m.group(*{"mp": ("tp", "pp")}.get(key, (key,))))
         out[key] = x.item()
     x = torch.tensor([1.0])
-    dist.all_reduce(x, group=m.embedding_group)
+    dist.all_reduce(x, group=m.group("embedding"))
     out["embedding"] = x.item()
-    return dict(out, coords=(m.tp_rank, m.pp_rank, m.dp_rank), first=m.is_first_stage, last=m.is_last_stage,
-                next=m.next_rank, prev=m.prev_rank, backend=m.backend, dp_size=m.dp_size)
+    return dict(out, coords=(m.coord("tp"), m.coord("pp"), m.coord("dp")), first=m.is_first_stage,
+                last=m.is_last_stage,
+                next=m.next_rank, prev=m.prev_rank, backend=m.backend, dp_size=m.size("dp"))
 
 
 def test_parallel_mesh_8_ranks():
@@ -151,3 +154,109 @@ def _device_mesh():
 def test_device_mesh_interop():
     res = run_ranks(_device_mesh, 8)
     assert res == [(r % 2, (r // 2) % 2, r // 4) for r in range(8)]
+
+
+# ---- named axes with context parallelism, against Megatron-core's rule -------------------------
+def megatron_rule(world, sizes, order, masked):
+    """Megatron-core's RankGenerator as its docstring states it (generate_masked_orthogonal_rank_groups):
+    with the axes in ``order`` fastest first, ``global_rank = sum(coord[a] * prod(size of the axes
+    before a))``; the group of the masked axes for group index ``gi`` (the unmasked coordinates, first
+    unmasked axis fastest) lists ``rank_in_group`` = the masked coordinates, first masked axis fastest.
+    Written out here by enumerating coordinates, independently of megazero.mesh."""
+    names = order.split("-")
+    names += [a for a in ("tp", "cp", "ep", "dp", "pp") if a not in names]
+    shape = [sizes.get(a, 1) for a in names]
+
+    def coords(index, dims):  # mixed radix, first dim fastest
+        out = {}
+        for d in dims:
+            out[d] = index % shape[d]
+            index //= shape[d]
+        return out
+    masked_dims = [i for i, a in enumerate(names) if a in masked]
+    other_dims = [i for i, a in enumerate(names) if a not in masked]
+    group_size = 1
+    for d in masked_dims:
+        group_size *= shape[d]
+    groups = []
+    for gi in range(world // group_size):
+        fixed = coords(gi, other_dims)
+        group = []
+        for ri in range(group_size):
+            c = {**fixed, **coords(ri, masked_dims)}
+            rank, stride = 0, 1
+            for d in range(len(names)):
+                rank += c[d] * stride
+                stride *= shape[d]
+            group.append(rank)
+        groups.append(group)
+    return groups
+
+
+def test_megatron_docstring_example():
+    # generate_masked_orthogonal_rank_groups' own example: [tp, dp, pp] = [2, 3, 4], the dp group
+    groups = axis_groups({"tp": 2, "dp": 3, "pp": 4}, "tp-dp-pp", ["dp"])
+    assert groups[0] == [0, 2, 4] and groups[1] == [1, 3, 5] and groups[7] == [19, 21, 23]
+
+
+def test_cp_layout_tp2_cp2_dp2_by_hand():
+    g = rank_groups(8, tp=2, pp=1, cp=2)  # order tp-cp-ep-dp-pp: rank = tp + 2 cp + 4 dp
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["dp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["mp"] == g["tp"] and g["pp"] == [[r] for r in range(8)]
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,order", [
+    (8, 2, 2, 2, "tp-cp-ep-dp-pp"),
+    (16, 2, 4, 1, "tp-cp-ep-dp-pp"),
+    (16, 1, 2, 2, "tp-cp-ep-pp-dp"),
+    (24, 2, 3, 2, "cp-tp-dp-pp"),
+    (32, 2, 2, 4, "tp-pp-cp-dp"),
+])
+def test_cp_layouts_equal_megatron_rank_generator(world, tp, cp, pp, order):
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)}
+    g = rank_groups(world, tp=tp, pp=pp, order=order, cp=cp)
+    for key, masked in (("tp", ["tp"]), ("cp", ["cp"]), ("dp", ["dp"]), ("pp", ["pp"]), ("mp", ["tp", "pp"]),
+                        ("dp-cp", ["dp", "cp"]), ("tp-cp", ["tp", "cp"])):
+        assert g[key] == megatron_rule(world, sizes, order, masked), key
+    assert axis_groups(sizes, order, ["tp", "cp", "dp", "pp"]) == [list(range(world))]
+
+
+def test_order_must_name_axes_of_size_above_one():
+    assert rank_groups(8, tp=2, pp=2, order="tp-dp-pp") == rank_groups(8, tp=2, pp=2)  # cp 1: old strings
+    with pytest.raises(ValueError, match="does not name axis 'cp', whose size is 2"):
+        rank_groups(8, tp=2, pp=1, cp=2, order="tp-dp-pp")
+    with pytest.raises(ValueError, match="context-parallel size 3 x"):
+        rank_groups(8, tp=2, pp=1, cp=3)
+
+
+def test_single_mesh_named_lookup():
+    m = ParallelMesh.single(torch.device("cpu"))
+    assert m.size("tp") == m.size("dp", "cp") == 1 and m.coord("pp") == 0 and m.ranks("dp", "cp") == [0]
+    assert m.group("cp") is None and m.is_first_stage and m.is_last_stage
+    with pytest.raises(ValueError, match="unknown mesh axis 'xp'"):
+        m.size("xp")
+
+
+def _cp_mesh_probe():
+    m = ParallelMesh.build(tp=2, pp=2, cp=2)
+    out = {}
+    for axes in (("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp"), ("tp", "pp")):
+        x = torch.tensor([float(m.rank)])
+        dist.all_reduce(x, group=m.group(*axes))
+        out["-".join(axes)] = (x.item(), m.size(*axes), m.coord(*axes))
+    return out
+
+
+@pytest.mark.slow
+def test_parallel_mesh_with_cp_8_ranks():
+    res = run_ranks(_cp_mesh_probe, 8)
+    layout = rank_groups(8, 2, 2, cp=2)
+    for r, out in enumerate(res):
+        for key, layout_key in (("tp", "tp"), ("cp", "cp"), ("dp", "dp"), ("pp", "pp"), ("dp-cp", "dp-cp"),
+                                ("tp-pp", "mp")):
+            group = next(g for g in layout[layout_key] if r in g)
+            assert out[key] == (sum(group), len(group), group.index(r)), (r, key)

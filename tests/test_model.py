@@ -51,7 +51,7 @@ def sum_sequence_parallel_grads(model):
     """What the optimizer's finish_grad_sync does for sequence-parallel parameters."""
     for p in model.parameters():
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=model.mesh.tp_group)
+            dist.all_reduce(p.grad, group=model.mesh.group("tp"))
 
 
 def _tp_rank_run(style, tp, sp):
@@ -62,7 +62,7 @@ def _tp_rank_run(style, tp, sp):
     logits, loss = step(model, *batch(cfg))
     sum_sequence_parallel_grads(model)
     grads = full_state_dict(model, grads=True)
-    if mesh.tp_rank != 0:
+    if mesh.coord("tp") != 0:
         return dict(loss=loss)
     return dict(weights=weights, logits=logits, loss=loss, grads=grads)
 

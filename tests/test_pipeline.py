@@ -140,7 +140,7 @@ class RecordingSync:
 
 
 def _run_case(mesh, case):
-    pp, r = mesh.pp_size, mesh.pp_rank
+    pp, r = mesh.size("pp"), mesh.coord("pp")
     ranges = stage_layers(case["layers"], pp, r, case.get("vp_layers"), case.get("first"), case.get("last"))
     vp = len(ranges)
     chunks = [ToyChunk(rg, r == 0 and v == 0, r == pp - 1 and v == vp - 1, case["tied"], shared=pp * vp > 1)
@@ -156,7 +156,7 @@ def _run_case(mesh, case):
     shared = [p for c in chunks for p in c.parameters() if getattr(p, "shared_embedding", False)]
     if pp > 1:  # what the optimizer does once per step
         for p in shared:
-            dist.all_reduce(p.grad, group=mesh.embedding_group)
+            dist.all_reduce(p.grad, group=mesh.group("embedding"))
     elif shared:  # one stage holding both the first and the last chunk
         total = sum(p.grad for p in shared)
         for p in shared:
@@ -308,8 +308,8 @@ def test_errors():
     with pytest.raises(RuntimeError, match=r"does not match the configured p2p shape \(5, 2, 4\)"):
         run_schedule(two, mesh, micro_batches(2), schedule="interleaved", num_micro_batches=2,
                      tensor_shape=(S, B, 4))
-    pp2 = ParallelMesh(world_size=2, rank=0, tp_size=1, pp_size=2, dp_size=1, tp_rank=0, pp_rank=0, dp_rank=0,
-                       device=torch.device("cpu"), pp_ranks=[0, 1])
+    pp2 = ParallelMesh.single(torch.device("cpu"))
+    pp2.world_size, pp2.sizes["pp"], pp2.groups[("pp",)] = 2, 2, (None, [0, 1])
     first = [ToyChunk(range(1), True, False), ToyChunk(range(2, 3), False, False)]
     with pytest.raises(ScheduleError, match="allowed counts: 2, 4, 6"):
         run_schedule(first, pp2, micro_batches(3), schedule="interleaved", num_micro_batches=3,
@@ -350,19 +350,19 @@ def _gpt_worker(tp, pp, dp, cases):
     for settings, m in cases:
         cfg = _gpt_cfg(settings, m, tp, pp, dp)
         chunks = build_chunks(cfg, mesh)
-        losses = run_schedule(chunks, mesh, _gpt_batches(cfg, m, seed=mesh.dp_rank),
+        losses = run_schedule(chunks, mesh, _gpt_batches(cfg, m, seed=mesh.coord("dp")),
                               schedule=cfg.parallel.pipeline_schedule, num_micro_batches=m,
                               tensor_shape=p2p_tensor_shape(cfg), dtype=compute_dtype(cfg))
         for c in chunks:
             for p in c.parameters():  # the optimizer's once-per-step reductions
                 if getattr(p, "shared_embedding", False):
-                    dist.all_reduce(p.grad, group=mesh.embedding_group)
+                    dist.all_reduce(p.grad, group=mesh.group("embedding"))
                 if getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=mesh.tp_group)
+                    dist.all_reduce(p.grad, group=mesh.group("tp"))
         grads = {}
         for c in chunks:
             grads.update(full_state_dict(c, grads=True))
-        out.append({"losses": [x.item() for x in losses], "grads": grads, "dp_rank": mesh.dp_rank,
+        out.append({"losses": [x.item() for x in losses], "grads": grads, "dp_rank": mesh.coord("dp"),
                     "last": mesh.is_last_stage})
     return out
 

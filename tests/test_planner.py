@@ -9,8 +9,8 @@ import pytest
 import models
 from megazero.config import parse_args
 from megazero.planning.estimate import estimate_stages
-from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, enumerate_layouts, flags,
-                                       layout_config, model_config, peak_memory, plan, step_time)
+from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, describe, enumerate_layouts,
+                                       flags, layout_config, model_config, peak_memory, plan, step_time)
 
 SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,3 +205,19 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert set(result["predicted_s"]) == {"dp8 zero0 mb2", "tp8 mb4", "tp4 dp2 full mb2"}
     assert "over 3 layouts" in out.stdout
+
+
+def test_context_parallel_proposed_when_nothing_fits_without_it():
+    args = MODEL + ["--attention-dropout", "0"]  # dropout inside ring attention is not implemented
+    cfg = base(seq=4096, gbs=8, args=args)
+    few = dict(micro_batch_sizes=[1], recompute=("none",), zero_stages=(1,))  # a smaller search
+    plain = plan(cfg, 8, hw(80.0), margin=0.0, saved=SAVED, **few)
+    assert plain and all(x.cp == 1 for x in plain)  # it fits: no context parallelism proposed
+    least = min(x.memory_bytes for x in plain)
+    tight = plan(cfg, 8, hw(least / GB * 0.97), margin=0.0, saved=SAVED, **few)
+    assert tight and all(x.cp > 1 for x in tight)
+    best = tight[0]
+    assert best.memory_bytes <= 0.97 * least and f"CP {best.cp}" in describe(best)
+    parsed = parse_args(flags(best, args, cfg) + ["--mock-data"], presets=models.PRESETS, world_size=8)
+    assert parsed.parallel.context_parallel_size == best.cp
+    assert peak_memory(parsed, saved=SAVED) == best.memory_bytes

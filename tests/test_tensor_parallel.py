@@ -36,7 +36,7 @@ F64 = dict(rtol=1e-9, atol=1e-9)
 
 def _mappings(tp):
     mesh = ParallelMesh.build(tp=tp)
-    r = mesh.tp_rank
+    r = mesh.coord("tp")
     full = torch.arange(12 * tp * tp, dtype=torch.float64).reshape(2 * tp, 2, 3 * tp) / 10
     mine_last = full.chunk(tp, -1)[r]
     mine_seq = full.chunk(tp, 0)[r]
@@ -110,9 +110,9 @@ def _layers(tp, sp):
     emb = VocabParallelEmbedding(vocab, padded, h, mesh, reduce_scatter=sp, init=normal_init(1, 0, "e", 1.0))
     col, row, emb = col.double(), row.double(), emb.double()  # float64 end to end: see F64
     with torch.no_grad():
-        col.bias.copy_(torch.arange(f).float().chunk(tp)[mesh.tp_rank])
+        col.bias.copy_(torch.arange(f).float().chunk(tp)[mesh.coord("tp")])
         row.bias.fill_(0.5)
-    xin = (x.chunk(tp)[mesh.tp_rank] if sp else x).clone().requires_grad_()
+    xin = (x.chunk(tp)[mesh.coord("tp")] if sp else x).clone().requires_grad_()
     y = row(col(xin)) + emb(ids)
     (y * y).sum().backward()
     return dict(y=y.detach(), xgrad=xin.grad, col_w=col.weight.grad, row_w=row.weight.grad,
@@ -163,7 +163,7 @@ def _ce_case(vocab, padded, smoothing):
 def _ce_rank(tp, vocab, padded, smoothing):
     mesh = ParallelMesh.build(tp=tp)
     logits, labels, mask = _ce_case(vocab, padded, smoothing)
-    shard = logits.chunk(tp, -1)[mesh.tp_rank].clone().requires_grad_()
+    shard = logits.chunk(tp, -1)[mesh.coord("tp")].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(shard, labels, mesh, vocab, smoothing)
     ((loss * mask).sum() / mask.sum()).backward()
     return loss.detach(), shard.grad

@@ -78,7 +78,7 @@ def _toy_run(cfg, steps=3, micro=2, h=8, recompute_layers=False, poison=(), lr=0
     stats, snaps = [], []
     for s in range(steps):
         opt.zero_grad()
-        x, y = X[s].chunk(mesh.dp_size)[mesh.dp_rank], Y[s].chunk(mesh.dp_size)[mesh.dp_rank]
+        x, y = X[s].chunk(mesh.size("dp"))[mesh.coord("dp")], Y[s].chunk(mesh.size("dp"))[mesh.coord("dp")]
         for m, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             opt.prepare_backward(0, m == micro - 1)
             loss = ((model(xm.to(dtype)).float() - ym) ** 2).mean() / micro
@@ -290,7 +290,7 @@ def _accumulate_steps(chunks, opt, mesh, X, micro, lr):
     norms = []
     for batch in X:
         opt.zero_grad()
-        x = batch.chunk(mesh.dp_size)[mesh.dp_rank]
+        x = batch.chunk(mesh.size("dp"))[mesh.coord("dp")]
         for m, xm in enumerate(x.chunk(micro)):
             for c, chunk in enumerate(chunks):
                 opt.prepare_backward(c, m == micro - 1)
@@ -302,7 +302,7 @@ def _accumulate_steps(chunks, opt, mesh, X, micro, lr):
 
 def _tp_run(stage, tp, steps=3, micro=2):
     mesh = _mesh(tp=tp)
-    model = TPToy(mesh.tp_size, mesh.tp_rank)
+    model = TPToy(mesh.size("tp"), mesh.coord("tp"))
     opt = build_optimizer([model], mesh, _cfg(stage, "adam", clip=0.05, bucket=20))
     X = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(2))
     norms = _accumulate_steps([model], opt, mesh, X, micro, lr=0.05)
@@ -540,7 +540,7 @@ def _overlapped_gather(stage):
         model = Toy(h=8, n=3)
         opt = build_optimizer([model], mesh, _cfg(stage, "adam", bucket=100, overlap_param_gather=overlap))
         X, Y = _data(2)
-        x, y = X[0].chunk(mesh.dp_size)[mesh.dp_rank], Y[0].chunk(mesh.dp_size)[mesh.dp_rank]
+        x, y = X[0].chunk(mesh.size("dp"))[mesh.coord("dp")], Y[0].chunk(mesh.size("dp"))[mesh.coord("dp")]
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step(0.05)
@@ -596,7 +596,7 @@ def _fused_wgrad_step(stages, tp=1, **extra):
         before = {n: t.clone() for n, t in full_state_dict(chunk).items()}  # ZeRO-3 frees the storage
         opt = build_optimizer([chunk], mesh, cfg)
         fused = {n for n, p in chunk.named_parameters() if hasattr(p, "write_grad")}
-        batches = micro_batches(build_data(cfg), 0, 8, 2, mesh.dp_rank, mesh.dp_size)
+        batches = micro_batches(build_data(cfg), 0, 8, 2, mesh.coord("dp"), mesh.size("dp"))
         opt.zero_grad()
         for m, mb in enumerate(batches):
             opt.prepare_backward(0, m == len(batches) - 1)

@@ -38,9 +38,9 @@ def check_params(meta: dict, chunks, optimizer, mesh, cfg, path: str, hint: str)
         saved = meta["params"].get(key)
         if saved is None:
             raise CheckpointError(f"{path}: parameter {label} is not in the checkpoint{suffix}")
-        mine = param_info(p, shapes.get(p, p.shape), mesh.pp_rank)
+        mine = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
         have = full_shape(saved, meta["layout"]["tp"], meta["model"]["vocab_size"])
-        want = full_shape(mine, mesh.tp_size, cfg.model.vocab_size)
+        want = full_shape(mine, mesh.size("tp"), cfg.model.vocab_size)
         if have != want or saved["split"] != mine["split"] or (mine["split"] and saved["dim"] != mine["dim"]):
             raise CheckpointError(f"{path}: parameter {label} has shape {have} in the checkpoint but {want} "
                                   f"in this model{suffix}")
@@ -59,10 +59,10 @@ def _fill_bucket(src: SavedShards, b, names, shapes, mesh, keys: List[str], lo: 
     starts = {id(p): s for p, s in zip(b.params, b.starts)}
     covered = lo
     for p, a, e in b.segments(lo, hi):
-        new = param_info(p, shapes[p], mesh.pp_rank)
+        new = param_info(p, shapes[p], mesh.coord("pp"))
         name, s = saved_name(names[id(p)], p), starts[id(p)]
         for k in keys:
-            fill_range(src, name, k, new, mesh.tp_rank, a - s, dest[k][a - lo:e - lo])
+            fill_range(src, name, k, new, mesh.coord("tp"), a - s, dest[k][a - lo:e - lo])
         covered = max(covered, e)
     for k in keys:
         dest[k][covered - lo:] = 0.0
@@ -83,8 +83,8 @@ def verify_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]
             _fill_bucket(src, b, names, shapes, mesh, keys, lo, hi, {k: _sink(hi - lo) for k in keys})
             src.release()  # the mapped pages of this bucket leave this process's memory
         for name, p in _frozen(chunks, shapes):
-            info = param_info(p, p.shape, mesh.pp_rank)
-            fill_range(src, saved_name(name, p), "master", info, mesh.tp_rank, 0, _sink(p.numel()))
+            info = param_info(p, p.shape, mesh.coord("pp"))
+            fill_range(src, saved_name(name, p), "master", info, mesh.coord("tp"), 0, _sink(p.numel()))
     finally:
         src.verify_only = False
 
@@ -116,6 +116,6 @@ def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) 
     with torch.no_grad():
         for name, p in _frozen(chunks, shapes):
             values = np.empty(p.numel(), dtype=np.float32)
-            info = param_info(p, p.shape, mesh.pp_rank)
-            fill_range(src, saved_name(name, p), "master", info, mesh.tp_rank, 0, values)
+            info = param_info(p, p.shape, mesh.coord("pp"))
+            fill_range(src, saved_name(name, p), "master", info, mesh.coord("tp"), 0, values)
             p.copy_(torch.from_numpy(values).view(p.shape))

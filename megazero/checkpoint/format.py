@@ -43,13 +43,19 @@ def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 
 
 def layout_of(cfg, mesh) -> Dict[str, object]:
-    """Everything that decides which rank holds what (RNG states are kept only when it matches)."""
+    """Everything that decides which rank holds what (RNG states are kept only when it matches).
+    ``dp`` counts the optimizer shards (dp x cp: ZeRO shards over both, as Megatron-LM's distributed
+    optimizer does); ``cp`` is recorded only when > 1, so CP 1 layouts read as before."""
     par = cfg.parallel
-    return {"world_size": mesh.world_size, "tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
-            "zero_stage": par.zero_stage, "rank_order": mesh.order,
-            "virtual_stage_layers": par.num_layers_per_virtual_pipeline_stage,
-            "first_stage_layers": par.decoder_first_pipeline_num_layers,
-            "last_stage_layers": par.decoder_last_pipeline_num_layers}
+    out = {"world_size": mesh.world_size, "tp": mesh.size("tp"), "pp": mesh.size("pp"),
+           "dp": mesh.size("dp", "cp"),
+           "zero_stage": par.zero_stage, "rank_order": mesh.order,
+           "virtual_stage_layers": par.num_layers_per_virtual_pipeline_stage,
+           "first_stage_layers": par.decoder_first_pipeline_num_layers,
+           "last_stage_layers": par.decoder_last_pipeline_num_layers}
+    if mesh.size("cp") > 1:
+        out["cp"] = mesh.size("cp")
+    return out
 
 
 def scheduler_of(cfg) -> Dict[str, object]:

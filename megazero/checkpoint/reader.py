@@ -111,7 +111,7 @@ def _read_rng(path: str, meta: dict, chunks, mesh, cfg) -> Optional[dict]:
         return {k: v for k, v in layout.items() if k != "zero_stage"}
     if comparable(meta["layout"]) != comparable(layout_of(cfg, mesh)):
         return None
-    name = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    name = rng_file(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     if name not in meta["files"]:
         raise CheckpointCorrupt(f"{path}: {name} is not in the checkpoint's file list")
     fpath = check_file(path, name, meta["files"][name])
@@ -136,7 +136,7 @@ def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
     seed = cfg.training.seed + RESEED_STRIDE * int(meta["iteration"])
     seed_default_generators(seed, mesh)
     for t in trackers:
-        t.set_state(RNGTracker(seed, mesh.tp_rank, mesh.device).get_state())
+        t.set_state(RNGTracker(seed, mesh.coord("tp"), mesh.device).get_state())
     return False
 
 

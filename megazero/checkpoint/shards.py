@@ -107,23 +107,23 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     ``named``: ``[(global name, param)]`` of this rank.  Raises on a NaN/inf or an I/O error."""
     names = {id(p): n for n, p in named}
     shapes = optimizer.param_shapes()
-    stem = shard_stem(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     writer = BlockWriter(os.path.join(directory, stem + ".bin"))
     entries, params = [], {}
     try:
         for b in optimizer.buckets:
-            lo, segs, host = _bucket_pieces(optimizer, b, mesh.tp_rank, mesh.dp_rank, names)
+            lo, segs, host = _bucket_pieces(optimizer, b, mesh.coord("tp"), mesh.coord("dp", "cp"), names)
             for key, t in host.items():
                 _refuse_nonfinite(t, segs, lo, key)
                 for name, p, a, e, start in segs:
                     offset = writer.write(t[a - lo:e - lo].numpy())
                     entries.append([name, key, a - start, e - start, offset])
             for name, p, a, e, start in segs:
-                params[name] = param_info(p, shapes.get(p, p.shape), mesh.pp_rank)
-        if mesh.dp_rank == 0:  # parameters without optimizer state: the weight itself
+                params[name] = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
+        if mesh.coord("dp", "cp") == 0:  # parameters without optimizer state: the weight itself
             for name, p in named:
-                if p not in shapes and writes(p, mesh.tp_rank):
-                    _write_weight(writer, entries, params, name, p, mesh.pp_rank)
+                if p not in shapes and writes(p, mesh.coord("tp")):
+                    _write_weight(writer, entries, params, name, p, mesh.coord("pp"))
     finally:
         crcs = writer.close()
     return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
@@ -138,13 +138,13 @@ def write_weights_shard(directory: str, named, mesh, run_id: str,
     ``values(name, p)``: the parameter's full values when they are not in ``p`` itself (a model on the
     meta device: a conversion streams them one at a time); a vocabulary-padded parameter may get its
     unpadded rows, the padding is written as zeros."""
-    stem = shard_stem(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    stem = shard_stem(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     writer = BlockWriter(os.path.join(directory, stem + ".bin"))
     entries, params = [], {}
     try:
         for name, p in named:
-            if writes(p, mesh.tp_rank):
-                _write_weight(writer, entries, params, name, p, mesh.pp_rank,
+            if writes(p, mesh.coord("tp")):
+                _write_weight(writer, entries, params, name, p, mesh.coord("pp"),
                               values(name, p) if values is not None else None)
     finally:
         crcs = writer.close()
@@ -168,8 +168,8 @@ def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: in
 def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh,
                  run_id: str) -> Dict[str, dict]:
     """Write the shard's index (entries, block checksums) durably; ``{file: size/crc}`` of both files."""
-    index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.tp_rank, "pp": mesh.pp_rank,
-             "dp": mesh.dp_rank, "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
+    index = {"format": SHARD_FORMAT, "run_id": run_id, "tp": mesh.coord("tp"), "pp": mesh.coord("pp"),
+             "dp": mesh.coord("dp", "cp"), "size": writer.offset, "block": BLOCK, "block_crc32": crcs,
              "entries": entries}
     index_path = os.path.join(directory, stem + ".json")
     write_bytes_durably(index_path, lambda fh: fh.write(json.dumps(index).encode()))

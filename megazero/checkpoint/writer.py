@@ -149,7 +149,7 @@ def _prepare(directory: str, tmp: str, mesh) -> None:
 def _write_rank(tmp: str, chunks, optimizer, mesh, run_id: str):
     """This rank's shard and RNG state; returns ``(files, params)``."""
     files, params = write_rank_shard(tmp, optimizer, named_params(chunks), mesh, run_id)
-    rng = rng_file(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank)
+    rng = rng_file(mesh.coord("tp"), mesh.coord("pp"), mesh.coord("dp", "cp"))
     _write(_rng_payload(chunks, mesh), os.path.join(tmp, rng))
     files[rng] = describe_file(os.path.join(tmp, rng))
     return files, params

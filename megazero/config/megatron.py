@@ -6,8 +6,7 @@ Every flag of Megatron-LM's parser (the pinned list ``megatron_flags.txt``) has 
   ``--lr-warmup-fraction``, ``--tokenizer-type`` ...);
 - :data:`SWITCHES` and :data:`ALIASES`: aliases with Megatron-LM's meaning (``--swiglu`` is
   ``--activation swiglu``); :data:`SPECIAL`: flags with a rule of their own, applied in
-  :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ``--context-parallel-size``,
-  ...);
+  :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ...);
 - the tables of :mod:`megazero.config.megatron_table`: ignored flags (named with the reason on one
   start-up line, rank 0), flags accepted only at Megatron-LM's default, and refused flags (named,
   with what to do instead).
@@ -49,7 +48,6 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                                     "--num-query-groups applies only with this flag (Megatron-LM's rule)."),
     "--grad-reduce-in-bf16": dict(action="store_true", help="Reduce gradients in bf16 "
                                   "(= --grad-reduce-dtype param with --bf16)."),
-    "--context-parallel-size": dict(type=int, help="Only 1 (no context parallelism)."),
     "--rotary-percent": dict(type=float, help="Only 1.0 (rotary embeddings on the whole head)."),
     "--calculate-per-token-loss": dict(action="store_true", help="Average the loss over tokens: the "
                                        "same number here unless --eod-mask-loss, which it is refused with."),
@@ -207,12 +205,6 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
             raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 "
                               "parameter dtype); add --bf16 or drop the flag")
         out["grad_reduce_dtype"] = "param"
-    cp = given.get("--context-parallel-size")
-    if cp is not None and cp != 1:
-        raise ConfigError(f"--context-parallel-size {cp}: context parallelism is not implemented; use 1 "
-                          "(or drop the flag)")
-    if cp == 1:
-        ignored.append("--context-parallel-size 1 (no context parallelism is the only kind here)")
     rp = given.get("--rotary-percent")
     if rp is not None and rp != 1.0:
         raise ConfigError(f"--rotary-percent {rp}: partial rotary embeddings are not implemented; use 1.0")

@@ -48,7 +48,8 @@ _FSDP = "Megatron-FSDP / torch FSDP2 is not implemented; megazero shards paramet
 _RL = "reinforcement learning (GRPO) is not implemented"
 _MLA = "multi-latent attention (and its YaRN RoPE) is not implemented"
 _HYBRID = "Mamba, linear-attention and hybrid layer stacks are not implemented (transformer layers only)"
-_CP = "context parallelism is not implemented; use --context-parallel-size 1"
+_CP = "only plain context parallelism is implemented: use --context-parallel-size N with --cp-comm-type " \
+      "p2p or a2a"
 
 IGNORED: Dict[str, str] = {
     "--use-mcore-models": "megazero has one GPT implementation",
@@ -245,7 +246,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--weight-decay-incr-style": (("constant",), "weight decay is constant (--weight-decay); a weight-decay "
                                                  "schedule is not implemented"),
     "--softmax-type": (("vanilla",), "attention uses the plain softmax"),
-    "--cp-comm-type": (("p2p", "all_gather", "a2a", "a2a+p2p"), "no effect without context parallelism"),
     "--recompute-modules": (("core_attn",), "--recompute-granularity selective recomputes the attention core "
                                             "(core_attn) only"),
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),

@@ -39,6 +39,12 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = _f(None, "Pipeline schedule: gpipe, 1f1b or interleaved (default: "
                                           "interleaved with virtual stages, else 1f1b).",
                                           choices=["gpipe", "1f1b", "interleaved"])
+    context_parallel_size: int = _f(
+        1, "Ranks that split every sequence (context parallel): 2N chunks, rank i holds chunks i and "
+        "2N-1-i; attention runs as ring attention (or Ulysses) over the CP group.", type=int)
+    cp_comm_type: str = _f("p2p", "Context-parallel attention: p2p (ring attention, K/V blocks passed "
+                           "around the CP group) or a2a (Ulysses all-to-all between sequence and heads).",
+                           choices=["p2p", "a2a"])
     sequence_parallel: bool = _f(False, "Split activations along the sequence in the non-tensor-parallel "
                                  "regions (needs --tensor-model-parallel-size > 1).")
     zero_stage: int = _f(0, "ZeRO stage on the data-parallel axis: 0 plain DP, 1 optimizer state, "
@@ -61,10 +67,11 @@ class ParallelConfig:
         flag_help="Stages 1/2: wait for the parameter all-gather inside the "
         "optimizer step.")
     rank_order: str = _f(
-        "tp-dp-pp", "Order of the axes in the rank number, fastest first (Megatron: tp-dp-pp).")
+        "tp-cp-ep-dp-pp", "Order of the mesh axes in the rank number, fastest first (Megatron-core's "
+        "default tp-cp-ep-dp-pp; axes of size 1 may be left out, e.g. tp-dp-pp).")
     # derived (see Derived)
     world_size: int = _f(1, "Number of processes (taken from WORLD_SIZE; not a flag).", derived=True)
-    data_parallel_size: int = _f(1, "world size / (tp x pp) (derived).", derived=True)
+    data_parallel_size: int = _f(1, "world size / (tp x cp x pp) (derived).", derived=True)
     virtual_pipeline_model_parallel_size: int = _f(
         1, "Model chunks per pipeline stage (derived).", derived=True)
 

@@ -48,9 +48,9 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     _check_world(given, world_size)
     resolved = given.resolved(derive(given, world_size))
     data = (_check_data,) if check_data else ()
-    for check in (_check_model, _check_sequence_parallel, _check_pipeline, _check_batch, _check_zero,
-                  _check_precision, _check_recompute, _check_optimizer, _check_checkpoint, *data,
-                  _check_resilience):
+    for check in (_check_model, _check_context_parallel, _check_sequence_parallel, _check_pipeline,
+                  _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
+                  _check_checkpoint, *data, _check_resilience):
         check(resolved)
     return resolved
 
@@ -59,7 +59,7 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
     """The derived values of settings ``cfg`` (as given) on ``world_size`` ranks; pure."""
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * max(1, par.context_parallel_size))
     index = field_index()
     filled = {name: value for name, value in _default_rules(cfg, dp).items()
               if getattr(getattr(cfg, index[name][0]), name) is None}
@@ -156,13 +156,45 @@ def _check_batch_schedule(cfg: MegazeroConfig) -> None:
 def _check_world(cfg: MegazeroConfig, world: int) -> None:
     par = cfg.parallel
     from megazero.mesh import parse_rank_order
-    with _owned_rule("--rank-order: "):
-        parse_rank_order(par.rank_order)
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    _check(isinstance(cp, int) and cp >= 1, f"--context-parallel-size must be a positive integer, got {cp}")
     _check(world % (tp * pp) == 0,
            f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
            f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
            "or change the sizes")
+    _check(world % (tp * cp * pp) == 0,
+           f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+           f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; launch a "
+           f"multiple of {tp * cp * pp} processes or change the sizes")
+    with _owned_rule("--rank-order: "):
+        parse_rank_order(par.rank_order, {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)})
+
+
+def _check_context_parallel(cfg: MegazeroConfig) -> None:
+    """The sequence must cut into 2 x CP chunks (and each into TP pieces under sequence parallelism);
+    Ulysses needs the heads on a rank to divide by CP; attention dropout is not implemented under CP."""
+    from megazero.context_parallel import check_comm_type, check_cp_seq_length
+    par, mod = cfg.parallel, cfg.model
+    cp, tp = par.context_parallel_size, par.tensor_model_parallel_size
+    with _owned_rule(""):
+        check_comm_type(par.cp_comm_type)
+    if cp == 1:
+        return
+    with _owned_rule(""):
+        check_cp_seq_length(mod.seq_length, cp)
+    local = mod.seq_length // cp
+    _check(not par.sequence_parallel or local % tp == 0,
+           f"--sequence-parallel with --context-parallel-size {cp}: each CP rank's {local} tokens "
+           f"(--seq-length {mod.seq_length} / {cp}) must divide by --tensor-model-parallel-size {tp}; "
+           f"use a --seq-length divisible by {2 * cp * tp}")
+    heads = mod.num_attention_heads // tp
+    _check(par.cp_comm_type != "a2a" or heads % cp == 0,
+           f"--cp-comm-type a2a splits the {heads} attention heads of a rank (--num-attention-heads "
+           f"{mod.num_attention_heads} / --tensor-model-parallel-size {tp}) over --context-parallel-size "
+           f"{cp}, which must divide them; use --cp-comm-type p2p or change the sizes")
+    _check(mod.attention_dropout == 0.0,
+           f"--attention-dropout {mod.attention_dropout} with --context-parallel-size {cp}: dropout inside "
+           "ring/Ulysses attention is not implemented; use --attention-dropout 0")
 
 
 def _check_model(cfg: MegazeroConfig) -> None:

@@ -141,7 +141,7 @@ def _take(micro_batches: Iterable[dict], m: int) -> List[dict]:
 
 
 def _check_chunks(chunks, mesh) -> None:
-    pp, r, vp = mesh.pp_size, mesh.pp_rank, len(chunks)
+    pp, r, vp = mesh.size("pp"), mesh.coord("pp"), len(chunks)
     for v, chunk in enumerate(chunks):
         pre, post = r == 0 and v == 0, r == pp - 1 and v == vp - 1
         if bool(getattr(chunk, "pre_process", pre)) != pre or \
@@ -162,7 +162,7 @@ class _Stage:
 
     def __init__(self, chunks, mesh, mbs: List[dict], actions: Sequence[Action], grad_sync, loss_scale: float,
                  forward_only: bool, deallocate_outputs: bool):
-        self.chunks, self.mbs, self.dev, self.pp_rank = chunks, mbs, mesh.device, mesh.pp_rank
+        self.chunks, self.mbs, self.dev, self.pp_rank = chunks, mbs, mesh.device, mesh.coord("pp")
         self.grad_sync, self.loss_scale = grad_sync, loss_scale
         self.forward_only, self.deallocate_outputs = forward_only, deallocate_outputs
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "bwd"}
@@ -303,7 +303,7 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     m, vp = num_micro_batches, len(chunks)
     _check_chunks(chunks, mesh)
     if isinstance(schedule, str):
-        actions = build_schedule(schedule, mesh.pp_size, m, vp, forward_only)[mesh.pp_rank]
+        actions = build_schedule(schedule, mesh.size("pp"), m, vp, forward_only)[mesh.coord("pp")]
     else:
         actions = list(schedule)
     stage = _Stage(chunks, mesh, _take(micro_batches, m), actions, grad_sync, loss_scale, forward_only,

@@ -24,7 +24,7 @@ from megazero.pipeline.schedules import Action, peer
 
 def p2p_tensor_shape(cfg) -> Tuple[int, int, int]:
     """Shape of the tensor sent between stages, from a validated config."""
-    seq = cfg.model.seq_length
+    seq = cfg.model.seq_length // cfg.parallel.context_parallel_size
     if cfg.parallel.sequence_parallel:
         seq //= cfg.parallel.tensor_model_parallel_size
     return (seq, cfg.training.micro_batch_size, cfg.model.hidden_size)
@@ -32,8 +32,8 @@ def p2p_tensor_shape(cfg) -> Tuple[int, int, int]:
 
 def peer_rank(mesh, action: Action, vp: int = 1) -> int:
     """Global rank at the other end of a communication action of this rank."""
-    stage, _ = peer(action, mesh.pp_rank, mesh.pp_size, vp)
-    return mesh.pp_ranks[stage]
+    stage, _ = peer(action, mesh.coord("pp"), mesh.size("pp"), vp)
+    return mesh.ranks("pp")[stage]
 
 
 class StageComm:
@@ -70,13 +70,13 @@ class StageComm:
                     self._to_self.append(t.clone())
                     self._sends.append((a, [], t))
                 else:
-                    ops.append(dist.P2POp(dist.isend, t, other, self.mesh.pp_group))
+                    ops.append(dist.P2POp(dist.isend, t, other, self.mesh.group("pp")))
                     actions.append((a, t))
             elif other == self.mesh.rank:
                 received[a] = self._to_self.popleft()
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-                ops.append(dist.P2POp(dist.irecv, buf, other, self.mesh.pp_group))
+                ops.append(dist.P2POp(dist.irecv, buf, other, self.mesh.group("pp")))
                 actions.append((a, buf))
                 received[a] = buf
         if ops:
@@ -93,7 +93,7 @@ class StageComm:
     def _checked(self, a: Action, t: torch.Tensor) -> torch.Tensor:
         if t.shape != self.shape or t.dtype != self.dtype:
             raise RuntimeError(
-                f"pipeline stage {self.mesh.pp_rank} {a}: tensor {tuple(t.shape)} {t.dtype} does not "
+                f"pipeline stage {self.mesh.coord('pp')} {a}: tensor {tuple(t.shape)} {t.dtype} does not "
                 f"match the configured p2p shape {tuple(self.shape)} {self.dtype} "
                 "([seq (/tp with sequence parallel), micro batch, hidden] in the compute dtype)")
         return t
@@ -117,6 +117,6 @@ class StageComm:
         """End of the schedule: every send completed (returned, as :meth:`complete_sends`), and no
         receive left unused."""
         if self._recvs:
-            raise RuntimeError(f"pipeline stage {self.mesh.pp_rank}: receives "
+            raise RuntimeError(f"pipeline stage {self.mesh.coord('pp')}: receives "
                                f"{sorted(map(str, self._recvs))} were posted but never used")
         return self.complete_sends()

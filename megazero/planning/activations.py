@@ -5,8 +5,9 @@ What each part of the model saves is declared by the model (for megazero's GPT,
 ``embedding_bytes(D)``, ``layer_segments(D, selective)``, ``group_segment(D, n_layers)``,
 ``rope_bytes(D)`` and ``head_bytes(D)`` of a :class:`Dims` (per micro-batch, on one rank), in
 :class:`Segment` s where backward frees in steps.  Notation: ``s`` sequence, ``b`` micro-batch,
-``h`` hidden, ``T = s*b`` tokens, ``Tl`` the tokens a rank holds outside the tensor-parallel
-regions (``T / tp`` under sequence parallelism, else ``T``), ``ap = heads / tp`` and
+``h`` hidden, ``T = s*b`` tokens (``s``: a CP rank's ``seq / cp`` under context parallelism),
+``Tl`` the tokens a rank holds outside the tensor-parallel regions (``T / tp`` under sequence
+parallelism, else ``T``), ``ap = heads / tp`` and
 ``gp = query_groups / tp`` heads per rank of ``d`` channels, ``fp = ffn / tp``, ``Vp`` the padded
 vocabulary per TP rank, ``E`` bytes of the compute dtype (4 fp32, 2 bf16/fp16), ``M`` bytes of a
 dropout mask element (``E`` on CPU, where dropout multiplies by a mask of the input's dtype; 1 on
@@ -54,8 +55,9 @@ class Dims:
     half: bool
     hidden_dropout: bool
     attention_dropout: bool
-    backend: str  # "flash", "efficient" or "math"
+    backend: str  # "flash", "efficient", "math", or "ring" / "ulysses" (context parallel)
     device: str   # "cpu" or "cuda"
+    cp: int = 1   # context-parallel size: ``s`` is then this CP rank's share of the sequence
 
     @property
     def T(self) -> int:
@@ -81,14 +83,18 @@ def dims(cfg, device: str = "cuda") -> Dims:
     tp = par.tensor_model_parallel_size
     half = bool(pre.bf16 or pre.fp16)
     E = 2 if half else 4
-    return Dims(s=m.seq_length, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
+    cp = par.context_parallel_size
+    backend = sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels)
+    if cp > 1:
+        backend = "ring" if par.cp_comm_type == "p2p" else "ulysses"
+    return Dims(s=m.seq_length // cp, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
                 sp=bool(par.sequence_parallel), E=E, M=E if device == "cpu" else 1,
                 ap=m.num_attention_heads // tp, gp=m.num_query_groups // tp, d=m.kv_channels,
                 fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp, v=m.vocab_size,
                 rope=m.position_embedding_type == "rope", rms=m.normalization == "RMSNorm",
                 swiglu=m.activation == "swiglu", half=half, hidden_dropout=m.hidden_dropout > 0,
                 attention_dropout=m.attention_dropout > 0,
-                backend=sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels), device=device)
+                backend=backend, device=device, cp=cp)
 
 
 class Segment(NamedTuple):

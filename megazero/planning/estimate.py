@@ -151,7 +151,8 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     out["in_flight_micro_batches"] = in_flight(cfg, pp_rank)
     on_device = [k for k in COMPONENTS if not (k == "optim_bytes" and ms["optim_on_cpu"])]
     out["total_bytes"] = sum(int(out[k]) for k in on_device)
-    largest_shard = ms["max_bucket_elements"] // cfg.parallel.data_parallel_size
+    par = cfg.parallel
+    largest_shard = ms["max_bucket_elements"] // (par.data_parallel_size * par.context_parallel_size)
     out["host_bytes"] = ms["optim_bytes"] + (4 * largest_shard if device != "cpu" else 0) \
         if ms["optim_on_cpu"] else 0
     return out

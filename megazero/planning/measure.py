@@ -157,8 +157,8 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     data = build_data(cfg)
     for it in range(1, iters + 1):
         optimizer.zero_grad()
-        batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
-                                mesh.dp_size, device=mesh.device)
+        batches = micro_batches(data, it - 1, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
+                                mesh.size("dp"), device=mesh.device)
         with tracker:
             run_schedule(chunks, mesh, batches, schedule=cfg.parallel.pipeline_schedule,
                          num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg), dtype=dtype,
@@ -166,7 +166,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
         optimizer.finish_grad_sync()
         optimizer.step(lr_from_config(cfg, it))
     out: Dict[str, object] = {k: int(v) for k, v in dict(optimizer.memory_bytes()).items()}
-    out.update(rank=mesh.rank, pp_rank=mesh.pp_rank, tp_rank=mesh.tp_rank, dp_rank=mesh.dp_rank,
+    out.update(rank=mesh.rank, pp_rank=mesh.coord("pp"), tp_rank=mesh.coord("tp"), dp_rank=mesh.coord("dp"),
                activation_bytes=tracker.peak, saved_param_bytes=tracker.param_peak,
                pipeline_input_bytes=timer.peak_input_bytes, live_after=tracker.live)
     if mesh.device.type == "cuda":

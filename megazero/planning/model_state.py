@@ -109,7 +109,7 @@ def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[Bu
     (:func:`megazero.zero.buckets.bucket_groups` and :func:`~megazero.zero.buckets.cut_buckets`)
     over the chunks' parameter descriptions."""
     par = cfg.parallel
-    dp = par.data_parallel_size
+    dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
     items = [[(c, i) for i in range(len(specs))] for c, specs in enumerate(chunks)]
     groups = bucket_groups(items, lambda x: chunks[x[0]][x[1]].unit, zero_stage,
                            overlaps_param_gather(zero_stage, dp, par.overlap_param_gather))
@@ -149,7 +149,7 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
     so it never sets the peak."""
     G = bytes_per_element(cfg)["G"]
-    dp = cfg.parallel.data_parallel_size
+    dp = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # dp x cp
     K = cfg.parallel.max_reductions_in_flight
     gloo_fp32 = backend == "gloo" and G == 4
     if zero_stage == 0 or dp == 1 and zero_stage == 1:
@@ -200,7 +200,7 @@ def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
 def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
     """Model-state bytes of one rank of stage ``pp_rank`` under ``zero_stage`` (module docstring)."""
     par = cfg.parallel
-    dp = par.data_parallel_size
+    dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
     chunks = rank_chunks(cfg, pp_rank)
     buckets = plan_buckets(cfg, chunks, zero_stage)
     n = sum(b.numel for b in buckets)

@@ -3,7 +3,8 @@
 :func:`enumerate_layouts` walks tensor parallelism (within a node, dividing heads, query groups,
 hidden and FFN sizes), pipeline parallelism (dividing the layers) with virtual stages (the
 interleaved schedule), data parallelism, ZeRO stage, recomputation, sequence parallelism and
-micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
+micro-batch size; context parallelism (the sequence split over CP ranks, ring attention) only when
+no layout fits without it.  :func:`plan` keeps the layouts whose most loaded rank
 (:func:`megazero.planning.estimate.estimate_stages`) fits ``(1 - margin) x`` GPU memory and ranks them by
 :func:`step_time`, a model of one optimizer step:
 
@@ -23,6 +24,9 @@ micro-batch size.  :func:`plan` keeps the layouts whose most loaded rank
   bucket is one collective and pays the link's latency.  Reductions overlap the backward that
   produces them, except the last bucket (a quarter of the model by default); the post-step
   all-gather is exposed; ZeRO-3's gathers overlap compute;
+- context parallelism: a CP rank computes ``s / cp`` tokens; per layer and micro-batch the ring
+  passes ``cp - 1`` K/V blocks forward and K/V plus dK/dV blocks backward (one more pass with
+  recomputation), counted as exposed; gradients reduce over dp x cp;
 - optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
 - a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` fits it, the
   intercept of a real layer's time against its FLOPs, which matters for small models on CPUs).
@@ -105,6 +109,7 @@ class Layout:
     micro_batch_size: int
     memory_bytes: int = 0
     step: Dict[str, float] = field(default_factory=dict)
+    cp: int = 1  # context-parallel size (proposed only when nothing fits without it)
 
     def settings(self, num_layers: int) -> Dict[str, object]:
         """Config fields (``megazero.config`` names) of this layout."""
@@ -112,6 +117,8 @@ class Layout:
                                   "pipeline_model_parallel_size": self.pp,
                                   "zero_stage": self.zero_stage, "micro_batch_size": self.micro_batch_size,
                                   "sequence_parallel": self.sequence_parallel}
+        if self.cp > 1:
+            out["context_parallel_size"] = self.cp
         if self.vpp > 1:
             out["num_layers_per_virtual_pipeline_stage"] = num_layers // (self.pp * self.vpp)
         if self.recompute != "none":
@@ -125,17 +132,18 @@ def _divisors(n: int) -> List[int]:
 
 def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Optional[Sequence[int]] = None,
                       recompute: Sequence[str] = RECOMPUTE, zero_stages: Sequence[int] = (0, 1, 2, 3),
-                      max_vpp: int = 4) -> Iterable[Layout]:
-    """Every layout the config's divisibility rules allow on ``gpus`` GPUs (validated configs)."""
+                      max_vpp: int = 4, context_parallel: bool = False) -> Iterable[Layout]:
+    """Every layout the config's divisibility rules allow on ``gpus`` GPUs (validated configs);
+    ``context_parallel``: only the layouts with CP > 1 (the sequence cut into 2 CP chunks)."""
     m, gbs = cfg.model, cfg.training.global_batch_size
-    for tp in _divisors(min(gpus_per_node, gpus)):
-        if gpus % tp or any(x % tp for x in (m.num_attention_heads, m.num_query_groups, m.hidden_size,
-                                             m.ffn_hidden_size)):
+    for tp, pp in itertools.product(_divisors(min(gpus_per_node, gpus)), _divisors(m.num_layers)):
+        if gpus % (tp * pp) or any(x % tp for x in (m.num_attention_heads, m.num_query_groups,
+                                                    m.hidden_size, m.ffn_hidden_size)):
             continue
-        for pp in _divisors(m.num_layers):
-            if gpus % (tp * pp):
-                continue
-            dp = gpus // (tp * pp)
+        cps = [c for c in _divisors(gpus // (tp * pp)) if c > 1 and m.seq_length % (2 * c) == 0
+               and m.attention_dropout == 0]  # dropout inside ring attention is not implemented
+        for cp in (cps if context_parallel else [1]):
+            dp = gpus // (tp * pp * cp)
             if gbs % dp:
                 continue
             mbs = micro_batch_sizes or [b for b in (1, 2, 4, 8, 16) if (gbs // dp) % b == 0]
@@ -143,11 +151,11 @@ def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Opt
             for vpp, mb, zero, rc, sp in itertools.product(vpps, mbs, zero_stages, recompute,
                                                            (False, True) if tp > 1 else (False,)):
                 n_micro = gbs // (dp * mb) if gbs % (dp * mb) == 0 else 0
-                if not n_micro or (vpp > 1 and n_micro % pp) or (dp == 1 and zero > 0):
+                if not n_micro or (vpp > 1 and n_micro % pp) or (dp * cp == 1 and zero > 0):
                     continue
-                if sp and m.seq_length % tp:
+                if sp and m.seq_length // cp % tp:
                     continue
-                yield Layout(tp, pp, vpp, dp, zero, rc, sp, mb)
+                yield Layout(tp, pp, vpp, dp, zero, rc, sp, mb, cp=cp)
 
 
 def layout_config(cfg, layout: Layout, gpus: int):
@@ -178,7 +186,7 @@ def _stage_forward_flops(cfg, mean: bool = False) -> float:
     """Forward FLOPs of one micro-batch on the slowest pipeline stage (whole TP group): its layers,
     plus the output head on the last stage; ``mean``: averaged over the stages instead."""
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
-    tokens = cfg.training.micro_batch_size * m.seq_length
+    tokens = cfg.training.micro_batch_size * m.seq_length // cfg.parallel.context_parallel_size
     layer = layer_forward_flops_per_token(cfg)
     per_layer = (layer["dense"] + layer["attention"]) * tokens
     head = 2 * m.hidden_size * m.padded_vocab_size * tokens
@@ -196,8 +204,9 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     tp, pp, dp, vp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                       par.data_parallel_size, par.virtual_pipeline_model_parallel_size)
+    cp = par.context_parallel_size
     n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
-    act = m.seq_length * tr.micro_batch_size * m.hidden_size * E
+    act = m.seq_length // cp * tr.micro_batch_size * m.hidden_size * E
     if hw.gpu is not None:  # by shape
         t = micro_batch_seconds(cfg, hw.gpu, hw.knee, hw.attention)
         fwd, compute, tp_comm = t["fwd"], t["compute"], t["tp_comm"] + t["cp_comm"]
@@ -209,6 +218,10 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
         layers = m.num_layers // pp
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
         tp_comm = n_tp * _link(tp, hw).all_reduce(act, tp)
+        if cp > 1:  # ring attention: per layer cp - 1 K/V blocks forward, K/V and dK/dV backward
+            kv = 2 * m.seq_length // cp * tr.micro_batch_size * m.num_query_groups // tp * m.kv_channels * E
+            passes = 3 + (1 if m.recompute_granularity else 0)  # recomputation replays the forward ring
+            tp_comm += layers * passes * (cp - 1) * _link(tp * cp, hw).p2p(kv)
     slots = n_micro + (pp - 1) / vp
     # a rank's own work, or the critical path through the bubble when that is longer: with ranks
     # sharing processors, the work was measured at the shared rate and a rank waiting in the bubble
@@ -216,7 +229,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     work = n_micro * (compute + tp_comm)
     pipeline = max(work, slots * (compute + tp_comm) / hw.oversubscription)
     p2p_bytes = act / (tp if par.sequence_parallel else 1)
-    p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
+    p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * cp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
     dp_comm = _dp_time(cfg, hw, fwd, compute)
     owned = estimate_rank_elements(cfg)
     optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
@@ -229,7 +242,8 @@ def estimate_rank_elements(cfg) -> float:
     """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0)."""
     from megazero.planning.estimate import stage_params
     n = max(stage_params(cfg, r) for r in {0, cfg.parallel.pipeline_model_parallel_size - 1})
-    return n if cfg.parallel.zero_stage == 0 else n / cfg.parallel.data_parallel_size
+    par = cfg.parallel
+    return n if par.zero_stage == 0 else n / (par.data_parallel_size * par.context_parallel_size)
 
 
 def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
@@ -239,7 +253,9 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
     from megazero.planning.estimate import stage_params
     from megazero.planning.model_state import plan_buckets, rank_chunks
     par, pre = cfg.parallel, cfg.precision
-    dp, zero, n_micro = par.data_parallel_size, par.zero_stage, cfg.training.num_micro_batches
+    # gradients reduce over dp x cp (one data-parallel group of dp x cp ranks)
+    dp, zero, n_micro = par.data_parallel_size * par.context_parallel_size, par.zero_stage, \
+        cfg.training.num_micro_batches
     if dp == 1:
         return 0.0
     n = max(stage_params(cfg, r) for r in {0, par.pipeline_model_parallel_size - 1})
@@ -280,11 +296,15 @@ def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, **choices)
     saves for backward, :mod:`megazero.planning.activations`)."""
     budget = (1.0 - margin) * hw.memory_bytes
     fits = []
-    for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
-        lc = layout_config(cfg, layout, gpus)
-        layout.memory_bytes = peak_memory(lc, saved=saved)
-        if layout.memory_bytes <= budget:
-            fits.append(evaluate(cfg, layout, gpus, hw, lc, saved=saved))
+    for context_parallel in (False, True):  # context parallelism only when nothing fits without it
+        for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, context_parallel=context_parallel,
+                                        **choices):
+            lc = layout_config(cfg, layout, gpus)
+            layout.memory_bytes = peak_memory(lc, saved=saved)
+            if layout.memory_bytes <= budget:
+                fits.append(evaluate(cfg, layout, gpus, hw, lc, saved=saved))
+        if fits:
+            break
     return sorted(fits, key=lambda x: (x.step["step_time_s"], x.memory_bytes))
 
 
@@ -334,7 +354,8 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
 
 def describe(x: Layout) -> str:
     rc = "" if x.recompute == "none" else f" recompute {x.recompute}"
-    return (f"TP {x.tp}{' SP' if x.sequence_parallel else ''} x PP {x.pp}"
+    cp = f" x CP {x.cp}" if x.cp > 1 else ""
+    return (f"TP {x.tp}{' SP' if x.sequence_parallel else ''}{cp} x PP {x.pp}"
             f"{f' (vpp {x.vpp})' if x.vpp > 1 else ''} x DP {x.dp}, ZeRO-{x.zero_stage}{rc}, "
             f"micro-batch {x.micro_batch_size}")
 
@@ -346,6 +367,8 @@ def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
                               "--micro-batch-size", str(layout.micro_batch_size),
                               "--tensor-model-parallel-size", str(layout.tp),
                               "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.cp > 1:
+        out += ["--context-parallel-size", str(layout.cp)]
     if layout.vpp > 1:
         out += ["--num-layers-per-virtual-pipeline-stage",
                 str(cfg.model.num_layers // (layout.pp * layout.vpp))]
@@ -366,7 +389,7 @@ def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
 
 def to_dict(layout: Layout, model_args: Sequence[str], cfg) -> Dict[str, object]:
     """The JSON form of one planned layout."""
-    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp,
+    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp,
             "zero_stage": layout.zero_stage, "recompute": layout.recompute,
             "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch_size,
             "memory_gb": round(layout.memory_bytes / GB, 3), "step_time_s": layout.step["step_time_s"],

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, mesh, vocab_size, label_smoothing):
-        group = mesh.tp_group
+        group = mesh.group("tp")
         part = logits.shape[-1]
-        start = mesh.tp_rank * part
+        start = mesh.coord("tp") * part
         padded = start + part > vocab_size  # this shard holds padding columns
         # global max over the real columns, for stability
         real = logits[..., :max(0, vocab_size - start)] if padded else logits
@@ -88,6 +88,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mes
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if mesh is None or mesh.tp_size == 1:
+    if mesh is None or mesh.size("tp") == 1:
         return _cross_entropy_one_rank(logits, labels, vocab_size, label_smoothing)
     return _VocabParallelCrossEntropy.apply(logits, labels, mesh, vocab_size, label_smoothing)

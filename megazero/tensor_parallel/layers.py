@@ -58,10 +58,10 @@ def normal_init(seed: int, layer_idx: int, name: str, std: float) -> InitFn:
 
 def shard(full: torch.Tensor, mesh, dim: int) -> torch.Tensor:
     """This TP rank's contiguous slice of ``full`` along ``dim``."""
-    if full.shape[dim] % mesh.tp_size:
+    if full.shape[dim] % mesh.size("tp"):
         raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over "
-                         f"{mesh.tp_size} tensor-parallel ranks")
-    return full.chunk(mesh.tp_size, dim=dim)[mesh.tp_rank].contiguous()
+                         f"{mesh.size('tp')} tensor-parallel ranks")
+    return full.chunk(mesh.size("tp"), dim=dim)[mesh.coord("tp")].contiguous()
 
 
 def pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
@@ -184,7 +184,7 @@ class ColumnParallelLinear(nn.Module):
         full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
         self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
         self.weight.linear_weight = True
-        self.bias = mark_tensor_parallel(_param(torch.zeros(out_features // mesh.tp_size), mesh), 0) \
+        self.bias = mark_tensor_parallel(_param(torch.zeros(out_features // mesh.size("tp")), mesh), 0) \
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,14 +237,14 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.mesh, self.reduce_scatter = mesh, reduce_scatter
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
-        self.per_rank = padded_vocab_size // mesh.tp_size
-        self.vocab_start = mesh.tp_rank * self.per_rank
+        self.per_rank = padded_vocab_size // mesh.size("tp")
+        self.vocab_start = mesh.coord("tp") * self.per_rank
         full = pad_rows((init or normal_init(0, 0, "weight", 0.02))((vocab_size, dim)), padded_vocab_size)
         self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
         self.weight.vocab_parallel = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.mesh.tp_size == 1:
+        if self.mesh.size("tp") == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)

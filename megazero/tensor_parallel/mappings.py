@@ -1,6 +1,6 @@
 """Collectives over the tensor-parallel group as autograd functions (Megatron's f and g operators).
 
-Each function is the identity when ``mesh.tp_size == 1``. "tp" functions split or gather the
+Each function is the identity when ``mesh.size("tp") == 1``. "tp" functions split or gather the
 last dimension (hidden / vocab); "sp" functions split or gather dimension 0, the sequence, for
 sequence parallelism (activations ``[seq / tp, batch, hidden]``).
 
@@ -24,32 +24,32 @@ from megazero.distributed import all_gather_single, reduce_scatter_single
 
 def _all_reduce(x: torch.Tensor, mesh) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=mesh.tp_group)
+    dist.all_reduce(out, group=mesh.group("tp"))
     return out
 
 
 def _gather_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((mesh.tp_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x, group=mesh.tp_group)
+    out = torch.empty((mesh.size("tp") * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_single(out, x, group=mesh.group("tp"))
     return out
 
 
 def _reduce_scatter_dim0(x: torch.Tensor, mesh) -> torch.Tensor:
     x = x.contiguous()
-    if x.shape[0] % mesh.tp_size:
+    if x.shape[0] % mesh.size("tp"):
         raise ValueError(f"dimension 0 ({x.shape[0]}) is not divisible by the tensor-parallel size "
-                         f"{mesh.tp_size}")
-    out = torch.empty((x.shape[0] // mesh.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_single(out, x, group=mesh.tp_group)
+                         f"{mesh.size('tp')}")
+    out = torch.empty((x.shape[0] // mesh.size("tp"), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_single(out, x, group=mesh.group("tp"))
     return out
 
 
 def _split(x: torch.Tensor, dim: int, mesh) -> torch.Tensor:
-    if x.shape[dim] % mesh.tp_size:
+    if x.shape[dim] % mesh.size("tp"):
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel "
-                         f"size {mesh.tp_size}")
-    return x.chunk(mesh.tp_size, dim=dim)[mesh.tp_rank].contiguous()
+                         f"size {mesh.size('tp')}")
+    return x.chunk(mesh.size("tp"), dim=dim)[mesh.coord("tp")].contiguous()
 
 
 def _gather_last(x: torch.Tensor, mesh) -> torch.Tensor:
@@ -134,7 +134,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 
 def _apply(fn, x, mesh):
-    if mesh is None or mesh.tp_size == 1:
+    if mesh is None or mesh.size("tp") == 1:
         return x
     return fn.apply(x, mesh)
 

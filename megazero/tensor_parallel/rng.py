@@ -24,7 +24,7 @@ PP_SEED_STRIDE = 100
 def seed_default_generators(seed: int, mesh) -> int:
     """Seed the default generators (CPU, and the mesh's GPU) with ``seed + 100 * pp_rank``: the same
     on every TP and DP rank of a pipeline stage.  Returns that stage seed."""
-    stage_seed = seed + PP_SEED_STRIDE * mesh.pp_rank
+    stage_seed = seed + PP_SEED_STRIDE * mesh.coord("pp")
     torch.manual_seed(stage_seed)
     if mesh.device.type == "cuda":
         with torch.cuda.device(mesh.device):

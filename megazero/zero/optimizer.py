@@ -44,15 +44,16 @@ class ZeroOptimizer:
         self.scaler = build_loss_scaler(pre)
         self.chunks = list(chunks)
         # stages 1/2 on several DP ranks: the parameter all-gather runs during the next forward
-        self.overlap_param_gather = overlaps_param_gather(self.stage, mesh.dp_size, par.overlap_param_gather)
+        self.overlap_param_gather = overlaps_param_gather(self.stage, mesh.size("dp", "cp"),
+                                                          par.overlap_param_gather)
         self.step_count = 0
         self.skipped_steps = 0
         units, groups = self._param_groups()
-        self.buckets = plan_buckets(groups, mesh.dp_size, par.ddp_bucket_size)
+        self.buckets = plan_buckets(groups, mesh.size("dp", "cp"), par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype)
         self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, par.offload_optimizer,
-                                    mesh.tp_rank)
+                                    mesh.coord("tp"))
         for b in self.buckets:
             full = _bucket_values(b, mesh.device)
             self.storage.adopt(b, full)

@@ -170,14 +170,14 @@ class _Reducer:
     def finish_grad_sync(self) -> None:
         self._drain()
         mesh, storage = self.mesh, self.storage
-        if mesh.tp_size > 1:
+        if mesh.size("tp") > 1:
             for b in self.buckets:
                 if b.kind == "sequence_parallel":
-                    dist.all_reduce(storage.updated_grads(b), group=mesh.tp_group)
-        if mesh.pp_size > 1 and mesh.in_embedding_group:
+                    dist.all_reduce(storage.updated_grads(b), group=mesh.group("tp"))
+        if mesh.size("pp") > 1 and mesh.in_embedding_group:
             for b in self.buckets:
                 if b.kind == "shared_embedding":
-                    dist.all_reduce(storage.updated_grads(b), group=mesh.embedding_group)
+                    dist.all_reduce(storage.updated_grads(b), group=mesh.group("embedding"))
         self.synced = True
 
     def end_step(self) -> None:
@@ -241,7 +241,7 @@ class LastMicroBatchReducer(_Reducer):
             return
         prog.reduced = True
         self._zero_unwritten(b)
-        dp, group = self.mesh.dp_size, self.mesh.dp_group
+        dp, group = self.mesh.size("dp", "cp"), self.mesh.group("dp", "cp")
         if dp == 1:
             return
         full = storage.full_grads(b)
@@ -293,14 +293,14 @@ class EveryMicroBatchReducer(_Reducer):
         for start, shape, written in zip(b.starts, b.shapes, prog.written):
             if not written:  # no gradient in this backward (unused parameter)
                 partial[start:start + shape.numel()].zero_()
-        shard, dp = self.storage.updated_grads(b), self.mesh.dp_size
+        shard, dp = self.storage.updated_grads(b), self.mesh.size("dp", "cp")
         accumulate, prog.shard_written = prog.shard_written, True  # the step's first reduction writes
         if dp == 1:
             shard.add_(partial) if accumulate else shard.copy_(partial)
             self.grad_bytes.hold(-partial.nbytes)
             return
         self._retire_for_launch()
-        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.dp_group, 1.0 / dp,
+        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.group("dp", "cp"), 1.0 / dp,
                                             accumulate=accumulate),
                              partial.nbytes)
 

@@ -108,7 +108,7 @@ class Stage3Params:
             u.full, u.handles = {}, []
             for b in u.buckets:
                 shard = self.storage.param_shard(b)
-                if self.mesh.dp_size == 1:
+                if self.mesh.size("dp", "cp") == 1:
                     u.full[b.index] = shard
                     continue
                 full = u.buffers.get(b.index)
@@ -117,7 +117,8 @@ class Stage3Params:
                 else:  # the storage saved views still point at: allocate it again
                     full.untyped_storage().resize_(full.nbytes)
                 self._count(full.nbytes)
-                u.handles.append(all_gather_single(full, shard, group=self.mesh.dp_group, async_op=True))
+                u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                                                   async_op=True))
                 u.full[b.index] = full
         if wait and u.handles is not None:
             for h in u.handles:
@@ -136,7 +137,7 @@ class Stage3Params:
         for b in u.buckets:
             for p in b.params:
                 p.data = self.empty
-        if self.mesh.dp_size > 1:
+        if self.mesh.size("dp", "cp") > 1:
             for t in u.full.values():
                 t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
                 self._count(-t.nbytes)
@@ -166,7 +167,7 @@ class Stage3Params:
         return {t.untyped_storage()._cdata for u in self.units if u.full is not None for t in u.full.values()}
 
     def live_buffers(self) -> List[torch.Tensor]:
-        if self.mesh.dp_size == 1:
+        if self.mesh.size("dp", "cp") == 1:
             return []  # gathered units are views of the shards
         return [t for u in self.units if u.full is not None for t in u.full.values()]
 

@@ -28,7 +28,7 @@ class FlatStorage:
 
     def __init__(self, buckets: List[Bucket], stage: int, mesh, dtype: torch.dtype, grad_dtype: torch.dtype):
         self.buckets, self.stage, self.mesh = buckets, stage, mesh
-        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp_size
+        self.dp_rank, self.dp_size = mesh.coord("dp", "cp"), mesh.size("dp", "cp")
         total = sum(b.numel for b in buckets)
         shard_total = sum(b.shard_numel for b in buckets)
         self.sharded_params = shards_parameters(stage)
@@ -88,4 +88,5 @@ class FlatStorage:
         if self.sharded_params or not shards_optimizer(self.stage) or self.dp_size == 1:
             return None
         full = self.params[b.offset:b.offset + b.numel]
-        return all_gather_single(full, self.updated_params(b), group=self.mesh.dp_group, async_op=async_op)
+        return all_gather_single(full, self.updated_params(b), group=self.mesh.group("dp", "cp"),
+                                 async_op=async_op)

@@ -86,7 +86,8 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
 def _title(cfg, world: int) -> str:
     par = cfg.parallel
     name = cfg.model_preset or f"{total_params(cfg) / 1e6:.0f}M-parameter GPT"
-    return (f"{name}: TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x "
+    cp = f"CP {par.context_parallel_size} x " if par.context_parallel_size > 1 else ""
+    return (f"{name}: TP {par.tensor_model_parallel_size} x {cp}PP {par.pipeline_model_parallel_size} x "
             f"DP {par.data_parallel_size} ({world} ranks), micro-batch {cfg.training.micro_batch_size}, "
             f"seq {cfg.model.seq_length}")
 
@@ -95,7 +96,9 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
     par = cfg.parallel
     print(f"model: {total_params(cfg) / 1e6:.1f}M parameters ({total_params(cfg, True) / 1e6:.1f}M with the "
           f"vocabulary padded to {cfg.model.padded_vocab_size}); world {world} = TP "
-          f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP "
+          f"{par.tensor_model_parallel_size} x "
+          f"{f'CP {par.context_parallel_size} x ' if par.context_parallel_size > 1 else ''}"
+          f"PP {par.pipeline_model_parallel_size} x DP "
           f"{par.data_parallel_size}; {rows[0]['params_per_rank'] / 1e6:.1f}M parameters on the most loaded "
           f"rank; estimate for {device}")
     heads = ("params", "grads", "optim", "comm", "zero3", "activ", "pipe", "temp", "total")

@@ -94,13 +94,13 @@ def _zero(opt):
 def _dcp_state(opt, mesh):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
-    dp = DeviceMesh("cpu", mesh.dp_ranks)
+    dp = DeviceMesh("cpu", mesh.ranks("dp"))
     out = {}
     for b in opt.buckets:
         tensors = {"master": opt.update.master[b.index], **opt.update.state[b.index]}
         for k, t in tensors.items():
-            out[f"tp{mesh.tp_rank}.pp{mesh.pp_rank}.b{b.index}.{k}"] = DTensor.from_local(t, dp, [Shard(0)],
-                                                                                          run_check=False)
+            name = f"tp{mesh.coord('tp')}.pp{mesh.coord('pp')}.b{b.index}.{k}"
+            out[name] = DTensor.from_local(t, dp, [Shard(0)], run_check=False)
     return out
 
 

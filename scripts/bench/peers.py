@@ -20,6 +20,8 @@ they compute the same thing.
 | TP (+ SP) | DTensor ``parallelize_module`` (the TP plan, below) + ``loss_parallel`` |
 | PP 1F1B / interleaved | ``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` |
 | TP x PP x DP | ``DeviceMesh`` + the TP plan + FSDP2 over DP (resharding below) + ``Schedule1F1B`` |
+| CP 2 / CP 4 | a plain ring attention from torch primitives (``scripts/bench/cp_peer.py``: torch's own
+  ``context_parallel`` does not run on CPUs) in the PlainGPT, gradients summed over the CP group |
 
 The TP plan: ``ColwiseParallel``/``RowwiseParallel``, vocab-parallel embedding and head,
 ``SequenceParallel`` norms.  Under TP x PP x DP, FSDP2's ``reshard_after_forward`` is off for
@@ -34,6 +36,7 @@ comparison.
     python scripts/bench_peers.py --layouts one dp2-zero1 --rounds 40
     python scripts/bench_peers.py --quick               # tiny model, two rounds: a smoke test
     python scripts/bench_peers.py --json results.json
+    python scripts/bench_peers.py --layouts cp2 cp4 --seq-length 1024   # context parallelism
 """
 from __future__ import annotations
 
@@ -91,6 +94,8 @@ LAYOUTS = {
     "pp2-interleaved": Layout("PP 2, interleaved (2 chunks)", 2,
                               {"pipeline_model_parallel_size": 2, "micro_batch_size": 2,
                                "num_layers_per_virtual_pipeline_stage": 1}, "pp", {"vp": 2}),
+    "cp2": Layout("CP 2 (ring attention)", 2, {"context_parallel_size": 2}, "cp"),
+    "cp4": Layout("CP 4 (ring attention)", 4, {"context_parallel_size": 4}, "cp"),
     "3d-zero0": Layout("TP2 x PP2 x DP2, ZeRO-0", 8,
                        {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                         "micro_batch_size": 2, "zero_stage": 0}, "3d", {"reshard": False}),
@@ -114,13 +119,13 @@ def _megazero(layout: Layout, model: dict):
     world = layout.world
     settings = dict(BASE, **model, **layout.settings)
     if "micro_batch_size" not in layout.settings:  # one micro-batch of this DP rank's share, as the peer
-        tp, pp = (settings.get("tensor_model_parallel_size", 1),
-                  settings.get("pipeline_model_parallel_size", 1))
-        settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp))
+        tp, pp, cp = (settings.get(f"{axis}_parallel_size", 1)
+                      for axis in ("tensor_model", "pipeline_model", "context"))
+        settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp * cp))
     cfg = validate(config_from_dict(settings), world)
     par = cfg.parallel
     mesh = (ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                               device=torch.device("cpu"))
+                               device=torch.device("cpu"), cp=par.context_parallel_size)
             if world > 1 else ParallelMesh.single(torch.device("cpu")))
     chunks = models.build_chunks(cfg, mesh)
     weights = {}
@@ -128,8 +133,8 @@ def _megazero(layout: Layout, model: dict):
         weights.update(full_state_dict(c))  # before ZeRO-3 shards them
     opt = build_optimizer(chunks, mesh, cfg)
     tr = cfg.training
-    batches = micro_batches(build_data(cfg), 0, tr.global_batch_size, tr.micro_batch_size, mesh.dp_rank,
-                            mesh.dp_size)
+    batches = micro_batches(build_data(cfg), 0, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
+                            mesh.size("dp"))
 
     def step() -> Optional[float]:
         opt.zero_grad()
@@ -166,8 +171,8 @@ def _peer_optimizer(params, how: str):
 def _share(cfg, mesh):
     """This DP rank's samples of the first global batch: ``(tokens, labels)``, ``[share, seq]``."""
     from megazero.data import build_data, sample_range
-    ids = build_data(cfg).get_tokens(list(sample_range(0, cfg.training.global_batch_size, mesh.dp_rank,
-                                                       mesh.dp_size)))
+    ids = build_data(cfg).get_tokens(list(sample_range(0, cfg.training.global_batch_size, mesh.coord("dp"),
+                                                       mesh.size("dp"))))
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
@@ -232,11 +237,11 @@ def _tp_peer(layout: Layout, cfg, mesh, weights, how: str):
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     from bench.peer_models import clip_peer_grads
     sp = layout.peer_opts.get("sp", False)
-    tp_mesh = init_device_mesh("cpu", (mesh.tp_size,))
+    tp_mesh = init_device_mesh("cpu", (mesh.size("tp"),))
     net = _peer_model(cfg, weights, range(cfg.model.num_layers), True, True)
     parallelize_module(net, tp_mesh, tp_plan(net, sp))
     if sp:
-        net.sequence_shard = (mesh.tp_rank, mesh.tp_size)
+        net.sequence_shard = (mesh.coord("tp"), mesh.size("tp"))
     opt = _peer_optimizer(net.parameters(), how)
     tokens, labels = _share(cfg, mesh)
     params = list(net.parameters())
@@ -293,22 +298,23 @@ def _pp_peer(layout: Layout, cfg, mesh, weights, how: str):
     per rank (stage ``v * pp + rank``, as megazero's chunks)."""
     import contextlib
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-    vp, pp = layout.peer_opts.get("vp", 1), mesh.pp_size
+    vp, pp = layout.peer_opts.get("vp", 1), mesh.size("pp")
     total = vp * pp
     mods, stages = [], []
     for v in range(vp):
-        index = v * pp + mesh.pp_rank
+        index = v * pp + mesh.coord("pp")
         net = _peer_model(cfg, weights, _stage_layers(cfg, index, total), index == 0, index == total - 1)
         mods.append(net)
-        stages.append(PipelineStage(net, index, total, torch.device("cpu"), group=mesh.pp_group))
+        stages.append(PipelineStage(net, index, total, torch.device("cpu"), group=mesh.group("pp")))
     micro = cfg.training.num_micro_batches
     sched = (ScheduleInterleaved1F1B(stages, micro, loss_fn=_loss_fn) if vp > 1
              else Schedule1F1B(stages[0], micro, loss_fn=_loss_fn))
     params = [p for m in mods for p in m.parameters()]
     opt = _peer_optimizer(params, how)
     tokens, labels = _share(cfg, mesh)
-    step = _pipeline_step(sched, (mesh.pp_rank == 0, mesh.pp_rank == pp - 1), opt, params, tokens, labels,
-                          micro, mesh.pp_group, contextlib.nullcontext)
+    ends = (mesh.coord("pp") == 0, mesh.coord("pp") == pp - 1)
+    step = _pipeline_step(sched, ends, opt, params, tokens, labels, micro, mesh.group("pp"),
+                          contextlib.nullcontext)
     return step, lambda: _local_bytes(params, opt)
 
 
@@ -318,9 +324,9 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    dm = init_device_mesh("cpu", (mesh.pp_size, mesh.dp_size, mesh.tp_size),
+    dm = init_device_mesh("cpu", (mesh.size("pp"), mesh.size("dp"), mesh.size("tp")),
                           mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, pp = dm["pp"].get_local_rank(), mesh.pp_size
+    pp_rank, pp = dm["pp"].get_local_rank(), mesh.size("pp")
     dp_rank = dm["dp"].get_local_rank()
     net = _peer_model(cfg, weights, _stage_layers(cfg, pp_rank, pp), pp_rank == 0, pp_rank == pp - 1)
     parallelize_module(net, dm["tp"], tp_plan(net, False))
@@ -334,17 +340,60 @@ def _3d_peer(layout: Layout, cfg, mesh, weights, how: str):
     params = list(net.parameters())
     opt = _peer_optimizer(params, how)
     from megazero.data import build_data, sample_range
-    share = cfg.training.global_batch_size // mesh.dp_size
+    share = cfg.training.global_batch_size // mesh.size("dp")
     ids = build_data(cfg).get_tokens(
-        list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.dp_size)))
+        list(sample_range(0, cfg.training.global_batch_size, dp_rank, mesh.size("dp"))))
     assert ids.shape[0] == share
     step = _pipeline_step(sched, (pp_rank == 0, pp_rank == pp - 1), opt, params, ids[:, :-1].contiguous(),
                           ids[:, 1:].contiguous(), micro, dm["pp"].get_group(), loss_parallel)
     return step, lambda: _local_bytes(params, opt)
 
 
+def _cp_peer(layout: Layout, cfg, mesh, weights, how: str):
+    """The PlainGPT with every block's attention a plain ring (``bench/cp_peer.py``) over the CP
+    group; each rank embeds its tokens at their global positions, and the gradients (of the local
+    tokens' share of the global mean loss) are summed over the group."""
+    import functools
+    from bench.cp_peer import balanced_positions, plain_ring_attention
+    net = _peer_model(cfg, weights, range(cfg.model.num_layers), True, True)
+    n, rank, group = mesh.size("cp"), mesh.coord("cp"), mesh.group("cp")
+    seq = cfg.model.seq_length
+    positions = [balanced_positions(seq, n, r) for r in range(n)]
+    mine = positions[rank]
+
+    def attention(block, x):
+        b, s = x.shape[:2]
+        q, k, v = block.qkv(x).view(b, s, -1, 3, block.head_dim).permute(3, 0, 2, 1, 4)
+        y = plain_ring_attention(q, k, v, group, positions)
+        return block.proj(y.transpose(1, 2).reshape(b, s, -1))
+    for block in net.layers:
+        block.attention = functools.partial(attention, block)
+    opt = _peer_optimizer(net.parameters(), how)
+    tokens, labels = _share(cfg, mesh)
+    tokens, local_labels = tokens[:, mine], labels[:, mine]
+    params = list(net.parameters())
+
+    def step() -> float:
+        opt.zero_grad()
+        x = net.word_embeddings(tokens) + net.position_embeddings(mine)
+        for block in net.layers:
+            x = block(x)
+        logits = net.output_layer(net.final_norm(x))
+        loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / labels.numel()
+        loss.backward()
+        for p in params:
+            dist.all_reduce(p.grad, group=group)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total.item()
+
+    return step, lambda: _local_bytes(params, opt)
+
+
 PEERS: Dict[str, Callable] = {"plain": _flat_peer, "ddp": _flat_peer, "fsdp2": _flat_peer, "tp": _tp_peer,
-                              "pp": _pp_peer, "3d": _3d_peer}
+                              "pp": _pp_peer, "3d": _3d_peer, "cp": _cp_peer}
 
 
 def _local_bytes(params, opt) -> Dict[str, int]:
@@ -398,7 +447,7 @@ def _run_layout(layout: Layout, model: dict, rounds: int, warmup: int, how: str)
         for step in modes.values():
             step()
     times = interleaved_rounds(modes, rounds, _barrier)
-    return {"times": times, "first_loss": first, "numel": numel, "dp": mesh.dp_size,
+    return {"times": times, "first_loss": first, "numel": numel, "dp": mesh.size("dp"),
             "megazero_bytes": {k: v for k, v in mz_memory().items()
                                if k in ("param_bytes", "grad_bytes", "optim_bytes")},
             "peer_bytes": peer_memory()}
@@ -445,8 +494,11 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a tiny model and two rounds: checks that everything runs")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
+    p.add_argument("--seq-length", type=int, help="the model's sequence length (default 128; --quick 16)")
     args = p.parse_args(argv)
     model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul)
+    if args.seq_length:
+        model["seq_length"] = args.seq_length
     if args.quick:
         args.rounds, args.warmup = min(args.rounds, 2), 1
     args.warmup = max(1, args.warmup)

@@ -80,7 +80,7 @@ def _rank(configs, fwd_s, matmul, repeat):
         mesh = ParallelMesh.build(pp=pp) if dist.get_world_size() == pp else None
         if mesh is None:
             raise RuntimeError("world size must equal pp")
-        chunks = [BenchChunk(mesh.pp_rank == 0 and v == 0, mesh.is_last_stage and v == vp - 1, fwd_s / vp,
+        chunks = [BenchChunk(mesh.coord("pp") == 0 and v == 0, mesh.is_last_stage and v == vp - 1, fwd_s / vp,
                              matmul) for v in range(vp)]
         mbs = [{"tokens": torch.randint(0, 100, (B, S)), "labels": torch.zeros(B, S, dtype=torch.long),
                 "loss_mask": torch.ones(B, S)} for _ in range(m)]
@@ -88,10 +88,10 @@ def _rank(configs, fwd_s, matmul, repeat):
         run_schedule(chunks, mesh, mbs, **kw)  # warm-up
         runs = []
         for _ in range(repeat):
-            dist.barrier(group=mesh.pp_group)
+            dist.barrier(group=mesh.group("pp"))
             timer, start = PipelineTimer(), time.perf_counter()
             run_schedule(chunks, mesh, mbs, timer=timer, **kw)
-            dist.barrier(group=mesh.pp_group)  # a step ends when the slowest stage is done
+            dist.barrier(group=mesh.group("pp"))  # a step ends when the slowest stage is done
             makespan = time.perf_counter() - start
             runs.append(dict(timer.as_dict(), makespan_s=makespan, bubble=1 - timer.compute_s / makespan))
         out.append(runs)
