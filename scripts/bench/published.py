@@ -74,7 +74,8 @@ def _nar(name, layers, hidden, heads, tp, pp, gpus, batch, tflops, fit):
 LLAMA3 = ("--ffn-hidden-size", "53248", "--num-query-groups", "8", "--swiglu",
           "--position-embedding-type", "rope", "--normalization", "RMSNorm",
           "--untie-embeddings-and-output-weights",
-          "--disable-bias-linear", "--use-distributed-optimizer")
+          "--disable-bias-linear", "--use-distributed-optimizer", "--attention-dropout", "0",
+          "--hidden-dropout", "0")
 
 RUNS: List[Run] = [
     _nar("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, True),
@@ -105,6 +106,9 @@ RUNS: List[Run] = [
         seq=8192, vocab=128256, recompute="none", sp=True, attention="flash", extra=LLAMA3),
     Run("llama3", "405B 16384 GPUs", "H100", 16384, 128, 16384, 128, 8, 16, 2048, 400, "model_tflops", False,
         seq=8192, vocab=128256, recompute="none", sp=True, attention="flash", extra=LLAMA3),
+    Run("llama3", "405B 16384 GPUs CP 16", "H100", 16384, 128, 16384, 128, 8, 16, 128, 380, "model_tflops",
+        True, seq=131072, vocab=128256, recompute="none", sp=True, attention="flash",
+        extra=LLAMA3 + ("--context-parallel-size", "16")),
 ]
 
 
@@ -150,7 +154,9 @@ def _model_flops(run: Run) -> float:
     flags = run_flags(run)
     if run.source == "llama3":  # 126 real layers in 128 slots (module docstring)
         flags[flags.index("--num-layers") + 1] = "126"
-    flags = flags[:flags.index("--tensor-model-parallel-size")] + list(run.extra)  # one process counts
+    # one process counts: the model flags without the layout's
+    extra = [f for f in run.extra if f not in ("--context-parallel-size", "16")]
+    flags = flags[:flags.index("--tensor-model-parallel-size")] + extra
     return model_flops_per_iteration(parse_args(flags, presets=PRESETS, world_size=1, check_data=False))
 
 
@@ -171,9 +177,9 @@ def log_error(runs: Sequence[Run], gpu_types, knee: float) -> float:
 
 
 def fit(runs: Sequence[Run] = RUNS):
-    """Least-squares fit (log ratios, over the rows marked ``fit``) of the shared GEMM knee and each
-    GPU type's ``gemm_max`` (the H100's attention efficiency stays as documented: one row cannot fix
-    two constants).  Returns ``(gpu_types, knee)``; a grid, then a finer grid around the best."""
+    """Least-squares fit (log ratios, over the rows marked ``fit``) of the shared GEMM knee, each GPU
+    type's ``gemm_max`` and, where its rows can tell, its ``attn_eff`` (:func:`_fit_maxima`).
+    Returns ``(gpu_types, knee)``."""
     from megazero.planning import gpu_model
     types = dict(gpu_model.GPU_TYPES)
     rows = [r for r in runs if r.fit]
@@ -190,12 +196,20 @@ def fit(runs: Sequence[Run] = RUNS):
 
 
 def _fit_maxima(rows, types, knee):
+    """Each GPU type's ``gemm_max`` on its fit rows, and its ``attn_eff`` too where two or more of
+    them run the flash kernel (one of them at a long sequence, where attention weighs): coordinate
+    descent on grids."""
     out = dict(types)
+    grids = {"gemm_max": [0.3 + 0.005 * i for i in range(141)],
+             "attn_eff": [0.2 + 0.01 * i for i in range(61)]}
     for name in {r.gpu for r in rows}:
         mine = [r for r in rows if r.gpu == name]
-        grid = [0.3 + 0.005 * i for i in range(141)]
-        errs = [(log_error(mine, {**out, name: replace(out[name], gemm_max=g)}, knee), g) for g in grid]
-        out[name] = replace(out[name], gemm_max=min(errs)[1])
+        fields = ["gemm_max"] + (["attn_eff"] if sum(r.attention == "flash" for r in mine) >= 2 else [])
+        for _ in range(3 if len(fields) > 1 else 1):
+            for f in fields:
+                errs = [(log_error(mine, {**out, name: replace(out[name], **{f: g})}, knee), g)
+                        for g in grids[f]]
+                out[name] = replace(out[name], **{f: min(errs)[1]})
     return out
 
 
