@@ -29,6 +29,7 @@ from megazero.zero.stage3 import Stage3Params
 from megazero.zero.stages import check_stage, overlaps_param_gather, shards_gradients, shards_parameters
 from megazero.zero.storage import FlatStorage
 from megazero.zero.update import ShardedUpdate
+from megazero.offload.settings import check_offload, optimizer_device
 
 
 class ZeroOptimizer:
@@ -36,7 +37,8 @@ class ZeroOptimizer:
 
     def __init__(self, chunks: List[torch.nn.Module], mesh, cfg):
         par, pre = cfg.parallel, cfg.precision
-        check_stage(par.zero_stage, par.offload_optimizer)
+        check_stage(par.zero_stage)
+        check_offload(par)
         self.mesh, self.stage, self.cfg = mesh, par.zero_stage, cfg
         self.dtype = compute_dtype(pre)
         self.grad_dtype = torch.float32 if pre.grad_reduce_dtype == "fp32" else self.dtype
@@ -51,8 +53,8 @@ class ZeroOptimizer:
         self.buckets = plan_buckets(groups, mesh.dp_size, par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype)
-        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, par.offload_optimizer,
-                                    mesh.tp_rank)
+        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.tp_rank,
+                                    tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
             full = _bucket_values(b, mesh.device)
             self.storage.adopt(b, full)
@@ -185,7 +187,16 @@ class ZeroOptimizer:
                "peak_param_bytes": shard + gathered}
         if self.update.staging:
             out["host_staging_bytes"] = nbytes(self.update.staging.values())
+        out.update(self.update.tier_bytes())
         return out
+
+    def io_counts(self):
+        """Running I/O counters of the NVMe tier (:class:`~megazero.offload.IOCounts`), None without one."""
+        return self.update.io_counts()
+
+    def close(self) -> None:
+        """Release what outlives a step: the NVMe swap file is removed (call at a clean exit)."""
+        self.update.close()
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""
@@ -214,6 +225,23 @@ class ZeroOptimizer:
     def param_shapes(self) -> Dict[torch.nn.Parameter, torch.Size]:
         """Every trainable parameter's full shape, from the bucket metadata (no gather under ZeRO-3)."""
         return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
+
+
+def assign_tiers(buckets: List[Bucket], storage: FlatStorage, par) -> Dict[int, str]:
+    """Bucket index -> where its optimizer state lives: ``device``, ``cpu`` or ``nvme``.  With
+    ``--optimizer-offload-fraction f`` (Megatron-LM's meaning: the share offloaded), buckets in order
+    go to the offload device while the elements offloaded stay within ``f`` of the total."""
+    dev = optimizer_device(par)
+    if dev == "none" or par.zero_stage == 0:
+        return {b.index: "device" for b in buckets}
+    sizes = {b.index: storage.updated_range(b)[1] - storage.updated_range(b)[0] for b in buckets}
+    limit, taken, out = float(par.optimizer_offload_fraction) * sum(sizes.values()), 0, {}
+    for b in buckets:
+        if taken + sizes[b.index] <= limit:
+            out[b.index], taken = dev, taken + sizes[b.index]
+        else:
+            out[b.index] = "device"
+    return out
 
 
 def _bucket_values(b: Bucket, device) -> torch.Tensor:
