@@ -63,6 +63,7 @@ SLOW_TIER = (
     "test_offload_train.py::test_nvme_equals_in_memory_one_process",
     "test_offload_train.py::test_nvme_equals_in_memory_tp2_pp2_dp2",
     "test_offload_train.py::test_resume_nvme_to_memory_and_back",
+    "test_offload_train.py::test_zero3_parameters_and_optimizer_on_nvme",
     "test_overflow.py::test_overflow_on_one_rank_skips_everywhere",
     "test_pipeline.py::test_gpt_pipeline_matches_oracle",
     "test_pipeline.py::test_pipeline_matches_oracle",

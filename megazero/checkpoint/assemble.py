@@ -104,6 +104,7 @@ def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) 
     update = optimizer.update
     for b in optimizer.buckets:
         lo = optimizer.storage.updated_range(b)[0]
+        optimizer.storage.begin_update(b)  # ZeRO-3 parameters on NVMe: the shard is rewritten whole
         for j, (a, e) in enumerate(update.pieces(b)):  # the whole slice in memory; sub-groups on NVMe
             tensors = update.piece_tensors(b, j, keys, read=False)
             views = {k: _host_view(tensors[k]) for k in keys}
@@ -116,6 +117,7 @@ def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) 
                 update.commit_piece(b, j, tensors)
             src.release()
         optimizer.publish_params(b)
+        optimizer.storage.end_update(b)
     with torch.no_grad():
         for name, p in _frozen(chunks, shapes):
             values = np.empty(p.numel(), dtype=np.float32)

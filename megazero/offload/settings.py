@@ -51,12 +51,10 @@ def check_offload(par) -> None:
     if pdev == "cpu":
         raise ValueError("--offload-param-device cpu is not implemented: the parameter shards already live "
                          "in host memory on a CPU run; use nvme, or none")
-    if pdev == "nvme":
-        raise ValueError("--offload-param-device nvme is not implemented yet (docs/offload.md); offload "
-                         "the optimizer with --offload-optimizer-device nvme")
     if "nvme" in (dev, pdev) and not getattr(par, "nvme_path", None):
-        raise ValueError("--nvme-path is required with --offload-optimizer-device nvme: give a directory on "
-                         "a local disk with room for the swap files")
+        flag = "--offload-optimizer-device nvme" if dev == "nvme" else "--offload-param-device nvme"
+        raise ValueError(f"--nvme-path is required with {flag}: give a directory on a local disk with room "
+                         "for the swap files")
     block = par.nvme_block_size
     if block <= 0 or block % ALIGN:
         raise ValueError(f"--nvme-block-size must be a positive multiple of {ALIGN} bytes, got {block}")

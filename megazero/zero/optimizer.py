@@ -29,7 +29,7 @@ from megazero.zero.stage3 import Stage3Params
 from megazero.zero.stages import check_stage, overlaps_param_gather, shards_gradients, shards_parameters
 from megazero.zero.storage import FlatStorage
 from megazero.zero.update import ShardedUpdate
-from megazero.offload.settings import check_offload, optimizer_device
+from megazero.offload.settings import check_offload, optimizer_device, param_device
 
 
 class ZeroOptimizer:
@@ -52,7 +52,11 @@ class ZeroOptimizer:
         units, groups = self._param_groups()
         self.buckets = plan_buckets(groups, mesh.dp_size, par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
-        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype)
+        self.param_swap = None
+        if shards_parameters(self.stage) and param_device(par) == "nvme":
+            from megazero.zero.param_swap import ParamSwap
+            self.param_swap = ParamSwap(self.buckets, self.dtype, par, mesh)
+        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype, self.param_swap)
         self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.tp_rank,
                                     tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
@@ -181,6 +185,9 @@ class ZeroOptimizer:
         params = [self.storage.params] + (self.stage3.live_buffers() if self.stage3 is not None else [])
         grads = [self.storage.grads] + self.reducer.partial_buffers()
         shard = self.storage.params.untyped_storage().nbytes()
+        if self.param_swap is not None:  # shards on NVMe: those in memory now, and at most so far
+            params.extend(self.param_swap.homes[i] for i in self.param_swap.resident)
+            shard = self.param_swap.peak_resident_bytes
         gathered = self.stage3.peak_gathered_bytes if self.stage3 is not None else 0
         out = {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads),
                "optim_bytes": nbytes(self.update.tensors()), "peak_grad_bytes": self.reducer.grad_bytes.peak,
@@ -188,15 +195,22 @@ class ZeroOptimizer:
         if self.update.staging:
             out["host_staging_bytes"] = nbytes(self.update.staging.values())
         out.update(self.update.tier_bytes())
+        if self.param_swap is not None:
+            out["nvme_param_bytes"] = self.param_swap.store.file_bytes
         return out
 
     def io_counts(self):
-        """Running I/O counters of the NVMe tier (:class:`~megazero.offload.IOCounts`), None without one."""
-        return self.update.io_counts()
+        """Running I/O counters of the NVMe tiers (:class:`~megazero.offload.IOCounts`; optimizer
+        state and parameters together), None without one."""
+        counts = [c for c in (self.update.io_counts(),
+                              self.param_swap.store.stats.snapshot() if self.param_swap else None) if c]
+        return sum(counts[1:], counts[0]) if counts else None
 
     def close(self) -> None:
-        """Release what outlives a step: the NVMe swap file is removed (call at a clean exit)."""
+        """Release what outlives a step: the NVMe swap files are removed (call at a clean exit)."""
         self.update.close()
+        if self.param_swap is not None:
+            self.param_swap.close()
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""

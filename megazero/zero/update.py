@@ -67,7 +67,7 @@ class ShardedUpdate:
             if tier == "cpu" and self.pinned:
                 self.master[b.index] = torch.empty(hi - lo, dtype=torch.float32,
                                                    pin_memory=True).copy_(full[lo:hi])
-            elif tier == "cpu" or self.dtype != torch.float32:
+            elif tier == "cpu" or self.dtype != torch.float32 or self.storage.swap is not None:
                 self.master[b.index] = full[lo:hi].to(self._device(b), copy=True)
             else:
                 self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
@@ -110,6 +110,7 @@ class ShardedUpdate:
         walk = self.nvme.walk(on_disk) if self.nvme else None
         try:
             for b in buckets:
+                self.storage.begin_update(b)  # parameters on NVMe: the shard gets memory
                 if self.tier[b.index] == "nvme":
                     for j in range(len(self.nvme.pieces[b.index])):
                         self._update_piece(b, j, next(walk), lr, step, grad_mul)
@@ -118,6 +119,7 @@ class ShardedUpdate:
                     self._update(b, self.staging[b.index], lr, step, grad_mul)
                 else:
                     self.apply(b, lr, step, grad_mul)
+                self.storage.end_update(b)  # ... and is written back
                 yield b
             for _ in walk or ():  # the last write-backs
                 raise AssertionError("NVMe sub-groups left over after the last bucket")
