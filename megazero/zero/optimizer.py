@@ -56,7 +56,8 @@ class ZeroOptimizer:
         if shards_parameters(self.stage) and param_device(par) == "nvme":
             from megazero.zero.param_swap import ParamSwap
             self.param_swap = ParamSwap(self.buckets, self.dtype, par, mesh)
-        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype, self.param_swap)
+        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype,
+                                   self.param_swap)
         self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.tp_rank,
                                     tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
