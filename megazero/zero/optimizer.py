@@ -71,6 +71,7 @@ class ZeroOptimizer:
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
+        self.storage.allocate_grads()  # (deferred with parameters on NVMe: the model's tensors are gone)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
         in_flight = par.max_reductions_in_flight
         if shards_gradients(self.stage):

@@ -37,8 +37,17 @@ class FlatStorage:
         self.sharded_grads = shards_gradients(stage)
         numel = 0 if param_swap is not None else shard_total if self.sharded_params else total
         self.params = torch.zeros(numel, dtype=dtype, device=mesh.device)
-        self.grads = torch.zeros(shard_total if self.sharded_grads else total, dtype=grad_dtype,
-                                 device=mesh.device)
+        self._grad_shape = (shard_total if self.sharded_grads else total, grad_dtype)
+        # parameters on NVMe: the gradient buffer comes once the model's own tensors are released
+        # (allocate_grads), so start-up never holds both
+        self.grads = torch.zeros(0, dtype=grad_dtype, device=mesh.device)
+        if param_swap is None:
+            self.allocate_grads()
+
+    def allocate_grads(self) -> None:
+        numel, dtype = self._grad_shape
+        if self.grads.numel() != numel:
+            self.grads = torch.zeros(numel, dtype=dtype, device=self.mesh.device)
 
     def adopt(self, b: Bucket, full: torch.Tensor) -> None:
         """Store bucket ``b``'s values (``full``: the whole padded bucket) and, unless parameters are
