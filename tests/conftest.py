@@ -59,6 +59,7 @@ SLOW_TIER = (
     "test_model.py::test_recompute_with_tensor_and_sequence_parallel",
     "test_model.py::test_tensor_parallel_matches_one_process",
     "test_offload_train.py::test_fp16_skipped_step_leaves_the_nvme_state_alone",
+    "test_offload_train.py::test_megatron_flags_and_the_offload_fraction",
     "test_offload_train.py::test_nvme_equals_in_memory_dp2_zero2",
     "test_offload_train.py::test_nvme_equals_in_memory_one_process",
     "test_offload_train.py::test_nvme_equals_in_memory_tp2_pp2_dp2",

@@ -174,3 +174,25 @@ def test_missing_path_and_too_little_room_fail_before_training(tmp_path, monkeyp
         _run(_cfg(nvme=tmp_path, save=str(tmp_path / "never")))
     assert not (tmp_path / "never").exists() or not os.listdir(tmp_path / "never")
     assert [f for f in os.listdir(tmp_path) if f.endswith(".swap")] == []
+
+
+def test_megatron_flags_and_the_offload_fraction(tmp_path):
+    """--optimizer-cpu-offload / --optimizer-offload-fraction with Megatron-LM's meaning (the share
+    offloaded): whole buckets in order while the offloaded elements stay within the fraction; a
+    half-offloaded toy (some buckets on NVMe, the rest in memory) equals the in-memory run bitwise."""
+    import sys
+    from megazero.config import parse_args
+    from megazero.offload.settings import optimizer_device
+    cfg = parse_args(["--mock-data", "--use-distributed-optimizer", "--optimizer-cpu-offload",
+                      "--optimizer-offload-fraction", "0.5"])
+    assert optimizer_device(cfg.parallel) == "cpu" and cfg.parallel.optimizer_offload_fraction == 0.5
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_zero import _cfg as toy_cfg, _toy_run
+    ref = _toy_run(toy_cfg(1, "adam", bucket=4000), h=32)
+    for device in ("cpu", "nvme"):
+        cfg = toy_cfg(1, "adam", bucket=4000, offload_optimizer_device=device, nvme_path=str(tmp_path),
+                      optimizer_offload_fraction=0.5, nvme_buffer_size=3 * 4096)
+        got = _toy_run(cfg, h=32)
+        assert all(torch.equal(ref["params"][k], got["params"][k]) for k in ref["params"])
+    # on NVMe, some of the state left memory, not all of it
+    assert 0 < got["memory"]["optim_bytes"] < ref["memory"]["optim_bytes"] and got["memory"]["nvme_bytes"]
