@@ -22,11 +22,6 @@ def param_device(par) -> str:
     return getattr(par, "offload_param_device", None) or "none"
 
 
-def offloads_optimizer(par) -> bool:
-    """Whether any of the optimizer state leaves the device (fraction above 0)."""
-    return optimizer_device(par) != "none" and par.zero_stage >= 1 and _fraction(par) > 0
-
-
 def _fraction(par) -> float:
     return float(getattr(par, "optimizer_offload_fraction", 1.0))
 
