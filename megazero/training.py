@@ -181,8 +181,18 @@ def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, l
     logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (0 where the platform does not report it)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
 def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
     out = {k: v for k, v in dict(optimizer.memory_bytes()).items()}
+    out["peak_rss_bytes"] = peak_rss_bytes()
     if mesh.device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated(mesh.device)
     return out
@@ -302,6 +312,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     tr = cfg.training
     start = time.perf_counter()
     lr, decoupled_lr = lrs_at(cfg, pos.lr_samples)  # skipped steps do not advance the schedule
+    io_before = optimizer.io_counts()
     optimizer.zero_grad()
     batches = micro_batches(data, None, batch, tr.micro_batch_size, mesh.coord("dp"), mesh.size("dp"),
                             device=mesh.device, first=pos.consumed)
@@ -319,6 +330,9 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     rates = (batch * cfg.model.seq_length, work[0] * share, work[1] * share, work[2])
     m = _iteration_metrics(pos.iteration, pos.consumed, loss, lr, stats, pos.skipped, elapsed, optimizer,
                            mesh, rates)
+    if io_before is not None:  # the NVMe tier's traffic in this iteration
+        io = optimizer.io_counts() - io_before
+        m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds)
     if decoupled_lr is not None:
         m["decoupled_lr"] = decoupled_lr
     if tr.step_batch_size_schedule or tr.rampup_batch_size:
@@ -359,4 +373,5 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             _save(pos.iteration, chunks, optimizer, mesh, cfg, logger, pos.saved(), guard.save_lock)
     finally:
         logger.close()
+        optimizer.close()  # the NVMe swap file is scratch: removed at exit (a crash leaves it for reuse)
     return history

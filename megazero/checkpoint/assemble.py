@@ -103,16 +103,21 @@ def load_rank_state(src: SavedShards, chunks, optimizer, mesh, keys: List[str]) 
     shapes = optimizer.param_shapes()
     update = optimizer.update
     for b in optimizer.buckets:
-        lo, hi = optimizer.storage.updated_range(b)
-        tensors = {"master": update.master[b.index], **update.state[b.index]}
-        views = {k: _host_view(tensors[k]) for k in keys}
-        with torch.no_grad():
-            _fill_bucket(src, b, names, shapes, mesh, keys, lo, hi, {k: v[0] for k, v in views.items()})
-            for staged, device_tensor in views.values():
-                if device_tensor is not None:
-                    device_tensor.copy_(torch.from_numpy(staged).view(device_tensor.shape))
-        src.release()
+        lo = optimizer.storage.updated_range(b)[0]
+        optimizer.storage.begin_update(b)  # ZeRO-3 parameters on NVMe: the shard is rewritten whole
+        for j, (a, e) in enumerate(update.pieces(b)):  # the whole slice in memory; sub-groups on NVMe
+            tensors = update.piece_tensors(b, j, keys, read=False)
+            views = {k: _host_view(tensors[k]) for k in keys}
+            with torch.no_grad():
+                _fill_bucket(src, b, names, shapes, mesh, keys, lo + a, lo + e,
+                             {k: v[0] for k, v in views.items()})
+                for staged, device_tensor in views.values():
+                    if device_tensor is not None:
+                        device_tensor.copy_(torch.from_numpy(staged).view(device_tensor.shape))
+                update.commit_piece(b, j, tensors)
+            src.release()
         optimizer.publish_params(b)
+        optimizer.storage.end_update(b)
     with torch.no_grad():
         for name, p in _frozen(chunks, shapes):
             values = np.empty(p.numel(), dtype=np.float32)

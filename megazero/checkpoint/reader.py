@@ -142,10 +142,7 @@ def _restore_rng(rng: Optional[dict], meta: dict, chunks, mesh, cfg) -> bool:
 
 def _fresh_optimizer_state(optimizer) -> None:
     """Zero moments and step 0: the optimizer starts afresh from the loaded weights."""
-    with torch.no_grad():
-        for b in optimizer.buckets:
-            for t in optimizer.update.state[b.index].values():
-                t.zero_()
+    optimizer.update.zero_state()
     optimizer.step_count, optimizer.skipped_steps = 0, 0
 
 

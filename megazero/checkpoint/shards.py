@@ -89,17 +89,27 @@ class BlockWriter:
 
 
 def _bucket_pieces(optimizer, b, tp_rank: int, dp_rank: int, names):
-    """``(lo, hi, host tensors by key, [(name, param, a, e, start)])`` for bucket ``b``'s slice."""
+    """Yield ``(lo, [(name, param, a, e, start)], host tensors by key)`` for bucket ``b``'s slice, one
+    piece of the optimizer's at a time (the whole slice in memory, each sub-group on NVMe), so a
+    shard on disk is never staged whole."""
     lo, hi = b.shard_range(dp_rank)
     ulo, uhi = optimizer.storage.updated_range(b)
     if not (ulo <= lo and hi <= uhi):
         raise CheckpointError(f"bucket {b.index}: slice [{lo}, {hi}) is not held by this rank")
     starts = {id(p): s for p, s in zip(b.params, b.starts)}
-    segs = [(names[id(p)], p, a, e, starts[id(p)]) for p, a, e in b.segments(lo, hi) if writes(p, tp_rank)]
-    tensors = {"master": optimizer.update.master[b.index], **optimizer.update.state[b.index]}
-    if not segs:
-        return lo, segs, {}
-    return lo, segs, {k: t[lo - ulo:hi - ulo].detach().to("cpu", torch.float32) for k, t in tensors.items()}
+    update = optimizer.update
+    for j, (pa, pe) in enumerate(update.pieces(b)):
+        plo, phi = max(lo, ulo + pa), min(hi, ulo + pe)
+        if plo >= phi:
+            continue
+        segs = [(names[id(p)], p, a, e, starts[id(p)]) for p, a, e in b.segments(plo, phi)
+                if writes(p, tp_rank)]
+        if not segs:
+            continue
+        tensors = update.piece_tensors(b, j)
+        base = ulo + pa
+        yield plo, segs, {k: t[plo - base:phi - base].detach().to("cpu", torch.float32)
+                          for k, t in tensors.items()}
 
 
 def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tuple[Dict[str, dict], dict]:
@@ -112,14 +122,15 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     entries, params = [], {}
     try:
         for b in optimizer.buckets:
-            lo, segs, host = _bucket_pieces(optimizer, b, mesh.coord("tp"), mesh.coord("dp", "cp"), names)
-            for key, t in host.items():
-                _refuse_nonfinite(t, segs, lo, key)
+            dp_rank = mesh.coord("dp", "cp")
+            for lo, segs, host in _bucket_pieces(optimizer, b, mesh.coord("tp"), dp_rank, names):
+                for key, t in host.items():
+                    _refuse_nonfinite(t, segs, lo, key)
+                    for name, p, a, e, start in segs:
+                        offset = writer.write(t[a - lo:e - lo].numpy())
+                        entries.append([name, key, a - start, e - start, offset])
                 for name, p, a, e, start in segs:
-                    offset = writer.write(t[a - lo:e - lo].numpy())
-                    entries.append([name, key, a - start, e - start, offset])
-            for name, p, a, e, start in segs:
-                params[name] = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
+                    params[name] = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
         if mesh.coord("dp", "cp") == 0:  # parameters without optimizer state: the weight itself
             for name, p in named:
                 if p not in shapes and writes(p, mesh.coord("tp")):

@@ -113,7 +113,7 @@ def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, l
 
 
 def _metadata(iteration: int, optimizer, mesh, cfg, extra, run_id: str, files: dict, params: dict) -> dict:
-    state_names = sorted({k for st in optimizer.state.values() for k in st}) if optimizer.state else []
+    state_names = sorted(optimizer.update.state_names()) if optimizer.buckets else []
     return {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}), "run_id": run_id,
             "optimizer": {"name": cfg.optimizer.optimizer, "state_names": state_names,
                           "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),

@@ -251,7 +251,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),
     "--rotary-scaling-factor": (("1.0",), "used by multi-latent attention's YaRN RoPE, which is not "
                                           "implemented"),
-    "--optimizer-offload-fraction": (("1.0",), "--optimizer-cpu-offload moves all the optimizer state"),
     "--num-distributed-optimizer-instances": (("1",), "one ZeRO group spans the data-parallel ranks"),
     "--tensor-parallel-num-weight-shards": (("1",), "tensor-parallel weight re-materialisation is not "
                                                     "implemented"),

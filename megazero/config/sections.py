@@ -49,7 +49,29 @@ class ParallelConfig:
                                  "regions (needs --tensor-model-parallel-size > 1).")
     zero_stage: int = _f(0, "ZeRO stage on the data-parallel axis: 0 plain DP, 1 optimizer state, "
                          "2 + gradients, 3 + parameters.", type=int)
-    offload_optimizer: bool = _f(False, "Keep fp32 master weights and optimizer state on the CPU (ZeRO 1-3).")
+    offload_optimizer: bool = _f(False, "Keep fp32 master weights and optimizer state on the CPU (ZeRO 1-3); "
+                                 "the same as --offload-optimizer-device cpu.")
+    offload_optimizer_device: Optional[str] = _f(
+        None, "Where the fp32 master weights and optimizer moments of this rank's shard live (ZeRO 1-3): "
+        "none (the device), cpu (host memory) or nvme (swap files under --nvme-path, streamed through "
+        "--nvme-buffer-count host buffers in every step). Default: cpu with --offload-optimizer, else none.",
+        choices=["none", "cpu", "nvme"])
+    optimizer_offload_fraction: float = _f(
+        1.0, "Share of the optimizer state (by elements, whole buckets in bucket order, Megatron-LM's "
+        "meaning) that goes to the offload device; the rest stays in memory.", type=float)
+    offload_param_device: Optional[str] = _f(
+        None, "ZeRO-3 only: where the parameter shards live while their unit is not computed: none or "
+        "nvme (read ahead one unit in forward, backward and recompute order).",
+        choices=["none", "cpu", "nvme"])
+    nvme_path: Optional[str] = _f(None, "Directory on a local disk for the rank<r>.swap files of the nvme "
+                                  "tier (scratch: recreated at start, removed at a clean exit).")
+    nvme_block_size: int = _f(1 << 20, "Bytes per NVMe I/O request, a multiple of 4096.")
+    nvme_io_threads: int = _f(4, "NVMe I/O threads per rank, which is also the number of requests in "
+                              "flight (the queue depth).")
+    nvme_buffer_count: int = _f(3, "Host buffers streaming optimizer sub-groups: 2 overlaps the read of "
+                                "the next sub-group with the update, 3 also the write-back of the previous.")
+    nvme_buffer_size: int = _f(64 << 20, "Bytes per streaming buffer; the optimizer shard is cut into "
+                               "sub-groups (master weights and moments together) that fit in one.")
     ddp_bucket_size: Optional[int] = _f(
         None, "Gradient bucket size in elements (default: a quarter of the model, within 1M-40M; "
         "never more than the model).")

@@ -298,10 +298,12 @@ def _check_batch(cfg: MegazeroConfig) -> None:
 
 
 def _check_zero(cfg: MegazeroConfig) -> None:
+    from megazero.offload.settings import check_offload
     from megazero.zero.stages import check_stage
     par = cfg.parallel
     with _owned_rule():
-        check_stage(par.zero_stage, par.offload_optimizer)
+        check_stage(par.zero_stage)
+        check_offload(par)
     _check(par.ddp_bucket_size is None or par.ddp_bucket_size >= 1,
            f"--ddp-bucket-size must be positive, got {par.ddp_bucket_size}")
     _check(par.max_reductions_in_flight >= 1,

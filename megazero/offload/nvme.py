@@ -73,12 +73,13 @@ class NvmeStore:
     temporary host copies (default: when CUDA is available).  ``direct``: try ``O_DIRECT``.
     ``preallocate``: reserve the whole file at open (``posix_fallocate``); without it the file is
     sparse and a full disk shows up on a later write as :class:`~megazero.offload.checks.NvmeSpaceError`.
-    ``check_space``: run :func:`~megazero.offload.checks.check_nvme_path` first."""
+    ``check_space``: run :func:`~megazero.offload.checks.check_nvme_path` first.  ``name``: the file's
+    stem (``{name}{rank}.swap``), so that several stores of one rank share a directory."""
 
     def __init__(self, path: str, specs: Mapping[str, Spec], rank: int = 0,
                  block_size: int = DEFAULT_BLOCK_SIZE, io_threads: int = DEFAULT_IO_THREADS,
                  pin: Optional[bool] = None, direct: bool = True, preallocate: bool = True,
-                 check_space: bool = True):
+                 check_space: bool = True, name: str = "rank"):
         if block_size <= 0 or block_size % ALIGN:
             raise ValueError(f"--nvme-block-size {block_size}: must be a positive multiple of {ALIGN} bytes")
         if io_threads < 1:
@@ -86,7 +87,7 @@ class NvmeStore:
         self.block_size, self.io_threads = block_size, io_threads
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.regions, self.file_bytes = plan_regions(specs, block_size)
-        self.file = os.path.join(str(path), f"rank{rank}.swap")
+        self.file = os.path.join(str(path), f"{name}{rank}.swap")  # name: one file per store of a rank
         if check_space:
             leftover = os.path.getsize(self.file) if os.path.isfile(self.file) else 0
             check_nvme_path(path, self.file_bytes, reclaimable=leftover)

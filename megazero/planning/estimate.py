@@ -31,7 +31,9 @@ optimizer's bucket layout.  Activations are exact for what autograd saves (check
 ``tests/test_memory.py`` against :mod:`megazero.planning.measure`).  ``comm_bytes`` is an upper bound of
 the measured high-water mark (a reduction that finishes early frees its buffers sooner), and the
 ZeRO-3 working set an estimate.  ``total_bytes`` is the device total; ``host_bytes`` the host
-memory of ``--offload-optimizer`` (the optimizer state and one bucket's fp32 gradient copy).
+memory of ``--offload-optimizer-device cpu`` (the optimizer state and one bucket's fp32 gradient
+copy) or of the NVMe streaming buffers; ``nvme_bytes`` the swap files of
+``--offload-optimizer-device nvme`` and ``--offload-param-device nvme`` (each tier per rank).
 
 :func:`estimate` returns one row per ZeRO stage (0-3) for the pipeline stage that needs the most
 memory, with the keys above plus ``zero_stage``, ``pp_rank``, ``params_per_rank``,
@@ -149,13 +151,26 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
     out["temporary_bytes"] = _temporary(cfg, pp_rank, device)
     out["in_flight_micro_batches"] = in_flight(cfg, pp_rank)
-    on_device = [k for k in COMPONENTS if not (k == "optim_bytes" and ms["optim_on_cpu"])]
-    out["total_bytes"] = sum(int(out[k]) for k in on_device)
-    par = cfg.parallel
-    largest_shard = ms["max_bucket_elements"] // (par.data_parallel_size * par.context_parallel_size)
-    out["host_bytes"] = ms["optim_bytes"] + (4 * largest_shard if device != "cpu" else 0) \
-        if ms["optim_on_cpu"] else 0
+    out.update(_tiers(cfg, ms, device))
+    out["total_bytes"] = sum(int(out[k]) for k in COMPONENTS) - out["offloaded_bytes"]
     return out
+
+
+def _tiers(cfg, ms, device: str) -> Dict[str, object]:
+    """Where the model state lives: ``optim_device``/``param_device`` (none, cpu, nvme),
+    ``offloaded_bytes`` (left out of the device total), ``host_bytes`` (host RAM: a CPU-offloaded
+    optimizer share, one bucket's fp32 gradient copy from a GPU, the NVMe streaming buffers) and
+    ``nvme_bytes`` (the swap files: optimizer share and ZeRO-3 parameter shards)."""
+    par = cfg.parallel
+    dev, pdev = ms["optim_device"], ms["param_device"]
+    moved = int(ms["optim_bytes"] * float(par.optimizer_offload_fraction)) if dev != "none" else 0
+    largest_shard = ms["max_bucket_elements"] // (par.data_parallel_size * par.context_parallel_size)
+    staging = 4 * largest_shard if device != "cpu" and dev != "none" else 0
+    params_moved = ms["param_bytes"] - ms["resident_param_bytes"] if pdev == "nvme" else 0
+    buffers = par.nvme_buffer_count * par.nvme_buffer_size if dev == "nvme" else 0
+    return {"optim_device": dev, "param_device": pdev, "offloaded_bytes": moved + params_moved,
+            "host_bytes": (moved if dev == "cpu" else 0) + staging + buffers,
+            "nvme_bytes": (moved if dev == "nvme" else 0) + params_moved}
 
 
 def estimate_stages(cfg, zero_stage: Optional[int] = None, device: str = "cuda",

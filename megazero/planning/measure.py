@@ -171,4 +171,6 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
                pipeline_input_bytes=timer.peak_input_bytes, live_after=tracker.live)
     if mesh.device.type == "cuda":
         out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
+    out["nvme_bytes"] = int(out.get("nvme_bytes", 0)) + int(out.pop("nvme_param_bytes", 0))  # both tiers
+    optimizer.close()  # the swap files are scratch
     return out

@@ -206,7 +206,9 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
     n = sum(b.numel for b in buckets)
     shard = n // dp
     bpe = bytes_per_element(cfg)
-    offload = bool(par.offload_optimizer and zero_stage >= 1)
+    from megazero.offload.settings import optimizer_device, param_device
+    device = optimizer_device(par) if zero_stage >= 1 else "none"
+    offload = device != "none"
     half = bpe["P"] == 2
     master = 4 if (half or offload) else 0
     owned = n if zero_stage == 0 else shard
@@ -214,7 +216,12 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
            "param_bytes": bpe["P"] * (shard if zero_stage == 3 else n),
            "grad_bytes": bpe["G"] * (shard if zero_stage >= 2 else n),
            "master_bytes": master * owned, "optim_bytes": (master + bpe["state"]) * owned,
-           "optim_on_cpu": offload, "max_bucket_elements": max(b.numel for b in buckets)}
+           "optim_on_cpu": offload, "optim_device": device,
+           "param_device": param_device(par) if zero_stage == 3 else "none",
+           "max_bucket_elements": max(b.numel for b in buckets)}
     out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
     out["gathered_param_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets)
+    # parameters on NVMe: the shards of the units in use (root + two layers) are in memory
+    out["resident_param_bytes"] = (zero3_buffers(cfg, buckets) // dp if out["param_device"] == "nvme"
+                                   else out["param_bytes"])
     return out

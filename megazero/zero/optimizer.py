@@ -29,6 +29,7 @@ from megazero.zero.stage3 import Stage3Params
 from megazero.zero.stages import check_stage, overlaps_param_gather, shards_gradients, shards_parameters
 from megazero.zero.storage import FlatStorage
 from megazero.zero.update import ShardedUpdate
+from megazero.offload.settings import check_offload, optimizer_device, param_device
 
 
 class ZeroOptimizer:
@@ -36,7 +37,8 @@ class ZeroOptimizer:
 
     def __init__(self, chunks: List[torch.nn.Module], mesh, cfg):
         par, pre = cfg.parallel, cfg.precision
-        check_stage(par.zero_stage, par.offload_optimizer)
+        check_stage(par.zero_stage)
+        check_offload(par)
         self.mesh, self.stage, self.cfg = mesh, par.zero_stage, cfg
         self.dtype = compute_dtype(pre)
         self.grad_dtype = torch.float32 if pre.grad_reduce_dtype == "fp32" else self.dtype
@@ -51,9 +53,14 @@ class ZeroOptimizer:
         units, groups = self._param_groups()
         self.buckets = plan_buckets(groups, mesh.size("dp", "cp"), par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
-        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype)
-        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, par.offload_optimizer,
-                                    mesh.coord("tp"))
+        self.param_swap = None
+        if shards_parameters(self.stage) and param_device(par) == "nvme":
+            from megazero.zero.param_swap import ParamSwap
+            self.param_swap = ParamSwap(self.buckets, self.dtype, par, mesh)
+        self.storage = FlatStorage(self.buckets, self.stage, mesh, self.dtype, self.grad_dtype,
+                                   self.param_swap)
+        self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.coord("tp"),
+                                    tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
             full = _bucket_values(b, mesh.device)
             self.storage.adopt(b, full)
@@ -65,6 +72,7 @@ class ZeroOptimizer:
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
+        self.storage.allocate_grads()  # (deferred with parameters on NVMe: the model's tensors are gone)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
         in_flight = par.max_reductions_in_flight
         if shards_gradients(self.stage):
@@ -180,13 +188,32 @@ class ZeroOptimizer:
         params = [self.storage.params] + (self.stage3.live_buffers() if self.stage3 is not None else [])
         grads = [self.storage.grads] + self.reducer.partial_buffers()
         shard = self.storage.params.untyped_storage().nbytes()
+        if self.param_swap is not None:  # shards on NVMe: those in memory now, and at most so far
+            params.extend(self.param_swap.homes[i] for i in self.param_swap.resident)
+            shard = self.param_swap.peak_resident_bytes
         gathered = self.stage3.peak_gathered_bytes if self.stage3 is not None else 0
         out = {"param_bytes": nbytes(params), "grad_bytes": nbytes(grads),
                "optim_bytes": nbytes(self.update.tensors()), "peak_grad_bytes": self.reducer.grad_bytes.peak,
                "peak_param_bytes": shard + gathered}
         if self.update.staging:
             out["host_staging_bytes"] = nbytes(self.update.staging.values())
+        out.update(self.update.tier_bytes())
+        if self.param_swap is not None:
+            out["nvme_param_bytes"] = self.param_swap.store.file_bytes
         return out
+
+    def io_counts(self):
+        """Running I/O counters of the NVMe tiers (:class:`~megazero.offload.IOCounts`; optimizer
+        state and parameters together), None without one."""
+        counts = [c for c in (self.update.io_counts(),
+                              self.param_swap.store.stats.snapshot() if self.param_swap else None) if c]
+        return sum(counts[1:], counts[0]) if counts else None
+
+    def close(self) -> None:
+        """Release what outlives a step: the NVMe swap files are removed (call at a clean exit)."""
+        self.update.close()
+        if self.param_swap is not None:
+            self.param_swap.close()
 
     def num_parameters(self) -> int:
         """Elements of this rank's trainable (unsharded) parameters."""
@@ -215,6 +242,23 @@ class ZeroOptimizer:
     def param_shapes(self) -> Dict[torch.nn.Parameter, torch.Size]:
         """Every trainable parameter's full shape, from the bucket metadata (no gather under ZeRO-3)."""
         return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
+
+
+def assign_tiers(buckets: List[Bucket], storage: FlatStorage, par) -> Dict[int, str]:
+    """Bucket index -> where its optimizer state lives: ``device``, ``cpu`` or ``nvme``.  With
+    ``--optimizer-offload-fraction f`` (Megatron-LM's meaning: the share offloaded), buckets in order
+    go to the offload device while the elements offloaded stay within ``f`` of the total."""
+    dev = optimizer_device(par)
+    if dev == "none" or par.zero_stage == 0:
+        return {b.index: "device" for b in buckets}
+    sizes = {b.index: storage.updated_range(b)[1] - storage.updated_range(b)[0] for b in buckets}
+    limit, taken, out = float(par.optimizer_offload_fraction) * sum(sizes.values()), 0, {}
+    for b in buckets:
+        if taken + sizes[b.index] <= limit:
+            out[b.index], taken = dev, taken + sizes[b.index]
+        else:
+            out[b.index] = "device"
+    return out
 
 
 def _bucket_values(b: Bucket, device) -> torch.Tensor:

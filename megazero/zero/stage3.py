@@ -56,6 +56,7 @@ class _Unit:
         self.buffers: Dict[int, torch.Tensor] = {}  # bucket index -> its buffer (storage empty when freed)
         self.handles: list = []
         self.done = 0  # buckets whose gradients are complete in the current backward
+        self.after_read: list = []  # parameters on NVMe: (bucket, full, shard) to gather once read
 
 
 class Stage3Params:
@@ -104,10 +105,11 @@ class Stage3Params:
     def gather(self, u: Optional[_Unit], wait: bool = True) -> None:
         if u is None:
             return
+        swap = self.storage.swap  # --offload-param-device nvme: shards read from disk first
         if u.full is None:
-            u.full, u.handles = {}, []
+            u.full, u.handles, u.after_read = {}, [], []
             for b in u.buckets:
-                shard = self.storage.param_shard(b)
+                shard = swap.fetch(b.index) if swap is not None else self.storage.param_shard(b)
                 if self.mesh.size("dp", "cp") == 1:
                     u.full[b.index] = shard
                     continue
@@ -117,10 +119,20 @@ class Stage3Params:
                 else:  # the storage saved views still point at: allocate it again
                     full.untyped_storage().resize_(full.nbytes)
                 self._count(full.nbytes)
+                u.full[b.index] = full
+                if swap is not None:  # the gather starts once the shard is read
+                    u.after_read.append((b, full, shard))
+                    continue
                 u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
                                                    async_op=True))
-                u.full[b.index] = full
         if wait and u.handles is not None:
+            if swap is not None:
+                for b in u.buckets:
+                    swap.ready(b.index)
+                for b, full, shard in u.after_read:
+                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                                                       async_op=True))
+                u.after_read = []
             for h in u.handles:
                 h.wait()
             u.handles = None
@@ -132,6 +144,11 @@ class Stage3Params:
     def free(self, u: _Unit) -> None:
         if u.full is None:
             return
+        swap = self.storage.swap
+        if u.after_read:  # gathered without waiting, never used: finish the reads, skip the gathers
+            for b, full, shard in u.after_read:
+                swap.ready(b.index)
+            u.after_read = []
         for h in u.handles or ():
             h.wait()
         for b in u.buckets:
@@ -141,6 +158,9 @@ class Stage3Params:
             for t in u.full.values():
                 t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
                 self._count(-t.nbytes)
+        if swap is not None:
+            for b in u.buckets:
+                swap.evict(b.index)  # the same for the shard on disk
         u.full, u.handles, u.done = None, [], 0
 
     def _count(self, nbytes: int) -> None:

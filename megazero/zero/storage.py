@@ -26,21 +26,37 @@ from megazero.zero.stages import shards_gradients, shards_optimizer, shards_para
 class FlatStorage:
     """Flat parameter and gradient buffers for ``buckets`` (see the module docstring)."""
 
-    def __init__(self, buckets: List[Bucket], stage: int, mesh, dtype: torch.dtype, grad_dtype: torch.dtype):
+    def __init__(self, buckets: List[Bucket], stage: int, mesh, dtype: torch.dtype, grad_dtype: torch.dtype,
+                 param_swap=None):
         self.buckets, self.stage, self.mesh = buckets, stage, mesh
+        self.swap = param_swap  # stage 3 with --offload-param-device nvme: shards on disk (ParamSwap)
         self.dp_rank, self.dp_size = mesh.coord("dp", "cp"), mesh.size("dp", "cp")
         total = sum(b.numel for b in buckets)
         shard_total = sum(b.shard_numel for b in buckets)
         self.sharded_params = shards_parameters(stage)
         self.sharded_grads = shards_gradients(stage)
-        self.params = torch.zeros(shard_total if self.sharded_params else total, dtype=dtype,
-                                  device=mesh.device)
-        self.grads = torch.zeros(shard_total if self.sharded_grads else total, dtype=grad_dtype,
-                                 device=mesh.device)
+        numel = 0 if param_swap is not None else shard_total if self.sharded_params else total
+        self.params = torch.zeros(numel, dtype=dtype, device=mesh.device)
+        self._grad_shape = (shard_total if self.sharded_grads else total, grad_dtype)
+        # parameters on NVMe: the gradient buffer comes once the model's own tensors are released
+        # (allocate_grads), so start-up never holds both
+        self.grads = torch.zeros(0, dtype=grad_dtype, device=mesh.device)
+        if param_swap is None:
+            self.allocate_grads()
+
+    def allocate_grads(self) -> None:
+        numel, dtype = self._grad_shape
+        if self.grads.numel() != numel:
+            self.grads = torch.zeros(numel, dtype=dtype, device=self.mesh.device)
 
     def adopt(self, b: Bucket, full: torch.Tensor) -> None:
         """Store bucket ``b``'s values (``full``: the whole padded bucket) and, unless parameters are
         sharded, make its parameters views of the flat buffer."""
+        if self.swap is not None:
+            lo, hi = b.shard_range(self.dp_rank)
+            self.swap.materialize(b.index).copy_(full[lo:hi])
+            self.swap.flush(b.index)
+            return
         if self.sharded_params:
             lo, hi = b.shard_range(self.dp_rank)
             self.params[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo:hi])
@@ -54,7 +70,10 @@ class FlatStorage:
         return b.shard_range(self.dp_rank) if shards_optimizer(self.stage) else (0, b.numel)
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
-        """Stage 3: this rank's shard of bucket ``b``'s parameters."""
+        """Stage 3: this rank's shard of bucket ``b``'s parameters (on NVMe: its home tensor, valid
+        while fetched)."""
+        if self.swap is not None:
+            return self.swap.homes[b.index]
         return self.params[b.shard_offset:b.shard_offset + b.shard_numel]
 
     def updated_params(self, b: Bucket) -> torch.Tensor:
@@ -63,6 +82,16 @@ class FlatStorage:
             return self.param_shard(b)
         lo, hi = self.updated_range(b)
         return self.params[b.offset + lo:b.offset + hi]
+
+    def begin_update(self, b: Bucket) -> None:
+        """Before the optimizer overwrites bucket ``b``'s updated parameters: give an NVMe shard memory."""
+        if self.swap is not None:
+            self.swap.materialize(b.index)
+
+    def end_update(self, b: Bucket) -> None:
+        """After: an NVMe shard is written back (and leaves memory once written)."""
+        if self.swap is not None:
+            self.swap.flush(b.index)
 
     def full_grads(self, b: Bucket) -> torch.Tensor:
         """Stages 0/1: the whole bucket's accumulated gradients."""

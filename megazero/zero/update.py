@@ -30,31 +30,48 @@ LR = Tuple[float, Optional[float]]  # (rate, rate of the embedding and output we
 class ShardedUpdate:
     """Master weights, optimizer state and the update for every bucket of ``storage``."""
 
-    def __init__(self, storage: FlatStorage, opt_cfg, dtype: torch.dtype, offload: bool, tp_rank: int):
-        self.storage, self.offload, self.tp_rank = storage, offload, tp_rank
-        self.device = torch.device("cpu") if offload else torch.device(storage.mesh.device)
-        self.separate_master = offload or dtype != torch.float32
-        self.pinned = offload and storage.mesh.device.type == "cuda"  # host <-> GPU copies to pipeline
+    def __init__(self, storage: FlatStorage, opt_cfg, dtype: torch.dtype, offload: bool, tp_rank: int,
+                 tiers: Optional[Dict[int, str]] = None, par=None):
+        self.storage, self.tp_rank = storage, tp_rank
+        # per bucket: "device" (the mesh's device), "cpu" (host memory) or "nvme" (NvmeTier)
+        self.tier = tiers or {b.index: "cpu" if offload else "device" for b in storage.buckets}
+        self.offload = any(t != "device" for t in self.tier.values())
+        self.dtype = dtype
+        self.pinned = self.offload and storage.mesh.device.type == "cuda"  # host <-> GPU copies to pipeline
         self.staging: Dict[int, torch.Tensor] = {}  # pinned fp32 gradients per bucket (GPU offload)
         self.uploads: Dict[int, object] = {}  # bucket -> CUDA event of its last master -> param copy
         self.optim = build_flat_optimizer(opt_cfg)
-        self.master: Dict[int, torch.Tensor] = {}
+        self.master: Dict[int, torch.Tensor] = {}  # buckets in memory only
         self.state: Dict[int, Dict[str, torch.Tensor]] = {}
         self.decay: Dict[int, List[Tuple[int, int]]] = {}
         self.decoupled: Dict[int, List[Tuple[int, int]]] = {}  # ranges of embedding/output weights
         self.norm_pieces: Dict[int, List[Tuple[int, int, bool]]] = {}
+        self.nvme = None
+        on_disk = {b.index: _length(storage.updated_range(b)) for b in storage.buckets
+                   if self.tier[b.index] == "nvme"}
+        if on_disk:
+            from megazero.zero.nvme_tier import NvmeTier
+            self.nvme = NvmeTier(on_disk, self.optim.state_names, par, storage.mesh)
+
+    def _device(self, b: Bucket) -> torch.device:
+        on_device = self.tier[b.index] == "device"
+        return torch.device(self.storage.mesh.device) if on_device else torch.device("cpu")
 
     def add_bucket(self, b: Bucket, full: torch.Tensor) -> None:
         """Set up bucket ``b`` from its full fp32 values (after ``storage.adopt``)."""
         lo, hi = self.storage.updated_range(b)
-        if self.pinned:
-            self.master[b.index] = torch.empty(hi - lo, dtype=torch.float32,
-                                               pin_memory=True).copy_(full[lo:hi])
-        elif self.separate_master:
-            self.master[b.index] = full[lo:hi].to(self.device, copy=True)
+        tier = self.tier[b.index]
+        if tier == "nvme":
+            self.nvme.init_bucket(b.index, full[lo:hi])
         else:
-            self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
-        self.state[b.index] = self.optim.init_state(self.master[b.index])
+            if tier == "cpu" and self.pinned:
+                self.master[b.index] = torch.empty(hi - lo, dtype=torch.float32,
+                                                   pin_memory=True).copy_(full[lo:hi])
+            elif tier == "cpu" or self.dtype != torch.float32 or self.storage.swap is not None:
+                self.master[b.index] = full[lo:hi].to(self._device(b), copy=True)
+            else:
+                self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
+            self.state[b.index] = self.optim.init_state(self.master[b.index])
         self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if p.dim() > 1])
         self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
                                           if getattr(p, "is_embedding_or_output_parameter", False)])
@@ -77,25 +94,59 @@ class ShardedUpdate:
                 for b in self.storage.buckets for a, e, counted in self.norm_pieces[b.index]]
 
     def apply(self, b: Bucket, lr: LR, step: int, grad_mul: float) -> None:
-        """Optimizer step number ``step`` on bucket ``b`` with ``lr`` = (rate, rate of the embedding and
-        output weights or None: the same); the compute-dtype parameters of the updated range follow
-        the masters."""
-        grad = self.storage.updated_grads(b).to(self.device, torch.float32)  # fp32 grads: no copy
+        """Optimizer step number ``step`` on bucket ``b`` (in memory) with ``lr`` = (rate, rate of the
+        embedding and output weights or None: the same); the compute-dtype parameters of the updated
+        range follow the masters."""
+        grad = self.storage.updated_grads(b).to(self._device(b), torch.float32)  # fp32 grads: no copy
         self._update(b, grad, lr, step, grad_mul)
 
     def apply_all(self, buckets: Sequence[Bucket], lr: LR, step: int, grad_mul: float) -> Iterator[Bucket]:
         """:meth:`apply` on ``buckets`` in order, yielding each once its parameters are updated
-        (stream-ordered on a GPU).  Offloading from a GPU, every gradient download starts first."""
-        if not self.pinned:
+        (stream-ordered on a GPU).  Offloading from a GPU, every gradient download starts first.
+        Buckets on NVMe stream their sub-groups (read ahead, write back) through the same loop."""
+        downloads = {b.index: self._download(b) for b in buckets
+                     if self.pinned and self.tier[b.index] == "cpu"}
+        on_disk = [b.index for b in buckets if self.tier[b.index] == "nvme"]
+        walk = self.nvme.walk(on_disk) if self.nvme else None
+        try:
             for b in buckets:
-                self.apply(b, lr, step, grad_mul)
+                self.storage.begin_update(b)  # parameters on NVMe: the shard gets memory
+                if self.tier[b.index] == "nvme":
+                    for j in range(len(self.nvme.pieces[b.index])):
+                        self._update_piece(b, j, next(walk), lr, step, grad_mul)
+                elif b.index in downloads:
+                    downloads[b.index].synchronize()
+                    self._update(b, self.staging[b.index], lr, step, grad_mul)
+                else:
+                    self.apply(b, lr, step, grad_mul)
+                self.storage.end_update(b)  # ... and is written back
                 yield b
-            return
-        downloads = [self._download(b) for b in buckets]
-        for b, done in zip(buckets, downloads):
-            done.synchronize()
-            self._update(b, self.staging[b.index], lr, step, grad_mul)
-            yield b
+            for _ in walk or ():  # the last write-backs
+                raise AssertionError("NVMe sub-groups left over after the last bucket")
+        finally:
+            if walk is not None:
+                walk.close()
+
+    def _update_piece(self, b: Bucket, j: int, views: Dict[str, torch.Tensor], lr: LR, step: int,
+                      grad_mul: float) -> None:
+        """The update of sub-group ``j`` of bucket ``b`` (on NVMe) in its streaming buffer ``views``,
+        and its new weights into the compute-dtype parameters."""
+        a, e = self.nvme.pieces[b.index][j]
+        grad = self.storage.updated_grads(b)[a:e].to("cpu", torch.float32)
+        rate, decoupled_rate = lr
+        decay = _within(self.decay[b.index], a, e)
+        decoupled = None
+        if decoupled_rate is not None:
+            decoupled = (_within(self.decoupled[b.index], a, e), decoupled_rate)
+        state = {k: views[k] for k in self.optim.state_names}
+        self.optim.update(views["master"], grad, state, decay, rate, step, grad_mul=grad_mul,
+                          decoupled=decoupled)
+        params = self.storage.updated_params(b)[a:e]
+        params.copy_(views["master"], non_blocking=params.is_cuda)
+        if params.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.nvme.fence(event)  # the buffer is not refilled before the upload is done
 
     def _download(self, b: Bucket):
         """Start copying bucket ``b``'s reduced gradients into pinned host memory; returns the event
@@ -119,7 +170,10 @@ class ShardedUpdate:
         self.publish(b)
 
     def publish(self, b: Bucket) -> None:
-        """Copy bucket ``b``'s masters into the compute-dtype parameters of the updated range."""
+        """Copy bucket ``b``'s masters into the compute-dtype parameters of the updated range (buckets
+        on NVMe publish each sub-group as it is written: :meth:`commit_piece`)."""
+        if self.tier[b.index] == "nvme":
+            return
         params = self.storage.updated_params(b)
         if params.data_ptr() == self.master[b.index].data_ptr():
             return
@@ -130,9 +184,79 @@ class ShardedUpdate:
         self.uploads[b.index] = torch.cuda.Event()
         self.uploads[b.index].record()
 
+    # ---- the state one piece at a time (checkpoints) ------------------------------------
+    def pieces(self, b: Bucket) -> List[Tuple[int, int]]:
+        """Ranges of the updated range that :meth:`piece_tensors` hands out: the whole of it for a
+        bucket in memory, its sub-groups on NVMe."""
+        if self.tier[b.index] == "nvme":
+            return self.nvme.pieces[b.index]
+        return [(0, _length(self.storage.updated_range(b)))]
+
+    def piece_tensors(self, b: Bucket, j: int, keys: Optional[Sequence[str]] = None,
+                      read: bool = True) -> Dict[str, torch.Tensor]:
+        """``{key: fp32 tensor}`` of piece ``j`` of bucket ``b`` (``key``: ``master`` or a moment): the
+        live tensors of a bucket in memory; for NVMe, the sub-group in a reused host buffer (read from
+        the disk when ``read``, else undefined, to be filled and given to :meth:`commit_piece`)."""
+        keys = list(keys) if keys is not None else self.state_names(with_master=True)
+        if self.tier[b.index] == "nvme":
+            if read:
+                return self.nvme.read_group(b.index, j, keys)
+            views = self.nvme.staging(b.index, j)
+            return {k: views[k] for k in keys}
+        live = {"master": self.master[b.index], **self.state[b.index]}
+        return {k: live[k] for k in keys}
+
+    def commit_piece(self, b: Bucket, j: int, tensors: Dict[str, torch.Tensor]) -> None:
+        """After filling :meth:`piece_tensors` (``read=False``): write them to the disk and publish
+        the master weights of an NVMe sub-group (nothing to do in memory)."""
+        if self.tier[b.index] != "nvme":
+            return
+        self.nvme.write_group(b.index, j, tensors)
+        if "master" in tensors:
+            a, e = self.nvme.pieces[b.index][j]
+            self.storage.updated_params(b)[a:e].copy_(tensors["master"])
+
+    def state_names(self, with_master: bool = False) -> List[str]:
+        return (["master"] if with_master else []) + list(self.optim.state_names)
+
+    def zero_state(self) -> None:
+        """Zero every moment (a fresh optimizer over loaded weights)."""
+        with torch.no_grad():
+            for st in self.state.values():
+                for t in st.values():
+                    t.zero_()
+        if self.nvme is not None:
+            self.nvme.zero_moments()
+
     def tensors(self) -> List[torch.Tensor]:
-        """Every master and moment tensor (for memory accounting; the staging is not optimizer state)."""
+        """Every master and moment tensor in memory (for memory accounting; the staging is not
+        optimizer state, and the NVMe tier counts apart: :meth:`tier_bytes`)."""
         return list(self.master.values()) + [t for s in self.state.values() for t in s.values()]
+
+    def tier_bytes(self) -> Dict[str, int]:
+        """NVMe tier: ``nvme_bytes`` (this rank's swap file) and ``nvme_host_bytes`` (its streaming
+        buffers); empty without one."""
+        if self.nvme is None:
+            return {}
+        return {"nvme_bytes": self.nvme.nvme_bytes, "nvme_host_bytes": self.nvme.host_bytes}
+
+    def io_counts(self):
+        """The NVMe store's running I/O counters (:class:`~megazero.offload.IOCounts`), or None."""
+        return self.nvme.store.stats.snapshot() if self.nvme is not None else None
+
+    def close(self) -> None:
+        """Remove the swap file (a clean exit; idempotent)."""
+        if self.nvme is not None:
+            self.nvme.close()
+
+
+def _length(r: Tuple[int, int]) -> int:
+    return r[1] - r[0]
+
+
+def _within(segments, a: int, e: int):
+    """``segments`` clipped to ``[a, e)`` and shifted to start at ``a``."""
+    return [(max(s, a) - a, min(t, e) - a) for s, t in segments if s < e and t > a]
 
 
 def _merge(segments):

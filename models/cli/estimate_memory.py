@@ -101,14 +101,17 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
           f"PP {par.pipeline_model_parallel_size} x DP "
           f"{par.data_parallel_size}; {rows[0]['params_per_rank'] / 1e6:.1f}M parameters on the most loaded "
           f"rank; estimate for {device}")
-    heads = ("params", "grads", "optim", "comm", "zero3", "activ", "pipe", "temp", "total")
+    heads = ("params", "grads", "optim", "comm", "zero3", "activ", "pipe", "temp", "total", "host", "nvme")
     print(f"{'ZeRO':>4} {'pp':>3} " + " ".join(f"{h:>8}" for h in heads) + "   (GiB per rank)")
     for r in rows:
         vals = [r["param_bytes"], r["grad_bytes"], r["optim_bytes"], r["comm_bytes"],
                 r["gathered_param_bytes"], r["activation_bytes"],
-                r["pipeline_buffer_bytes"], r["temporary_bytes"], r["total_bytes"]]
+                r["pipeline_buffer_bytes"], r["temporary_bytes"], r["total_bytes"], r["host_bytes"],
+                r["nvme_bytes"]]
+        where = {"cpu": "  (optimizer state in host memory)", "nvme": "  (optimizer state on NVMe)"}
         print(f"{r['zero_stage']:>4} {r['pp_rank']:>3} " + " ".join(f"{v / GIB:>8.3f}" for v in vals)
-              + ("  (optimizer state in host memory)" if r["optim_on_cpu"] else ""))
+              + where.get(r["optim_device"], "")
+              + ("  (parameters on NVMe)" if r["param_device"] == "nvme" else ""))
     if par.pipeline_model_parallel_size > 1:
         print(f"per pipeline stage at ZeRO {par.zero_stage}: " + ", ".join(
             f"stage {s['pp_rank']} {s['total_bytes'] / GIB:.3f} GiB "
@@ -150,6 +153,9 @@ def compare(cfg, measured: List[dict], device: str) -> List[dict]:
         ranks = [m for m in measured if m["pp_rank"] == est["pp_rank"]]
         comps = {name: {"estimate": int(est[name]), "measured": max(int(m[key]) for m in ranks)}
                  for name, key in COMPARED.items()}
+        if est["nvme_bytes"] or any(m.get("nvme_bytes") for m in ranks):  # the NVMe tier, apart
+            comps["nvme_bytes"] = {"estimate": int(est["nvme_bytes"]),
+                                   "measured": max(int(m.get("nvme_bytes", 0)) for m in ranks)}
         if "max_memory_allocated" in ranks[0]:
             alloc = max(int(m["max_memory_allocated"]) for m in ranks)
             comps["max_memory_allocated"] = {"estimate": int(est["total_bytes"]), "measured": alloc}

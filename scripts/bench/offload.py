@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Offload side by side on one model that fits in memory: the same training run in memory, with the
+optimizer in host memory, with the optimizer on NVMe, and with the optimizer and the ZeRO-3
+parameters on NVMe (measured, never asserted).
+
+Each mode runs ``--iters`` iterations in a process of its own (forked, so its peak RSS is its own)
+and reports the median step time after the first iteration, the I/O wait per step and its share of
+the step, bytes read and written per step, the disk bandwidth achieved while the step runs (bytes
+moved / step time) next to the disk's peak measured in the same run (simultaneous direct reads and
+writes, as :mod:`bench.nvme_io` measures them), and the peak RSS.
+
+    python scripts/bench_offload.py --dir /tmp                      # GPT 8 x 512, ZeRO-3, ~2 minutes
+    python scripts/bench_offload.py --dir /mnt/nvme --layers 12 --hidden 768 --iters 4 --json out.json
+
+The swap files live under ``--dir`` for the run and are removed after it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+MiB = 1 << 20
+MODES = {"memory": {}, "cpu": dict(offload_optimizer_device="cpu"),
+         "nvme-optimizer": dict(offload_optimizer_device="nvme"),
+         "nvme-optimizer+params": dict(offload_optimizer_device="nvme", offload_param_device="nvme")}
+
+
+def _cfg(a, swap: str, extra: dict):
+    from megazero.config import config_from_dict
+    settings = dict(mock_data=True, num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+                    seq_length=a.seq, vocab_size=a.vocab, micro_batch_size=1, global_batch_size=a.batch,
+                    train_iters=a.iters, optimizer="adam", lr=1e-4, zero_stage=3, log_interval=10 ** 6,
+                    hidden_dropout=0.0, attention_dropout=0.0, nvme_path=swap,
+                    nvme_buffer_size=a.buffer_mib * MiB, nvme_io_threads=a.io_threads)
+    settings.update(extra)
+    return config_from_dict(settings)
+
+
+def _run_mode(a, swap: str, extra: dict) -> list:
+    import models
+    from megazero.training import train
+    return train(_cfg(a, swap, extra), models.build_chunks, stream=open(os.devnull, "w"))
+
+
+def _summary(history: list, peak_bw: float) -> dict:
+    rows = history[1:] or history  # the first iteration also warms up
+    step = statistics.median(m["iteration_time"] for m in rows)
+    read = statistics.median(m.get("io_read_bytes", 0) for m in rows)
+    written = statistics.median(m.get("io_write_bytes", 0) for m in rows)
+    wait = statistics.median(m.get("io_wait_s", 0.0) for m in rows)
+    bw = (read + written) / step if step else 0.0
+    return {"step_s": step, "io_wait_s": wait, "io_wait_share": wait / step if step else 0.0,
+            "read_bytes": read, "written_bytes": written, "disk_bytes_per_s": bw,
+            "of_peak": bw / peak_bw if peak_bw else 0.0,
+            "peak_rss_bytes": max(m["peak_rss_bytes"] for m in history),
+            "losses": [m["loss"] for m in history]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk for the swap files")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2, help="global batch (micro-batches of 1)")
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--buffer-mib", type=int, default=64, help="--nvme-buffer-size, MiB")
+    p.add_argument("--io-threads", type=int, default=4, help="--nvme-io-threads")
+    p.add_argument("--peak-mib", type=int, default=256, help="bytes of the disk's peak measurement")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--json", help="also write the figures as JSON to this path ('-': stdout)")
+    a = p.parse_args(argv)
+    from bench import write_json
+    from bench.nvme_io import make_file, mixed_bandwidth
+    from megazero.local_ranks import run_ranks
+    swap = tempfile.mkdtemp(prefix="bench_offload_", dir=a.dir)
+    raw = os.path.join(swap, "peak.bin")
+    try:
+        make_file(raw, a.peak_mib * MiB)
+        peak = max(mixed_bandwidth(raw, a.peak_mib * MiB, MiB, a.io_threads, flip=f) for f in (False, True))
+        os.unlink(raw)
+        out = {"peak_disk_bytes_per_s": peak, "modes": {}}
+        for name in a.modes:
+            (hist,) = run_ranks(_run_mode, 1, a, swap, MODES[name], timeout=3600)
+            out["modes"][name] = _summary(hist, peak)
+    finally:
+        for f in os.listdir(swap):
+            os.unlink(os.path.join(swap, f))
+        os.rmdir(swap)
+    print(f"GPT {a.layers} x {a.hidden}, seq {a.seq}, batch {a.batch}, ZeRO-3, one process; disk peak "
+          f"(direct reads + writes at once, 1 MiB x {a.io_threads} threads): {peak / 1e6:.0f} MB/s; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':>22} {'step s':>8} {'vs mem':>7} {'I/O wait':>9} {'read MB':>8} {'write MB':>9} "
+          f"{'disk MB/s':>10} {'of peak':>8} {'peak RSS MiB':>13}")
+    base = out["modes"].get("memory", {}).get("step_s")
+    for name, r in out["modes"].items():
+        rel = f"{r['step_s'] / base:.2f}x" if base else "-"
+        print(f"{name:>22} {r['step_s']:>8.2f} {rel:>7} {100 * r['io_wait_share']:>8.0f}% "
+              f"{r['read_bytes'] / 1e6:>8.0f} {r['written_bytes'] / 1e6:>9.0f} "
+              f"{r['disk_bytes_per_s'] / 1e6:>10.0f} "
+              f"{100 * r['of_peak']:>7.0f}% {r['peak_rss_bytes'] / MiB:>13.0f}")
+    if a.json:
+        write_json(out, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
