@@ -206,7 +206,7 @@ class ParallelMesh:
         mine, made = {}, {}
         for key, layout in layouts.items():
             signature = tuple(tuple(g) for g in layout)
-            if signature in made:  # same partition as an earlier group: share it
+            if signature in made:  # same groups as an earlier key: share them
                 mine[key] = mine[made[signature]]
                 continue
             made[signature] = key
@@ -215,7 +215,9 @@ class ParallelMesh:
                 group = dist.new_group(ranks, group_desc="-".join(key), **kwargs)
                 if rank in ranks:
                     mine[key] = (group, ranks)
-        warm_up([mine[made[s]][0] for s in made], device)
+            # the embedding groups leave out the middle pipeline stages: no group there
+            mine.setdefault(key, (None, []))
+        warm_up([mine[key][0] for key in made.values()], device)
         return cls(world_size=world, rank=rank, device=torch.device(device), order=order, sizes=sizes,
                    groups=mine, world_group=dist.group.WORLD)
 
