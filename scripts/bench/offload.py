@@ -39,7 +39,7 @@ def _cfg(a, swap: str, extra: dict):
 
 
 def _run_mode(a, swap: str, extra: dict) -> list:
-    import models
+    import megazero_models as models  # the installed models package (scripts/ is not beside it)
     from megazero.training import train
     return train(_cfg(a, swap, extra), models.build_chunks, stream=open(os.devnull, "w"))
 
