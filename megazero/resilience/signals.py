@@ -1,8 +1,9 @@
 """Signals: a preemption notice becomes a flag the trainer acts on; ranks die with their launcher.
 
 :class:`ExitSignals` (``--exit-signal-handler``) turns the first of the ``--exit-signal`` signals
-into a flag (the trainer finishes the iteration, saves and exits 0); a second one ends the process
-at once with the signal's default action.  The handler only records: it never runs collectives
+into a flag (the trainer finishes the iteration, saves and exits 0).  Further signals are the same
+request until ``--exit-signal-grace-secs`` after the save started; one after that ends the process at
+once with the signal's default action.  The handler only records: it never runs collectives
 or I/O, so it is safe at any point of the program.
 
 :func:`exit_with_parent` asks Linux to send SIGTERM to this process when the process that started
@@ -16,17 +17,25 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Dict, List, Optional
 
 PR_SET_PDEATHSIG = 1
 
 
 class ExitSignals:
-    """Handlers for the named signals that set :attr:`received` (the signal's name) on the first one."""
+    """Handlers for the named signals that set :attr:`received` (the signal's name) on the first one.
 
-    def __init__(self, names: List[str]):
+    Repeated signals are one request (SLURM signals every process of a step, torchrun forwards the
+    same signal again, the agent's death adds one) until ``grace`` seconds after :meth:`saving` was
+    called; only a signal after that ends the process at once with its default action."""
+
+    def __init__(self, names: List[str], grace: float = 30.0):
         self.names = list(names)
+        self.grace = float(grace)
         self.received: Optional[str] = None
+        self.repeats = 0
+        self.save_started: Optional[float] = None
         self._previous: Dict[int, object] = {}
 
     def install(self) -> bool:
@@ -38,11 +47,19 @@ class ExitSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return True
 
+    def saving(self) -> None:
+        """The stop save begins: the grace period for repeated signals starts now."""
+        if self.save_started is None:
+            self.save_started = time.monotonic()
+
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
         if self.received is None:
             self.received = signal.Signals(signum).name
             return
-        self.restore()  # a second signal: the default action, now
+        self.repeats += 1
+        if self.save_started is None or time.monotonic() - self.save_started <= self.grace:
+            return  # the same request again
+        self.restore()  # past the grace period: the default action, now
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

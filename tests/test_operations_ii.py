@@ -1,0 +1,134 @@
+"""Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
+preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
+reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megazero.checkpoint import latest_iteration
+from megazero.config import ConfigError, validate
+from megazero.resilience import NumericalError
+from megazero.resilience.numerics import LossSpikeGuard
+from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
+                                   _train)
+
+LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
+
+
+# ---- divergence ------------------------------------------------------------------------------
+def test_loss_spike_guard_and_its_flags():
+    guard = LossSpikeGuard(3.0, window=3)
+    for it, loss in enumerate([5.0, 4.0, 4.5, 4.2], 1):
+        guard.check(it, loss)
+    guard.check(5, float("nan"))  # non-finite: the NaN guard's business, not a spike
+    with pytest.raises(NumericalError, match=r"iteration 6: the loss 13 is over --loss-spike-factor 3 times "
+                                             r"the median 4.2 of the last 3 losses"):
+        guard.check(6, 13.0)  # median of the last 3 (4.0, 4.5, 4.2) is 4.2: 13 > 12.6
+    LossSpikeGuard(None, 3).check(1, 1e30)  # off
+    for changes, needle in ((dict(loss_spike_factor=1.0), "--loss-spike-factor must be > 1"),
+                            (dict(loss_spike_window=0), "--loss-spike-window must be a positive integer"),
+                            (dict(ckpt_keep=0, save="x"), "--ckpt-keep must be a positive integer"),
+                            (dict(ckpt_keep=2), "--ckpt-keep needs --save"),
+                            (dict(async_save=True), "--async-save needs --save"),
+                            (dict(pretrained_checkpoint="p", finetune=True, load="x"),
+                             "--pretrained-checkpoint already loads weights only")):
+        with pytest.raises(ConfigError, match=needle):
+            validate(_settings(**changes), 1)
+
+
+def test_fp16_nan_forward_loss_exits_non_zero_and_the_tracker_names_the_last_good(tmp_path):
+    """fp16 with the dynamic scaler, a huge learning rate (warmed up): the forward loss turns NaN at
+    iteration 5.  The run exits 1 (it used to "skip" and save each step); iteration 4's save, whose
+    weights gave the NaN, is set aside; the tracker names iteration 3, and resuming from it is finite."""
+    d = str(tmp_path / "ckpt")
+    flags = [f for f in TINY if f not in ("--lr", "0.1")]
+    cmd = [sys.executable, SCRIPT, *flags, "--lr", "1000", "--lr-warmup-iters", "6", "--fp16",
+           "--initial-loss-scale", "64", "--train-iters", "8", "--save", d, "--save-interval", "1"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr
+    assert re.search(r"error: iteration 5: the loss is nan .*fp16 with the dynamic loss scaler", err), err
+    assert "The last good checkpoint is iteration 3 in " in err, err
+    assert "iter_0000004.diverged" in err and "Traceback" not in err
+    assert latest_iteration(d) == 3
+    resumed = _train(_settings(fp16=True, lr=1000.0, lr_warmup_iters=6, initial_loss_scale=64.0,
+                               train_iters=4, load=d))
+    assert [m["iteration"] for m in resumed] == [4] and all(x == x for x in _losses(resumed))
+
+
+def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
+    """fp32, SGD warmed up to a learning rate that diverges with finite losses (4.6 -> 14.7 at
+    iteration 4): --loss-spike-factor 3 stops there; the tracker names iteration 2, not 3."""
+    d = str(tmp_path / "ckpt")
+    settings = dict(lr=30.0, lr_warmup_iters=6, loss_spike_factor=3.0, save=d, save_interval=1)
+    spike = r"iteration 4: the loss [\d.]+ is over --loss-spike-factor 3"
+    with pytest.raises(NumericalError, match=spike) as e:
+        _train(_settings(train_iters=8, **settings))
+    assert "The last good checkpoint is iteration 2 in " in str(e.value)
+    assert latest_iteration(d) == 2 and "iter_0000003.diverged" in os.listdir(d)
+    ref = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6))
+    resumed = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6, load=d))
+    assert _losses(resumed) == pytest.approx(_losses(ref)[2:], rel=1e-6)  # iteration 3 replays, finite
+
+
+# ---- one voice --------------------------------------------------------------------------------
+def _launch(nproc, *flags, extra=()):
+    return [sys.executable, LAUNCH, "--standalone", "--nproc-per-node", str(nproc), *extra, SCRIPT, *TINY,
+            *flags]
+
+
+@pytest.mark.slow
+def test_an_unknown_flag_under_8_ranks_prints_at_most_5_lines(tmp_path):
+    """Rank 0 alone prints the usage line and the error; the launcher adds nothing (status 2)."""
+    with Launch(_launch(8, "--train-iter", "3"), _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 2, run.text()[-3000:]
+    lines = run.text().splitlines()
+    assert len(lines) <= 5, "\n".join(lines)
+    assert sum("unrecognized arguments: --train-iter 3" in line for line in lines) == 1  # no abbreviation
+
+
+# ---- preemption -------------------------------------------------------------------------------
+def _weights(directory):
+    from megazero.checkpoint import read_weights
+    return read_weights(directory)[3]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_bitwise(tmp_path):
+    """SLURM's preemption: SIGTERM to the launcher and all 8 ranks at once (each rank also gets the
+    launcher's forwarded copy).  One save, exit 0 with one launcher line, no traceback; resuming under
+    the same layout gives bitwise the losses and weights of an uninterrupted run."""
+    d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    flags = ["--global-batch-size", "8", "--zero-stage", "1", "--exit-signal-handler"]
+    cmd = _launch(8, *flags, "--train-iters", "1000", "--save", d, "--metrics-file", metrics)
+    with Launch(cmd, _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/1000", 300)
+        pids = [run.proc.pid] + _children(run.proc.pid)
+        assert len(pids) == 9, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
+    assert stop and out.count("stopping after iteration") == 1, out[-3000:]
+    n = int(stop.group(1))
+    assert out.count("saved checkpoint at iteration") == 1 and f"saved checkpoint at iteration {n} " in out
+    assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: every rank stopped cleanly")
+    assert latest_iteration(d) == n
+    end = n + 2
+    with Launch(_launch(8, *flags, "--train-iters", str(end), "--load", d, "--save", d, "--metrics-file",
+                        metrics), _env(), str(tmp_path / "resume.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
+    with Launch(_launch(8, *flags, "--train-iters", str(end), "--save", ref, "--metrics-file", ref_metrics),
+                _env(), str(tmp_path / "ref.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    got, want = _metrics(metrics), _metrics(ref_metrics)
+    assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
+    mine, theirs = _weights(d), _weights(ref)
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
