@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,3 +133,77 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
     assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
     mine, theirs = _weights(d), _weights(ref)
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_agent_still_saves(tmp_path):
+    """The agent (launch/run_local.sh: scripts/launch.py with per-rank log files) is killed with
+    SIGKILL: its ranks learn it from the kernel (parent death signal), save once and exit."""
+    d, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    cmd = ["bash", os.path.join(ROOT, "launch", "run_local.sh"), "--run-dir", run_dir, "--", *TINY,
+           "--train-iters", "100000", "--save", d, "--exit-signal-handler"]
+    with Launch(cmd, _env(NPROC="2"), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/100000", 300)
+        ranks = _children(run.proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(run.proc.pid, signal.SIGKILL)  # run_local.sh execs the launcher: this is the agent
+        run.proc.wait()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), "orphans kept running"
+    logs = [os.path.join(p, f) for p, _, files in os.walk(run_dir) for f in files if f.endswith(".log")]
+    out = "".join(open(f, errors="replace").read() for f in sorted(logs))  # the console died with the agent
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
+    assert stop, out[-3000:]
+    assert latest_iteration(d) == int(stop.group(1)), out[-3000:]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_the_agent_died_before_they_started(tmp_path):
+    """A rank whose agent is already gone when it starts (MEGAZERO_AGENT_PID names a process that is
+    not its parent) ends itself at once instead of waiting in the rendezvous."""
+    env = _env(MEGAZERO_AGENT_PID="1", TORCHELASTIC_RUN_ID="x", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # nothing listens there: it would wait
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "3"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
+    assert time.monotonic() - start < 60
+
+
+# ---- fine-tunes resume ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_fine_tune_resumes_its_own_progress_under_max_restarts(tmp_path):
+    """--pretrained-checkpoint P --save F --load F: the first attempt starts from P's weights at
+    iteration 0; rank 1 is killed at iteration 6 and the restart (torchrun --max-restarts 1) resumes
+    from F's iteration 4, not from P; every logged loss equals an uninterrupted fine-tune's.
+    --finetune keeps Megatron-LM's meaning: --load's weights from iteration 0, on every start."""
+    pre, ft, metrics = str(tmp_path / "pre"), str(tmp_path / "ft"), str(tmp_path / "m.jsonl")
+    _train(_settings(train_iters=3, save=pre))
+    ref = _train(_settings(train_iters=8, pretrained_checkpoint=pre))
+    scratch = _train(_settings(train_iters=8))
+    assert _losses(ref)[0] != pytest.approx(_losses(scratch)[0], rel=1e-3)  # the weights did come from P
+    cmd = ["bash", os.path.join(ROOT, "launch", "run_local.sh"), "--max-restarts", "1", "--run-dir",
+           str(tmp_path / "run"), "--", *TINY, "--train-iters", "8", "--pretrained-checkpoint", pre, "--save", ft,
+           "--load", ft, "--save-interval", "2", "--metrics-file", metrics]
+    with Launch(cmd, _env(NPROC="2", MEGAZERO_FAULT="sigkill@1:6"), str(tmp_path / "out.log"),
+                str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    assert "(it is also --save): fine-tuning from --pretrained-checkpoint" in out
+    assert "weights of iteration 3 for fine-tuning from iteration 0" in out
+    assert re.search(r"loaded checkpoint \S*ft/iter_0000004 \(iteration 4, 16 samples", out), out[-3000:]
+    got = _metrics(metrics)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[i]["loss"] for i in range(1, 9)] == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+    again = _train(_settings(train_iters=2, load=ft, finetune=True))  # Megatron's --finetune: iteration 0
+    assert [m["iteration"] for m in again] == [1, 2]

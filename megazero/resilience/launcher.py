@@ -81,6 +81,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     stream = sys.stderr if stream is None else stream
     _quiet()
     args = torchrun.parse_args(list(argv))
+    os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
     entry = os.path.basename(str(args.training_script))

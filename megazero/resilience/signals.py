@@ -77,18 +77,32 @@ class ExitSignals:
         self.restore()
 
 
+AGENT_PID = "MEGAZERO_AGENT_PID"  # set by scripts/launch.py for its ranks: the agent's process id
+
+
+def parent_is_gone(environ=os.environ) -> bool:
+    """Whether the process that started this one has died already: the parent is not the agent that
+    ``scripts/launch.py`` names in ``MEGAZERO_AGENT_PID``, or (other launchers) this process was
+    re-parented to init."""
+    parent = os.getppid()
+    agent = environ.get(AGENT_PID, "")
+    if agent.isdigit():
+        return parent != int(agent)
+    return parent == 1
+
+
 def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
     """Linux: deliver ``sig`` to this process when its parent dies.  Returns True when set.  If the
-    parent died before the request took effect, the signal is sent now."""
+    parent died before the request took effect, even before this process got this far in its
+    start-up (:func:`parent_is_gone`), the signal is sent now."""
     if not sys.platform.startswith("linux"):
         return False
-    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() != parent:  # the parent is already gone: act as if the signal came
+    if parent_is_gone():  # the parent is already gone: act as if the signal came
         os.kill(os.getpid(), sig)
     return True
