@@ -331,8 +331,9 @@ def test_preemption_signal_saves_exits_0_and_the_resume_continues(tmp_path):
 @pytest.mark.slow
 def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tmp_path):
     """launch/run_local.sh --max-restarts 1: rank 1 is killed at iteration 6 (saves every 2; iteration
-    4's save is published once iteration 5's loss checks out), the job restarts from iteration 4 and every logged loss equals the uninterrupted run's.  Then the same
-    directory resumes with one process instead of two (DP 2 -> 1, same global batch)."""
+    4's save is published once iteration 5's loss checks out), the job restarts from iteration 4 and
+    every logged loss equals the uninterrupted run's.  Then the same directory resumes with one process
+    instead of two (DP 2 -> 1, same global batch)."""
     d, metrics, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "run")
     cmd = ["bash", RUN_LOCAL, "--max-restarts", "1", "--run-dir", run_dir, "--", *TINY, "--train-iters", "8",
            "--save", d, "--load", d, "--save-interval", "2", "--metrics-file", metrics, "--zero-stage", "2"]

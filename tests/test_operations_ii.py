@@ -193,8 +193,8 @@ def test_a_killed_fine_tune_resumes_its_own_progress_under_max_restarts(tmp_path
     scratch = _train(_settings(train_iters=8))
     assert _losses(ref)[0] != pytest.approx(_losses(scratch)[0], rel=1e-3)  # the weights did come from P
     cmd = ["bash", os.path.join(ROOT, "launch", "run_local.sh"), "--max-restarts", "1", "--run-dir",
-           str(tmp_path / "run"), "--", *TINY, "--train-iters", "8", "--pretrained-checkpoint", pre, "--save", ft,
-           "--load", ft, "--save-interval", "2", "--metrics-file", metrics]
+           str(tmp_path / "run"), "--", *TINY, "--train-iters", "8", "--pretrained-checkpoint", pre,
+           "--save", ft, "--load", ft, "--save-interval", "2", "--metrics-file", metrics]
     with Launch(cmd, _env(NPROC="2", MEGAZERO_FAULT="sigkill@1:6"), str(tmp_path / "out.log"),
                 str(tmp_path)) as run:
         assert run.wait(300) == 0, run.text()[-3000:]
