@@ -33,14 +33,17 @@ class Saver:
         self.logger, self.guard = logger, guard
         self.directory = cfg.checkpoint.save
         self.pending: Optional[int] = None  # sealed, waiting for the next iteration's loss
+        self.checked = False  # that loss checked out (an --async-save still being written stays pending)
         self.background = None  # an --async-save in flight (megazero.checkpoint.background.AsyncSave)
+        self.host = None  # its host buffers, reused by the next one
 
     # ---- saving ----------------------------------------------------------------------------------
     def save(self, iteration: int, position, final: bool = False) -> None:
         """Save ``iteration`` (``position``: consumed samples, skipped iterations, learning-rate
         samples); published at once when ``final``, else once :meth:`confirm` is called."""
         from megazero.checkpoint import save
-        self.wait()  # a second save waits for the first
+        if self.pending is not None:  # a second save waits for the first (checked by this iteration's loss)
+            self.confirm(final=True)
         self.guard.phase("checkpoint save")
         self.optimizer.finish_param_sync()  # parameters complete before anything reads them
         consumed, skipped_total, lr_samples = position
@@ -50,10 +53,10 @@ class Saver:
         if self.cfg.checkpoint.async_save and not final:
             from megazero.checkpoint.background import AsyncSave
             self.background = AsyncSave(self.directory, iteration, self.chunks, self.optimizer, self.mesh,
-                                        self.cfg, extra, self.guard.save_lock)
+                                        self.cfg, extra, self.guard.save_lock, self.host)
             self.logger.print(f"saving checkpoint at iteration {iteration} to {self.directory} in the "
                               f"background (snapshot in {self.background.snapshot_seconds:.2f} s)")
-            self.pending = iteration
+            self.pending, self.checked = iteration, False
             return
         seconds = save(self.directory, iteration, self.chunks, self.optimizer, self.mesh, self.cfg,
                        extra=extra, lock=self.guard.save_lock, publish_now=final)
@@ -61,13 +64,14 @@ class Saver:
         if final:
             self._published(iteration)
         else:
-            self.pending = iteration
+            self.pending, self.checked = iteration, False
 
     def wait(self) -> None:
         """Wait for an ``--async-save`` in flight to be written and sealed (collective)."""
         if self.background is not None:
             job, self.background = self.background, None
             seconds = job.finish()
+            self.host = job.host
             self.logger.print(f"saved checkpoint at iteration {job.iteration} to {self.directory} "
                               f"(written in the background in {seconds:.2f} s)")
 
@@ -78,6 +82,7 @@ class Saver:
         from megazero.checkpoint import publish
         if self.pending is None:
             return
+        self.checked = True
         if self.background is not None:
             if not (final or self.background.done()):
                 return
@@ -91,6 +96,9 @@ class Saver:
         returns a sentence saying so, on rank 0."""
         from megazero.checkpoint import discard
         if self.pending is None:
+            return None
+        if self.checked:  # the loss after it checked out earlier: it is good, only still being written
+            self.confirm(final=True)
             return None
         if self.background is not None:
             try:

@@ -207,3 +207,51 @@ def test_a_killed_fine_tune_resumes_its_own_progress_under_max_restarts(tmp_path
     assert [got[i]["loss"] for i in range(1, 9)] == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
     again = _train(_settings(train_iters=2, load=ft, finetune=True))  # Megatron's --finetune: iteration 0
     assert [m["iteration"] for m in again] == [1, 2]
+
+
+# ---- asynchronous saves ------------------------------------------------------------------------
+def _files(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+@pytest.mark.slow
+def test_async_save_writes_the_same_bytes_and_a_failed_one_keeps_the_previous(tmp_path, monkeypatch):
+    import json
+    sync, asyn = str(tmp_path / "sync"), str(tmp_path / "async")
+    settings = dict(optimizer="adam", lr=0.01, train_iters=5, save_interval=2, zero_stage=1)
+    ref = _train(_settings(save=sync, **settings))
+    got = _train(_settings(save=asyn, async_save=True, **settings))
+    assert _losses(got) == _losses(ref)  # training unaffected, bitwise
+    for it in ("iter_0000002", "iter_0000004", "iter_0000005"):
+        a, b = _files(os.path.join(sync, it)), _files(os.path.join(asyn, it))
+        assert a.keys() == b.keys()
+        for name in a:
+            if name.endswith((".bin", ".pt")):
+                assert a[name] == b[name], (it, name)  # data and generator states: the same bytes
+            elif name.startswith("shard_"):  # the index: the same but for the run id
+                ia, ib = (dict(json.loads(x[name]), run_id=None) for x in (a, b))
+                assert ia == ib, (it, name)
+        ma, mb = (json.loads(x["metadata.json"]) for x in (a, b))
+        for m in (ma, mb):  # what differs by design: the run id (in the .json files), the config's --save
+            for key in ("run_id", "checksum"):
+                m.pop(key, None)
+            m["files"] = {k: v for k, v in m["files"].items() if not k.endswith(".json")}
+        assert ma == mb
+    assert latest_iteration(asyn) == 5
+
+    from megazero.checkpoint import shards
+    real = shards.write_rank_shard
+
+    def full_disk(directory, *args):
+        if "iter_0000004" in directory:
+            raise OSError(28, "No space left on device")
+        return real(directory, *args)
+    monkeypatch.setattr(shards, "write_rank_shard", full_disk)
+    failed = str(tmp_path / "failed")
+    with pytest.raises(Exception, match="iter_0000004.tmp: no space left on device"):
+        _train(_settings(save=failed, async_save=True, **settings))
+    assert latest_iteration(failed) == 2
+    assert sorted(n for n in os.listdir(failed) if n.startswith("iter_")) == ["iter_0000002"]
+    monkeypatch.undo()
+    resumed = _train(_settings(load=failed, **dict(settings, save_interval=0)))
+    assert _losses(resumed) == _losses(ref)[2:]
