@@ -255,3 +255,41 @@ def test_async_save_writes_the_same_bytes_and_a_failed_one_keeps_the_previous(tm
     monkeypatch.undo()
     resumed = _train(_settings(load=failed, **dict(settings, save_interval=0)))
     assert _losses(resumed) == _losses(ref)[2:]
+
+
+# ---- pruning, tools that say which checkpoint they use, all-corrupt directories ----------------
+def _flip(path):
+    with open(path, "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+def test_ckpt_keep_tools_name_the_iteration_they_use_and_an_all_corrupt_dir_lists_each(tmp_path, capsys):
+    import importlib.util
+    from megazero.checkpoint import CheckpointCorrupt, CheckpointError
+    d = str(tmp_path / "ckpt")
+    _train(_settings(train_iters=4, save=d, save_interval=1, ckpt_keep=2))
+    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
+    assert latest_iteration(d) == 4
+    _flip(os.path.join(d, "iter_0000004", "shard_tp00_pp000_dp000.bin"))
+    script = os.path.join(ROOT, "scripts", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_script", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    capsys.readouterr()
+    assert gen.main(["--load", d, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"generate.py: using iteration 3 \(\S+iter_0000003\), not the newest: skipped "
+                     r".*iter_0000004.*shard_tp00_pp000_dp000.bin", err), err
+    _flip(os.path.join(d, "iter_0000003", "shard_tp00_pp000_dp000.bin"))
+    with pytest.raises(CheckpointCorrupt) as e:
+        _train(_settings(train_iters=5, load=d))
+    text = str(e.value)
+    assert "each one failed: iteration 4: " in text and "iteration 3: " in text, text
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("-1\n")
+    with pytest.raises(CheckpointError, match="expected an iteration number, found '-1'"):
+        latest_iteration(d)
