@@ -293,3 +293,23 @@ def test_ckpt_keep_tools_name_the_iteration_they_use_and_an_all_corrupt_dir_list
         fh.write("-1\n")
     with pytest.raises(CheckpointError, match="expected an iteration number, found '-1'"):
         latest_iteration(d)
+
+
+# ---- the stall diagnosis names the stopped rank, whatever group timed out ------------------------
+@pytest.mark.slow
+def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_path):
+    """4 ranks, TP 2 (TP groups [0, 1] [2, 3], DP groups [0, 2] [1, 3]); rank 3 is stopped.  Rank 0
+    shares no group but the world with it, yet its message names rank 3 first, as every rank's does."""
+    cmd = _launch(4, "--train-iters", "200", "--tensor-model-parallel-size", "2",
+                  "--distributed-timeout-minutes", "0.15")
+    with Launch(cmd, _env(MEGAZERO_FAULT="sigstop@3:3"), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +2/200", 300)
+        run.wait_for(r"pretrain_gpt.py: error: rank 0: .*", 150)
+        time.sleep(3)  # the other ranks' messages
+        for pid in run.known:  # the stopped rank cannot act on the launcher's SIGTERM: end it
+            os.kill(pid, signal.SIGKILL) if os.path.exists(f"/proc/{pid}") else None
+        assert run.wait(120) != 0
+    errors = re.findall(r"pretrain_gpt.py: error: rank (\d): (.*)", run.text())
+    assert "0" in {r for r, _ in errors}, run.text()[-3000:]
+    for rank, message in errors:
+        assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
