@@ -350,7 +350,8 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
                 saver.save(it, pos.saved())
                 saved_at = it
-            stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
+            # signal, --exit-duration-in-mins, --exit-interval, a full metrics disk: every rank alike
+            stop = guard.stop_reason(it, logger.io_error)
             if stop:
                 guard.stopping()  # from here a repeated signal counts towards the grace period
                 logger.print(f"stopping after iteration {it}: {stop}" + ("" if ck.save else " (no --save)"))
@@ -360,6 +361,12 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             saver.save(pos.iteration, pos.saved(), final=True)
         if saver is not None:
             saver.close()  # the run ends: what is pending (its loss was checked) is published
+        if guard.stop.failed:  # a write outside the save failed: the run saved and now fails
+            from megazero.resilience import FatalError
+            saved = f"saved checkpoint at iteration {pos.iteration} in {ck.save}" if ck.save else "no --save"
+            raise FatalError(f"{logger.io_error or 'rank 0 could not write its metrics'} at iteration "
+                             f"{pos.iteration}; stopped with an emergency save ({saved}): free space, then "
+                             "resume with --load")
     except BaseException:
         if saver is not None:
             saver.abandon()

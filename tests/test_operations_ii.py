@@ -313,3 +313,21 @@ def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_
     assert "0" in {r for r, _ in errors}, run.text()[-3000:]
     for rank, message in errors:
         assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
+
+
+def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
+    from megazero.resilience import FatalError
+    from megazero.training_log import TrainingLogger
+    real = TrainingLogger._write_files
+
+    def full(self, it, metrics):
+        if it >= 3:
+            raise OSError(28, "No space left on device")
+        return real(self, it, metrics)
+    monkeypatch.setattr(TrainingLogger, "_write_files", full)
+    d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    with pytest.raises(FatalError, match=r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at "
+                                         r"iteration 3; stopped with an emergency save \(saved checkpoint at "
+                                         r"iteration 3"):
+        _train(_settings(train_iters=8, save=d, save_interval=5, metrics_file=metrics))
+    assert latest_iteration(d) == 3 and len(open(metrics).readlines()) == 2

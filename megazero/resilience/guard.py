@@ -41,7 +41,8 @@ class RunGuard:
         self.timeout = timeout_of(cfg)
         grace = res.exit_signal_grace_secs
         self.signals = ExitSignals(res.exit_signal, grace) if res.exit_signal_handler else None
-        self.stop = StopConditions(res, self.signals)
+        watch_io = bool(cfg.logging.metrics_file or cfg.logging.tensorboard_dir)
+        self.stop = StopConditions(res, self.signals, watch_io=watch_io)
         self.res_cfg = res
         self.nan: Optional[NanGuard] = None
         self.spike = LossSpikeGuard(res.loss_spike_factor, res.loss_spike_window)
@@ -122,7 +123,8 @@ class RunGuard:
             self.signals.saving()
         self.phase("stopping")
 
-    def stop_reason(self, iteration: int) -> Optional[str]:
-        """Why every rank stops after ``iteration`` (collective when signals or a duration are set)."""
+    def stop_reason(self, iteration: int, io_error: Optional[str] = None) -> Optional[str]:
+        """Why every rank stops after ``iteration`` (collective when signals, a duration or files to
+        watch are set); ``io_error``: this rank's failed metrics write (an emergency save follows)."""
         self.phase("end of iteration", iteration)
-        return self.stop.reason(iteration, self.mesh)
+        return self.stop.reason(iteration, self.mesh, io_error)
