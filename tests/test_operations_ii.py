@@ -326,8 +326,95 @@ def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path,
         return real(self, it, metrics)
     monkeypatch.setattr(TrainingLogger, "_write_files", full)
     d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    with pytest.raises(FatalError, match=r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at "
-                                         r"iteration 3; stopped with an emergency save \(saved checkpoint at "
-                                         r"iteration 3"):
+    needle = (r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at iteration 3; stopped with "
+              r"an emergency save \(saved checkpoint at iteration 3")
+    with pytest.raises(FatalError, match=needle):
         _train(_settings(train_iters=8, save=d, save_interval=5, metrics_file=metrics))
     assert latest_iteration(d) == 3 and len(open(metrics).readlines()) == 2
+
+
+# ---- launch scripts ---------------------------------------------------------------------------
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun, emulated for one node: record the options, run the command as the node's one task
+opts=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kill-on-bad-exit=*) opts+=("$1"); shift ;;
+    --nodes|--ntasks-per-node|--cpus-per-task) opts+=("$1" "$2"); shift 2 ;;
+    -*) echo "fake srun: unexpected option $1" >&2; exit 9 ;;
+    *) break ;;
+  esac
+done
+echo "${opts[*]}" > "$FAKE_SLURM_LOG"
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol, emulated: a long host list (a `| head -n 1` under pipefail would die of SIGPIPE)
+case "$1 $2" in
+  "show hostnames") echo localhost; seq 1 200000 | sed 's/^/node/' ;;
+  "show job") echo "JobId=$3 JobName=megazero"; echo "   Command=$FAKE_SBATCH_SCRIPT"; seq 1 200000 ;;
+  *) echo "fake scontrol: $*" >&2; exit 9 ;;
+esac
+"""
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_slurm_sbatch_runs_end_to_end_under_an_emulated_slurm_and_saves_on_its_signal(tmp_path):
+    """launch/slurm.sbatch under fake srun/scontrol on PATH (one node, 2 'GPUs', 2 CPUs): srun gets
+    --cpus-per-task, the host list is read without the pipefail trap, and SIGUSR1 to every process of
+    the step (as #SBATCH --signal does) makes the ranks save once and the job exit 0."""
+    script = os.path.join(ROOT, "launch", "slurm.sbatch")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    d, log = str(tmp_path / "ckpt"), str(tmp_path / "srun.txt")
+    env = _env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_SLURM_LOG=log, FAKE_SBATCH_SCRIPT=script,
+               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost,node[1-200000]", SLURM_NNODES="1",
+               SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(tmp_path),
+               MASTER_PORT=str(_free_port()))
+    cmd = ["bash", script, *TINY, "--train-iters", "1000", "--save", d]
+    with Launch(cmd, env, str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/1000", 300)
+        for pid in _children(run.proc.pid):  # the step's processes, not the batch shell
+            os.kill(pid, signal.SIGUSR1)
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    assert "slurm.sbatch: 1 nodes x 2 GPUs, 2 CPUs per node, 1 threads per rank, rendezvous localhost:" in out
+    assert open(log).read().split() == ["--kill-on-bad-exit=1", "--nodes", "1", "--ntasks-per-node", "1",
+                                        "--cpus-per-task", "2"]
+    stop = re.search(r"stopping after iteration (\d+): SIGUSR1 received", out)
+    assert stop and out.count("saved checkpoint at iteration") == 1, out[-3000:]
+    assert latest_iteration(d) == int(stop.group(1))
+
+
+@pytest.mark.slow
+def test_run_multinode_with_two_agents_on_localhost(tmp_path):
+    """launch/run_multinode.sh twice on this host (--nnodes 2, one process each, c10d rendezvous at
+    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving."""
+    script = os.path.join(ROOT, "launch", "run_multinode.sh")
+    d, port = str(tmp_path / "ckpt"), str(_free_port())
+    runs = []
+    try:
+        for node in range(2):
+            cmd = ["bash", script, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--run-dir",
+                   str(tmp_path / f"run{node}"), "--", *TINY, "--train-iters", "3", "--save", d]
+            runs.append(Launch(cmd, _env(), str(tmp_path / f"node{node}.log"), str(tmp_path)))
+        for run in runs:
+            assert run.wait(300) == 0, run.text()[-3000:]
+    finally:
+        for run in runs:
+            run.__exit__(None, None, None)
+    out = "".join(run.text() for run in runs)
+    assert "dp 2" in out and "saved checkpoint at iteration 3" in out, out[-3000:]
+    assert latest_iteration(d) == 3
