@@ -418,3 +418,25 @@ def test_run_multinode_with_two_agents_on_localhost(tmp_path):
     out = "".join(run.text() for run in runs)
     assert "dp 2" in out and "saved checkpoint at iteration 3" in out, out[-3000:]
     assert latest_iteration(d) == 3
+
+
+def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+    from megazero.resilience import ExitSignals
+    signals = ExitSignals(["SIGUSR1"], grace=0.3)
+    with signals:
+        for _ in range(3):  # the scheduler's, the launcher's forwarded copy, the agent's death
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.02)
+        assert signals.received == "SIGUSR1" and signals.repeats == 2  # still alive: one request
+        signals.saving()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.02)
+        assert signals.repeats == 3  # within the grace period after the save started
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, signal, time\n"
+        "from megazero.resilience.signals import ExitSignals\n"
+        "s = ExitSignals(['SIGTERM'], grace=0.2); s.install(); os.kill(os.getpid(), signal.SIGTERM)\n"
+        "s.saving(); time.sleep(0.3); os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(5); print('alive')\n")],
+        env=_env(PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGTERM and "alive" not in child.stdout  # past the grace: at once

@@ -329,8 +329,9 @@ class ResilienceConfig:
     loss_spike_window: int = _f(100, "How many recent losses --loss-spike-factor takes the median of.")
     exit_signal_grace_secs: float = _f(
         30.0, "With --exit-signal-handler: further termination signals are one request (SLURM signals every "
-        "process and torchrun forwards it again) until this many seconds after the save started; a signal "
-        "after that ends the process at once.", type=float)
+        "process and torchrun forwards it again) until this many seconds after the save started (after the "
+        "first signal while no save has started); a signal after that ends the process at once.",
+        type=float)
 
 
 SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,

@@ -28,7 +28,8 @@ class ExitSignals:
 
     Repeated signals are one request (SLURM signals every process of a step, torchrun forwards the
     same signal again, the agent's death adds one) until ``grace`` seconds after :meth:`saving` was
-    called; only a signal after that ends the process at once with its default action."""
+    called (or, while no save has started, e.g. a process stuck in a collective, after the first
+    signal); only a signal after that ends the process at once with its default action."""
 
     def __init__(self, names: List[str], grace: float = 30.0):
         self.names = list(names)
@@ -36,6 +37,7 @@ class ExitSignals:
         self.received: Optional[str] = None
         self.repeats = 0
         self.save_started: Optional[float] = None
+        self.received_at: Optional[float] = None
         self._previous: Dict[int, object] = {}
 
     def install(self) -> bool:
@@ -54,10 +56,11 @@ class ExitSignals:
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received, self.received_at = signal.Signals(signum).name, time.monotonic()
             return
         self.repeats += 1
-        if self.save_started is None or time.monotonic() - self.save_started <= self.grace:
+        since = self.save_started if self.save_started is not None else self.received_at
+        if time.monotonic() - since <= self.grace:
             return  # the same request again
         self.restore()  # past the grace period: the default action, now
         signal.signal(signum, signal.SIG_DFL)
