@@ -440,3 +440,17 @@ def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_
         "time.sleep(5); print('alive')\n")],
         env=_env(PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGTERM and "alive" not in child.stdout  # past the grace: at once
+
+
+@pytest.mark.slow
+def test_after_a_termination_signal_the_launcher_restarts_nothing(tmp_path):
+    """Without --exit-signal-handler the ranks die of the forwarded SIGTERM; under --max-restarts 2
+    the launcher ends the job (one line, 128 + 15) instead of restarting them."""
+    cmd = _launch(2, "--train-iters", "100000", extra=("--max-restarts", "2"))
+    with Launch(cmd, _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +2/100000", 300)
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait(120) == 128 + signal.SIGTERM, run.text()[-3000:]
+    out = run.text()
+    assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: not every rank stopped")
+    assert out.count("iteration      1/100000") == 1 and "Traceback" not in out  # no second attempt

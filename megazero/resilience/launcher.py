@@ -9,6 +9,8 @@
   ``grace`` seconds (SLURM signals every process of a step; the agent would forward each again)
   are the same request; one after that takes torchrun's own path (its ranks are ended, then killed
   after its shutdown timeout) and the launcher exits 128 + the signal number, again in one line.
+  After a termination signal no rank is restarted (``--max-restarts``): ranks without
+  ``--exit-signal-handler`` die of the forwarded signal, and that ends the job.
 """
 from __future__ import annotations
 
@@ -68,8 +70,26 @@ class ForwardOnce:
         raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
 
 
+def _no_restart_after(handler: ForwardOnce) -> None:
+    """After a termination signal, ranks that fail (those without --exit-signal-handler die of it)
+    end the job instead of being restarted under --max-restarts (this launcher process only)."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    restart = agent_api.SimpleElasticAgent._restart_workers
+
+    def restart_unless_signalled(agent, worker_group):
+        if handler.signum is not None:
+            sig = signal.Signals(handler.signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        return restart(agent, worker_group)
+    agent_api.SimpleElasticAgent._restart_workers = restart_unless_signalled
+
+
 def _quiet() -> None:
-    for name in ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher"):
+    """torchrun's loggers (each created with a level of its own) silenced: this launcher's lines replace
+    them."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed")]
+    for name in names + ["torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher"]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -84,6 +104,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
+    _no_restart_after(handler)
     entry = os.path.basename(str(args.training_script))
     try:
         torchrun.run(args)
@@ -102,8 +123,12 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         return code if 0 < code < 256 else 1
     except mp_api.SignalException as err:
         name = signal.Signals(err.sigval).name
-        stream.write(f"{PROG}: {name} again over {grace:g} s after the first: the ranks were ended without "
-                     "waiting for their save\n")
+        if handler.first is not None and time.monotonic() - handler.first <= grace:
+            stream.write(f"{PROG}: {name} received: not every rank stopped cleanly (without "
+                         "--exit-signal-handler a rank dies of it, unsaved); none is restarted after it\n")
+        else:
+            stream.write(f"{PROG}: {name} again over {grace:g} s after the first: the ranks were ended "
+                         "without waiting for their save\n")
         stream.flush()
         return 128 + int(err.sigval)
     if handler.signum is not None:
