@@ -9,7 +9,10 @@
 # failure, up to N times, through c10d rendezvous; pass the same --save and --load directory and
 # each restart resumes from the last complete checkpoint.  Logs: every rank's stdout and stderr go
 # to the console and to RUN_DIR/logs/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log
-# (RUN_DIR: --run-dir, or runs/<date>-<pid>); torchrun's summary names the first failing rank.
+# (RUN_DIR: --run-dir, or runs/<date>-<pid>).  torchrun runs through scripts/launch.py: after a failure
+# one line names the first failing rank and its status (the launcher's exit status); a SIGTERM or
+# SIGINT to the launcher is forwarded to the ranks once (with --exit-signal-handler they save and
+# exit 0, and so does the launcher).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$root/.venv/bin/python}"
@@ -38,6 +41,6 @@ mkdir -p "$RUN_DIR/logs"
 echo "run_local.sh: $NPROC processes, up to $MAX_RESTARTS restarts; per-rank logs in $RUN_DIR/logs" >&2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # --standalone: c10d rendezvous on a free local port, so restarted workers meet afresh
-exec "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC" \
+exec "$PY" "$root/scripts/launch.py" --standalone --nnodes 1 --nproc-per-node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" --log-dir "$RUN_DIR/logs" --tee 3 \
   "$root/scripts/pretrain_gpt.py" "$@"

@@ -10,6 +10,7 @@
 # restart resumes from the last complete checkpoint, resharded to the new world size.
 # --node-rank is accepted but not needed: c10d rendezvous numbers the nodes.  Logs: every rank's
 # stdout and stderr go to the console and to RUN_DIR/logs/<host>/<run id>/attempt_<k>/<local rank>/.
+# torchrun runs through scripts/launch.py: one line after a failure, a termination signal forwarded once.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$root/.venv/bin/python}"
@@ -51,7 +52,7 @@ RUN_DIR="${RUN_DIR:-runs/$RDZV_ID}"
 LOG_DIR="$RUN_DIR/logs/$(hostname)"
 mkdir -p "$LOG_DIR"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+exec "$PY" "$root/scripts/launch.py" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
   --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3 \
   "$root/scripts/pretrain_gpt.py" "$@"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -167,20 +167,6 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
     return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
 
 
-def _save(it: int, chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, logger, position,
-          lock=None) -> None:
-    """Save iteration ``it``; ``position``: (samples consumed, skipped iterations, samples the
-    learning-rate schedule has counted)."""
-    from megazero.checkpoint import save
-    optimizer.finish_param_sync()  # parameters complete before anything reads them
-    consumed, skipped_total, lr_samples = position
-    extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total, "lr_samples": lr_samples}
-    if logger.wandb_id:  # rank 0's metadata: a resumed run continues this wandb run
-        extra["wandb_run_id"] = logger.wandb_id
-    seconds = save(cfg.checkpoint.save, it, chunks, optimizer, mesh, cfg, extra=extra, lock=lock)
-    logger.print(f"saved checkpoint at iteration {it} to {cfg.checkpoint.save} in {seconds:.2f} s")
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (0 where the platform does not report it)."""
     try:
@@ -200,8 +186,10 @@ def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
 
 # ---- the loop ------------------------------------------------------------------------------
 def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[ParallelMesh] = None,
-          stream=None) -> List[Dict[str, float]]:
-    """Train for ``--train-iters`` steps; returns every iteration's metrics (on every rank).
+          stream=None, keep_history: bool = True) -> List[Dict[str, float]]:
+    """Train for ``--train-iters`` steps; returns every iteration's metrics (on every rank), or an empty
+    list with ``keep_history=False`` (the command line: the rows are streamed to the logger and the
+    metrics file only, so memory does not grow with the number of iterations).
 
     Without ``mesh`` the mesh is built from the current process group (joined from the torchrun
     environment when there is none yet) or is a single process.
@@ -216,7 +204,7 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
     else:
         cfg = validate(cfg, mesh.world_size)
     try:
-        history = _train_loop(cfg, model_provider, mesh, stream)
+        history = _train_loop(cfg, model_provider, mesh, stream, keep_history)
         if created:
             dist.barrier()  # no rank tears down its groups while another still uses them
         return history
@@ -225,12 +213,13 @@ def train(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Optional[Par
             dist.destroy_process_group()
 
 
-def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream) -> List[dict]:
+def _train_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
+                keep_history: bool = True) -> List[dict]:
     """:func:`_guarded_loop` under a :class:`~megazero.resilience.RunGuard`: signal handlers and the
     heartbeat for its duration, a broken collective explained in one message."""
     from megazero.resilience import RunGuard
     with RunGuard(cfg, mesh) as guard:
-        return _guarded_loop(cfg, model_provider, mesh, stream, guard)
+        return _guarded_loop(cfg, model_provider, mesh, stream, guard, keep_history)
 
 
 def _iteration_metrics(it: int, consumed: int, loss: float, lr: float, stats: Dict[str, object],
@@ -283,6 +272,11 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     if ck.load and resume_from is not None:
         it, skipped, consumed, lr_samples, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
         pos = Position(it, consumed, skipped, lr_samples)
+        guard.good = f"iteration {it} in {ck.load}"
+    elif ck.pretrained_checkpoint:  # nothing of the fine-tune's own yet: the pretrained weights
+        pretrained = replace(cfg, checkpoint=replace(ck, load=ck.pretrained_checkpoint, finetune=True,
+                                                     ckpt_step=None))
+        loaded = _resume(chunks, optimizer, mesh, pretrained, schedule)[-1]
     logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration, wandb_id=wandb_id)
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
@@ -296,8 +290,10 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
                  "TFLOP "
                  "per iteration")
     if ck.load and resume_from is None:
-        logger.print(f"no checkpoint in {ck.load} yet (it is also --save): starting from scratch")
-    elif loaded:
+        start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
+                 else "starting from scratch")
+        logger.print(f"no checkpoint in {ck.load} yet (it is also --save): {start}")
+    if loaded:
         logger.print(loaded)
     if logger.dropped_rows:
         logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration "
@@ -341,11 +337,14 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
 
 
 def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
-                  guard) -> List[dict]:
+                  guard, keep_history: bool = True) -> List[dict]:
     from megazero.batch_schedule import batch_size_at
+    from megazero.resilience import NumericalError
+    from megazero.saver import Saver
     tr, ck = cfg.training, cfg.checkpoint
     chunks, optimizer, data, schedule, pos, logger = _startup(cfg, model_provider, mesh, stream, guard)
     start_iter, history, saved_at = pos.iteration, [], None
+    saver = Saver(cfg, chunks, optimizer, mesh, logger, guard) if ck.save else None
     work = (model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg),
             device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16"))
     try:
@@ -357,20 +356,39 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
-            history.append(m)
-            guard.check_step(it, loss, stats, optimizer.scaler.dynamic)  # NaN/inf: raises, nothing saved
+            if keep_history:
+                history.append(m)
+            try:  # NaN/inf or a spike: raises, nothing saved from it, the pending save set aside
+                guard.check_step(it, loss, stats, optimizer.scaler.dynamic)
+            except NumericalError as err:
+                note = saver.reject() if saver is not None else None
+                raise NumericalError(f"{err} {note}" if note else str(err)) from None
+            if saver is not None:
+                saver.confirm()  # this loss came from the pending save's weights: it becomes the latest
             if ck.save and ck.save_interval and it % ck.save_interval == 0:
-                guard.phase("checkpoint save")
-                _save(it, chunks, optimizer, mesh, cfg, logger, pos.saved(), guard.save_lock)
+                saver.save(it, pos.saved())
                 saved_at = it
-            stop = guard.stop_reason(it)  # signal, --exit-duration-in-mins, --exit-interval: every rank alike
+            # signal, --exit-duration-in-mins, --exit-interval, a full metrics disk: every rank alike
+            stop = guard.stop_reason(it, logger.io_error)
             if stop:
+                guard.stopping()  # from here a repeated signal counts towards the grace period
                 logger.print(f"stopping after iteration {it}: {stop}" + ("" if ck.save else " (no --save)"))
                 break
         optimizer.finish_param_sync()  # the last step's overlapped parameter all-gathers (stages 1/2)
-        if ck.save and pos.iteration > start_iter and saved_at != pos.iteration:
-            guard.phase("checkpoint save")
-            _save(pos.iteration, chunks, optimizer, mesh, cfg, logger, pos.saved(), guard.save_lock)
+        if saver is not None and pos.iteration > start_iter and saved_at != pos.iteration:
+            saver.save(pos.iteration, pos.saved(), final=True)
+        if saver is not None:
+            saver.close()  # the run ends: what is pending (its loss was checked) is published
+        if guard.stop.failed:  # a write outside the save failed: the run saved and now fails
+            from megazero.resilience import FatalError
+            saved = f"saved checkpoint at iteration {pos.iteration} in {ck.save}" if ck.save else "no --save"
+            raise FatalError(f"{logger.io_error or 'rank 0 could not write its metrics'} at iteration "
+                             f"{pos.iteration}; stopped with an emergency save ({saved}): free space, then "
+                             "resume with --load")
+    except BaseException:
+        if saver is not None:
+            saver.abandon()
+        raise
     finally:
         logger.close()
         optimizer.close()  # the NVMe swap file is scratch: removed at exit (a crash leaves it for reuse)

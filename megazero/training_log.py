@@ -136,6 +136,7 @@ class TrainingLogger:
         self.started = time.monotonic()
         self.metrics_fh = self.wandb_run = self.tensorboard = None
         self.dropped_rows = 0
+        self.io_error: Optional[str] = None  # a metrics file or TensorBoard write failed (rank 0): why
         if not self.active:
             return
         lc = cfg.logging
@@ -177,24 +178,43 @@ class TrainingLogger:
         if not self.active:
             return
         it = metrics["iteration"]
+        try:
+            self._write_files(it, metrics)
+        except OSError as err:  # a full disk: the trainer stops with a save (see io_error)
+            self.io_error = self._io_failed(err)
+        if self.wandb_run is not None:
+            values = {k: v for k, v in metrics.items() if k != "iteration" and v is not None}
+            self.wandb_run.log(values, step=it)
+        if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
+            self.print(format_line(metrics, self.total))
+        if self.tty:
+            self.stream.write("\r\033[K" + progress_bar(it, self.total, self.started, metrics.get("loss")))
+            self.stream.flush()
+
+    def _write_files(self, it: int, metrics: Dict[str, Any]) -> None:
         if self.metrics_fh is not None:
             # strict JSON: a non-finite value (the grad norm of a skipped fp16 step) becomes null
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in metrics.items()}
             self.metrics_fh.write(json.dumps(clean, allow_nan=False) + "\n")
             self.metrics_fh.flush()
-        if self.wandb_run is not None:
-            values = {k: v for k, v in metrics.items() if k != "iteration" and v is not None}
-            self.wandb_run.log(values, step=it)
         if self.tensorboard is not None:
             for k, v in metrics.items():
                 if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tensorboard.add_scalar(k, v, it)
-        if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
-            self.print(format_line(metrics, self.total))
-        if self.tty:
-            self.stream.write("\r\033[K" + progress_bar(it, self.total, self.started, metrics.get("loss")))
-            self.stream.flush()
+
+    def _io_failed(self, err: OSError) -> str:
+        """Stop writing the files (a failed flush is not retried) and say which one failed and why."""
+        lc = self.cfg.logging
+        where = f"--metrics-file {lc.metrics_file}" if self.metrics_fh is not None else \
+            f"--tensorboard-dir {lc.tensorboard_dir}"
+        for fh in (self.metrics_fh,):
+            try:
+                fh.close()
+            except (OSError, AttributeError):
+                pass
+        self.metrics_fh, self.tensorboard = None, None
+        return f"{where}: {(err.strerror or str(err)).lower()} (errno {err.errno})"
 
     def close(self) -> None:
         """Flush and close the metrics file and finish the wandb run."""
@@ -202,12 +222,14 @@ class TrainingLogger:
             self.stream.write("\n")
             self.stream.flush()
             self.tty = False
-        if self.metrics_fh is not None:
-            self.metrics_fh.close()
-            self.metrics_fh = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        try:
+            if self.metrics_fh is not None:
+                self.metrics_fh.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+        except OSError as err:
+            self.io_error = self.io_error or self._io_failed(err)
+        self.metrics_fh = self.tensorboard = None
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None

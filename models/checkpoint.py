@@ -28,15 +28,17 @@ def model_settings(saved_config: Dict[str, Any]) -> Dict[str, Any]:
 def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[ParallelMesh] = None,
                flag: str = "--load") -> Tuple[GPTModel, Dict[str, Any]]:
     """``(model, info)``: the checkpoint's weights in a whole model (this rank's TP shard; every TP
-    rank calls it).  ``info``: ``path``, ``iteration`` and ``config`` (the saving run's, a dict)."""
+    rank calls it).  ``info``: ``path``, ``iteration``, ``config`` (the saving run's, a dict) and
+    ``notes`` (why that checkpoint is not the newest in ``directory``, when it is not)."""
     from megazero.checkpoint import read_weights
     from . import build_model
     mesh = mesh or ParallelMesh.single()
-    path, meta, saved, weights = read_weights(directory, iteration, flag)
+    notes: list = []
+    path, meta, saved, weights = read_weights(directory, iteration, flag, notes)
     settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.size("tp"),
                     pipeline_model_parallel_size=1, seed=saved.get("training", {}).get("seed", 1234))
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)
     model = build_model(cfg, mesh)
     load_full_state_dict(model, weights)
     model.eval()
-    return model, {"path": path, "iteration": int(meta["iteration"]), "config": saved}
+    return model, {"path": path, "iteration": int(meta["iteration"]), "config": saved, "notes": notes}

@@ -78,7 +78,8 @@ def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Option
     from .checkpoint import model_settings
     from .hf import hf_config_from, hf_pieces, megazero_names
     from .safetensors_io import ShardedWriter, parse_size
-    path, meta, saved, get, close = open_weights(src, iteration, flag="--input")
+    notes: list = []
+    path, meta, saved, get, close = open_weights(src, iteration, flag="--input", notes=notes)
     cfg = _whole_model_cfg(model_settings(saved))
     names = megazero_names(cfg)
     qkv_parts = 1 if cfg.model.position_embedding_type == "learned_absolute" else 3  # GPT-2: c_attn whole
@@ -97,8 +98,9 @@ def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Option
     hf_config.dtype = str(DTYPES[dtype]).replace("torch.", "")
     hf_config.save_pretrained(dst)
     plural = "s" if len(files) > 1 else ""
+    why = f"; not the newest: {'; '.join(notes)}" if notes else ""
     line = (f"wrote {dst} ({len(files)} safetensors file{plural}, {dtype}) from {path} "
-            f"(iteration {meta['iteration']})")
+            f"(iteration {meta['iteration']}{why})")
     return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"))
 
 

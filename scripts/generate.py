@@ -94,7 +94,8 @@ def run(args) -> dict:
         if created:
             torch.distributed.destroy_process_group()
     text = tokenizer.decode(out) if tokenizer is not None else None
-    return {"ids": out, "prompt_ids": ids, "text": text, "rank": mesh.rank}
+    return {"ids": out, "prompt_ids": ids, "text": text, "rank": mesh.rank,
+            "using": (info["iteration"], info["path"], info["notes"])}
 
 
 def main(argv=None) -> int:
@@ -106,7 +107,11 @@ def main(argv=None) -> int:
     except (ValueError, CheckpointError, ConfigError, OSError) as err:
         print(f"generate.py: error: {err}", file=sys.stderr)
         return 2
+    iteration, path, notes = result.pop("using")
     if result.pop("rank") == 0:
+        if notes:  # not the newest checkpoint: say which one and why
+            print(f"generate.py: using iteration {iteration} ({path}), not the newest: {'; '.join(notes)}",
+                  file=sys.stderr)
         if args.json:
             print(json.dumps(result))
         else:

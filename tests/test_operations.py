@@ -82,8 +82,12 @@ def test_nan_guard_counts_and_names_the_iteration():
     with pytest.raises(NumericalError,
                        match=r"iteration 3: the gradient norm is inf \(bf16\) after 1 skipped"):
         guard.check(3, 4.0, float("inf"), skipped=True)
-    dynamic = NanGuard(res, dynamic_scaler=True, precision="fp16")  # the loss scaler's business
-    assert all(dynamic.check(i, float("nan"), float("inf"), skipped=True) for i in range(10))
+    dynamic = NanGuard(res, dynamic_scaler=True, precision="fp16")  # gradient overflows: the scaler's
+    assert all(dynamic.check(i, 4.0, float("inf"), skipped=True) for i in range(10))
+    assert dynamic.check(10, float("nan"), float("nan"), skipped=True) is True  # within --skip-nan-steps 1
+    with pytest.raises(NumericalError, match=r"iteration 11: the loss is nan and the gradient norm is nan "
+                                             r"\(fp16 with the dynamic loss scaler at 1: a forward loss"):
+        dynamic.check(11, float("nan"), float("nan"), skipped=True)
     off = NanGuard(validate(_settings(check_for_nan_in_loss_and_grad=False), 1).resilience, False, "fp32")
     assert all(off.check(i, float("nan"), None, skipped=True) for i in range(10))
 
@@ -169,7 +173,8 @@ def test_divergence_stops_naming_the_iteration_and_saves_nothing_after(tmp_path)
     with pytest.raises(NumericalError, match=r"iteration 2: the loss is nan and the gradient norm is nan"):
         _train(_settings(optimizer="adam", lr=1e6, train_iters=6, save=d, save_interval=1))
     from megazero.checkpoint import latest_iteration
-    assert latest_iteration(d) == 1  # the finite model of iteration 1; nothing after
+    assert latest_iteration(d) is None  # iteration 1's weights gave the NaN: never published
+    assert os.listdir(d) and "iter_0000001.diverged" in os.listdir(d)
     with pytest.raises(NumericalError, match=r"iteration 1: the gradient norm is nan \(fp16 under the "
                                              r"constant loss scale 1e\+30\)"):
         _train(_settings(fp16=True, loss_scale=1e30, train_iters=3))
@@ -325,13 +330,14 @@ def test_preemption_signal_saves_exits_0_and_the_resume_continues(tmp_path):
 
 @pytest.mark.slow
 def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tmp_path):
-    """launch/run_local.sh --max-restarts 1: rank 1 is killed at iteration 5 (saves every 2), the job
-    restarts from iteration 4 and every logged loss equals the uninterrupted run's.  Then the same
-    directory resumes with one process instead of two (DP 2 -> 1, same global batch)."""
+    """launch/run_local.sh --max-restarts 1: rank 1 is killed at iteration 6 (saves every 2; iteration
+    4's save is published once iteration 5's loss checks out), the job restarts from iteration 4 and
+    every logged loss equals the uninterrupted run's.  Then the same directory resumes with one process
+    instead of two (DP 2 -> 1, same global batch)."""
     d, metrics, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "run")
     cmd = ["bash", RUN_LOCAL, "--max-restarts", "1", "--run-dir", run_dir, "--", *TINY, "--train-iters", "8",
            "--save", d, "--load", d, "--save-interval", "2", "--metrics-file", metrics, "--zero-stage", "2"]
-    env = _env(NPROC="2", MEGAZERO_FAULT="sigkill@1:5")
+    env = _env(NPROC="2", MEGAZERO_FAULT="sigkill@1:6")
     with Launch(cmd, env, str(tmp_path / "out.log"), str(tmp_path)) as run:
         assert run.wait(300) == 0, run.text()[-3000:]
     out = run.text()

@@ -34,13 +34,15 @@ def _fp16(**layout):
                 hidden_size=32, **layout)
 
 
-@pytest.mark.parametrize("target_rank", [1, 6], ids=["tp1-first-stage", "last-stage-dp1"])
-def test_overflow_on_one_rank_skips_everywhere(target_rank):
+@pytest.mark.parametrize("target_rank,zero", [(1, 2), (6, 2), (6, 3)],
+                         ids=["tp1-first-stage", "last-stage-dp1", "zero3-last-stage-dp1"])
+def test_overflow_on_one_rank_skips_everywhere(target_rank, zero):
+    """fp16 under TP 2 x PP 2 x DP 2 with ZeRO-2 and ZeRO-3 against the one-process oracle."""
     from megazero.local_ranks import run_ranks
     micro = 8 // 2  # micro-batches per DP rank at DP 2 (global batch 8, micro batch 1)
     # one process: the overflow in step 2 (its backward passes 9..16; 8 micro-batches a step)
     (ref,) = run_ranks(_train, 1, _fp16(), 0, 8 + 1)
-    got = run_ranks(_train, 8, _fp16(tp=2, pp=2, zero=2), target_rank, micro + 1)
+    got = run_ranks(_train, 8, _fp16(tp=2, pp=2, zero=zero), target_rank, micro + 1)
     assert [m["skipped"] for m in ref] == [0, 1, 0, 0]
     for hist in got:  # every rank agrees on the skip and the new scale
         assert [m["skipped"] for m in hist] == [0, 1, 0, 0]

@@ -226,8 +226,16 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
     start = time.perf_counter()
     skipped: List[int] = []
     warnings: List[str] = []
+    damaged: List[str] = []
     while True:
-        path, meta, notes = resolve(directory, iteration, mesh, skipped)  # decided by rank 0
+        try:
+            path, meta, notes = resolve(directory, iteration, mesh, skipped)  # decided by rank 0
+        except CheckpointError as err:
+            if not damaged:
+                raise
+            raise CheckpointCorrupt(f"--load {directory}: no usable checkpoint; each one failed: "
+                                    + "; ".join(damaged + [str(err).split(": no usable checkpoint: ")[-1]])
+                                    ) from None
         warnings += notes
         try:
             info = _load_one(path, meta, chunks, optimizer, mesh, cfg)
@@ -236,6 +244,7 @@ def load(directory: str, chunks, optimizer, mesh, cfg, iteration: Optional[int] 
             if iteration is not None:
                 raise
             warnings.append(f"{err}; falling back to the previous checkpoint")
+            damaged.append(f"iteration {int(meta['iteration'])}: {err}")
             skipped.append(int(meta["iteration"]))
     info.update(seconds=time.perf_counter() - start, warnings=warnings)
     return info
@@ -298,39 +307,47 @@ def _read_chunked(src: SavedShards, tp: int, name: str, dest: np.ndarray) -> Non
         src.release()
 
 
-def open_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load"):
+def open_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load",
+                 notes: Optional[List[str]] = None):
     """``(path, metadata, config, get, close)`` of a checkpoint whose weights are read one parameter at
     a time: ``get(name)`` returns its full fp32 master weight (TP shards joined, vocabulary unpadded) in
     memory of its own, each block checked against its CRC-32 as it is read; ``close()`` when done.
-    For an export that must not hold the whole model (:func:`read_weights` reads all at once)."""
-    path, meta, _ = resolve_here(directory, iteration, flag=flag)
+    For an export that must not hold the whole model (:func:`read_weights` reads all at once).
+    ``notes``: a list that receives why the checkpoint taken is not the newest, if it is not."""
+    path, meta, found = resolve_here(directory, iteration, flag=flag)
+    if notes is not None:
+        notes.extend(found)
     config = read_json(os.path.join(path, CONFIG))
     vocab = meta["model"]["vocab_size"]
     src = SavedShards(path, meta)
     return path, meta, config, lambda name: _read_full_streaming(src, name, vocab), src.close
 
 
-def read_weights(directory: str, iteration: Optional[int] = None,
-                 flag: str = "--load") -> Tuple[str, dict, dict, Dict[str, torch.Tensor]]:
+def read_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load",
+                 notes: Optional[List[str]] = None) -> Tuple[str, dict, dict, Dict[str, torch.Tensor]]:
     """One process, no model needed: ``(path, metadata, config, weights)`` of the latest usable
     checkpoint in ``directory`` (or ``iteration``), saved under any layout, its sizes and checksums
     verified (without ``iteration`` a corrupt newest one falls back to the previous, as
     :func:`load`).  ``config`` is the saving run's whole configuration (``config.json``, a dict);
     ``weights`` maps every parameter's global name to its full fp32 master weight (TP shards joined,
     vocabulary unpadded; a tied output head is ``word_embeddings.weight``).  ``flag``: how the user
-    named the directory (for errors)."""
+    named the directory (for errors); ``notes``: a list that receives why the checkpoint taken is not
+    the newest, if it is not."""
     skipped: List[int] = []
     damaged: List[str] = []
     while True:
         try:
-            path, meta, _ = resolve_here(directory, iteration, skipped, flag=flag)
+            path, meta, found = resolve_here(directory, iteration, skipped, flag=flag)
         except CheckpointError as err:
             if not damaged:
                 raise
             tried = "; ".join(damaged)
             raise CheckpointCorrupt(f"{flag} {directory}: no usable checkpoint: {tried}") from err
         try:
-            return path, meta, read_json(os.path.join(path, CONFIG)), _read_weights_at(path, meta)
+            out = path, meta, read_json(os.path.join(path, CONFIG)), _read_weights_at(path, meta)
+            if notes is not None:
+                notes.extend([f"skipped {d}" for d in damaged] + found)
+            return out
         except CheckpointCorrupt as err:
             if iteration is not None:
                 raise

@@ -36,9 +36,12 @@ def latest_iteration(directory: str) -> Optional[int]:
     with open(path) as fh:
         text = fh.read().strip()
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+        value = -1
+    if value < 0:  # garbled, or -1 (no iteration is negative)
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
+    return value
 
 
 def complete_iterations(directory: str) -> List[int]:

@@ -82,12 +82,9 @@ def _recover(directory: str) -> None:
             fsync_dir(directory)
 
 
-def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, lock: SaveLock) -> None:
-    """Rank 0: metadata, then the rename that makes the checkpoint exist, then the tracker.
-
-    Saving an iteration that exists already swaps it in two renames (``iter_X`` -> ``iter_X.old``,
-    ``iter_X.tmp`` -> ``iter_X``); between them the reader takes ``iter_X.old``, so the tracker
-    always names a complete checkpoint, and the next save cleans up (:func:`_recover`)."""
+def _seal(tmp: str, meta: dict, lock: SaveLock) -> None:
+    """Rank 0: check that ``tmp`` holds exactly the files the ranks reported, then write the metadata
+    (the last file: a directory without it is incomplete) and make the directory durable."""
     expected = set(meta["files"]) | {METADATA}
     present = set(os.listdir(tmp)) | {METADATA}
     if present != expected:
@@ -95,8 +92,16 @@ def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, l
         raise CheckpointError(f"{tmp}: unexpected files {extra} / missing files {missing}: another process "
                               "is writing this checkpoint; the save is not published")
     lock.check_owner()
-    write_json(os.path.join(tmp, METADATA), seal(meta))  # last file: a directory without it is incomplete
+    write_json(os.path.join(tmp, METADATA), seal(meta))
     fsync_dir(tmp)  # every rank's files are in the directory before it is renamed
+
+
+def _commit(directory: str, tmp: str, final: str, iteration: int) -> None:
+    """Rank 0: the rename that makes the sealed ``tmp`` the checkpoint, then the tracker.
+
+    Saving an iteration that exists already swaps it in two renames (``iter_X`` -> ``iter_X.old``,
+    ``iter_X.tmp`` -> ``iter_X``); between them the reader takes ``iter_X.old``, so the tracker
+    always names a complete checkpoint, and the next save cleans up (:func:`_recover`)."""
     old = None
     if os.path.exists(final):  # saving the same iteration again
         old = final + ".old"
@@ -110,6 +115,37 @@ def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, l
     fsync_dir(directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish(directory: str, tmp: str, final: str, iteration: int, meta: dict, lock: SaveLock) -> None:
+    """Rank 0: :func:`_seal` then :func:`_commit`."""
+    _seal(tmp, meta, lock)
+    _commit(directory, tmp, final, iteration)
+
+
+def publish(directory: str, iteration: int, mesh) -> None:
+    """Make a checkpoint saved with ``publish=False`` (sealed in ``iter_X.tmp``) the latest: rename it
+    and point the tracker at it (collective; the file work is global rank 0's)."""
+    final = checkpoint_path(directory, iteration)
+    error = None
+    if mesh.rank == 0:
+        try:
+            _commit(directory, final + ".tmp", final, iteration)
+        except OSError as err:
+            error = err
+    agree(error, mesh, f"publishing checkpoint {final}")
+
+
+def discard(directory: str, iteration: int, mesh) -> Optional[str]:
+    """Global rank 0 (no collective): a sealed but unpublished save of ``iteration`` is set aside as
+    ``iter_X.diverged`` (never loaded; kept for inspection).  Returns its new path, or None."""
+    tmp = checkpoint_path(directory, iteration) + ".tmp"
+    if mesh.rank != 0 or not os.path.isdir(tmp):
+        return None
+    target = checkpoint_path(directory, iteration) + ".diverged"
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+    return target
 
 
 def _metadata(iteration: int, optimizer, mesh, cfg, extra, run_id: str, files: dict, params: dict) -> dict:
@@ -155,7 +191,8 @@ def _write_rank(tmp: str, chunks, optimizer, mesh, run_id: str):
     return files, params
 
 
-def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra, lock: SaveLock) -> None:
+def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra, lock: SaveLock,
+                 publish_now: bool = True) -> None:
     final = checkpoint_path(directory, iteration)
     tmp = final + ".tmp"
     _prepare(directory, tmp, mesh)
@@ -177,7 +214,9 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
                 write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
                 files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
                 meta = _metadata(iteration, optimizer, mesh, cfg, extra, lock.run_id, files, params)
-                _publish(directory, tmp, final, iteration, meta, lock)
+                _seal(tmp, meta, lock)
+                if publish_now:
+                    _commit(directory, tmp, final, iteration)
             except Exception as err:  # noqa: BLE001
                 error = err
         agree(error, mesh, f"publishing checkpoint {final}")
@@ -188,7 +227,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
 
 
 def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Optional[dict] = None,
-         lock: Optional[SaveLock] = None) -> float:
+         lock: Optional[SaveLock] = None, publish_now: bool = True) -> float:
     """Write the checkpoint of ``iteration`` to ``directory`` (collective: every rank calls it).
 
     ``chunks``: this rank's model chunks; ``optimizer``: its :class:`ZeroOptimizer`; ``extra``: a
@@ -197,13 +236,16 @@ def save(directory: str, iteration: int, chunks, optimizer, mesh, cfg, extra: Op
     :func:`check_save_dir` when the caller holds it for a whole run (else it is taken for this save).
     Every rank writes its own shard at the same time.  Returns the seconds it took.  Raises
     :class:`CheckpointError` on every rank if any rank failed (the partial files are removed; the
-    previous checkpoint and the tracker are unchanged), or if the model holds a NaN or inf."""
+    previous checkpoint and the tracker are unchanged), or if the model holds a NaN or inf.
+    ``publish_now=False``: the checkpoint is sealed in ``iter_X.tmp`` (complete, checksummed) but not
+    renamed nor named by the tracker until :func:`publish` (the trainer waits for the next iteration's
+    loss); :func:`discard` sets it aside instead."""
     start = time.perf_counter()
     own = lock is None
     if own:
         lock = check_save_dir(directory, mesh)
     try:
-        _save_locked(directory, iteration, chunks, optimizer, mesh, cfg, extra, lock)
+        _save_locked(directory, iteration, chunks, optimizer, mesh, cfg, extra, lock, publish_now)
     finally:
         if own:
             lock.release()

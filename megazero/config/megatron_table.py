@@ -180,7 +180,7 @@ IGNORED: Dict[str, str] = {
     **_each(_CUDA_GRAPHS, "--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope "
                           "--cuda-graph-warmup-steps "
             "--enable-cuda-graph --external-cuda-graph --decode-only-cuda-graphs --optimizer-cuda-graph"),
-    **_each(_CKPT, "--async-save --async-strategy --async-ckpt-cpu-priority --async-ckpt-io-priority "
+    **_each(_CKPT, "--async-strategy --async-ckpt-cpu-priority --async-ckpt-io-priority "
             "--async-ckpt-use-cpu-shm --auto-detect-ckpt-format --ckpt-assume-constant-structure "
             "--ckpt-drop-redundant-extra-state --ckpt-fully-parallel-load "
             "--ckpt-fully-parallel-load-exchange-algo "
@@ -323,7 +323,6 @@ REFUSED: Dict[str, str] = {
     "--iterations-to-skip": "skipping iterations is not implemented",
     "--skip-train": "evaluation-only runs are not implemented",
     "--override-ckpt-iteration": "megazero loads the iteration saved (or --ckpt-step)",
-    "--pretrained-checkpoint": "use --load DIR --finetune",
     "--ckpt-convert-format": "checkpoint conversion: megazero's checkpoints load under any layout; "
                              "scripts/convert_hf.py converts to and from Hugging Face",
     "--ckpt-convert-save": "checkpoint conversion: megazero's checkpoints load under any layout; "

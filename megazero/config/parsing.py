@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -22,9 +24,21 @@ from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag
 from megazero.config.validation import validate
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, where under a launcher only global rank 0 prints a usage error: every other rank
+    exits with the same status 2, silently, once its launcher ends it (or after a bounded wait)."""
+
+    def error(self, message: str):
+        rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if rank != 0 and world > 1:
+            from megazero.resilience.errors import report_failure
+            sys.exit(report_failure(ConfigError(message), prog=self.prog, rank=rank, world_size=world))
+        super().error(message)
+
+
 def build_parser(presets: Optional[Dict[str, dict]] = None) -> argparse.ArgumentParser:
     """The argparse parser for every flag (defaults suppressed so given flags can be told apart)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description="Pretrain a GPT model with tensor, pipeline and data parallelism and ZeRO.",
         argument_default=argparse.SUPPRESS, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # as Megatron-LM's: a flag is spelled out, never guessed from a prefix

@@ -294,6 +294,18 @@ class CheckpointConfig:
         False, "On --load, use this run's --lr, --min-lr, --lr-warmup-iters, "
         "--lr-decay-iters and --lr-decay-style even where they differ "
         "from the checkpoint's (otherwise such a difference is an error).")
+    # ---- operations II (issue 21): fine-tune resume, asynchronous saves, pruning ----
+    pretrained_checkpoint: Optional[str] = _f(
+        None, "Fine-tune from this directory's model weights (Megatron-LM's --pretrained-checkpoint): used "
+        "when --load holds no checkpoint of its own yet (a fresh optimizer, schedule and data position from "
+        "iteration 0); once the fine-tune has saved, --load resumes its own progress instead.")
+    async_save: bool = _f(
+        False, "Write checkpoints in a background thread while training goes on: each rank snapshots its "
+        "state to memory at the save iteration, the files are written and published as with a synchronous "
+        "save (same bytes, checksums and atomic rename); a second save waits for the first.")
+    ckpt_keep: Optional[int] = _f(
+        None, "Keep only the newest N published checkpoints in --save (older iter_* directories are removed "
+        "after each save; the one the tracker names is never removed).")
 
 
 @dataclass
@@ -341,6 +353,16 @@ class ResilienceConfig:
         flag_help="Do not stop on a NaN or inf loss or gradient norm (such steps are still skipped).")
     skip_nan_steps: int = _f(0, "Skip up to this many steps with a NaN or inf loss or gradient norm (in all) "
                              "before stopping.")
+    # ---- operations II (issue 21): divergence guard and preemption grace ----
+    loss_spike_factor: Optional[float] = _f(
+        None, "Stop with an error when a loss exceeds this many times the median of the last "
+        "--loss-spike-window losses (a finite divergence); nothing is saved from that iteration.", type=float)
+    loss_spike_window: int = _f(100, "How many recent losses --loss-spike-factor takes the median of.")
+    exit_signal_grace_secs: float = _f(
+        30.0, "With --exit-signal-handler: further termination signals are one request (SLURM signals every "
+        "process and torchrun forwards it again) until this many seconds after the save started (after the "
+        "first signal while no save has started); a signal after that ends the process at once.",
+        type=float)
 
 
 SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,

@@ -405,6 +405,19 @@ def _check_checkpoint(cfg: MegazeroConfig) -> None:
                      ("--ckpt-step", ck.ckpt_step is not None),
                      ("--exit-on-missing-checkpoint", ck.exit_on_missing_checkpoint)):
         _check(not on or ck.load, f"{flag} needs --load DIR (the checkpoint to start from)")
+    _check(ck.ckpt_keep is None or (isinstance(ck.ckpt_keep, int) and ck.ckpt_keep >= 1),
+           f"--ckpt-keep must be a positive integer (checkpoints to keep), got {ck.ckpt_keep!r}")
+    _check(ck.ckpt_keep is None or ck.save, "--ckpt-keep needs --save DIR (the directory to prune)")
+    _check(not ck.async_save or ck.save, "--async-save needs --save DIR")
+    from megazero.offload.settings import optimizer_device
+    _check(not ck.async_save or optimizer_device(cfg.parallel) != "nvme",
+           "--async-save copies this rank's optimizer state to memory, which --offload-optimizer-device nvme "
+           "keeps out of it; drop --async-save (NVMe saves stream one sub-group at a time)")
+    _check(not (ck.pretrained_checkpoint and ck.finetune),
+           "--pretrained-checkpoint already loads weights only; drop --finetune (with --load it would "
+           "discard the fine-tune's own progress on every restart)")
+    _check(not ck.pretrained_checkpoint or ck.pretrained_checkpoint.strip() != "",
+           "--pretrained-checkpoint needs a directory")
 
 
 def _check_data(cfg: MegazeroConfig) -> None:
@@ -440,6 +453,12 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
            f"--exit-interval must be a positive integer, got {res.exit_interval!r}")
     _check(isinstance(res.skip_nan_steps, int) and res.skip_nan_steps >= 0,
            f"--skip-nan-steps must be >= 0, got {res.skip_nan_steps!r}")
+    _check(res.loss_spike_factor is None or res.loss_spike_factor > 1,
+           f"--loss-spike-factor must be > 1 (a multiple of the median loss), got {res.loss_spike_factor!r}")
+    _check(isinstance(res.loss_spike_window, int) and res.loss_spike_window >= 1,
+           f"--loss-spike-window must be a positive integer, got {res.loss_spike_window!r}")
+    _check(res.exit_signal_grace_secs >= 0,
+           f"--exit-signal-grace-secs must be >= 0, got {res.exit_signal_grace_secs!r}")
     signals = list(res.exit_signal or [])
     _check(bool(signals), "--exit-signal needs at least one signal name, e.g. SIGTERM")
     for name in signals:

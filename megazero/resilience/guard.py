@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megazero.resilience.errors import CollectiveError
+from megazero.resilience.errors import CollectiveError, NumericalError
 from megazero.resilience.faults import FaultInjector
-from megazero.resilience.numerics import NanGuard
+from megazero.resilience.numerics import LossSpikeGuard, NanGuard
 from megazero.resilience.signals import ExitSignals
 from megazero.resilience.stop import StopConditions
 from megazero.resilience.watchdog import Heartbeat, default_store, describe_failure, failure_kind, timeout_of
@@ -39,10 +39,14 @@ class RunGuard:
         res = cfg.resilience
         self.cfg, self.mesh = cfg, mesh
         self.timeout = timeout_of(cfg)
-        self.signals = ExitSignals(res.exit_signal) if res.exit_signal_handler else None
-        self.stop = StopConditions(res, self.signals)
+        grace = res.exit_signal_grace_secs
+        self.signals = ExitSignals(res.exit_signal, grace) if res.exit_signal_handler else None
+        watch_io = bool(cfg.logging.metrics_file or cfg.logging.tensorboard_dir)
+        self.stop = StopConditions(res, self.signals, watch_io=watch_io)
         self.res_cfg = res
         self.nan: Optional[NanGuard] = None
+        self.spike = LossSpikeGuard(res.loss_spike_factor, res.loss_spike_window)
+        self.good: Optional[str] = None  # the newest checkpoint known good ("iteration N in DIR"), for advice
         self.faults = FaultInjector(mesh.rank)
         self.heartbeat: Optional[Heartbeat] = None
         self.save_lock = None  # the --save directory's lock (megazero.checkpoint.SaveLock), released on close
@@ -96,10 +100,31 @@ class RunGuard:
         if self.nan is None:
             self.nan = NanGuard(self.res_cfg, dynamic_scaler, _precision_name(self.cfg))
         grad_norm = stats.get("grad_norm")
-        return self.nan.check(iteration, loss, None if grad_norm is None else float(grad_norm),
-                              bool(stats.get("skipped", False)), float(stats.get("loss_scale", 1.0)))
+        try:
+            bad = self.nan.check(iteration, loss, None if grad_norm is None else float(grad_norm),
+                                 bool(stats.get("skipped", False)), float(stats.get("loss_scale", 1.0)))
+            self.spike.check(iteration, loss)
+        except NumericalError as err:
+            raise NumericalError(f"{err} {self.advice()}") from None
+        return bad
 
-    def stop_reason(self, iteration: int) -> Optional[str]:
-        """Why every rank stops after ``iteration`` (collective when signals or a duration are set)."""
+    def advice(self) -> str:
+        """Where to resume from after a divergence: the newest checkpoint known good."""
+        if self.good is None:
+            return "No checkpoint of this run is known good: start again from scratch (or your --load)."
+        return (f"The last good checkpoint is {self.good} (its tracker names it: --load resumes from it; "
+                "a checkpoint becomes the latest only once the next iteration's loss is finite and within "
+                "the guard).")
+
+    def stopping(self) -> None:
+        """Every rank stops after this iteration and saves: repeated signals count towards the grace
+        period from now (:class:`ExitSignals`)."""
+        if self.signals is not None:
+            self.signals.saving()
+        self.phase("stopping")
+
+    def stop_reason(self, iteration: int, io_error: Optional[str] = None) -> Optional[str]:
+        """Why every rank stops after ``iteration`` (collective when signals, a duration or files to
+        watch are set); ``io_error``: this rank's failed metrics write (an emergency save follows)."""
         self.phase("end of iteration", iteration)
-        return self.stop.reason(iteration, self.mesh)
+        return self.stop.reason(iteration, self.mesh, io_error)

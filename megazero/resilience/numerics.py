@@ -1,20 +1,32 @@
 """Numerical faults: a NaN or inf loss or gradient norm stops the run (Megatron's
-``--check-for-nan-in-loss-and-grad``, on by default), naming the iteration.
+``--check-for-nan-in-loss-and-grad``, on by default), naming the iteration; so does a loss spike
+(``--loss-spike-factor``).
 
 The optimizer already skips a step whose gradients hold an inf/NaN (every rank agrees, since the
-gradient norm is global).  fp16 with the dynamic loss scaler expects such steps (they lower the
-scale) and stops by itself when the scale would fall below ``--min-loss-scale``
-(:class:`megazero.precision.LossScaleError`), so it is left alone.  Everywhere else (fp32, bf16,
-a constant ``--loss-scale``) a non-finite step means divergence: :class:`NanGuard` lets through up
-to ``--skip-nan-steps`` of them in all and then raises :class:`NumericalError` on every rank (the
-loss and the norm are the same on every rank, so every rank decides alike).
+gradient norm is global).  fp16 with the dynamic loss scaler expects such *gradient* overflows (they
+lower the scale) and stops by itself when the scale would fall below ``--min-loss-scale``
+(:class:`megazero.precision.LossScaleError)`, so those are left to it.  A non-finite *forward* loss
+is never an overflow of the scaled backward pass: the weights or activations themselves diverged, so
+it counts with every scaler.  Everywhere else (fp32, bf16, a constant ``--loss-scale``) any
+non-finite step means divergence.  :class:`NanGuard` lets through up to ``--skip-nan-steps`` such
+steps in all and then raises :class:`NumericalError` on every rank (the loss and the norm are the
+same on every rank, so every rank decides alike).
+
+:class:`LossSpikeGuard` (``--loss-spike-factor K``): a finite loss above ``K`` times the median of
+the last ``--loss-spike-window`` losses is a divergence too; it raises before anything is saved from
+that iteration.
 """
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import Optional
 
 from megazero.resilience.errors import NumericalError
+
+ADVICE = ("Lower --lr (or --loss-scale), raise --lr-warmup-iters or --clip-grad; --skip-nan-steps K "
+          "skips up to K such steps, --no-check-for-nan-in-loss-and-grad never stops")
 
 
 def _finite(x: Optional[float]) -> bool:
@@ -25,7 +37,8 @@ class NanGuard:
     """Counts non-finite steps and raises once there are more than ``--skip-nan-steps``."""
 
     def __init__(self, res_cfg, dynamic_scaler: bool, precision: str):
-        self.enabled = bool(res_cfg.check_for_nan_in_loss_and_grad) and not dynamic_scaler
+        self.enabled = bool(res_cfg.check_for_nan_in_loss_and_grad)
+        self.dynamic = bool(dynamic_scaler)
         self.budget = int(res_cfg.skip_nan_steps)
         self.precision = precision
         self.seen = 0
@@ -33,9 +46,11 @@ class NanGuard:
     def check(self, iteration: int, loss: Optional[float], grad_norm: Optional[float], skipped: bool,
               loss_scale: float = 1.0) -> bool:
         """After the step of ``iteration``: True when it was non-finite (and skipped); raises
-        :class:`NumericalError` when that exceeds the budget."""
+        :class:`NumericalError` when that exceeds the budget.  With the dynamic loss scaler only a
+        non-finite forward loss counts (a gradient overflow is the scaler's business)."""
         bad = skipped or not _finite(loss) or not _finite(grad_norm)
-        if not (self.enabled and bad):
+        counted = not _finite(loss) if self.dynamic else bad
+        if not (self.enabled and counted):
             return bad
         self.seen += 1
         if self.seen <= self.budget:
@@ -43,13 +58,38 @@ class NanGuard:
         what = []
         if not _finite(loss):
             what.append(f"the loss is {loss}")
-        if not _finite(grad_norm) or skipped:
+        if not _finite(grad_norm) or (skipped and not self.dynamic):
             what.append(f"the gradient norm is {grad_norm}")
-        scale = f" under the constant loss scale {loss_scale:g}" if loss_scale != 1.0 else ""
+        if self.dynamic:
+            scale = f" with the dynamic loss scaler at {loss_scale:g}: a forward loss is never an overflow"
+        else:
+            scale = f" under the constant loss scale {loss_scale:g}" if loss_scale != 1.0 else ""
         budget = (f" after {self.budget} skipped step{'s' if self.budget != 1 else ''} (--skip-nan-steps)"
                   if self.budget else "")
         raise NumericalError(
             f"iteration {iteration}: {' and '.join(what)} ({self.precision}{scale}){budget}: training "
-            "diverged and the step was not applied; nothing was saved from it. Lower --lr (or --loss-scale), "
-            "raise --lr-warmup-iters or --clip-grad, or resume from the last checkpoint; --skip-nan-steps K "
-            "skips up to K such steps, --no-check-for-nan-in-loss-and-grad never stops")
+            f"diverged and the step was not applied; nothing was saved from it. {ADVICE}.")
+
+
+class LossSpikeGuard:
+    """``--loss-spike-factor K``: raises :class:`NumericalError` when a loss exceeds ``K`` times the
+    median of the last ``window`` finite losses (from the first iteration that has one before it)."""
+
+    def __init__(self, factor: Optional[float], window: int):
+        self.factor = None if factor is None else float(factor)
+        self.history: deque = deque(maxlen=max(1, int(window)))
+
+    def check(self, iteration: int, loss: Optional[float]) -> None:
+        if self.factor is None or loss is None or not math.isfinite(float(loss)):
+            return
+        loss = float(loss)
+        if self.history:
+            median = statistics.median(self.history)
+            if loss > self.factor * median:
+                raise NumericalError(
+                    f"iteration {iteration}: the loss {loss:.6g} is over --loss-spike-factor "
+                    f"{self.factor:g} times the median {median:.6g} of the last {len(self.history)} "
+                    "losses: training diverged; nothing was saved from it. Lower --lr, raise "
+                    "--lr-warmup-iters or --clip-grad, or raise --loss-spike-factor if such jumps are "
+                    "expected.")
+        self.history.append(loss)

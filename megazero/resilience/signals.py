@@ -1,8 +1,9 @@
 """Signals: a preemption notice becomes a flag the trainer acts on; ranks die with their launcher.
 
 :class:`ExitSignals` (``--exit-signal-handler``) turns the first of the ``--exit-signal`` signals
-into a flag (the trainer finishes the iteration, saves and exits 0); a second one ends the process
-at once with the signal's default action.  The handler only records: it never runs collectives
+into a flag (the trainer finishes the iteration, saves and exits 0).  Further signals are the same
+request until ``--exit-signal-grace-secs`` after the save started; one after that ends the process at
+once with the signal's default action.  The handler only records: it never runs collectives
 or I/O, so it is safe at any point of the program.
 
 :func:`exit_with_parent` asks Linux to send SIGTERM to this process when the process that started
@@ -16,17 +17,27 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Dict, List, Optional
 
 PR_SET_PDEATHSIG = 1
 
 
 class ExitSignals:
-    """Handlers for the named signals that set :attr:`received` (the signal's name) on the first one."""
+    """Handlers for the named signals that set :attr:`received` (the signal's name) on the first one.
 
-    def __init__(self, names: List[str]):
+    Repeated signals are one request (SLURM signals every process of a step, torchrun forwards the
+    same signal again, the agent's death adds one) until ``grace`` seconds after :meth:`saving` was
+    called (or, while no save has started, e.g. a process stuck in a collective, after the first
+    signal); only a signal after that ends the process at once with its default action."""
+
+    def __init__(self, names: List[str], grace: float = 30.0):
         self.names = list(names)
+        self.grace = float(grace)
         self.received: Optional[str] = None
+        self.repeats = 0
+        self.save_started: Optional[float] = None
+        self.received_at: Optional[float] = None
         self._previous: Dict[int, object] = {}
 
     def install(self) -> bool:
@@ -38,11 +49,20 @@ class ExitSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return True
 
+    def saving(self) -> None:
+        """The stop save begins: the grace period for repeated signals starts now."""
+        if self.save_started is None:
+            self.save_started = time.monotonic()
+
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
         if self.received is None:
-            self.received = signal.Signals(signum).name
+            self.received, self.received_at = signal.Signals(signum).name, time.monotonic()
             return
-        self.restore()  # a second signal: the default action, now
+        self.repeats += 1
+        since = self.save_started if self.save_started is not None else self.received_at
+        if time.monotonic() - since <= self.grace:
+            return  # the same request again
+        self.restore()  # past the grace period: the default action, now
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -60,18 +80,32 @@ class ExitSignals:
         self.restore()
 
 
+AGENT_PID = "MEGAZERO_AGENT_PID"  # set by scripts/launch.py for its ranks: the agent's process id
+
+
+def parent_is_gone(environ=os.environ) -> bool:
+    """Whether the process that started this one has died already: the parent is not the agent that
+    ``scripts/launch.py`` names in ``MEGAZERO_AGENT_PID``, or (other launchers) this process was
+    re-parented to init."""
+    parent = os.getppid()
+    agent = environ.get(AGENT_PID, "")
+    if agent.isdigit():
+        return parent != int(agent)
+    return parent == 1
+
+
 def exit_with_parent(sig: int = signal.SIGTERM) -> bool:
     """Linux: deliver ``sig`` to this process when its parent dies.  Returns True when set.  If the
-    parent died before the request took effect, the signal is sent now."""
+    parent died before the request took effect, even before this process got this far in its
+    start-up (:func:`parent_is_gone`), the signal is sent now."""
     if not sys.platform.startswith("linux"):
         return False
-    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() != parent:  # the parent is already gone: act as if the signal came
+    if parent_is_gone():  # the parent is already gone: act as if the signal came
         os.kill(os.getpid(), sig)
     return True

@@ -192,28 +192,36 @@ def _process_state(record: dict) -> Optional[str]:
     return {"T": "stopped", "t": "stopped", "Z": "exited", "X": "exited"}.get(state)
 
 
-def _silence_report(heartbeat: Optional[Heartbeat], ranks: List[int], me: int, now: float) -> str:
-    """Which of ``ranks`` exited, are stopped or went silent; else where the others are."""
+def _silence_report(heartbeat: Optional[Heartbeat], ranks: List[int], me: int, now: float,
+                    world: Optional[int] = None) -> str:
+    """Which ranks exited, are stopped or went silent; else where ``ranks`` (the failing group) are.
+    Every rank's heartbeat is consulted (``world``): the rank that stopped may be outside the group
+    that timed out (it blocks a peer of this group in another group's collective)."""
     if heartbeat is None or not ranks:
         return ""
-    records = heartbeat.peers([r for r in ranks if r != me])
+    everyone = list(range(world)) if world else list(ranks)
+    order = [r for r in ranks if r != me] + [r for r in everyone if r not in ranks and r != me]
+    records = heartbeat.peers(order)
     stale_after = 2 * heartbeat.interval + 2.0
     gone, heard = [], []
-    for r, rec in records.items():
+    for r in order:
+        rec = records.get(r)
+        outside = "" if r in ranks else ", outside this group"
         if rec is None:
-            gone.append(f"rank {r} (never reported)")
+            gone.append((3, f"rank {r} (never reported{outside})"))
             continue
-        where = f"pid {rec['pid']} on {rec['host']}"
+        where = f"pid {rec['pid']} on {rec['host']}{outside}"
         age, state = now - rec["time"], _process_state(rec)
-        if state is not None:
-            gone.append(f"rank {r} ({where}) has {state}")
+        if state is not None:  # a stopped rank is the cause; one that exited may have failed after it
+            gone.append((0 if state == "stopped" else 2, f"rank {r} ({where}) has {state}"))
         elif age > stale_after:
-            gone.append(f"rank {r} ({where}) silent for {age:.1f} s, last at iteration {rec['iteration']} "
-                        f"({rec['phase']})")
-        else:
+            gone.append((1, f"rank {r} ({where}) silent for {age:.1f} s, last at iteration "
+                            f"{rec['iteration']} ({rec['phase']})"))
+        elif r in ranks:
             heard.append(f"rank {r} {age:.1f} s ago")
     if gone:
-        return "Not answering: " + "; ".join(gone) + ". Look at that rank's log first."
+        gone.sort(key=lambda g: g[0])  # stable: the group's ranks first within each kind
+        return "Not answering: " + "; ".join(g[1] for g in gone) + ". Look at that rank's log first."
     if heard:
         return "Last heartbeats: " + ", ".join(heard) + "."
     return ""
@@ -235,6 +243,6 @@ def describe_failure(err: BaseException, kind: str, mesh, heartbeat: Optional[He
     else:
         what = f"{where} lost its connection to a peer{at}: a rank exited or was killed"
         hint = ""
-    report = _silence_report(heartbeat, ranks, mesh.rank, time.time())
+    report = _silence_report(heartbeat, ranks, mesh.rank, time.time(), mesh.world_size)
     detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
     return f"{what}. {report}{hint} ({detail})".replace(". .", ".").replace("  ", " ")

@@ -1,7 +1,8 @@
 """Command-line programs, each in its own module (``pretrain``, ``estimate_memory``, ``plan``,
 ``preprocess``), and the console entry points installed by ``pip install``: ``megazero-pretrain``,
-``megazero-estimate-memory`` and ``megazero-plan`` (the same programs as
-``scripts/pretrain_gpt.py``, ``scripts/estimate_memory.py`` and ``scripts/plan.py``)."""
+``megazero-estimate-memory``, ``megazero-plan`` and ``megazero-launch`` (the same programs as
+``scripts/pretrain_gpt.py``, ``scripts/estimate_memory.py``, ``scripts/plan.py`` and
+``scripts/launch.py``)."""
 from __future__ import annotations
 
 import sys
@@ -26,6 +27,24 @@ def pretrain_entry(argv: Optional[List[str]] = None) -> None:
     exit status without the interpreter's finalization (see :func:`megazero.resilience.exit_process`)."""
     from megazero.resilience import exit_process
     exit_process(pretrain_main(argv))
+
+
+def launch_main(argv: Optional[List[str]] = None) -> int:
+    """``scripts/launch.py`` / ``megazero-launch``: torchrun with the same flags, speaking once
+    (:mod:`megazero.resilience.launcher`).  ``--signal-grace SECS`` first (or MEGAZERO_SIGNAL_GRACE;
+    default 120): how long repeated termination signals count as one request."""
+    import os
+    from megazero.resilience.launcher import run_torchrun
+    argv = list(sys.argv[1:] if argv is None else argv)
+    grace = os.environ.get("MEGAZERO_SIGNAL_GRACE", "120")
+    if argv[:1] == ["--signal-grace"] and len(argv) > 1:
+        grace, argv = argv[1], argv[2:]
+    try:
+        seconds = float(grace)
+    except ValueError:
+        sys.stderr.write(f"launch.py: error: --signal-grace needs seconds, got {grace!r}\n")
+        return 2
+    return run_torchrun(argv, seconds)
 
 
 def estimate_memory_main(argv: Optional[List[str]] = None) -> int:

@@ -45,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
     from megazero.checkpoint import CheckpointError
     try:
-        train(cfg, model_provider)
+        train(cfg, model_provider, keep_history=False)  # rows streamed, not kept
     except Exception as err:  # noqa: BLE001 - reported once, with the exit status
         code = report_failure(err)
         # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag

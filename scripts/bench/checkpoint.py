@@ -3,6 +3,7 @@
 
     python scripts/bench_checkpoint.py                      # this checkout, GPT-2 (124M), 4 ranks, ZeRO-2
     python scripts/bench_checkpoint.py --repo /path/to/old  # the same measurement, another checkout's code
+    python scripts/bench_checkpoint.py --async-steps        # step time with and without --async-save
 
 Every rank builds the model and a ZeRO optimizer (Adam moments filled with random values), then
 for each method: save, then load back into freshly zeroed state, checking the values round-trip.
@@ -36,6 +37,12 @@ def parse():
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--methods", nargs="+", default=["megazero", "dcp"], choices=["megazero", "dcp"])
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--async-steps", action="store_true",
+                   help="instead: step time with and without --async-save (scripts/bench/async_save.py)")
+    p.add_argument("--layers", type=int, default=4, help="--async-steps: layers")
+    p.add_argument("--hidden", type=int, default=768, help="--async-steps: hidden size")
+    p.add_argument("--iters", type=int, default=40, help="--async-steps: iterations")
+    p.add_argument("--save-interval", type=int, default=10, help="--async-steps: iterations between saves")
     return p.parse_args()
 
 
@@ -147,6 +154,9 @@ def main():
     args = parse()
     sys.path.insert(0, args.repo)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.async_steps:
+        from bench.async_save import async_steps
+        return async_steps(args)
     from megazero.local_ranks import run_ranks
     directory = args.dir or tempfile.mkdtemp(prefix="megazero-bench-ckpt-")
     try:

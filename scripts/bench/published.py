@@ -71,7 +71,7 @@ def _nar(name, layers, hidden, heads, tp, pp, gpus, batch, tflops, fit):
                fit)
 
 
-LLAMA3 = ("--ffn-hidden-size", "53248", "--num-query-groups", "8", "--swiglu",
+LLAMA3 = ("--ffn-hidden-size", "53248", "--group-query-attention", "--num-query-groups", "8", "--swiglu",
           "--position-embedding-type", "rope", "--normalization", "RMSNorm",
           "--untie-embeddings-and-output-weights",
           "--disable-bias-linear", "--use-distributed-optimizer", "--attention-dropout", "0",
@@ -186,7 +186,7 @@ def fit(runs: Sequence[Run] = RUNS):
     knee = gpu_model.KNEE
     for _ in range(2):  # alternate: the knee with every gemm_max fitted, until it settles
         best = None
-        for k in [0.05 * 1.15 ** i for i in range(40)]:
+        for k in [0.1 * 1.12 ** i for i in range(15)]:
             trial = _fit_maxima(rows, types, k)
             err = log_error(rows, trial, k)
             if best is None or err < best[0]:

@@ -1,0 +1,138 @@
+"""torchrun, speaking once: :func:`run_torchrun` runs ``torch.distributed.run`` in this process with
+
+* its log lines silenced (the OMP_NUM_THREADS banner, "Sending process ... closing
+  signal" per rank) and, instead of the ``ChildFailedError`` summary with its traceback, one line
+  naming the first rank that failed and its status, which becomes the launcher's own (a status 2,
+  a usage error that rank 0 has already printed, adds nothing);
+* a termination signal forwarded to the ranks *once*, after which the agent keeps watching them:
+  ranks that save and exit 0 make the launcher exit 0 with one line.  Repeated signals within
+  ``grace`` seconds (SLURM signals every process of a step; the agent would forward each again)
+  are the same request; one after that takes torchrun's own path (its ranks are ended, then killed
+  after its shutdown timeout) and the launcher exits 128 + the signal number, again in one line.
+  After a termination signal no rank is restarted (``--max-restarts``): ranks without
+  ``--exit-signal-handler`` die of the forwarded signal, and that ends the job.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from typing import List, Optional, Sequence, TextIO
+
+PROG = "launch.py"
+
+
+def child_pids(pid: int) -> List[int]:
+    """The direct children of ``pid`` (from /proc; empty elsewhere)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+class ForwardOnce:
+    """torchrun's termination handler, replaced: the first signal is forwarded to the ranks (the
+    children of this process) and training goes on to their clean exit; repeats within ``grace``
+    seconds are ignored; a later one raises torchrun's ``SignalException`` (its shutdown path)."""
+
+    def __init__(self, grace: float):
+        self.grace = float(grace)
+        self.first: Optional[float] = None
+        self.signum: Optional[int] = None
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.signum = now, signum
+            for pid in child_pids(os.getpid()):
+                try:
+                    os.kill(pid, signum)
+                except OSError:
+                    pass
+            return
+        if now - self.first <= self.grace:
+            return
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        sig = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
+
+def _no_restart_after(handler: ForwardOnce) -> None:
+    """After a termination signal, ranks that fail (those without --exit-signal-handler die of it)
+    end the job instead of being restarted under --max-restarts (this launcher process only)."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    restart = agent_api.SimpleElasticAgent._restart_workers
+
+    def restart_unless_signalled(agent, worker_group):
+        if handler.signum is not None:
+            sig = signal.Signals(handler.signum)
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+        return restart(agent, worker_group)
+    agent_api.SimpleElasticAgent._restart_workers = restart_unless_signalled
+
+
+def _quiet() -> None:
+    """torchrun's loggers (each created with a level of its own) silenced: this launcher's lines replace
+    them."""
+    names = [n for n in list(logging.root.manager.loggerDict) if n.startswith("torch.distributed")]
+    for name in names + ["torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher"]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None) -> int:
+    """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    stream = sys.stderr if stream is None else stream
+    _quiet()
+    args = torchrun.parse_args(list(argv))
+    os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
+    handler = ForwardOnce(grace)
+    mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
+    _no_restart_after(handler)
+    entry = os.path.basename(str(args.training_script))
+    try:
+        torchrun.run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        code = int(failure.exitcode)
+        if code == 2:  # a usage error: rank 0 printed it
+            return 2
+        what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        others = len(err.failures) - 1
+        more = f" ({others} other rank{'s' if others != 1 else ''} also failed)" if others > 0 else ""
+        has_log = failure.error_file and os.path.exists(failure.error_file)
+        log = f"; its log: {failure.error_file}" if has_log else ""
+        stream.write(f"{PROG}: {entry}: rank {rank} {what} first{more}; its messages are above{log}\n")
+        stream.flush()
+        return code if 0 < code < 256 else 1
+    except mp_api.SignalException as err:
+        name = signal.Signals(err.sigval).name
+        if handler.first is not None and time.monotonic() - handler.first <= grace:
+            stream.write(f"{PROG}: {name} received: not every rank stopped cleanly (without "
+                         "--exit-signal-handler a rank dies of it, unsaved); none is restarted after it\n")
+        else:
+            stream.write(f"{PROG}: {name} again over {grace:g} s after the first: the ranks were ended "
+                         "without waiting for their save\n")
+        stream.flush()
+        return 128 + int(err.sigval)
+    if handler.signum is not None:
+        stream.write(f"{PROG}: {signal.Signals(handler.signum).name} received: every rank stopped cleanly "
+                     "(a checkpoint was saved where --save was given)\n")
+        stream.flush()
+    return 0

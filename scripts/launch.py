@@ -1,0 +1,19 @@
+#!/usr/bin/env python
+"""torchrun that speaks once: the same flags as ``torchrun``, one line instead of a ChildFailedError
+summary, and a termination signal forwarded to the ranks once (they save and exit 0, and so does
+the launcher)::
+
+    python scripts/launch.py --standalone --nproc-per-node 8 scripts/pretrain_gpt.py --mock-data ...
+    python scripts/launch.py --signal-grace 300 --nnodes 2 ... scripts/pretrain_gpt.py ...
+
+Installed as the console script ``megazero-launch``; the logic is megazero.resilience.launcher.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.cli import launch_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(launch_main())

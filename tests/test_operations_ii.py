@@ -1,0 +1,456 @@
+"""Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
+preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
+reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megazero.checkpoint import latest_iteration
+from megazero.config import ConfigError, validate
+from megazero.resilience import NumericalError
+from megazero.resilience.numerics import LossSpikeGuard
+from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
+                                   _train)
+
+LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
+
+
+# ---- divergence ------------------------------------------------------------------------------
+def test_loss_spike_guard_and_its_flags():
+    guard = LossSpikeGuard(3.0, window=3)
+    for it, loss in enumerate([5.0, 4.0, 4.5, 4.2], 1):
+        guard.check(it, loss)
+    guard.check(5, float("nan"))  # non-finite: the NaN guard's business, not a spike
+    with pytest.raises(NumericalError, match=r"iteration 6: the loss 13 is over --loss-spike-factor 3 times "
+                                             r"the median 4.2 of the last 3 losses"):
+        guard.check(6, 13.0)  # median of the last 3 (4.0, 4.5, 4.2) is 4.2: 13 > 12.6
+    LossSpikeGuard(None, 3).check(1, 1e30)  # off
+    for changes, needle in ((dict(loss_spike_factor=1.0), "--loss-spike-factor must be > 1"),
+                            (dict(loss_spike_window=0), "--loss-spike-window must be a positive integer"),
+                            (dict(ckpt_keep=0, save="x"), "--ckpt-keep must be a positive integer"),
+                            (dict(ckpt_keep=2), "--ckpt-keep needs --save"),
+                            (dict(async_save=True), "--async-save needs --save"),
+                            (dict(pretrained_checkpoint="p", finetune=True, load="x"),
+                             "--pretrained-checkpoint already loads weights only")):
+        with pytest.raises(ConfigError, match=needle):
+            validate(_settings(**changes), 1)
+
+
+def test_fp16_nan_forward_loss_exits_non_zero_and_the_tracker_names_the_last_good(tmp_path):
+    """fp16 with the dynamic scaler, a huge learning rate (warmed up): the forward loss turns NaN at
+    iteration 5.  The run exits 1 (it used to "skip" and save each step); iteration 4's save, whose
+    weights gave the NaN, is set aside; the tracker names iteration 3, and resuming from it is finite."""
+    d = str(tmp_path / "ckpt")
+    flags = [f for f in TINY if f not in ("--lr", "0.1")]
+    cmd = [sys.executable, SCRIPT, *flags, "--lr", "1000", "--lr-warmup-iters", "6", "--fp16",
+           "--initial-loss-scale", "64", "--train-iters", "8", "--save", d, "--save-interval", "1"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr
+    assert re.search(r"error: iteration 5: the loss is nan .*fp16 with the dynamic loss scaler", err), err
+    assert "The last good checkpoint is iteration 3 in " in err, err
+    assert "iter_0000004.diverged" in err and "Traceback" not in err
+    assert latest_iteration(d) == 3
+    resumed = _train(_settings(fp16=True, lr=1000.0, lr_warmup_iters=6, initial_loss_scale=64.0,
+                               train_iters=4, load=d))
+    assert [m["iteration"] for m in resumed] == [4] and all(x == x for x in _losses(resumed))
+
+
+def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
+    """fp32, SGD warmed up to a learning rate that diverges with finite losses (4.6 -> 14.7 at
+    iteration 4): --loss-spike-factor 3 stops there; the tracker names iteration 2, not 3."""
+    d = str(tmp_path / "ckpt")
+    settings = dict(lr=30.0, lr_warmup_iters=6, loss_spike_factor=3.0, save=d, save_interval=1)
+    spike = r"iteration 4: the loss [\d.]+ is over --loss-spike-factor 3"
+    with pytest.raises(NumericalError, match=spike) as e:
+        _train(_settings(train_iters=8, **settings))
+    assert "The last good checkpoint is iteration 2 in " in str(e.value)
+    assert latest_iteration(d) == 2 and "iter_0000003.diverged" in os.listdir(d)
+    ref = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6))
+    resumed = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6, load=d))
+    assert _losses(resumed) == pytest.approx(_losses(ref)[2:], rel=1e-6)  # iteration 3 replays, finite
+
+
+# ---- one voice --------------------------------------------------------------------------------
+def _launch(nproc, *flags, extra=()):
+    return [sys.executable, LAUNCH, "--standalone", "--nproc-per-node", str(nproc), *extra, SCRIPT, *TINY,
+            *flags]
+
+
+@pytest.mark.slow
+def test_an_unknown_flag_under_8_ranks_prints_at_most_5_lines(tmp_path):
+    """Rank 0 alone prints the usage line and the error; the launcher adds nothing (status 2)."""
+    with Launch(_launch(8, "--train-iter", "3"), _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 2, run.text()[-3000:]
+    lines = run.text().splitlines()
+    assert len(lines) <= 5, "\n".join(lines)
+    assert sum("unrecognized arguments: --train-iter 3" in line for line in lines) == 1  # no abbreviation
+
+
+# ---- preemption -------------------------------------------------------------------------------
+def _weights(directory):
+    from megazero.checkpoint import read_weights
+    return read_weights(directory)[3]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_bitwise(tmp_path):
+    """SLURM's preemption: SIGTERM to the launcher and all 8 ranks at once (each rank also gets the
+    launcher's forwarded copy).  One save, exit 0 with one launcher line, no traceback; resuming under
+    the same layout gives bitwise the losses and weights of an uninterrupted run."""
+    d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    flags = ["--global-batch-size", "8", "--zero-stage", "1", "--exit-signal-handler"]
+    cmd = _launch(8, *flags, "--train-iters", "1000", "--save", d, "--metrics-file", metrics)
+    with Launch(cmd, _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/1000", 300)
+        pids = [run.proc.pid] + _children(run.proc.pid)
+        assert len(pids) == 9, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
+    assert stop and out.count("stopping after iteration") == 1, out[-3000:]
+    n = int(stop.group(1))
+    assert out.count("saved checkpoint at iteration") == 1 and f"saved checkpoint at iteration {n} " in out
+    assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: every rank stopped cleanly")
+    assert latest_iteration(d) == n
+    end = n + 2
+    with Launch(_launch(8, *flags, "--train-iters", str(end), "--load", d, "--save", d, "--metrics-file",
+                        metrics), _env(), str(tmp_path / "resume.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
+    with Launch(_launch(8, *flags, "--train-iters", str(end), "--save", ref, "--metrics-file", ref_metrics),
+                _env(), str(tmp_path / "ref.log"), str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    got, want = _metrics(metrics), _metrics(ref_metrics)
+    assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
+    mine, theirs = _weights(d), _weights(ref)
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_agent_still_saves(tmp_path):
+    """The agent (launch/run_local.sh: scripts/launch.py with per-rank log files) is killed with
+    SIGKILL: its ranks learn it from the kernel (parent death signal), save once and exit."""
+    d, run_dir = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    cmd = ["bash", os.path.join(ROOT, "launch", "run_local.sh"), "--run-dir", run_dir, "--", *TINY,
+           "--train-iters", "100000", "--save", d, "--exit-signal-handler"]
+    with Launch(cmd, _env(NPROC="2"), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/100000", 300)
+        ranks = _children(run.proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(run.proc.pid, signal.SIGKILL)  # run_local.sh execs the launcher: this is the agent
+        run.proc.wait()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), "orphans kept running"
+    logs = [os.path.join(p, f) for p, _, files in os.walk(run_dir) for f in files if f.endswith(".log")]
+    out = "".join(open(f, errors="replace").read() for f in sorted(logs))  # the console died with the agent
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
+    assert stop, out[-3000:]
+    assert latest_iteration(d) == int(stop.group(1)), out[-3000:]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ranks_exit_when_the_agent_died_before_they_started(tmp_path):
+    """A rank whose agent is already gone when it starts (MEGAZERO_AGENT_PID names a process that is
+    not its parent) ends itself at once instead of waiting in the rendezvous."""
+    env = _env(MEGAZERO_AGENT_PID="1", TORCHELASTIC_RUN_ID="x", RANK="1", WORLD_SIZE="2", LOCAL_RANK="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="9")  # nothing listens there: it would wait
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "3"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr[-2000:])
+    assert time.monotonic() - start < 60
+
+
+# ---- fine-tunes resume ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_fine_tune_resumes_its_own_progress_under_max_restarts(tmp_path):
+    """--pretrained-checkpoint P --save F --load F: the first attempt starts from P's weights at
+    iteration 0; rank 1 is killed at iteration 6 and the restart (torchrun --max-restarts 1) resumes
+    from F's iteration 4, not from P; every logged loss equals an uninterrupted fine-tune's.
+    --finetune keeps Megatron-LM's meaning: --load's weights from iteration 0, on every start."""
+    pre, ft, metrics = str(tmp_path / "pre"), str(tmp_path / "ft"), str(tmp_path / "m.jsonl")
+    _train(_settings(train_iters=3, save=pre))
+    ref = _train(_settings(train_iters=8, pretrained_checkpoint=pre))
+    scratch = _train(_settings(train_iters=8))
+    assert _losses(ref)[0] != pytest.approx(_losses(scratch)[0], rel=1e-3)  # the weights did come from P
+    cmd = ["bash", os.path.join(ROOT, "launch", "run_local.sh"), "--max-restarts", "1", "--run-dir",
+           str(tmp_path / "run"), "--", *TINY, "--train-iters", "8", "--pretrained-checkpoint", pre,
+           "--save", ft, "--load", ft, "--save-interval", "2", "--metrics-file", metrics]
+    with Launch(cmd, _env(NPROC="2", MEGAZERO_FAULT="sigkill@1:6"), str(tmp_path / "out.log"),
+                str(tmp_path)) as run:
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    assert "(it is also --save): fine-tuning from --pretrained-checkpoint" in out
+    assert "weights of iteration 3 for fine-tuning from iteration 0" in out
+    assert re.search(r"loaded checkpoint \S*ft/iter_0000004 \(iteration 4, 16 samples", out), out[-3000:]
+    got = _metrics(metrics)
+    assert sorted(got) == list(range(1, 9))
+    assert [got[i]["loss"] for i in range(1, 9)] == pytest.approx(_losses(ref), rel=2e-6, abs=1e-6)
+    again = _train(_settings(train_iters=2, load=ft, finetune=True))  # Megatron's --finetune: iteration 0
+    assert [m["iteration"] for m in again] == [1, 2]
+
+
+# ---- asynchronous saves ------------------------------------------------------------------------
+def _files(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+@pytest.mark.slow
+def test_async_save_writes_the_same_bytes_and_a_failed_one_keeps_the_previous(tmp_path, monkeypatch):
+    import json
+    sync, asyn = str(tmp_path / "sync"), str(tmp_path / "async")
+    settings = dict(optimizer="adam", lr=0.01, train_iters=5, save_interval=2, zero_stage=1)
+    ref = _train(_settings(save=sync, **settings))
+    got = _train(_settings(save=asyn, async_save=True, **settings))
+    assert _losses(got) == _losses(ref)  # training unaffected, bitwise
+    for it in ("iter_0000002", "iter_0000004", "iter_0000005"):
+        a, b = _files(os.path.join(sync, it)), _files(os.path.join(asyn, it))
+        assert a.keys() == b.keys()
+        for name in a:
+            if name.endswith((".bin", ".pt")):
+                assert a[name] == b[name], (it, name)  # data and generator states: the same bytes
+            elif name.startswith("shard_"):  # the index: the same but for the run id
+                ia, ib = (dict(json.loads(x[name]), run_id=None) for x in (a, b))
+                assert ia == ib, (it, name)
+        ma, mb = (json.loads(x["metadata.json"]) for x in (a, b))
+        for m in (ma, mb):  # what differs by design: the run id (in the .json files), the config's --save
+            for key in ("run_id", "checksum"):
+                m.pop(key, None)
+            m["files"] = {k: v for k, v in m["files"].items() if not k.endswith(".json")}
+        assert ma == mb
+    assert latest_iteration(asyn) == 5
+
+    from megazero.checkpoint import shards
+    real = shards.write_rank_shard
+
+    def full_disk(directory, *args):
+        if "iter_0000004" in directory:
+            raise OSError(28, "No space left on device")
+        return real(directory, *args)
+    monkeypatch.setattr(shards, "write_rank_shard", full_disk)
+    failed = str(tmp_path / "failed")
+    with pytest.raises(Exception, match="iter_0000004.tmp: no space left on device"):
+        _train(_settings(save=failed, async_save=True, **settings))
+    assert latest_iteration(failed) == 2
+    assert sorted(n for n in os.listdir(failed) if n.startswith("iter_")) == ["iter_0000002"]
+    monkeypatch.undo()
+    resumed = _train(_settings(load=failed, **dict(settings, save_interval=0)))
+    assert _losses(resumed) == _losses(ref)[2:]
+
+
+# ---- pruning, tools that say which checkpoint they use, all-corrupt directories ----------------
+def _flip(path):
+    with open(path, "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+def test_ckpt_keep_tools_name_the_iteration_they_use_and_an_all_corrupt_dir_lists_each(tmp_path, capsys):
+    import importlib.util
+    from megazero.checkpoint import CheckpointCorrupt, CheckpointError
+    d = str(tmp_path / "ckpt")
+    _train(_settings(train_iters=4, save=d, save_interval=1, ckpt_keep=2))
+    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
+    assert latest_iteration(d) == 4
+    _flip(os.path.join(d, "iter_0000004", "shard_tp00_pp000_dp000.bin"))
+    script = os.path.join(ROOT, "scripts", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_script", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    capsys.readouterr()
+    assert gen.main(["--load", d, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"generate.py: using iteration 3 \(\S+iter_0000003\), not the newest: skipped "
+                     r".*iter_0000004.*shard_tp00_pp000_dp000.bin", err), err
+    _flip(os.path.join(d, "iter_0000003", "shard_tp00_pp000_dp000.bin"))
+    with pytest.raises(CheckpointCorrupt) as e:
+        _train(_settings(train_iters=5, load=d))
+    text = str(e.value)
+    assert "each one failed: iteration 4: " in text and "iteration 3: " in text, text
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("-1\n")
+    with pytest.raises(CheckpointError, match="expected an iteration number, found '-1'"):
+        latest_iteration(d)
+
+
+# ---- the stall diagnosis names the stopped rank, whatever group timed out ------------------------
+@pytest.mark.slow
+def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_path):
+    """4 ranks, TP 2 (TP groups [0, 1] [2, 3], DP groups [0, 2] [1, 3]); rank 3 is stopped.  Rank 0
+    shares no group but the world with it, yet its message names rank 3 first, as every rank's does."""
+    cmd = _launch(4, "--train-iters", "200", "--tensor-model-parallel-size", "2",
+                  "--distributed-timeout-minutes", "0.15")
+    with Launch(cmd, _env(MEGAZERO_FAULT="sigstop@3:3"), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +2/200", 300)
+        run.wait_for(r"pretrain_gpt.py: error: rank 0: .*", 150)
+        time.sleep(3)  # the other ranks' messages
+        for pid in run.known:  # the stopped rank cannot act on the launcher's SIGTERM: end it
+            os.kill(pid, signal.SIGKILL) if os.path.exists(f"/proc/{pid}") else None
+        assert run.wait(120) != 0
+    errors = re.findall(r"pretrain_gpt.py: error: rank (\d): (.*)", run.text())
+    assert "0" in {r for r, _ in errors}, run.text()[-3000:]
+    for rank, message in errors:
+        assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
+
+
+def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
+    from megazero.resilience import FatalError
+    from megazero.training_log import TrainingLogger
+    real = TrainingLogger._write_files
+
+    def full(self, it, metrics):
+        if it >= 3:
+            raise OSError(28, "No space left on device")
+        return real(self, it, metrics)
+    monkeypatch.setattr(TrainingLogger, "_write_files", full)
+    d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    needle = (r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at iteration 3; stopped with "
+              r"an emergency save \(saved checkpoint at iteration 3")
+    with pytest.raises(FatalError, match=needle):
+        _train(_settings(train_iters=8, save=d, save_interval=5, metrics_file=metrics))
+    assert latest_iteration(d) == 3 and len(open(metrics).readlines()) == 2
+
+
+# ---- launch scripts ---------------------------------------------------------------------------
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun, emulated for one node: record the options, run the command as the node's one task
+opts=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --kill-on-bad-exit=*) opts+=("$1"); shift ;;
+    --nodes|--ntasks-per-node|--cpus-per-task) opts+=("$1" "$2"); shift 2 ;;
+    -*) echo "fake srun: unexpected option $1" >&2; exit 9 ;;
+    *) break ;;
+  esac
+done
+echo "${opts[*]}" > "$FAKE_SLURM_LOG"
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol, emulated: a long host list (a `| head -n 1` under pipefail would die of SIGPIPE)
+case "$1 $2" in
+  "show hostnames") echo localhost; seq 1 200000 | sed 's/^/node/' ;;
+  "show job") echo "JobId=$3 JobName=megazero"; echo "   Command=$FAKE_SBATCH_SCRIPT"; seq 1 200000 ;;
+  *) echo "fake scontrol: $*" >&2; exit 9 ;;
+esac
+"""
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_slurm_sbatch_runs_end_to_end_under_an_emulated_slurm_and_saves_on_its_signal(tmp_path):
+    """launch/slurm.sbatch under fake srun/scontrol on PATH (one node, 2 'GPUs', 2 CPUs): srun gets
+    --cpus-per-task, the host list is read without the pipefail trap, and SIGUSR1 to every process of
+    the step (as #SBATCH --signal does) makes the ranks save once and the job exit 0."""
+    script = os.path.join(ROOT, "launch", "slurm.sbatch")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    d, log = str(tmp_path / "ckpt"), str(tmp_path / "srun.txt")
+    env = _env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_SLURM_LOG=log, FAKE_SBATCH_SCRIPT=script,
+               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost,node[1-200000]", SLURM_NNODES="1",
+               SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", SLURM_SUBMIT_DIR=str(tmp_path),
+               MASTER_PORT=str(_free_port()))
+    cmd = ["bash", script, *TINY, "--train-iters", "1000", "--save", d]
+    with Launch(cmd, env, str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +3/1000", 300)
+        for pid in _children(run.proc.pid):  # the step's processes, not the batch shell
+            os.kill(pid, signal.SIGUSR1)
+        assert run.wait(300) == 0, run.text()[-3000:]
+    out = run.text()
+    assert "slurm.sbatch: 1 nodes x 2 GPUs, 2 CPUs per node, 1 threads per rank, rendezvous localhost:" in out
+    assert open(log).read().split() == ["--kill-on-bad-exit=1", "--nodes", "1", "--ntasks-per-node", "1",
+                                        "--cpus-per-task", "2"]
+    stop = re.search(r"stopping after iteration (\d+): SIGUSR1 received", out)
+    assert stop and out.count("saved checkpoint at iteration") == 1, out[-3000:]
+    assert latest_iteration(d) == int(stop.group(1))
+
+
+@pytest.mark.slow
+def test_run_multinode_with_two_agents_on_localhost(tmp_path):
+    """launch/run_multinode.sh twice on this host (--nnodes 2, one process each, c10d rendezvous at
+    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving."""
+    script = os.path.join(ROOT, "launch", "run_multinode.sh")
+    d, port = str(tmp_path / "ckpt"), str(_free_port())
+    runs = []
+    try:
+        for node in range(2):
+            cmd = ["bash", script, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--run-dir",
+                   str(tmp_path / f"run{node}"), "--", *TINY, "--train-iters", "3", "--save", d]
+            runs.append(Launch(cmd, _env(), str(tmp_path / f"node{node}.log"), str(tmp_path)))
+        for run in runs:
+            assert run.wait(300) == 0, run.text()[-3000:]
+    finally:
+        for run in runs:
+            run.__exit__(None, None, None)
+    out = "".join(run.text() for run in runs)
+    assert "dp 2" in out and "saved checkpoint at iteration 3" in out, out[-3000:]
+    assert latest_iteration(d) == 3
+
+
+def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+    from megazero.resilience import ExitSignals
+    signals = ExitSignals(["SIGUSR1"], grace=0.3)
+    with signals:
+        for _ in range(3):  # the scheduler's, the launcher's forwarded copy, the agent's death
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.02)
+        assert signals.received == "SIGUSR1" and signals.repeats == 2  # still alive: one request
+        signals.saving()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.02)
+        assert signals.repeats == 3  # within the grace period after the save started
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, signal, time\n"
+        "from megazero.resilience.signals import ExitSignals\n"
+        "s = ExitSignals(['SIGTERM'], grace=0.2); s.install(); os.kill(os.getpid(), signal.SIGTERM)\n"
+        "s.saving(); time.sleep(0.3); os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(5); print('alive')\n")],
+        env=_env(PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGTERM and "alive" not in child.stdout  # past the grace: at once
+
+
+@pytest.mark.slow
+def test_after_a_termination_signal_the_launcher_restarts_nothing(tmp_path):
+    """Without --exit-signal-handler the ranks die of the forwarded SIGTERM; under --max-restarts 2
+    the launcher ends the job (one line, 128 + 15) instead of restarting them."""
+    cmd = _launch(2, "--train-iters", "100000", extra=("--max-restarts", "2"))
+    with Launch(cmd, _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+        run.wait_for(r"iteration +2/100000", 300)
+        os.kill(run.proc.pid, signal.SIGTERM)
+        assert run.wait(120) == 128 + signal.SIGTERM, run.text()[-3000:]
+    out = run.text()
+    assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: not every rank stopped")
+    assert out.count("iteration      1/100000") == 1 and "Traceback" not in out  # no second attempt
