@@ -143,3 +143,18 @@ def test_startup_line_shows_cp_and_the_chunk_split():
     line = context_parallel_line(validate(config_from_dict(dict(settings, context_parallel_size=4)), 4))
     assert line == ("context parallel: CP 4 | --seq-length 16 in 8 chunks of 2 tokens; CP rank i holds "
                     "chunks i and 7-i (4 tokens per rank) | ring attention (p2p)")
+
+
+@pytest.mark.slow
+def test_half_precision_under_cp2_follows_fp32():
+    """bf16 and fp16 at CP 2 follow the one-process fp32 curve within the documented half-precision
+    tolerances of test_mixed_precision.py (ring attention computes in fp32 from half inputs)."""
+    from test_mixed_precision import TOL, _tiny
+    from test_training import _train_history
+    fp32 = [m["loss"] for m in _train_history(_tiny())]
+    for dtype, extra in (("bf16", {}), ("fp16", {"initial_loss_scale": 2.0 ** 12})):
+        ranks = run_ranks(_train_history, 2, _tiny(context_parallel_size=2, **{dtype: True}, **extra))
+        curve = [m["loss"] for m in ranks[0]]
+        assert all(m["skipped"] == 0 for m in ranks[0])
+        diffs = [abs(a - b) for a, b in zip(curve, fp32)]
+        assert 0 < max(diffs) < TOL[dtype], (dtype, diffs)

@@ -29,7 +29,11 @@ import torch.distributed as dist
 
 FLIGHT_RECORDER_ENTRIES = "2000"
 GROUP_LABELS = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "dp": "data-parallel",
-                "mp": "model-parallel", "embedding": "embedding", "world": "world"}
+                "mp": "model-parallel", "embedding": "embedding", "world": "world", "cp": "context-parallel",
+                "dp-cp": "data x context-parallel"}
+# the mesh's group of each label (megazero.mesh.ParallelMesh.group's axes)
+_GROUP_AXES = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "mp": ("tp", "pp"), "embedding": ("embedding",),
+               "cp": ("cp",), "dp-cp": ("dp", "cp")}
 TIMEOUT_MARKS = ("timed out", "timeout", "watchdog caught")
 # gloo's own phrases that carry no backend name: a pair closed by the transport's timeout ("Application
 # timeout caused pair closure") arrives as a bare RuntimeError
@@ -153,11 +157,13 @@ def _mesh_groups(mesh) -> Dict[str, Tuple[str, List[int]]]:
     """``group_name -> (label, ranks)`` for this rank's groups."""
     out = {}
     for key in GROUP_LABELS:
-        group = getattr(mesh, f"{key}_group")
-        ranks = list(range(mesh.world_size)) if key == "world" else list(getattr(mesh, f"{key}_ranks"))
+        if key == "world":
+            group, ranks = mesh.world_group, list(range(mesh.world_size))
+        else:
+            group, ranks = mesh.group(*_GROUP_AXES[key]), list(mesh.ranks(*_GROUP_AXES[key]))
         if group is not None and ranks:
             try:
-                out[str(group.group_name)] = (key, ranks)
+                out.setdefault(str(group.group_name), (key, ranks))  # a shared group: its first label
             except Exception:  # noqa: BLE001
                 continue
     return out
