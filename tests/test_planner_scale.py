@@ -55,9 +55,8 @@ def test_published_runs_within_15_percent_with_their_trend():
     assert any(not x["run"].fit for x in used) and any(x["run"].fit for x in used)
     for x in used:
         assert abs(x["error"]) <= 0.15, (x["run"].name, x["error"])
-    for src, v in t["sources"].items():
-        if v["spearman"] is not None:
-            assert v["spearman"] >= 0.6, src
+    trends = {src: v["spearman"] for src, v in t["sources"].items() if v["sizes"] >= 3}
+    assert len(trends) >= 2 and all(rho >= 0.6 for rho in trends.values()), trends
     # a broken model is caught: half the GEMM ceiling moves every A100 row far out of the band
     slow = {**GPU_TYPES, "A100": replace(GPU_TYPES["A100"], gemm_max=0.4)}
     assert published.predict(published.RUNS[0], slow) < 0.7 * published.RUNS[0].reported
@@ -129,4 +128,29 @@ def test_a_model_too_big_even_with_offload_says_what_to_change(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith("nothing fits 2 GPUs of 2 GB")
     assert "GPUs with at least" in out
-    assert "or more than 32 GPUs (--offload-optimizer alone is not enough)" in out
+    assert "or more than 32 GPUs (offloading the optimizer and the parameters to NVMe is not enough)" in out
+
+
+@pytest.mark.slow
+def test_a_model_that_fits_only_with_nvme_offload_is_told_so_and_its_flags_validate(monkeypatch):
+    from megazero.planning.planner import advice
+    from models.cli.pretrain import main as pretrain_main
+    args = ["--num-layers", "16", "--hidden-size", "4096", "--num-attention-heads", "32"]
+    cfg = model_config(args, models.PRESETS, 1024, 8, fp32=False)
+    hw = Hardware.for_gpu(GPU_TYPES["H100"], memory_gb=14)
+    assert plan(cfg, 2, hw, saved=models.saved_activations, recompute=("full",)) == []
+    msg = advice(cfg, 2, hw, 0.1, {"micro_batch_sizes": None, "recompute": None, "zero_stages": None},
+                 saved=models.saved_activations)
+    assert msg.startswith("only with ZeRO-Infinity offload: add --offload-optimizer-device nvme "
+                          "--offload-param-device nvme --nvme-path DIR"), msg
+    from megazero.config import validate
+    nvme = validate(cfg.replace(parallel={"offload_optimizer_device": "nvme", "offload_param_device": "nvme",
+                                          "nvme_path": "/scratch", "zero_stage": 3}), 1, check_data=False)
+    found = plan(nvme, 2, hw, saved=models.saved_activations, zero_stages=(3,))
+    assert found and all(x.memory_bytes <= 0.9 * 14e9 for x in found)
+    argv = flags(found[0], args, nvme)
+    i = argv.index("--offload-optimizer-device")
+    assert argv[i:i + 6] == ["--offload-optimizer-device", "nvme", "--offload-param-device", "nvme",
+                             "--nvme-path", "/scratch"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert pretrain_main(["--dry-run", *argv, "--mock-data"], presets=models.PRESETS) == 0

@@ -89,23 +89,23 @@ class GpuType:
 
 
 # Shared by every type: the GEMM efficiency knee in units of the GPU's roofline ridge (fitted).
-KNEE = 0.2326
+KNEE = 0.2211
 
 # Sources: peak dense 16-bit TFLOP/s, memory and HBM bandwidth from NVIDIA's A100 (SXM4 80GB), H100
 # (SXM5) and H200 datasheets and the L4 datasheet; NVLink per direction is half the datasheet's
 # bidirectional figure (A100 600 GB/s, H100/H200 900 GB/s; the L4 has none: PCIe Gen4 x16 at 32 GB/s,
 # half usable each way); the network is one HDR 200 Gb/s (DGX A100) or NDR 400 Gb/s (DGX H100) NIC per
 # GPU, 100 Gb/s for L4 servers.  busbw 0.8: an assumption (ring all-reduce bus bandwidth / link).
-# gemm_max and the H100's attn_eff: fitted (module docstring; 2026-12 fit: knee 0.2326, A100 0.80, H100
-# 0.745 with attn_eff 0.21 from Llama 3's 8k and 128k-token rows).  The H100's attn_eff is an effective
+# gemm_max and the H100's attn_eff: fitted (module docstring; 2026-12 fit: knee 0.2211, A100 0.80, H100
+# 0.695 with attn_eff 0.28 from Llama 3's 8k and 128k-token rows).  The H100's attn_eff is an effective
 # figure: it also carries what the model leaves out of long-sequence attention at scale (Llama 3's
 # context parallelism gathers K/V instead of the ring modelled here).  The A100's attn_eff (0.5) is an
 # assumption: its rows ran the unfused kernel.  H200: the H100's compute with the H200's memory,
 # unvalidated; L4: the A100's efficiencies, unvalidated.
 GPU_TYPES: Dict[str, GpuType] = {
     "A100": GpuType("A100", 312.0, 80.0, 2039.0, 300.0, 25.0, gemm_max=0.80, attn_eff=0.5),
-    "H100": GpuType("H100", 989.0, 80.0, 3350.0, 450.0, 50.0, gemm_max=0.745, attn_eff=0.21),
-    "H200": GpuType("H200", 989.0, 141.0, 4800.0, 450.0, 50.0, gemm_max=0.745, attn_eff=0.21),
+    "H100": GpuType("H100", 989.0, 80.0, 3350.0, 450.0, 50.0, gemm_max=0.695, attn_eff=0.28),
+    "H200": GpuType("H200", 989.0, 141.0, 4800.0, 450.0, 50.0, gemm_max=0.695, attn_eff=0.28),
     "L4": GpuType("L4", 121.0, 24.0, 300.0, 16.0, 12.5, gemm_max=0.80, attn_eff=0.5),
 }
 

@@ -50,9 +50,10 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.offload.settings import optimizer_device, param_device
+from megazero.planning.estimate import estimate_rank
 from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
                                      model_flops_per_iteration)
-from megazero.planning.estimate import estimate_rank
 from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, Link, micro_batch_seconds
 
 GB = 1e9
@@ -164,8 +165,14 @@ def layout_config(cfg, layout: Layout, gpus: int):
                 for f in section.__dataclass_fields__ if f not in ("padded_vocab_size", "num_micro_batches")}
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         settings.pop(name, None)
+    par = cfg.parallel
     settings.update(layout.settings(cfg.model.num_layers),
-                    offload_optimizer=cfg.parallel.offload_optimizer and layout.zero_stage > 0)
+                    offload_optimizer=par.offload_optimizer and layout.zero_stage > 0)
+    if layout.zero_stage > 0:  # the offload tiers of the base config (the optimizer's from ZeRO-1, the
+        settings.update(offload_optimizer_device=par.offload_optimizer_device, nvme_path=par.nvme_path,
+                        optimizer_offload_fraction=par.optimizer_offload_fraction)
+        if layout.zero_stage == 3:  # parameters' at ZeRO-3)
+            settings.update(offload_param_device=par.offload_param_device)
     return validate(config_from_dict(settings), gpus, check_data=False)
 
 
@@ -338,6 +345,19 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         if found:
             return (f"add --offload-optimizer (optimizer state in host memory): {describe(found[0])} needs "
                     f"{found[0].memory_bytes / GB:.1f} GB per GPU")
+    if param_device(cfg.parallel) != "nvme":
+        nvme = validate(cfg.replace(parallel={"offload_optimizer": False, "offload_optimizer_device": "nvme",
+                                              "offload_param_device": "nvme", "zero_stage": 3,
+                                              "nvme_path": cfg.parallel.nvme_path or "NVME_DIR"}),
+                        cfg.parallel.world_size, check_data=False)
+        found = plan(nvme, gpus, hw, margin, saved=saved, zero_stages=(3,))
+        if found:
+            disk = estimate_rank(layout_config(nvme, found[0], gpus), 0, saved=saved)["nvme_bytes"]
+            return (f"only with ZeRO-Infinity offload: add --offload-optimizer-device nvme "
+                    f"--offload-param-device nvme --nvme-path DIR (model state on a local disk): "
+                    f"{describe(found[0])} needs {found[0].memory_bytes / GB:.1f} GB per GPU and "
+                    f"{disk / GB:.1f} GB of disk per rank")
+        offloaded = " (offloading the optimizer and the parameters to NVMe is not enough)"
     for factor in (2, 4, 8, 16):
         more = gpus * factor
         found = plan(cfg, more, hw, margin, saved=saved)
@@ -378,8 +398,14 @@ def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
         out += ["--zero-stage", str(layout.zero_stage)]
     if layout.recompute != "none":
         out += ["--recompute-granularity", layout.recompute]
-    if cfg.parallel.offload_optimizer and layout.zero_stage:
-        out.append("--offload-optimizer")
+    par = cfg.parallel
+    if layout.zero_stage and optimizer_device(par) != "none":
+        out += (["--offload-optimizer"] if optimizer_device(par) == "cpu" and not par.offload_optimizer_device
+                else ["--offload-optimizer-device", optimizer_device(par)])
+    if layout.zero_stage == 3 and param_device(par) != "none":
+        out += ["--offload-param-device", param_device(par)]
+    if "nvme" in (optimizer_device(par), param_device(par)) and layout.zero_stage:
+        out += ["--nvme-path", par.nvme_path]
     if cfg.precision.bf16:
         out.append("--bf16")
     elif cfg.precision.fp16:

@@ -235,8 +235,9 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def table(gpu_types=None, knee=None) -> Dict[str, object]:
-    """Every row with its prediction, and per source the largest error and the rank correlation
-    between published and predicted throughput (sources of three rows or more)."""
+    """Every row with its prediction, and per source the largest error, the rank correlation
+    between published and predicted throughput (sources of three rows or more) and how many model
+    sizes its rows span (the weak-scaling trend is the correlation of a source of several sizes)."""
     rows = [{"run": r, "predicted": predict(r, gpu_types, knee)} for r in RUNS]
     for row in rows:
         row["error"] = row["predicted"] / row["run"].reported - 1
@@ -244,8 +245,9 @@ def table(gpu_types=None, knee=None) -> Dict[str, object]:
     for src in dict.fromkeys(r.source for r in RUNS if r.used):
         mine = [x for x in rows if x["run"].source == src]
         rho = spearman([x["run"].reported for x in mine], [x["predicted"] for x in mine])
+        sizes = {(x["run"].layers, x["run"].hidden) for x in mine}
         sources[src] = {"max_error": max(abs(x["error"]) for x in mine),
-                        "spearman": rho if len(mine) >= 3 else None}
+                        "spearman": rho if len(mine) >= 3 else None, "sizes": len(sizes)}
     return {"rows": rows, "sources": sources}
 
 
@@ -269,6 +271,7 @@ def report(gpu_types=None, knee=None) -> str:
     lines.append("")
     for src, v in t["sources"].items():
         rho = "" if v["spearman"] is None else f", Spearman published vs predicted {v['spearman']:.2f}"
+        rho += f" over {v['sizes']} model sizes" if v["sizes"] > 1 else " (one model)"
         lines.append(f"- {src}: largest error {v['max_error']:.1%}{rho}")
     held = [abs(x["error"]) for x in t["rows"] if x["run"].used and not x["run"].fit]
     fitted = [abs(x["error"]) for x in t["rows"] if x["run"].used and x["run"].fit]
