@@ -224,7 +224,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
         compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * m.num_layers // pp
         layers = m.num_layers // pp
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
-        tp_comm = n_tp * _link(tp, hw).all_reduce(act, tp)
+        tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)  # gloo's ring (calibrated CPU ranks)
         if cp > 1:  # ring attention: per layer cp - 1 K/V blocks forward, K/V and dK/dV backward
             kv = 2 * m.seq_length // cp * tr.micro_batch_size * m.num_query_groups // tp * m.kv_channels * E
             passes = 3 + (1 if m.recompute_granularity else 0)  # recomputation replays the forward ring
@@ -276,6 +276,8 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
         return cost if shared else max(cost - bwd, cost / 4)
     reduce_scatter, all_gather = link.ring(G * n, dp, 1, buckets), link.ring(P * n, dp, 1, buckets)
     if zero == 0:
+        if hw.gpu is None:  # the flat model (calibrated CPU ranks): gloo's ring
+            return exposed(link.ring(G * n, dp, 2, buckets))
         return exposed(link.all_reduce(G * n, dp, buckets))
     if zero == 1:
         return exposed(reduce_scatter) + all_gather
