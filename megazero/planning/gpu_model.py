@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from megazero.pipeline.partition import stage_layer_counts
+
 # Elements per token and layer that element-wise forward work reads and writes (module docstring).
 ELEMENTWISE_VECTORS = 23.0
 # Scores passes of the unfused attention, in elements of s x s per head: scale/mask/softmax read and
@@ -136,7 +138,7 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     config, GPU type and attention kernel (``flash`` or ``unfused``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    cp = getattr(par, "context_parallel_size", 1)
+    cp = par.context_parallel_size
     elem = 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
     s, b, h = m.seq_length, tr.micro_batch_size, m.hidden_size
     tokens = b * s // cp
@@ -159,10 +161,11 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     recompute = {"full": layer_f, "selective": attn_f}.get(m.recompute_granularity or "none", 0.0)
     vocab = m.padded_vocab_size or m.vocab_size
     head = gemm_seconds(tokens, vocab // t, h, gpu, elem, knee)
-    first, middle, last = stage_layers(cfg)
-    # the slowest stage: a middle (or the first) one, or the last with the output head
+    counts = stage_layer_counts(m.num_layers, pp, par.decoder_first_pipeline_num_layers,
+                                par.decoder_last_pipeline_num_layers)
+    # the slowest stage: one before the last, or the last with the output head
     per_layer = layer_f + layer_b + recompute
-    busiest = max(first, middle)
+    busiest, last = max(counts[:-1], default=0), counts[-1]
     if pp > 1 and busiest * per_layer >= last * per_layer + 3 * head:
         layers, fwd, compute = busiest, busiest * layer_f, busiest * per_layer
     else:
@@ -180,17 +183,3 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
         passes = 1 + 2 + (1 if m.recompute_granularity == "full" else 0)  # K/V fwd, K/V + dK/dV bwd
         cp_comm = layers * max(0.0, passes * (cp - 1) * step - (attn_f + attn_b))
     return {"fwd": fwd, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm}
-
-
-def stage_layers(cfg) -> Tuple[int, int, int]:
-    """Layers on the first, a middle and the last pipeline stage (the first/last-stage flags of
-    an uneven split, else an even one)."""
-    m, par = cfg.model, cfg.parallel
-    pp = par.pipeline_model_parallel_size
-    if pp == 1:
-        return m.num_layers, m.num_layers, m.num_layers
-    first = par.decoder_first_pipeline_num_layers
-    last = getattr(par, "decoder_last_pipeline_num_layers", None)
-    rest, middles = m.num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
-    middle = -(-rest // middles) if middles else 0
-    return first or middle, middle, last or middle

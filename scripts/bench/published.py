@@ -63,6 +63,7 @@ class Run:
     sp: bool = False
     attention: str = "unfused"
     extra: Sequence[str] = ()
+    cp: int = 1
     used: bool = True  # False: shown apart, outside what the model claims (module docstring)
 
 
@@ -108,7 +109,7 @@ RUNS: List[Run] = [
         seq=8192, vocab=128256, recompute="none", sp=True, attention="flash", extra=LLAMA3),
     Run("llama3", "405B 16384 GPUs CP 16", "H100", 16384, 128, 16384, 128, 8, 16, 128, 380, "model_tflops",
         True, seq=131072, vocab=128256, recompute="none", sp=True, attention="flash",
-        extra=LLAMA3 + ("--context-parallel-size", "16")),
+        extra=LLAMA3, cp=16),
 ]
 
 
@@ -119,7 +120,7 @@ def run_flags(run: Run) -> List[str]:
            "--vocab-size", str(run.vocab), "--make-vocab-size-divisible-by", "128",
            "--global-batch-size", str(run.batch), "--micro-batch-size", "1",
            "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
-           "--bf16", *run.extra]
+           "--context-parallel-size", str(run.cp), "--bf16", *run.extra]
     if run.recompute != "none":
         out += ["--recompute-granularity", run.recompute]
     if run.sp:
@@ -154,9 +155,7 @@ def _model_flops(run: Run) -> float:
     flags = run_flags(run)
     if run.source == "llama3":  # 126 real layers in 128 slots (module docstring)
         flags[flags.index("--num-layers") + 1] = "126"
-    # one process counts: the model flags without the layout's
-    extra = [f for f in run.extra if f not in ("--context-parallel-size", "16")]
-    flags = flags[:flags.index("--tensor-model-parallel-size")] + extra
+    flags = flags[:flags.index("--tensor-model-parallel-size")] + list(run.extra)  # one process counts
     return model_flops_per_iteration(parse_args(flags, presets=PRESETS, world_size=1, check_data=False))
 
 
