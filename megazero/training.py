@@ -328,7 +328,8 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                            mesh, rates)
     if io_before is not None:  # the NVMe tier's traffic in this iteration
         io = optimizer.io_counts() - io_before
-        m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds)
+        m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds,
+                 io_busy_s=io.busy_seconds)
     if decoupled_lr is not None:
         m["decoupled_lr"] = decoupled_lr
     if tr.step_batch_size_schedule or tr.rampup_batch_size:

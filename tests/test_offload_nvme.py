@@ -116,6 +116,37 @@ def test_streamed_step_equals_the_synchronous_loop(tmp_path, buffers):
         assert (store.stats.snapshot() - before).bytes_written == 0
 
 
+def test_carry_reads_the_next_walk_ahead_and_settles_on_another_order(tmp_path):
+    sizes = [3000, 4097, 20000, 777]
+    names = [tuple(f"g{k}.{x}" for x in "wmv") for k in range(len(sizes))]
+    specs = {n: size for g, size in zip(names, sizes) for n in g}
+    ref = {n: torch.randn(size, generator=torch.Generator().manual_seed(i)).abs()
+           for i, (g, size) in enumerate(zip(names, sizes)) for n in g}
+    group_bytes = [3 * 4 * size for size in sizes]
+    with NvmeStore(tmp_path, specs, block_size=BLOCK, io_threads=2) as store:
+        for n, t in ref.items():
+            store.write(n, t)
+        streamer = Streamer(store, names, buffer_count=3)
+        # walk 3 takes another order: the sub-groups read ahead for it are dropped and read again
+        orders = [None, None, [3, 1, 0, 2], None]
+        total = sum(group_bytes)
+        for step, order in enumerate(orders, start=1):
+            before = store.stats.snapshot()
+            seen = []
+            for k, t in streamer.run(order, carry=True):
+                seen.append(k)
+                _adam_like(*(t[n] for n in names[k]), step)
+            for k in seen:
+                _adam_like(*(ref[n] for n in names[k]), step)
+            assert seen == (order or list(range(len(sizes))))
+            ahead = sum(group_bytes[k] for k in seen[:2])  # the next walk's first two, asked for now
+            reused = ahead if step == 2 else 0  # walk 2 found its first two read by walk 1
+            assert (store.stats.snapshot() - before).bytes_read == total - reused + ahead
+        streamer.drain()
+        for n, t in ref.items():
+            assert _same(store.read(n), t), n
+
+
 def test_leaving_the_loop_early_writes_back_what_was_done(tmp_path):
     specs = {f"s{k}": 3000 for k in range(6)}
     with NvmeStore(tmp_path, specs, block_size=BLOCK) as store:

@@ -176,6 +176,63 @@ def test_missing_path_and_too_little_room_fail_before_training(tmp_path, monkeyp
     assert [f for f in os.listdir(tmp_path) if f.endswith(".swap")] == []
 
 
+def test_the_command_line_names_a_missing_path_before_building_the_model(tmp_path, capsys):
+    from models.cli.pretrain import main
+    flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "1", "--zero-stage", "3", "--offload-param-device", "nvme",
+             "--nvme-path", str(tmp_path / "nope")]
+
+    def provider(cfg, mesh):
+        raise AssertionError("the model was built before --nvme-path was checked")
+    assert main(flags, provider) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_gpt.py: error: --nvme-path {tmp_path / 'nope'}: no such directory; create it or point "
+        "--nvme-path at an existing one"]
+
+
+def test_a_disk_that_fills_mid_run_stops_it_and_the_last_checkpoint_resumes(tmp_path, monkeypatch):
+    """The swap disk fills during iteration 4 (every write from its backward on fails with ENOSPC):
+    the run stops with NvmeSpaceError naming --nvme-path, nothing of iteration 4 is saved, the
+    tracker still names iteration 2 (confirmed by iteration 3's loss), and resuming from it in
+    memory gives the uninterrupted run's losses."""
+    import errno
+    from megazero.offload import NvmeSpaceError, nvme
+    from megazero.offload.checks import io_error
+    swap, ck = tmp_path / "swap", str(tmp_path / "ck")
+    swap.mkdir()
+    ref = _run(_cfg(4))
+    full = {"on": False}
+    real = nvme.transfer
+
+    def transfer(fd, piece, offset, write, file, before):
+        if write and full["on"]:
+            raise io_error(OSError(errno.ENOSPC, "No space left on device"), file, "writing")
+        return real(fd, piece, offset, write, file, before)
+    monkeypatch.setattr(nvme, "transfer", transfer)
+
+    def provider(cfg, mesh):  # four micro-batches a step: backward 13 is iteration 4's first
+        chunks = _provider(None)(cfg, mesh)
+        calls = {"n": 0}
+
+        def fill(grad):
+            calls["n"] += 1
+            full["on"] = full["on"] or calls["n"] >= 13
+            return grad
+        next(chunks[-1].parameters()).register_hook(fill)
+        return chunks
+    from megazero.training import train
+    full_disk = f"--nvme-path {swap}: no space left on device while writing"
+    with pytest.raises(NvmeSpaceError, match=full_disk):
+        train(_cfg(4, nvme=swap, save=ck, save_interval=2), provider)
+    monkeypatch.undo()
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt")) as fh:
+        assert fh.read().strip() == "2"
+    rest = _run(_cfg(4, load=ck))
+    assert [m["iteration"] for m in rest] == [3, 4]
+    assert [m["loss"] for m in rest] == [m["loss"] for m in ref[2:]]
+
+
 def test_megatron_flags_and_the_offload_fraction(tmp_path):
     """--optimizer-cpu-offload / --optimizer-offload-fraction with Megatron-LM's meaning (the share
     offloaded): whole buckets in order while the offloaded elements stay within the fraction; a

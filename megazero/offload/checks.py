@@ -10,7 +10,16 @@ import os
 import shutil
 import tempfile
 
+from megazero.errors import LOCAL, MegazeroError
+
 FLAG = "--nvme-path"
+
+
+class NvmePathError(MegazeroError, ValueError):
+    """``--nvme-path`` cannot hold the swap files (missing, not a directory, not writable, too
+    small); reported in one line by the rank that checked it."""
+
+    kind = LOCAL
 
 
 def human_bytes(n: int) -> str:
@@ -24,23 +33,25 @@ def check_nvme_path(path, bytes_needed: int, reclaimable: int = 0, what: str = "
                     flag: str = FLAG) -> str:
     """Validate the swap directory ``path`` before anything is written; returns it as an absolute path.
 
-    Raises ValueError naming ``flag`` when ``path`` is missing (not given, or does not exist), is not
-    a directory, is not writable by this process, or has less free space than ``bytes_needed``.
+    Raises :class:`NvmePathError` (a ValueError) naming ``flag`` when ``path`` is missing (not given,
+    or does not exist), is not a directory, is not writable by this process, or has less free space
+    than ``bytes_needed``.
     ``reclaimable`` bytes (a leftover swap file of a crashed run, which is overwritten) count as free.
     Ranks that share a disk should pass the bytes of all of them (``what`` says whose they are)."""
     if not path:
-        raise ValueError(f"{flag} is required to offload to nvme: give a directory on a local disk "
-                         "with room for the swap files")
+        raise NvmePathError(f"{flag} is required to offload to nvme: give a directory on a local disk "
+                            "with room for the swap files")
     if not os.path.exists(path):
-        raise ValueError(f"{flag} {path}: no such directory; create it or point {flag} at an existing one")
+        raise NvmePathError(f"{flag} {path}: no such directory; create it or point {flag} at an existing one")
     if not os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: not a directory")
+        raise NvmePathError(f"{flag} {path}: not a directory")
     if not _writable(path):
-        raise ValueError(f"{flag} {path}: not writable by this process (permissions or a read-only mount)")
+        raise NvmePathError(f"{flag} {path}: not writable by this process (permissions or a read-only "
+                            "mount)")
     free = shutil.disk_usage(path).free + max(0, reclaimable)
     if bytes_needed > free:
-        raise ValueError(f"{flag} {path}: needs {human_bytes(bytes_needed)} for {what}, "
-                         f"{human_bytes(free)} free; choose a larger disk or raise ZeRO/DP")
+        raise NvmePathError(f"{flag} {path}: needs {human_bytes(bytes_needed)} for {what}, "
+                            f"{human_bytes(free)} free; choose a larger disk or raise ZeRO/DP")
     return os.path.abspath(path)
 
 
@@ -56,8 +67,11 @@ def _writable(path: str) -> bool:
     return True
 
 
-class NvmeSpaceError(OSError):
-    """The disk under ``--nvme-path`` filled up while the swap files were written (errno ENOSPC)."""
+class NvmeSpaceError(MegazeroError, OSError):
+    """The disk under ``--nvme-path`` filled up while the swap files were written (errno ENOSPC);
+    the run stops with this one line from the rank that hit it."""
+
+    kind = LOCAL
 
     def __init__(self, file: str, doing: str, flag: str = FLAG):
         directory = os.path.dirname(file)

@@ -10,13 +10,16 @@ from typing import Callable, Optional, Sequence
 
 @dataclasses.dataclass
 class IOCounts:
-    """Totals of a store's traffic: bytes asked of the disk (each request counted when it is made)
-    and the seconds callers spent blocked in :meth:`IOHandle.wait` (the I/O the work did not hide)."""
+    """Totals of a store's traffic: bytes asked of the disk (each request counted when it is made),
+    the seconds callers spent blocked in :meth:`IOHandle.wait` (the I/O the work did not hide) and the
+    seconds during which at least one request was being served (``busy_seconds``: bytes over it is
+    the bandwidth while streaming)."""
     bytes_read: int = 0
     bytes_written: int = 0
     reads: int = 0
     writes: int = 0
     wait_seconds: float = 0.0
+    busy_seconds: float = 0.0
 
     def __sub__(self, other: "IOCounts") -> "IOCounts":
         return IOCounts(*(getattr(self, f.name) - getattr(other, f.name)
@@ -37,6 +40,7 @@ class IOStats:
     def __init__(self):
         self._counts = IOCounts()
         self._lock = threading.Lock()
+        self._active, self._since = 0, 0.0  # requests being served; when the first of them began
 
     def add(self, read: int = 0, written: int = 0, wait_seconds: float = 0.0) -> None:
         with self._lock:
@@ -46,6 +50,21 @@ class IOStats:
             c.reads += read > 0
             c.writes += written > 0
             c.wait_seconds += wait_seconds
+
+    def busy(self, fn: Callable, *args):
+        """``fn(*args)`` on an I/O thread, counted in ``busy_seconds`` (the union of the requests'
+        service times)."""
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self._counts.busy_seconds += time.perf_counter() - self._since
 
     def snapshot(self) -> IOCounts:
         with self._lock:

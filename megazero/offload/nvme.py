@@ -239,9 +239,9 @@ class NvmeStore:
         futures = []
         for start in range(0, body, self.block_size):
             piece = mv[start:min(start + self.block_size, body)]
-            futures.append(self._pool.submit(transfer, self.fd, piece, region.offset + start, write,
-                                             self.file, before))
+            futures.append(self._pool.submit(self.stats.busy, transfer, self.fd, piece, region.offset + start,
+                                             write, self.file, before))
         if body < nbytes:
-            futures.append(self._pool.submit(transfer_tail, self.fd, mv[body:], region.offset + body, write,
-                                             self.file, before))
+            futures.append(self._pool.submit(self.stats.busy, transfer_tail, self.fd, mv[body:],
+                                             region.offset + body, write, self.file, before))
         return futures

@@ -60,3 +60,12 @@ def check_offload(par) -> None:
                          f"got {par.nvme_buffer_count}")
     if par.nvme_buffer_size < 3 * ALIGN:
         raise ValueError(f"--nvme-buffer-size must be at least {3 * ALIGN} bytes, got {par.nvme_buffer_size}")
+
+
+def check_swap_dir(par) -> None:
+    """Before the model is built: ``--nvme-path`` exists and is writable when a tier is on NVMe
+    (the room it needs is checked against the swap files' exact sizes once they are known).
+    Raises :class:`~megazero.offload.checks.NvmePathError`."""
+    if "nvme" in (optimizer_device(par), param_device(par)):
+        from megazero.offload.checks import check_nvme_path
+        check_nvme_path(par.nvme_path, 0)

@@ -5,10 +5,12 @@ that a sub-group's master weights and moments, packed at aligned offsets, fit on
 ``--nvme-buffer-size`` buffer.  Sub-group ``(b, j)`` is three (Adam) or two (SGD with momentum)
 names of one :class:`~megazero.offload.NvmeStore` (``b{b}.{j}.master``, ``b{b}.{j}.exp_avg`` ...).
 A step walks them with a :class:`~megazero.offload.Streamer`: while sub-group ``k`` is updated,
-``k+1`` is read and ``k-1`` written back on the store's I/O threads.
+``k+1`` is read and ``k-1`` written back on the store's I/O threads.  The walk ends with the last
+write-back still in flight and the first sub-groups of the next step being read, so that both
+overlap the next forward and backward.
 
-Checkpoints move one sub-group at a time through the streamer's first buffer (idle outside a
-step): :meth:`NvmeTier.read_group` / :meth:`NvmeTier.staging` + :meth:`NvmeTier.write_group`.
+Checkpoints move one sub-group at a time through the streamer's first buffer (settled first):
+:meth:`NvmeTier.read_group` / :meth:`NvmeTier.staging` + :meth:`NvmeTier.write_group`.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class NvmeTier:
         """Every sub-group of ``buckets`` in that order, as ``{key: tensor}`` views of a streaming
         buffer to update in place (written back when the next one is asked for)."""
         order = [self.index[(b, j)] for b in buckets for j in range(len(self.pieces[b]))]
-        for k, views in self.streamer.run(order):
+        for k, views in self.streamer.run(order, carry=True):  # the next step's first reads start now
             yield {key: t for key, t in zip(self.keys, views.values())}
 
     def fence(self, event) -> None:
@@ -82,7 +84,9 @@ class NvmeTier:
 
     # ---- checkpoints: one sub-group at a time ---------------------------------------------
     def staging(self, b: int, j: int) -> Dict[str, torch.Tensor]:
-        """Sub-group ``(b, j)``'s tensors as views of the first streaming buffer (contents undefined)."""
+        """Sub-group ``(b, j)``'s tensors as views of the first streaming buffer (contents undefined);
+        settles the last step's write-backs and drops its reads ahead first."""
+        self.streamer.drain()
         views = self.streamer.views(self.index[(b, j)], self.streamer.buffers[0])
         return {key: t for key, t in zip(self.keys, views.values())}
 
@@ -98,6 +102,7 @@ class NvmeTier:
 
     def write_group(self, b: int, j: int, views: Dict[str, torch.Tensor]) -> None:
         """Write the given keys of sub-group ``(b, j)`` and wait."""
+        self.streamer.drain()
         handles = [self.store.write_async(f"b{b}.{j}.{k}", t) for k, t in views.items()]
         for h in handles:
             h.wait()
@@ -120,7 +125,10 @@ class NvmeTier:
         return self.streamer.host_bytes
 
     def close(self) -> None:
-        self.store.close()
+        try:
+            self.streamer.drain()
+        finally:
+            self.store.close()
 
 
 def _node_bytes(mine: int, mesh) -> Tuple[int, int]:

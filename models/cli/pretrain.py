@@ -10,6 +10,16 @@ from megazero.data import build_data
 from megazero.training import ModelProvider, train
 
 
+def _check_swap_dir(cfg) -> None:
+    """--nvme-path missing or read-only: a usage error before the model is built."""
+    from megazero.offload.checks import NvmePathError
+    from megazero.offload.settings import check_swap_dir
+    try:
+        check_swap_dir(cfg.parallel)
+    except NvmePathError as err:
+        raise ConfigError(str(err)) from None
+
+
 def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelProvider] = None,
          presets: Optional[Dict[str, dict]] = None) -> int:
     """``pretrain_gpt.py``: parse and validate the flags (before any process-group work), train.
@@ -26,6 +36,7 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     try:
         cfg = parse_args(argv, presets, world_size=world)
         build_data(cfg)  # fails early for data settings this build cannot serve
+        _check_swap_dir(cfg)
         if cfg.logging.tensorboard_dir:
             from megazero.training_log import tensorboard_writer_class
             try:

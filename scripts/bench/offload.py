@@ -5,8 +5,9 @@ parameters on NVMe (measured, never asserted).
 
 Each mode runs ``--iters`` iterations in a process of its own (forked, so its peak RSS is its own)
 and reports the median step time after the first iteration, the I/O wait per step and its share of
-the step, bytes read and written per step, the disk bandwidth achieved while the step runs (bytes
-moved / step time) next to the disk's peak measured in the same run (simultaneous direct reads and
+the step, bytes read and written per step, the disk bandwidth averaged over the step (bytes moved /
+step time) and while streaming (bytes moved / the time at least one request was in service,
+``io_busy_s``) next to the disk's peak measured in the same run (simultaneous direct reads and
 writes, as :mod:`bench.nvme_io` measures them), and the peak RSS.
 
     python scripts/bench_offload.py --dir /tmp                      # GPT 8 x 512, ZeRO-3, ~2 minutes
@@ -50,10 +51,13 @@ def _summary(history: list, peak_bw: float) -> dict:
     read = statistics.median(m.get("io_read_bytes", 0) for m in rows)
     written = statistics.median(m.get("io_write_bytes", 0) for m in rows)
     wait = statistics.median(m.get("io_wait_s", 0.0) for m in rows)
+    busy = statistics.median(m.get("io_busy_s", 0.0) for m in rows)
     bw = (read + written) / step if step else 0.0
+    streaming = (read + written) / busy if busy else 0.0
     return {"step_s": step, "io_wait_s": wait, "io_wait_share": wait / step if step else 0.0,
             "read_bytes": read, "written_bytes": written, "disk_bytes_per_s": bw,
-            "of_peak": bw / peak_bw if peak_bw else 0.0,
+            "io_busy_s": busy, "streaming_bytes_per_s": streaming,
+            "of_peak": streaming / peak_bw if peak_bw else 0.0,
             "peak_rss_bytes": max(m["peak_rss_bytes"] for m in history),
             "losses": [m["loss"] for m in history]}
 
@@ -95,13 +99,13 @@ def main(argv=None) -> int:
           f"(direct reads + writes at once, 1 MiB x {a.io_threads} threads): {peak / 1e6:.0f} MB/s; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':>22} {'step s':>8} {'vs mem':>7} {'I/O wait':>9} {'read MB':>8} {'write MB':>9} "
-          f"{'disk MB/s':>10} {'of peak':>8} {'peak RSS MiB':>13}")
+          f"{'disk MB/s':>10} {'streaming':>10} {'of peak':>8} {'peak RSS MiB':>13}")
     base = out["modes"].get("memory", {}).get("step_s")
     for name, r in out["modes"].items():
         rel = f"{r['step_s'] / base:.2f}x" if base else "-"
         print(f"{name:>22} {r['step_s']:>8.2f} {rel:>7} {100 * r['io_wait_share']:>8.0f}% "
               f"{r['read_bytes'] / 1e6:>8.0f} {r['written_bytes'] / 1e6:>9.0f} "
-              f"{r['disk_bytes_per_s'] / 1e6:>10.0f} "
+              f"{r['disk_bytes_per_s'] / 1e6:>10.0f} {r['streaming_bytes_per_s'] / 1e6:>10.0f} "
               f"{100 * r['of_peak']:>7.0f}% {r['peak_rss_bytes'] / MiB:>13.0f}")
     if a.json:
         write_json(out, a.json)
