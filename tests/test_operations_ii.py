@@ -220,7 +220,15 @@ def test_async_save_writes_the_same_bytes_and_a_failed_one_keeps_the_previous(tm
     sync, asyn = str(tmp_path / "sync"), str(tmp_path / "async")
     settings = dict(optimizer="adam", lr=0.01, train_iters=5, save_interval=2, zero_stage=1)
     ref = _train(_settings(save=sync, **settings))
+    from megazero.checkpoint import background
+    copy = background.Snapshot.copy
+
+    def slow_copy(snapshot):  # the next step's update must wait for the copy, or the bytes would differ
+        time.sleep(0.5)
+        copy(snapshot)
+    monkeypatch.setattr(background.Snapshot, "copy", slow_copy)
     got = _train(_settings(save=asyn, async_save=True, **settings))
+    monkeypatch.undo()
     assert _losses(got) == _losses(ref)  # training unaffected, bitwise
     for it in ("iter_0000002", "iter_0000004", "iter_0000005"):
         a, b = _files(os.path.join(sync, it)), _files(os.path.join(asyn, it))

@@ -1,10 +1,12 @@
 """``--async-save``: a checkpoint written in a background thread while training goes on.
 
-At the save iteration every rank (collectively) has global rank 0 prepare ``iter_X.tmp`` and then
-copies this rank's state to host memory: the fp32 master weights and optimizer moments of every
-bucket it updates, the generator states and the optimizer's counters and loss-scaler state (a
-:class:`Snapshot`, taking the place of the optimizer for the writer).  A daemon thread writes the
-same shard, index and RNG files a synchronous save writes, from the snapshot, with no collective.
+At the save iteration every rank (collectively) has global rank 0 prepare ``iter_X.tmp``, and takes
+a :class:`Snapshot` of this rank's state in host memory, which takes the place of the optimizer for
+the writer: the generator states, the optimizer's counters and loss-scaler state at once, and, in a
+daemon thread, the fp32 master weights and optimizer moments of every bucket it updates.  That
+copy overlaps the next forward and backward; the next optimizer update of a bucket waits until the
+bucket is copied.  The same thread then writes the same shard, index and RNG files a synchronous
+save writes, from the snapshot, with no collective.
 :meth:`AsyncSave.finish` (main thread, collective: the next save, the confirmation of the pending
 one, the end of the run) joins the thread, agrees on errors and has rank 0 write ``config.json`` and
 the sealed ``metadata.json``; publication follows as for any save
@@ -31,12 +33,12 @@ from megazero.checkpoint.format import CONFIG, checkpoint_path, named_params, rn
 from megazero.checkpoint.integrity import describe_file, write_json
 
 
-def _copy(t: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
-    """``t`` in host memory: copied into ``into`` when it fits (no new pages), else a new tensor (pinned
-    when ``t`` lives on a GPU, so the copy is a fast DMA)."""
+def _host_like(t: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+    """A host tensor to copy ``t`` into: ``into`` when it fits (the previous save's, no new pages), else
+    a new one (pinned when ``t`` lives on a GPU, so the copy is a fast DMA)."""
     if into is None or into.shape != t.shape or into.dtype != t.dtype:
         into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    return into.copy_(t.detach())
+    return into
 
 
 class _SnapshotUpdate:
@@ -60,8 +62,11 @@ class _SnapshotUpdate:
 
 
 class Snapshot:
-    """The parts of a :class:`~megazero.zero.ZeroOptimizer` that writing a checkpoint reads, copied to
-    host memory (the layout objects, which never change, are shared)."""
+    """The parts of a :class:`~megazero.zero.ZeroOptimizer` that writing a checkpoint reads, in host
+    memory (the layout objects, which never change, are shared).  The counters and the loss scaler
+    are copied at once; the master weights and moments by :meth:`copy` (the writer thread, bucket
+    by bucket), each bucket before the optimizer may update it again: the snapshot holds the
+    optimizer back (:meth:`~megazero.zero.update.ShardedUpdate.hold`) until that bucket is copied."""
 
     def __init__(self, optimizer, host=None):
         self.buckets, self.storage = optimizer.buckets, optimizer.storage
@@ -69,13 +74,33 @@ class Snapshot:
         upd = optimizer.update
         master, state = host if host is not None else ({}, {})  # the previous save's buffers, reused
         self.update = _SnapshotUpdate(
-            {i: _copy(t, master.get(i)) for i, t in upd.master.items()},
-            {i: {k: _copy(t, state.get(i, {}).get(k)) for k, t in s.items()} for i, s in upd.state.items()},
+            {i: _host_like(t, master.get(i)) for i, t in upd.master.items()},
+            {i: {k: _host_like(t, state.get(i, {}).get(k)) for k, t in s.items()}
+             for i, s in upd.state.items()},
             optimizer.storage, upd.state_names())
         self.state = self.update.state
+        self._sources = [(i, upd.master.get(i), upd.state.get(i, {}))
+                         for i in sorted(set(upd.master) | set(upd.state))]
+        self.copied = {i: threading.Event() for i, _, _ in self._sources}
+        upd.hold(self.copied)
         self.step_count, self.skipped_steps = int(optimizer.step_count), int(optimizer.skipped_steps)
         scaler = dict(optimizer.scaler.state_dict())
         self.scaler = SimpleNamespace(state_dict=lambda: dict(scaler))
+
+    def copy(self) -> None:
+        """Copy every bucket's masters and moments into the host buffers, releasing each bucket to the
+        optimizer once it is copied (all of them, even after an error)."""
+        try:
+            for i, master, state in self._sources:
+                if master is not None:
+                    self.update.master[i].copy_(master.detach())
+                for k, t in state.items():
+                    self.update.state[i][k].copy_(t.detach())
+                self.copied[i].set()
+        finally:
+            for done in self.copied.values():
+                done.set()
+            self._sources = []
 
     def param_shapes(self):
         return self._shapes
@@ -107,6 +132,7 @@ class AsyncSave:
         from megazero.checkpoint.shards import write_rank_shard
         from megazero.checkpoint.writer import _write
         try:
+            self.snapshot.copy()
             files, params = write_rank_shard(self.tmp, self.snapshot, self.named, self.mesh, self.lock.run_id)
             name = rng_file(self.mesh.coord("tp"), self.mesh.coord("pp"), self.mesh.coord("dp", "cp"))
             _write(rng, os.path.join(self.tmp, name))

@@ -46,6 +46,7 @@ class ShardedUpdate:
         self.decay: Dict[int, List[Tuple[int, int]]] = {}
         self.decoupled: Dict[int, List[Tuple[int, int]]] = {}  # ranges of embedding/output weights
         self.norm_pieces: Dict[int, List[Tuple[int, int, bool]]] = {}
+        self.holds: Dict[int, object] = {}  # bucket -> event an --async-save sets once it has copied it
         self.nvme = None
         on_disk = {b.index: _length(storage.updated_range(b)) for b in storage.buckets
                    if self.tier[b.index] == "nvme"}
@@ -110,6 +111,7 @@ class ShardedUpdate:
         walk = self.nvme.walk(on_disk) if self.nvme else None
         try:
             for b in buckets:
+                self._wait_hold(b.index)
                 self.storage.begin_update(b)  # parameters on NVMe: the shard gets memory
                 if self.tier[b.index] == "nvme":
                     for j in range(len(self.nvme.pieces[b.index])):
@@ -126,6 +128,18 @@ class ShardedUpdate:
         finally:
             if walk is not None:
                 walk.close()
+
+    def hold(self, events: Dict[int, object]) -> None:
+        """Keep bucket ``i``'s masters and moments unchanged until ``events[i]`` is set (an
+        ``--async-save`` copying them in the background)."""
+        for i in list(self.holds):
+            self._wait_hold(i)
+        self.holds = dict(events)
+
+    def _wait_hold(self, i: int) -> None:
+        event = self.holds.pop(i, None)
+        if event is not None:
+            event.wait()
 
     def _update_piece(self, b: Bucket, j: int, views: Dict[str, torch.Tensor], lr: LR, step: int,
                       grad_mul: float) -> None:
@@ -221,6 +235,7 @@ class ShardedUpdate:
 
     def zero_state(self) -> None:
         """Zero every moment (a fresh optimizer over loaded weights)."""
+        self.hold({})
         with torch.no_grad():
             for st in self.state.values():
                 for t in st.values():
