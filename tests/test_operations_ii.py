@@ -313,6 +313,32 @@ def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_
     assert "0" in {r for r, _ in errors}, run.text()[-3000:]
     for rank, message in errors:
         assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
+    last = run.text().rstrip().splitlines()[-1]  # the launcher's line names the stopped rank first
+    assert re.match(r"launch.py: pretrain_gpt.py: rank 3 stopped responding \(rank [012]'s diagnosis: rank 3 "
+                    r"\(pid \d+ on [^)]*\) has stopped\); rank [0-3] ", last), last
+
+
+def test_the_launcher_line_names_the_stopped_rank_from_the_error_files(tmp_path, monkeypatch):
+    """Each failed rank's message goes to torchrun's error file; the launcher's line leads with the
+    rank the diagnosis names (not with the healthy rank that failed first), and without a stall
+    it is the plain line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from megazero.resilience import CollectiveError, report_failure
+    from megazero.resilience.launcher import failure_line
+    said = ("all_reduce on the world group (ranks [0, 1, 2]) timed out. Not answering: rank 2 (pid 7 on vm) "
+            "has stopped; rank 0 (pid 5 on vm) has exited. Look at that rank's log first.")
+    files = {r: str(tmp_path / f"error{r}.json") for r in range(3)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[1])
+    assert report_failure(CollectiveError(said), rank=1, world_size=3, wait=0) == 1
+    failures = {1: ProcessFailure(1, 11, 1, files[1]), 2: ProcessFailure(2, 12, -9, files[2])}
+    line = failure_line(ChildFailedError("pretrain_gpt.py", failures))
+    assert line == ("rank 2 stopped responding (rank 1's diagnosis: rank 2 (pid 7 on vm) has stopped); "
+                    "rank 1 exited with status 1 first (1 other rank also failed); its messages are above")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[0])
+    report_failure(CollectiveError("all_reduce timed out. Not answering: rank 1 (pid 6 on vm) has exited. "
+                                   "Look at that rank's log first."), rank=0, world_size=3, wait=0)
+    line = failure_line(ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 10, 1, files[0])}))
+    assert line == "rank 0 exited with status 1 first; its messages are above"  # an exited rank failed itself
 
 
 def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
