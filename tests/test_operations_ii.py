@@ -426,14 +426,15 @@ def test_slurm_sbatch_runs_end_to_end_under_an_emulated_slurm_and_saves_on_its_s
 @pytest.mark.slow
 def test_run_multinode_with_two_agents_on_localhost(tmp_path):
     """launch/run_multinode.sh twice on this host (--nnodes 2, one process each, c10d rendezvous at
-    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving."""
+    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving; the launchers'
+    join before torchrun (by --node-rank) passes without a line."""
     script = os.path.join(ROOT, "launch", "run_multinode.sh")
     d, port = str(tmp_path / "ckpt"), str(_free_port())
     runs = []
     try:
         for node in range(2):
             cmd = ["bash", script, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--run-dir",
+                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--node-rank", str(node), "--run-dir",
                    str(tmp_path / f"run{node}"), "--", *TINY, "--train-iters", "3", "--save", d]
             runs.append(Launch(cmd, _env(), str(tmp_path / f"node{node}.log"), str(tmp_path)))
         for run in runs:
@@ -442,7 +443,7 @@ def test_run_multinode_with_two_agents_on_localhost(tmp_path):
         for run in runs:
             run.__exit__(None, None, None)
     out = "".join(run.text() for run in runs)
-    assert "dp 2" in out and "saved checkpoint at iteration 3" in out, out[-3000:]
+    assert "dp 2" in out and "saved checkpoint at iteration 3" in out and "launch.py" not in out, out[-3000:]
     assert latest_iteration(d) == 3
 
 
@@ -480,3 +481,53 @@ def test_after_a_termination_signal_the_launcher_restarts_nothing(tmp_path):
     out = run.text()
     assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: not every rank stopped")
     assert out.count("iteration      1/100000") == 1 and "Traceback" not in out  # no second attempt
+
+
+def _join(nnodes, ranks, timeout, port):
+    """``join_nodes`` of one node per rank in ``ranks`` (threads of this process): (ok, output) each."""
+    import io
+    import threading
+    from megazero.resilience.join import join_nodes
+    out = {r: io.StringIO() for r in ranks}
+    ok = {}
+
+    def node(r):
+        ok[r] = join_nodes("127.0.0.1", port, nnodes, r, timeout, interval=1.0, stream=out[r])
+    threads = [threading.Thread(target=node, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 120)
+    return [(ok.get(r), out[r].getvalue()) for r in ranks]
+
+
+def test_a_node_whose_peers_never_join_names_them_and_fails(tmp_path, monkeypatch):
+    """The launcher's pre-rendezvous: 3 nodes all joining pass at once and silently; 2 of 3 (a 3 s
+    --join-timeout) print waiting lines and then one line naming node 2 and its SLURM host."""
+    from megazero.resilience.join import join_port, node_rank_of
+    assert _join(3, [2, 0, 1], 120, _free_port()) == [(True, ""), (True, ""), (True, "")]
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho hostA; echo hostB; echo hostC\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "host[A-C]")
+    start = time.monotonic()
+    results = _join(3, [0, 1], 3, _free_port())
+    assert time.monotonic() - start < 60
+    for ok, out in results:
+        assert not ok, out
+        assert "launch.py: waiting for node 2 of 3 at 127.0.0.1:" in out, out
+        last = out.rstrip().splitlines()[-1]
+        assert re.match(r"launch.py: node 2 of 3 did not join at 127.0.0.1:\d+ within 3 s \(--join-timeout; "
+                        r"2 joined\); missing hosts: hostC$", last), out
+    ok, out = _join(2, [None], 2, _free_port())[0]  # no node rank: the nodes that joined, by hostname
+    assert not ok and re.search(r"1 of 2 nodes did not join .*joined: \S+ \(pid \d+\)\)$", out.strip()), out
+    assert join_port(29500) == 30500 and join_port(65000) == 64000
+    assert node_rank_of(["--nnodes", "2", "--node-rank", "1"], {}) == 1
+    assert node_rank_of([], {"SLURM_NODEID": "3"}) == 3 and node_rank_of([], {}) is None
+
+
+def test_the_launcher_refuses_a_bad_join_timeout(capsys):
+    from models.cli import launch_main
+    assert launch_main(["--join-timeout", "soon", "--nnodes", "2", "x.py"]) == 2
+    assert "launch.py: error: --join-timeout needs seconds (0 or more), got 'soon'" in capsys.readouterr().err

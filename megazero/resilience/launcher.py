@@ -133,14 +133,20 @@ def failure_line(err) -> str:
     return f"{lead}rank {rank} {what} first{more}; its messages are above{log}"
 
 
-def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None) -> int:
-    """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status."""
+def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None,
+                 join_timeout: float = 600.0, join_interval: float = 30.0) -> int:
+    """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status.  On several
+    nodes every node's launcher first waits for the others (:mod:`megazero.resilience.join`): up to
+    ``join_timeout`` seconds (0: no wait), a line every ``join_interval``; then 1 naming the missing."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     stream = sys.stderr if stream is None else stream
     _quiet()
     args = torchrun.parse_args(list(argv))
+    from megazero.resilience.join import join_before_torchrun
+    if not join_before_torchrun(args, argv, join_timeout, join_interval, stream):
+        return 1
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
