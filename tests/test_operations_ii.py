@@ -1,6 +1,7 @@
 """Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
 preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
 reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import math
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megazero.checkpoint import latest_iteration
 from megazero.config import ConfigError, validate
@@ -32,6 +34,12 @@ def test_loss_spike_guard_and_its_flags():
     LossSpikeGuard(None, 3).check(1, 1e30)  # off
     for changes, needle in ((dict(loss_spike_factor=1.0), "--loss-spike-factor must be > 1"),
                             (dict(loss_spike_window=0), "--loss-spike-window must be a positive integer"),
+                            (dict(loss_spike_factor=3.0, loss_spike_action="retry"),
+                             "--loss-spike-action must be stop or skip, got 'retry'"),
+                            (dict(loss_spike_factor=3.0, loss_spike_max_skips=0),
+                             "--loss-spike-max-skips must be a positive integer"),
+                            (dict(loss_spike_action="skip"),
+                             "--loss-spike-action skip needs --loss-spike-factor"),
                             (dict(ckpt_keep=0, save="x"), "--ckpt-keep must be a positive integer"),
                             (dict(ckpt_keep=2), "--ckpt-keep needs --save"),
                             (dict(async_save=True), "--async-save needs --save"),
@@ -74,6 +82,42 @@ def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
     ref = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6))
     resumed = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6, load=d))
     assert _losses(resumed) == pytest.approx(_losses(ref)[2:], rel=1e-6)  # iteration 3 replays, finite
+
+
+def _spikes_at(monkeypatch, iterations):
+    """The loss agreed before the update (``_mean_loss``, once per step with --loss-spike-action skip)
+    reads 100 times higher at ``iterations``: a spiking batch, produced deterministically."""
+    import megazero.training as training
+    real, calls = training._mean_loss, []
+
+    def spiky(losses, mesh):
+        calls.append(1)
+        return real(losses, mesh) * (100.0 if len(calls) in iterations else 1.0)
+    monkeypatch.setattr(training, "_mean_loss", spiky)
+
+
+def test_a_skipped_spike_leaves_every_weight_bitwise_unchanged_and_training_goes_on(tmp_path, monkeypatch):
+    """--loss-spike-action skip, Adam: the spiking batch of iteration 4 is not applied (the weights
+    saved after it are bitwise those after iteration 3 of a run without it), the learning-rate
+    schedule does not advance, it counts as skipped, and iterations 5-6 train on with finite losses;
+    two spikes in a row with --loss-spike-max-skips 1 stop the run, naming the flag."""
+    guard = dict(optimizer="adam", lr=1e-3, loss_spike_factor=3.0, loss_spike_action="skip")
+    ref = _train(_settings(train_iters=3, optimizer="adam", lr=1e-3, save=str(tmp_path / "ref")))
+    _spikes_at(monkeypatch, {4})
+    skipped = _train(_settings(train_iters=4, save=str(tmp_path / "skip"), **guard))
+    before, after = _weights(str(tmp_path / "ref")), _weights(str(tmp_path / "skip"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert [m["skipped"] for m in skipped] == [0, 0, 0, 1] and skipped[3]["skipped_total"] == 1
+    _spikes_at(monkeypatch, {4})
+    goes_on = _train(_settings(train_iters=6, **guard))
+    assert [m["skipped"] for m in goes_on] == [0, 0, 0, 1, 0, 0]
+    assert goes_on[4]["lr"] == goes_on[3]["lr"] != goes_on[2]["lr"]  # the schedule waited one step
+    assert all(math.isfinite(m["loss"]) and m["loss"] < 3 * ref[2]["loss"] for m in goes_on[4:])
+    _spikes_at(monkeypatch, {4, 5})
+    with pytest.raises(NumericalError, match=r"iteration 5: the loss [\d.]+ is over --loss-spike-factor 3 .*"
+                                             r"after 1 spiking batches in a row were skipped "
+                                             r"\(--loss-spike-max-skips 1\)"):
+        _train(_settings(train_iters=6, loss_spike_max_skips=1, **guard))
 
 
 # ---- one voice --------------------------------------------------------------------------------
