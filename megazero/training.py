@@ -301,10 +301,13 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     return chunks, optimizer, data, schedule, pos, logger
 
 
-def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos: Position, batch: int, work):
+def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos: Position, batch: int, work,
+          skip_if=None):
     """One training iteration of ``batch`` samples from ``pos`` (advanced in place); returns the
     metrics row (timing, throughput and memory included), the optimizer's stats and the loss.
-    ``work``: (model FLOPs, hardware FLOPs) of a full global batch and the device's peak FLOP/s."""
+    ``work``: (model FLOPs, hardware FLOPs) of a full global batch and the device's peak FLOP/s.
+    ``skip_if(loss)``: asked before the update with the loss agreed over the world (a spike is
+    skipped, ``--loss-spike-action skip``); the update is not applied when it says True."""
     tr = cfg.training
     start = time.perf_counter()
     lr, decoupled_lr = lrs_at(cfg, pos.lr_samples)  # skipped steps do not advance the schedule
@@ -314,8 +317,10 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()
-    stats = optimizer.step(lr, decoupled_lr)
-    loss = _mean_loss(losses, mesh)  # also synchronises the ranks before timing
+    loss = _mean_loss(losses, mesh) if skip_if is not None else None  # a collective: every rank alike
+    skip = {"skip": bool(skip_if(loss))} if skip_if is not None else {}
+    stats = optimizer.step(lr, decoupled_lr, **skip)
+    loss = _mean_loss(losses, mesh) if loss is None else loss  # also synchronises the ranks before timing
     if mesh.device.type == "cuda":
         torch.cuda.synchronize(mesh.device)
     elapsed = time.perf_counter() - start
@@ -352,7 +357,8 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)
             batch = batch_size_at(schedule, pos.consumed)
-            m, stats, loss = _step(cfg, chunks, optimizer, data, mesh, pos, batch, work)
+            m, stats, loss = _step(cfg, chunks, optimizer, data, mesh, pos, batch, work,
+                                   guard.skip_spike if guard.spike.skips else None)
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
@@ -364,9 +370,10 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             except NumericalError as err:
                 note = saver.reject() if saver is not None else None
                 raise NumericalError(f"{err} {note}" if note else str(err)) from None
-            if saver is not None:
+            spiked = guard.spike.skipped  # a skipped spike: no confirmation and no save from it
+            if saver is not None and not spiked:
                 saver.confirm()  # this loss came from the pending save's weights: it becomes the latest
-            if ck.save and ck.save_interval and it % ck.save_interval == 0:
+            if ck.save and ck.save_interval and it % ck.save_interval == 0 and not spiked:
                 saver.save(it, pos.saved())
                 saved_at = it
             # signal, --exit-duration-in-mins, --exit-interval, a full metrics disk: every rank alike

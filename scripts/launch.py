@@ -5,6 +5,11 @@ the launcher)::
 
     python scripts/launch.py --standalone --nproc-per-node 8 scripts/pretrain_gpt.py --mock-data ...
     python scripts/launch.py --signal-grace 300 --nnodes 2 ... scripts/pretrain_gpt.py ...
+    python scripts/launch.py --join-timeout 120 --nnodes 4 --node-rank 1 ... scripts/pretrain_gpt.py ...
+
+Its own options come first: --signal-grace SECS (default 120) and --join-timeout SECS (default
+600; on several nodes, how long a node waits for the others before naming the missing ones and
+exiting 1; 0: no wait; docs/operations.md).
 
 Installed as the console script ``megazero-launch``; the logic is megazero.resilience.launcher.
 """

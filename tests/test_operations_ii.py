@@ -1,6 +1,7 @@
 """Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
 preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
 reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import math
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megazero.checkpoint import latest_iteration
 from megazero.config import ConfigError, validate
@@ -32,6 +34,12 @@ def test_loss_spike_guard_and_its_flags():
     LossSpikeGuard(None, 3).check(1, 1e30)  # off
     for changes, needle in ((dict(loss_spike_factor=1.0), "--loss-spike-factor must be > 1"),
                             (dict(loss_spike_window=0), "--loss-spike-window must be a positive integer"),
+                            (dict(loss_spike_factor=3.0, loss_spike_action="retry"),
+                             "--loss-spike-action must be stop or skip, got 'retry'"),
+                            (dict(loss_spike_factor=3.0, loss_spike_max_skips=0),
+                             "--loss-spike-max-skips must be a positive integer"),
+                            (dict(loss_spike_action="skip"),
+                             "--loss-spike-action skip needs --loss-spike-factor"),
                             (dict(ckpt_keep=0, save="x"), "--ckpt-keep must be a positive integer"),
                             (dict(ckpt_keep=2), "--ckpt-keep needs --save"),
                             (dict(async_save=True), "--async-save needs --save"),
@@ -74,6 +82,42 @@ def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
     ref = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6))
     resumed = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6, load=d))
     assert _losses(resumed) == pytest.approx(_losses(ref)[2:], rel=1e-6)  # iteration 3 replays, finite
+
+
+def _spikes_at(monkeypatch, iterations):
+    """The loss agreed before the update (``_mean_loss``, once per step with --loss-spike-action skip)
+    reads 100 times higher at ``iterations``: a spiking batch, produced deterministically."""
+    import megazero.training as training
+    real, calls = training._mean_loss, []
+
+    def spiky(losses, mesh):
+        calls.append(1)
+        return real(losses, mesh) * (100.0 if len(calls) in iterations else 1.0)
+    monkeypatch.setattr(training, "_mean_loss", spiky)
+
+
+def test_a_skipped_spike_leaves_every_weight_bitwise_unchanged_and_training_goes_on(tmp_path, monkeypatch):
+    """--loss-spike-action skip, Adam: the spiking batch of iteration 4 is not applied (the weights
+    saved after it are bitwise those after iteration 3 of a run without it), the learning-rate
+    schedule does not advance, it counts as skipped, and iterations 5-6 train on with finite losses;
+    two spikes in a row with --loss-spike-max-skips 1 stop the run, naming the flag."""
+    guard = dict(optimizer="adam", lr=1e-3, loss_spike_factor=3.0, loss_spike_action="skip")
+    ref = _train(_settings(train_iters=3, optimizer="adam", lr=1e-3, save=str(tmp_path / "ref")))
+    _spikes_at(monkeypatch, {4})
+    skipped = _train(_settings(train_iters=4, save=str(tmp_path / "skip"), **guard))
+    before, after = _weights(str(tmp_path / "ref")), _weights(str(tmp_path / "skip"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert [m["skipped"] for m in skipped] == [0, 0, 0, 1] and skipped[3]["skipped_total"] == 1
+    _spikes_at(monkeypatch, {4})
+    goes_on = _train(_settings(train_iters=6, **guard))
+    assert [m["skipped"] for m in goes_on] == [0, 0, 0, 1, 0, 0]
+    assert goes_on[4]["lr"] == goes_on[3]["lr"] != goes_on[2]["lr"]  # the schedule waited one step
+    assert all(math.isfinite(m["loss"]) and m["loss"] < 3 * ref[2]["loss"] for m in goes_on[4:])
+    _spikes_at(monkeypatch, {4, 5})
+    with pytest.raises(NumericalError, match=r"iteration 5: the loss [\d.]+ is over --loss-spike-factor 3 .*"
+                                             r"after 1 spiking batches in a row were skipped "
+                                             r"\(--loss-spike-max-skips 1\)"):
+        _train(_settings(train_iters=6, loss_spike_max_skips=1, **guard))
 
 
 # ---- one voice --------------------------------------------------------------------------------
@@ -321,6 +365,32 @@ def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_
     assert "0" in {r for r, _ in errors}, run.text()[-3000:]
     for rank, message in errors:
         assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
+    last = run.text().rstrip().splitlines()[-1]  # the launcher's line names the stopped rank first
+    assert re.match(r"launch.py: pretrain_gpt.py: rank 3 stopped responding \(rank [012]'s diagnosis: rank 3 "
+                    r"\(pid \d+ on [^)]*\) has stopped\); rank [0-3] ", last), last
+
+
+def test_the_launcher_line_names_the_stopped_rank_from_the_error_files(tmp_path, monkeypatch):
+    """Each failed rank's message goes to torchrun's error file; the launcher's line leads with the
+    rank the diagnosis names (not with the healthy rank that failed first), and without a stall
+    it is the plain line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from megazero.resilience import CollectiveError, report_failure
+    from megazero.resilience.launcher import failure_line
+    said = ("all_reduce on the world group (ranks [0, 1, 2]) timed out. Not answering: rank 2 (pid 7 on vm) "
+            "has stopped; rank 0 (pid 5 on vm) has exited. Look at that rank's log first.")
+    files = {r: str(tmp_path / f"error{r}.json") for r in range(3)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[1])
+    assert report_failure(CollectiveError(said), rank=1, world_size=3, wait=0) == 1
+    failures = {1: ProcessFailure(1, 11, 1, files[1]), 2: ProcessFailure(2, 12, -9, files[2])}
+    line = failure_line(ChildFailedError("pretrain_gpt.py", failures))
+    assert line == ("rank 2 stopped responding (rank 1's diagnosis: rank 2 (pid 7 on vm) has stopped); "
+                    "rank 1 exited with status 1 first (1 other rank also failed); its messages are above")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[0])
+    report_failure(CollectiveError("all_reduce timed out. Not answering: rank 1 (pid 6 on vm) has exited. "
+                                   "Look at that rank's log first."), rank=0, world_size=3, wait=0)
+    line = failure_line(ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 10, 1, files[0])}))
+    assert line == "rank 0 exited with status 1 first; its messages are above"  # an exited rank failed itself
 
 
 def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
@@ -408,14 +478,15 @@ def test_slurm_sbatch_runs_end_to_end_under_an_emulated_slurm_and_saves_on_its_s
 @pytest.mark.slow
 def test_run_multinode_with_two_agents_on_localhost(tmp_path):
     """launch/run_multinode.sh twice on this host (--nnodes 2, one process each, c10d rendezvous at
-    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving."""
+    127.0.0.1): they form one job of 2 data-parallel ranks and both exit 0 after saving; the launchers'
+    join before torchrun (by --node-rank) passes without a line."""
     script = os.path.join(ROOT, "launch", "run_multinode.sh")
     d, port = str(tmp_path / "ckpt"), str(_free_port())
     runs = []
     try:
         for node in range(2):
             cmd = ["bash", script, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
-                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--run-dir",
+                   "--nproc-per-node", "1", "--rdzv-id", "two-agents", "--node-rank", str(node), "--run-dir",
                    str(tmp_path / f"run{node}"), "--", *TINY, "--train-iters", "3", "--save", d]
             runs.append(Launch(cmd, _env(), str(tmp_path / f"node{node}.log"), str(tmp_path)))
         for run in runs:
@@ -424,7 +495,7 @@ def test_run_multinode_with_two_agents_on_localhost(tmp_path):
         for run in runs:
             run.__exit__(None, None, None)
     out = "".join(run.text() for run in runs)
-    assert "dp 2" in out and "saved checkpoint at iteration 3" in out, out[-3000:]
+    assert "dp 2" in out and "saved checkpoint at iteration 3" in out and "launch.py" not in out, out[-3000:]
     assert latest_iteration(d) == 3
 
 
@@ -462,3 +533,53 @@ def test_after_a_termination_signal_the_launcher_restarts_nothing(tmp_path):
     out = run.text()
     assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: not every rank stopped")
     assert out.count("iteration      1/100000") == 1 and "Traceback" not in out  # no second attempt
+
+
+def _join(nnodes, ranks, timeout, port):
+    """``join_nodes`` of one node per rank in ``ranks`` (threads of this process): (ok, output) each."""
+    import io
+    import threading
+    from megazero.resilience.join import join_nodes
+    out = {r: io.StringIO() for r in ranks}
+    ok = {}
+
+    def node(r):
+        ok[r] = join_nodes("127.0.0.1", port, nnodes, r, timeout, interval=1.0, stream=out[r])
+    threads = [threading.Thread(target=node, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 120)
+    return [(ok.get(r), out[r].getvalue()) for r in ranks]
+
+
+def test_a_node_whose_peers_never_join_names_them_and_fails(tmp_path, monkeypatch):
+    """The launcher's pre-rendezvous: 3 nodes all joining pass at once and silently; 2 of 3 (a 3 s
+    --join-timeout) print waiting lines and then one line naming node 2 and its SLURM host."""
+    from megazero.resilience.join import join_port, node_rank_of
+    assert _join(3, [2, 0, 1], 120, _free_port()) == [(True, ""), (True, ""), (True, "")]
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho hostA; echo hostB; echo hostC\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "host[A-C]")
+    start = time.monotonic()
+    results = _join(3, [0, 1], 3, _free_port())
+    assert time.monotonic() - start < 60
+    for ok, out in results:
+        assert not ok, out
+        assert "launch.py: waiting for node 2 of 3 at 127.0.0.1:" in out, out
+        last = out.rstrip().splitlines()[-1]
+        assert re.match(r"launch.py: node 2 of 3 did not join at 127.0.0.1:\d+ within 3 s \(--join-timeout; "
+                        r"2 joined\); missing hosts: hostC$", last), out
+    ok, out = _join(2, [None], 2, _free_port())[0]  # no node rank: the nodes that joined, by hostname
+    assert not ok and re.search(r"1 of 2 nodes did not join .*joined: \S+ \(pid \d+\)\)$", out.strip()), out
+    assert join_port(29500) == 30500 and join_port(65000) == 64000
+    assert node_rank_of(["--nnodes", "2", "--node-rank", "1"], {}) == 1
+    assert node_rank_of([], {"SLURM_NODEID": "3"}) == 3 and node_rank_of([], {}) is None
+
+
+def test_the_launcher_refuses_a_bad_join_timeout(capsys):
+    from models.cli import launch_main
+    assert launch_main(["--join-timeout", "soon", "--nnodes", "2", "x.py"]) == 2
+    assert "launch.py: error: --join-timeout needs seconds (0 or more), got 'soon'" in capsys.readouterr().err

@@ -355,9 +355,19 @@ class ResilienceConfig:
                              "before stopping.")
     # ---- operations II (issue 21): divergence guard and preemption grace ----
     loss_spike_factor: Optional[float] = _f(
-        None, "Stop with an error when a loss exceeds this many times the median of the last "
-        "--loss-spike-window losses (a finite divergence); nothing is saved from that iteration.", type=float)
+        None, "A loss over this many times the median of the last --loss-spike-window losses is a spike (a "
+        "finite divergence): an error, nothing saved from that iteration (or see --loss-spike-action).",
+        type=float)
     loss_spike_window: int = _f(100, "How many recent losses --loss-spike-factor takes the median of.")
+    loss_spike_action: str = _f(
+        "stop", "What a loss over --loss-spike-factor does: stop (an error; nothing is saved from that "
+        "iteration) or skip (that batch's update is not applied, as an overflow: weights, optimizer state "
+        "and the learning-rate schedule unchanged; counted in skipped iterations; its loss stays out of the "
+        "median).",
+        choices=["stop", "skip"])
+    loss_spike_max_skips: int = _f(
+        10, "With --loss-spike-action skip: stop as with stop at a spike that follows this many skipped "
+        "spiking batches in a row.")
     exit_signal_grace_secs: float = _f(
         30.0, "With --exit-signal-handler: further termination signals are one request (SLURM signals every "
         "process and torchrun forwards it again) until this many seconds after the save started (after the "

@@ -457,6 +457,12 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
            f"--loss-spike-factor must be > 1 (a multiple of the median loss), got {res.loss_spike_factor!r}")
     _check(isinstance(res.loss_spike_window, int) and res.loss_spike_window >= 1,
            f"--loss-spike-window must be a positive integer, got {res.loss_spike_window!r}")
+    _check(res.loss_spike_action in ("stop", "skip"),
+           f"--loss-spike-action must be stop or skip, got {res.loss_spike_action!r}")
+    _check(isinstance(res.loss_spike_max_skips, int) and res.loss_spike_max_skips >= 1,
+           f"--loss-spike-max-skips must be a positive integer, got {res.loss_spike_max_skips!r}")
+    _check(res.loss_spike_action == "stop" or res.loss_spike_factor is not None,
+           "--loss-spike-action skip needs --loss-spike-factor K (the spike threshold)")
     _check(res.exit_signal_grace_secs >= 0,
            f"--exit-signal-grace-secs must be >= 0, got {res.exit_signal_grace_secs!r}")
     signals = list(res.exit_signal or [])

@@ -14,6 +14,7 @@ Anything else is a bug and keeps its full traceback.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -76,9 +77,26 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
     elif rank == 0:
         stream.write(f"{prog}: error: {err}\n")
     stream.flush()
+    if kind != "bug":
+        write_error_file(str(err))
     if kind in (CONFIG, EVERYWHERE) and rank != 0 and world > 1 and wait > 0:
         _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0))
     return code
+
+
+def write_error_file(message: str) -> None:
+    """``message`` in torchrun's error file for this rank (``TORCHELASTIC_ERROR_FILE``, in the format
+    of torch's ``ErrorHandler``): the launcher reads it (a stall's diagnosis names the stopped rank)
+    and its timestamp orders the failures.  Nothing outside torchrun; a write that fails is ignored."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as fh:
+            json.dump(data, fh)
+    except OSError:
+        pass
 
 
 def exit_process(code: int) -> None:

@@ -45,7 +45,8 @@ class RunGuard:
         self.stop = StopConditions(res, self.signals, watch_io=watch_io)
         self.res_cfg = res
         self.nan: Optional[NanGuard] = None
-        self.spike = LossSpikeGuard(res.loss_spike_factor, res.loss_spike_window)
+        self.spike = LossSpikeGuard(res.loss_spike_factor, res.loss_spike_window, res.loss_spike_action,
+                                    res.loss_spike_max_skips)
         self.good: Optional[str] = None  # the newest checkpoint known good ("iteration N in DIR"), for advice
         self.faults = FaultInjector(mesh.rank)
         self.heartbeat: Optional[Heartbeat] = None
@@ -94,15 +95,24 @@ class RunGuard:
         self.phase("forward-backward", iteration)
         self.faults(iteration)
 
+    def skip_spike(self, loss: Optional[float]) -> bool:
+        """``--loss-spike-action skip``: True when ``loss`` (agreed over the world, before the update)
+        is a spike, so that the update is not applied; :meth:`check_step` counts it."""
+        return self.spike.skips and self.spike.over(loss) is not None
+
     def check_step(self, iteration: int, loss: Optional[float], stats: dict, dynamic_scaler: bool) -> bool:
         """NaN/inf check after the step; True when the step was non-finite (it was not applied).
-        Raises :class:`NumericalError` beyond ``--skip-nan-steps``."""
+        Raises :class:`NumericalError` beyond ``--skip-nan-steps``, and at a loss spike (with
+        ``--loss-spike-action skip``: beyond ``--loss-spike-max-skips`` in a row; ``spike.skipped``
+        says whether this iteration's spike was skipped)."""
         if self.nan is None:
             self.nan = NanGuard(self.res_cfg, dynamic_scaler, _precision_name(self.cfg))
         grad_norm = stats.get("grad_norm")
         try:
+            spiked = bool(stats.get("spike", False))  # not a numerical skip: the NaN guard ignores it
             bad = self.nan.check(iteration, loss, None if grad_norm is None else float(grad_norm),
-                                 bool(stats.get("skipped", False)), float(stats.get("loss_scale", 1.0)))
+                                 bool(stats.get("skipped", False)) and not spiked,
+                                 float(stats.get("loss_scale", 1.0)))
             self.spike.check(iteration, loss)
         except NumericalError as err:
             raise NumericalError(f"{err} {self.advice()}") from None

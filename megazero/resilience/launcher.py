@@ -3,7 +3,8 @@
 * its log lines silenced (the OMP_NUM_THREADS banner, "Sending process ... closing
   signal" per rank) and, instead of the ``ChildFailedError`` summary with its traceback, one line
   naming the first rank that failed and its status, which becomes the launcher's own (a status 2,
-  a usage error that rank 0 has already printed, adds nothing);
+  a usage error that rank 0 has already printed, adds nothing); after a stall the line starts with
+  the rank that stopped responding, as named by a failed rank's diagnosis (from its error file);
 * a termination signal forwarded to the ranks *once*, after which the agent keeps watching them:
   ranks that save and exit 0 make the launcher exit 0 with one line.  Repeated signals within
   ``grace`` seconds (SLURM signals every process of a step; the agent would forward each again)
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import time
-from typing import List, Optional, Sequence, TextIO
+from typing import List, Optional, Sequence, TextIO, Tuple
 
 PROG = "launch.py"
 
@@ -93,14 +95,58 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None) -> int:
-    """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status."""
+def _message(failure) -> str:
+    """The message a rank left in its error file (megazero's errors write one), else ""."""
+    msg = failure.message
+    return str(msg.get("message", "")) if isinstance(msg, dict) else str(msg or "")
+
+
+def stalled_rank(failures) -> Optional[Tuple[int, str]]:
+    """(reporting rank, "rank R (pid P on HOST) has stopped") from the first of ``failures`` (rank ->
+    ProcessFailure, the first failure first) whose stall diagnosis names a rank that stopped
+    responding (stopped, silent or never reported; one that exited is among the failures itself)."""
+    for rank, failure in failures:
+        said = re.search(r"Not answering: (.*?)\. Look at", _message(failure))
+        first = said.group(1).split("; ")[0] if said else ""
+        if re.match(r"rank \d+ ", first) and not first.endswith("has exited"):
+            return rank, first
+    return None
+
+
+def failure_line(err) -> str:
+    """One line for torchrun's ``ChildFailedError``: the first rank that failed and its status, led by
+    the rank that stopped responding when a failed rank's diagnosis names one (the first to fail
+    after a stall is a healthy rank whose collective timed out), and where its log is."""
+    rank, failure = err.get_first_failure()
+    code = int(failure.exitcode)
+    what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    others = len(err.failures) - 1
+    more = f" ({others} other rank{'s' if others != 1 else ''} also failed)" if others > 0 else ""
+    stderr = os.path.join(os.path.dirname(str(failure.error_file)), "stderr.log")
+    log = f"; its log: {stderr}" if os.path.isabs(stderr) and os.path.exists(stderr) else ""
+    ordered = [(rank, failure)] + [(r, f) for r, f in sorted(err.failures.items()) if r != rank]
+    stall = stalled_rank(ordered)
+    lead = ""
+    if stall is not None:
+        who = re.match(r"rank (\d+)", stall[1]).group(1)
+        lead = f"rank {who} stopped responding (rank {stall[0]}'s diagnosis: {stall[1]}); "
+    return f"{lead}rank {rank} {what} first{more}; its messages are above{log}"
+
+
+def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None,
+                 join_timeout: float = 600.0, join_interval: float = 30.0) -> int:
+    """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status.  On several
+    nodes every node's launcher first waits for the others (:mod:`megazero.resilience.join`): up to
+    ``join_timeout`` seconds (0: no wait), a line every ``join_interval``; then 1 naming the missing."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     stream = sys.stderr if stream is None else stream
     _quiet()
     args = torchrun.parse_args(list(argv))
+    from megazero.resilience.join import join_before_torchrun
+    if not join_before_torchrun(args, argv, join_timeout, join_interval, stream):
+        return 1
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
@@ -113,12 +159,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         code = int(failure.exitcode)
         if code == 2:  # a usage error: rank 0 printed it
             return 2
-        what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-        others = len(err.failures) - 1
-        more = f" ({others} other rank{'s' if others != 1 else ''} also failed)" if others > 0 else ""
-        has_log = failure.error_file and os.path.exists(failure.error_file)
-        log = f"; its log: {failure.error_file}" if has_log else ""
-        stream.write(f"{PROG}: {entry}: rank {rank} {what} first{more}; its messages are above{log}\n")
+        stream.write(f"{PROG}: {entry}: {failure_line(err)}\n")
         stream.flush()
         return code if 0 < code < 256 else 1
     except mp_api.SignalException as err:

@@ -72,24 +72,44 @@ class NanGuard:
 
 
 class LossSpikeGuard:
-    """``--loss-spike-factor K``: raises :class:`NumericalError` when a loss exceeds ``K`` times the
-    median of the last ``window`` finite losses (from the first iteration that has one before it)."""
+    """``--loss-spike-factor K``: a loss over ``K`` times the median of the last ``window`` finite
+    losses (from the first iteration that has one before it) raises :class:`NumericalError` with
+    ``action`` "stop"; with "skip" the training loop asks :meth:`over` before the update and does not
+    apply it, and :meth:`check` raises only at a spike after ``max_skips`` skipped ones in a row.
+    A spike's loss never enters the median."""
 
-    def __init__(self, factor: Optional[float], window: int):
+    def __init__(self, factor: Optional[float], window: int, action: str = "stop", max_skips: int = 10):
         self.factor = None if factor is None else float(factor)
         self.history: deque = deque(maxlen=max(1, int(window)))
+        self.skips = action == "skip" and self.factor is not None
+        self.max_skips = int(max_skips)
+        self.in_a_row = 0
+        self.skipped = False  # the last checked iteration was a spike whose update was not applied
+
+    def over(self, loss: Optional[float]) -> Optional[float]:
+        """The median ``loss`` is a spike over (None when it is none, or non-finite)."""
+        if self.factor is None or loss is None or not math.isfinite(float(loss)) or not self.history:
+            return None
+        median = statistics.median(self.history)
+        return median if float(loss) > self.factor * median else None
 
     def check(self, iteration: int, loss: Optional[float]) -> None:
-        if self.factor is None or loss is None or not math.isfinite(float(loss)):
+        median = self.over(loss)
+        self.skipped = False
+        if median is None:
+            if self.factor is not None and loss is not None and math.isfinite(float(loss)):
+                self.history.append(float(loss))
+                self.in_a_row = 0
             return
-        loss = float(loss)
-        if self.history:
-            median = statistics.median(self.history)
-            if loss > self.factor * median:
-                raise NumericalError(
-                    f"iteration {iteration}: the loss {loss:.6g} is over --loss-spike-factor "
-                    f"{self.factor:g} times the median {median:.6g} of the last {len(self.history)} "
-                    "losses: training diverged; nothing was saved from it. Lower --lr, raise "
-                    "--lr-warmup-iters or --clip-grad, or raise --loss-spike-factor if such jumps are "
-                    "expected.")
-        self.history.append(loss)
+        if self.skips and self.in_a_row < self.max_skips:
+            self.in_a_row += 1
+            self.skipped = True
+            return
+        after = (f", after {self.in_a_row} spiking batches in a row were skipped (--loss-spike-max-skips "
+                 f"{self.max_skips}); the update was not applied" if self.skips else "")
+        raise NumericalError(
+            f"iteration {iteration}: the loss {float(loss):.6g} is over --loss-spike-factor "
+            f"{self.factor:g} times the median {median:.6g} of the last {len(self.history)} "
+            f"losses{after}: training diverged; nothing was saved from it. Lower --lr, raise "
+            "--lr-warmup-iters or --clip-grad, or raise --loss-spike-factor if such jumps are "
+            "expected.")

@@ -117,10 +117,12 @@ class ZeroOptimizer:
         self.reducer.zero_grad()
 
     # ---- the step -----------------------------------------------------------------------
-    def step(self, lr: float, decoupled_lr: Optional[float] = None) -> Dict[str, object]:
+    def step(self, lr: float, decoupled_lr: Optional[float] = None, skip: bool = False) -> Dict[str, object]:
         """Unscale, check overflow (world-wide), clip and update with rate ``lr`` (``decoupled_lr``
         for the parameters marked ``is_embedding_or_output_parameter``, when given).  Returns
-        ``skipped``, ``grad_norm`` (before clipping, unscaled), ``loss_scale`` (in force after the step)."""
+        ``skipped``, ``grad_norm`` (before clipping, unscaled), ``loss_scale`` (in force after the step).
+        ``skip`` (the same on every rank: a loss spike, ``--loss-spike-action skip``): the update is
+        not applied, as after an overflow, but the loss scaler is left alone; ``spike`` is then True."""
         self.finish_param_sync()  # the previous step's gathers (normally done by the forward)
         if not self.reducer.synced:
             self.finish_grad_sync()
@@ -129,6 +131,9 @@ class ZeroOptimizer:
         norm, found_inf = global_norm_and_overflow(squares, self.mesh)
         norm = norm / scale
         self.reducer.end_step()
+        if skip:
+            self.skipped_steps += 1
+            return {"skipped": True, "spike": True, "grad_norm": norm, "loss_scale": self.scaler.scale}
         if found_inf:
             self.skipped_steps += 1
             self.scaler.update(True)

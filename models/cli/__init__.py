@@ -31,20 +31,27 @@ def pretrain_entry(argv: Optional[List[str]] = None) -> None:
 
 def launch_main(argv: Optional[List[str]] = None) -> int:
     """``scripts/launch.py`` / ``megazero-launch``: torchrun with the same flags, speaking once
-    (:mod:`megazero.resilience.launcher`).  ``--signal-grace SECS`` first (or MEGAZERO_SIGNAL_GRACE;
-    default 120): how long repeated termination signals count as one request."""
+    (:mod:`megazero.resilience.launcher`).  Its own options come first: ``--signal-grace SECS`` (or
+    MEGAZERO_SIGNAL_GRACE; default 120): how long repeated termination signals count as one request;
+    ``--join-timeout SECS`` (or MEGAZERO_JOIN_TIMEOUT; default 600, 0 for none): how long a node waits
+    for the other nodes before it names the missing ones and exits 1 (:mod:`megazero.resilience.join`)."""
     import os
     from megazero.resilience.launcher import run_torchrun
     argv = list(sys.argv[1:] if argv is None else argv)
-    grace = os.environ.get("MEGAZERO_SIGNAL_GRACE", "120")
-    if argv[:1] == ["--signal-grace"] and len(argv) > 1:
-        grace, argv = argv[1], argv[2:]
-    try:
-        seconds = float(grace)
-    except ValueError:
-        sys.stderr.write(f"launch.py: error: --signal-grace needs seconds, got {grace!r}\n")
-        return 2
-    return run_torchrun(argv, seconds)
+    own = {"--signal-grace": os.environ.get("MEGAZERO_SIGNAL_GRACE", "120"),
+           "--join-timeout": os.environ.get("MEGAZERO_JOIN_TIMEOUT", "600")}
+    while argv[:1] and argv[0] in own and len(argv) > 1:
+        own[argv[0]], argv = argv[1], argv[2:]
+    seconds = {}
+    for flag, value in own.items():
+        try:
+            seconds[flag] = float(value)
+        except ValueError:
+            seconds[flag] = -1.0
+        if not seconds[flag] >= 0:
+            sys.stderr.write(f"launch.py: error: {flag} needs seconds (0 or more), got {value!r}\n")
+            return 2
+    return run_torchrun(argv, seconds["--signal-grace"], join_timeout=seconds["--join-timeout"])
 
 
 def estimate_memory_main(argv: Optional[List[str]] = None) -> int:
