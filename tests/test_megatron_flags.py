@@ -110,7 +110,8 @@ def test_every_pinned_flag_is_classified():
 def test_no_megatron_flag_is_an_unrecognized_argument():
     """Each flag alone on a command line: it parses (with a note if ignored) or is refused by name;
     argparse never says 'unrecognized arguments'."""
-    options = set(build_parser()._option_string_actions)
+    parser = build_parser()
+    options = set(parser._option_string_actions)
     implemented = implemented_flags()
     for flag in pinned_flags():
         assert flag in options, f"{flag}: not a megazero flag"
@@ -118,7 +119,7 @@ def test_no_megatron_flag_is_an_unrecognized_argument():
             continue
         value = list(DEFAULT_ONLY[flag][0][:1]) if flag in DEFAULT_ONLY else []
         try:
-            cfg = parse_args(["--mock-data", flag] + value, world_size=1)
+            cfg = parse_args(["--mock-data", flag] + value, world_size=1, parser=parser)
         except ConfigError as err:
             assert str(err).startswith(f"{flag}"), (flag, str(err))
             assert classify(flag)[0] == "refused"

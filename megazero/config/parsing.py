@@ -194,12 +194,13 @@ def _no_tokenizer(per_section: Dict[str, Dict[str, Any]]) -> List[str]:
 
 def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str, dict]] = None,
                world_size: Optional[int] = None, validate_now: bool = True,
-               check_data: bool = True) -> MegazeroConfig:
+               check_data: bool = True, parser: Optional[argparse.ArgumentParser] = None) -> MegazeroConfig:
     """Parse Megatron-style flags (after an optional --config file and --model preset) and validate
     (:func:`~megazero.config.validation.validate`; ``check_data=False`` for a program that reads no
     data, such as a memory estimate or the layout planner: then neither --mock-data nor
-    --data-path is needed)."""
-    parser = build_parser(presets)
+    --data-path is needed).  ``parser``: a :func:`build_parser` of the same ``presets``, for a caller
+    that parses many command lines (building one takes longer than parsing)."""
+    parser = build_parser(presets) if parser is None else parser
     parsed, extras = parser.parse_known_args(argv)
     if extras:
         message = unrecognized_message(extras, parser)
