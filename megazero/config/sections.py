@@ -441,9 +441,23 @@ class MegazeroConfig:
         """Whether setting ``name`` was left unset and took its default rule's value."""
         return self.derived is not None and name in dict(self.derived.filled)
 
+    def _copy(self) -> "MegazeroConfig":
+        """A copy sharing nothing mutable with this one: new section objects, and a deep copy of the
+        values that are containers (a full ``deepcopy`` costs more than validation itself)."""
+        out = copy.copy(self)
+        for f in fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "__dataclass_fields__") and not isinstance(section, Derived):
+                section = copy.copy(section)
+                for k, v in vars(section).items():
+                    if isinstance(v, (list, dict, set)):
+                        setattr(section, k, copy.deepcopy(v))
+                setattr(out, f.name, section)
+        return out
+
     def resolved(self, derived: Derived) -> "MegazeroConfig":
         """A copy with ``derived``'s values written into the sections."""
-        out = copy.deepcopy(self)
+        out = self._copy()
         index = field_index()
         for name, value in derived.values().items():
             setattr(getattr(out, index[name][0]), name, value)
@@ -453,7 +467,7 @@ class MegazeroConfig:
     def given(self) -> "MegazeroConfig":
         """The settings as given: a resolved config's filled-in defaults unset again (a value
         changed since validation counts as given), so validating again derives them afresh."""
-        out = copy.deepcopy(self)
+        out = self._copy()
         out.derived = None
         if self.derived is not None:
             index = field_index()
