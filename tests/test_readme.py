@@ -40,11 +40,38 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
 
 
+def _help_in_process(script):
+    """``script --help`` run in this process (torch is imported already, which is most of a fresh
+    interpreter's start-up); None when it does not end in ``SystemExit(0)``."""
+    import contextlib
+    import io
+    import runpy
+    out, argv, path = io.StringIO(), sys.argv, list(sys.path)
+    sys.argv = [os.path.join(ROOT, script), "--help"]
+    sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as the interpreter does for a script
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as done:
+        return out.getvalue() if done.code in (0, None) else None
+    except Exception:  # noqa: BLE001 - the subprocess run below reports it
+        return None
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    return None
+
+
 def help_texts(scripts):
-    """``--help`` of each script (run once per script, all at once, with this interpreter)."""
+    """``--help`` of each script (in this process where it can, else one interpreter per script,
+    all at once)."""
     todo = sorted(set(scripts) - set(_helps))
+    for s in todo:
+        text = _help_in_process(s)
+        if text is not None:
+            _helps[s] = text
     procs = {s: subprocess.Popen([sys.executable, os.path.join(ROOT, s), "--help"], cwd=ROOT, env=_env(),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for s in todo}
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in todo if s not in _helps}
     for s, p in procs.items():
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, f"{s} --help exited with {p.returncode}:\n{out[-2000:]}"
