@@ -354,9 +354,12 @@ def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_
     shares no group but the world with it, yet its message names rank 3 first, as every rank's does."""
     cmd = _launch(4, "--train-iters", "200", "--tensor-model-parallel-size", "2",
                   "--distributed-timeout-minutes", "0.15")
+    timeout_s = 9.0
     with Launch(cmd, _env(MEGAZERO_FAULT="sigstop@3:3"), str(tmp_path / "out.log"), str(tmp_path)) as run:
         run.wait_for(r"iteration +2/200", 300)
-        run.wait_for(r"pretrain_gpt.py: error: rank 0: .*", 150)
+        start = time.monotonic()
+        first = run.wait_for(r"pretrain_gpt.py: error: rank 0: (.*)", timeout_s + 90).group(1)
+        elapsed = time.monotonic() - start
         time.sleep(3)  # the other ranks' messages
         for pid in run.known:  # the stopped rank cannot act on the launcher's SIGTERM: end it
             os.kill(pid, signal.SIGKILL) if os.path.exists(f"/proc/{pid}") else None
@@ -365,6 +368,15 @@ def test_the_stall_diagnosis_names_a_stopped_rank_outside_the_failing_group(tmp_
     assert "0" in {r for r, _ in errors}, run.text()[-3000:]
     for rank, message in errors:
         assert re.search(r"Not answering: rank 3 \(pid \d+ on [^)]*\) has stopped", message), message
+    assert [r for r, _ in errors].count("0") == 1
+    if hasattr(torch._C._distributed_c10d, "_dump_fr_trace_json"):  # the flight recorder names the operation
+        group = r"^\w+ on the (tensor-parallel|data-parallel|world) group \(ranks \[[\d, ]+\]\) timed out"
+        assert re.search(group, first), first
+    else:  # no flight recorder in this torch (2.6 and older): the operation is not known, the rest is
+        unnamed = r"^a collective or point-to-point operation timed out at iteration \d+"
+        assert re.search(unnamed, first), first
+    assert "after 9 s (--distributed-timeout-minutes 0.15)" in first
+    assert elapsed < timeout_s + 60, elapsed  # bounded: the timeout plus start-up slack on a loaded machine
     last = run.text().rstrip().splitlines()[-1]  # the launcher's line names the stopped rank first
     assert re.match(r"launch.py: pretrain_gpt.py: rank 3 stopped responding \(rank [012]'s diagnosis: rank 3 "
                     r"\(pid \d+ on [^)]*\) has stopped\); rank [0-3] ", last), last
