@@ -186,12 +186,14 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
     """``plan.py --calibrate`` on 2 gloo ranks gives usable constants; bench_planner.py re-predicts
     earlier measurements from them without running anything."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, SCRIPT, "--calibrate", "--calibrate-ranks", "2"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, SCRIPT, "--calibrate", "--calibrate-ranks", "2", "--calibrate-dir",
+                          str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     cal = json.loads(out.stdout)
     assert (cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0
             and cal["oversubscription"] >= 1)
+    assert 1e6 < cal["disk_bytes_per_s"] < 1e12 and os.listdir(tmp_path) == []  # its swap file removed
+    assert Hardware.from_calibration(cal, 1e9, 1e10, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
     assert {n for n, _, _ in cal["allreduce_points"]} == {2}
     cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
     cal_path.write_text(json.dumps(cal))
@@ -221,3 +223,31 @@ def test_context_parallel_proposed_when_nothing_fits_without_it():
     parsed = parse_args(flags(best, args, cfg) + ["--mock-data"], presets=models.PRESETS, world_size=8)
     assert parsed.parallel.context_parallel_size == best.cp
     assert peak_memory(parsed, saved=SAVED) == best.memory_bytes
+
+
+def test_nvme_tiers_add_their_bytes_at_the_disk_bandwidth():
+    """The optimizer tier's reads and writes count whole; the parameters' only beyond the compute."""
+    import dataclasses
+    from megazero.planning.planner import estimate_rank_elements
+    cfg = base(gbs=16)
+    layout = Layout(tp=1, pp=1, vpp=1, dp=8, zero_stage=3, recompute="none", sequence_parallel=False,
+                    micro_batch_size=1)
+    mem = layout_config(cfg, layout, 8)
+    assert mem.training.num_micro_batches == 2
+    opt = mem.replace(parallel={"offload_optimizer_device": "nvme", "nvme_path": "/tmp"})
+    both = mem.replace(parallel={"offload_optimizer_device": "nvme", "offload_param_device": "nvme",
+                                 "nvme_path": "/tmp"})
+    disk = dataclasses.replace(hw(), disk_bytes_per_s=8e8)  # 8 ranks on a node: 1e8 bytes/s each
+    base_t = step_time(mem, disk)
+    assert base_t["nvme_s"] == 0.0
+    owned = estimate_rank_elements(mem)
+    t_opt = step_time(opt, disk)
+    # Adam: master + 2 moments in fp32, read and written once
+    assert t_opt["nvme_s"] == pytest.approx(owned * 12 * 2 / 1e8, rel=1e-12)
+    assert t_opt["step_time_s"] == pytest.approx(base_t["step_time_s"] + t_opt["nvme_s"], rel=1e-12)
+    t_both = step_time(both, disk)
+    params = owned * 2 * (2 * 2 + 1) / 1e8  # bf16, forward + backward per micro-batch, written once
+    assert t_both["nvme_s"] == pytest.approx(t_opt["nvme_s"] + params - base_t["compute_s"], rel=1e-9)
+    assert params > base_t["compute_s"]  # the case where the parameters' I/O outlasts the compute
+    fast = dataclasses.replace(disk, disk_bytes_per_s=1e15)  # the parameters' I/O hidden: the optimizer's
+    assert step_time(both, fast)["nvme_s"] == pytest.approx(owned * 24 / (1e15 / 8), rel=1e-12)

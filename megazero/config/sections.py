@@ -323,7 +323,8 @@ class LoggingConfig:
     wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
     dry_run: bool = _f(False, "Validate the flags for a job of $WORLD_SIZE ranks (default 1), print the "
-                       "layout and exit 0 without training.", action="store_true")
+                       "layout and exit 0 without training (--nvme-path, a directory of the training "
+                       "machine, is not checked).", action="store_true")
 
 
 @dataclass

@@ -13,6 +13,10 @@ the same measurement under torchrun with NCCL) that all work at once, as in trai
   FLOP/s a rank reaches on real layers (its slope) and the fixed cost of a layer (its intercept,
   the planner's ``layer_overhead_s``.
 
+``disk_bytes_per_s``: the disk under ``--calibrate-dir`` (default: the temporary directory), as
+the NVMe offload tiers use it: 256 MiB written, then read back, in 1 MiB direct-I/O requests on 4
+threads (:class:`megazero.offload.NvmeStore`); bytes moved over the time of both passes.
+
 ``oversubscription`` is the ranks per processor this process may use (1 when each rank has its
 own).  The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node"
 and "inter-node" links are the same measurement.
@@ -133,7 +137,23 @@ def fit_alpha_beta(points: List[tuple]) -> tuple:
     return max(alpha, 0.0), max(beta, 1e-15)
 
 
-def calibrate(ranks: int = 8) -> Dict[str, object]:
+def measure_disk(directory: str, nbytes: int = 256 << 20) -> float:
+    """Bytes per second a swap file under ``directory`` moves (module docstring)."""
+    from megazero.offload import NvmeStore
+    from megazero.offload.aligned import aligned_empty, typed_view
+    piece = 64 << 20
+    specs = {f"t{i}": piece // 4 for i in range(max(1, nbytes // piece))}
+    with NvmeStore(directory, specs, name="calibrate") as store:
+        buf = typed_view(aligned_empty(piece), 0, piece // 4, torch.float32).fill_(1.0)
+        start = time.perf_counter()
+        for h in [store.write_async(n, buf) for n in specs]:
+            h.wait()
+        for n in specs:  # one buffer: the reads one after the other, each in parallel requests
+            store.read_async(n, buf).wait()
+        return 2 * len(specs) * piece / (time.perf_counter() - start)
+
+
+def calibrate(ranks: int = 8, disk_dir: str = None) -> Dict[str, object]:
     """Measure and fit (module docstring); returns the JSON-able constants."""
     from megazero.local_ranks import run_ranks
     if ranks < 2:
@@ -145,9 +165,11 @@ def calibrate(ranks: int = 8) -> Dict[str, object]:
     rate, overhead = fit_layer({t: statistics.median(r["layer"][t] for r in results)
                                 for t in results[0]["layer"]})
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    import tempfile
+    disk = measure_disk(disk_dir or tempfile.gettempdir())
     return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
             "layer_overhead_s": overhead, "oversubscription": max(1.0, ranks / cores),
-            "allreduce_points": points}
+            "disk_bytes_per_s": disk, "allreduce_points": points}
 
 
 def load_calibration(path: str) -> Dict[str, object]:

@@ -28,6 +28,8 @@ no layout fits without it.  :func:`plan` keeps the layouts whose most loaded ran
   passes ``cp - 1`` K/V blocks forward and K/V plus dK/dV blocks backward (one more pass with
   recomputation), counted as exposed; gradients reduce over dp x cp;
 - optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
+- NVMe offload tiers (:func:`nvme_time`): their bytes per step at the node's disk bandwidth
+  (``plan.py --calibrate`` measures it; else an assumed 3 GB/s), shared by the node's ranks;
 - a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` fits it, the
   intercept of a real layer's time against its FLOPs, which matters for small models on CPUs).
 
@@ -57,6 +59,9 @@ from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward
 from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, Link, micro_batch_seconds
 
 GB = 1e9
+# a node's disk for the NVMe offload tiers when nothing measured it (plan.py --calibrate does):
+# assumed, one PCIe 4.0 NVMe drive with reads and writes mixed
+DISK_BYTES_PER_S = 3.0e9
 # name: (bf16 dense TFLOP/s, memory GB, intra-node GB/s per GPU per direction, inter-node GB/s per
 # GPU, HBM GB/s): gpu_model.GPU_TYPES, where each figure's source is given
 GPUS = {name: (g.peak_tflops, g.memory_gb, g.link_gbs, g.net_gbs, g.hbm_gbs) for name, g in GPU_TYPES.items()}
@@ -78,6 +83,7 @@ class Hardware:
     gpu: Optional[GpuType] = None  # compute by shape (gpu_model) instead of a flat efficiency
     attention: str = "flash"  # the attention kernel the shape model times: flash | unfused
     knee: float = KNEE
+    disk_bytes_per_s: float = DISK_BYTES_PER_S  # a node's disk for NVMe offload, shared by its ranks
 
     @classmethod
     def for_gpu(cls, gpu: GpuType, gpus_per_node: int = 8, attention: str = "flash",
@@ -95,7 +101,8 @@ class Hardware:
         every rank busy, so the efficiency is 1)."""
         return cls(cal["flops"], 1.0, memory_bytes, Link(*cal["intra"]), Link(*cal["inter"]), hbm_bytes_per_s,
                    gpus_per_node, cal.get("layer_overhead_s", 0.0),
-                   max(1.0, cal.get("oversubscription", 1.0)))
+                   max(1.0, cal.get("oversubscription", 1.0)),
+                   disk_bytes_per_s=cal.get("disk_bytes_per_s", DISK_BYTES_PER_S))
 
 
 @dataclass
@@ -240,9 +247,38 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     dp_comm = _dp_time(cfg, hw, fwd, compute)
     owned = estimate_rank_elements(cfg)
     optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
-    total = pipeline + p2p + dp_comm + optimizer
+    nvme = nvme_time(cfg, hw, n_micro * compute)
+    total = pipeline + p2p + dp_comm + optimizer + nvme
     return {"compute_s": n_micro * compute, "tp_comm_s": n_micro * tp_comm, "bubble_s": pipeline - work,
-            "p2p_s": p2p, "dp_comm_s": dp_comm, "optimizer_s": optimizer, "step_time_s": total}
+            "p2p_s": p2p, "dp_comm_s": dp_comm, "optimizer_s": optimizer, "nvme_s": nvme,
+            "step_time_s": total}
+
+
+def nvme_time(cfg, hw: Hardware, compute: float) -> float:
+    """Seconds a step waits on the NVMe tiers, from the bytes they move per step and the node's disk
+    bandwidth shared by the node's ranks.  The optimizer's sub-groups (master weights and moments,
+    read and written once) are counted whole: only the update overlaps them.  ZeRO-3 parameters
+    (read for each micro-batch's forward and backward, written once) are fetched a unit ahead, so
+    only what exceeds the step's compute (``compute`` seconds) counts.  An upper bound: the
+    streamer's read-ahead into the next step also hides part of the optimizer's traffic."""
+    par = cfg.parallel
+    opt, prm = optimizer_device(par) == "nvme", param_device(par) == "nvme"
+    if not (opt or prm):
+        return 0.0
+    world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size \
+        * par.context_parallel_size
+    per_rank = hw.disk_bytes_per_s / max(1, min(hw.gpus_per_node, world))
+    owned = estimate_rank_elements(cfg)
+    seconds = 0.0
+    if opt:
+        o = cfg.optimizer
+        moments = 2 if o.optimizer == "adam" else (1 if o.sgd_momentum else 0)
+        seconds += owned * float(par.optimizer_offload_fraction) * 4 * (1 + moments) * 2 / per_rank
+    if prm:
+        P = 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
+        passes = 2 * cfg.training.num_micro_batches + 1
+        seconds += max(0.0, owned * P * passes / per_rank - compute)
+    return seconds
 
 
 def estimate_rank_elements(cfg) -> float:
@@ -358,7 +394,9 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
             return (f"only with ZeRO-Infinity offload: add --offload-optimizer-device nvme "
                     f"--offload-param-device nvme --nvme-path DIR (model state on a local disk): "
                     f"{describe(found[0])} needs {found[0].memory_bytes / GB:.1f} GB per GPU and "
-                    f"{disk / GB:.1f} GB of disk per rank")
+                    f"{disk / GB:.1f} GB of disk per rank; predicted {found[0].step['step_time_s']:.3g} s "
+                    f"per step, {found[0].step['nvme_s']:.3g} s of it waiting on a disk of "
+                    f"{hw.disk_bytes_per_s / GB:.1f} GB/s per node")
         offloaded = " (offloading the optimizer and the parameters to NVMe is not enough)"
     for factor in (2, 4, 8, 16):
         more = gpus * factor

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="Measure the link and compute constants on this machine and print them as JSON.")
     p.add_argument("--calibrate-ranks", type=int, default=8, help="Ranks for --calibrate.")
+    p.add_argument("--calibrate-dir", help="Directory on the disk --calibrate measures for NVMe offload "
+                   "(default: the temporary directory; give the --nvme-path you will train with).")
     p.add_argument("--margin", type=float, default=0.1, help="Keep this fraction of memory free.")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", help="Only these micro-batch sizes.")
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, help="Only these recomputation modes.")
@@ -73,7 +75,7 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
     try:
         if args.calibrate:
             from megazero.planning.calibrate import calibrate
-            print(json.dumps(calibrate(args.calibrate_ranks), indent=2))
+            print(json.dumps(calibrate(args.calibrate_ranks, args.calibrate_dir), indent=2))
             return 0
         if args.gpus is None:
             raise ConfigError("--gpus is required (GPUs in total)")

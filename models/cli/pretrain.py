@@ -36,7 +36,8 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     try:
         cfg = parse_args(argv, presets, world_size=world)
         build_data(cfg)  # fails early for data settings this build cannot serve
-        _check_swap_dir(cfg)
+        if not cfg.logging.dry_run:  # the directory is the training machine's
+            _check_swap_dir(cfg)
         if cfg.logging.tensorboard_dir:
             from megazero.training_log import tensorboard_writer_class
             try:
