@@ -157,8 +157,8 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = int(failure.exitcode)
-        if code == 2:  # a usage error: rank 0 printed it
-            return 2
+        if any(int(f.exitcode) == 2 for f in err.failures.values()):  # a usage error: rank 0 printed it
+            return 2  # (the other ranks, waiting for the launcher, may be recorded as failing first)
         stream.write(f"{PROG}: {entry}: {failure_line(err)}\n")
         stream.flush()
         return code if 0 < code < 256 else 1
