@@ -317,10 +317,12 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()
-    loss = _mean_loss(losses, mesh) if skip_if is not None else None  # a collective: every rank alike
-    skip = {"skip": bool(skip_if(loss))} if skip_if is not None else {}
-    stats = optimizer.step(lr, decoupled_lr, **skip)
-    loss = _mean_loss(losses, mesh) if loss is None else loss  # also synchronises the ranks before timing
+    if skip_if is not None:  # the loss first (a collective): every rank decides alike
+        loss = _mean_loss(losses, mesh)
+        stats = optimizer.step(lr, decoupled_lr, skip=bool(skip_if(loss)))
+    else:
+        stats = optimizer.step(lr, decoupled_lr)
+        loss = _mean_loss(losses, mesh)  # also synchronises the ranks before timing
     if mesh.device.type == "cuda":
         torch.cuda.synchronize(mesh.device)
     elapsed = time.perf_counter() - start

@@ -265,19 +265,15 @@ def nvme_time(cfg, hw: Hardware, compute: float) -> float:
     opt, prm = optimizer_device(par) == "nvme", param_device(par) == "nvme"
     if not (opt or prm):
         return 0.0
-    world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size \
-        * par.context_parallel_size
-    per_rank = hw.disk_bytes_per_s / max(1, min(hw.gpus_per_node, world))
-    owned = estimate_rank_elements(cfg)
+    from megazero.planning.model_state import bytes_per_element
+    per_rank = hw.disk_bytes_per_s / max(1, min(hw.gpus_per_node, par.world_size))
+    owned, b = estimate_rank_elements(cfg), bytes_per_element(cfg)
     seconds = 0.0
-    if opt:
-        o = cfg.optimizer
-        moments = 2 if o.optimizer == "adam" else (1 if o.sgd_momentum else 0)
-        seconds += owned * float(par.optimizer_offload_fraction) * 4 * (1 + moments) * 2 / per_rank
+    if opt:  # fp32 master + moments, read and written
+        seconds += owned * float(par.optimizer_offload_fraction) * (4 + b["state"]) * 2 / per_rank
     if prm:
-        P = 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
         passes = 2 * cfg.training.num_micro_batches + 1
-        seconds += max(0.0, owned * P * passes / per_rank - compute)
+        seconds += max(0.0, owned * b["P"] * passes / per_rank - compute)
     return seconds
 
 
