@@ -62,8 +62,9 @@ def _summary(history: list, peak_bw: float) -> dict:
             "losses": [m["loss"] for m in history]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The swap directory, the GPT's shape, the batch and the iterations (this bench's and
+    :mod:`bench.offload_deepspeed`'s)."""
     p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk for the swap files")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
@@ -72,6 +73,11 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=2, help="global batch (micro-batches of 1)")
     p.add_argument("--iters", type=int, default=4)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--buffer-mib", type=int, default=64, help="--nvme-buffer-size, MiB")
     p.add_argument("--io-threads", type=int, default=4, help="--nvme-io-threads")
     p.add_argument("--peak-mib", type=int, default=256, help="bytes of the disk's peak measurement")

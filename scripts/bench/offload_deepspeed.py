@@ -168,7 +168,6 @@ def _child_deepspeed(a, device: str, swap: str) -> None:
 
 
 def _child_megazero(a, device: str, swap: str) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import torch
 
     import megazero.training as training
@@ -224,18 +223,14 @@ def _summary(res: dict) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
+    if os.path.join(ROOT, "scripts") not in sys.path:  # the bench package, also when run as a file
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench.offload import add_model_args
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk for the swap files")
+    add_model_args(p)  # the same GPT, batch and iterations as bench_offload.py
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python",
                    help="interpreter with deepspeed and transformers installed")
     p.add_argument("--mz-python", default=sys.executable, help="interpreter with megazero installed")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=2, help="global batch, micro-batches of 1")
-    p.add_argument("--iters", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01, help="megazero's default")
     p.add_argument("--clip-grad", type=float, default=1.0, help="megazero's default")
@@ -298,7 +293,6 @@ def main(argv=None) -> int:
     out["load_average_after"] = os.getloadavg()
     _print(a, out)
     if a.json:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
         from bench import write_json
         write_json(out, a.json)
     return 0
