@@ -14,6 +14,7 @@ import torch
 
 from megazero.checkpoint import latest_iteration
 from megazero.config import ConfigError, validate
+from megazero.local_ranks import run_ranks
 from megazero.resilience import NumericalError
 from megazero.resilience.numerics import LossSpikeGuard
 from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
@@ -137,6 +138,11 @@ def test_an_unknown_flag_under_8_ranks_prints_at_most_5_lines(tmp_path):
 
 
 # ---- preemption -------------------------------------------------------------------------------
+def _pretrain(argv):
+    from models.cli import pretrain_main
+    return pretrain_main(argv)
+
+
 def _weights(directory):
     from megazero.checkpoint import read_weights
     return read_weights(directory)[3]
@@ -165,14 +171,12 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
     assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
     assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: every rank stopped cleanly")
     assert latest_iteration(d) == n
-    end = n + 2
-    with Launch(_launch(8, *flags, "--train-iters", str(end), "--load", d, "--save", d, "--metrics-file",
-                        metrics), _env(), str(tmp_path / "resume.log"), str(tmp_path)) as run:
-        assert run.wait(300) == 0, run.text()[-3000:]
+    end = n + 2  # the resume and the uninterrupted run: the same 8 ranks, forked (no torch imports)
+    argv = TINY + flags + ["--train-iters", str(end)]
+    assert run_ranks(_pretrain, 8, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
+                     timeout=300) == [0] * 8
     ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    with Launch(_launch(8, *flags, "--train-iters", str(end), "--save", ref, "--metrics-file", ref_metrics),
-                _env(), str(tmp_path / "ref.log"), str(tmp_path)) as run:
-        assert run.wait(300) == 0, run.text()[-3000:]
+    assert run_ranks(_pretrain, 8, argv + ["--save", ref, "--metrics-file", ref_metrics], timeout=300) == [0] * 8
     got, want = _metrics(metrics), _metrics(ref_metrics)
     assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
     mine, theirs = _weights(d), _weights(ref)
