@@ -11,6 +11,7 @@ import torch
 from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
                                      model_flops_per_iteration, peak_flops)
+from megazero.local_ranks import run_ranks
 from megazero.lr import learning_rate
 from models.cli.pretrain import main
 from tolerance import R_TRAIN, R_TRAIN_ADAM
@@ -158,7 +159,6 @@ def _train_history(cfg):
 
 
 def _run(cfg, world):
-    from megazero.local_ranks import run_ranks
     return run_ranks(_train_history, world, cfg)
 
 
@@ -226,31 +226,40 @@ E2E = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attenti
        "--hidden-dropout", "0", "--attention-dropout", "0"]  # no dropout: layouts compare
 
 
-def _pretrain(tmp_path, name, flags, nproc=None):
+def _pretrain(tmp_path, name, flags):
+    """The script under plain python: its metrics and stdout."""
     metrics = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    launcher = [sys.executable] if nproc is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    proc = subprocess.run(launcher + [SCRIPT, *E2E, *flags, "--metrics-file", str(metrics)], env=env,
+    proc = subprocess.run([sys.executable, SCRIPT, *E2E, *flags, "--metrics-file", str(metrics)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()], proc.stdout
 
 
+def _pretrain_main(argv):
+    from models.cli import pretrain_main
+    return pretrain_main(argv)
+
+
 @pytest.mark.slow
-def test_pretrain_script_8_ranks_matches_one_process(tmp_path):
-    """torchrun, 8 ranks (TP 2 x PP 2 x DP 2) under ZeRO-3, against plain python (the other stages
-    on this layout are compared in-process by test_zero.py)."""
+def test_pretrain_script_8_ranks_matches_one_process(tmp_path, capfd):
+    """The entry point on 8 ranks (TP 2 x PP 2 x DP 2, forked: torchrun launches of 8 ranks are
+    test_operations_ii.py's) under ZeRO-3, against plain python (the other stages on this layout
+    are compared in-process by test_zero.py)."""
     ref, out = _pretrain(tmp_path, "single", [])
     assert "iteration 3/3" in out
     fields = ("iteration", "loss", "grad_norm", "lr", "loss_scale", "skipped", "tokens_per_sec",
               "param_bytes", "grad_bytes", "optim_bytes")
     assert all(f in m for m in ref for f in fields)
-    got, out = _pretrain(tmp_path, "zero3", ["--tensor-model-parallel-size", "2",
-                                             "--pipeline-model-parallel-size", "2",
-                                             "--zero-stage", "3"], nproc=8)
+    capfd.readouterr()
+    metrics = tmp_path / "zero3.jsonl"
+    argv = E2E + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  "--zero-stage", "3", "--metrics-file", str(metrics)]
+    assert run_ranks(_pretrain_main, 8, argv, timeout=300) == [0] * 8
+    out = capfd.readouterr().out
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert "tp 2 pp 2 dp 2 zero 3" in out and out.count("iteration 3/3") == 1  # rank 0 only
     assert [m["iteration"] for m in got] == [1, 2, 3]
     for key in ("loss", "grad_norm"):
