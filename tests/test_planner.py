@@ -1,4 +1,5 @@
 """The layout planner: enumeration, memory filter, step-time model, advice, JSON and flags."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ import models
 from megazero.config import parse_args
 from megazero.planning.estimate import estimate_stages
 from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, describe, enumerate_layouts,
-                                       flags, layout_config, model_config, peak_memory, plan, step_time)
+                                       evaluate, flags, layout_config, model_config, peak_memory, plan,
+                                       step_time)
 
 SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +46,18 @@ def test_enumeration_respects_divisibility():
     assert {x.pp for x in layouts} == {1, 2, 4, 8}
     assert {x.recompute for x in layouts} == {"none", "selective", "full"}
     assert any(x.vpp > 1 for x in layouts) and any(x.sequence_parallel for x in layouts)
+
+
+def test_a_search_shares_model_states_and_agrees_with_each_layout_alone():
+    """One search computes a stage's model state once for every micro-batch size; what it reports
+    equals evaluating each layout on its own, without the shared states."""
+    cfg, states = base(), {}
+    found = plan(cfg, 16, hw(), saved=SAVED, states=states)
+    assert len({x.micro_batch_size for x in found}) > 1
+    assert 0 < len(states) < len(list(enumerate_layouts(cfg, 16, 8)))  # shared, not one per layout
+    for x in found[::5]:
+        alone = evaluate(cfg, dataclasses.replace(x, memory_bytes=0, step={}), 16, hw(), saved=SAVED)
+        assert (alone.memory_bytes, alone.step) == (x.memory_bytes, x.step)
 
 
 def test_flags_parse_and_reproduce_the_layout():

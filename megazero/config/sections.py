@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
@@ -381,14 +382,21 @@ SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": Traini
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "resilience": ResilienceConfig}
 
 
-def field_index() -> Dict[str, Tuple[str, Any]]:
-    """field name -> (section name, dataclass field); names are unique across sections."""
+def _index_fields() -> Mapping[str, Tuple[str, Any]]:
     index = {}
     for section, cls in SECTIONS.items():
         for f in fields(cls):
             assert f.name not in index, f"duplicate config field {f.name}"
             index[f.name] = (section, f)
-    return index
+    return MappingProxyType(index)
+
+
+_FIELD_INDEX = _index_fields()  # read-only: built once, since the sections are fixed
+
+
+def field_index() -> Mapping[str, Tuple[str, Any]]:
+    """field name -> (section name, dataclass field), read-only; names are unique across sections."""
+    return _FIELD_INDEX
 
 
 def flag_of(f) -> str:
@@ -458,12 +466,14 @@ class MegazeroConfig:
 
     def resolved(self, derived: Derived) -> "MegazeroConfig":
         """A copy with ``derived``'s values written into the sections."""
-        out = self._copy()
-        index = field_index()
+        return self._copy()._fill(derived)
+
+    def _fill(self, derived: Derived) -> "MegazeroConfig":
+        """Write ``derived``'s values into this config's own sections (a copy no one else holds)."""
         for name, value in derived.values().items():
-            setattr(getattr(out, index[name][0]), name, value)
-        out.derived = derived
-        return out
+            setattr(getattr(self, _FIELD_INDEX[name][0]), name, value)
+        self.derived = derived
+        return self
 
     def given(self) -> "MegazeroConfig":
         """The settings as given: a resolved config's filled-in defaults unset again (a value

@@ -46,7 +46,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     _check_numbers(given)
     _check_batch_schedule(given)
     _check_world(given, world_size)
-    resolved = given.resolved(derive(given, world_size))
+    resolved = given._fill(derive(given, world_size))  # given is this call's own copy
     data = (_check_data,) if check_data else ()
     for check in (_check_model, _check_context_parallel, _check_sequence_parallel, _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,

@@ -135,12 +135,14 @@ def _temporary(cfg, pp_rank: int, device: str) -> int:
 
 
 def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: str = "cuda",
-                  backend: Optional[str] = None, *, saved) -> Dict[str, object]:
+                  backend: Optional[str] = None, *, saved,
+                  states: Optional[dict] = None) -> Dict[str, object]:
     """Every component (module docstring) for one rank of stage ``pp_rank``; ``zero_stage``
-    defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA."""
+    defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA.  ``states``: a dict the
+    caller keeps (one planner search) in which model states are looked up and stored."""
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     backend = backend or ("gloo" if device == "cpu" else "nccl")
-    ms = model_state(cfg, pp_rank, stage, backend)
+    ms = _model_state(cfg, pp_rank, stage, backend, states)
     out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
     keys = ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "peak_grad_bytes",
             "gathered_param_bytes", "optim_on_cpu")
@@ -154,6 +156,18 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     out.update(_tiers(cfg, ms, device))
     out["total_bytes"] = sum(int(out[k]) for k in COMPONENTS) - out["offloaded_bytes"]
     return out
+
+
+def _model_state(cfg, pp_rank: int, stage: int, backend: str, states: Optional[dict]) -> Dict[str, int]:
+    """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel,
+    optimizer and precision sections): layouts that differ only in micro-batch size share it."""
+    if states is None:
+        return model_state(cfg, pp_rank, stage, backend)
+    key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.optimizer),
+           repr(cfg.precision))
+    if key not in states:
+        states[key] = model_state(cfg, pp_rank, stage, backend)
+    return states[key]
 
 
 def _tiers(cfg, ms, device: str) -> Dict[str, object]:

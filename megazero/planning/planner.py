@@ -183,11 +183,13 @@ def layout_config(cfg, layout: Layout, gpus: int):
     return validate(config_from_dict(settings), gpus, check_data=False)
 
 
-def peak_memory(cfg, *, saved) -> int:
+def peak_memory(cfg, *, saved, states: Optional[dict] = None) -> int:
     """Device bytes of the most loaded rank: the first and the last stage hold the most (the
-    first has the most micro-batches in flight, the last the head and the loss)."""
+    first has the most micro-batches in flight, the last the head and the loss).  ``states``:
+    model states of this search (:func:`megazero.planning.estimate.estimate_rank`)."""
     pp = cfg.parallel.pipeline_model_parallel_size
-    return max(int(estimate_rank(cfg, r, saved=saved)["total_bytes"]) for r in sorted({0, pp - 1}))
+    return max(int(estimate_rank(cfg, r, saved=saved, states=states)["total_bytes"])
+               for r in sorted({0, pp - 1}))
 
 
 # ---- step time -------------------------------------------------------------------------------
@@ -324,6 +326,11 @@ def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None, *, saved) ->
     """Fill in the layout's memory (most loaded rank) and step-time parts (``lc``: its config)."""
     lc = lc or layout_config(cfg, layout, gpus)
     layout.memory_bytes = peak_memory(lc, saved=saved)
+    return _timed(cfg, layout, gpus, hw, lc)
+
+
+def _timed(cfg, layout: Layout, gpus: int, hw: Hardware, lc) -> Layout:
+    """Fill in the layout's step-time parts (``lc``: its config)."""
     layout.step = step_time(lc, hw)
     tokens = cfg.training.global_batch_size * cfg.model.seq_length
     layout.step["tokens_per_sec"] = tokens / layout.step["step_time_s"]
@@ -331,29 +338,33 @@ def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None, *, saved) ->
     return layout
 
 
-def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, **choices) -> List[Layout]:
+def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, states: Optional[dict] = None,
+         **choices) -> List[Layout]:
     """The layouts that fit ``(1 - margin) x`` memory, fastest first (``choices`` restrict the
     enumeration: ``micro_batch_sizes``, ``recompute``, ``zero_stages``; ``saved``: what the model
-    saves for backward, :mod:`megazero.planning.activations`)."""
+    saves for backward, :mod:`megazero.planning.activations`; ``states``: model states already
+    computed, :func:`peak_memory`)."""
     budget = (1.0 - margin) * hw.memory_bytes
+    states = {} if states is None else states
     fits = []
     for context_parallel in (False, True):  # context parallelism only when nothing fits without it
         for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, context_parallel=context_parallel,
                                         **choices):
             lc = layout_config(cfg, layout, gpus)
-            layout.memory_bytes = peak_memory(lc, saved=saved)
+            layout.memory_bytes = peak_memory(lc, saved=saved, states=states)
             if layout.memory_bytes <= budget:
-                fits.append(evaluate(cfg, layout, gpus, hw, lc, saved=saved))
+                fits.append(_timed(cfg, layout, gpus, hw, lc))
         if fits:
             break
     return sorted(fits, key=lambda x: (x.step["step_time_s"], x.memory_bytes))
 
 
-def smallest_memory(cfg, gpus: int, hw: Hardware, *, saved, **choices) -> Optional[Layout]:
+def smallest_memory(cfg, gpus: int, hw: Hardware, *, saved, states: Optional[dict] = None,
+                    **choices) -> Optional[Layout]:
     """The layout with the least memory per rank (whether it fits or not)."""
-    best = None
+    best, states = None, {} if states is None else states
     for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
-        layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus), saved=saved)
+        layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus), saved=saved, states=states)
         if best is None or layout.memory_bytes < best.memory_bytes:
             best = layout
     return best
@@ -363,8 +374,9 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
     """The smallest change that makes something fit: lift the given restrictions (micro-batch
     sizes, recomputation, ZeRO stages), offload the optimizer, more GPUs, or more memory."""
     budget = (1.0 - margin) * hw.memory_bytes
+    states: dict = {}  # model states, shared by the searches below (keyed by the whole config)
     if any(v is not None for v in choices.values()):
-        found = plan(cfg, gpus, hw, margin, saved=saved)
+        found = plan(cfg, gpus, hw, margin, saved=saved, states=states)
         if found:
             return (f"allow every micro-batch size, recomputation and ZeRO stage: e.g. {describe(found[0])} "
                     f"fits in {found[0].memory_bytes / GB:.1f} GB")
@@ -375,7 +387,7 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         off = validate(cfg.replace(parallel={"offload_optimizer": True,
                                              "zero_stage": max(1, par.zero_stage)}),
                        par.world_size, check_data=False)
-        found = plan(off, gpus, hw, margin, saved=saved, zero_stages=(1, 2, 3))
+        found = plan(off, gpus, hw, margin, saved=saved, states=states, zero_stages=(1, 2, 3))
         if found:
             return (f"add --offload-optimizer (optimizer state in host memory): {describe(found[0])} needs "
                     f"{found[0].memory_bytes / GB:.1f} GB per GPU")
@@ -384,9 +396,10 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
                                               "offload_param_device": "nvme", "zero_stage": 3,
                                               "nvme_path": cfg.parallel.nvme_path or "NVME_DIR"}),
                         cfg.parallel.world_size, check_data=False)
-        found = plan(nvme, gpus, hw, margin, saved=saved, zero_stages=(3,))
+        found = plan(nvme, gpus, hw, margin, saved=saved, states=states, zero_stages=(3,))
         if found:
-            disk = estimate_rank(layout_config(nvme, found[0], gpus), 0, saved=saved)["nvme_bytes"]
+            disk = estimate_rank(layout_config(nvme, found[0], gpus), 0, saved=saved,
+                                 states=states)["nvme_bytes"]
             return (f"only with ZeRO-Infinity offload: add --offload-optimizer-device nvme "
                     f"--offload-param-device nvme --nvme-path DIR (model state on a local disk): "
                     f"{describe(found[0])} needs {found[0].memory_bytes / GB:.1f} GB per GPU and "
@@ -396,11 +409,11 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         offloaded = " (offloading the optimizer and the parameters to NVMe is not enough)"
     for factor in (2, 4, 8, 16):
         more = gpus * factor
-        found = plan(cfg, more, hw, margin, saved=saved)
+        found = plan(cfg, more, hw, margin, saved=saved, states=states)
         if found:
             return (f"use {more} GPUs (x{factor}): {describe(found[0])} needs "
                     f"{found[0].memory_bytes / GB:.1f} GB{offloaded}")
-    least = smallest_memory(cfg, gpus, hw, saved=saved)
+    least = smallest_memory(cfg, gpus, hw, saved=saved, states=states)
     if least is None:
         return "no layout divides this model and batch on these GPUs; change --gpus or --global-batch-size"
     return (f"GPUs with at least {least.memory_bytes / (1 - margin) / GB:.0f} GB, or more than {gpus * 16} "
