@@ -176,7 +176,8 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
     assert run_ranks(_pretrain, 8, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
                      timeout=300) == [0] * 8
     ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    assert run_ranks(_pretrain, 8, argv + ["--save", ref, "--metrics-file", ref_metrics], timeout=300) == [0] * 8
+    assert run_ranks(_pretrain, 8, argv + ["--save", ref, "--metrics-file", ref_metrics],
+                     timeout=300) == [0] * 8
     got, want = _metrics(metrics), _metrics(ref_metrics)
     assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
     mine, theirs = _weights(d), _weights(ref)
