@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The test suite: sets up .venv (scripts/setup_env.sh) and runs pytest with the arguments given.
+# The test suite: sets up .venv (scripts/setup_env.sh) and runs pytest, on two workers, with the
+# arguments given.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 export WANDB_MODE=disabled OMP_NUM_THREADS=1
-exec "$root/.venv/bin/python" -m pytest -q "$@"
+# two pytest workers (pytest-xdist) where there are two cores or more: the multi-rank tests fork
+# their ranks either way; MEGAZERO_TEST_WORKERS=N sets the count, 0 (or -n 0) runs one process
+workers="${MEGAZERO_TEST_WORKERS:-$(if [ "$(nproc)" -ge 2 ]; then echo 2; else echo 0; fi)}"
+exec "$root/.venv/bin/python" -m pytest -q -n "$workers" "$@"

@@ -1,5 +1,5 @@
-"""Test set-up: one intra-op thread in the parent so forking ranks is safe and cheap, and the
-fast tier (``-m "not slow"``)."""
+"""Test set-up: one intra-op thread in the parent so forking ranks is safe and cheap, the fast
+tier (``-m "not slow"``), and the slow tier collected first."""
 import os
 import sys
 
@@ -106,3 +106,6 @@ def pytest_collection_modifyitems(config, items):
         path, _, name = item.nodeid.partition("::")
         if f"{os.path.basename(path)}::{name.split('[')[0]}" in SLOW_TIER:
             item.add_marker(pytest.mark.slow)
+    # the slow tier first (in file order): with several workers (scripts/test.sh runs two) the long
+    # runs start early and the short tests fill in around them instead of trailing after them
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
