@@ -8,5 +8,6 @@ cd "$root"
 export WANDB_MODE=disabled OMP_NUM_THREADS=1
 # two pytest workers (pytest-xdist) where there are two cores or more: the multi-rank tests fork
 # their ranks either way; MEGAZERO_TEST_WORKERS=N sets the count, 0 (or -n 0) runs one process
-workers="${MEGAZERO_TEST_WORKERS:-$(if [ "$(nproc)" -ge 2 ]; then echo 2; else echo 0; fi)}"
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # nproc heeds OMP_NUM_THREADS
+workers="${MEGAZERO_TEST_WORKERS:-$(if [ "$cores" -ge 2 ]; then echo 2; else echo 0; fi)}"
 exec "$root/.venv/bin/python" -m pytest -q -n "$workers" "$@"
