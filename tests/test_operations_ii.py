@@ -603,6 +603,46 @@ def test_a_node_whose_peers_never_join_names_them_and_fails(tmp_path, monkeypatc
     assert node_rank_of([], {"SLURM_NODEID": "3"}) == 3 and node_rank_of([], {}) is None
 
 
+class _ClosingStore:
+    """A join store whose host closes it as soon as this node says it has read the outcome."""
+
+    def __init__(self, values):
+        self.values, self.closed = {}, False
+        for key, value in values.items():
+            self.set(key, value)
+
+    def add(self, key, n):
+        if self.closed:
+            raise RuntimeError("Connection was likely closed")
+        self.values[key] = self.values.get(key, 0) + n
+        self.closed = key.endswith("/left") and n > 0
+        return self.values[key]
+
+    def set(self, key, value):  # counters stay ints, strings are stored as bytes (as TCPStore returns)
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+
+@pytest.mark.parametrize("others,want", [
+    ({"megazero/join/count": 1}, ""),  # the other node is in: this one completes the join
+    ({"megazero/join/failed": "node 2 of 3 did not join (host's line)"}, "node 2 of 3 did not join"),
+])
+def test_a_node_keeps_the_outcome_when_the_host_closes_the_join_after_it(monkeypatch, others, want):
+    """The host's store closes once every joined node has read the outcome: the node's outcome (all
+    joined, or the host's line naming the missing nodes) stands, not "the join ended"."""
+    import io
+    from megazero.resilience import join
+    monkeypatch.setattr(join, "_connect", lambda *a: (_ClosingStore(others), False))
+    out = io.StringIO()
+    assert join.join_nodes("127.0.0.1", 1, 2, None, 30, interval=1.0, stream=out) is (want == "")
+    assert (want in out.getvalue()) and "ended before" not in out.getvalue(), out.getvalue()
+
+
 def test_the_launcher_refuses_a_bad_join_timeout(capsys):
     from models.cli import launch_main
     assert launch_main(["--join-timeout", "soon", "--nnodes", "2", "x.py"]) == 2

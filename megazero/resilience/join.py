@@ -106,15 +106,17 @@ def join_nodes(host: str, port: int, nnodes: int, node_rank: Optional[int], time
         say(f"no node hosts the join at {where} after {timeout:g} s (--join-timeout): the launcher on the "
             "rendezvous host never started, or the address is wrong")
         return False
+    line = None
     try:
         line = _wait(store, where, nnodes, node_rank, start, timeout, interval, say)
-        store.add(f"{KEY}/left", 1)
-        counted = store.add(f"{KEY}/count", 0)
+        counted = store.add(f"{KEY}/count", 0) if hosting else 0
+        store.add(f"{KEY}/left", 1)  # a joined node's last word: after it the host may close the store
         while hosting and store.add(f"{KEY}/left", 0) < counted and time.monotonic() < deadline + 30:
             time.sleep(0.1)  # the host's store stays up until every node that joined has read the outcome
-    except RuntimeError:  # the host's launcher is gone
-        line = (f"the join at {where} ended before every node joined: the launcher on the rendezvous host "
-                "gave up (its line names the missing nodes) or exited")
+    except RuntimeError:  # the host's launcher is gone (before this node read the outcome: it keeps it)
+        if line is None:
+            line = (f"the join at {where} ended before every node joined: the launcher on the rendezvous "
+                    "host gave up (its line names the missing nodes) or exited")
     if line:
         say(line)
     return not line
