@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, config_from_dict, validate
+from megazero.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from megazero.resilience import CollectiveError, ExitSignals, NumericalError, report_failure
 from megazero.resilience.faults import FaultInjector, parse_faults
@@ -42,6 +43,11 @@ def _train(cfg):
     import models
     from megazero.training import train
     return train(cfg, models.build_chunks)
+
+
+def _pretrain(argv):
+    from models.cli import pretrain_main
+    return pretrain_main(argv)
 
 
 def _losses(history):
@@ -302,7 +308,7 @@ def test_preemption_signal_saves_exits_0_and_the_resume_continues(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tmp_path):
+def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tmp_path, capfd):
     """launch/run_local.sh --max-restarts 1: rank 1 is killed at iteration 6 (saves every 2; iteration
     4's save is published once iteration 5's loss checks out), the job restarts from iteration 4 and
     every logged loss equals the uninterrupted run's.  Then the same directory resumes with one process
@@ -323,11 +329,10 @@ def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tm
     for it, m in got.items():  # every iteration logged equals the uninterrupted run's
         assert m["loss"] == pytest.approx(ref[it - 1]["loss"], rel=2e-6, abs=1e-6), it
 
-    cmd = ["bash", RUN_LOCAL, "--run-dir", run_dir, "--", *TINY, "--train-iters", "10", "--save", d,
-           "--load", d, "--metrics-file", metrics]
-    with Launch(cmd, _env(NPROC="1"), str(tmp_path / "fewer.log"), str(tmp_path)) as run:
-        assert run.wait(300) == 0, run.text()[-3000:]
-    assert "(iteration 8, 32 samples; saved under tp 1 pp 1 dp 2 zero 2" in run.text()
+    capfd.readouterr()  # one process (forked) resumes the DP 2 checkpoint
+    argv = TINY + ["--train-iters", "10", "--save", d, "--load", d, "--metrics-file", metrics]
+    assert run_ranks(_pretrain, 1, argv, timeout=300) == [0]
+    assert "(iteration 8, 32 samples; saved under tp 1 pp 1 dp 2 zero 2" in capfd.readouterr().out
     got = _metrics(metrics)
     assert [got[i]["loss"] for i in (9, 10)] == pytest.approx(_losses(ref[8:]), rel=2e-6, abs=1e-6)
 

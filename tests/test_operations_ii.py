@@ -17,8 +17,8 @@ from megazero.config import ConfigError, validate
 from megazero.local_ranks import run_ranks
 from megazero.resilience import NumericalError
 from megazero.resilience.numerics import LossSpikeGuard
-from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
-                                   _train)
+from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _pretrain,
+                                   _settings, _train)
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
 
@@ -138,11 +138,6 @@ def test_an_unknown_flag_under_8_ranks_prints_at_most_5_lines(tmp_path):
 
 
 # ---- preemption -------------------------------------------------------------------------------
-def _pretrain(argv):
-    from models.cli import pretrain_main
-    return pretrain_main(argv)
-
-
 def _weights(directory):
     from megazero.checkpoint import read_weights
     return read_weights(directory)[3]
