@@ -1,6 +1,6 @@
 """scripts/convert_hf.py at scale: both directions tensor by tensor, --dtype, sharded safetensors with an
 index, the tokenizer and generation_config.json carried both ways; and the peak memory of converting a
-300M-parameter model, bounded by its largest tensor and one layer (slow)."""
+160M-parameter model, bounded by its largest tensor and one layer (slow)."""
 import importlib.util
 import json
 import os
@@ -126,11 +126,11 @@ def test_bad_flags_name_the_flag(tmp_path, capsys):
     assert "--max-shard-size lots" in capsys.readouterr().err
 
 
-# ---- peak memory at 300M parameters --------------------------------------------------------------
-BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
+# ---- peak memory at 160M parameters --------------------------------------------------------------
+BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
 MEASURE = """
-import json, os, sys
+import json, os, sys, time
 sys.path.insert(0, {root!r})
 import torch, transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: F401
@@ -140,10 +140,12 @@ spec = __import__("importlib.util").util.spec_from_file_location("c", {script!r}
 c = __import__("importlib.util").util.module_from_spec(spec); spec.loader.exec_module(c)
 assert c.main({warm!r}) == 0  # a tiny model first: lazy imports and set-up are not the conversion's
 before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+start = time.monotonic()
 assert c.main(sys.argv[1:]) == 0
+seconds = time.monotonic() - start
 # VmHWM, this process's peak resident set (ru_maxrss would carry the parent's, from before the exec)
 peak = [int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:")][0]
-print(json.dumps({{"before": before, "peak": peak}}))
+print(json.dumps({{"before": before, "peak": peak, "seconds": seconds}}))
 """
 
 
@@ -157,13 +159,12 @@ def _measure(argv, warm):
 
 
 @pytest.mark.slow
-def test_converting_300m_parameters_holds_a_tensor_and_a_layer_not_the_model(tmp_path):
+def test_converting_160m_parameters_holds_a_tensor_and_a_layer_not_the_model(tmp_path):
     cfg = transformers.LlamaConfig(**BIG)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(cfg)
     shapes = {n: p.shape for n, p in skeleton.named_parameters()}
     total = sum(s.numel() for s in shapes.values())
-    assert total >= 300e6
     src = tmp_path / "hf"
     cfg.save_pretrained(str(src))
     writer = ShardedWriter(str(src), 2 << 30, len(shapes))  # bf16, written a tensor at a time
@@ -174,6 +175,7 @@ def test_converting_300m_parameters_holds_a_tensor_and_a_layer_not_the_model(tmp
     largest = max(s.numel() for s in shapes.values()) * 4  # fp32, as megazero holds it
     layer = sum(s.numel() for n, s in shapes.items() if n.startswith("model.layers.0.")) * 4
     bound = 1.2 * largest + layer
+    assert total * 4 >= 3 * bound  # the model in fp32 is over three times what the conversion may hold
     _hf_dir("llama", tmp_path / "tiny")
     tiny = ["--direction", "to-megazero", "--input", str(tmp_path / "tiny"), "--output",
             str(tmp_path / "tiny-mz")]
@@ -188,10 +190,11 @@ def test_converting_300m_parameters_holds_a_tensor_and_a_layer_not_the_model(tmp
     mib = {k: m["peak"] / 2 ** 20 for k, m in (("to-megazero", to_mz), ("to-hf", to_hf))}
     print(f"\nwhole-process peak RSS MiB: {mib} "
           f"(of which Python, torch and transformers {to_mz['before'] / 2 ** 20:.0f})")
-    print(f"\n300M-parameter ({total / 1e6:.0f}M) conversion, peak RSS growth MiB: {report}; bound "
+    print(f"\n{total / 1e6:.0f}M-parameter conversion, peak RSS growth MiB: {report}; bound "
           f"{bound / 2 ** 20:.0f} MiB (1.2 x largest tensor {largest / 2 ** 20:.0f} + layer "
           f"{layer / 2 ** 20:.0f}); "
-          f"model {total * 4 / 2 ** 20:.0f} MiB in fp32")
+          f"model {total * 4 / 2 ** 20:.0f} MiB in fp32; seconds: to-megazero {to_mz['seconds']:.1f}, "
+          f"to-hf {to_hf['seconds']:.1f}")
     for direction, grew in report.items():
         assert grew * 2 ** 20 <= bound, (direction, report)
     back = HFWeights(str(tmp_path / "out"))
