@@ -128,9 +128,9 @@ def _launch(nproc, *flags, extra=()):
 
 
 @pytest.mark.slow
-def test_an_unknown_flag_under_8_ranks_prints_at_most_5_lines(tmp_path):
+def test_an_unknown_flag_under_4_ranks_prints_at_most_5_lines(tmp_path):
     """Rank 0 alone prints the usage line and the error; the launcher adds nothing (status 2)."""
-    with Launch(_launch(8, "--train-iter", "3"), _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
+    with Launch(_launch(4, "--train-iter", "3"), _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
         assert run.wait(300) == 2, run.text()[-3000:]
     lines = run.text().splitlines()
     assert len(lines) <= 5, "\n".join(lines)
@@ -145,16 +145,16 @@ def _weights(directory):
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_bitwise(tmp_path):
-    """SLURM's preemption: SIGTERM to the launcher and all 8 ranks at once (each rank also gets the
+    """SLURM's preemption: SIGTERM to the launcher and all 4 ranks at once (each rank also gets the
     launcher's forwarded copy).  One save, exit 0 with one launcher line, no traceback; resuming under
     the same layout gives bitwise the losses and weights of an uninterrupted run."""
     d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     flags = ["--global-batch-size", "8", "--zero-stage", "1", "--exit-signal-handler"]
-    cmd = _launch(8, *flags, "--train-iters", "1000", "--save", d, "--metrics-file", metrics)
+    cmd = _launch(4, *flags, "--train-iters", "1000", "--save", d, "--metrics-file", metrics)
     with Launch(cmd, _env(), str(tmp_path / "out.log"), str(tmp_path)) as run:
         run.wait_for(r"iteration +3/1000", 300)
         pids = [run.proc.pid] + _children(run.proc.pid)
-        assert len(pids) == 9, pids
+        assert len(pids) == 5, pids
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         assert run.wait(300) == 0, run.text()[-3000:]
@@ -166,13 +166,13 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
     assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
     assert out.rstrip().splitlines()[-1].startswith("launch.py: SIGTERM received: every rank stopped cleanly")
     assert latest_iteration(d) == n
-    end = n + 2  # the resume and the uninterrupted run: the same 8 ranks, forked (no torch imports)
+    end = n + 2  # the resume and the uninterrupted run: the same 4 ranks, forked (no torch imports)
     argv = TINY + flags + ["--train-iters", str(end)]
-    assert run_ranks(_pretrain, 8, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
-                     timeout=300) == [0] * 8
+    assert run_ranks(_pretrain, 4, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
+                     timeout=300) == [0] * 4
     ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    assert run_ranks(_pretrain, 8, argv + ["--save", ref, "--metrics-file", ref_metrics],
-                     timeout=300) == [0] * 8
+    assert run_ranks(_pretrain, 4, argv + ["--save", ref, "--metrics-file", ref_metrics],
+                     timeout=300) == [0] * 4
     got, want = _metrics(metrics), _metrics(ref_metrics)
     assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]
     mine, theirs = _weights(d), _weights(ref)
