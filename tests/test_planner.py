@@ -11,8 +11,7 @@ import models
 from megazero.config import parse_args
 from megazero.planning.estimate import estimate_stages
 from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, describe, enumerate_layouts,
-                                       evaluate, flags, layout_config, model_config, peak_memory, plan,
-                                       step_time)
+                                       flags, layout_config, model_config, peak_memory, plan, step_time)
 
 SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +49,15 @@ def test_enumeration_respects_divisibility():
 
 def test_a_search_shares_model_states_and_agrees_with_each_layout_alone():
     """One search computes a stage's model state once for every micro-batch size; what it reports
-    equals evaluating each layout on its own, without the shared states."""
+    equals each layout's memory and step time computed on its own, without the shared states."""
     cfg, states = base(), {}
     found = plan(cfg, 16, hw(), saved=SAVED, states=states)
     assert len({x.micro_batch_size for x in found}) > 1
     assert 0 < len(states) < len(list(enumerate_layouts(cfg, 16, 8)))  # shared, not one per layout
     for x in found[::5]:
-        alone = evaluate(cfg, dataclasses.replace(x, memory_bytes=0, step={}), 16, hw(), saved=SAVED)
-        assert (alone.memory_bytes, alone.step) == (x.memory_bytes, x.step)
+        lc = layout_config(cfg, x, 16)
+        alone = step_time(lc, hw())
+        assert peak_memory(lc, saved=SAVED) == x.memory_bytes and alone == {k: x.step[k] for k in alone}
 
 
 def test_flags_parse_and_reproduce_the_layout():
@@ -241,7 +241,6 @@ def test_context_parallel_proposed_when_nothing_fits_without_it():
 
 def test_nvme_tiers_add_their_bytes_at_the_disk_bandwidth():
     """The optimizer tier's reads and writes count whole; the parameters' only beyond the compute."""
-    import dataclasses
     from megazero.planning.planner import estimate_rank_elements
     cfg = base(gbs=16)
     layout = Layout(tp=1, pp=1, vpp=1, dp=8, zero_stage=3, recompute="none", sequence_parallel=False,

@@ -322,13 +322,6 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
 
 
 # ---- planning --------------------------------------------------------------------------------
-def evaluate(cfg, layout: Layout, gpus: int, hw: Hardware, lc=None, *, saved) -> Layout:
-    """Fill in the layout's memory (most loaded rank) and step-time parts (``lc``: its config)."""
-    lc = lc or layout_config(cfg, layout, gpus)
-    layout.memory_bytes = peak_memory(lc, saved=saved)
-    return _timed(cfg, layout, gpus, hw, lc)
-
-
 def _timed(cfg, layout: Layout, gpus: int, hw: Hardware, lc) -> Layout:
     """Fill in the layout's step-time parts (``lc``: its config)."""
     layout.step = step_time(lc, hw)
@@ -362,7 +355,8 @@ def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, states: Op
 def smallest_memory(cfg, gpus: int, hw: Hardware, *, saved, states: Optional[dict] = None,
                     **choices) -> Optional[Layout]:
     """The layout with the least memory per rank (whether it fits or not)."""
-    best, states = None, {} if states is None else states
+    best = None
+    states = {} if states is None else states
     for layout in enumerate_layouts(cfg, gpus, hw.gpus_per_node, **choices):
         layout.memory_bytes = peak_memory(layout_config(cfg, layout, gpus), saved=saved, states=states)
         if best is None or layout.memory_bytes < best.memory_bytes:
