@@ -21,6 +21,7 @@ from megazero.resilience.faults import FaultInjector, parse_faults
 from megazero.resilience.numerics import NanGuard
 from megazero.resilience.stop import StopConditions
 from megazero.resilience.watchdog import failure_kind
+from models.cli import pretrain_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
@@ -43,11 +44,6 @@ def _train(cfg):
     import models
     from megazero.training import train
     return train(cfg, models.build_chunks)
-
-
-def _pretrain(argv):
-    from models.cli import pretrain_main
-    return pretrain_main(argv)
 
 
 def _losses(history):
@@ -331,7 +327,7 @@ def test_kill_9_of_a_rank_restarts_with_the_same_curve_and_fewer_ranks_resume(tm
 
     capfd.readouterr()  # one process (forked) resumes the DP 2 checkpoint
     argv = TINY + ["--train-iters", "10", "--save", d, "--load", d, "--metrics-file", metrics]
-    assert run_ranks(_pretrain, 1, argv, timeout=300) == [0]
+    assert run_ranks(pretrain_main, 1, argv, timeout=300) == [0]
     assert "(iteration 8, 32 samples; saved under tp 1 pp 1 dp 2 zero 2" in capfd.readouterr().out
     got = _metrics(metrics)
     assert [got[i]["loss"] for i in (9, 10)] == pytest.approx(_losses(ref[8:]), rel=2e-6, abs=1e-6)

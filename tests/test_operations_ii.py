@@ -17,8 +17,9 @@ from megazero.config import ConfigError, validate
 from megazero.local_ranks import run_ranks
 from megazero.resilience import NumericalError
 from megazero.resilience.numerics import LossSpikeGuard
-from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _pretrain,
-                                   _settings, _train)
+from models.cli import pretrain_main
+from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
+                                   _train)
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch.py")
 
@@ -168,10 +169,10 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
     assert latest_iteration(d) == n
     end = n + 2  # the resume and the uninterrupted run: the same 4 ranks, forked (no torch imports)
     argv = TINY + flags + ["--train-iters", str(end)]
-    assert run_ranks(_pretrain, 4, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
+    assert run_ranks(pretrain_main, 4, argv + ["--load", d, "--save", d, "--metrics-file", metrics],
                      timeout=300) == [0] * 4
     ref, ref_metrics = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    assert run_ranks(_pretrain, 4, argv + ["--save", ref, "--metrics-file", ref_metrics],
+    assert run_ranks(pretrain_main, 4, argv + ["--save", ref, "--metrics-file", ref_metrics],
                      timeout=300) == [0] * 4
     got, want = _metrics(metrics), _metrics(ref_metrics)
     assert [got[i]["loss"] for i in range(1, end + 1)] == [want[i]["loss"] for i in range(1, end + 1)]

@@ -13,6 +13,7 @@ from megazero.planning.flops import (device_peak_flops, hardware_flops_per_itera
                                      model_flops_per_iteration, peak_flops)
 from megazero.local_ranks import run_ranks
 from megazero.lr import learning_rate
+from models.cli import pretrain_main
 from models.cli.pretrain import main
 from tolerance import R_TRAIN, R_TRAIN_ADAM
 
@@ -238,11 +239,6 @@ def _pretrain(tmp_path, name, flags):
     return [json.loads(line) for line in metrics.read_text().splitlines()], proc.stdout
 
 
-def _pretrain_main(argv):
-    from models.cli import pretrain_main
-    return pretrain_main(argv)
-
-
 @pytest.mark.slow
 def test_pretrain_script_8_ranks_matches_one_process(tmp_path, capfd):
     """The entry point on 8 ranks (TP 2 x PP 2 x DP 2, forked: torchrun launches of 8 ranks are
@@ -257,7 +253,7 @@ def test_pretrain_script_8_ranks_matches_one_process(tmp_path, capfd):
     metrics = tmp_path / "zero3.jsonl"
     argv = E2E + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                   "--zero-stage", "3", "--metrics-file", str(metrics)]
-    assert run_ranks(_pretrain_main, 8, argv, timeout=300) == [0] * 8
+    assert run_ranks(pretrain_main, 8, argv, timeout=300) == [0] * 8
     out = capfd.readouterr().out
     got = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert "tp 2 pp 2 dp 2 zero 3" in out and out.count("iteration 3/3") == 1  # rank 0 only
