@@ -1,4 +1,6 @@
 import json
+import os
+import sys
 
 import pytest
 
@@ -202,3 +204,16 @@ def test_schedule_must_fit_virtual_stages():
     assert parse("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                  "--global-batch-size", "4", world=2).parallel.pipeline_schedule == "interleaved"
     assert parse("--pipeline-model-parallel-size", "2", world=2).parallel.pipeline_schedule == "1f1b"
+
+
+def test_config_is_a_schema_that_imports_no_other_subsystem():
+    """``megazero.config`` (the settings, flags and checks) imports no other part of megazero, nor torch,
+    when it is imported: the subsystems it asks are imported where a check runs."""
+    import subprocess
+    code = ("import sys, megazero.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('megazero', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+    loaded = eval(out)
+    assert loaded and all(m in ("megazero", "megazero.errors") or m.startswith("megazero.config")
+                          for m in loaded), loaded

@@ -137,7 +137,7 @@ def test_context_parallel_refusals(over, needle):
 
 
 def test_startup_line_shows_cp_and_the_chunk_split():
-    from megazero.summary import context_parallel_line
+    from megazero.training.summary import context_parallel_line
     settings = dict(STYLES["gpt2"], mock_data=True)
     assert context_parallel_line(validate(config_from_dict(settings), 1)) is None
     line = context_parallel_line(validate(config_from_dict(dict(settings, context_parallel_size=4)), 4))

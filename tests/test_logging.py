@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megazero.config import MegazeroConfig
-from megazero.training_log import TrainingLogger, format_line, progress_bar, wandb_mode
+from megazero.training.log import TrainingLogger, format_line, progress_bar, wandb_mode
 
 
 def _wandb_records(path):

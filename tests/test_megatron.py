@@ -8,7 +8,7 @@ import pytest
 
 from megazero.config import ConfigError, parse_args
 from megazero.config.megatron import IGNORED, REFUSED
-from megazero.lr import lr_from_config
+from megazero.training.lr import lr_from_config
 from megazero.local_ranks import run_ranks
 
 

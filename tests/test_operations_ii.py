@@ -89,7 +89,7 @@ def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
 def _spikes_at(monkeypatch, iterations):
     """The loss agreed before the update (``_mean_loss``, once per step with --loss-spike-action skip)
     reads 100 times higher at ``iterations``: a spiking batch, produced deterministically."""
-    import megazero.training as training
+    import megazero.training.loop as training
     real, calls = training._mean_loss, []
 
     def spiky(losses, mesh):
@@ -415,7 +415,7 @@ def test_the_launcher_line_names_the_stopped_rank_from_the_error_files(tmp_path,
 
 def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
     from megazero.resilience import FatalError
-    from megazero.training_log import TrainingLogger
+    from megazero.training.log import TrainingLogger
     real = TrainingLogger._write_files
 
     def full(self, it, metrics):

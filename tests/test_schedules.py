@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from megazero.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
-                                     parse_step_schedule, rampup_schedule)
+from megazero.training.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
+                                              parse_step_schedule, rampup_schedule)
 from megazero.config import ConfigError, config_from_dict, parse_args
-from megazero.lr import lr_from_config, lrs_at
+from megazero.training.lr import lr_from_config, lrs_at
 from megazero.local_ranks import run_ranks
 from tolerance import R_TRAIN
 

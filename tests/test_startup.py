@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from megazero.config import ConfigError, parse_args
-from megazero.summary import data_lines, parameter_line, settings_line, startup_summary, tokenizer_line
+from megazero.training.summary import (data_lines, parameter_line, settings_line, startup_summary,
+                                       tokenizer_line)
 
 
 def test_defaults_are_megatrons():

@@ -12,7 +12,7 @@ from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
                                      model_flops_per_iteration, peak_flops)
 from megazero.local_ranks import run_ranks
-from megazero.lr import learning_rate
+from megazero.training.lr import learning_rate
 from models.cli import pretrain_main
 from models.cli.pretrain import main
 from tolerance import R_TRAIN, R_TRAIN_ADAM

@@ -14,11 +14,7 @@ import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence
 
-from megazero.checkpoint.errors import CheckpointError
-from megazero.checkpoint.format import CHECKPOINT_ARGS
-from megazero.checkpoint.resolve import saved_config
 from megazero.config.megatron import add_flags, required_notes, translate, unrecognized_message
-from megazero.data.tokenizer import tokenizer_from_settings
 from megazero.errors import ConfigError
 from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag_of
 from megazero.config.validation import validate
@@ -116,6 +112,7 @@ def _load_file(path: str) -> Dict[str, Any]:
 def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Optional[int]:
     """The vocabulary size the tokenizer settings give (as in Megatron-LM, it sets the model's), or
     None without a tokenizer."""
+    from megazero.data.tokenizer import tokenizer_from_settings
     try:
         tok = tokenizer_from_settings(data.get("tokenizer_type"), data.get("tokenizer_model"),
                                       data.get("vocab_file"), data.get("merge_file"), vocab_size)
@@ -128,6 +125,9 @@ def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Op
 def _checkpoint_model_args(settings: Dict[str, Any]) -> Dict[str, Any]:
     """``--use-checkpoint-args``: the architecture settings of the ``--load`` checkpoint (none when
     the directory holds no checkpoint yet: the load itself then decides)."""
+    from megazero.checkpoint.errors import CheckpointError
+    from megazero.checkpoint.format import CHECKPOINT_ARGS
+    from megazero.checkpoint.resolve import saved_config
     if not settings.get("load"):
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model's "
                           "architecture from)")

@@ -133,7 +133,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     """Train ``iters`` iterations of the validated ``cfg`` on this rank (inside an initialised
     process group, or alone) and return the measured components (module docstring)."""
     from megazero.data import build_data, micro_batches
-    from megazero.lr import lr_from_config
+    from megazero.training.lr import lr_from_config
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
     from megazero.precision import compute_dtype

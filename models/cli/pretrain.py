@@ -39,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         if not cfg.logging.dry_run:  # the directory is the training machine's
             _check_swap_dir(cfg)
         if cfg.logging.tensorboard_dir:
-            from megazero.training_log import tensorboard_writer_class
+            from megazero.training.log import tensorboard_writer_class
             try:
                 tensorboard_writer_class()
             except ImportError as err:
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     except ConfigError as err:
         return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if cfg.logging.dry_run:
-        from megazero.summary import parameter_line
+        from megazero.training.summary import parameter_line
         par = cfg.parallel
         print(f"dry run: the flags are valid for {world} ranks: tp {par.tensor_model_parallel_size} "
               f"pp {par.pipeline_model_parallel_size} dp {par.data_parallel_size} zero {par.zero_stage}; "

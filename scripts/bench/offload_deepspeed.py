@@ -170,7 +170,7 @@ def _child_deepspeed(a, device: str, swap: str) -> None:
 def _child_megazero(a, device: str, swap: str) -> None:
     import torch
 
-    import megazero.training as training
+    import megazero.training.loop as training
     import megazero_models as models
     from bench.offload import _cfg
     extra = dict(offload_optimizer_device=device, nvme_block_size=a.block_mib * MiB)

@@ -2,10 +2,10 @@
 
 One iteration, on every rank:
 
-1. learning rate from the schedule (:mod:`megazero.lr`);
+1. learning rate from the schedule (:mod:`megazero.training.lr`);
 2. ``optimizer.zero_grad()``; this data-parallel rank's micro-batches of the global batch, the next
    ``G`` samples of the one sample order (:func:`megazero.data.micro_batches`: the same samples at
-   every layout; ``G`` follows :mod:`megazero.batch_schedule` with a batch-size schedule);
+   every layout; ``G`` follows :mod:`megazero.training.batch_schedule` with a batch-size schedule);
 3. ``run_schedule``: forward and backward of every micro-batch through the pipeline, the
    optimizer acting as the gradient-sync hook and supplying the loss scale;
 4. ``optimizer.finish_grad_sync()`` and ``optimizer.step(lr)`` (clipping, loss-scale update,
@@ -19,8 +19,8 @@ end; ``--load`` resumes from the latest one, written under any layout (:mod:`meg
 the iteration, the LR schedule (skipped iterations included), the data position (consumed
 samples) and the loss scale continue (``--finetune``: the weights only, from iteration 0).  Rank 0
 prints the config's start-up notes (ignored Megatron-LM flags ...) and the start-up summary
-(:mod:`megazero.summary`: parameters, settings, data, tokenizer) and logs through
-:class:`megazero.training_log.TrainingLogger`, which continues the metrics file from the start
+(:mod:`megazero.training.summary`: parameters, settings, data, tokenizer) and logs through
+:class:`megazero.training.log.TrainingLogger`, which continues the metrics file from the start
 iteration.  The engine never imports ``models``: callers pass ``model_provider(cfg, mesh)``
 returning this rank's list of model chunks (one per virtual pipeline stage).
 """
@@ -39,11 +39,11 @@ import torch.distributed as dist
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
-from megazero.training_log import TrainingLogger
-from megazero.lr import lrs_at
+from megazero.training.log import TrainingLogger
+from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
-from megazero.summary import startup_summary
+from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.rng import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
@@ -141,7 +141,7 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
 def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule):
     """``--load``: returns (iteration, skipped iterations, samples consumed, samples the learning-rate
     schedule has counted, wandb run id, the line to print)."""
-    from megazero.batch_schedule import consumed_after
+    from megazero.training.batch_schedule import consumed_after
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
     # --ckpt-step: exactly that iteration; else the newest usable one (a corrupt newest falls back)
@@ -257,7 +257,7 @@ class Position:
 
 def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream, guard):
     """Model, optimizer, data, the resumed position and the logger (with the start-up lines printed)."""
-    from megazero.batch_schedule import schedule_of
+    from megazero.training.batch_schedule import schedule_of
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
@@ -346,9 +346,9 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
 
 def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
                   guard, keep_history: bool = True) -> List[dict]:
-    from megazero.batch_schedule import batch_size_at
+    from megazero.training.batch_schedule import batch_size_at
     from megazero.resilience import NumericalError
-    from megazero.saver import Saver
+    from megazero.training.saver import Saver
     tr, ck = cfg.training, cfg.checkpoint
     chunks, optimizer, data, schedule, pos, logger = _startup(cfg, model_provider, mesh, stream, guard)
     start_iter, history, saved_at = pos.iteration, [], None
