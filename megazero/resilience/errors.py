@@ -87,16 +87,25 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
 def write_error_file(message: str) -> None:
     """``message`` in torchrun's error file for this rank (``TORCHELASTIC_ERROR_FILE``, in the format
     of torch's ``ErrorHandler``): the launcher reads it (a stall's diagnosis names the stopped rank)
-    and its timestamp orders the failures.  Nothing outside torchrun; a write that fails is ignored."""
+    and its timestamp orders the failures.  Nothing outside torchrun; a write that fails is ignored.
+
+    Written to a temporary file in the same directory, then renamed over the error file: torchrun's
+    agent parses the file of every rank it ends (it may end this one mid-write) and fails on a file
+    it finds empty or half-written, so the file holds either nothing or the whole message."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        with open(path, "w") as fh:
+        with open(tmp, "w") as fh:
             json.dump(data, fh)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def exit_process(code: int) -> None:
