@@ -67,7 +67,7 @@ SLOW_TIER = (
     "test_offload_train.py::test_resume_nvme_to_memory_and_back",
     "test_offload_train.py::test_zero3_parameters_and_optimizer_on_nvme",
     "test_operations_ii.py::test_fp16_nan_forward_loss_exits_non_zero_and_the_tracker_names_the_last_good",
-    "test_operations_ii.py::test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save",
+    "test_operations_ii.py::test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save_and_the_resume_repairs_the_file",  # noqa: E501
     "test_operations_ii.py::test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started",  # noqa: E501
     "test_operations_ii.py::test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good",
     "test_overflow.py::test_overflow_on_one_rank_skips_everywhere",

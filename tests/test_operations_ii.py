@@ -1,6 +1,7 @@
 """Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
 preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
 reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import json
 import math
 import os
 import re
@@ -413,22 +414,68 @@ def test_the_launcher_line_names_the_stopped_rank_from_the_error_files(tmp_path,
     assert line == "rank 0 exited with status 1 first; its messages are above"  # an exited rank failed itself
 
 
-def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
+class _DiskFillsAt:
+    """A metrics file on a disk that fills during write number ``at``: that write puts ``room`` bytes
+    of its row on disk, then fails with ENOSPC (a row cut short, no newline), as a full disk does."""
+
+    def __init__(self, fh, at, room=40):
+        self.fh, self.at, self.room, self.writes = fh, at, room, 0
+
+    def write(self, text):
+        self.writes += 1
+        if self.writes < self.at:
+            return self.fh.write(text)
+        self.fh.write(text[:self.room] if self.writes == self.at else "")
+        self.fh.flush()
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        self.fh.flush()
+
+    def close(self):
+        self.fh.close()
+
+
+def _read_metrics(path):
+    """scripts/plot_metrics.py's reader (raises on a line that is not JSON)."""
+    import importlib.util
+    script = os.path.join(ROOT, "scripts", "plot_metrics.py")
+    spec = importlib.util.spec_from_file_location("plot_metrics", script)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.read_metrics(path)
+
+
+def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save_and_the_resume_repairs_the_file(
+        tmp_path, monkeypatch):
+    """The disk fills while iteration 3's row is written: the row is cut short (no newline), the run
+    stops with one line and an emergency save at iteration 3.  The resume repairs the file (the cut
+    row goes; iteration 3's row, kept in the checkpoint, is written whole) and appends after it:
+    plot_metrics.py reads every iteration once, with the losses of an uninterrupted run."""
     from megazero.resilience import FatalError
     from megazero.training.log import TrainingLogger
-    real = TrainingLogger._write_files
+    real_open = TrainingLogger._open_metrics
 
-    def full(self, it, metrics):
-        if it >= 3:
-            raise OSError(28, "No space left on device")
-        return real(self, it, metrics)
-    monkeypatch.setattr(TrainingLogger, "_write_files", full)
+    def open_on_a_filling_disk(self, *args):
+        real_open(self, *args)
+        self.metrics_fh = _DiskFillsAt(self.metrics_fh, at=3)
+    monkeypatch.setattr(TrainingLogger, "_open_metrics", open_on_a_filling_disk)
     d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     needle = (r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at iteration 3; stopped with "
               r"an emergency save \(saved checkpoint at iteration 3")
     with pytest.raises(FatalError, match=needle):
-        _train(_settings(train_iters=8, save=d, save_interval=5, metrics_file=metrics))
-    assert latest_iteration(d) == 3 and len(open(metrics).readlines()) == 2
+        _train(_settings(train_iters=6, save=d, save_interval=5, metrics_file=metrics))
+    text = open(metrics).read()
+    assert latest_iteration(d) == 3 and text.count("\n") == 2 and text.endswith(text.splitlines()[2])
+    with pytest.raises(ValueError, match="m.jsonl:3: not a JSON line"):
+        _read_metrics(metrics)  # what the file looked like before it was repaired on resume
+    monkeypatch.undo()
+    resumed = _train(_settings(train_iters=6, load=d, metrics_file=metrics))
+    assert [m["iteration"] for m in resumed] == [4, 5, 6]
+    rows = [json.loads(line) for line in open(metrics)]  # every line whole
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    ref = _train(_settings(train_iters=6))
+    assert [m["loss"] for m in _read_metrics(metrics).values()] == _losses(ref)
 
 
 # ---- launch scripts ---------------------------------------------------------------------------

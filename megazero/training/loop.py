@@ -140,7 +140,8 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
 
 def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule):
     """``--load``: returns (iteration, skipped iterations, samples consumed, samples the learning-rate
-    schedule has counted, wandb run id, the line to print)."""
+    schedule has counted, the checkpoint's ``extra`` (wandb run id, metrics rows not written), the
+    line to print)."""
     from megazero.training.batch_schedule import consumed_after
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
@@ -164,7 +165,7 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
             f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
-    return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
+    return it, skipped, consumed, lr_samples, extra, line
 
 
 def peak_rss_bytes() -> int:
@@ -268,16 +269,17 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     optimizer = build_optimizer(chunks, mesh, cfg)
     data = build_data(cfg)
     schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
-    pos, wandb_id, loaded = Position(), None, None
+    pos, extra, loaded = Position(), {}, None
     if ck.load and resume_from is not None:
-        it, skipped, consumed, lr_samples, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
+        it, skipped, consumed, lr_samples, extra, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
         pos = Position(it, consumed, skipped, lr_samples)
         guard.good = f"iteration {it} in {ck.load}"
     elif ck.pretrained_checkpoint:  # nothing of the fine-tune's own yet: the pretrained weights
         pretrained = replace(cfg, checkpoint=replace(ck, load=ck.pretrained_checkpoint, finetune=True,
                                                      ckpt_step=None))
         loaded = _resume(chunks, optimizer, mesh, pretrained, schedule)[-1]
-    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration, wandb_id=wandb_id)
+    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration,
+                            wandb_id=extra.get("wandb_run_id"), missed_rows=extra.get("metrics_rows", ()))
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
     for line in startup_summary(cfg, data, mesh.rank):
