@@ -20,7 +20,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megazero.offload import NvmeStore, Streamer, check_nvme_path, swap_bytes
+from megazero.offload import Streamer, check_nvme_path, swap_bytes
+from megazero.offload.nvme import open_store
 from megazero.offload.aligned import ALIGN
 
 
@@ -57,8 +58,8 @@ class NvmeTier:
         check_nvme_path(par.nvme_path, total, reclaimable=_leftover(par.nvme_path, mesh.rank), what=what)
         if mesh.is_distributed:
             dist.barrier(group=mesh.world_group)  # every rank checked the free room before any allocates
-        self.store = NvmeStore(par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
-                               io_threads=par.nvme_io_threads, check_space=False)
+        self.store = open_store(mesh, par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
+                                io_threads=par.nvme_io_threads, check_space=False)  # locked: one run per file
         self.streamer = Streamer(self.store, groups, buffer_count=par.nvme_buffer_count)
 
     # ---- set-up ---------------------------------------------------------------------------
