@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
+from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
+
 
 def to_megazero(src: str, dst: str) -> str:
     """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only), tensor by tensor."""
@@ -100,8 +102,8 @@ def main(argv=None) -> int:
                         args.max_shard_size))
     except (CheckpointError, ConfigError, OSError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+from megazero.errors import EXIT_FAILURE, EXIT_OK  # noqa: E402 - after the path
+
 PINNED = os.path.join(ROOT, "megazero", "config", "megatron_flags.txt")
 ARGUMENTS = "megatron/training/arguments.py"
 
@@ -206,10 +211,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name in names:
                 print(f"{sign} {name}")
         print(f"{len(flags)} flags in {source.describe()}; {len(added)} new, {len(removed)} gone")
-        return 1 if added or removed else 0
+        return EXIT_FAILURE if added or removed else EXIT_OK
     write_list(flags, source.describe(), args.output)
     print(f"wrote {len(flags)} flags from {source.describe()} to {args.output}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

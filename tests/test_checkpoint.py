@@ -526,3 +526,27 @@ def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatc
     assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
     absent = tmp_path / "absent"
     assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {absent}: no such")
+
+
+def test_a_save_that_fails_is_a_failure_not_a_usage_error(tmp_path, monkeypatch, capsys):
+    """A full disk during a save: exit status 1 (a failure) with one line, where any CheckpointError
+    used to give 2, which docs/operations.md reserves for configuration errors and checkpoints that
+    cannot be used (the missing --load above); a --save directory refused at start-up stays 2."""
+    from megazero.checkpoint import writer
+    from models.cli.pretrain import main
+    from models.cli import model_provider
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+    def full_disk(directory, *args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(writer, "write_rank_shard", full_disk)
+    flags = ["--mock-data", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+             "--seq-length", "8", "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "1", "--save", str(tmp_path / "ck")]
+    assert main(flags, model_provider) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "iter_0000001.tmp: no space left on device" in err[0], err
+    (tmp_path / "file").write_text("x")
+    assert main(flags[:-1] + [str(tmp_path / "file")], model_provider) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err

@@ -100,13 +100,13 @@ layout and schedule), :mod:`~megazero.checkpoint.integrity` (checksums, durable 
 :mod:`~megazero.checkpoint.assemble`, :mod:`~megazero.checkpoint.reader`,
 :mod:`~megazero.checkpoint.writer`.
 """
-from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError  # noqa: F401
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointSaveError  # noqa: F401
 from megazero.checkpoint.format import checkpoint_path  # noqa: F401
 from megazero.checkpoint.lock import SaveLock  # noqa: F401
 from megazero.checkpoint.reader import load, open_weights, read_weights, resume_iteration  # noqa: F401
 from megazero.checkpoint.resolve import latest_iteration, saved_config  # noqa: F401
 from megazero.checkpoint.writer import check_save_dir, discard, publish, save, save_weights  # noqa: F401
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "SaveLock", "check_save_dir", "checkpoint_path", "discard",
-           "latest_iteration", "load", "open_weights", "publish", "read_weights", "resume_iteration", "save",
-           "save_weights", "saved_config"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointSaveError", "SaveLock", "check_save_dir",
+           "checkpoint_path", "discard", "latest_iteration", "load", "open_weights", "publish",
+           "read_weights", "resume_iteration", "save", "save_weights", "saved_config"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.comm import agree, on_rank0
-from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.errors import CheckpointError, CheckpointSaveError
 from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, arch_of, checkpoint_path,
                                         layout_of, named_params, rng_file, rng_trackers, scheduler_of)
 from megazero.checkpoint.integrity import describe_file, fsync_dir, seal, write_bytes_durably, write_json
@@ -133,7 +133,7 @@ def publish(directory: str, iteration: int, mesh) -> None:
             _commit(directory, final + ".tmp", final, iteration)
         except OSError as err:
             error = err
-    agree(error, mesh, f"publishing checkpoint {final}")
+    agree(error, mesh, f"publishing checkpoint {final}", CheckpointSaveError)
 
 
 def discard(directory: str, iteration: int, mesh) -> Optional[str]:
@@ -179,7 +179,7 @@ def _prepare(directory: str, tmp: str, mesh) -> None:
             os.makedirs(tmp)
         except OSError as err:
             error = err
-    agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
+    agree(error, mesh, f"cannot create the checkpoint directory {tmp}", CheckpointSaveError)
 
 
 def _write_rank(tmp: str, chunks, optimizer, mesh, run_id: str):
@@ -202,7 +202,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
     except Exception as err:  # noqa: BLE001 - every rank learns of it below
         error = err
     try:
-        agree(error, mesh, f"saving iteration {iteration} to {tmp}")
+        agree(error, mesh, f"saving iteration {iteration} to {tmp}", CheckpointSaveError)
         gathered = _gather_to_rank0(mine, mesh)
         error = None
         if mesh.rank == 0:
@@ -219,7 +219,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
                     _commit(directory, tmp, final, iteration)
             except Exception as err:  # noqa: BLE001
                 error = err
-        agree(error, mesh, f"publishing checkpoint {final}")
+        agree(error, mesh, f"publishing checkpoint {final}", CheckpointSaveError)
     except CheckpointError:
         if mesh.rank == 0:  # every rank has stopped writing: nothing partial is left behind
             shutil.rmtree(tmp, ignore_errors=True)

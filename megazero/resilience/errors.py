@@ -21,10 +21,8 @@ import time
 import traceback
 from typing import Optional, TextIO
 
-from megazero.errors import CONFIG, EVERYWHERE, LOCAL, MegazeroError
+from megazero.errors import CONFIG, EVERYWHERE, EXIT_FAILURE, EXIT_USAGE, LOCAL, MegazeroError
 
-CONFIG_EXIT = 2
-FAILURE_EXIT = 1
 WAIT_FOR_RANK0 = 60.0  # seconds a silent rank waits for its launcher (torchrun ends it once rank 0 exits)
 
 
@@ -62,13 +60,14 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
                    world_size: Optional[int] = None, stream: Optional[TextIO] = None,
                    wait: float = WAIT_FOR_RANK0) -> int:
     """Print ``err`` the way its kind asks (see the module docstring) and return the exit status:
-    2 for a configuration error, 1 otherwise.  A rank that stays silent first waits up to ``wait``
-    seconds when other ranks exist: its launcher ends it once rank 0 has printed and exited."""
+    :data:`~megazero.errors.EXIT_USAGE` (2) for a configuration error, ``EXIT_FAILURE`` (1) otherwise.
+    A rank that stays silent first waits up to ``wait`` seconds when other ranks exist: its launcher
+    ends it once rank 0 has printed and exited."""
     rank = rank_of_env() if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
     stream = sys.stderr if stream is None else stream
     kind = _kind(err)
-    code = CONFIG_EXIT if kind == CONFIG else FAILURE_EXIT
+    code = EXIT_USAGE if kind == CONFIG else EXIT_FAILURE
     if kind == "bug":
         lines = traceback.format_exception(type(err), err, err.__traceback__)
         stream.write(f"[rank {rank}] " + "".join(lines))

@@ -9,6 +9,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from megazero.config import ConfigError
+from megazero.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from megazero.planning.planner import (ALPHA_INTER, ALPHA_INTRA, GB, GPUS, RECOMPUTE, Hardware, Layout,
                                        advice, describe, flags, hardware, model_config, plan, to_dict)
 
@@ -76,7 +77,7 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         if args.calibrate:
             from megazero.planning.calibrate import calibrate
             print(json.dumps(calibrate(args.calibrate_ranks, args.calibrate_dir), indent=2))
-            return 0
+            return EXIT_OK
         if args.gpus is None:
             raise ConfigError("--gpus is required (GPUs in total)")
         for flag, v in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--top", args.top)):
@@ -90,7 +91,7 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size, args.fp32)
     except ConfigError as err:
         print(f"plan.py: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     choices = {"micro_batch_sizes": args.micro_batch_sizes, "recompute": args.recompute,
                "zero_stages": args.zero_stages}
     found = plan(cfg, args.gpus, hw, args.margin, saved=saved_activations,
@@ -100,13 +101,13 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
         out = [to_dict(x, model_args, cfg) for x in found]
         if not found:
             print(json.dumps({"layouts": [], "advice": change}))
-            return 1
+            return EXIT_FAILURE
         print(json.dumps(out, indent=2))
-        return 0
+        return EXIT_OK
     if not found:
         print(f"nothing fits {args.gpus} GPUs of {hw.memory_bytes / GB:.0f} GB with a {args.margin:.0%} "
               f"margin; smallest change: {change}")
-        return 1
+        return EXIT_FAILURE
     if args.emit_launch:
         best = found[0]
         text = launch_script(args.emit_launch, flags(best, model_args, cfg), args.gpus, args.gpus_per_node,
@@ -114,11 +115,11 @@ def main(argv: Optional[Sequence[str]], presets) -> int:
                              f"{best.step['step_time_s']:.3g} s per step predicted")
         if not args.emit_path:
             print(text, end="")
-            return 0
+            return EXIT_OK
         with open(args.emit_path, "w") as fh:
             fh.write(text)
         os.chmod(args.emit_path, 0o755)
     _print_table(found, cfg, model_args, args.top, args.gpus, hw)
     if args.emit_path:
         print(f"wrote the {args.emit_launch} launch script of layout 1 to {args.emit_path}")
-    return 0
+    return EXIT_OK

@@ -177,7 +177,8 @@ def main():
               f"{max(x['save_mem'] for x in rows) / mib:>14.0f} "
               f"{max(x['load_s'] for x in rows):>8.2f} {max(x['load_mem'] for x in rows) / mib:>14.0f}  "
               f"{'exact' if all(x['same'] for x in rows) else 'DIFFERS'}")
-    return 0
+    from megazero.errors import EXIT_OK
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megazero.offload import IOCounts, NvmeStore, Streamer, aligned_empty
+from megazero.errors import EXIT_OK
 from megazero.offload.aligned import byte_view
 from bench.timing import interleaved_rounds
 
@@ -287,7 +288,7 @@ def main(argv=None):
         for f in (raw, os.path.join(a.dir, "bench_nvme_dd.bin")):
             if os.path.exists(f):
                 os.unlink(f)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from bench import write_json
 from bench.timing import interleaved_rounds
 from megazero.local_ranks import run_ranks
+from megazero.errors import EXIT_OK
 from megazero.zero import zero_model_state_bytes
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
@@ -524,7 +525,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"model": model, "rounds": args.rounds, "load_average": [load0[0], load1[0]], "rows": rows}
         write_json(out, args.json)
-    return 0
+    return EXIT_OK
 
 
 def _params_of(model: dict):

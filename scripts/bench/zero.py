@@ -57,6 +57,7 @@ from megazero.distributed import all_gather_single, reduce_scatter_single
 from megazero.mesh import ParallelMesh
 from bench.timing import interleaved_rounds
 from megazero.local_ranks import run_ranks
+from megazero.errors import EXIT_OK
 from megazero.zero import build_optimizer, zero_model_state_bytes
 
 
@@ -230,7 +231,7 @@ def main(argv=None) -> int:
         print("gloo collectives, median ms (fp32; reduce-scatter and all-gather move a 1/N shard):")
         for size, t in coll.items():
             print(f"  {size:>9} elements: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in t.items()))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
