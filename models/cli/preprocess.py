@@ -10,8 +10,8 @@ import time
 from megazero.data import preprocess
 from megazero.data.indexed import IndexedDatasetWriter, best_dtype
 from megazero.data.preprocess import TOKENIZER_TYPES, Encoder, batches, is_json, read_documents
-from megazero.errors import EXIT_OK, EXIT_USAGE
 from megazero.data.tokenizer import load_tokenizer
+from megazero.errors import EXIT_OK, EXIT_USAGE
 
 
 def parse_args(argv=None):

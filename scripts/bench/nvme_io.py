@@ -35,9 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megazero.offload import IOCounts, NvmeStore, Streamer, aligned_empty
 from megazero.errors import EXIT_OK
+from megazero.offload import IOCounts, NvmeStore, Streamer, aligned_empty
 from megazero.offload.aligned import byte_view
+from megazero.threads import set_rank_threads
 from bench.timing import interleaved_rounds
 
 MiB = 1 << 20
@@ -273,7 +274,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of (b), after a warm-up")
     p.add_argument("--checksum-rounds", type=int, default=3, help="interleaved rounds of (c); 0: skip it")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_rank_threads()
     raw = os.path.join(a.dir, "bench_nvme_raw.bin")
     raw_bytes = max(a.raw_mib, a.state_mib) * MiB  # (b) compares with a file as large as the state
     try:

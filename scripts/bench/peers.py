@@ -55,8 +55,9 @@ import torch.nn.functional as F
 
 from bench import write_json
 from bench.timing import interleaved_rounds
-from megazero.local_ranks import run_ranks
 from megazero.errors import EXIT_OK
+from megazero.local_ranks import run_ranks
+from megazero.threads import set_rank_threads
 from megazero.zero import zero_model_state_bytes
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
@@ -506,7 +507,7 @@ def main(argv=None) -> int:
     args.model_desc = (f"{model['num_layers']} layers, hidden {model['hidden_size']}, "
                        f"{model['num_attention_heads']} heads, seq {model['seq_length']}, "
                        f"vocab {model['vocab_size']}, untied, no biases")
-    torch.set_num_threads(1)
+    set_rank_threads()
     if torch.__version__ < "2.13":  # a TorchVersion: compares as a version
         print(f"warning: the peers are tested on torch 2.13; with {torch.__version__} (2.6 here) the "
               "interleaved pipelining peer lost a rank", file=sys.stderr)
