@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from megazero.element_bytes import FP32
 from megazero.planning.activations import Dims, Segment
 
 
@@ -57,8 +58,8 @@ def norm_bytes(D: Dims) -> int:
     weight multiply saves the weight, a parameter: not counted).  Measured on CPU (torch 2.13);
     the CUDA RMSNorm figure assumes the same decomposition (not measured here)."""
     if D.rms:
-        return 4 * D.Tl * D.h * 2 + 4 * D.Tl
-    stats = D.E if D.device == "cpu" else 4
+        return FP32 * D.Tl * D.h * 2 + FP32 * D.Tl
+    stats = D.E if D.device == "cpu" else FP32
     return D.E * D.Tl * D.h + 2 * stats * D.Tl
 
 
@@ -111,7 +112,7 @@ def _key_own(D: Dims) -> int:
 
 def _lse(D: Dims) -> int:
     s = -(-D.s // 32) * 32 if D.backend == "efficient" else D.s
-    return 4 * D.b * D.ap * s
+    return FP32 * D.b * D.ap * s
 
 
 def _math_set(D: Dims) -> int:
@@ -192,7 +193,7 @@ def selective_replay(D: Dims) -> int:
 
 def rope_bytes(D: Dims) -> int:
     """fp32 cos and sin ``[s, d]`` (once per chunk forward)."""
-    return 2 * 4 * D.s * D.d if D.rope else 0
+    return 2 * FP32 * D.s * D.d if D.rope else 0
 
 
 def mlp_bytes(D: Dims) -> int:
@@ -245,7 +246,8 @@ def head_bytes(D: Dims) -> int:
     scalar, ``4``); at TP > 1 the vocab-parallel kernel keeps its fp32 softmax ``4 T Vp``, the
     clamped local indices ``8 T`` and the ownership mask ``T``."""
     if D.tp == 1:
-        ce = 4 * D.T * D.v + 8 * D.T + 4
+        ce = FP32 * D.T * D.v + 8 * D.T + FP32
     else:
-        ce = 4 * D.T * D.vp + 8 * D.T + D.T
-    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T * D.cp + 4  # the masked mean: the whole sequence
+        ce = FP32 * D.T * D.vp + 8 * D.T + D.T
+    masked_mean = FP32 * D.T * D.cp + FP32  # the masked mean: the whole sequence
+    return norm_bytes(D) + D.E * D.T * D.h + ce + masked_mean

@@ -221,7 +221,7 @@ class ShardFile:
     def read_into(self, offset: int, out: np.ndarray, copy: bool = True) -> None:
         """Copy the float32 values at byte ``offset`` into ``out`` (its length decides how many), after
         checking the blocks under them (each block once; ``copy=False`` only checks)."""
-        nbytes = 4 * out.size
+        nbytes = out.nbytes
         if offset < 0 or offset + nbytes > self.size:
             raise CheckpointCorrupt(f"{self.path}: bytes {offset}-{offset + nbytes} lie beyond its "
                                     f"{self.size} bytes (truncated)")

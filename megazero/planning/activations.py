@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, NamedTuple
 
+from megazero.element_bytes import compute_bytes
 from megazero.pipeline.partition import chunk_layers
 from megazero.pipeline.schedules import interleaved_warmup
 
@@ -82,7 +83,7 @@ def dims(cfg, device: str = "cuda") -> Dims:
     m, par, pre = cfg.model, cfg.parallel, cfg.precision
     tp = par.tensor_model_parallel_size
     half = bool(pre.bf16 or pre.fp16)
-    E = 2 if half else 4
+    E = compute_bytes(pre)
     cp = par.context_parallel_size
     backend = sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels)
     if cp > 1:

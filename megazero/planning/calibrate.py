@@ -139,12 +139,13 @@ def fit_alpha_beta(points: List[tuple]) -> tuple:
 
 def measure_disk(directory: str, nbytes: int = 256 << 20) -> float:
     """Bytes per second a swap file under ``directory`` moves (module docstring)."""
+    from megazero.element_bytes import FP32
     from megazero.offload import NvmeStore
     from megazero.offload.aligned import aligned_empty, typed_view
     piece = 64 << 20
-    specs = {f"t{i}": piece // 4 for i in range(max(1, nbytes // piece))}
+    specs = {f"t{i}": piece // FP32 for i in range(max(1, nbytes // piece))}
     with NvmeStore(directory, specs, name="calibrate") as store:
-        buf = typed_view(aligned_empty(piece), 0, piece // 4, torch.float32).fill_(1.0)
+        buf = typed_view(aligned_empty(piece), 0, piece // FP32, torch.float32).fill_(1.0)
         start = time.perf_counter()
         for h in [store.write_async(n, buf) for n in specs]:
             h.wait()

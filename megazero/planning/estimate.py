@@ -91,9 +91,7 @@ def bytes_per_param(cfg) -> Dict[str, int]:
     """(param, grad, optimizer) bytes per parameter for the configured precision and optimizer
     (optimizer: fp32 master when it is a separate copy + moments)."""
     bpe = bytes_per_element(cfg)
-    half = bpe["P"] == 2
-    master = 4 if (half or (cfg.parallel.offload_optimizer and cfg.parallel.zero_stage >= 1)) else 0
-    return {"param": bpe["P"], "grad": bpe["G"], "optim": master + bpe["state"]}
+    return {"param": bpe["P"], "grad": bpe["G"], "optim": bpe["master"] + bpe["state"]}
 
 
 def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda", *, saved) -> int:

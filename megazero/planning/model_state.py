@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
+from megazero.element_bytes import bytes_per_element
 from megazero.pipeline.partition import chunk_layers
 from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
 from megazero.zero.stages import overlaps_param_gather
@@ -119,16 +120,6 @@ def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[Bu
                        chunks[cut.chunk][cut.members[0][1]].unit is None) for cut in cuts]
 
 
-def bytes_per_element(cfg) -> Dict[str, int]:
-    """Bytes per element: parameter ``P``, gradient ``G`` and optimizer ``state`` (Adam: two fp32
-    moments; SGD: the momentum buffer if any)."""
-    pre, opt = cfg.precision, cfg.optimizer
-    P = 2 if (pre.bf16 or pre.fp16) else 4
-    G = 4 if pre.grad_reduce_dtype == "fp32" else P
-    state = 8 if opt.optimizer == "adam" else (4 if opt.sgd_momentum else 0)
-    return {"P": P, "G": G, "state": state}
-
-
 def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
               backend: str = "nccl") -> int:
     """Most gradient bytes held in backward: ``persistent`` plus the buckets' temporaries.
@@ -205,12 +196,11 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
     buckets = plan_buckets(cfg, chunks, zero_stage)
     n = sum(b.numel for b in buckets)
     shard = n // dp
-    bpe = bytes_per_element(cfg)
+    bpe = bytes_per_element(cfg, zero_stage)
     from megazero.offload.settings import optimizer_device, param_device
     device = optimizer_device(par) if zero_stage >= 1 else "none"
     offload = device != "none"
-    half = bpe["P"] == 2
-    master = 4 if (half or offload) else 0
+    master = bpe["master"]
     owned = n if zero_stage == 0 else shard
     out = {"params_per_rank": sum(p.numel for c in chunks for p in c),
            "param_bytes": bpe["P"] * (shard if zero_stage == 3 else n),

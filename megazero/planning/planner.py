@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.element_bytes import FP32, bytes_per_element, compute_bytes, grad_bytes
 from megazero.offload.settings import optimizer_device, param_device
 from megazero.planning.estimate import estimate_rank
 from megazero.planning.flops import (hardware_flops_per_iteration, layer_forward_flops_per_token,
@@ -221,7 +222,7 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     tp, pp, dp, vp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                       par.data_parallel_size, par.virtual_pipeline_model_parallel_size)
     cp = par.context_parallel_size
-    n_micro, E = tr.num_micro_batches, 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
+    n_micro, E = tr.num_micro_batches, compute_bytes(cfg.precision)
     act = m.seq_length // cp * tr.micro_batch_size * m.hidden_size * E
     if hw.gpu is not None:  # by shape
         t = micro_batch_seconds(cfg, hw.gpu, hw.knee, hw.attention)
@@ -267,12 +268,11 @@ def nvme_time(cfg, hw: Hardware, compute: float) -> float:
     opt, prm = optimizer_device(par) == "nvme", param_device(par) == "nvme"
     if not (opt or prm):
         return 0.0
-    from megazero.planning.model_state import bytes_per_element
     per_rank = hw.disk_bytes_per_s / max(1, min(hw.gpus_per_node, par.world_size))
     owned, b = estimate_rank_elements(cfg), bytes_per_element(cfg)
     seconds = 0.0
     if opt:  # fp32 master + moments, read and written
-        seconds += owned * float(par.optimizer_offload_fraction) * (4 + b["state"]) * 2 / per_rank
+        seconds += owned * float(par.optimizer_offload_fraction) * (FP32 + b["state"]) * 2 / per_rank
     if prm:
         passes = 2 * cfg.training.num_micro_batches + 1
         seconds += max(0.0, owned * b["P"] * passes / per_rank - compute)
@@ -301,8 +301,7 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
         return 0.0
     n = max(stage_params(cfg, r) for r in {0, par.pipeline_model_parallel_size - 1})
     buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0), zero))
-    P = 2 if (pre.bf16 or pre.fp16) else 4
-    G = 4 if pre.grad_reduce_dtype == "fp32" else P
+    P, G = compute_bytes(pre), grad_bytes(pre)
     link = _link(par.tensor_model_parallel_size * dp, hw)
     shared, bwd = hw.oversubscription > 1, compute - fwd
 

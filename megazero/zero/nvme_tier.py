@@ -20,6 +20,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megazero.element_bytes import FP32
 from megazero.offload import Streamer, check_nvme_path, swap_bytes
 from megazero.offload.nvme import open_store
 from megazero.offload.aligned import ALIGN
@@ -28,7 +29,7 @@ from megazero.offload.aligned import ALIGN
 def subgroup_elements(buffer_size: int, keys: int) -> int:
     """Elements per sub-group so that ``keys`` fp32 tensors, each at a page boundary, fit ``buffer_size``."""
     per_key = (buffer_size // keys) // ALIGN * ALIGN
-    return max(ALIGN // 4, per_key // 4)
+    return max(ALIGN // FP32, per_key // FP32)
 
 
 def cut(length: int, size: int) -> List[Tuple[int, int]]:
