@@ -94,6 +94,18 @@ def test_nan_guard_counts_and_names_the_iteration():
     assert all(off.check(i, float("nan"), None, skipped=True) for i in range(10))
 
 
+def _signal_this_process():
+    """In a child process (run_ranks), never the pytest process: SIGUSR1 to itself under ExitSignals."""
+    mesh = ParallelMesh.single(torch.device("cpu"))
+    res = validate(_settings(exit_interval=3), 1).resilience
+    signals = ExitSignals(["SIGUSR1"])
+    with signals:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        seen = (signals.received, StopConditions(res, signals).reason(1, mesh))
+    return seen, signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
 def test_stop_conditions_interval_duration_and_signal():
     mesh = ParallelMesh.single(torch.device("cpu"))
     res = validate(_settings(exit_interval=3), 1).resilience
@@ -102,13 +114,9 @@ def test_stop_conditions_interval_duration_and_signal():
     late = StopConditions(validate(_settings(exit_duration_in_mins=0.5), 1).resilience, None,
                           started=time.monotonic() - 31)
     assert late.reason(1, mesh) == "--exit-duration-in-mins 0.5 reached"
-    signals = ExitSignals(["SIGUSR1"])
-    with signals:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)
-        assert signals.received == "SIGUSR1"
-        assert StopConditions(res, signals).reason(1, mesh) == "SIGUSR1 received (--exit-signal-handler)"
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # restored
+    [(seen, restored)] = run_ranks(_signal_this_process, 1)
+    assert seen == ("SIGUSR1", "SIGUSR1 received (--exit-signal-handler)")
+    assert restored  # the handler is put back on leaving
 
 
 def test_fault_injection_spec():

@@ -568,18 +568,26 @@ def test_run_multinode_with_two_agents_on_localhost(tmp_path):
     assert latest_iteration(d) == 3
 
 
-def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+def _repeated_signals():
+    """In a child process (run_ranks), never the pytest process: SIGUSR1 three times, then once more
+    after the save started."""
     from megazero.resilience import ExitSignals
     signals = ExitSignals(["SIGUSR1"], grace=0.3)
     with signals:
         for _ in range(3):  # the scheduler's, the launcher's forwarded copy, the agent's death
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.02)
-        assert signals.received == "SIGUSR1" and signals.repeats == 2  # still alive: one request
+        before = (signals.received, signals.repeats)
         signals.saving()
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.02)
-        assert signals.repeats == 3  # within the grace period after the save started
+        return before, signals.repeats
+
+
+def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+    [(before, after)] = run_ranks(_repeated_signals, 1)
+    assert before == ("SIGUSR1", 2)  # still alive: one request
+    assert after == 3  # within the grace period after the save started
     child = subprocess.run([sys.executable, "-c", (
         "import os, signal, time\n"
         "from megazero.resilience.signals import ExitSignals\n"
