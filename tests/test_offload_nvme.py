@@ -382,6 +382,23 @@ def test_a_second_store_on_the_same_swap_file_is_refused_and_the_first_is_not_tr
     assert os.listdir(tmp_path) == []  # the dead holder's scratch file was reused, then removed
 
 
+def test_a_store_dropped_with_requests_in_flight_frees_its_file_and_lock_at_once(tmp_path, monkeypatch):
+    """The requests on the I/O threads hold no reference to the store: dropping it finishes them,
+    removes the file and releases its lock in the dropping thread (a request that held the store
+    kept it, and its lock, alive, and ran its finalizer on an I/O thread: "cannot join current
+    thread")."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    for _ in range(8):
+        store = NvmeStore(tmp_path, {"a": 100000}, block_size=BLOCK)
+        handle = store.write_async("a", torch.ones(100000))
+        del store
+        assert os.listdir(tmp_path) == []  # gone at once, lock and all: the next store may take the file
+        handle.wait()
+    gc.collect()
+    assert unraisable == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_go_through_pinned_buffers(tmp_path):

@@ -260,41 +260,44 @@ class NvmeStore:
         if body < nbytes:
             pieces.append((body, nbytes))
         sums = self._sums.setdefault(name, [None] * len(pieces))
-        return [self._pool.submit(self.stats.busy, self._move, mv[a:e], region.offset + a, write, before,
-                                  name, k, sums, a >= body) for k, (a, e) in enumerate(pieces)]
+        return [self._pool.submit(self.stats.busy, _move, self.fd, self.file, mv[a:e], region.offset + a,
+                                  write, before, name, k, sums, a >= body) for k, (a, e) in enumerate(pieces)]
 
-    def _move(self, mv: memoryview, offset: int, write: bool, before, name: str, block: int,
-              sums: List[Optional[int]], tail: bool) -> None:
-        """One block, on an I/O thread: its checksum recorded before it is written, checked after it is
-        read (requests on one name never overlap, see :meth:`_settle`)."""
-        move = transfer_tail if tail else transfer
-        if write:
-            if before is not None:
-                before.synchronize()
-            sums[block] = block_checksum(mv)
-            try:
-                move(self.fd, mv, offset, True, self.file, None)
-            except BaseException:
-                sums[block] = WRITE_FAILED
-                raise
-            return
+
+def _move(fd: int, file: str, mv: memoryview, offset: int, write: bool, before, name: str, block: int,
+          sums: List[Optional[int]], tail: bool) -> None:
+    """One block of tensor ``name`` of swap file ``file``, on an I/O thread: its checksum recorded
+    before it is written, checked after it is read (requests on one name never overlap, see
+    :meth:`NvmeStore._settle`).  A plain function: a request must not hold the store, or the store
+    could be dropped, and its finalizer run, on one of its own I/O threads."""
+    move = transfer_tail if tail else transfer
+    if write:
+        if before is not None:
+            before.synchronize()
+        sums[block] = block_checksum(mv)
         try:
-            move(self.fd, mv, offset, False, self.file, None)
-        except OSError:
-            size = os.fstat(self.fd).st_size
-            if size < offset + len(mv):
-                raise SwapCorruptError(self.file, name, block, offset, len(mv), f"lies past the end of "
-                                       f"the file ({size} bytes): it was cut short") from None
+            move(fd, mv, offset, True, file, None)
+        except BaseException:
+            sums[block] = WRITE_FAILED
             raise
-        want = sums[block]
-        if want == WRITE_FAILED:
-            raise SwapCorruptError(self.file, name, block, offset, len(mv), "its last write failed (see the "
-                                   "error it raised), so it holds no whole value")
-        if want is not None:
-            got = block_checksum(mv)
-            if got != want:
-                raise SwapCorruptError(self.file, name, block, offset, len(mv),
-                                       f"fails its checksum ({got:016x} read, {want:016x} written)")
+        return
+    try:
+        move(fd, mv, offset, False, file, None)
+    except OSError:
+        size = os.fstat(fd).st_size
+        if size < offset + len(mv):
+            raise SwapCorruptError(file, name, block, offset, len(mv), f"lies past the end of the file "
+                                   f"({size} bytes): it was cut short") from None
+        raise
+    want = sums[block]
+    if want == WRITE_FAILED:
+        raise SwapCorruptError(file, name, block, offset, len(mv), "its last write failed (see the error it "
+                               "raised), so it holds no whole value")
+    if want is not None:
+        got = block_checksum(mv)
+        if got != want:
+            raise SwapCorruptError(file, name, block, offset, len(mv),
+                                   f"fails its checksum ({got:016x} read, {want:016x} written)")
 
 
 def open_store(mesh, *args, **kwargs) -> "NvmeStore":
