@@ -254,8 +254,8 @@ def test_commands_are_in_bash_blocks_where_they_are_checked():
         if lines:
             bad[doc] = lines
     assert bad == {}
-    assert command_lines_outside_bash_blocks("```\npython scripts/plan.py --gpus 8\n[rank0]: done\n```\n") == [
-        "python scripts/plan.py --gpus 8"]
+    block = "```\npython scripts/plan.py --gpus 8\n[rank0]: done\n```\n"
+    assert command_lines_outside_bash_blocks(block) == ["python scripts/plan.py --gpus 8"]
 
 
 @pytest.mark.parametrize("doc", FAST_DOCS)
@@ -307,13 +307,13 @@ def dry_run_problems(token_lists, scratch, monkeypatch, capsys):
             out = capsys.readouterr()
             checked.append((world, what))
             if code != 0 or f"valid for {world} ranks" not in out.out:
-                bad.append(f"{what}: at {world} ranks, --dry-run exited {code}: {(out.out + out.err).strip()}")
+                said = (out.out + out.err).strip()
+                bad.append(f"{what}: at {world} ranks, --dry-run exited {code}: {said}")
     return checked, bad
 
 
 @pytest.mark.slow
-def test_every_documented_training_command_passes_a_dry_run_at_its_world_size(tmp_path, monkeypatch,
-                                                                                 capsys):
+def test_every_documented_training_command_passes_a_dry_run_at_its_world_size(tmp_path, monkeypatch, capsys):
     lists = [(doc, tokens) for doc in FAST_DOCS + OTHER_DOCS for tokens in documented_token_lists(doc)]
     checked, bad = dry_run_problems([t for _, t in lists], tmp_path, monkeypatch, capsys)
     assert bad == []
@@ -328,8 +328,7 @@ def test_every_documented_training_command_passes_a_dry_run_at_its_world_size(tm
 
 
 @pytest.mark.slow
-def test_the_dry_run_check_finds_world_sizes_and_catches_commands_that_do_not_validate(tmp_path, monkeypatch,
-                                                                                        capsys):
+def test_the_dry_run_check_finds_world_sizes_and_catches_bad_commands(tmp_path, monkeypatch, capsys):
     block = ("torchrun --nnodes 2:4 --nproc_per_node=4 scripts/pretrain_gpt.py --model tiny --mock-data\n"
              "NPROC=3 launch/run_local.sh --model tiny --mock-data --tensor-model-parallel-size 2\n"
              "sbatch --nodes 4 --gpus-per-node 2 launch/slurm.sbatch --model tiny --mock-data\n"
@@ -338,6 +337,7 @@ def test_the_dry_run_check_finds_world_sizes_and_catches_commands_that_do_not_va
     checked, bad = dry_run_problems(commands(block), tmp_path, monkeypatch, capsys)
     assert [w for w, _ in checked] == [8, 16, 3, 8, 2]
     assert len(bad) == 2
-    assert bad[0].startswith("NPROC=3 launch/run_local.sh --model tiny --mock-data --tensor-model-parallel-size 2: "
-                             "at 3 ranks, --dry-run exited 2: ") and "--tensor-model-parallel-size" in bad[0]
+    assert bad[0].startswith("NPROC=3 launch/run_local.sh --model tiny --mock-data "
+                             "--tensor-model-parallel-size 2: at 3 ranks, --dry-run exited 2: ")
+    assert "--tensor-model-parallel-size" in bad[0].split("exited 2: ")[1]
     assert bad[1].startswith("WORLD_SIZE=2 megazero-pretrain") and "--attention-dropout 0.1" in bad[1]

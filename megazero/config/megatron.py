@@ -34,6 +34,8 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--override-opt_param-scheduler": ("override_opt_param_scheduler", True),
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
     "--openai-gelu": ("activation", "gelu"),
+    "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
+                                                           True),
 }
 
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values

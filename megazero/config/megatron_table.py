@@ -121,9 +121,6 @@ IGNORED: Dict[str, str] = {
                                             "run's)",
     "--use-mp-args-from-checkpoint-args": "--use-checkpoint-args takes the architecture; the layout is this "
                                           "run's (checkpoints load under any layout)",
-    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command line",
-    "--disable-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command "
-                                                          "line",
     "--no-save-optim": "megazero always saves the optimizer state (so a run resumes exactly)",
     "--no-save-rng": "megazero always saves the generators (so a run resumes exactly)",
     "--test-data-path": "megazero evaluates on the validation set only",

@@ -122,27 +122,39 @@ def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Op
     return None if tok is None else tok.vocab_size
 
 
-def _checkpoint_model_args(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """``--use-checkpoint-args``: the architecture settings of the ``--load`` checkpoint (none when
-    the directory holds no checkpoint yet: the load itself then decides)."""
+def _checkpoint_args(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """``--use-checkpoint-args``: per section, the settings taken from the ``--load`` checkpoint: the
+    architecture and dropout, and its tokenizer unless one is given here (none when the directory
+    holds no checkpoint yet: the load itself then decides)."""
     from megazero.checkpoint.errors import CheckpointError
-    from megazero.checkpoint.format import CHECKPOINT_ARGS
+    from megazero.checkpoint.format import CHECKPOINT_ARGS, CHECKPOINT_TOKENIZER_ARGS
     from megazero.checkpoint.resolve import saved_config
     if not settings.get("load"):
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model's "
                           "architecture from)")
     try:
-        saved = saved_config(settings["load"], settings.get("ckpt_step"))
+        saved = saved_config(settings["load"], settings.get("ckpt_step")) or {}
     except CheckpointError as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
-    model = (saved or {}).get("model", {})
-    return {k: model[k] for k in CHECKPOINT_ARGS if k in model}
+    model, data = saved.get("model", {}), saved.get("data", {})
+    out = {"model": {k: model[k] for k in CHECKPOINT_ARGS if k in model}, "data": {}}
+    if settings.get("no_use_tokenizer_model_from_checkpoint_args") or \
+            any(settings.get(k) is not None for k in CHECKPOINT_TOKENIZER_ARGS):
+        return out
+    out["data"] = {k: data[k] for k in CHECKPOINT_TOKENIZER_ARGS if data.get(k) is not None}
+    for k in ("tokenizer_model", "vocab_file", "merge_file"):
+        if k in out["data"] and not os.path.exists(out["data"][k]):
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(f"--use-checkpoint-args: the checkpoint's tokenizer ({flag} {out['data'][k]}) "
+                              f"is not found from here; pass {flag} PATH, or "
+                              "--no-use-tokenizer-model-from-checkpoint-args to train without it")
+    return out
 
 
 def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> MegazeroConfig:
     """Build a config from ``{field_name: value}`` (a preset named by ``model_preset`` first, then
-    with ``use_checkpoint_args`` the ``--load`` checkpoint's architecture).  With a tokenizer
-    (``tokenizer_model``, ``vocab_file``/``merge_file``, ``tokenizer_type``) the tokenizer's
+    with ``use_checkpoint_args`` the ``--load`` checkpoint's architecture, dropout and tokenizer).  With
+    a tokenizer (``tokenizer_model``, ``vocab_file``/``merge_file``, ``tokenizer_type``) the tokenizer's
     vocabulary size replaces ``vocab_size``."""
     index = field_index()
     per_section: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -154,7 +166,8 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
         for k, v in presets[preset].items():
             per_section[index[k][0]][k] = v
     if settings.get("use_checkpoint_args"):  # over the preset, under the settings given
-        per_section["model"].update(_checkpoint_model_args(settings))
+        for section, taken in _checkpoint_args(settings).items():
+            per_section[section].update(taken)
     for key, value in settings.items():
         if key in ("model_preset", "model", "config"):
             continue

@@ -285,8 +285,11 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "With --load: do not restore the generators; reseed them from "
                            "(--seed, iteration) instead.")
     use_checkpoint_args: bool = _f(False, "Take the model's architecture (layers, sizes, heads, vocabulary, "
-                                   "norms, ...) from the --load checkpoint; architecture flags given on the "
-                                   "command line still win.")
+                                   "norms, ...), its dropout and its tokenizer from the --load checkpoint, "
+                                   "as Megatron-LM does; flags given on the command line still win.")
+    no_use_tokenizer_model_from_checkpoint_args: bool = _f(
+        False, "With --use-checkpoint-args: keep the tokenizer flags of this command line (or none) instead "
+        "of the checkpoint's tokenizer.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
     exit_on_missing_checkpoint: bool = _f(
         False, "With --load: stop with an error when the directory holds no checkpoint, instead of "
