@@ -81,13 +81,50 @@ def _copy_hf_files(src: str, dst: str) -> bool:
 def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
           dtype: str = "fp32", max_shard_size: str = "5GB") -> str:
     """Checkpoint directory ``src`` -> Hugging Face directory ``dst``; returns a line saying what was
-    written."""
-    from megazero.checkpoint import open_weights
+    written.  Without ``iteration``, a checkpoint found damaged while it is read (a block that does not
+    match its checksum) is given up, its shards removed, and the previous one exported, as ``--load``
+    does."""
+    from megazero.checkpoint import CheckpointCorrupt, CheckpointError, open_weights
+    from .hf import hf_config_from
+    skipped, damaged = [], []
+    while True:
+        notes: list = []
+        try:
+            path, meta, saved, get, close = open_weights(src, iteration, flag="--input", notes=notes,
+                                                         skip=skipped)
+        except CheckpointError as err:
+            if not damaged:
+                raise
+            rest = str(err).split("no usable checkpoint: ", 1)[-1]  # why the older ones failed
+            raise CheckpointCorrupt(f"--input {src}: no usable checkpoint: {'; '.join(damaged + [rest])}") \
+                from err
+        try:
+            cfg, files = _write_weights(dst, saved, get, dtype, max_shard_size)
+            break
+        except CheckpointCorrupt as err:
+            if iteration is not None:
+                raise
+            damaged.append(str(err))
+            skipped.append(int(meta["iteration"]))
+        finally:
+            close()
+    hf_config = hf_config_from(cfg)
+    hf_config.dtype = str(DTYPES[dtype]).replace("torch.", "")
+    hf_config.save_pretrained(dst)
+    plural = "s" if len(files) > 1 else ""
+    notes = [f"skipped {d}" for d in damaged] + notes
+    why = f"; not the newest: {'; '.join(notes)}" if notes else ""
+    line = (f"wrote {dst} ({len(files)} safetensors file{plural}, {dtype}) from {path} "
+            f"(iteration {meta['iteration']}{why})")
+    return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"))
+
+
+def _write_weights(dst: str, saved: dict, get, dtype: str, max_shard_size: str):
+    """Stream the checkpoint's parameters (``get(name)``) into safetensors shards in ``dst``; returns
+    ``(whole-model config, file names)``.  On an error the shards written so far are removed."""
     from .checkpoint import model_settings
-    from .hf import hf_config_from, hf_pieces, megazero_names
+    from .hf import hf_pieces, megazero_names
     from .safetensors_io import ShardedWriter, parse_size
-    notes: list = []
-    path, meta, saved, get, close = open_weights(src, iteration, flag="--input", notes=notes)
     cfg = _whole_model_cfg(model_settings(saved))
     names = megazero_names(cfg)
     qkv_parts = 1 if cfg.model.position_embedding_type == "learned_absolute" else 3  # GPT-2: c_attn whole
@@ -99,17 +136,10 @@ def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Option
             for hf_name, t in hf_pieces(name, tensor, cfg):
                 writer.add(hf_name, t, DTYPES[dtype])
             del tensor
-        files = writer.close()
-    finally:
-        close()
-    hf_config = hf_config_from(cfg)
-    hf_config.dtype = str(DTYPES[dtype]).replace("torch.", "")
-    hf_config.save_pretrained(dst)
-    plural = "s" if len(files) > 1 else ""
-    why = f"; not the newest: {'; '.join(notes)}" if notes else ""
-    line = (f"wrote {dst} ({len(files)} safetensors file{plural}, {dtype}) from {path} "
-            f"(iteration {meta['iteration']}{why})")
-    return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"))
+        return cfg, writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _tokenizer_and_generation(dst: str, tokenizer: Optional[str]) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -308,13 +308,15 @@ def _read_chunked(src: SavedShards, tp: int, name: str, dest: np.ndarray) -> Non
 
 
 def open_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load",
-                 notes: Optional[List[str]] = None):
+                 notes: Optional[List[str]] = None, skip: Sequence[int] = ()):
     """``(path, metadata, config, get, close)`` of a checkpoint whose weights are read one parameter at
     a time: ``get(name)`` returns its full fp32 master weight (TP shards joined, vocabulary unpadded) in
     memory of its own, each block checked against its CRC-32 as it is read; ``close()`` when done.
     For an export that must not hold the whole model (:func:`read_weights` reads all at once).
-    ``notes``: a list that receives why the checkpoint taken is not the newest, if it is not."""
-    path, meta, found = resolve_here(directory, iteration, flag=flag)
+    ``notes``: a list that receives why the checkpoint taken is not the newest, if it is not; ``skip``:
+    iterations not to take (a caller that met a damaged block in one falls back past it, as
+    :func:`read_weights` does)."""
+    path, meta, found = resolve_here(directory, iteration, skip, flag=flag)
     if notes is not None:
         notes.extend(found)
     config = read_json(os.path.join(path, CONFIG))
