@@ -274,7 +274,8 @@ class CheckpointConfig:
         "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
     load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
-                             "continue); the same directory as --save may be empty (first job starts fresh).")
+                             "continue). Without a checkpoint there the run starts from scratch (a warning "
+                             "unless it is also --save), as in Megatron-LM.")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
     finetune: bool = _f(
         False, "With --load: take the model weights only and start at iteration 0 with a fresh "
