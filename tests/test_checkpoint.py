@@ -306,7 +306,8 @@ def test_a_load_without_a_checkpoint_starts_from_scratch_and_names_it(tmp_path, 
         "(--exit-on-missing-checkpoint makes this an error)" in capsys.readouterr().out
     argv = ["--mock-data", "--train-iters", "1", "--load", str(empty), "--save", str(tmp_path / "s")]
     assert pretrain_main(argv) == 0
-    assert f"WARNING: --load {empty}: it holds no checkpoint; starting from scratch" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"WARNING: --load {empty}: it holds no checkpoint; starting from scratch" in said
     assert pretrain_main(argv + ["--exit-on-missing-checkpoint"]) == 2
     assert f"--exit-on-missing-checkpoint: no checkpoint in --load {empty}" in capsys.readouterr().err
 

@@ -141,7 +141,8 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
 
 def _no_checkpoint_line(ck) -> str:
     """What rank 0 says when ``--load`` holds no checkpoint (yet)."""
-    start = "fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint else "starting from scratch"
+    start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
+             else "starting from scratch")
     if ck.save and os.path.realpath(ck.save) == os.path.realpath(ck.load):
         return f"no checkpoint in {ck.load} yet (it is also --save): {start}"
     what = "no such directory" if not os.path.exists(ck.load) else "it holds no checkpoint"
