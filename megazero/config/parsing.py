@@ -180,11 +180,25 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = value
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
-    notes = _no_tokenizer(per_section) if vocab is None else []
+    notes = _no_tokenizer(per_section) if vocab is None else _vocab_replaced(settings, per_section, vocab)
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
                           model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _vocab_replaced(settings: Dict[str, Any], per_section: Dict[str, Dict[str, Any]],
+                    vocab: int) -> List[str]:
+    """A --vocab-size given beside a tokenizer with another number of ids: as in Megatron-LM the tokenizer
+    sets the vocabulary; the start-up note says so, naming both."""
+    given = settings.get("vocab_size")
+    data = per_section["data"]
+    if given is None or given == vocab or data.get("tokenizer_type") == "NullTokenizer":
+        return []
+    source = data.get("tokenizer_model") or data.get("vocab_file")
+    return [f"WARNING: --vocab-size {given} ignored: the tokenizer ({source}) has {vocab:,} ids and sets the "
+            "model's vocabulary, as in Megatron-LM; drop --vocab-size (or train without a tokenizer: "
+            "--tokenizer-type NullTokenizer --vocab-size N)"]
 
 
 def _no_tokenizer(per_section: Dict[str, Dict[str, Any]]) -> List[str]:
