@@ -341,3 +341,34 @@ def test_the_dry_run_check_finds_world_sizes_and_catches_bad_commands(tmp_path, 
                              "--tensor-model-parallel-size 2: at 3 ranks, --dry-run exited 2: ")
     assert "--tensor-model-parallel-size" in bad[0].split("exited 2: ")[1]
     assert bad[1].startswith("WORLD_SIZE=2 megazero-pretrain") and "--attention-dropout 0.1" in bad[1]
+
+
+def where_things_live():
+    """docs/design.md's "Where things live" block: {package path: the text about it}; "" is the top of
+    megazero/ (files directly in it) and models/ the top of models/."""
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        text = f.read()
+    block = re.search(r"^## Where things live\n\n```\n(.*?)^```", text, re.S | re.M).group(1)
+    sections, top, current = {}, None, None
+    for line in block.splitlines():
+        if re.match(r"^\S+/", line):
+            top = line.split()[0]
+            current = top
+        elif re.match(r"^  \S+/ ", line):
+            current = top + line.split()[0]
+        sections[current] = sections.get(current, "") + line + "\n"
+    return sections
+
+
+def test_design_names_every_module_where_it_lives():
+    sections = where_things_live()
+    files = subprocess.run(["git", "ls-files", "megazero", "models"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    missing = []
+    for path in files:
+        if not path.endswith((".py", ".txt")) or path.endswith("__init__.py"):
+            continue
+        package, name = path.rsplit("/", 1)
+        if not has_flag(sections.get(package + "/", ""), name):
+            missing.append(path)
+    assert files and missing == [], f"docs/design.md's 'Where things live' does not name {missing}"
