@@ -540,6 +540,7 @@ def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatc
     from models.cli import model_provider
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
-    absent = tmp_path / "absent"
-    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {absent}: no such")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")  # names a checkpoint not there
+    assert main(["--mock-data", "--load", str(tmp_path)], model_provider) == 2
+    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {tmp_path}: no usable "
+                                              "checkpoint: checkpoint ")
