@@ -30,6 +30,9 @@ LAUNCHERS = ("torchrun", "torch.distributed.run", "scripts/launch.py", "megazero
 SHELL_SCRIPT = re.compile(r"(?:^|/)(?:scripts|launch)/[\w.-]+\.(?:sh|sbatch)$")
 ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
+# what the launchers read from the environment: only the documented command sets them here
+LAUNCHER_ENV = {"NPROC", "NNODES", "NPROC_PER_NODE", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RUN_DIR",
+                "MAX_RESTARTS", "NODE_RANK", "JOIN_TIMEOUT", "RDZV_ID", "MEGAZERO_ROOT", "WORLD_SIZE", "RANK"}
 RECORD = 'f="$(mktemp "$MZ_CALLS/call.XXXXXX")"; printf "%s\\0" "$@" > "$f"; exit 0\n'
 STUBS = {"python": RECORD, "python3": RECORD, "srun": RECORD, "torchrun": RECORD,
          "scontrol": 'if [ "$1 $2" = "show hostnames" ]; then echo node0; fi; exit 0\n',
@@ -125,7 +128,8 @@ def _run_shell(tokens: List[str], env: Dict[str, str], scratch: str, what: str) 
         with open(path, "w") as f:
             f.write("#!/bin/sh\n" + body)
         os.chmod(path, 0o755)
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NPROC", "DEMO_"))}
+    run_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith(("SLURM_",
+                                                                                                 "DEMO_"))}
     run_env.update(env, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
                    PYTHON=os.path.join(bin_dir, "python"), MZ_CALLS=calls)
     if tokens[0] in ("bash", "sh"):
