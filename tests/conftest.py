@@ -21,6 +21,7 @@ SLOW_TIER = (
     "test_benchmarks.py::test_bench_gpu_quick_runs_on_cpu",
     "test_benchmarks.py::test_gpu_check_without_a_gpu_says_so",
     "test_benchmarks.py::test_the_gpu_marker_selects_exactly_tests_test_gpu",
+    "test_checkpoint.py::test_a_load_without_a_checkpoint_starts_from_scratch_and_names_it",
     "test_checkpoint.py::test_adam_resharded_to_one_process",
     "test_checkpoint.py::test_dropout_resume_restores_rng_in_the_same_layout",
     "test_checkpoint.py::test_finetune_starts_at_iteration_zero_with_a_fresh_optimizer",

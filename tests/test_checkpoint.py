@@ -296,12 +296,29 @@ def test_one_rank_failing_fails_the_save_everywhere(tmp_path):
 
 
 # ---- (d) errors -----------------------------------------------------------------------------
+def test_a_load_without_a_checkpoint_starts_from_scratch_and_names_it(tmp_path, capsys):
+    """As Megatron-LM: a --load directory that is missing or holds no checkpoint (not the --save one
+    either) is a warning and a fresh start, the same run as without --load;
+    --exit-on-missing-checkpoint makes it an error."""
+    from models.cli import pretrain_main
+    ref = _losses(_run(_cfg(3)))
+    missing, empty = str(tmp_path / "nowhere"), tmp_path / "empty"
+    empty.mkdir()
+    assert _losses(_run(_cfg(3, load=missing))) == ref
+    assert _losses(_run(_cfg(3, load=str(empty)))) == ref
+    assert f"WARNING: --load {missing}: no such directory; starting from scratch, as Megatron-LM does " \
+        "(--exit-on-missing-checkpoint makes this an error)" in capsys.readouterr().out
+    argv = ["--mock-data", "--train-iters", "1", "--load", str(empty), "--save", str(tmp_path / "s")]
+    assert pretrain_main(argv) == 0
+    said = capsys.readouterr().out
+    assert f"WARNING: --load {empty}: it holds no checkpoint; starting from scratch" in said
+    assert pretrain_main(argv + ["--exit-on-missing-checkpoint"]) == 2
+    assert f"--exit-on-missing-checkpoint: no checkpoint in --load {empty}" in capsys.readouterr().err
+
+
 def test_load_errors_name_the_path(tmp_path):
-    missing = str(tmp_path / "nowhere")
-    with pytest.raises(CheckpointError, match=f"--load {missing}: no such directory"):
-        _run(_cfg(load=missing))
-    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is missing"):
-        _run(_cfg(load=str(tmp_path)))
+    with pytest.raises(CheckpointError, match="iter_0000003 is missing or incomplete"):  # asked for by number
+        _run(_cfg(load=str(tmp_path), ckpt_step=3))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
     with pytest.raises(CheckpointError, match="iter_0000007 is missing or incomplete"):
         _run(_cfg(load=str(tmp_path)))
@@ -527,9 +544,10 @@ def test_cli_reports_a_checkpoint_error_without_a_traceback(tmp_path, monkeypatc
     from models.cli import model_provider
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    assert main(["--mock-data", "--load", str(tmp_path / "absent")], model_provider) == 2
-    absent = tmp_path / "absent"
-    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {absent}: no such")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")  # names a checkpoint not there
+    assert main(["--mock-data", "--load", str(tmp_path)], model_provider) == 2
+    assert capsys.readouterr().err.startswith(f"pretrain_gpt.py: error: --load {tmp_path}: no usable "
+                                              "checkpoint: checkpoint ")
 
 
 def test_a_save_that_fails_is_a_failure_not_a_usage_error(tmp_path, monkeypatch, capsys):

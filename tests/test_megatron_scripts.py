@@ -88,8 +88,9 @@ def mindspeed_llama2_13b_flags(tmp):
     """Ascend/MindSpeed-LLM examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (TP 8 there, 2 here). Its
     own flags that megazero answers are kept (the fused-kernel switches, ignored; --tokenizer-name-or-path,
     refused with Megatron-LM's spelling); --tokenizer-type PretrainedFromHF, --handler-name,
-    --enable-hf2mg-convert and --model-type-hf are left out. Its --load names converted weights; here it
-    is the run's own --save directory (empty: a fresh start)."""
+    --enable-hf2mg-convert and --model-type-hf are left out. Its --load names converted weights, a
+    directory of its own; here that directory has no checkpoint: a warning and a fresh start, as in
+    Megatron-LM."""
     return ["--use-mcore-models", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
             "--sequence-parallel", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
             "--num-attention-heads", "4", "--tokenizer-name-or-path", f"{tmp}/tokenizer",
@@ -105,7 +106,7 @@ def mindspeed_llama2_13b_flags(tmp):
             "--weight-decay", "1e-1", "--lr-warmup-fraction", "0.01", "--clip-grad", "1.0", "--adam-beta1",
             "0.9",
             "--initial-loss-scale", "4096", "--adam-beta2", "0.95", "--no-gradient-accumulation-fusion",
-            "--load", f"{tmp}/save", "--no-load-optim", "--no-load-rng", "--use-fused-swiglu",
+            "--load", f"{tmp}/converted", "--no-load-optim", "--no-load-rng", "--use-fused-swiglu",
             "--use-fused-rotary-pos-emb", "--bf16",
             "--ckpt-format", "torch", "--mock-data", "--split", "949,50,1", "--log-interval", "1",
             "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",

@@ -29,7 +29,8 @@ import torch
 
 from megazero.checkpoint.comm import agree, all_ok
 from megazero.checkpoint.errors import CheckpointError, CheckpointSaveError
-from megazero.checkpoint.format import CONFIG, checkpoint_path, named_params, rng_file
+from megazero.checkpoint.format import (CONFIG, checkpoint_path, named_params, rng_file,
+                                        saved_settings)
 from megazero.checkpoint.integrity import describe_file, write_json
 
 
@@ -162,7 +163,7 @@ class AsyncSave:
                     for f, p in gathered:
                         files.update(f)
                         params.update(p)
-                    write_json(os.path.join(self.tmp, CONFIG), self.cfg.to_dict())
+                    write_json(os.path.join(self.tmp, CONFIG), saved_settings(self.cfg))
                     files[CONFIG] = describe_file(os.path.join(self.tmp, CONFIG))
                     meta = _metadata(self.iteration, self.snapshot, self.mesh, self.cfg, self.extra,
                                      self.lock.run_id, files, params)

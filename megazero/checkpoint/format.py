@@ -30,7 +30,22 @@ CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "a
                                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                                  "rope_scaling_high_freq_factor",
                                  "rope_scaling_original_max_position_embeddings",
-                                 "rotary_seq_len_interpolation_factor")
+                                 "rotary_seq_len_interpolation_factor", "hidden_dropout", "attention_dropout")
+# DataConfig fields it takes too (as one group: none of them when any is given), unless
+# --no-use-tokenizer-model-from-checkpoint-args
+CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def saved_settings(cfg) -> Dict[str, object]:
+    """The configuration a checkpoint records (``config.json``): every setting, with the tokenizer's
+    files as absolute paths, so that an export or a ``--use-checkpoint-args`` run started from another
+    directory finds them."""
+    out = cfg.to_dict()
+    data = out.get("data", {})
+    for k in ("tokenizer_model", "vocab_file", "merge_file"):
+        if data.get(k) and os.path.exists(data[k]):
+            data[k] = os.path.abspath(data[k])
+    return out
 
 
 def checkpoint_path(directory: str, iteration: int) -> str:

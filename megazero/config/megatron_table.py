@@ -121,9 +121,6 @@ IGNORED: Dict[str, str] = {
                                             "run's)",
     "--use-mp-args-from-checkpoint-args": "--use-checkpoint-args takes the architecture; the layout is this "
                                           "run's (checkpoints load under any layout)",
-    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command line",
-    "--disable-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command "
-                                                          "line",
     "--no-save-optim": "megazero always saves the optimizer state (so a run resumes exactly)",
     "--no-save-rng": "megazero always saves the generators (so a run resumes exactly)",
     "--test-data-path": "megazero evaluates on the validation set only",
@@ -226,6 +223,42 @@ IGNORED: Dict[str, str] = {
             "--chat-template"),
 }
 
+# Megatron-LM's ModelOpt flags (megatron/post_training/arguments.py), which its pretrain_gpt.py adds when
+# nvidia-modelopt is installed; its GPT-OSS example and ModelOpt recipes pass them
+_QUANT = "quantization (NVIDIA ModelOpt) is not implemented; train in --bf16 and quantize the exported model"
+_DISTILL = "knowledge distillation (NVIDIA ModelOpt) is not implemented"
+_ONE_GPT = "ModelOpt's choice of layer implementation (local or Transformer Engine): megazero has one GPT " \
+           "implementation, whose attention is torch's scaled_dot_product_attention"
+MODELOPT_IGNORED: Dict[str, str] = {
+    **_each(_ONE_GPT, "--export-force-local-attention --export-te-mcore-model --export-default-te-spec"),
+    "--export-legacy-megatron": "ModelOpt's switch for loading a legacy Megatron-LM checkpoint, which "
+                                "megazero cannot read whatever the flag (--load names what it finds; Hugging "
+                                "Face weights: scripts/convert_hf.py --direction to-megazero)",
+}
+MODELOPT_REFUSED: Dict[str, str] = {
+    "--enable-gpt-oss": "GPT-OSS mode (ModelOpt: fills in GPT-OSS's YaRN RoPE constants) is not implemented; "
+                        "give the model's own flags instead",
+    "--export-quant-cfg": _QUANT,
+    **_each(_DISTILL, "--export-kd-teacher-load --export-kd-teacher-model-config "
+                      "--export-kd-teacher-ckpt-format --export-kd-cfg"),
+    "--qad-train-target": "quantization-aware distillation (ModelOpt) is not implemented",
+    "--freeze-base-for-mtp": "multi-token prediction is not implemented",
+    "--modelopt-enabled": "ModelOpt (quantized or distilled) models and checkpoints are not implemented",
+    "--export-qk-l2-norm": "normalising queries and keys (Llama 4's L2 norm) is not implemented",
+    "--export-moe-apply-probs-on-input": _MOE,
+    "--export-offline-model": "ModelOpt's offline speculative-decoding model (embedding and output layer "
+                              "only) is not implemented",
+    **_each("fine-tuning on a Hugging Face dataset (ModelOpt) is not implemented: tokenize it with "
+            "scripts/preprocess_data.py and pass --data-path", "--finetune-hf-dataset --finetune-data-files"),
+}
+IGNORED.update(MODELOPT_IGNORED)
+MODELOPT_DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "--export-model-type": (("GPTModel",), "megazero builds GPT models only"),
+    "--export-kv-cache-quant": (("none",), _QUANT),
+    "--export-real-quant-cfg": (("None",), _QUANT),
+    "--finetune-data-split": (("train",), "used only with --finetune-hf-dataset, which is not implemented"),
+}
+
 IGNORED_PREFIXES: Dict[str, str] = {
     "--inference-": _INFERENCE, "--no-inference-": _INFERENCE, "--inprocess-": _RESILIENCE,
     "--fault-injector-": _RESILIENCE, "--one-logger-": _LOGGING, "--otel-": _LOGGING,
@@ -256,6 +289,7 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
                                                     "implemented"),
     "--expert-model-parallel-size": (("1",), _MOE),
     "--expert-tensor-parallel-size": (("1",), _MOE),
+    **MODELOPT_DEFAULT_ONLY,
 }
 
 REFUSED: Dict[str, str] = {
@@ -378,6 +412,7 @@ REFUSED: Dict[str, str] = {
     "--enable-hf2mg-convert": "convert Hugging Face weights first: scripts/convert_hf.py --direction "
                               "to-megazero",
     "--model-type-hf": "convert Hugging Face weights first: scripts/convert_hf.py --direction to-megazero",
+    **MODELOPT_REFUSED,
 }
 
 REFUSED_PREFIXES: Dict[str, str] = {
@@ -401,7 +436,8 @@ def _prefixed(flag: str, table: Dict[str, str]) -> Optional[str]:
 
 def classify(flag: str, implemented=()) -> Tuple[str, str]:
     """``(kind, reason)`` of a Megatron-LM flag: kind is ``implemented`` (a megazero flag of that name,
-    given in ``implemented``), ``default-only``, ``ignored``, ``refused`` or ``unknown``."""
+    given in ``implemented``), ``default-only``, ``ignored``, ``refused``, ``removed`` (no longer in
+    Megatron-LM's parser: :mod:`megazero.config.megatron_removed`) or ``unknown``."""
     if flag in implemented:
         return "implemented", ""
     if flag in DEFAULT_ONLY:
@@ -415,7 +451,9 @@ def classify(flag: str, implemented=()) -> Tuple[str, str]:
         return "refused", refused
     if ignored:
         return "ignored", ignored
-    return "unknown", ""
+    from megazero.config.megatron_removed import removed_hint
+    removed = removed_hint(flag)
+    return ("removed", removed) if removed else ("unknown", "")
 
 
 def pinned_flags(path: str = PINNED) -> List[str]:

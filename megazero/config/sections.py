@@ -274,7 +274,8 @@ class CheckpointConfig:
         "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
     load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
-                             "continue); the same directory as --save may be empty (first job starts fresh).")
+                             "continue). Without a checkpoint there the run starts from scratch (a warning "
+                             "unless it is also --save), as in Megatron-LM.")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
     finetune: bool = _f(
         False, "With --load: take the model weights only and start at iteration 0 with a fresh "
@@ -285,8 +286,11 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "With --load: do not restore the generators; reseed them from "
                            "(--seed, iteration) instead.")
     use_checkpoint_args: bool = _f(False, "Take the model's architecture (layers, sizes, heads, vocabulary, "
-                                   "norms, ...) from the --load checkpoint; architecture flags given on the "
-                                   "command line still win.")
+                                   "norms, ...), its dropout and its tokenizer from the --load checkpoint, "
+                                   "as Megatron-LM does; flags given on the command line still win.")
+    no_use_tokenizer_model_from_checkpoint_args: bool = _f(
+        False, "With --use-checkpoint-args: keep the tokenizer flags of this command line (or none) instead "
+        "of the checkpoint's tokenizer.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
     exit_on_missing_checkpoint: bool = _f(
         False, "With --load: stop with an error when the directory holds no checkpoint, instead of "

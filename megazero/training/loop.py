@@ -124,18 +124,30 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
 def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     """Before training (collective): ``--save`` must be writable (probed now, not at the first save)
     and this run its only writer (the directory's lock, held until ``guard`` closes); ``--load`` is
-    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``,
-    or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save.  A
-    ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``, or
+    a ``--load`` directory without a checkpoint yet (``--save DIR --load DIR`` before the first save,
+    Megatron's auto-resume pattern; or any other, where Megatron-LM too warns and starts from random),
+    which ``--exit-on-missing-checkpoint`` makes an error."""
     from megazero.checkpoint import CheckpointError, check_save_dir, resume_iteration
     if ck.save:
         guard.save_lock = check_save_dir(ck.save, mesh)
-    it = resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
+    it = resume_iteration(ck.load, mesh, ck.ckpt_step) if ck.load else None
     if ck.load and it is None and ck.exit_on_missing_checkpoint:  # every rank: the answer is rank 0's
         raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}; check the "
                               "path, "
                               "or drop the flag to start from scratch")
     return it
+
+
+def _no_checkpoint_line(ck) -> str:
+    """What rank 0 says when ``--load`` holds no checkpoint (yet)."""
+    start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
+             else "starting from scratch")
+    if ck.save and os.path.realpath(ck.save) == os.path.realpath(ck.load):
+        return f"no checkpoint in {ck.load} yet (it is also --save): {start}"
+    what = "no such directory" if not os.path.exists(ck.load) else "it holds no checkpoint"
+    return (f"megazero: WARNING: --load {ck.load}: {what}; {start}, as Megatron-LM does "
+            "(--exit-on-missing-checkpoint makes this an error)")
 
 
 def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule):
@@ -292,9 +304,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
                  "TFLOP "
                  "per iteration")
     if ck.load and resume_from is None:
-        start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
-                 else "starting from scratch")
-        logger.print(f"no checkpoint in {ck.load} yet (it is also --save): {start}")
+        logger.print(_no_checkpoint_line(ck))
     if loaded:
         logger.print(loaded)
     if logger.dropped_rows:
