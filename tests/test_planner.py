@@ -10,8 +10,9 @@ import pytest
 import models
 from megazero.config import parse_args
 from megazero.planning.estimate import estimate_stages
-from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, describe, enumerate_layouts,
-                                       flags, layout_config, model_config, peak_memory, plan, step_time)
+from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, enumerate_layouts, layout_config,
+                                       peak_memory, plan, step_time)
+from megazero.planning.report import advice, describe, flags, model_config
 
 SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,10 +143,17 @@ def test_calibration_fits_recover_the_constants():
     with pytest.raises(ValueError, match="quieter machine"):
         fit_layer({256: 0.02, 1024: 0.01})
     cal = {"flops": rate, "intra": [alpha, beta], "inter": [alpha, beta], "layer_overhead_s": overhead,
-           "oversubscription": 4.0}
-    machine = Hardware.from_calibration(cal, 64 * GB, 20 * GB, 8)
-    assert (machine.peak_flops, machine.efficiency, machine.intra, machine.oversubscription) == \
-        (rate, 1.0, Link(alpha, beta), 4.0)
+           "oversubscription": 4.0, "cores": 2, "core_flops": 8 * rate}
+    machine = Hardware.from_calibration(cal, 64 * GB, 8)  # the calibrated machine: 8 ranks on 2 cores
+    assert (machine.intra, machine.oversubscription, machine.layer_overhead_s) == \
+        (Link(alpha, beta), 4.0, overhead)
+    # a rank computes at the rate measured for it; a core's peak (8 x) shared by 4 ranks is its peak
+    assert machine.peak_flops * machine.efficiency == pytest.approx(rate, rel=1e-12)
+    assert (machine.peak_flops, machine.efficiency) == pytest.approx((2 * rate, 0.5), rel=1e-12)
+    # 2 ranks on the same 2 cores: a core each, 4x the rate and a quarter of the fixed cost per layer
+    pair = Hardware.from_calibration(cal, 64 * GB, 2)
+    assert (pair.peak_flops * pair.efficiency, pair.oversubscription, pair.layer_overhead_s) == \
+        pytest.approx((4 * rate, 1.0, overhead / 4), rel=1e-12)
 
 
 def test_nothing_fits_gives_the_smallest_change():
@@ -207,7 +215,8 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
     assert (cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0
             and cal["oversubscription"] >= 1)
     assert 1e6 < cal["disk_bytes_per_s"] < 1e12 and os.listdir(tmp_path) == []  # its swap file removed
-    assert Hardware.from_calibration(cal, 1e9, 1e10, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
+    assert Hardware.from_calibration(cal, 1e9, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
+    assert cal["cores"] >= 1 and cal["core_flops"] > 1e8
     assert {n for n, _, _ in cal["allreduce_points"]} == {2}
     cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
     cal_path.write_text(json.dumps(cal))
