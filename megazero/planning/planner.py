@@ -1,12 +1,16 @@
 """Layout planner: which TP x PP x DP + ZeRO layouts fit a cluster, and which is fastest.
 
 :func:`enumerate_layouts` walks tensor parallelism (within a node, dividing heads, query groups,
-hidden and FFN sizes), pipeline parallelism (dividing the layers) with virtual stages (the
-interleaved schedule), data parallelism, ZeRO stage, recomputation, sequence parallelism and
-micro-batch size; context parallelism (the sequence split over CP ranks, ring attention) only when
-no layout fits without it.  :func:`plan` keeps the layouts whose most loaded rank
-(:func:`megazero.planning.estimate.estimate_stages`) fits ``(1 - margin) x`` GPU memory and ranks them by
-:func:`step_time`, a model of one optimizer step:
+hidden and FFN sizes), pipeline parallelism (dividing the layers, with virtual stages for the
+interleaved schedule; or, for a PP size that does not divide them, the most even uneven split of
+``--decoder-first/last-pipeline-num-layers``, as Llama 3 405B's 126 layers on 16 stages), data
+parallelism, ZeRO stage (those that can hold the config's offload tiers), recomputation, sequence
+parallelism and micro-batch size; context parallelism (the sequence split over CP ranks, ring
+attention) only when no layout fits without it.  :func:`plan` keeps the layouts that fit
+``(1 - margin) x`` memory: a GPU's, for the most loaded rank
+(:func:`megazero.planning.estimate.estimate_rank` of :func:`loaded_stages`); or a CPU host's, for the
+sum of its ranks' process memory (:func:`host_memory`, with the host's disk holding their swap
+files).  It ranks them by :func:`step_time`, a model of one optimizer step:
 
 - compute: the slowest stage's forward + backward (2x forward) + recomputation's extra forward
   (:mod:`megazero.planning.flops` counts) per micro-batch, at ``efficiency x`` peak FLOP/s, over
@@ -33,11 +37,12 @@ no layout fits without it.  :func:`plan` keeps the layouts whose most loaded ran
 - a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` fits it, the
   intercept of a real layer's time against its FLOPs, which matters for small models on CPUs).
 
-Ranks that share processors (``Hardware.oversubscription`` > 1: more CPU ranks than cores, as in
-this project's tests) change two things: a rank waiting in the pipeline bubble hands its processor
-to the others, so the step is a rank's own work (the *average* stage's, all progressing together)
-unless the critical path at the full processor's speed is longer; and communication is work for
-the same processors, so no reduction or gather is hidden behind compute.
+On a CPU host (:class:`megazero.planning.hardware.Hardware`) a rank computes at its share of the
+host's cores.  Ranks that share processors (``Hardware.oversubscription`` > 1: more CPU ranks than
+cores, as in this project's tests) change two things: a rank waiting in the pipeline bubble hands
+its processor to the others, so the step is a rank's own work (the *average* stage's, all
+progressing together) unless the critical path at the full processor's speed is longer; and
+communication is work for the same processors, so no reduction or gather is hidden behind compute.
 
 Links follow the rank order ``tp-dp-pp``: a TP group stays in a node; a DP group (``tp x dp``
 consecutive ranks) or a pipeline neighbour (``tp x dp`` ranks away) crosses nodes when that span
