@@ -159,3 +159,31 @@ def test_a_model_that_fits_only_with_nvme_offload_is_told_so_and_plan_py_plans_w
     assert argv[i:i + 6] == tiers and argv.count("--nvme-path") == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert pretrain_main(["--dry-run", *argv, "--mock-data"], presets=models.PRESETS) == 0
+
+
+@pytest.mark.slow
+def test_llama3_405b_fits_its_published_layout_with_the_recomputation_its_memory_needs(monkeypatch, capsys):
+    """Llama 3 405B (Grattafiori et al. 2024): 126 layers on TP 8 x PP 16 (7 layers on the first and
+    the last stage, 8 on the others) x DP 128 = 16,384 H100s, sequence 8192, global batch 2048.
+    The planner fits that layout; for megazero's layers (which keep about 1.7 GB per layer and
+    micro-batch here) only with full recomputation: without it the most loaded rank needs more than
+    an H100 holds (docs/planning.md)."""
+    from megazero.planning.planner import Layout, layout_config, peak_memory
+    from models.cli.pretrain import main as pretrain_main
+    args = ["--num-layers", "126", "--hidden-size", "16384", "--num-attention-heads", "128",
+            "--vocab-size", "128256", "--make-vocab-size-divisible-by", "128",
+            "--max-position-embeddings", "8192",
+            *[a for a in published.LLAMA3 if a != "--use-distributed-optimizer"]]
+    cfg = model_config(args, models.PRESETS, 8192, 2048, fp32=False)
+    found = plan(cfg, 16384, Hardware.for_gpu(GPU_TYPES["H100"]), saved=models.saved_activations,
+                 micro_batch_sizes=(1,), zero_stages=(1,))  # restricted to keep it quick
+    ours = [x for x in found
+            if (x.tp, x.pp, x.dp, x.first, x.last, x.sequence_parallel) == (8, 16, 128, 7, 7, True)]
+    assert ours and {x.recompute for x in ours} == {"full"}
+    assert found[0] in ours  # and it is the fastest that fits
+    bare = layout_config(cfg, Layout(8, 16, 1, 128, 1, "none", True, 1, first=7, last=7), 16384)
+    assert peak_memory(bare, saved=models.saved_activations) > 80e9
+    monkeypatch.setenv("WORLD_SIZE", "16384")
+    argv = flags(ours[0], args, cfg)
+    assert pretrain_main(["--dry-run", *argv, "--mock-data"], presets=models.PRESETS) == 0
+    assert "valid for 16384 ranks: tp 8 pp 16" in capsys.readouterr().out

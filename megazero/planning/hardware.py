@@ -140,6 +140,19 @@ def _given(args, names) -> list:
     return [n for n in names if getattr(args, n[2:].replace("-", "_")) is not None]
 
 
+def default_device(args) -> str:
+    """``--device`` when not given: ``cpu`` with a calibration or a ``--host-*`` flag, ``cuda`` with a
+    ``--gpu*`` flag, else ``cuda`` where this machine has a GPU and ``cpu`` (this host) where not."""
+    if args.device:
+        return args.device
+    if args.calibration or _given(args, HOST_FLAGS):
+        return "cpu"
+    if _given(args, GPU_FLAGS):
+        return "cuda"
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def from_args(args, nvme_path: Optional[str] = None) -> Hardware:
     """The :class:`Hardware` plan.py's flags describe (ConfigError naming a bad flag): GPUs of the
     ``--gpu`` type timed by shape, or at a flat ``--efficiency`` of peak; or, with ``--device cpu``

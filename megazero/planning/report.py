@@ -58,6 +58,12 @@ def advice(cfg, gpus: int, hw: Hardware, margin: float, choices: Dict[str, objec
         if found:
             return (f"allow every micro-batch size, recomputation and ZeRO stage: e.g. {describe(found[0])} "
                     f"needs {_needs(found[0], hw)}")
+    if cpu and hw.disk_bytes is not None and "nvme" in (optimizer_device(par), param_device(par)):
+        found = plan(cfg, gpus, replace(hw, disk_bytes=None), margin, saved=saved, states=states)
+        if found:
+            return (f"a disk with more room: {describe(found[0])} needs {found[0].disk_bytes / GB:.1f} GB of "
+                    f"swap files on the host's disk, which has {hw.disk_bytes / GB:.0f} GB free (--nvme-path "
+                    f"elsewhere, or --host-disk-gb)")
     offloaded = ""
     if not cpu and optimizer_device(par) == "none":
         offloaded = " (--offload-optimizer alone is not enough)"

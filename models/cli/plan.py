@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 
 from megazero.config import ConfigError
 from megazero.planning.hardware import (ALPHA_INTER, ALPHA_INTRA, ATTENTION_KERNELS, GB, GPUS, Hardware,
-                                        from_args)
+                                        default_device, from_args)
 from megazero.planning.planner import RECOMPUTE, Layout, plan
 from megazero.planning.report import advice, describe, flags, model_config, to_dict
 
@@ -27,9 +27,10 @@ def _parser() -> argparse.ArgumentParser:
                    "--calibrate).")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (TP stays inside a node; default 8), or "
                    "ranks per host with --device cpu (default: all on one host).")
-    p.add_argument("--device", choices=["cuda", "cpu"], help="cuda (default): GPUs, each with its own "
-                   "memory; cpu (the default with --calibration): CPU ranks sharing each host's cores, "
-                   "memory and disk.")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="cuda: GPUs, each with its own memory; cpu: "
+                   "CPU ranks sharing each host's cores, memory and disk. Default: cpu with --calibration or "
+                   "a --host-* flag, cuda with a --gpu* flag, else cuda where this machine has a GPU and cpu "
+                   "(this machine) where not.")
     p.add_argument("--host-cores", type=int, help="--device cpu: cores per host (default: this machine's).")
     p.add_argument("--host-memory-gb", type=float,
                    help="--device cpu: memory per host in GB, shared by its ranks (default: this machine's).")
@@ -110,8 +111,7 @@ def _setup(args, model_args, presets):
         raise ConfigError("--global-batch-size is required (sequences per optimizer step)")
     if args.emit_path and not args.emit_launch:
         raise ConfigError("--emit-path goes with --emit-launch slurm|torchrun")
-    if args.device is None:
-        args.device = "cpu" if args.calibration else "cuda"
+    args.device = default_device(args)
     cfg = model_config(model_args, presets, args.seq_length, args.global_batch_size,
                        args.fp32 or args.device == "cpu")
     return cfg, from_args(args, cfg.parallel.nvme_path)
