@@ -17,8 +17,8 @@ the same measurement under torchrun with NCCL) that all work at once, as in trai
 the NVMe offload tiers use it: 256 MiB written, then read back, in 1 MiB direct-I/O requests on 4
 threads (:class:`megazero.offload.NvmeStore`); bytes moved over the time of both passes.
 
-``core_flops``: a core's peak, the rate of a 768 x 768 fp32 matrix product with every rank
-busy, times the ranks per core; the planner's MFU on CPU hosts is relative to it.  ``cores``: the
+``core_flops``: a core's peak, the best rate of a 768 x 768 fp32 matrix product on one thread of
+the calibrating process (:func:`core_peak`); the planner's MFU on CPU hosts is relative to it.  ``cores``: the
 cores this process may use, and ``oversubscription`` the ranks per core (1 when each rank has its
 own).  The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node"
 and "inter-node" links are the same measurement.
@@ -108,18 +108,23 @@ def _time_allreduces(repeats: int) -> List[tuple]:
     return out
 
 
-def _time_matmul(repeats: int) -> float:
-    """FLOP/s of a large fp32 matrix product (the peak a rank reaches), every rank at once."""
-    a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
-    a @ b  # warm-up
-    dist.barrier()
-    return 2.0 * PEAK_N ** 3 / _timed(lambda: a @ b, repeats)
+def core_peak(repeats: int = 10) -> float:
+    """FLOP/s of one core on a large fp32 matrix product: the best of ``repeats`` products on one
+    thread in this process (interference only slows a product down, so the best is the core's)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
+        a @ b  # warm-up
+        best = min(_timed(lambda: a @ b, 1) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * PEAK_N ** 3 / best
 
 
 def _rank_measurements(repeats: int = 5) -> Dict[str, object]:
     """One rank's timings (every rank runs this together)."""
-    return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats),
-            "matmul": _time_matmul(repeats)}
+    return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats)}
 
 
 def fit_layer(timings: Dict[int, float]) -> tuple:
@@ -182,7 +187,7 @@ def calibrate(ranks: int = 8, disk_dir: str = None) -> Dict[str, object]:
     disk = measure_disk(disk_dir or tempfile.gettempdir())
     return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
             "layer_overhead_s": overhead, "oversubscription": sharing, "cores": cores,
-            "core_flops": statistics.median(r["matmul"] for r in results) * sharing,
+            "core_flops": core_peak(),
             "disk_bytes_per_s": disk, "allreduce_points": points}
 
 
