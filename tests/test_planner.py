@@ -406,3 +406,11 @@ def test_a_hosts_memory_holds_the_sum_of_its_ranks():
     x.memory_bytes, x.host_bytes = max(need), 2 * sum(need)
     assert not fits(x, Hardware.cpu_host(4, 4, 2 * sum(need) - 1), 2 * sum(need) - 1)
     assert fits(x, Hardware.cpu_host(4, 4, 2 * sum(need)), 2 * sum(need))
+
+
+def test_a_calibration_without_the_cores_is_refused_with_the_fix(tmp_path, capsys):
+    from models.cli import plan_main
+    old = tmp_path / "cal.json"
+    old.write_text(json.dumps({"flops": 1e10, "intra": [1e-4, 1e-9], "inter": [1e-4, 1e-9]}))
+    assert plan_main(["--gpus", "2", "--calibration", str(old), "--global-batch-size", "8", *MODEL]) == 2
+    assert "run plan.py --calibrate again" in capsys.readouterr().err
