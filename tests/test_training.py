@@ -169,15 +169,19 @@ LAYOUTS = {  # name: (world, config changes)
     "tp2-pp2x2virtual-dp2-zero3": (8, dict(tp=2, pp=2, zero=3, num_layers_per_virtual_pipeline_stage=1)),
     "tp4-dp2-zero1-untied": (8, dict(tp=4, zero=1, untie_embeddings_and_output_weights=True)),
     "dp8-zero3": (8, dict(zero=3)),
-    "pp2-uneven-gpipe-dp4-zero2": (8, dict(pp=2, zero=2, decoder_first_pipeline_num_layers=1,
-                                           pipeline_schedule="gpipe")),
+    # uneven stages shaped like Llama 3's: one layer fewer on the first and the last (1, 2, 2, 1); with
+    # TP, tests/test_pipeline.py (gradients, each flag) and tests/test_checkpoint.py (resharded loads)
+    "pp4-uneven-first-last-dp2-zero2": (8, dict(pp=4, zero=2, num_layers=6,
+                                                decoder_first_pipeline_num_layers=1,
+                                                decoder_last_pipeline_num_layers=1)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_one_process(name):
     world, changes = LAYOUTS[name]
-    single_changes = {k: v for k, v in changes.items() if k in ("untie_embeddings_and_output_weights",)}
+    single_changes = {k: v for k, v in changes.items() if k in ("untie_embeddings_and_output_weights",
+                                                                "num_layers")}
     (ref,) = _run(_cfg(**single_changes), 1)
     ranks = _run(_cfg(**changes), world)
     for hist in ranks:  # the loss reaches every rank

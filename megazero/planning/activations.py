@@ -78,14 +78,20 @@ def sdpa_backend(device: str, half: bool, dropout: bool, head_dim: int) -> str:
     return "flash" if half and head_dim <= 256 else "efficient"
 
 
-def dims(cfg, device: str = "cuda") -> Dims:
-    """:class:`Dims` of a validated config on ``device`` ("cpu" or "cuda")."""
+def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
+    """:class:`Dims` of a validated config on ``device`` ("cpu" or "cuda").  ``attention``: the
+    kernel of the stack being modelled; ``flash`` is the SDPA kernel megazero runs
+    (:func:`sdpa_backend`), ``unfused`` the unfused attention of older Megatron-LM stacks
+    (``--attention-backend unfused``/``local``), which keeps the ``s x s`` scores as the math
+    kernel does."""
     m, par, pre = cfg.model, cfg.parallel, cfg.precision
     tp = par.tensor_model_parallel_size
     half = bool(pre.bf16 or pre.fp16)
     E = compute_bytes(pre)
     cp = par.context_parallel_size
     backend = sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels)
+    if attention == "unfused":
+        backend = "math"
     if cp > 1:
         backend = "ring" if par.cp_comm_type == "p2p" else "ulysses"
     return Dims(s=m.seq_length // cp, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
@@ -145,9 +151,9 @@ def chunk_profile(segments: List[Segment]) -> tuple:
 
 
 # ---- a pipeline stage over the schedule --------------------------------------------------------
-def stage_chunks(cfg, pp_rank: int, saved, device: str = "cuda") -> List[tuple]:
+def stage_chunks(cfg, pp_rank: int, saved, device: str = "cuda", attention: str = "flash") -> List[tuple]:
     """(kept, backward peak) of each of this stage's chunks for one micro-batch."""
-    D = dims(cfg, device)
+    D = dims(cfg, device, attention)
     pp = cfg.parallel.pipeline_model_parallel_size
     ranges = chunk_layers(cfg, pp_rank)
     return [chunk_profile(chunk_segments(cfg, D, len(r), pp_rank == 0 and v == 0,
@@ -210,6 +216,7 @@ def in_flight(cfg, pp_rank: int) -> int:
     return most
 
 
-def stage_activation_peak(cfg, pp_rank: int, saved, device: str = "cuda") -> int:
-    """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
-    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, saved, device))
+def stage_activation_peak(cfg, pp_rank: int, saved, device: str = "cuda", attention: str = "flash") -> int:
+    """Peak activation bytes kept for backward on one rank of stage ``pp_rank`` (``attention``:
+    :func:`dims`)."""
+    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, saved, device, attention))

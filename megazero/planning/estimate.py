@@ -133,11 +133,13 @@ def _temporary(cfg, pp_rank: int, device: str) -> int:
 
 
 def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: str = "cuda",
-                  backend: Optional[str] = None, *, saved,
-                  states: Optional[dict] = None) -> Dict[str, object]:
+                  backend: Optional[str] = None, *, saved, states: Optional[dict] = None,
+                  attention: str = "flash") -> Dict[str, object]:
     """Every component (module docstring) for one rank of stage ``pp_rank``; ``zero_stage``
     defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA.  ``states``: a dict the
-    caller keeps (one planner search) in which model states are looked up and stored."""
+    caller keeps (one planner search) in which model states are looked up and stored.
+    ``attention``: ``unfused`` models a stack whose attention keeps the ``s x s`` scores
+    (:func:`megazero.planning.activations.dims`; the planner's ``--attention-backend``)."""
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     backend = backend or ("gloo" if device == "cpu" else "nccl")
     ms = _model_state(cfg, pp_rank, stage, backend, states)
@@ -146,7 +148,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
             "gathered_param_bytes", "optim_on_cpu")
     out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
-    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device)
+    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device, attention)
     out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
     out["temporary_bytes"] = _temporary(cfg, pp_rank, device)

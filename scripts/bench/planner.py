@@ -56,7 +56,7 @@ def predict(flags, nproc, cal):
     from megazero.config import parse_args
     from megazero.planning.planner import GB, Hardware, step_time
     cfg = parse_args(MODEL + flags + ["--mock-data"], world_size=nproc)
-    hw = Hardware.from_calibration(cal, 64 * GB, 20 * GB, nproc)
+    hw = Hardware.from_calibration(cal, 64 * GB, nproc)  # nproc ranks on the calibrated machine
     return step_time(cfg, hw)["step_time_s"]
 
 
@@ -109,8 +109,8 @@ def main(argv=None):
     if a.fit:
         p.error("--fit goes with --published")
     if a.calibration:
-        with open(a.calibration) as fh:
-            cal = json.load(fh)
+        from megazero.planning.calibrate import load_calibration
+        cal = load_calibration(a.calibration)
     else:
         from megazero.planning.calibrate import calibrate
         cal = calibrate(a.nproc)
