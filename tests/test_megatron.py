@@ -151,7 +151,10 @@ def test_first_iterations_follow_megatrons_scheduler(tmp_path):
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction and --lr-warmup-iters"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
     (["--swiglu", "--activation", "gelu"], "--swiglu means --activation swiglu"),
-    (["--qk-layernorm"], "--qk-layernorm: normalising queries and keys is not implemented"),
+    (["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm: weight decay on the --qk-layernorm scales"),
+    (["--window-size", "7,1"], "--window-size 7,1: attention is causal, so RIGHT must be 0"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq chooses the layers that attend within"),
+    (["--no-position-embedding"], "--no-position-embedding is deprecated.*--position-embedding-type none"),
     (["--finetune"], "--finetune needs --load DIR"),
 ])
 def test_refused_flags_name_the_flag_and_the_fix(flags, needle):
