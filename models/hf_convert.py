@@ -40,7 +40,8 @@ def to_megazero(src: str, dst: str) -> str:
     from . import build_model
     from .hf import config_from_hf, megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
-    cfg = _whole_model_cfg(config_from_hf(AutoConfig.from_pretrained(src)))
+    hf_config = AutoConfig.from_pretrained(src)
+    cfg = _whole_model_cfg(config_from_hf(hf_config))
     meta = ParallelMesh.single(torch.device("meta"))
     with torch.device("meta"):
         skeleton = build_model(cfg, meta)
@@ -55,7 +56,8 @@ def to_megazero(src: str, dst: str) -> str:
             "HuggingFaceTokenizer"
 
     def values(name, _p):  # fp32, read and converted a chunk at a time
-        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32))
+        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32),
+                               hf_config.model_type)
     return save_weights(dst, [skeleton], ParallelMesh.single(), cfg, iteration=0,
                         extra={"converted_from": os.path.abspath(src)}, values=values)
 
@@ -76,21 +78,19 @@ def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Option
     written."""
     from megazero.checkpoint import open_weights
     from .checkpoint import model_settings
-    from .hf import hf_config_from, hf_pieces, megazero_names
+    from .hf import export_groups, hf_config_from
     from .safetensors_io import ShardedWriter, parse_size
     notes: list = []
     path, meta, saved, get, close = open_weights(src, iteration, flag="--input", notes=notes)
     cfg = _whole_model_cfg(model_settings(saved))
-    names = megazero_names(cfg)
-    qkv_parts = 1 if cfg.model.position_embedding_type == "learned_absolute" else 3  # GPT-2: c_attn whole
-    count = sum(qkv_parts if ".attention.qkv." in n else 1 for n in names)
-    writer = ShardedWriter(dst, parse_size(max_shard_size), count)
+    groups = export_groups(cfg)
+    writer = ShardedWriter(dst, parse_size(max_shard_size), sum(len(hf) for _, hf, _ in groups))
     try:
-        for name in names:
-            tensor = get(name)
-            for hf_name, t in hf_pieces(name, tensor, cfg):
+        for mz_names, hf_names, fn in groups:
+            tensors = [get(name) for name in mz_names]
+            for hf_name, t in zip(hf_names, fn(*tensors)):
                 writer.add(hf_name, t, DTYPES[dtype])
-            del tensor
+            del tensors
         files = writer.close()
     finally:
         close()
