@@ -10,7 +10,7 @@ import torch
 
 from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
-                                     model_flops_per_iteration, peak_flops)
+                                     layer_forward_flops_per_token, model_flops_per_iteration, peak_flops)
 from megazero.local_ranks import run_ranks
 from megazero.training.lr import learning_rate
 from models.cli import pretrain_main
@@ -61,6 +61,22 @@ def test_model_flops_match_megatron_formula():
     b, s, L, h, V = 8, 128, 2, 256, gqa.model.padded_vocab_size
     megatron = 12 * b * s * L * h * h * ((1 + 2 / 8 + s / h) + 512 / h * 1.5 + V / (2 * L * h))
     assert model_flops_per_iteration(gqa) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_a_sliding_window_counts_the_keys_a_query_sees():
+    """Half the layers attend within 128 + 1 of 1024 positions: their score and value products are
+    129 / 1024 of a full layer's; the other layers' and the dense products are unchanged."""
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=1024, vocab_size=64)
+    full = _model_cfg(**base)
+    windowed = _model_cfg(**base, window_size=[128, 0], window_attn_skip_freq=2)
+    a, b = (layer_forward_flops_per_token(c) for c in (full, windowed))
+    assert b["dense"] == a["dense"]
+    assert b["attention"] == pytest.approx(a["attention"] * (1 + 129 / 1024) / 2, rel=1e-12)
+    tokens = 8 * 1024
+    saved = 3 * 4 * tokens * (a["attention"] - b["attention"])  # forward + backward, 4 layers
+    assert model_flops_per_iteration(full) - model_flops_per_iteration(windowed) == pytest.approx(saved)
+    wide = _model_cfg(**base, window_size=[4096, 0])  # a window longer than the sequence: no change
+    assert layer_forward_flops_per_token(wide) == a
 
 
 def test_recompute_adds_a_forward_of_the_layers():
