@@ -71,10 +71,15 @@ EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3"}  # the others: LLaMA
 
 
-def hf_model(name):
+def hf_model(name, **over):
+    """A tiny random model of family ``name`` (config fields changed by ``over``), every weight
+    perturbed."""
     import transformers
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(name)).eval()
+    config = family_config(name)
+    for k, v in over.items():
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
