@@ -201,7 +201,7 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
     hf_model_type: Optional[str] = _f(
         None, "The transformers architecture an export writes (scripts/convert_hf.py --direction to-hf): "
-        "set by an import; default the first of gpt2, llama, qwen2, mistral, qwen3, gemma, gemma2, olmo2, "
+        "set by an import; default the first of gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, olmo2, "
         "smollm3 that holds the model.", choices=list(HF_MODEL_TYPES))
     hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
     attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
