@@ -58,9 +58,9 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
                                     "no learned table); Megatron-LM's deprecated flag: for no position "
                                     "embedding at all use --position-embedding-type none."),
-    "--rope-type": dict(choices=["rope", "yarn"], help="Megatron-LM's RoPE of multi-latent attention (not "
-                        "implemented): accepted and named; ordinary attention takes "
-                        "--position-embedding-type rope or yarn."),
+    "--rope-type": dict(choices=["rope", "yarn"], help="Megatron-LM's RoPE type: rope is ordinary "
+                        "attention's (accepted); yarn is multi-latent attention's (not implemented; YaRN for "
+                        "ordinary attention: --position-embedding-type yarn)."),
 }
 
 
@@ -231,10 +231,13 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
                           "--position-embedding-type none")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
+    if given.get("--rope-type") == "yarn":
+        raise ConfigError("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
+                          "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
+                          "--position-embedding-type yarn")
     if given.get("--rope-type"):
-        ignored.append(f"--rope-type {given['--rope-type']} (Megatron-LM reads it in multi-latent attention "
-                       "only; ordinary attention takes --position-embedding-type, here "
-                       f"{out.get('position_embedding_type', 'learned_absolute')})")
+        ignored.append("--rope-type rope (ordinary attention's RoPE, which --position-embedding-type "
+                       "chooses)")
     if out.get("sequence_parallel") and out.get("tensor_model_parallel_size", 1) == 1:
         out["sequence_parallel"] = False
         notes.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "
