@@ -167,9 +167,8 @@ def megazero_names(cfg) -> List[str]:
     """Every parameter name of a whole model of ``cfg`` in the model's order (embeddings first, layers
     in order): the names of a model built on the meta device."""
     from . import build_model
-    whole = cfg.replace(parallel=dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                      context_parallel_size=1, sequence_parallel=False))
-    whole = validate(whole, 1, check_data=False)
+    from .checkpoint import model_settings
+    whole = validate(config_from_dict(model_settings(cfg.to_dict())), 1, check_data=False)  # the model alone
     with torch.device("meta"):
         model = build_model(whole, ParallelMesh.single(torch.device("meta")))
     return [n for n, _ in model.named_parameters()]
