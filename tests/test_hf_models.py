@@ -49,7 +49,11 @@ def _logits(model, ids=IDS):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+BEFORE = ("llama3-rope-scaling", "llama-linear-rope", "qwen2", "qwen2-untied", "mistral")  # the fast tier's
+PARAMS = [f if f in BEFORE else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
 def family(request):
     return request.param, hf_model(request.param)
 

@@ -35,6 +35,8 @@ QWEN3 = dict(LLAMA, qk_layernorm=True, window_size=[5, 0], no_rope_freq=2)
 
 SAVED = saved_activations  # what the model declares it saves for backward
 ARCHS = {"gpt2": GPT2, "llama": LLAMA, "gemma2": GEMMA2, "olmo2": OLMO2, "qwen3": QWEN3}
+ARCH_PARAMS = [pytest.param(a, id=n, marks=[pytest.mark.slow] if n not in ("gpt2", "llama") else [])
+               for n, a in ARCHS.items()]
 
 
 def cfg_of(world=1, **kw):
@@ -51,7 +53,7 @@ def _count(settings):
     return mesh.coord("pp"), sum(p.numel() for c in chunks for p in c.parameters())
 
 
-@pytest.mark.parametrize("arch", list(ARCHS.values()), ids=list(ARCHS))
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_stage_params_match_the_built_model(arch):
     settings = dict(arch, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg = cfg_of(4, **settings)
@@ -59,7 +61,7 @@ def test_stage_params_match_the_built_model(arch):
         assert n == stage_params(cfg, pp_rank)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS.values()), ids=list(ARCHS))
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_total_params_match_one_process(arch):
     import models
     cfg = cfg_of(1, **dict(arch, vocab_size=256, make_vocab_size_divisible_by=128))  # no padding
