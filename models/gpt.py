@@ -26,7 +26,9 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
-from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin, rope_scaling_of
+from megazero.config.patterns import active_window, layer_window, uses_rope
+from .layers import KVCache, Norm, TransformerLayer, window_mask
+from .rope import rope_cos_sin, rope_scaling_of
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -92,6 +94,8 @@ class GPTModel(nn.Module):
         if self.cp_size > 1:
             ids = split_for_cp(ids, 1, self.cp_size, self.cp_rank)
         x = self.word_embeddings(ids.t())
+        if self.cfg.model.scale_embedding:  # Gemma: sqrt(h), rounded to the activations' dtype
+            x = x * torch.tensor(self.cfg.model.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
         if hasattr(self, "position_embeddings") and self.cp_size > 1:
             pos = self.positions(ids.shape[1] * self.cp_size, ids.device)
             if self.sequence_parallel:
@@ -114,7 +118,7 @@ class GPTModel(nn.Module):
 
     def _rope(self, x: torch.Tensor, offset: int = 0):
         m = self.cfg.model
-        if m.position_embedding_type != "rope":
+        if not uses_rope(m):
             return None
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
         full = offset + seq * self.cp_size
@@ -124,15 +128,26 @@ class GPTModel(nn.Module):
             return cos[pos], sin[pos]
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
+    def window_masks(self, x: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """The additive masks of this chunk's sliding windows, one per window that hides keys of this
+        sequence, built once per forward and shared by the layers (SDPA keeps one tensor for all of
+        them).  None where the kernel takes the window itself (context parallelism, soft-capping)."""
+        m = self.cfg.model
+        if self.cp_size > 1 or m.attn_logit_softcapping is not None:
+            return {}
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
+        windows = {active_window(layer_window(m, i), seq) for i in self.layers} - {None}
+        return {w: window_mask(seq, w, x.dtype, x.device) for w in sorted(windows)}
+
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, with full recomputation (uniform or block) when configured."""
-        m, rope = self.cfg.model, self._rope(x)
+        m, rope, masks = self.cfg.model, self._rope(x), self.window_masks(x)
         layers = list(self.decoder.values())
 
         def segment(start, end):
             def run(h):
                 for layer in layers[start:end]:
-                    h = layer(h, rope)
+                    h = layer(h, rope, masks=masks)
                 return h
             return run
 
@@ -146,7 +161,7 @@ class GPTModel(nn.Module):
             if full and m.recompute_method == "block" and i < n:
                 x = recompute(segment(i, i + 1), x, tracker=self.rng_tracker, device=x.device)
             else:
-                x = layers[i](x, rope)
+                x = layers[i](x, rope, masks=masks)
         return x
 
     def output_weight(self) -> torch.Tensor:
@@ -168,8 +183,13 @@ class GPTModel(nn.Module):
             x = layer(x, rope, kv_cache)
         kv_cache.length = past + ids.shape[1]
         x = copy_to_tp(self.final_norm(x), self.mesh)
-        logits = linear(x, self.output_weight(), onednn=self.onednn)
+        logits = self.softcap(linear(x, self.output_weight(), onednn=self.onednn))
         return gather_from_tp(logits, self.mesh)[..., :self.cfg.model.vocab_size].transpose(0, 1)
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap tanh(logits / cap)`` with ``--final-logit-softcapping`` (Gemma 2), else the logits."""
+        cap = self.cfg.model.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -179,7 +199,8 @@ class GPTModel(nn.Module):
             return x
         x = self.final_norm(x)
         x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
-        logits = linear(x, self.output_weight(), onednn=self.onednn)  # [s, b, padded_vocab / tp]
+        # [s, b, padded_vocab / tp]
+        logits = self.softcap(linear(x, self.output_weight(), onednn=self.onednn))
         vocab = self.cfg.model.vocab_size
         if labels is None:
             logits = gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()

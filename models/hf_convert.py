@@ -44,8 +44,8 @@ def to_megazero(src: str, dst: str) -> str:
     from . import build_model
     from .hf import config_from_hf, megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
-    source = AutoConfig.from_pretrained(src)
-    cfg = _whole_model_cfg(config_from_hf(source))
+    hf_config = AutoConfig.from_pretrained(src)
+    cfg = _whole_model_cfg(config_from_hf(hf_config))
     meta = ParallelMesh.single(torch.device("meta"))
     with torch.device("meta"):
         skeleton = build_model(cfg, meta)
@@ -58,12 +58,13 @@ def to_megazero(src: str, dst: str) -> str:
     if _copy_hf_files(src, os.path.join(dst, ASSETS)):
         cfg.data.tokenizer_model, cfg.data.tokenizer_type = os.path.abspath(os.path.join(dst, ASSETS)), \
             "HuggingFaceTokenizer"
-        ids = {k: getattr(source, k, None) for k in SPECIAL_IDS}
+        ids = {k: getattr(hf_config, k, None) for k in SPECIAL_IDS}
         with open(os.path.join(dst, ASSETS, TOKEN_IDS), "w") as fh:
             json.dump({k: v for k, v in ids.items() if v is not None}, fh)
 
     def values(name, _p):  # fp32, read and converted a chunk at a time
-        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32))
+        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32),
+                               hf_config.model_type)
     return save_weights(dst, [skeleton], ParallelMesh.single(), cfg, iteration=0,
                         extra={"converted_from": os.path.abspath(src)}, values=values)
 
@@ -123,19 +124,17 @@ def _write_weights(dst: str, saved: dict, get, dtype: str, max_shard_size: str):
     """Stream the checkpoint's parameters (``get(name)``) into safetensors shards in ``dst``; returns
     ``(whole-model config, file names)``.  On an error the shards written so far are removed."""
     from .checkpoint import model_settings
-    from .hf import hf_pieces, megazero_names
+    from .hf import export_groups
     from .safetensors_io import ShardedWriter, parse_size
     cfg = _whole_model_cfg(model_settings(saved))
-    names = megazero_names(cfg)
-    qkv_parts = 1 if cfg.model.position_embedding_type == "learned_absolute" else 3  # GPT-2: c_attn whole
-    count = sum(qkv_parts if ".attention.qkv." in n else 1 for n in names)
-    writer = ShardedWriter(dst, parse_size(max_shard_size), count)
+    groups = export_groups(cfg)
+    writer = ShardedWriter(dst, parse_size(max_shard_size), sum(len(hf) for _, hf, _ in groups))
     try:
-        for name in names:
-            tensor = get(name)
-            for hf_name, t in hf_pieces(name, tensor, cfg):
+        for mz_names, hf_names, fn in groups:
+            tensors = [get(name) for name in mz_names]
+            for hf_name, t in zip(hf_names, fn(*tensors)):
                 writer.add(hf_name, t, DTYPES[dtype])
-            del tensor
+            del tensors
         return cfg, writer.close()
     except BaseException:
         writer.abort()

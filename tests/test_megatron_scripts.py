@@ -19,6 +19,25 @@ FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-c
        "--fp8-param-gather"]
 
 
+def qwen3_8b_flags(tmp, tokenizer_dir):
+    """NVIDIA/Megatron-LM examples/post_training/modelopt/conf/Qwen/Qwen3-8B.sh (d98e8a6): its MODEL_ARGS,
+    every flag kept, sizes scaled down (36 layers of 4096 with 32 heads of 128 channels and 8 key/value
+    groups -> 2 layers of 64 with 8 heads of 16 channels: heads of other than hidden / heads channels,
+    as Qwen3-0.6B has), TOKENIZER_MODEL a local Hugging Face tokenizer, and the training flags the
+    recipe leaves to its caller (mock data, SGD-free defaults, 2 iterations)."""
+    model = ["--save-interval", "100000", "--micro-batch-size", "1", "--bf16", "--no-masked-softmax-fusion",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+             "rope", "--no-rope-fusion", "--normalization", "RMSNorm", "--swiglu", "--num-layers", "2",
+             "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "8",
+             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
+             "--seq-length", "32", "--max-position-embeddings", "64", "--tokenizer-type",
+             "HuggingFaceTokenizer", "--make-vocab-size-divisible-by", "1187", "--use-mcore-models",
+             "--rotary-percent", "1.0", "--rotary-base", "1000000", "--no-bias-swiglu-fusion"]
+    return model + ["--tokenizer-model", tokenizer_dir, "--mock-data", "--global-batch-size", "4",
+                    "--lr", "1e-4", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2", "--save", f"{tmp}/ckpt", "--log-interval", "1"]
+
+
 def mixtral_8x7b_flags(tmp):
     """NVIDIA/Megatron-LM examples/mixtral/train_mixtral_8x7b_distributed.sh (d98e8a6), WANDB unset."""
     model = ["--use-mcore-models", "--disable-bias-linear", "--seq-length", "32",
@@ -153,6 +172,19 @@ def sp_model(tmp_path_factory):
     return str(d / "tok.model")
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A Hugging Face tokenizer directory (save_pretrained) of a small byte-level BPE."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["To be, or not to be, that is the question."] * 50, vocab_size=300,
+                            special_tokens=["<|endoftext|>"])
+    d = str(tmp_path_factory.mktemp("hf_tokenizer"))
+    PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, eos_token="<|endoftext|>").save_pretrained(d)
+    return d
+
+
 def _without(argv, *flags_and_values):
     """``argv`` less the given flags, each with the values that follow it (until the next flag)."""
     out, skip = [], False
@@ -250,3 +282,18 @@ def test_script_trains_scaled_down(name, tmp_path, gpt2_bpe, sp_model):  # noqa:
     assert run_ranks(_pretrain, world, argv, timeout=300) == [0] * world
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert len(rows) >= 2 and all(r["loss"] == r["loss"] for r in rows)
+
+
+@pytest.mark.slow
+def test_qwen3_recipe_trains_unmodified(tmp_path, hf_tokenizer):
+    """Megatron-LM's Qwen3-8B flags, scaled down, train on 4 ranks (TP 2 x PP 2) as they are:
+    --qk-layernorm (per-head RMSNorm of queries and keys) and --kv-channels 16 with 64 / 8 heads."""
+    argv = qwen3_8b_flags(tmp_path, hf_tokenizer)
+    cfg = parse_args(argv, world_size=4)
+    m = cfg.model
+    assert (m.qk_layernorm, m.qk_layernorm_scope, m.kv_channels, m.num_query_groups) == (True, "head", 16, 2)
+    assert m.padded_vocab_size % (1187 * 2) == 0 and cfg.precision.bf16
+    argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)

@@ -17,7 +17,8 @@ EMBEDDING = "word_embeddings.weight"  # where a tied output head's weight is sto
 # ModelConfig fields that fix the parameter set and shapes (compared on load)
 ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
-               "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights")
+               "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
+               "qk_layernorm", "qk_layernorm_scope", "norm_position")
 
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
@@ -30,7 +31,14 @@ CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "a
                                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                                  "rope_scaling_high_freq_factor",
                                  "rope_scaling_original_max_position_embeddings",
-                                 "rotary_seq_len_interpolation_factor", "hidden_dropout", "attention_dropout")
+                                 "rotary_seq_len_interpolation_factor", "no_rope_freq",
+                                 "rotary_scaling_factor",
+                                 "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                                 "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
+                                 "dynamic_rope_scaling_factor", "window_size", "window_attn_skip_freq",
+                                 "attn_logit_softcapping", "final_logit_softcapping", "softmax_scale",
+                                 "scale_embedding", "hf_model_type", "hidden_dropout",
+                                 "attention_dropout")
 # DataConfig fields it takes too (as one group: none of them when any is given), unless
 # --no-use-tokenizer-model-from-checkpoint-args
 CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

@@ -91,7 +91,7 @@ def _check_compatible(meta: dict, cfg, path: str, load_optim: bool = True) -> st
             f"{cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
             "resume with the same optimizer settings")
     diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
-             for k in ARCH_FIELDS if saved.get(k) != mine[k]]
+             for k in ARCH_FIELDS if k in saved and saved[k] != mine[k]]  # older ones lack newer fields
     return "; ".join(diffs)
 
 

@@ -38,6 +38,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--openai-gelu": ("activation", "gelu"),
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),
+    "--no-yarn-correction-range-round-to-int": ("yarn_correction_range_round_to_int", False),
 }
 
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
@@ -59,7 +60,11 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                                  "the same model in exact arithmetic here, where norm scales get no weight "
                                  "decay."),
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
-                                    "no learned table)."),
+                                    "no learned table); Megatron-LM's deprecated flag: for no position "
+                                    "embedding at all use --position-embedding-type none."),
+    "--rope-type": dict(choices=["rope", "yarn"], help="Megatron-LM's RoPE type: rope is ordinary "
+                        "attention's (accepted); yarn is multi-latent attention's (not implemented; YaRN for "
+                        "ordinary attention: --position-embedding-type yarn)."),
 }
 
 
@@ -224,11 +229,19 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
         ignored.append("--apply-layernorm-1p (the same model in exact arithmetic: norm scales are stored "
                        "as is and, as in Megatron-LM, get no weight decay; in bf16 the compute copy of a "
                        "scale near 1 is coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
-    if given.get("--no-position-embedding") and out.get("position_embedding_type") != "rope":
-        raise ConfigError("--no-position-embedding: a model without any position embedding is not "
-                          "implemented; use it with --position-embedding-type rope or drop it")
+    if given.get("--no-position-embedding") and out.get("position_embedding_type") not in ("rope", "yarn"):
+        raise ConfigError("--no-position-embedding is deprecated (Megatron-LM accepts it only with rotary "
+                          "embeddings): for a model without position embeddings use "
+                          "--position-embedding-type none")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
+    if given.get("--rope-type") == "yarn":
+        raise ConfigError("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
+                          "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
+                          "--position-embedding-type yarn")
+    if given.get("--rope-type"):
+        ignored.append("--rope-type rope (ordinary attention's RoPE, which --position-embedding-type "
+                       "chooses)")
     if out.get("sequence_parallel") and out.get("tensor_model_parallel_size", 1) == 1:
         out["sequence_parallel"] = False
         notes.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "

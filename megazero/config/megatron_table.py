@@ -46,7 +46,8 @@ _MOE = "mixture of experts is not implemented (dense models only); drop the MoE 
 _FSDP = "Megatron-FSDP / torch FSDP2 is not implemented; megazero shards parameters, gradients and " \
         "optimizer state over the data-parallel ranks with --zero-stage 3"
 _RL = "reinforcement learning (GRPO) is not implemented"
-_MLA = "multi-latent attention (and its YaRN RoPE) is not implemented"
+_MLA = "multi-latent attention is not implemented (YaRN for ordinary attention: --position-embedding-type " \
+       "yarn)"
 _HYBRID = "Mamba, linear-attention and hybrid layer stacks are not implemented (transformer layers only)"
 _CP = "only plain context parallelism is implemented: use --context-parallel-size N with --cp-comm-type " \
       "p2p or a2a"
@@ -112,7 +113,6 @@ IGNORED: Dict[str, str] = {
     "--ddp-num-buckets": "bucketing only (megazero: --ddp-bucket-size)",
     "--ddp-reduce-scatter-with-fp32-accumulation": "gradients are accumulated in fp32 already",
     "--ddp-param-name-patterns-for-fp32-local-accumulation": "gradients are accumulated in fp32 already",
-    "--apply-wd-to-qk-layernorm": "acts only on --qk-layernorm weights (refused)",
     "--use-checkpoint-opt-param-scheduler": "megazero checks the schedule against the checkpoint's (an error "
                                             "when they differ; --override-opt-param-scheduler takes this "
                                             "run's)",
@@ -282,8 +282,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--recompute-modules": (("core_attn",), "--recompute-granularity selective recomputes the attention core "
                                             "(core_attn) only"),
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),
-    "--rotary-scaling-factor": (("1.0",), "used by multi-latent attention's YaRN RoPE, which is not "
-                                          "implemented"),
     "--num-distributed-optimizer-instances": (("1",), "one ZeRO group spans the data-parallel ranks"),
     "--tensor-parallel-num-weight-shards": (("1",), "tensor-parallel weight re-materialisation is not "
                                                     "implemented"),
@@ -293,7 +291,8 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
 }
 
 REFUSED: Dict[str, str] = {
-    "--qk-layernorm": "normalising queries and keys is not implemented",
+    "--apply-wd-to-qk-layernorm": "weight decay on the --qk-layernorm scales is not implemented (they get "
+                                  "none, as every norm scale here and in Megatron-LM by default); drop it",
     "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
     "--rotary-interleaved": "interleaved rotary pairs are not implemented (megazero rotates halves, as "
                             "Hugging Face LLaMA does)",
@@ -312,12 +311,9 @@ REFUSED: Dict[str, str] = {
     "--qk-l2-norm": "normalising queries and keys is not implemented",
     "--qk-clip": "QK-clip is not implemented", "--qk-clip-alpha": "QK-clip is not implemented",
     "--qk-clip-threshold": "QK-clip is not implemented",
-    "--no-rope-freq": "layers without rotary embeddings (NoPE) are not implemented",
     "--mrope-section": "multimodal RoPE is not implemented",
     "--relative-attention-num-buckets": "relative position attention (T5) is not implemented",
     "--relative-attention-max-distance": "relative position attention (T5) is not implemented",
-    "--window-size": "sliding-window attention is not implemented (full causal attention)",
-    "--window-attn-skip-freq": "sliding-window attention is not implemented (full causal attention)",
     "--glu-linear-offset": "a GLU offset is not implemented",
     "--quick-geglu": "the quick-GeGLU activation is not implemented (gelu or --swiglu)",
     "--use-fused-weighted-squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
@@ -384,7 +380,6 @@ REFUSED: Dict[str, str] = {
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--v-head-dim": _MLA, "--qk-pos-emb-head-dim": _MLA, "--cache-mla-latents": _MLA,
     "--mla-down-proj-fusion": _MLA,
-    "--mscale": _MLA, "--mscale-all-dim": _MLA, "--rope-type": _MLA,
     "--is-hybrid-model": _HYBRID, "--hybrid-layer-pattern": _HYBRID, "--hybrid-override-pattern": _HYBRID,
     "--disable-mamba-mem-eff-path": _HYBRID, "--linear-attention-freq": _HYBRID,
     "--enable-mhc-connections": "hyper-connections are not implemented",
@@ -418,7 +413,7 @@ REFUSED: Dict[str, str] = {
 REFUSED_PREFIXES: Dict[str, str] = {
     "--moe-": _MOE, "--fp8-": _FP8, "--fp4-": _FP8, "--kitchen-": _FP8,
     "--megatron-fsdp-": _FSDP, "--fsdp-": _FSDP, "--rl-": _RL, "--no-rl-": _RL, "--grpo-": _RL,
-    "--mamba-": _HYBRID, "--linear-": _HYBRID, "--gdp-": _HYBRID, "--yarn-": _MLA, "--no-yarn-": _MLA,
+    "--mamba-": _HYBRID, "--linear-": _HYBRID, "--gdp-": _HYBRID,
     "--mtp-": "multi-token prediction is not implemented",
     "--dsa-": "DeepSeek sparse attention is not implemented",
     "--no-dsa-": "DeepSeek sparse attention is not implemented",

@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from megazero.config.patterns import parse_pattern, parse_pattern_arg, parse_window
+
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
@@ -115,9 +118,33 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = _f(None, "Learned position table size (default seq length).")
     vocab_size: int = _f(512, "Vocabulary size before padding (the tokenizer's, when one is given).")
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP size.")
-    position_embedding_type: str = _f("learned_absolute", "learned_absolute (GPT-2) or rope (LLaMA).",
-                                      choices=["learned_absolute", "rope"])
+    position_embedding_type: str = _f(
+        "learned_absolute", "learned_absolute (GPT-2), rope (LLaMA), yarn (RoPE with YaRN's frequencies and "
+        "attention factor: --rotary-scaling-factor and the --yarn-* flags) or none (no position embedding: "
+        "NoPE).", choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: float = _f(10000.0, "RoPE base.", type=float)
+    no_rope_freq: Optional[Any] = _f(
+        None, "Layers without RoPE (NoPE layers, SmolLM3): N skips it on every N-th layer (counting from 1), "
+        "or a per-layer list expression such as '([0]*3+[1])*2' (1: no RoPE).", type=parse_pattern_arg)
+    rotary_scaling_factor: float = _f(1.0, "YaRN: how much longer than "
+                                      "--yarn-original-max-position-embeddings the context is made (HF "
+                                      "rope_scaling 'factor').", type=float)
+    yarn_original_max_position_embeddings: int = _f(4096, "YaRN: the context length the model was trained "
+                                                    "for.")
+    yarn_beta_fast: float = _f(32.0, "YaRN: rotations above which a frequency is kept (extrapolated).",
+                               type=float)
+    yarn_beta_slow: float = _f(1.0, "YaRN: rotations below which a frequency is divided by the factor.",
+                               type=float)
+    yarn_correction_range_round_to_int: bool = _f(
+        True, "YaRN: round the ramp's ends to whole dimensions (HF 'truncate'); "
+        "--no-yarn-correction-range-round-to-int keeps them fractional.")
+    mscale: float = _f(1.0, "YaRN attention factor: (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim "
+                       "ln(factor) + 1) multiplies cos and sin.", type=float)
+    mscale_all_dim: float = _f(0.0, "YaRN attention factor's denominator (see --mscale).", type=float)
+    dynamic_rope_scaling_factor: Optional[float] = _f(
+        None, "Dynamic NTK RoPE scaling (Hugging Face's rope_scaling type 'dynamic'): a forward over L > "
+        "--max-position-embeddings positions uses base x (factor L / max - factor + 1)^(d / (d - 2)).",
+        type=float)
     use_rope_scaling: bool = _f(
         False, "LLaMA-3.x RoPE scaling (Megatron-LM's --use-rope-scaling): rotary frequencies whose "
         "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor "
@@ -136,15 +163,46 @@ class ModelConfig:
         "(Hugging Face's rope_scaling type 'linear').", type=float)
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", type=float)
+    norm_position: str = _f(
+        "pre", "Where each layer's norms are: pre (the input of attention and of the MLP), post (their "
+        "outputs, before the residual add: OLMo 2) or sandwich (both: Gemma 2).",
+        choices=["pre", "post", "sandwich"])
+    qk_layernorm: bool = _f(False, "Normalise queries and keys (with --normalization) before RoPE (Qwen3, "
+                            "OLMo 2).")
+    qk_layernorm_scope: str = _f("head", "With --qk-layernorm: over each head's channels (head: Qwen3, "
+                                 "Megatron-LM's) or over all heads of a token (all: OLMo 2).",
+                                 choices=["head", "all"])
+    window_size: Optional[List[int]] = _f(
+        None, "Sliding-window attention, Megatron-LM's LEFT,RIGHT: a query sees itself and the LEFT keys "
+        "before it (RIGHT must be 0: attention is causal; LEFT -1: no window). A Hugging Face sliding_window "
+        "W is W-1,0.", type=parse_window)
+    window_attn_skip_freq: Optional[Any] = _f(
+        None, "With --window-size: N makes every N-th layer (counting from 1) attend to everything and the "
+        "others within the window (Gemma 2: 2), or a per-layer list expression such as '[1,1,1,0]*3' (1: "
+        "windowed, 0: full).", type=parse_pattern_arg)
+    attn_logit_softcapping: Optional[float] = _f(
+        None, "Soft-cap the attention scores: cap x tanh(score / cap) before the softmax (Gemma 2).",
+        type=float)
+    final_logit_softcapping: Optional[float] = _f(
+        None, "Soft-cap the output logits: cap x tanh(logit / cap) (Gemma 2).", type=float)
+    softmax_scale: Optional[float] = _f(
+        None, "Scale of the attention scores (default 1 / sqrt(--kv-channels); Gemma 2: "
+        "query_pre_attn_scalar^-0.5).", type=float)
+    scale_embedding: bool = _f(False, "Multiply the word embeddings by sqrt(--hidden-size) (Gemma).")
     activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
-                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu) or swiglu (LLaMA).",
-                         choices=["gelu_exact", "gelu", "swiglu"])
+                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA) or "
+                         "geglu (gated, tanh-approximated GELU: Gemma).",
+                         choices=["gelu_exact", "gelu", "swiglu", "geglu"])
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")
     add_qkv_bias: bool = _f(False, "Biases on the query, key and value projections, even without "
                             "--add-bias-linear's other biases (Qwen2; Megatron-LM's --add-qkv-bias).")
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
+    hf_model_type: Optional[str] = _f(
+        None, "The transformers architecture an export writes (scripts/convert_hf.py --direction to-hf): "
+        "set by an import; default the first of gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, olmo2, "
+        "smollm3 that holds the model.", choices=list(HF_MODEL_TYPES))
     hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
     attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
     init_method_std: float = _f(0.02, "Std of the normal initialisation.", type=float)
@@ -155,6 +213,16 @@ class ModelConfig:
                                              "or layers recomputed per stage (block).")
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
+
+    def __post_init__(self):
+        """Patterns and windows given as text (a config file, a saved config) in their parsed form;
+        text that does not parse is left for validation to name."""
+        for name, parse in (("window_size", parse_window), ("window_attn_skip_freq", parse_pattern),
+                            ("no_rope_freq", parse_pattern)):
+            try:
+                setattr(self, name, parse(getattr(self, name)))
+            except (TypeError, ValueError):
+                pass
 
 
 @dataclass

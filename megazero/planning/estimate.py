@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from megazero.config.patterns import GATED
 from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak
 from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
@@ -59,11 +60,14 @@ def layer_params(cfg) -> int:
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
     bias = m.add_bias_linear
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0) + (h if bias else 0)
-    if m.activation == "swiglu":
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    if m.qk_layernorm:
+        attn += q + kv if m.qk_layernorm_scope == "all" else 2 * d * per_norm
+    if m.activation in GATED:
         mlp = 3 * h * f + ((2 * f + h) if bias else 0)
     else:
         mlp = 2 * h * f + ((f + h) if bias else 0)
-    norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    norms = (4 if m.norm_position == "sandwich" else 2) * h * per_norm
     return attn + mlp + norms
 
 

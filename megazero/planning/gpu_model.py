@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from megazero.element_bytes import compute_bytes
+from megazero.config.patterns import GATED
 from megazero.pipeline.partition import stage_layer_counts
 
 # Elements per token and layer that element-wise forward work reads and writes (module docstring).
@@ -129,7 +130,7 @@ def layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
     kv_ch = m.kv_channels or h // m.num_attention_heads
     q, kv = m.num_attention_heads * kv_ch, (m.num_query_groups or m.num_attention_heads) * kv_ch
     ffn = m.ffn_hidden_size or 4 * h
-    up = 2 * ffn if m.activation == "swiglu" else ffn
+    up = 2 * ffn if m.activation in GATED else ffn
     return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t), (tokens, up // t, h), (tokens, h, ffn // t)]
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megazero.element_bytes import bytes_per_element
+from megazero.config.patterns import GATED
 from megazero.pipeline.partition import chunk_layers
 from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
 from megazero.zero.stages import overlaps_param_gather
@@ -60,8 +61,8 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     bias, rep = m.add_bias_linear, SP if sp else PLAIN
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
 
-    def norm():
-        return [ParamSpec(h, rep, idx)] * (2 if m.normalization == "LayerNorm" else 1)
+    def norm(size=h, kind=rep):
+        return [ParamSpec(size, kind, idx)] * (2 if m.normalization == "LayerNorm" else 1)
 
     def column(out, with_bias=bias):
         return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if with_bias else [])
@@ -69,10 +70,17 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     def row(inp):
         return [ParamSpec(h * inp, PLAIN, idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
 
-    specs = norm() + column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp) + norm()
-    if m.activation == "swiglu":
+    pre, post = m.norm_position in ("pre", "sandwich"), m.norm_position in ("post", "sandwich")
+    attention = column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp)
+    if m.qk_layernorm and m.qk_layernorm_scope == "all":  # split over TP with the heads
+        attention += [ParamSpec(m.num_attention_heads * d // tp, PLAIN, idx),
+                      ParamSpec(m.num_query_groups * d // tp, PLAIN, idx)]
+    elif m.qk_layernorm:  # replicated, gradients summed over TP
+        attention += norm(d, SP) + norm(d, SP)
+    specs = (norm() if pre else []) + attention + (norm() if post else []) + (norm() if pre else [])
+    if m.activation in GATED:
         specs += column(f)
-    return specs + column(f) + row(f)
+    return specs + column(f) + row(f) + (norm() if post else [])
 
 
 def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSpec]:
