@@ -97,7 +97,7 @@ def expert_sizes(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[i
     """The expert decomposition's sizes ``{"etp", "ep", "edp"}`` (``etp`` defaults to ``tp``, as in
     Megatron-LM); ValueError when etp x ep x pp does not divide the world."""
     etp = tp if etp is None else etp
-    for name, value in (("expert-model-parallel size", ep), ("expert-tensor-parallel size", etp)):
+    for name, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if world_size % (etp * ep * pp) != 0:

@@ -302,7 +302,7 @@ def test_expert_layout_by_hand_ep2_tp2_pp2():
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(world_size=8, tp=2, pp=2, ep=4), "not divisible by --expert-tensor-parallel-size 2 x "
                                            "--expert-model-parallel-size 4"),
-    (dict(world_size=8, tp=1, pp=1, ep=0), "expert-model-parallel size must be a positive integer"),
+    (dict(world_size=8, tp=1, pp=1, ep=0), "--expert-model-parallel-size must be a positive integer"),
     (dict(world_size=8, tp=2, pp=2, ep=2, order="tp-dp-pp"), "does not name axis 'ep'"),
     (dict(world_size=8, tp=2, pp=2, ep=1, etp=1, order="tp-pp-dp"), "other pipeline groups"),
 ])

@@ -75,7 +75,8 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                   par.rank_order, device, timeout=timeout_of(cfg),
-                                  cp=par.context_parallel_size)
+                                  cp=par.context_parallel_size, ep=cfg.moe.expert_model_parallel_size,
+                                  etp=cfg.moe.expert_tensor_parallel_size)
     return ParallelMesh.single(device)
 
 
