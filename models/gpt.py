@@ -26,7 +26,9 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from megazero.moe import MoEStats, moe_layers
 from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin, rope_scaling_of
+from .moe import moe_mlp
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -70,8 +72,12 @@ class GPTModel(nn.Module):
                 self.position_embeddings = nn.Embedding(m.max_position_embeddings, h,
                                                         _weight=full.to(mesh.device))
                 self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
-        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
-                                      for i in layers})
+        here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
+        self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
+        self.decoder = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
+                                     mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
+            for i in layers})
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):

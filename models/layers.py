@@ -202,24 +202,28 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or SwiGLU
-    ``fc2(silu(gate(x)) * fc1(x))``; column- then row-parallel."""
+    ``fc2(silu(gate(x)) * fc1(x))``; column- then row-parallel.  ``ffn_hidden_size`` (default
+    ``--ffn-hidden-size``) and ``prefix`` (the init key's, default ``mlp``) serve the MoE layer's shared
+    expert (:mod:`megazero_models.moe`)."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False, ffn_hidden_size: Optional[int] = None,
+                 prefix: str = "mlp"):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
+        ffn = ffn_hidden_size or m.ffn_hidden_size
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.swiglu = m.activation == "swiglu"
         self.gelu_approximation = "tanh" if m.activation == "gelu" else "none"  # gelu_exact: erf
 
         def column(name):
-            init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
-            return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
+            init = normal_init(seed, layer_idx, f"{prefix}.{name}.weight", std)
+            return ColumnParallelLinear(m.hidden_size, ffn, mesh, bias=m.add_bias_linear,
                                         sequence_parallel=sp, init=init, onednn=onednn)
         self.gate = column("gate") if self.swiglu else None
         self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
+        self.fc2 = RowParallelLinear(ffn, m.hidden_size, mesh, bias=m.add_bias_linear,
                                      sequence_parallel=sp, onednn=onednn,
-                                     init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
+                                     init=normal_init(seed, layer_idx, f"{prefix}.fc2.weight", out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -238,10 +242,12 @@ class TransformerLayer(nn.Module):
     different part of the sequence, so it runs under the tracker's fork.
 
     ``onednn``: the linear layers' fp32 CPU products through oneDNN (``--cpu-matmul``, resolved
-    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).
+    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).  ``mlp``: the module
+    in the MLP's place (an MoE layer, :mod:`megazero_models.moe`); default the dense :class:`MLP`.
     """
 
-    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         m = cfg.model
         self.sequence_parallel = cfg.parallel.sequence_parallel
@@ -252,7 +258,7 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
                                    onednn)
         self.post_attention_norm = norm()
-        self.mlp = MLP(cfg, mesh, layer_idx, onednn)
+        self.mlp = mlp if mlp is not None else MLP(cfg, mesh, layer_idx, onednn)
 
     def hidden_dropout(self, h: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:

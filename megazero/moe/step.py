@@ -1,0 +1,27 @@
+"""Once per training step, after backward: the routers' records reduced over the world (one
+all-reduce), the expert biases moved, and the metrics row's MoE entries."""
+from __future__ import annotations
+
+from typing import Dict
+
+from megazero.moe.router import TopKRouter, update_expert_bias
+from megazero.moe.settings import moe_layers
+from megazero.moe.stats import reduce_step, step_metrics
+
+
+def finish_step(chunks, mesh, cfg) -> Dict[str, float]:
+    """Collective (every rank calls it, MoE model or not: it returns ``{}`` without MoE layers).
+    Returns ``moe_aux_loss``, ``moe_z_loss`` (per micro-batch, averaged over the MoE layers),
+    ``moe_tokens_per_expert_min``/``_max``, ``moe_imbalance`` and ``moe_dropped_tokens``
+    (:func:`megazero.moe.stats.step_metrics`)."""
+    layers = moe_layers(cfg)
+    reduced = reduce_step(chunks, mesh, layers, cfg.moe.num_experts or 0, cfg.training.num_micro_batches,
+                          cfg.parallel.data_parallel_size)
+    if reduced is None:
+        return {}
+    row = {layer: i for i, layer in enumerate(layers)}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                update_expert_bias(module, reduced["tokens"][row[module.layer_idx]])
+    return step_metrics(reduced)
