@@ -9,13 +9,14 @@ from megazero.moe.settings import moe_layers
 from megazero.moe.stats import reduce_step, step_metrics
 
 
-def finish_step(chunks, mesh, cfg) -> Dict[str, float]:
-    """Collective (every rank calls it, MoE model or not: it returns ``{}`` without MoE layers).
+def finish_step(chunks, mesh, cfg, num_micro_batches: int) -> Dict[str, float]:
+    """After the step's backward, ``num_micro_batches`` per data-parallel rank.  Collective (every rank
+    calls it, MoE model or not: it returns ``{}`` at once without MoE layers).
     Returns ``moe_aux_loss``, ``moe_z_loss`` (per micro-batch, averaged over the MoE layers),
     ``moe_tokens_per_expert_min``/``_max``, ``moe_imbalance`` and ``moe_dropped_tokens``
     (:func:`megazero.moe.stats.step_metrics`)."""
     layers = moe_layers(cfg)
-    reduced = reduce_step(chunks, mesh, layers, cfg.moe.num_experts or 0, cfg.training.num_micro_batches,
+    reduced = reduce_step(chunks, mesh, layers, cfg.moe.num_experts or 0, num_micro_batches,
                           cfg.parallel.data_parallel_size)
     if reduced is None:
         return {}

@@ -42,6 +42,7 @@ from megazero.planning.flops import device_peak_flops, hardware_flops_per_iterat
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
+from megazero.moe.step import finish_step
 from megazero.precision import compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.rng import seed_default_generators
@@ -318,6 +319,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()
+    moe = finish_step(chunks, mesh, cfg, len(batches))  # MoE routers: records reduced, expert biases moved
     if skip_if is not None:  # the loss first (a collective): every rank decides alike
         loss = _mean_loss(losses, mesh)
         stats = optimizer.step(lr, decoupled_lr, skip=bool(skip_if(loss)))
@@ -334,6 +336,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     rates = (batch * cfg.model.seq_length, work[0] * share, work[1] * share, work[2])
     m = _iteration_metrics(pos.iteration, pos.consumed, loss, lr, stats, pos.skipped, elapsed, optimizer,
                            mesh, rates)
+    m.update(moe)
     if io_before is not None:  # the NVMe tier's traffic in this iteration
         io = optimizer.io_counts() - io_before
         m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds,
