@@ -47,17 +47,20 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]
                     bias: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
     """``y[r] = x[r] @ weight[g(r)].T (+ bias[g(r)])`` for rows ``r`` of group ``g(r)`` (rows grouped
     in group order, ``counts`` rows each; a Python list).  ``backend``: ``bmm`` (padded), ``grouped_mm``
-    (torch's, where the build has it) or ``auto`` (``grouped_mm`` on a GPU, ``bmm`` elsewhere)."""
+    (torch's, where the build has it) or ``auto`` (``grouped_mm`` on a GPU, ``bmm`` elsewhere).
+    Every weight and ``x`` get a gradient (zero where no row used them) even without rows: a rank's
+    backward must reach the token collectives behind ``x``, and ZeRO must see every expert gradient
+    in every backward (reductions in the same order on every rank)."""
     counts = [int(c) for c in counts]
-    groups, out_features = weight.shape[0], weight.shape[1]
+    groups = weight.shape[0]
     if len(counts) != groups or sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_product: {len(counts)} counts summing to {sum(counts)} for {groups} "
                          f"groups and {x.shape[0]} rows")
     if backend == "auto":
         backend = "grouped_mm" if (x.device.type == "cuda" and hasattr(F, "grouped_mm")
                                    and x.dtype != torch.float64) else "bmm"
-    if x.shape[0] == 0:
-        y = x.new_zeros(0, out_features) + weight.sum() * 0  # keeps the weight in the graph
+    if x.shape[0] == 0:  # no rows: still a product of both, so backward reaches x and every weight
+        y = x @ weight[0].t() + weight.sum() * 0  # (the collectives behind x must run on every rank)
     elif backend == "grouped_mm":
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         y = F.grouped_mm(x, weight.transpose(1, 2), offs=offs)

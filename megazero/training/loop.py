@@ -162,8 +162,9 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
         what = f"iteration {it}, {consumed} samples"
     fresh = "" if info["optimizer_loaded"] else "; fresh optimizer"
     rng = "restored" if info["rng_restored"] else ("from --seed" if ck.finetune else "reseeded")
+    experts = f" ep {lay['ep']} etp {lay['etp']}" if "ep" in lay else ""
     line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} "
-            f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
+            f"dp {lay['dp']}{experts} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
     return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
