@@ -318,3 +318,28 @@ def test_dispatchers_across_ranks_against_a_loop(ep, etp, kind):
     weight gradients of every rank against a float64 loop over the tokens of its expert group."""
     for errors in run_ranks(_dispatch_rank, 4, ep, etp, kind):
         assert max(errors) <= 1e-11, errors
+
+
+def _no_tokens_rank(kind):
+    """Every token of both ranks goes to experts 0-3 (rank 0's): rank 1's experts get none, yet its
+    backward must reach the token collectives (the peers wait in them) and give every weight a gradient."""
+    mesh = ParallelMesh.build(ep=2)
+    cfg = _cfg(["--swiglu", "--expert-model-parallel-size", "2"], world=2)
+    experts = GroupedExperts(cfg, mesh, 1).double()
+    g = torch.Generator().manual_seed(7 + mesh.rank)
+    x = torch.randn(6, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    logits = torch.randn(6, 8, dtype=torch.float64, generator=g)
+    logits[:, 4:] -= 100.0
+    probs, rmap = topk_routing(logits, 2)
+    out = build_dispatcher(kind, mesh, 8)(x, probs, rmap, experts)
+    out.sum().backward()
+    grads = [p.grad for p in (experts.fc1_weight, experts.gate_weight, experts.fc2_weight)]
+    return [g is not None for g in grads], [float(g.abs().sum()) for g in grads], x.grad is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_a_rank_whose_experts_get_no_token(kind):
+    first, second = run_ranks(_no_tokens_rank, 2, kind, timeout=60)
+    assert first[0] == second[0] == [True] * 3 and first[2] and second[2]
+    assert min(first[1]) > 0 and second[1] == [0.0] * 3  # rank 1's experts: zero gradients, but gradients
