@@ -169,4 +169,6 @@ def test_bf16_under_ep2_follows_one_process_bf16():
     rounding = max(abs(a - b) for a, b in zip(single, fp32))
     assert rounding > 0
     got = [m["loss"] for m in _run(_cfg(bf16=True, expert_model_parallel_size=2, zero_stage=2, **tiny), 2)]
-    assert max(abs(a - b) for a, b in zip(got, single)) <= 3 * rounding
+    diff = max(abs(a - b) for a, b in zip(got, single))
+    print("bf16 EP 2 vs single max |diff|", diff, "bf16 single vs fp32", rounding)
+    assert diff <= 3 * rounding
