@@ -141,6 +141,9 @@ def _rope_parameters(m) -> Dict[str, Any]:
 
 def hf_config_from(cfg):
     """A ``transformers`` config (GPT2Config, LlamaConfig or Qwen2Config) for a megazero config."""
+    if getattr(cfg, "moe", None) is not None and cfg.moe.num_experts:
+        raise ConfigError("a mixture of experts (--num-experts) does not convert to transformers yet "
+                          "(Mixtral / Qwen2-MoE export is not implemented)")
     m, arch = cfg.model, arch_of(cfg.model)
     if arch == "gpt2":
         from transformers import GPT2Config

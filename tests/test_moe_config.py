@@ -106,3 +106,48 @@ def test_bad_moe_flags_exit_2_with_one_line(monkeypatch, capsys):
         assert pretrain_main(BASE + extra + ["--dry-run"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and needle in err[0], err
+
+
+# ---- what a run reports: parameters, FLOPs, the console line --------------------------------------
+DENSE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+         "--disable-bias-linear"]  # SwiGLU's default --ffn-hidden-size: 128
+MODEL = DENSE + ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "2",
+                 "--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate"]
+
+
+def test_total_and_active_parameters_match_the_built_model():
+    from megazero.planning.estimate import stage_params, total_params
+    from megazero.training.summary import parameter_line
+    from models import build_model
+    cfg = parse_args(MODEL, world_size=1)
+    model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert total_params(cfg, padded=True) == stage_params(cfg, 0) == n
+    per_expert = 3 * 64 * 32  # SwiGLU: gate, fc1, fc2
+    assert total_params(cfg) - total_params(cfg, active=True) == 2 * (8 - 2) * per_expert  # 2 MoE layers
+    line = parameter_line(cfg)
+    assert f"{total_params(cfg, active=True):,}" in line and "2 of 8 experts" in line
+    ep = parse_args(MODEL + ["--expert-model-parallel-size", "4"], world_size=4)
+    assert stage_params(ep, 0) == n - 2 * (8 - 2) * per_expert  # a rank holds 2 of the 8 experts
+
+
+def test_flops_count_the_active_experts():
+    from megazero.planning.flops import model_flops_per_iteration
+    cfg, dense = parse_args(MODEL, world_size=1), parse_args(DENSE, world_size=1)
+    tokens = cfg.training.global_batch_size * cfg.model.seq_length
+    h, f, s = 64, 32, 48
+    # forward FLOPs per token, 2 x multiply-adds (SwiGLU: 3 matrices): router, 2 experts, shared, gate
+    moe_layer = 2 * h * 8 + 2 * 3 * 2 * h * f + 3 * 2 * h * s + 2 * h
+    dense_mlp = 3 * 2 * h * 128  # the dense MLP the MoE layers replace
+    assert model_flops_per_iteration(cfg) - model_flops_per_iteration(dense) == \
+        pytest.approx(3 * tokens * 2 * (moe_layer - dense_mlp), rel=1e-12)  # 2 MoE layers, x3 with backward
+
+
+def test_console_line_reports_the_routers():
+    from megazero.training.log import format_line
+    row = dict(iteration=3, loss=4.0, lr=1e-3, grad_norm=0.5, loss_scale=1.0, iteration_time=0.1,
+               tokens_per_sec=10.0, moe_aux_loss=1.0123, moe_tokens_per_expert_min=3.0,
+               moe_tokens_per_expert_max=29.0, moe_imbalance=1.81, moe_dropped_tokens=5.0)
+    line = format_line(row, 10)
+    assert "moe aux loss 1.0123 tokens/expert 3-29 (imbalance 1.81) dropped 5" in line
+    assert "z loss" not in line

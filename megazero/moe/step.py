@@ -12,7 +12,8 @@ from megazero.moe.stats import reduce_step, step_metrics
 def finish_step(chunks, mesh, cfg, num_micro_batches: int) -> Dict[str, float]:
     """After the step's backward, ``num_micro_batches`` per data-parallel rank.  Collective (every rank
     calls it, MoE model or not: it returns ``{}`` at once without MoE layers).
-    Returns ``moe_aux_loss``, ``moe_z_loss`` (per micro-batch, averaged over the MoE layers),
+    Returns ``moe_aux_loss``, ``moe_z_loss`` (per micro-batch, averaged over the MoE layers; each only
+    when its coefficient is set),
     ``moe_tokens_per_expert_min``/``_max``, ``moe_imbalance`` and ``moe_dropped_tokens``
     (:func:`megazero.moe.stats.step_metrics`)."""
     layers = moe_layers(cfg)
@@ -25,4 +26,10 @@ def finish_step(chunks, mesh, cfg, num_micro_batches: int) -> Dict[str, float]:
         for module in chunk.modules():
             if isinstance(module, TopKRouter):
                 update_expert_bias(module, reduced["tokens"][row[module.layer_idx]])
-    return step_metrics(reduced)
+    out = step_metrics(reduced)
+    moe = cfg.moe
+    if moe.moe_router_load_balancing_type == "none" or not moe.moe_aux_loss_coeff:
+        del out["moe_aux_loss"]  # not computed: no value to report
+    if not moe.moe_z_loss_coeff:
+        del out["moe_z_loss"]
+    return out
