@@ -105,6 +105,8 @@ COMPOSED = {  # name: (settings of both runs, layout on 4 ranks)
         dict(moe_router_load_balancing_type="seq_aux_loss", moe_router_score_function="sigmoid",
              moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05),
         dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2, zero_stage=3)),
+    "gpipe-pp2-ep2-zero2": (dict(), dict(pipeline_model_parallel_size=2, pipeline_schedule="gpipe",
+                                         expert_model_parallel_size=2, zero_stage=2)),
     "interleaved-pp2-tp2-etp1-ep2": (dict(), dict(pipeline_model_parallel_size=2,
                                                   tensor_model_parallel_size=2, sequence_parallel=True,
                                                   num_layers_per_virtual_pipeline_stage=1,
@@ -158,17 +160,20 @@ def test_nvme_offload_and_metrics_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_under_ep2_follows_one_process_bf16():
-    """bf16 under EP 2 x ZeRO-2 against one-process bf16: both are the fp32 computation plus bf16 rounding
-    in other summation orders, so they differ by about the single run's own distance from fp32
-    (tests/test_mixed_precision.py's rule): at most three times it (Adam, 6 steps, 2 layers)."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_under_ep2_follows_one_process(dtype):
+    """bf16 / fp16 (loss scaling: the aux losses' gradient is scaled with the loss's) under EP 2 x
+    ZeRO-2 against one process in the same dtype: both are the fp32 computation plus half-precision
+    rounding in other summation orders, so they differ by about the single run's own distance from
+    fp32 (tests/test_mixed_precision.py's rule): at most three times it (Adam, 6 steps, 2 layers)."""
     tiny = dict(optimizer="adam", lr=1e-2, lr_decay_style="constant", num_layers=2, moe_layer_freq="2",
                 iters=6, clip_grad=1.0)
+    half = {dtype: True, **({"initial_loss_scale": 2.0 ** 12} if dtype == "fp16" else {})}
     fp32 = [m["loss"] for m in _train(_cfg(**tiny))]
-    single = [m["loss"] for m in _train(_cfg(bf16=True, **tiny))]
-    rounding = max(abs(a - b) for a, b in zip(single, fp32))
-    assert rounding > 0
-    got = [m["loss"] for m in _run(_cfg(bf16=True, expert_model_parallel_size=2, zero_stage=2, **tiny), 2)]
-    diff = max(abs(a - b) for a, b in zip(got, single))
-    print("bf16 EP 2 vs single max |diff|", diff, "bf16 single vs fp32", rounding)
-    assert diff <= 3 * rounding
+    single = _train(_cfg(**half, **tiny))
+    rounding = max(abs(m["loss"] - b) for m, b in zip(single, fp32))
+    assert rounding > 0 and not any(m["skipped"] for m in single)
+    got = _run(_cfg(expert_model_parallel_size=2, zero_stage=2, **half, **tiny), 2)
+    diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, single))
+    print(dtype, "EP 2 vs single max |diff|", diff, "single vs fp32", rounding)
+    assert diff <= 3 * rounding and [m["skipped"] for m in got] == [m["skipped"] for m in single]

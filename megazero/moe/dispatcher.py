@@ -16,8 +16,6 @@ expert outputs in the same order.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 
 from megazero.moe.comm import (all_to_all_rows, exchange_counts, gather_counts, gather_rows,
@@ -36,21 +34,16 @@ def _combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, rows: i
     return out.index_add(0, token, y.to(weight.dtype) * weight.unsqueeze(1))
 
 
-def _block_order(counts: torch.Tensor) -> List[int]:
+def _block_order(counts: torch.Tensor, device) -> torch.Tensor:
     """Row permutation that regroups rows laid out in blocks ``counts [a, b, E_local]`` (a-major) by
     their last index first (expert-major, then a, then b)."""
-    flat = counts.reshape(-1).tolist()
-    starts, pos = [], 0
-    for c in flat:
-        starts.append(pos)
-        pos += c
-    shape = counts.shape
-    order: List[int] = []
-    for e in range(shape[-1]):
-        for i in range(shape[0] * shape[1]):
-            k = i * shape[-1] + e
-            order.extend(range(starts[k], starts[k] + flat[k]))
-    return order
+    flat = counts.reshape(-1).to(torch.int64)
+    starts = torch.cumsum(flat, 0) - flat
+    by_expert = torch.arange(flat.numel()).view(counts.shape).permute(2, 0, 1).reshape(-1)
+    lengths, firsts = flat[by_expert], starts[by_expert]
+    offsets = torch.cumsum(lengths, 0) - lengths  # each block's first row in the new order
+    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
+    return (torch.repeat_interleave(firsts, lengths) + within).to(device)
 
 
 class AllToAllDispatcher:
@@ -72,7 +65,7 @@ class AllToAllDispatcher:
         layout = gather_counts(recv, mesh.group("etp")) if etp > 1 else recv.unsqueeze(0)
         sizes = layout.sum((1, 2)).tolist()
         rows = gather_rows(rows, mesh.group("etp"), sizes, mesh.coord("etp"))
-        order = torch.tensor(_block_order(layout), dtype=torch.long, device=x.device)
+        order = _block_order(layout, x.device)
         y = experts(rows.index_select(0, order), layout.sum((0, 1)).tolist())
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (peer, source, expert) order
         y = reduce_scatter_rows(y, mesh.group("etp"), sizes, mesh.coord("etp"))
