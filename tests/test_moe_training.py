@@ -76,9 +76,10 @@ def test_ep4_dp2_zero1_matches_one_process(one_process):
 
 
 CAPACITY = {  # name: (settings of both runs, world, layout)
-    "probs-tp2-sp-ep2-zero2": (dict(moe_expert_capacity_factor=1.0), 4,
-                               dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                                    expert_model_parallel_size=2, zero_stage=2)),
+    # the micro-batch's tokens split over CP 2 x TP 2 (sequence parallel): decided in sequence order
+    "probs-cp2-tp2-sp-ep2-zero2": (dict(moe_expert_capacity_factor=1.0), 4,
+                                   dict(context_parallel_size=2, tensor_model_parallel_size=2,
+                                        sequence_parallel=True, expert_model_parallel_size=2, zero_stage=2)),
     "position-padded-ep4-allgather": (dict(moe_expert_capacity_factor=0.8,
                                            moe_token_drop_policy="position",
                                            moe_pad_expert_input_to_capacity=True), 4,
