@@ -26,8 +26,11 @@ from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
+from megazero.checkpoint.names import expert_name
 from megazero.config.patterns import active_window, layer_window, uses_rope
+from megazero.moe import MoEStats, moe_layers
 from .layers import KVCache, Norm, TransformerLayer, window_mask
+from .moe import moe_mlp
 from .rope import rope_cos_sin, rope_scaling_of
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
@@ -72,8 +75,12 @@ class GPTModel(nn.Module):
                 self.position_embeddings = nn.Embedding(m.max_position_embeddings, h,
                                                         _weight=full.to(mesh.device))
                 self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
-        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
-                                      for i in layers})
+        here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
+        self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
+        self.decoder = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
+                                     mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
+            for i in layers})
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):
@@ -213,41 +220,72 @@ class GPTModel(nn.Module):
 
 
 # ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------
+def _gather_over(t: torch.Tensor, mesh, axis: str, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(mesh.size(axis))]
+    dist.all_gather(parts, t.contiguous(), group=mesh.group(axis))
+    return torch.cat(parts, dim=dim)
+
+
 def _gather(t: torch.Tensor, param, mesh) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False) and mesh.size("tp") > 1:
-        parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
-        dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
-        t = torch.cat(parts, dim=param.partition_dim)
+    """The whole tensor: TP pieces joined (expert TP and EP for experts: all experts stacked)."""
+    expert = getattr(param, "expert_parallel", False)
+    split = "etp" if expert else "tp"
+    if getattr(param, "tensor_model_parallel", False) and mesh.size(split) > 1:
+        t = _gather_over(t, mesh, split, param.partition_dim)
+    if expert and mesh.size("ep") > 1:
+        t = _gather_over(t, mesh, "ep", 0)
     return t
 
 
 def full_state_dict(model: GPTModel, grads: bool = False) -> Dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of this chunk as the full tensor: TP shards gathered
-    (collective over the TP group: every TP rank must call it) and vocabulary padding removed.
-    Gradients of ``sequence_parallel`` parameters are returned as this rank holds them."""
+    (collective over the TP group, and the expert TP and EP groups in an MoE model: every rank of
+    them must call it) and vocabulary padding removed; an expert parameter as one tensor per expert
+    (``...experts.<e>.fc1_weight``, the checkpoint's names).  Gradients of ``sequence_parallel``
+    parameters are returned as this rank holds them."""
     vocab, out = model.cfg.model.vocab_size, {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p.detach()
         if t is None:
             continue
         t = _gather(t, p, model.mesh)
+        if getattr(p, "expert_parallel", False):
+            out.update({expert_name(name, e): t[e] for e in range(t.shape[0])})
+            continue
         out[name] = t[:vocab] if getattr(p, "vocab_parallel", False) else t
+    return out
+
+
+def _expert_keys(model: GPTModel) -> Dict[str, list]:
+    """Stacked expert parameter name -> the per-expert names of the experts this rank holds."""
+    out = {}
+    for name, p in model.named_parameters():
+        if getattr(p, "expert_parallel", False):
+            first = model.mesh.coord("ep") * p.shape[0]
+            out[name] = [expert_name(name, first + j) for j in range(p.shape[0])]
     return out
 
 
 def load_full_state_dict(model: GPTModel, state: Dict[str, torch.Tensor]) -> None:
     """Copy full (unsharded, unpadded) tensors into this chunk's parameters, keeping this rank's
-    slice and padding the vocabulary. Raises ``KeyError`` naming missing or unexpected keys."""
+    slice and padding the vocabulary; experts by their own names (``...experts.<e>.fc1_weight``, every
+    expert of the model: a rank takes its own). Raises ``KeyError`` naming missing or unexpected keys."""
     names = dict(model.named_parameters())
-    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    experts = _expert_keys(model)
+    wanted = {n for n in names if n not in experts}
+    all_experts = {k for k in state if k.rsplit(".", 2)[0] + "." + k.rsplit(".", 1)[1] in experts}
+    missing = sorted(wanted - set(state)) + sorted({k for ks in experts.values() for k in ks} - set(state))
+    unexpected = sorted(set(state) - wanted - all_experts)
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for name, p in names.items():
-            t = state[name]
+            t = torch.stack([state[k] for k in experts[name]]) if name in experts else state[name]
             if getattr(p, "vocab_parallel", False):
                 t = pad_rows(t, model.cfg.model.padded_vocab_size)
-            if getattr(p, "tensor_model_parallel", False):
+            if getattr(p, "tensor_model_parallel", False) and name in experts:
+                t = t.chunk(model.mesh.size("etp"), dim=p.partition_dim)[model.mesh.coord("etp")]
+            elif getattr(p, "tensor_model_parallel", False):
                 t = shard(t, model.mesh, p.partition_dim)
             if t.shape != p.shape:
                 raise ValueError(f"{name}: expected a full tensor giving shard {tuple(p.shape)}, "

@@ -189,6 +189,9 @@ def _pre_attn_scalar(m):
 def hf_config_from(cfg):
     """A ``transformers`` config for a megazero config (the architecture :func:`arch_of` picks)."""
     import transformers
+    if getattr(cfg, "moe", None) is not None and cfg.moe.num_experts:
+        raise ConfigError("a mixture of experts (--num-experts) does not convert to transformers yet "
+                          "(Mixtral / Qwen2-MoE export is not implemented)")
     m, t = cfg.model, arch_of(cfg.model)
     if t == "gpt2":
         return _gpt2_config(m)

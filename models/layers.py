@@ -226,24 +226,28 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or gated:
     ``fc2(act(gate(x)) * fc1(x))`` with SiLU (``swiglu``) or the tanh GELU (``geglu``);
-    column- then row-parallel."""
+    column- then row-parallel.  ``ffn_hidden_size`` (default ``--ffn-hidden-size``) and ``prefix``
+    (the init key's, default ``mlp``) serve the MoE layer's shared expert
+    (:mod:`megazero_models.moe`)."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False, ffn_hidden_size: Optional[int] = None,
+                 prefix: str = "mlp"):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
+        ffn = ffn_hidden_size or m.ffn_hidden_size
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.gated, self.silu = m.activation in GATED, m.activation == "swiglu"
         self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
 
         def column(name):
-            init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
-            return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
+            init = normal_init(seed, layer_idx, f"{prefix}.{name}.weight", std)
+            return ColumnParallelLinear(m.hidden_size, ffn, mesh, bias=m.add_bias_linear,
                                         sequence_parallel=sp, init=init, onednn=onednn)
         self.gate = column("gate") if self.gated else None
         self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
+        self.fc2 = RowParallelLinear(ffn, m.hidden_size, mesh, bias=m.add_bias_linear,
                                      sequence_parallel=sp, onednn=onednn,
-                                     init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
+                                     init=normal_init(seed, layer_idx, f"{prefix}.fc2.weight", out_std))
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         return F.silu(h) if self.silu else F.gelu(h, approximate=self.gelu_approximation)
@@ -266,10 +270,12 @@ class TransformerLayer(nn.Module):
     different part of the sequence, so it runs under the tracker's fork.
 
     ``onednn``: the linear layers' fp32 CPU products through oneDNN (``--cpu-matmul``, resolved
-    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).
+    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).  ``mlp``: the module
+    in the MLP's place (an MoE layer, :mod:`megazero_models.moe`); default the dense :class:`MLP`.
     """
 
-    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         m = cfg.model
         self.sequence_parallel = cfg.parallel.sequence_parallel
@@ -282,7 +288,7 @@ class TransformerLayer(nn.Module):
                                    onednn)
         self.attention_output_norm = norm() if post else None
         self.post_attention_norm = norm() if pre else None
-        self.mlp = MLP(cfg, mesh, layer_idx, onednn)
+        self.mlp = mlp if mlp is not None else MLP(cfg, mesh, layer_idx, onednn)
         self.mlp_output_norm = norm() if post else None
 
     def hidden_dropout(self, h: torch.Tensor) -> torch.Tensor:

@@ -138,9 +138,11 @@ def test_no_megatron_flag_is_an_unrecognized_argument():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--moe-router-topk", "2"], "--moe-router-topk: mixture of experts is not implemented"),
-    (["--num-experts", "8", "--moe-grouped-gemm"], "--num-experts: mixture of experts is not implemented"),
-    (["--moe-a-future-flag", "3"], "--moe-a-future-flag: mixture of experts"),  # newer than the pinned list
+    (["--moe-input-jitter-eps", "0.1"], "--moe-input-jitter-eps: this mixture-of-experts option is not "
+                                        "implemented"),
+    (["--moe-router-num-groups", "2"], "--moe-router-num-groups: this mixture-of-experts option"),
+    # newer than the pinned list
+    (["--moe-a-future-flag", "3"], "--moe-a-future-flag: this mixture-of-experts option"),
     (["--fp8-format", "hybrid"], "--fp8-format: FP8/FP4 training is not implemented; use --bf16"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP"),
     (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: samples are read in order"),

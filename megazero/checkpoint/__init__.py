@@ -23,8 +23,10 @@ Saving (:mod:`megazero.checkpoint.writer`, :mod:`megazero.checkpoint.shards`): e
 own slice at the same time, straight from the optimizer's memory, so no rank ever holds more than its
 own shard (plus one bucket slice when the state lives on a GPU).  Pieces are named by the
 parameter's *global* name (``decoder.<layer>.…``, the same at every pipeline layout) with how TP
-splits it; TP-replicated parameters are written by TP rank 0 only, the last stage's tied copy of the
-embedding not at all.  A NaN or inf in the state refuses the save.
+splits it (a mixture of experts' weights one expert at a time, ``….experts.<e>.fc1_weight``, split
+over expert TP: :mod:`megazero.checkpoint.names`, so any EP size loads them); TP-replicated
+parameters are written by TP rank 0 only, the last stage's tied copy of the embedding not at all.
+A NaN or inf in the state refuses the save.
 
 Loading (:mod:`megazero.checkpoint.reader`, :mod:`megazero.checkpoint.assemble`) reshards: each rank
 computes the element ranges of its new slice, maps them through the saved TP split and vocabulary

@@ -20,6 +20,11 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
                "qk_layernorm", "qk_layernorm_scope", "norm_position")
 
+# MoEConfig fields that fix the parameter set and shapes (compared on load, recorded with the model's)
+MOE_ARCH_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                   "moe_router_enable_expert_bias")
+
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
 SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "lr_warmup_init",
@@ -27,7 +32,10 @@ SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_dec
                     "lr_wsd_decay_iters", "lr_wsd_decay_samples", "decoupled_lr", "decoupled_min_lr")
 
 # ModelConfig fields --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, in megazero's terms)
-CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
+CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
+                                 "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                                 "moe_router_topk_scaling_factor",
+                                 "seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
                                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                                  "rope_scaling_high_freq_factor",
                                  "rope_scaling_original_max_position_embeddings",
@@ -68,7 +76,8 @@ def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def layout_of(cfg, mesh) -> Dict[str, object]:
     """Everything that decides which rank holds what (RNG states are kept only when it matches).
     ``dp`` counts the optimizer shards (dp x cp: ZeRO shards over both, as Megatron-LM's distributed
-    optimizer does); ``cp`` is recorded only when > 1, so CP 1 layouts read as before."""
+    optimizer does); ``cp`` is recorded only when > 1, ``ep`` and ``etp`` only when the experts are
+    split otherwise than over TP, so other layouts read as before."""
     par = cfg.parallel
     out = {"world_size": mesh.world_size, "tp": mesh.size("tp"), "pp": mesh.size("pp"),
            "dp": mesh.size("dp", "cp"),
@@ -78,6 +87,8 @@ def layout_of(cfg, mesh) -> Dict[str, object]:
            "last_stage_layers": par.decoder_last_pipeline_num_layers}
     if mesh.size("cp") > 1:
         out["cp"] = mesh.size("cp")
+    if mesh.size("ep") > 1 or mesh.size("etp") != mesh.size("tp"):  # experts split otherwise than TP
+        out.update(ep=mesh.size("ep"), etp=mesh.size("etp"))
     return out
 
 
@@ -86,7 +97,13 @@ def scheduler_of(cfg) -> Dict[str, object]:
 
 
 def arch_of(cfg) -> Dict[str, object]:
-    return {k: getattr(cfg.model, k) for k in ARCH_FIELDS}
+    """The architecture fields (the model's, and the mixture of experts' when there is one)."""
+    out = {k: getattr(cfg.model, k) for k in ARCH_FIELDS}
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.num_experts:
+        out.update({k: getattr(moe, k) for k in MOE_ARCH_FIELDS})
+        out["moe_layer_freq"] = str(moe.moe_layer_freq)  # a file may give an integer
+    return out
 
 
 def named_params(chunks) -> List[Tuple[str, torch.nn.Parameter]]:

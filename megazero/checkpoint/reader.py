@@ -22,8 +22,8 @@ import torch
 from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
 from megazero.checkpoint.comm import agree, all_ok, on_rank0
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, arch_of, layout_of, rng_file,
-                                        rng_trackers)
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, MOE_ARCH_FIELDS, SCHEDULER_FIELDS, arch_of,
+                                        layout_of, rng_file, rng_trackers)
 from megazero.checkpoint.integrity import check_file, read_json
 from megazero.checkpoint.resolve import (complete_iterations, describe_foreign, latest_iteration, resolve,
                                          resolve_here)
@@ -90,8 +90,9 @@ def _check_compatible(meta: dict, cfg, path: str, load_optim: bool = True) -> st
             f"({', '.join(so['state_names']) or 'none'}) but this run uses --optimizer "
             f"{cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
             "resume with the same optimizer settings")
-    diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
-             for k in ARCH_FIELDS if k in saved and saved[k] != mine[k]]  # older ones lack newer fields
+    diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine.get(k)} in this run"
+             for k in ARCH_FIELDS + MOE_ARCH_FIELDS
+             if k in saved and saved[k] != mine.get(k)]  # older ones lack newer fields
     return "; ".join(diffs)
 
 
@@ -265,7 +266,7 @@ def _full_weight(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
     info = src.params[name]
     shape = [int(s) for s in info["shape"]]
     pieces = []
-    for t in range(src.tp if info["split"] else 1):
+    for t in range(src.parts(name)):
         out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
         src.read(t, name, "master", 0, out)
         pieces.append(torch.from_numpy(out).view(shape))
@@ -286,7 +287,7 @@ def _read_full_streaming(src: SavedShards, name: str, vocab: int) -> torch.Tenso
     """One parameter's whole fp32 master weight from v2 shards, assembled in one tensor of its own (a
     TP piece at a time; the mapped pages are released after each piece)."""
     info = src.params[name]
-    tp = src.tp if info["split"] else 1
+    tp = src.parts(name)
     shape = list(full_shape(info, tp, vocab if info["vocab_parallel"] else None))
     out = torch.empty(shape, dtype=torch.float32)
     local = [int(x) for x in info["shape"]]

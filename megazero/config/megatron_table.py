@@ -42,7 +42,7 @@ _RESILIENCE = "Megatron-LM's fault-tolerance and restart machinery; megazero bou
 _CUDA_GRAPHS = "CUDA graphs only: the same numbers either way"
 _TOKENIZER_TEXT = "how text is encoded: training reads ids already encoded (scripts/preprocess_data.py)"
 _FP8 = "FP8/FP4 training is not implemented; use --bf16"
-_MOE = "mixture of experts is not implemented (dense models only); drop the MoE flags"
+_MOE = "this mixture-of-experts option is not implemented (see --help for the MoE flags megazero has)"
 _FSDP = "Megatron-FSDP / torch FSDP2 is not implemented; megazero shards parameters, gradients and " \
         "optimizer state over the data-parallel ranks with --zero-stage 3"
 _RL = "reinforcement learning (GRPO) is not implemented"
@@ -78,6 +78,13 @@ IGNORED: Dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 already "
                                             "(--grad-reduce-dtype fp32)",
     "--attention-softmax-in-fp32": "the attention softmax runs in fp32 already",
+    "--moe-per-layer-logging": _LOGGING, "--save-tokens-per-expert-interval": _LOGGING,
+    "--moe-permute-fusion": _FUSION, "--moe-router-fusion": _FUSION,
+    "--use-grouped-gemm-for-shared-expert": _FUSION,
+    "--moe-shared-expert-overlap": _SPEED, "--overlap-moe-expert-parallel-comm": _SPEED,
+    "--overlap-dispatch-backward-with-experts-wgrad": _SPEED,
+    "--ep-overlap-early-attn-memory-release": _MEMORY,
+    "--high-priority-a2a-comm-stream": _SPEED, "--moe-layer-recompute": _MEMORY,
     "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
     "--ckpt-format": "megazero writes its own format, which loads under any layout",
     "--tiktoken-pattern": "used by TikTokenizer only",
@@ -285,8 +292,7 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--num-distributed-optimizer-instances": (("1",), "one ZeRO group spans the data-parallel ranks"),
     "--tensor-parallel-num-weight-shards": (("1",), "tensor-parallel weight re-materialisation is not "
                                                     "implemented"),
-    "--expert-model-parallel-size": (("1",), _MOE),
-    "--expert-tensor-parallel-size": (("1",), _MOE),
+    "--moe-router-dtype": (("fp32",), "the router's logits and scores are computed in fp32"),
     **MODELOPT_DEFAULT_ONLY,
 }
 
@@ -385,11 +391,7 @@ REFUSED: Dict[str, str] = {
     "--enable-mhc-connections": "hyper-connections are not implemented",
     "--indexer-batch-size": "DeepSeek sparse attention is not implemented",
     "--indexer-log-interval": "DeepSeek sparse attention is not implemented",
-    "--num-experts": _MOE, "--expert-tensor-parallel-num-weight-shards": _MOE,
-    "--overlap-moe-expert-parallel-comm": _MOE,
-    "--overlap-dispatch-backward-with-experts-wgrad": _MOE, "--ep-overlap-early-attn-memory-release": _MOE,
-    "--use-grouped-gemm-for-shared-expert": _MOE, "--save-tokens-per-expert-interval": _MOE,
-    "--high-priority-a2a-comm-stream": _MOE, "--gtp-expert-remat-nccl-ub": _MOE,
+    "--expert-tensor-parallel-num-weight-shards": _MOE, "--gtp-expert-remat-nccl-ub": _MOE,
     "--first-last-layers-bf16": _FP8, "--num-layers-at-start-in-bf16": _FP8,
     "--num-layers-at-end-in-bf16": _FP8,
     "--no-fp8-wgrad": _FP8, "--disable-fp8-wgrad": _FP8, "--keep-fp8-transpose-cache": _FP8,

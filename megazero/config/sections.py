@@ -449,7 +449,72 @@ class ResilienceConfig:
         type=float)
 
 
-SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,
+@dataclass
+class MoEConfig:
+    """Mixture of experts (Megatron-LM's flags): which layers route their tokens to experts, the router,
+    the token dispatcher, the experts and how they are split over the expert-parallel axes."""
+    num_experts: Optional[int] = _f(None, "Routed experts per MoE layer (none: a dense model).")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "Hidden size of each routed expert's MLP (default "
+                                            "--ffn-hidden-size).")
+    moe_layer_freq: str = _f(
+        "1", "Which layers are MoE layers: an integer N (layers 0, N, 2N, ... are MoE, the others dense) or "
+        "Megatron-LM's list expression of 0s and 1s, one per layer, e.g. '([0]*1+[1]*1)*2' (1: MoE).")
+    moe_router_topk: int = _f(2, "Experts each token is routed to.")
+    moe_router_score_function: str = _f("softmax", "Score of the router's logits: softmax or sigmoid.",
+                                        choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = _f(False, "Take the score (softmax or sigmoid) of all experts before the "
+                                      "top-k (default: softmax over the top-k logits only).")
+    moe_router_topk_scaling_factor: Optional[float] = _f(
+        None, "Multiply the top-k routing weights by this.", type=float)
+    moe_router_enable_expert_bias: bool = _f(
+        False, "Aux-loss-free balancing: a per-expert bias, added to the scores for the top-k choice only, "
+        "moved by --moe-router-bias-update-rate after every step towards balance (no gradient; sigmoid "
+        "scores).")
+    moe_router_bias_update_rate: float = _f(
+        1e-3, "Step of the expert bias update: + rate for experts below the mean token count, - rate above.",
+        type=float)
+    moe_router_load_balancing_type: str = _f(
+        "aux_loss", "Load-balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss (per "
+        "sequence, DeepSeek-V2) or none.",
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"])
+    moe_aux_loss_coeff: float = _f(0.0, "Coefficient of the load-balancing loss (1e-2 is a usual start).",
+                                   type=float)
+    moe_z_loss_coeff: Optional[float] = _f(None, "Coefficient of the router z-loss (mean squared "
+                                           "log-sum-exp of the logits; 1e-3 is a usual start).", type=float)
+    moe_token_dispatcher_type: str = _f(
+        "allgather", "How tokens reach their experts: allgather (every rank of the expert-TP x EP group sees "
+        "all tokens and computes its experts' share) or alltoall (tokens travel by all-to-all over the EP "
+        "group, then gathered over expert TP).", choices=["allgather", "alltoall", "flex"])
+    moe_expert_capacity_factor: Optional[float] = _f(
+        None, "Expert capacity as a multiple of the even share: each expert takes at most ceil(factor x "
+        "top-k x T / experts) of the T tokens of a micro-batch (the sequences of one data-parallel rank's "
+        "micro-batch, whatever the TP, CP and EP split); the rest are dropped. None: dropless.", type=float)
+    moe_token_drop_policy: str = _f("probs", "Which tokens an expert over capacity keeps: probs (the highest "
+                                    "routing weights) or position (the earliest tokens).",
+                                    choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = _f(
+        False, "Give every expert exactly its capacity of tokens (tokens not routed to it fill the free "
+        "places with routing weight 0); needs --moe-expert-capacity-factor.")
+    moe_grouped_gemm: bool = _f(
+        True, "Run a rank's experts as one grouped product (always on: the experts' tokens are padded to one "
+        "batched matrix product, or torch's grouped_mm on a GPU); the flag is accepted for Megatron-LM "
+        "scripts.", action="store_true")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(
+        None, "Hidden size of the shared expert, a dense MLP every token goes through beside its routed "
+        "experts (Qwen2-MoE, DeepSeek); none: no shared expert.")
+    moe_shared_expert_gate: bool = _f(
+        False, "Scale the shared expert's output by sigmoid(x . w) with a learned w (Qwen2-MoE).")
+    expert_model_parallel_size: int = _f(
+        1, "Ranks the experts are split over (expert parallel, EP): each holds --num-experts / EP experts.")
+    expert_tensor_parallel_size: Optional[int] = _f(
+        None, "Ranks each expert's weights are split over (expert tensor parallel; default "
+        "--tensor-model-parallel-size).")
+    # derived (see Derived)
+    expert_data_parallel_size: int = _f(1, "world size / (expert TP x EP x PP): the ranks that hold the same "
+                                        "experts and reduce their gradients (derived).", derived=True)
+
+
+SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "moe": MoEConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "precision": PrecisionConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "resilience": ResilienceConfig}
 
@@ -487,6 +552,7 @@ class Derived:
     virtual_pipeline_model_parallel_size: int
     padded_vocab_size: int
     num_micro_batches: int
+    expert_data_parallel_size: int = 1
     filled: Tuple[Tuple[str, Any], ...] = ()
 
     def values(self) -> Dict[str, Any]:
@@ -504,6 +570,7 @@ class MegazeroConfig:
     copy whose sections hold the derived values too and whose ``derived`` says which they are."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -48,7 +48,8 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     _check_world(given, world_size)
     resolved = given._fill(derive(given, world_size))  # given is this call's own copy
     data = (_check_data,) if check_data else ()
-    for check in (_check_model, _check_context_parallel, _check_sequence_parallel, _check_pipeline,
+    for check in (_check_model, _check_moe, _check_context_parallel, _check_sequence_parallel,
+                  _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
                   _check_checkpoint, *data, _check_resilience):
         check(resolved)
@@ -66,11 +67,13 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
     vpl = par.num_layers_per_virtual_pipeline_stage or filled.get("num_layers_per_virtual_pipeline_stage")
     multiple = mod.make_vocab_size_divisible_by * tp
     global_batch = tr.global_batch_size or filled["global_batch_size"]
+    etp = cfg.moe.expert_tensor_parallel_size or tp
+    edp = max(1, world_size // (etp * max(1, cfg.moe.expert_model_parallel_size) * pp))
     return Derived(world_size=world_size, data_parallel_size=dp,
                    virtual_pipeline_model_parallel_size=mod.num_layers // (pp * vpl) if vpl else 1,
                    padded_vocab_size=-(-mod.vocab_size // multiple) * multiple,
                    num_micro_batches=global_batch // (tr.micro_batch_size * dp),
-                   filled=tuple(filled.items()))
+                   expert_data_parallel_size=edp, filled=tuple(filled.items()))
 
 
 def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
@@ -87,8 +90,10 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
         train_iters = iterations_for_samples(schedule_of(tr, mod.seq_length, global_batch), tr.train_samples)
     else:
         train_iters = tr.train_samples // global_batch if tr.train_samples else 10
-    rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
-             "ffn_hidden_size": swiglu_ffn if mod.activation in GATED else 4 * hidden,
+    ffn = swiglu_ffn if mod.activation in GATED else 4 * hidden
+    rules = {"num_query_groups": heads, "kv_channels": hidden // heads, "ffn_hidden_size": ffn,
+             "moe_ffn_hidden_size": mod.ffn_hidden_size or ffn,
+             "expert_tensor_parallel_size": cfg.parallel.tensor_model_parallel_size,
              "max_position_embeddings": mod.seq_length, "global_batch_size": default_batch,
              "train_iters": train_iters,
              "pipeline_schedule": "1f1b"}
@@ -168,6 +173,18 @@ def _check_world(cfg: MegazeroConfig, world: int) -> None:
            f"multiple of {tp * cp * pp} processes or change the sizes")
     with _owned_rule("--rank-order: "):
         parse_rank_order(par.rank_order, {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)})
+    moe = cfg.moe
+    if moe.num_experts:  # the expert decomposition of the same world (megazero.mesh)
+        from megazero.mesh import expert_layouts
+        with _owned_rule():
+            expert_layouts(world, tp, pp, par.rank_order, cp, moe.expert_model_parallel_size,
+                           moe.expert_tensor_parallel_size)
+
+
+def _check_moe(cfg: MegazeroConfig) -> None:
+    from megazero.moe.settings import check_moe
+    with _owned_rule():
+        check_moe(cfg)
 
 
 def _check_context_parallel(cfg: MegazeroConfig) -> None:

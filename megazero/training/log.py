@@ -57,6 +57,12 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
     if m.get("grad_norm") is not None:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
     parts.append(f"loss scale {m['loss_scale']:g}")
+    if m.get("moe_imbalance") is not None:  # a mixture of experts: the routers' step
+        named = (("moe_aux_loss", "aux loss"), ("moe_z_loss", "z loss"))
+        losses = "".join(f"{label} {m[key]:.4f} " for key, label in named if key in m)
+        parts.append(f"moe {losses}tokens/expert {m['moe_tokens_per_expert_min']:.0f}-"
+                     f"{m['moe_tokens_per_expert_max']:.0f} (imbalance {m['moe_imbalance']:.2f}) dropped "
+                     f"{m['moe_dropped_tokens']:.0f}")
     parts.append(f"skipped {m.get('skipped_total', int(m.get('skipped', 0)))}")
     parts.append(f"{m['iteration_time'] * 1000:.0f} ms/it")
     parts.append(f"{m['tokens_per_sec']:.0f} tok/s")

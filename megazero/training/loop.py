@@ -42,6 +42,7 @@ from megazero.planning.flops import device_peak_flops, hardware_flops_per_iterat
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
+from megazero.moe.step import finish_step
 from megazero.precision import compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.rng import seed_default_generators
@@ -75,7 +76,8 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                   par.rank_order, device, timeout=timeout_of(cfg),
-                                  cp=par.context_parallel_size)
+                                  cp=par.context_parallel_size, ep=cfg.moe.expert_model_parallel_size,
+                                  etp=cfg.moe.expert_tensor_parallel_size)
     return ParallelMesh.single(device)
 
 
@@ -173,8 +175,9 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
         what = f"iteration {it}, {consumed} samples"
     fresh = "" if info["optimizer_loaded"] else "; fresh optimizer"
     rng = "restored" if info["rng_restored"] else ("from --seed" if ck.finetune else "reseeded")
+    experts = f" ep {lay['ep']} etp {lay['etp']}" if "ep" in lay else ""
     line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} "
-            f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
+            f"dp {lay['dp']}{experts} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
     return it, skipped, consumed, lr_samples, extra, line
@@ -329,6 +332,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()
+    moe = finish_step(chunks, mesh, cfg, len(batches))  # MoE routers: records reduced, expert biases moved
     if skip_if is not None:  # the loss first (a collective): every rank decides alike
         loss = _mean_loss(losses, mesh)
         stats = optimizer.step(lr, decoupled_lr, skip=bool(skip_if(loss)))
@@ -345,6 +349,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     rates = (batch * cfg.model.seq_length, work[0] * share, work[1] * share, work[2])
     m = _iteration_metrics(pos.iteration, pos.consumed, loss, lr, stats, pos.skipped, elapsed, optimizer,
                            mesh, rates)
+    m.update(moe)
     if io_before is not None:  # the NVMe tier's traffic in this iteration
         io = optimizer.io_counts() - io_before
         m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds,

@@ -22,7 +22,8 @@ import torch
 
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
 from megazero.precision import build_loss_scaler, compute_dtype
-from megazero.zero.buckets import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
+from megazero.zero.buckets import (REDUCTION_GROUPS, Bucket, bucket_groups, find_units, plan_buckets,
+                                   trainable_params)
 from megazero.zero.param_gather import OverlappedParamGather
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
 from megazero.zero.stage3 import Stage3Params
@@ -51,7 +52,8 @@ class ZeroOptimizer:
         self.step_count = 0
         self.skipped_steps = 0
         units, groups = self._param_groups()
-        self.buckets = plan_buckets(groups, mesh.size("dp", "cp"), par.ddp_bucket_size)
+        self.buckets = plan_buckets(groups, {k: mesh.size(*g) for k, g in REDUCTION_GROUPS.items()},
+                                    par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self.param_swap = None
         if shards_parameters(self.stage) and param_device(par) == "nvme":

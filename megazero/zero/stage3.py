@@ -110,7 +110,7 @@ class Stage3Params:
             u.full, u.handles, u.after_read = {}, [], []
             for b in u.buckets:
                 shard = swap.fetch(b.index) if swap is not None else self.storage.param_shard(b)
-                if self.mesh.size("dp", "cp") == 1:
+                if b.dp == 1:
                     u.full[b.index] = shard
                     continue
                 full = u.buffers.get(b.index)
@@ -123,14 +123,14 @@ class Stage3Params:
                 if swap is not None:  # the gather starts once the shard is read
                     u.after_read.append((b, full, shard))
                     continue
-                u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
                                                    async_op=True))
         if wait and u.handles is not None:
             if swap is not None:
                 for b in u.buckets:
                     swap.ready(b.index)
                 for b, full, shard in u.after_read:
-                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
                                                        async_op=True))
                 u.after_read = []
             for h in u.handles:
@@ -154,8 +154,9 @@ class Stage3Params:
         for b in u.buckets:
             for p in b.params:
                 p.data = self.empty
-        if self.mesh.size("dp", "cp") > 1:
-            for t in u.full.values():
+        for b in u.buckets:
+            if b.dp > 1:
+                t = u.full[b.index]
                 t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
                 self._count(-t.nbytes)
         if swap is not None:
@@ -187,9 +188,8 @@ class Stage3Params:
         return {t.untyped_storage()._cdata for u in self.units if u.full is not None for t in u.full.values()}
 
     def live_buffers(self) -> List[torch.Tensor]:
-        if self.mesh.size("dp", "cp") == 1:
-            return []  # gathered units are views of the shards
-        return [t for u in self.units if u.full is not None for t in u.full.values()]
+        """The gathered buffers held now (a bucket of a group of one is a view of its shard)."""
+        return [u.full[b.index] for u in self.units if u.full is not None for b in u.buckets if b.dp > 1]
 
     # ---- hooks --------------------------------------------------------------------------
     def _pre_forward_hook(self, u: _Unit):

@@ -81,8 +81,9 @@ class ShardedUpdate:
     def _norm_pieces(self, b: Bucket) -> List[Tuple[int, int, bool]]:
         """``(a, e, counted)`` runs over the owned DP slice; adjacent runs with one flag merged."""
         pieces: List[Tuple[int, int, bool]] = []
-        for p, a, e in b.segments(*b.shard_range(self.storage.dp_rank)):
-            counted = counts_in_norm(p, self.tp_rank)
+        etp_rank = self.storage.mesh.coord("etp")
+        for p, a, e in b.segments(*b.shard_range(self.storage.rank_of(b))):
+            counted = counts_in_norm(p, self.tp_rank, etp_rank)
             if pieces and pieces[-1][1] == a and pieces[-1][2] == counted:
                 pieces[-1] = (pieces[-1][0], e, counted)
             else:
