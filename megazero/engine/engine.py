@@ -48,9 +48,14 @@ class Engine:
         from megazero.zero import build_optimizer
         stage3 = shards_parameters(self.cfg.parallel.zero_stage)
         threshold = config.persistence_threshold if stage3 else 0
-        self.zero = build_optimizer([module], mesh, self.cfg, blocks=module_blocks(threshold),
-                                    prefetch=Prefetch(config.prefetch_numel, config.max_live_numel),
-                                    values=partition.bucket_values)
+        from megazero.offload.checks import NvmePathError
+        try:
+            self.zero = build_optimizer([module], mesh, self.cfg, blocks=module_blocks(threshold),
+                                        prefetch=Prefetch(config.prefetch_numel, config.max_live_numel),
+                                        values=partition.bucket_values)
+        except NvmePathError as err:  # named by the ds_config key it came from
+            raise NvmePathError(str(err).replace("--nvme-path", "ds_config zero_optimization nvme_path")) \
+                from None
         for p in trained:
             partition.release(p)
         partition.own(self.zero)
@@ -104,7 +109,8 @@ class Engine:
         factor = self.zero.loss_scale
         if scale_wrt_gas:
             factor = factor / self.config.gradient_accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
+        # in fp32, as DeepSpeed: an fp16 loss times the scale would overflow before any gradient does
+        (loss.float() * factor if factor != 1.0 else loss).backward(retain_graph=retain_graph)
         self._timers["backward"] += time.perf_counter() - start
         return loss
 

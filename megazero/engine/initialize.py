@@ -113,6 +113,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
         client_lr = float(optimizer.param_groups[0]["lr"])
     config = read_config(source, mesh.size("dp"), mesh.device.type, args, model, client_lr)
     _check_offload(config.megazero.parallel)
+    if config.megazero.parallel.nvme_path:  # DeepSpeed creates the swap directory
+        os.makedirs(config.megazero.parallel.nvme_path, exist_ok=True)
     groups, client = read_optimizer(model, optimizer, model_parameters, config.optimizer, config.megazero)
     engine = Engine(model, config, mesh, groups, client)
     if lr_scheduler is not None:
