@@ -63,6 +63,8 @@ def _bounded_zero3(kind, limits):
     out = train(engine, kind, 2)
     s3 = engine.zero.stage3
     units = [u.numel for u in s3.units]
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # sharded between uses
+    assert sum(p.ds_numel for p in engine.module.parameters()) == engine.num_parameters()
     return out, s3.peak_gathered_bytes, units, s3.units[-1].numel, engine.num_parameters()
 
 

@@ -59,6 +59,9 @@ class Engine:
         for p in trained:
             partition.release(p)
         partition.own(self.zero)
+        for b in self.zero.buckets:  # DeepSpeed's names for a parameter's whole size (ZeRO-3 empties p)
+            for p, shape in zip(b.params, b.shapes):
+                p.ds_shape, p.ds_numel = shape, shape.numel()
         if self.dtype != torch.float32:  # the buffers and frozen parameters (the rest is in the buffers)
             module.to(dtype=self.dtype)
         self.zero.zero_grad()
