@@ -295,14 +295,16 @@ def test_megazero_initialize_is_lazy_and_deepspeed_names_exist():
             "assert 'torch' not in sys.modules; import megazero.deepspeed as ds; "
             "assert callable(ds.initialize) and callable(ds.init_distributed); "
             "assert ds.zero.Init and ds.zero.GatheredParameters and ds.add_config_arguments; "
+            "assert ds.comm.get_rank is __import__('torch').distributed.get_rank; "
             "from megazero.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint; "
             "import megazero.zero as z; assert z.Init is ds.zero.Init")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-def test_a_config_error_in_a_script_is_one_line_and_exit_2(tmp_path):
+@pytest.mark.parametrize("front", ["import megazero.deepspeed as deepspeed", "import megazero as deepspeed"])
+def test_a_config_error_in_a_script_is_one_line_and_exit_2(tmp_path, front):
     script = tmp_path / "train.py"
-    script.write_text("import torch\nimport megazero.deepspeed as deepspeed\n"
+    script.write_text(f"import torch\n{front}\n"
                       "m = torch.nn.Linear(2, 2)\n"
                       "deepspeed.initialize(model=m, model_parameters=m.parameters(),\n"
                       "                     config={'train_micro_batch_size_per_gpu': 1,\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Optional
 
@@ -11,6 +12,26 @@ import torch
 import torch.distributed as dist
 
 from megazero.errors import ConfigError
+
+
+def _report_and_exit(kind, err, tb, previous=sys.excepthook):
+    """``sys.excepthook`` of a script using the engine: megazero's errors end it with one line (from rank
+    0 for a configuration error, status 2; docs/operations.md), anything else keeps its traceback."""
+    from megazero.errors import MegazeroError
+    if not isinstance(err, MegazeroError):
+        return previous(kind, err, tb)
+    import atexit
+    from megazero.resilience.errors import report_failure
+    code = report_failure(err, prog=os.path.basename(sys.argv[0] or "script"))
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
+def report_uncaught_errors() -> None:
+    """Make an uncaught megazero error end the script in one line, as megazero's own scripts do (only
+    what no ``except`` caught: code that handles the errors sees them as before)."""
+    if getattr(sys.excepthook, "__name__", "") != "_report_and_exit":
+        sys.excepthook = _report_and_exit
 
 
 def _free_port() -> int:
@@ -26,6 +47,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     """Join the default process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``: torchrun or ``scripts/launch.py``); without one, a group of this
     process alone.  The backend is NCCL with a GPU, gloo otherwise, unless ``dist_backend`` says."""
+    report_uncaught_errors()
     if dist.is_initialized():
         return
     if rank >= 0 and world_size >= 1:
@@ -93,7 +115,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     lr_scheduler)``: the :class:`~megazero.engine.engine.Engine`, the optimizer it steps (whose
     ``param_groups`` carry the learning rate), a loader of ``training_data`` (None without), and the
     schedule (the given one, built by calling it with the optimizer when it is a callable, else the
-    ds_config's, else None).  Collective: every rank calls it."""
+    ds_config's, else None).  Collective: every rank calls it.  A :class:`ConfigError` (a key it does not
+    support, named) that the script does not catch ends it in one line with exit status 2."""
+    report_uncaught_errors()
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"initialize(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:
