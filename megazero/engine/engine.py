@@ -45,24 +45,8 @@ class Engine:
         self._sync_initial_state()
         trained = [p for g in groups for p in g["params"]]
         self._materialize_frozen(trained)
-        from megazero.zero import build_optimizer
-        stage3 = shards_parameters(self.cfg.parallel.zero_stage)
-        threshold = config.persistence_threshold if stage3 else 0
-        from megazero.offload.checks import NvmePathError
-        try:
-            self.zero = build_optimizer([module], mesh, self.cfg, blocks=module_blocks(threshold),
-                                        prefetch=Prefetch(config.prefetch_numel, config.max_live_numel),
-                                        values=partition.bucket_values)
-        except NvmePathError as err:  # named by the ds_config key it came from
-            raise NvmePathError(str(err).replace("--nvme-path", "ds_config zero_optimization nvme_path")) \
-                from None
-        for p in trained:
-            partition.release(p)
-        partition.own(self.zero)
-        for b in self.zero.buckets:  # DeepSpeed's names for a parameter's whole size (ZeRO-3 empties p)
-            for p, shape in zip(b.params, b.shapes):
-                p.ds_shape, p.ds_numel = shape, shape.numel()
-        if self.dtype != torch.float32:  # the buffers and frozen parameters (the rest is in the buffers)
+        self.zero = self._build_zero(trained)
+        if self.dtype != torch.float32:  # buffers, frozen parameters (the trained ones are in ZeRO's buffers)
             module.to(dtype=self.dtype)
         self.zero.zero_grad()
         self.optimizer = EngineOptimizer(groups, self)
@@ -81,6 +65,28 @@ class Engine:
                 if hasattr(t, "zero_shard") or t.numel() == 0:
                     continue
                 dist.broadcast(t.data, src=src, group=group)
+
+    def _build_zero(self, trained):
+        """megazero's ZeRO optimizer over the module: per-submodule units under ZeRO-3
+        (:mod:`megazero.engine.units`), the bucket values gathered from :class:`Init`'s slices."""
+        from megazero.offload.checks import NvmePathError
+        from megazero.zero import build_optimizer
+        config = self.config
+        threshold = config.persistence_threshold if shards_parameters(self.cfg.parallel.zero_stage) else 0
+        try:
+            zero = build_optimizer([self.module], self.mesh, self.cfg, blocks=module_blocks(threshold),
+                                   prefetch=Prefetch(config.prefetch_numel, config.max_live_numel),
+                                   values=partition.bucket_values)
+        except NvmePathError as err:  # named by the ds_config key it came from
+            raise NvmePathError(str(err).replace("--nvme-path", "ds_config zero_optimization nvme_path")) \
+                from None
+        for p in trained:
+            partition.release(p)
+        partition.own(zero)
+        for b in zero.buckets:  # DeepSpeed's names for a parameter's whole size (ZeRO-3 empties p.data)
+            for p, shape in zip(b.params, b.shapes):
+                p.ds_shape, p.ds_numel = shape, shape.numel()
+        return zero
 
     def _materialize_frozen(self, trained) -> None:
         """Parameters that do not train stay whole on every rank (ZeRO shards what it updates)."""
