@@ -83,6 +83,20 @@ def test_zero3_gathers_each_submodule_within_the_prefetch_and_live_limits():
     assert peak < 4 * total // 2
 
 
+def _recomputed(kind):
+    model = MODELS[kind]()
+    model.gradient_checkpointing_enable()  # transformers' activation checkpointing: replays in backward
+    engine = _engine(kind, ds_config(3, 2), model)
+    return train(engine, kind, 2)
+
+
+@pytest.mark.slow
+def test_zero3_under_hugging_face_activation_checkpointing_equals_one_process():
+    ref, _ = oracle("t5", 2, 4, 2)  # recomputation changes nothing in the math
+    losses, _ = run_ranks(_recomputed, 2, "t5")[0]
+    assert _close(losses, ref) <= LOSS_TOL
+
+
 def _precision(kind, precision, steps):
     cfg = ds_config(3 if "fp16" in precision else 2, 1, lr=3e-3)
     cfg.update(precision)
