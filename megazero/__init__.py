@@ -8,3 +8,11 @@ def initialize(*args, **kwargs):
     on first use, so ``import megazero`` stays light)."""
     from megazero.engine import initialize as _initialize
     return _initialize(*args, **kwargs)
+
+
+def __getattr__(name):
+    """``megazero.zero.Init`` etc. after a plain ``import megazero``: the subpackage on first use."""
+    if name in ("zero", "engine", "deepspeed"):
+        import importlib
+        return importlib.import_module(f"megazero.{name}")
+    raise AttributeError(f"module 'megazero' has no attribute {name!r}")

@@ -231,6 +231,26 @@ def test_zero_init_builds_t5_partitioned_and_trains_as_one_process():
     assert _close(losses, ref) <= LOSS_TOL
 
 
+@pytest.mark.slow
+def test_a_hugging_face_model_built_under_init_is_initialised_inside_gathered_parameters():
+    """BERT's post_init would index an empty padding row under Init: built under transformers'
+    no_init_weights instead, then each module initialised inside GatheredParameters (one process)."""
+    import megazero
+    from transformers.initialization import no_init_weights
+    with no_init_weights(), megazero.zero.Init():
+        model = MODELS["bert"]()
+    assert all(p.numel() == 0 for p in model.parameters())
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            with megazero.zero.GatheredParameters(own, modifier_rank=0):
+                model._init_weights(module)
+    with megazero.zero.GatheredParameters(list(model.parameters())):
+        emb = model.bert.embeddings.word_embeddings.weight.detach().clone()
+    assert emb.shape == (64, 16) and not emb[0].any()  # the padding row, zeroed by BERT's init
+    assert 0.015 < float(emb[1:].std()) < 0.025  # BERT's N(0, 0.02), not Embedding's N(0, 1)
+
+
 def _offload(kind, tmp, zero):
     engine = _engine(kind, ds_config(3, 2, **zero))
     out = train(engine, kind, 2)
