@@ -131,7 +131,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         h = grouped_product(x, self.fc1_weight, counts, self.fc1_bias, self.backend)
         if self.gated:
-            h = self.activation(grouped_product(x, self.gate_weight, counts, self.gate_bias, self.backend)) * h
+            gate = grouped_product(x, self.gate_weight, counts, self.gate_bias, self.backend)
+            h = self.activation(gate) * h
         else:
             h = self.activation(h)
         return grouped_product(h, self.fc2_weight, counts, self.fc2_bias, self.backend)

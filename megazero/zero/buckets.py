@@ -50,6 +50,13 @@ def default_bucket_size(total: int) -> int:
     return min(max(-(-total // 4), MIN_BUCKET), MAX_BUCKET)
 
 
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape: ``p.shape``, or ``p.zero_shape`` while ``p.data`` is empty because
+    the rank keeps only its slice elsewhere (a model built under :class:`megazero.engine.Init`)."""
+    shape = getattr(p, "zero_shape", None)
+    return p.shape if shape is None else shape
+
+
 def param_kind(p: torch.nn.Parameter) -> str:
     """The reduction kind of a parameter (see module docstring)."""
     if getattr(p, "expert_parallel", False):
@@ -147,7 +154,8 @@ class BucketCut(NamedTuple):
 
 
 def cut_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]], bucket_size: Optional[int],
-                numel: Callable = lambda p: p.numel(), kind: Callable = param_kind) -> List[BucketCut]:
+                numel: Callable = lambda p: full_shape(p).numel(),
+                kind: Callable = param_kind) -> List[BucketCut]:
     """The bucket plan: :func:`bucket_groups` cut into buckets, one kind at a time.
 
     Items are laid out in reverse order; a bucket closes before it would pass ``bucket_size``
@@ -188,11 +196,11 @@ def plan_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]],
         starts, n = [], 0
         for p in cut.members:
             starts.append(n)
-            n += p.numel()
+            n += full_shape(p).numel()
         size = sizes[cut.kind]
         buckets.append(Bucket(len(buckets), cut.chunk, cut.kind, list(cut.members), starts,
-                              [p.shape for p in cut.members], cut.numel, size, offset, cut.unit, shard_offset,
-                              REDUCTION_GROUPS[cut.kind]))
+                              [full_shape(p) for p in cut.members], cut.numel, size, offset, cut.unit,
+                              shard_offset, REDUCTION_GROUPS[cut.kind]))
         offset += cut.numel
         shard_offset += cut.numel // size
     return buckets
@@ -220,3 +228,14 @@ def find_units(chunk: torch.nn.Module) -> List[torch.nn.Module]:
                 best, best_n = m, n
     blocks = [b for b in best.children() if any(True for _ in b.parameters())] if best is not None else []
     return blocks + [chunk]
+
+
+Blocks = List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]]
+
+
+def default_blocks(chunk: torch.nn.Module) -> Blocks:
+    """``(module, parameters)`` per ZeRO-3 block of a chunk (:func:`find_units`, the chunk itself left
+    out: its unit takes every parameter no block claims).  A parameter listed by two blocks belongs
+    to the later one.  Another rule for another kind of model (any ``nn.Module``:
+    :func:`megazero.engine.units.module_blocks`) is passed to :func:`megazero.zero.build_optimizer`."""
+    return [(b, list(b.parameters())) for b in find_units(chunk)[:-1]]

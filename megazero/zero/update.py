@@ -73,7 +73,9 @@ class ShardedUpdate:
             else:
                 self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
             self.state[b.index] = self.optim.init_state(self.master[b.index])
-        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if p.dim() > 1])
+        shapes = {id(p): shape for p, shape in zip(b.params, b.shapes)}
+        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
+                                      if decays(p, shapes[id(p)])])
         self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
                                           if getattr(p, "is_embedding_or_output_parameter", False)])
         self.norm_pieces[b.index] = self._norm_pieces(b)
@@ -264,6 +266,14 @@ class ShardedUpdate:
         """Remove the swap file (a clean exit; idempotent)."""
         if self.nvme is not None:
             self.nvme.close()
+
+
+def decays(p: torch.nn.Parameter, shape: torch.Size) -> bool:
+    """Whether weight decay applies to ``p`` (of full ``shape``): ``p.apply_weight_decay`` when set (the
+    any-model engine marks each parameter by its optimizer group), else Megatron-LM's rule: matrices
+    and embeddings yes, biases and norms no."""
+    given = getattr(p, "apply_weight_decay", None)
+    return len(shape) > 1 if given is None else bool(given)
 
 
 def _length(r: Tuple[int, int]) -> int:
