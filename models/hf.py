@@ -103,7 +103,8 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
         out += [("attention.q_norm.weight", "self_attn.q_norm.weight", ""),
                 ("attention.k_norm.weight", "self_attn.k_norm.weight", "")]
     if arch in MOE_ARCHS:
-        out.append(("mlp.router.weight", ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight", ""))
+        router = ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight"
+        out.append(("mlp.router.weight", router, ""))
     if arch == "qwen2_moe":
         out += SHARED_EXPERT
     return out
@@ -287,8 +288,8 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
     settings = dict(config_from_hf(hf.config), tensor_model_parallel_size=mesh.size("tp"),
                     pipeline_model_parallel_size=1)
     if settings.get("num_experts"):  # the mesh's expert layout (MoE under TP needs --sequence-parallel)
-        settings.update(expert_model_parallel_size=mesh.size("ep"), expert_tensor_parallel_size=mesh.size("etp"),
-                        sequence_parallel=mesh.size("tp") > 1)
+        settings.update(expert_model_parallel_size=mesh.size("ep"),
+                        expert_tensor_parallel_size=mesh.size("etp"), sequence_parallel=mesh.size("tp") > 1)
     settings.update(cfg_overrides or {})
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)

@@ -239,7 +239,8 @@ def moe_settings(c, kind: str) -> Dict[str, Any]:
     else:
         flags, ffn = [experts > 0] * layers, c.intermediate_size
     if not any(flags):
-        _unsupported("num_experts", experts, f"a {kind} config without MoE layers: import it as a dense model")
+        _unsupported("num_experts", experts,
+                     f"a {kind} config without MoE layers: import it as a dense model")
     jitter = getattr(c, "router_jitter_noise", 0.0) or 0.0
     if jitter:
         _unsupported("router_jitter_noise", jitter, "jitter on the router's input (Megatron-LM's "

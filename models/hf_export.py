@@ -80,7 +80,8 @@ def moe_missing(moe, m, t: str) -> Optional[str]:
     if t == "mixtral" and moe.moe_router_pre_softmax:
         return "--moe-router-pre-softmax (Mixtral renormalises the top-k weights)"
     if t in ("mixtral", "olmoe") and not all(moe_layer_pattern(moe.moe_layer_freq, m.num_layers)):
-        return f"dense layers among the MoE layers, --moe-layer-freq {moe.moe_layer_freq} ({t}: every layer MoE)"
+        return f"dense layers among the MoE layers, --moe-layer-freq {moe.moe_layer_freq} " \
+               f"({t}: every layer MoE)"
     shared = moe.moe_shared_expert_intermediate_size
     if t == "qwen2_moe" and not (shared and moe.moe_shared_expert_gate):
         return "no gated shared expert (qwen2_moe has one: --moe-shared-expert-intermediate-size and " \

@@ -5,7 +5,8 @@ hidden / heads), Gemma (1 + weight norms, embedding scale, GeGLU), Gemma 2 (sand
 alternating windows, query_pre_attn_scalar), Phi-3 (fused weights, window), OLMo 2 (norms after the
 sublayers, q/k norms over all heads), SmolLM3 (a layer without RoPE) and the mixtures of experts Mixtral,
 Qwen2-MoE (shared expert and its gate, a dense layer), Qwen3-MoE and OLMoE (their routing: renormalised
-top-k weights or not; logits within 1e-5 of transformers').  Sequences are longer than every window.  Import: logits and greedy generation (KV cache) equal transformers'; what each family
+top-k weights or not; logits within 1e-5 of transformers').  Sequences are longer than every window.
+Import: logits and greedy generation (KV cache) equal transformers'; what each family
 adds changes the logits measurably; export: transformers loads the same model back, as the same
 architecture; TP 2 equals transformers.  What megazero cannot represent is refused, naming the feature."""
 import pytest
@@ -189,7 +190,7 @@ def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(hf_type
      "--moe-router-score-function sigmoid \\(mixtral: softmax\\)"),
     ("qwen2-moe", {}, "qwen3_moe", "--qk-layernorm off"),
 ])
-def test_moe_export_as_an_architecture_that_cannot_hold_it_is_refused(family, over, hf_type, needle, tmp_path):
+def test_moe_export_to_an_architecture_lacking_a_feature_is_refused(family, over, hf_type, needle, tmp_path):
     model = from_hf(hf_model(family), cfg_overrides=dict(over, hf_model_type=hf_type))
     with pytest.raises(ConfigError, match=f"--hf-model-type {hf_type} cannot hold this model: {needle}"):
         to_hf(model, str(tmp_path))
