@@ -168,9 +168,12 @@ def saved_engine_state(iteration_dir: str) -> Dict[str, Any]:
         return json.load(fh).get("extra", {}).get("engine", {})
 
 
-def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-    """The whole model's ``state_dict`` in the compute dtype, written by rank 0 (collective).  Under
-    ZeRO-3 only with ``stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's rule), else False."""
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """The whole model's ``state_dict`` in the compute dtype (fp32 without fp16/bf16), written by rank 0
+    with ``torch.save`` (collective); ``exclude_frozen_parameters`` leaves out the parameters that do not
+    require a gradient.  Under ZeRO-3 only with ``stage3_gather_16bit_weights_on_model_save``
+    (DeepSpeed's rule), else nothing is written and it returns False."""
     from megazero.engine.partition import GatheredParameters
     if engine.zero.stage3 is not None and not engine.config.gather_16bit_on_save:
         if engine.global_rank == 0:
@@ -179,6 +182,10 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
         return False
     with GatheredParameters(list(engine.module.parameters())):
         state = {k: v.detach().to("cpu").clone() for k, v in engine.module.state_dict().items()}
+    if exclude_frozen_parameters:
+        for name, p in engine.module.named_parameters(remove_duplicate=False):
+            if not p.requires_grad:
+                state.pop(name, None)
     if engine.global_rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         torch.save(state, os.path.join(save_dir, save_filename))

@@ -242,9 +242,10 @@ class Engine:
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
         from megazero.engine.checkpointing import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Release what outlives a step (the NVMe swap files)."""
