@@ -299,3 +299,39 @@ def test_save_16bit_model_under_zero3_writes_the_gathered_weights_rounded(tmp_pa
     with torch.no_grad():
         engine.eval()
         assert torch.equal(fresh(x, y), engine(x, y))
+
+
+# ---- a schedule across save_checkpoint / load_checkpoint --------------------------------------
+def _scheduled(kind, model):
+    if kind == "ds_config":
+        warmup = {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 4, "warmup_type": "linear"}
+        cfg = _config(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                      scheduler={"type": "WarmupLR", "params": warmup})
+        return _initialize(model, cfg)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # chainable: reads the group's lr
+    return _initialize(model, _config(), optimizer=opt, lr_scheduler=sched)[0]
+
+
+@pytest.mark.parametrize("kind", ["ds_config", pytest.param("torch", marks=pytest.mark.slow)])
+def test_a_resumed_schedule_continues_at_the_saved_rate(tmp_path, kind):
+    """Saved after 3 of 5 steps and loaded into a fresh engine: the rates of the last 2 updates and
+    the weights equal the uninterrupted run's (DeepSpeed restores the rate with the optimizer's
+    param groups; a fresh schedule's initial rate must not be used for the first resumed update)."""
+    full = Net()
+    rates = _engine_loop(_scheduled(kind, full), 5)
+    first = _scheduled(kind, Net())
+    _engine_loop(first, 3)
+    first.save_checkpoint(str(tmp_path))
+    model = Net()
+    engine = _scheduled(kind, model)
+    engine.load_checkpoint(str(tmp_path))
+    data = _data(5 * GA)[3 * GA:]
+    resumed = []
+    for x, y in data:
+        if engine.is_gradient_accumulation_boundary():
+            resumed.append(engine.get_lr())
+        engine.backward(engine(x, y))
+        engine.step()
+    assert resumed == rates[3:], (resumed, rates)
+    assert _max_diff(model, full) == 0.0  # bitwise: the same operations in the same order

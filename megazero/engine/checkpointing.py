@@ -5,7 +5,8 @@ checkpoint directory (:mod:`megazero.checkpoint`: every rank writes its slice of
 weights and optimizer moments at once, each file checksummed, published atomically as
 ``DIR/<tag>/iter_<N>/``) and then ``DIR/latest`` naming the tag, as DeepSpeed does.  What is the
 engine's own rides in the checkpoint's metadata (``extra["engine"]``): the step counters, the
-learning-rate schedule's state, ``client_state``, the module's persistent buffers, which parameter
+learning-rate schedule's state and the param groups' rates (restored on load, as DeepSpeed's optimizer
+state restores them), ``client_state``, the module's persistent buffers, which parameter
 names are tied to which, and the ds_config.  Values JSON cannot hold (tensors, in ``client_state`` or
 the buffers) are stored as ``torch.save`` bytes in base64.
 
@@ -85,6 +86,7 @@ def _engine_state(engine, client_state) -> Dict[str, Any]:
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "lr_scheduler": encode(sched.state_dict()) if sched is not None else None,
+            "lrs": [float(g["lr"]) for g in engine.optimizer.param_groups],
             "client_state": encode(client_state), "buffers": encode(buffers) if buffers else None,
             "tied": tied_names(engine.module), "order": [n for n, _ in engine.module.named_parameters()],
             "frozen": [n for n, p in engine.module.named_parameters() if not p.requires_grad],
@@ -157,8 +159,21 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
         sched = decode(state.get("lr_scheduler"))
         if load_lr_scheduler_states and sched is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(sched)
+        if load_optimizer_states or load_lr_scheduler_states:
+            _restore_rates(engine, state.get("lrs"))
         engine.zero.zero_grad()
     return path, decode(state.get("client_state"))
+
+
+def _restore_rates(engine, rates) -> None:
+    """The param groups' learning rates at the save (DeepSpeed restores them with the optimizer's
+    param groups): the next update runs at the saved rate, not at a fresh schedule's first one, and a
+    chainable torch scheduler (``StepLR``: ``lr *= gamma``) continues from it."""
+    groups = engine.optimizer.param_groups
+    if rates is None or len(rates) != len(groups):  # older checkpoints; another grouping
+        return
+    for group, lr in zip(groups, rates):
+        group["lr"] = float(lr)
 
 
 def saved_engine_state(iteration_dir: str) -> Dict[str, Any]:
