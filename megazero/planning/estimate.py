@@ -180,11 +180,11 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
 
 
 def _model_state(cfg, pp_rank: int, stage: int, backend: str, states: Optional[dict]) -> Dict[str, int]:
-    """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel,
+    """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel, MoE,
     optimizer and precision sections): layouts that differ only in micro-batch size share it."""
     if states is None:
         return model_state(cfg, pp_rank, stage, backend)
-    key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.optimizer),
+    key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.moe), repr(cfg.optimizer),
            repr(cfg.precision))
     if key not in states:
         states[key] = model_state(cfg, pp_rank, stage, backend)
