@@ -123,3 +123,25 @@ def test_one_moe_layer_keeps_what_the_estimate_says(name):
     D = layer_dims(cfg, dims(cfg, "cpu"), 0)
     assert D.moe is not None and D.moe.pairs == 8 * 12  # E x ceil(1.5 x 2 x 32 / 8)
     assert tracker.peak == moe_bytes(D) > 0
+
+
+def test_estimate_memory_script_reports_the_expert_layout(capsys):
+    import json
+    import models
+    from megazero.config import parse_args
+    from megazero.planning.model_state import plan_buckets, rank_chunks
+    from models.cli import estimate_memory_main
+    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--vocab-size", "300", "--swiglu", "--disable-bias-linear", "--num-experts", "8",
+             "--moe-router-topk", "2", "--expert-model-parallel-size", "4"]
+    assert estimate_memory_main(["--world-size", "8", "--json"] + model) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["expert_model_parallel_size"], data["expert_data_parallel_size"]) == (4, 2)
+    assert data["active_params"] < data["total_params"]
+    cfg = parse_args(model, presets=models.PRESETS, world_size=8, check_data=False)
+    shards = sum(b.numel // b.group for b in plan_buckets(cfg, rank_chunks(cfg, 0), 1))
+    assert data["stages"][1]["optim_bytes"] == 8 * shards  # fp32 Adam's moments: experts' shards over 2
+    assert estimate_memory_main(["--world-size", "8"] + model) == 0
+    assert "EP 4 x expert TP 1 x expert DP 2" in capsys.readouterr().out
+    assert estimate_memory_main(["--world-size", "8"] + model[:-1] + ["3"]) == 2
+    assert "--expert-model-parallel-size" in capsys.readouterr().err
