@@ -5,9 +5,10 @@ hidden and FFN sizes), pipeline parallelism (dividing the layers, with virtual s
 interleaved schedule; or, for a PP size that does not divide them, the most even uneven split of
 ``--decoder-first/last-pipeline-num-layers``, as Llama 3 405B's 126 layers on 16 stages), data
 parallelism, ZeRO stage (those that can hold the config's offload tiers), recomputation, sequence
-parallelism and micro-batch size; context parallelism (the sequence split over CP ranks, ring
-attention) only when no layout fits without it.  :func:`plan` keeps the layouts that fit
-``(1 - margin) x`` memory: a GPU's, for the most loaded rank
+parallelism and micro-batch size; for a mixture of experts every expert-parallel size dividing
+``--num-experts``, with expert TP equal to TP or 1 (:func:`expert_layouts`); context parallelism
+(the sequence split over CP ranks, ring attention) only when no layout fits without it.
+:func:`plan` keeps the layouts that fit ``(1 - margin) x`` memory: a GPU's, for the most loaded rank
 (:func:`megazero.planning.estimate.estimate_rank` of :func:`loaded_stages`); or a CPU host's, for the
 sum of its ranks' process memory (:func:`host_memory`, with the host's disk holding their swap
 files).  It ranks them by :func:`step_time`, a model of one optimizer step:
@@ -31,6 +32,10 @@ files).  It ranks them by :func:`step_time`, a model of one optimizer step:
 - context parallelism: a CP rank computes ``s / cp`` tokens; per layer and micro-batch the ring
   passes ``cp - 1`` K/V blocks forward and K/V plus dK/dV blocks backward (one more pass with
   recomputation), counted as exposed; gradients reduce over dp x cp;
+- expert parallelism (:func:`ep_time`): per MoE layer and micro-batch the all-to-all of the rank's
+  routed rows out and back, forward and backward, on the link spanning expert TP x EP ranks, and
+  expert TP's gather and reduce-scatter; the experts' gradients reduce over expert DP, the rest
+  over dp x cp;
 - optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
 - NVMe offload tiers (:func:`nvme_time`): their bytes per step at the node's disk bandwidth
   (``plan.py --calibrate`` measures it; else an assumed 3 GB/s), shared by the node's ranks;
