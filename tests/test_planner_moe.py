@@ -108,3 +108,23 @@ def test_plan_script_proposes_expert_parallelism():
     for d in data[:5]:
         cfg = parse_args(d["flags"].split() + ["--mock-data"], presets=models.PRESETS, world_size=8)
         assert cfg.moe.expert_model_parallel_size == d["ep"]
+
+
+MIXED = ["--moe-layer-freq", "2", "--moe-shared-expert-intermediate-size", "512"]
+
+
+@pytest.mark.parametrize("extra, biased", [([], False), (MIXED, False), ([], True)],
+                         ids=["plain", "mixed-shared", "biased"])
+def test_every_enumerated_moe_layout_validates(extra, biased):
+    """Every layout the search enumerates for an MoE model is a valid configuration (with CP too); biased
+    experts are only ever whole on a rank under TP (expert TP 1, Megatron-LM's rule)."""
+    model = [a for a in MOE if not (biased and a == "--disable-bias-linear")]
+    cfg = base(seq=256, gbs=16, args=model + extra + ["--attention-dropout", "0"])
+    assert cfg.model.add_bias_linear == biased
+    seen = set()
+    for cp in (False, True):
+        for x in enumerate_layouts(cfg, 8, 8, context_parallel=cp, **FEW):
+            lc = layout_config(cfg, x, 8)
+            seen.add((x.ep, x.etp, x.cp > 1))
+            assert not biased or x.tp == 1 or lc.moe.expert_tensor_parallel_size == 1
+    assert {ep for ep, _, _ in seen} == {1, 2, 4, 8} and any(cp for _, _, cp in seen)

@@ -167,12 +167,13 @@ def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Opt
 def expert_layouts(cfg, gpus: int, tp: int, pp: int) -> List[tuple]:
     """``(ep, etp)`` pairs for a TP x PP grid: ``(1, None)`` for a dense model; for a mixture of experts
     every expert-parallel size dividing ``--num-experts`` with expert TP equal to TP (``None``, the
-    default) or 1 (experts whole on each rank, when TP > 1 and the experts have no biases), such that
+    default; not for experts with biases under TP) or 1 (experts whole on each rank, when TP > 1), such that
     expert TP x EP x PP divides the GPUs (the rest is expert data parallelism)."""
     moe = cfg.moe
     if not moe.num_experts:
         return [(1, None)]
-    etps = [None] + ([1] if tp > 1 and not cfg.model.add_bias_linear else [])
+    # biased experts are never split (Megatron-LM's rule): expert TP 1 under TP
+    etps = [None] if tp == 1 else [1] if cfg.model.add_bias_linear else [None, 1]
     return [(ep, etp) for ep in _divisors(moe.num_experts) for etp in etps
             if gpus % ((etp or tp) * ep * pp) == 0 and moe.moe_ffn_hidden_size % (etp or tp) == 0]
 
