@@ -109,6 +109,7 @@ def test_bench_moe_quick_runs_and_the_grouped_experts_equal_the_loop():
     experts, ep = out["experts"], out["ep"]
     assert sum(experts["counts"]) == 256 and len(set(experts["counts"])) > 1  # uneven groups: padding runs
     assert experts["max_abs_diff"] < 1e-5  # the same products (fp32, sums of 32 and 48 terms)
+    assert out["experts_balanced"]["counts"] == [32] * 8 and out["experts_balanced"]["max_abs_diff"] < 1e-5
     assert min(experts["loop"], experts["grouped"], ep["ep1"], ep["ep2"], ep["all_to_all"]) > 0
     assert "loop / grouped" in proc.stdout and "EP 2 / EP 1" in proc.stdout
 

@@ -8,7 +8,9 @@ Two measurements, each a ratio against a baseline timed in the same run, in inte
    megazero runs them (one padded ``bmm`` per matrix on CPU: :func:`megazero.moe.experts.grouped_product`)
    against the plain-PyTorch reference that transformers' Mixtral block uses: a Python loop over the
    experts, each taking its rows and running its own matrices.  Same weights and rows; the script
-   checks that both give the same outputs and gradients before timing them.
+   checks that both give the same outputs and gradients before timing them.  Once with the rows
+   skewed over the experts (the padded ``bmm`` pads each to the longest) and once balanced (equal
+   rows: no padding).
 2. **EP 2 against EP 1, through the trainer's pieces.**  A tiny MoE GPT (the oracle tests' model:
    8 experts, top-2, a shared expert with its gate, one dense layer in two) on ``--ranks`` gloo ranks,
    one optimizer step at a time (pipeline executor, ZeRO optimizer, the routers' step) with every
@@ -51,8 +53,11 @@ def _expert_cfg(args):
         num_experts=args.experts, moe_ffn_hidden_size=args.ffn, moe_router_topk=2)), 1)
 
 
-def _counts(tokens: int, experts: int, seed: int = 0):
-    """Uneven rows per expert (a skewed routing), summing to ``tokens``."""
+def _counts(tokens: int, experts: int, seed: int = 0, balanced: bool = False):
+    """Uneven rows per expert (a skewed routing), summing to ``tokens``; ``balanced``: as even as they
+    divide (equal rows need no padding)."""
+    if balanced:
+        return [tokens // experts + (1 if j < tokens % experts else 0) for j in range(experts)]
     g = torch.Generator().manual_seed(seed)
     weights = torch.rand(experts, generator=g) + 0.5
     counts = (weights / weights.sum() * tokens).floor().to(torch.int64)
@@ -75,13 +80,14 @@ def loop_experts(experts, x: torch.Tensor, counts):
     return torch.cat(out)
 
 
-def bench_experts(args):
-    """Median seconds of forward + backward, grouped and looped, and their largest difference."""
+def bench_experts(args, balanced: bool = False):
+    """Median seconds of forward + backward, grouped and looped, and their largest difference
+    (``balanced``: every expert the same rows)."""
     from megazero.moe import GroupedExperts
     cfg = _expert_cfg(args)
     torch.manual_seed(0)
     experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 0)
-    counts = _counts(args.tokens, args.experts)
+    counts = _counts(args.tokens, args.experts, balanced=balanced)
     x = torch.randn(args.tokens, args.hidden, requires_grad=True)
     grad_out = torch.randn(args.tokens, args.hidden)
     results = {}
@@ -200,9 +206,10 @@ def main(argv=None) -> int:
     if args.experts % 2 or args.ranks % 2 or args.ranks < 2 or args.layers % 2 or args.layers < 2:
         p.error("--experts and --ranks must be even (EP 2), --ranks at least 2, --layers even and >= 2")
     set_rank_threads()
-    experts = bench_experts(args)
+    experts, balanced = bench_experts(args), bench_experts(args, balanced=True)
     ep = run_ranks(_rank_ep, args.ranks, args, timeout=1800)[0]
-    out = {"cpu": _cpu_name(), "load_average": os.getloadavg()[0], "experts": experts, "ep": ep}
+    out = {"cpu": _cpu_name(), "load_average": os.getloadavg()[0], "experts": experts,
+           "experts_balanced": balanced, "ep": ep}
     _print(args, out)
     if args.json:
         text = json.dumps(out, indent=1)
@@ -230,6 +237,9 @@ def _print(args, out) -> None:
           f"(max |difference| {e['max_abs_diff']:.2e})")
     print(f"  loop over experts {e['loop'] * 1e3:8.2f} ms   grouped {e['grouped'] * 1e3:8.2f} ms   "
           f"loop / grouped {e['loop'] / e['grouped']:.2f}x")
+    b = out["experts_balanced"]
+    print(f"  balanced rows {b['counts'][0]} each (no padding): loop {b['loop'] * 1e3:8.2f} ms   grouped "
+          f"{b['grouped'] * 1e3:8.2f} ms   loop / grouped {b['loop'] / b['grouped']:.2f}x")
     print(f"EP on {args.ranks} ranks: {args.layers} layers (MoE every second), {args.experts} experts top-2, "
           f"hidden {args.hidden}, micro-batch {args.micro_batch_size} x {args.seq_length}, one step")
     print(f"  EP 1 {r['ep1'] * 1e3:8.2f} ms   EP 2 {r['ep2'] * 1e3:8.2f} ms   EP 2 / EP 1 "
