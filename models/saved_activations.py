@@ -41,6 +41,12 @@ Per transformer layer (no recomputation):
   each gather it), GELU its input and output ``2 E T fp``, SwiGLU the gate output, its SiLU, the
   fc1 output and the product ``4 E T fp``.
 
+An MoE layer (``--num-experts``, in the layers ``--moe-layer-freq`` names) keeps, in place of the
+MLP, what :func:`moe_bytes` lists: its input, the router's scores and losses, the routed pairs'
+indices, the experts' rows and intermediates for the ``P`` top-k pairs (``R`` rows at the experts,
+``P`` gathered over expert TP), the combine's fp32 weighted outputs, and the shared expert with its
+gate; balanced routing assumed (:class:`megazero.planning.activations.MoEDims`).
+
 Embedding (first stage): the token ids ``8 T`` (with TP > 1 the shifted ids ``8 T`` and the
 out-of-range mask ``T``), Gemma's scale ``E``, the dropout mask ``M Tl h``.  Head and loss (last
 stage): the final norm, the head's input ``E T h``, a final soft-cap's tanh output ``E T Vp``, the
@@ -51,6 +57,7 @@ cross-entropy's fp32 softmax ``4 T Vp``, shifted labels
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
 from megazero.element_bytes import FP32
@@ -230,6 +237,73 @@ def mlp_bytes(D: Dims) -> int:
     return inputs + D.E * D.T * D.fp * (4 if D.swiglu else 2)
 
 
+def _moe_x_bytes(D: Dims) -> int:
+    """The MoE layer's input ``x`` itself (``E Tl h``) when something keeps it beyond the shared
+    expert's first product (which :func:`mlp_bytes` counts, and at TP 1 is ``x`` itself): the router's
+    fp32 product (``x`` in fp32; in half precision fp32 copies of ``x`` and of the router's weight,
+    ``4 Tl h + 4 E h``) and the shared gate."""
+    M = D.moe
+    shared_keeps = M.shared_fp and D.tp == 1
+    router = FP32 * (D.Tl + M.experts) * D.h if D.half else 0
+    kept_by_others = (not D.half) or M.gate
+    return router + (D.E * D.Tl * D.h if kept_by_others and not shared_keeps else 0)
+
+
+def router_bytes(D: Dims) -> int:
+    """What the router keeps for ``t`` tokens over ``E`` experts, top ``k`` (fp32 scores): the top-k
+    indices ``8 t k``; softmax after the top-k its ``4 t k`` output, before it (``pre_softmax``) its
+    ``4 t E`` output; sigmoid its ``4 t E`` output and, with ``k > 1``, the normalisation's numerator
+    and denominator ``4 t (k + 1)``; a capacity's kept-pairs mask ``t E`` (bool); the z-loss's
+    logits and log-sum-exp ``4 t (E + 1)``; the load-balancing loss's softmax ``4 t E`` (sigmoid: its
+    output and the normaliser, ``4 t (E + 1)``) and the token counts (``4 E``, per sequence ``4 b E``);
+    its own top-k is freed with its unused values."""
+    M = D.moe
+    t, e, k = M.tokens, M.experts, M.topk
+    out = 8 * t * k
+    if M.score == "sigmoid":
+        out += FP32 * t * e + (FP32 * t * (k + 1) if k > 1 else 0)
+    else:
+        out += FP32 * t * (e if M.pre_softmax else k)
+    if M.capacity:
+        out += t * e
+    if M.z_loss:
+        out += FP32 * t * (e + 1)
+    if M.aux:
+        out += FP32 * t * e + (FP32 * t if M.score == "sigmoid" else 0)
+        out += FP32 * e * (D.b if M.aux == "seq_aux_loss" else 1)
+    return out
+
+
+def moe_bytes(D: Dims) -> int:
+    """An MoE layer in place of the MLP (:mod:`megazero_models.moe`), balanced routing
+    (:class:`megazero.planning.activations.MoEDims`: ``P`` pairs, ``R`` expert rows): the input
+    (:func:`_moe_x_bytes`), the router (:func:`router_bytes`), the pairs' expert and token indices
+    ``16 P``; the experts' input rows ``E R h`` (regrouped by expert: one copy, which every matrix of
+    the grouped product reads), SwiGLU/GeGLU's gate output, activation, first product and product
+    ``4 E R fe`` (GELU: its input and output ``2 E R fe``), the index of each bias's rows ``8 R``;
+    the combine's fp32 weights ``4 P``, expert outputs ``4 P h`` and weighted outputs ``4 P h``; the
+    shared expert (:func:`mlp_bytes` at its size) and its gate's sigmoid ``E Tl`` and the shared
+    output it scales ``E Tl h``.  Unequal expert loads cost more: the padded ``bmm`` pads every
+    expert to the longest (:func:`megazero.moe.experts.grouped_product`)."""
+    M = D.moe
+    P, R = M.pairs, M.rows
+    experts = D.E * R * D.h + D.E * R * M.fe * (4 if D.swiglu else 2)
+    if M.bias:
+        experts += 8 * R * (3 if D.swiglu else 2)
+    combine = FP32 * P * (1 + 2 * D.h)
+    shared = 0
+    if M.shared_fp:
+        shared = mlp_bytes(replace(D, fp=M.shared_fp))
+        if M.gate:
+            shared += D.E * D.Tl * (1 + D.h)
+    return _moe_x_bytes(D) + router_bytes(D) + 16 * P + experts + combine + shared
+
+
+def ffn_bytes(D: Dims) -> int:
+    """The layer's MLP, or its MoE layer."""
+    return moe_bytes(D) if D.moe is not None else mlp_bytes(D)
+
+
 def _norms_around(D: Dims) -> Tuple[int, int]:
     """Norms of each sublayer's half of a layer: before it (pre, sandwich), after it (post, sandwich)."""
     return int(D.norms != "post"), int(D.norms != "pre")
@@ -239,7 +313,7 @@ def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
     """One transformer layer's kept bytes by part (module docstring)."""
     attn = selective_kept(D) if selective else core_bytes(D)
     return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), "qkv_input": D.E * D.T * D.h,
-            "attention": attn, "mlp": mlp_bytes(D), "dropout": 2 * dropout_bytes(D)}
+            "attention": attn, "mlp": ffn_bytes(D), "dropout": 2 * dropout_bytes(D)}
 
 
 def layer_bytes(D: Dims, selective: bool = False) -> int:
@@ -250,7 +324,7 @@ def layer_segments(D: Dims, selective: bool) -> List[Segment]:
     """A layer as two segments (attention half, MLP half) in forward order."""
     norms = sum(_norms_around(D)) * norm_bytes(D)
     attn = norms + D.E * D.T * D.h + dropout_bytes(D)
-    mlp = norms + mlp_bytes(D) + dropout_bytes(D)
+    mlp = norms + ffn_bytes(D) + dropout_bytes(D)
     if not selective:
         return [Segment(attn + core_bytes(D)), Segment(mlp)]
     # backward reaches the core's replay after the dropout mask and the projection's input are freed

@@ -99,3 +99,22 @@ def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
         # same initial weights and samples: the first step's loss agrees to fp32 rounding
         assert r["first_loss"]["megazero"] == pytest.approx(r["first_loss"]["peer"], rel=1e-5), r["layout"]
         assert r["megazero_mb"] <= r["formula_mb"] * 1.02  # padding only
+
+
+@pytest.mark.slow
+def test_bench_moe_quick_runs_and_the_grouped_experts_equal_the_loop():
+    proc = _run([sys.executable, "scripts/bench_moe.py", "--quick", "--json", "-"], PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    experts, ep = out["experts"], out["ep"]
+    assert sum(experts["counts"]) == 256 and len(set(experts["counts"])) > 1  # uneven groups: padding runs
+    assert experts["max_abs_diff"] < 1e-5  # the same products (fp32, sums of 32 and 48 terms)
+    assert out["experts_balanced"]["counts"] == [32] * 8 and out["experts_balanced"]["max_abs_diff"] < 1e-5
+    assert min(experts["loop"], experts["grouped"], ep["ep1"], ep["ep2"], ep["all_to_all"]) > 0
+    assert "loop / grouped" in proc.stdout and "EP 2 / EP 1" in proc.stdout
+
+
+@pytest.mark.slow  # a second: the script imports torch before it parses
+def test_bench_moe_bad_sizes_exit_2():
+    proc = _run([sys.executable, "scripts/bench_moe.py", "--ranks", "3"], PYTHONPATH=ROOT)
+    assert proc.returncode == 2 and "--ranks" in proc.stderr

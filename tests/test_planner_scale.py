@@ -187,3 +187,34 @@ def test_llama3_405b_fits_its_published_layout_with_the_recomputation_its_memory
     argv = flags(ours[0], args, cfg)
     assert pretrain_main(["--dry-run", *argv, "--mock-data"], presets=models.PRESETS) == 0
     assert "valid for 16384 ranks: tp 8 pp 16" in capsys.readouterr().out
+
+
+def test_a_sliding_window_shortens_flash_attention_time_by_the_keys_it_hides():
+    """A 4096-token sequence whose queries see 512 keys: the flash attention time (forward and backward)
+    shrinks by the ratio of keys seen, (w + 1 - (w + 1) w / 2s) / (s / 2) per windowed layer, mixed
+    over the layers as Gemma 2 alternates them; the unfused kernel computes every score anyway."""
+    s, w = 4096, 511
+
+    def cfg_of(*window):
+        return model_config(["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16",
+                             *window], models.PRESETS, s, 1, fp32=False)
+
+    h100 = GPU_TYPES["H100"]
+    faster = replace(h100, attn_eff=2 * h100.attn_eff)
+
+    def attention(cfg):  # the flash attention share of the compute: what doubling attn_eff halves
+        slow, fast = (gpu_model.micro_batch_seconds(cfg, g)["compute"] for g in (h100, faster))
+        return 2 * (slow - fast)
+
+    def unfused(cfg):
+        return gpu_model.micro_batch_seconds(cfg, h100, attention="unfused")["compute"]
+
+    full, local = cfg_of(), cfg_of("--window-size", f"{w},0")
+    alternating = cfg_of("--window-size", f"{w},0", "--window-attn-skip-freq", "2")
+    keys = (w + 1) - (w + 1) * w / (2 * s)
+    assert gpu_model.causal_keys(s, w) == pytest.approx(sum(min(i + 1, w + 1) for i in range(s)) / s)
+    assert gpu_model.causal_keys(s, None) == s / 2 == gpu_model.causal_keys(s, s)  # no key hidden
+    assert attention(full) > 0
+    assert attention(local) == pytest.approx(attention(full) * keys / (s / 2), rel=1e-9)
+    assert attention(alternating) == pytest.approx(attention(full) * (keys + s / 2) / s, rel=1e-9)
+    assert unfused(local) == pytest.approx(unfused(full), rel=1e-12)

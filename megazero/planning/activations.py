@@ -33,8 +33,34 @@ from typing import List, NamedTuple, Optional
 
 from megazero.element_bytes import compute_bytes
 from megazero.config.patterns import GATED, active_window, layer_uses_rope, layer_window, uses_rope
+from megazero.moe.routing import expert_capacity
+from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import chunk_layers
 from megazero.pipeline.schedules import interleaved_warmup
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """An MoE layer's sizes on one rank (:func:`moe_dims`).  ``tokens``: the tokens this rank routes
+    (``Tl``); ``pairs``: its routed token-expert pairs (with ``--moe-pad-expert-input-to-capacity`` the
+    fillers too), ``rows``: the rows its experts run (``pairs`` gathered over expert TP); both assume
+    balanced routing (every expert the same number of tokens), which capacity with padding makes
+    exact and a dropless router only approaches."""
+    experts: int
+    topk: int
+    local: int           # experts on this rank (num_experts / EP)
+    fe: int              # --moe-ffn-hidden-size / expert TP
+    shared_fp: int       # the shared expert's hidden size / TP (0: none)
+    gate: bool           # --moe-shared-expert-gate
+    score: str           # softmax or sigmoid
+    pre_softmax: bool
+    z_loss: bool
+    aux: str             # "aux_loss", "seq_aux_loss" or "" (not computed)
+    capacity: bool       # --moe-expert-capacity-factor given (the kept-pairs mask is saved)
+    bias: bool           # expert biases
+    tokens: int
+    pairs: int
+    rows: int
 
 
 @dataclass(frozen=True)
@@ -67,6 +93,7 @@ class Dims:
     norms: str = "pre"            # --norm-position: pre, post or sandwich
     embed_scale: bool = False     # Gemma's sqrt(h) (a 0-dim tensor the multiply keeps)
     final_softcap: bool = False   # the head's tanh keeps its output
+    moe: Optional[MoEDims] = None  # this layer is an MoE layer (:func:`layer_dims`)
 
     @property
     def T(self) -> int:
@@ -123,7 +150,34 @@ def layer_dims(cfg, D: Dims, layer: int) -> Dims:
     m = cfg.model
     window = active_window(layer_window(m, layer), m.seq_length)
     mask = window if D.backend in ("flash", "efficient", "math") else None
-    return replace(D, rope=layer_uses_rope(m, layer), window=mask)
+    moe = moe_dims(cfg, D) if layer in moe_layers(cfg) else None
+    return replace(D, rope=layer_uses_rope(m, layer), window=mask, moe=moe)
+
+
+def moe_dims(cfg, D: Dims) -> MoEDims:
+    """:class:`MoEDims` of an MoE layer.  Balanced routing: this rank's ``Tl`` tokens make ``Tl k``
+    pairs (dropless); with a capacity ``C = ceil(factor k T_mb / E)`` over the micro-batch's ``T_mb``
+    tokens (split over ``tp x cp`` under sequence parallelism, ``cp`` otherwise) each expert keeps at
+    most ``C`` of them (exactly ``C`` with padding), this rank's share ``1 / split`` of that.  The
+    all-to-all brings each rank's experts as many rows as it sends (balanced), expert TP gathers them
+    from its ``etp`` ranks."""
+    moe, par = cfg.moe, cfg.parallel
+    k, e = moe.moe_router_topk, moe.num_experts
+    split = par.context_parallel_size * (D.tp if D.sp else 1)
+    pairs = D.Tl * k
+    if moe.moe_expert_capacity_factor is not None:
+        cap = expert_capacity(D.Tl * split, e, k, moe.moe_expert_capacity_factor)
+        pairs = (e * cap if moe.moe_pad_expert_input_to_capacity else min(pairs * split, e * cap)) // split
+    etp = moe.expert_tensor_parallel_size or D.tp
+    aux = moe.moe_router_load_balancing_type if moe.moe_aux_loss_coeff else ""
+    shared = moe.moe_shared_expert_intermediate_size or 0
+    return MoEDims(experts=e, topk=k, local=e // moe.expert_model_parallel_size,
+                   fe=moe.moe_ffn_hidden_size // etp, shared_fp=shared // D.tp,
+                   gate=bool(shared and moe.moe_shared_expert_gate), score=moe.moe_router_score_function,
+                   pre_softmax=bool(moe.moe_router_pre_softmax), z_loss=bool(moe.moe_z_loss_coeff),
+                   aux=aux if aux in ("aux_loss", "seq_aux_loss") else "",
+                   capacity=moe.moe_expert_capacity_factor is not None, bias=bool(cfg.model.add_bias_linear),
+                   tokens=D.Tl, pairs=pairs, rows=pairs * etp)
 
 
 class Segment(NamedTuple):

@@ -180,11 +180,11 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
 
 
 def _model_state(cfg, pp_rank: int, stage: int, backend: str, states: Optional[dict]) -> Dict[str, int]:
-    """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel,
+    """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel, MoE,
     optimizer and precision sections): layouts that differ only in micro-batch size share it."""
     if states is None:
         return model_state(cfg, pp_rank, stage, backend)
-    key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.optimizer),
+    key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.moe), repr(cfg.optimizer),
            repr(cfg.precision))
     if key not in states:
         states[key] = model_state(cfg, pp_rank, stage, backend)
@@ -199,7 +199,7 @@ def _tiers(cfg, ms, device: str) -> Dict[str, object]:
     par = cfg.parallel
     dev, pdev = ms["optim_device"], ms["param_device"]
     moved = int(ms["optim_bytes"] * float(par.optimizer_offload_fraction)) if dev != "none" else 0
-    largest_shard = ms["max_bucket_elements"] // (par.data_parallel_size * par.context_parallel_size)
+    largest_shard = ms["max_shard_elements"]
     staging = 4 * largest_shard if device != "cpu" and dev != "none" else 0
     params_moved = ms["param_bytes"] - ms["resident_param_bytes"] if pdev == "nvme" else 0
     buffers = par.nvme_buffer_count * par.nvme_buffer_size if dev == "nvme" else 0

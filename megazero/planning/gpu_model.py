@@ -11,14 +11,22 @@ Compute, per TP rank, for the slowest pipeline stage:
   same three dimensions (input and weight gradients) per forward GEMM.
 - **Attention** ``softmax(QK^T) V`` with a memory-efficient kernel (FlashAttention, SDPA's flash
   path): ``4 s_q s_kv d`` FLOPs a head forward, halved by the causal mask that the kernel skips,
-  backward 2.5x forward (it recomputes the scores), at ``attn_eff`` of peak.  The unfused kernel
+  backward 2.5x forward (it recomputes the scores), at ``attn_eff`` of peak.  A layer with a sliding
+  window (``--window-size``) counts the keys its queries see, ``min(i + 1, window + 1)`` for the query
+  at position ``i``, instead of the causal ``s / 2`` on average (:func:`causal_keys`, averaged over
+  the layers, as :mod:`megazero.planning.flops` does for FLOPs).  The unfused kernel
   of older Megatron-LM releases (``attention="unfused"``) instead runs two batched GEMMs per head
   at the GEMM efficiency of their shape and writes the ``s x s`` scores: scale, mask and softmax
-  read and write them once each way, dropout reads, writes and keeps a 1-byte mask.
+  read and write them once each way, dropout reads, writes and keeps a 1-byte mask (a window only
+  masks them: the unfused kernel still computes every score).
 - **Element-wise and normalisation** work is bandwidth-bound: per token and layer the forward
   reads and writes 23 hidden-size vectors (two layer norms 2 each, two dropouts 2.5, two residual
   adds 3, bias + GeLU on the 4h-wide MLP 8), the backward twice that, at the HBM bandwidth; under
   sequence parallelism each TP rank does ``1/t`` of it.
+
+An MoE layer (``--num-experts``) runs its router, its local experts' matmuls for the rows the
+all-to-all brings them (balanced routing) and its shared expert in place of the MLP
+(:func:`moe_layer_gemms`); the all-to-all itself is the planner's (:func:`megazero.planning.planner.ep_time`).
 
 Communication: TP's collectives (two forward and two backward per layer, two more forward under
 full recomputation) on the node's link, exposed; CP's ring passes each K/V block (and its
@@ -37,7 +45,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from megazero.element_bytes import compute_bytes
-from megazero.config.patterns import GATED
+from megazero.config.patterns import GATED, active_window, layer_window
+from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import stage_layer_counts
 
 # Elements per token and layer that element-wise forward work reads and writes (module docstring).
@@ -134,6 +143,54 @@ def layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
     return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t), (tokens, up // t, h), (tokens, h, ffn // t)]
 
 
+def moe_layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
+    """(M, N, K) of an MoE layer's forward matmuls on one rank in place of the MLP's, balanced routing:
+    the router ``(tokens / tp, E, h)`` under sequence parallelism; each of the ``E / ep`` local experts
+    runs ``tokens k ep / E`` rows (all-to-all over EP) times ``etp / tp`` (expert TP gathers its ranks'
+    tokens, SP splits them over TP) through its two (gated: three) matrices of ``ffn / etp``; the shared
+    expert as a dense MLP split over TP."""
+    m, par, moe = cfg.model, cfg.parallel, cfg.moe
+    t, h = par.tensor_model_parallel_size, m.hidden_size
+    ep, etp, e, k = moe.expert_model_parallel_size, moe.expert_tensor_parallel_size or t, moe.num_experts, \
+        moe.moe_router_topk
+    glu = 2 if m.activation in GATED else 1
+    local_tokens = tokens // t if par.sequence_parallel else tokens
+    rows = max(1, tokens * k * ep * etp // (e * t))
+    f = moe.moe_ffn_hidden_size // etp
+    out = [(local_tokens, e, h)] + [(rows, glu * f, h), (rows, h, f)] * (e // ep)
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared:
+        out += [(tokens, glu * shared // t, h), (tokens, h, shared // t)]
+    return out
+
+
+def layers_gemm_seconds(cfg, tokens: int, gpu: GpuType, elem: int, knee: float) -> float:
+    """One layer's matmul seconds, the mean over the layers when MoE and dense layers mix."""
+    dense = sum(gemm_seconds(*g, gpu, elem, knee) for g in layer_gemms(cfg, tokens))
+    moe = len(moe_layers(cfg))
+    if not moe:
+        return dense
+    attention = sum(gemm_seconds(*g, gpu, elem, knee) for g in layer_gemms(cfg, tokens)[:2])
+    routed = attention + sum(gemm_seconds(*g, gpu, elem, knee) for g in moe_layer_gemms(cfg, tokens))
+    layers = cfg.model.num_layers
+    return (dense * (layers - moe) + routed * moe) / layers
+
+
+def causal_keys(s: int, window=None) -> float:
+    """Keys a query sees on average in a causal ``s``-token sequence: ``s / 2`` (the half of the scores
+    the causal kernel skips), or with a sliding window of ``window`` keys before the query's own that
+    hides some, the exact mean of ``min(i + 1, window + 1)`` over positions ``i``."""
+    w = active_window(window, s)
+    if w is None:
+        return 0.5 * s
+    return (w + 1) - (w + 1) * w / (2.0 * s)
+
+
+def mean_causal_keys(m) -> float:
+    """:func:`causal_keys` averaged over the model's layers (windows differ by layer)."""
+    return sum(causal_keys(m.seq_length, layer_window(m, i)) for i in range(m.num_layers)) / m.num_layers
+
+
 def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = "flash") -> Dict[str, float]:
     """Seconds of one micro-batch on the slowest stage: ``fwd`` (forward compute), ``compute``
     (forward + backward + recomputation), ``tp_comm`` and ``cp_comm`` (exposed), for a validated
@@ -147,13 +204,13 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     heads = m.num_attention_heads // t
     d = m.kv_channels or h // m.num_attention_heads
     hbm = gpu.hbm_gbs * 1e9
-    gemm = sum(gemm_seconds(*g, gpu, elem, knee) for g in layer_gemms(cfg, tokens))
+    gemm = layers_gemm_seconds(cfg, tokens, gpu, elem, knee)
     if attention == "unfused":
         bmm = 2 * b * heads * gemm_seconds(s, s, d, gpu, elem, knee)
         scores = b * heads * s * s * elem / hbm
         attn_f, attn_b = bmm + UNFUSED_SCORE_PASSES_FWD * scores, 2 * bmm + UNFUSED_SCORE_PASSES_BWD * scores
     else:
-        flops = 4.0 * b * heads * (s // cp) * s * d * 0.5
+        flops = 4.0 * b * heads * (s // cp) * mean_causal_keys(m) * d
         attn_f = flops / (gpu.peak_tflops * 1e12 * gpu.attn_eff)
         attn_b = 2.5 * attn_f
     spread = t if par.sequence_parallel else 1

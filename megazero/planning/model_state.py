@@ -6,8 +6,11 @@ of the chunk) and per reduction *kind* (``dense``; ``sp`` for parameters replica
 a partial gradient under sequence parallelism: norms and row-parallel biases; ``emb`` for the tied
 embedding and its copy when pp > 1), in reverse registration order, at most ``bucket_size``
 elements a bucket (ZeRO-3 never splits a unit), each padded to a multiple of the data-parallel
-size ``N``.  With ``n`` the padded elements of all buckets, ``P``/``G`` the bytes of a parameter /
-gradient element, ``K`` the optimizer's bytes per element:
+size ``N`` (dp x cp; the routed experts' kind ``expert`` is reduced and sharded over the
+expert-data-parallel group instead, ``world / (expert TP x EP x PP)`` ranks, and ``n / N`` below
+is then the sum of every bucket's shard over its own group).  With ``n`` the padded elements of
+all buckets, ``P``/``G`` the bytes of a parameter / gradient element, ``K`` the optimizer's bytes
+per element:
 
 - ``param_bytes``: ``P n`` (stage 3: ``P n / N``);
 - ``grad_bytes``: ``G n`` (stages 2/3: ``G n / N``);
@@ -52,8 +55,13 @@ class BucketSpec:
     unit: Optional[int]
     kind: str
     params: List[int]   # indices into the chunk's ParamSpec list
-    numel: int          # padded to a multiple of dp
+    numel: int          # padded to a multiple of its group's size
     root: bool          # holds the chunk's own parameters (embedding, final norm, head)
+    group: int = 1      # the ranks it is reduced and sharded over (dp x cp; expert DP for experts)
+
+    @property
+    def shard(self) -> int:
+        return self.numel // self.group
 
 
 def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
@@ -135,21 +143,30 @@ def rank_chunks(cfg, pp_rank: int) -> List[List[ParamSpec]]:
             for v, r in enumerate(ranges)]
 
 
+def group_sizes(cfg) -> Dict[str, int]:
+    """Ranks each reduction kind's buckets are reduced and sharded over: dp x cp, and for the routed
+    experts' weights the expert-data-parallel group (``world / (expert TP x EP x PP)``)."""
+    par = cfg.parallel
+    dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
+    sizes = {k: dp for k in KINDS}
+    sizes[EXPERT] = cfg.moe.expert_data_parallel_size  # experts: over expert DP
+    return sizes
+
+
 def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[BucketSpec]:
     """The optimizer's bucket layout, by the optimizer's own functions
     (:func:`megazero.zero.buckets.bucket_groups` and :func:`~megazero.zero.buckets.cut_buckets`)
     over the chunks' parameter descriptions."""
     par = cfg.parallel
     dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
-    sizes = {k: dp for k in KINDS}
-    sizes[EXPERT] = cfg.moe.expert_data_parallel_size  # experts: over expert DP
+    sizes = group_sizes(cfg)
     items = [[(c, i) for i in range(len(specs))] for c, specs in enumerate(chunks)]
     groups = bucket_groups(items, lambda x: chunks[x[0]][x[1]].unit, zero_stage,
                            overlaps_param_gather(zero_stage, dp, par.overlap_param_gather))
     cuts = cut_buckets(groups, sizes, par.ddp_bucket_size,
                        numel=lambda x: chunks[x[0]][x[1]].numel, kind=lambda x: chunks[x[0]][x[1]].kind)
     return [BucketSpec(cut.chunk, cut.unit, cut.kind, [i for _, i in cut.members], cut.numel,
-                       chunks[cut.chunk][cut.members[0][1]].unit is None) for cut in cuts]
+                       chunks[cut.chunk][cut.members[0][1]].unit is None, sizes[cut.kind]) for cut in cuts]
 
 
 def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
@@ -172,13 +189,12 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
     so it never sets the peak."""
     G = bytes_per_element(cfg)["G"]
-    dp = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # dp x cp
     K = cfg.parallel.max_reductions_in_flight
     gloo_fp32 = backend == "gloo" and G == 4
-    if zero_stage == 0 or dp == 1 and zero_stage == 1:
+    if zero_stage == 0:
         return persistent
-    if zero_stage == 1:
-        largest = sorted((b.numel for b in buckets), reverse=True)[:K]
+    if zero_stage == 1:  # buckets over a group of one rank are averaged in place
+        largest = sorted((b.numel for b in buckets if b.group > 1), reverse=True)[:K]
         return persistent + (sum(largest) * G if gloo_fp32 else 0)
     peak = live = persistent
     pending: List[int] = []                       # bytes each reduction in flight holds, oldest first
@@ -195,26 +211,29 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
             arrived[id(b)] += 1
             if arrived[id(b)] < len(b.params):
                 continue
-            if dp == 1:
+            if b.group == 1:
                 live -= b.numel * G                # added into the shard at once
                 continue
             while len(pending) > K - 1:            # retire the oldest until K - 1 remain
                 live -= pending.pop(0)
-            recv = b.numel * G if gloo_fp32 else b.numel // dp * G
+            recv = b.numel * G if gloo_fp32 else b.shard * G
             pending.append(b.numel * G + recv)
             live += recv
             peak = max(peak, live)
     return peak
 
 
-def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
+def zero3_buffers(cfg, buckets: List[BucketSpec], shards: bool = False) -> int:
     """ZeRO-3 with dp > 1: the gathered working set, each chunk's root unit (gathered for the
     chunk's whole forward and backward) plus the two largest layer units (the current one and the
-    prefetch)."""
+    prefetch; a bucket of a group of one is its own shard, nothing gathered); ``shards``: this rank's
+    shards of those units instead."""
     P = bytes_per_element(cfg)["P"]
     units: Dict[Tuple[int, bool], int] = {}
     for b in buckets:
-        units[(b.unit, b.root)] = units.get((b.unit, b.root), 0) + b.numel * P
+        if b.group == 1 and not shards:
+            continue
+        units[(b.unit, b.root)] = units.get((b.unit, b.root), 0) + (b.shard if shards else b.numel) * P
     roots = max((v for (u, root), v in units.items() if root), default=0)
     layers = sorted((v for (u, root), v in units.items() if not root), reverse=True)
     return roots + sum(layers[:2])
@@ -223,11 +242,10 @@ def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
 def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
     """Model-state bytes of one rank of stage ``pp_rank`` under ``zero_stage`` (module docstring)."""
     par = cfg.parallel
-    dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
     chunks = rank_chunks(cfg, pp_rank)
     buckets = plan_buckets(cfg, chunks, zero_stage)
     n = sum(b.numel for b in buckets)
-    shard = n // dp
+    shard = sum(b.shard for b in buckets)  # expert buckets: over expert DP
     bpe = bytes_per_element(cfg, zero_stage)
     from megazero.offload.settings import optimizer_device, param_device
     device = optimizer_device(par) if zero_stage >= 1 else "none"
@@ -240,10 +258,12 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
            "master_bytes": master * owned, "optim_bytes": (master + bpe["state"]) * owned,
            "optim_on_cpu": offload, "optim_device": device,
            "param_device": param_device(par) if zero_stage == 3 else "none",
-           "max_bucket_elements": max(b.numel for b in buckets)}
+           "max_bucket_elements": max(b.numel for b in buckets),
+           "max_shard_elements": max(b.shard for b in buckets)}
     out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
-    out["gathered_param_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets)
+    sharded = any(b.group > 1 for b in buckets)
+    out["gathered_param_bytes"] = 0 if zero_stage != 3 or not sharded else zero3_buffers(cfg, buckets)
     # parameters on NVMe: the shards of the units in use (root + two layers) are in memory
-    out["resident_param_bytes"] = (zero3_buffers(cfg, buckets) // dp if out["param_device"] == "nvme"
+    out["resident_param_bytes"] = (zero3_buffers(cfg, buckets, shards=True) if out["param_device"] == "nvme"
                                    else out["param_bytes"])
     return out

@@ -5,9 +5,10 @@ hidden and FFN sizes), pipeline parallelism (dividing the layers, with virtual s
 interleaved schedule; or, for a PP size that does not divide them, the most even uneven split of
 ``--decoder-first/last-pipeline-num-layers``, as Llama 3 405B's 126 layers on 16 stages), data
 parallelism, ZeRO stage (those that can hold the config's offload tiers), recomputation, sequence
-parallelism and micro-batch size; context parallelism (the sequence split over CP ranks, ring
-attention) only when no layout fits without it.  :func:`plan` keeps the layouts that fit
-``(1 - margin) x`` memory: a GPU's, for the most loaded rank
+parallelism and micro-batch size; for a mixture of experts every expert-parallel size dividing
+``--num-experts``, with expert TP equal to TP or 1 (:func:`expert_layouts`); context parallelism
+(the sequence split over CP ranks, ring attention) only when no layout fits without it.
+:func:`plan` keeps the layouts that fit ``(1 - margin) x`` memory: a GPU's, for the most loaded rank
 (:func:`megazero.planning.estimate.estimate_rank` of :func:`loaded_stages`); or a CPU host's, for the
 sum of its ranks' process memory (:func:`host_memory`, with the host's disk holding their swap
 files).  It ranks them by :func:`step_time`, a model of one optimizer step:
@@ -31,6 +32,10 @@ files).  It ranks them by :func:`step_time`, a model of one optimizer step:
 - context parallelism: a CP rank computes ``s / cp`` tokens; per layer and micro-batch the ring
   passes ``cp - 1`` K/V blocks forward and K/V plus dK/dV blocks backward (one more pass with
   recomputation), counted as exposed; gradients reduce over dp x cp;
+- expert parallelism (:func:`ep_time`): per MoE layer and micro-batch the all-to-all of the rank's
+  routed rows out and back, forward and backward, on the link spanning expert TP x EP ranks, and
+  expert TP's gather and reduce-scatter; the experts' gradients reduce over expert DP, the rest
+  over dp x cp;
 - optimizer step: reading and writing the owned fp32 state at HBM bandwidth;
 - NVMe offload tiers (:func:`nvme_time`): their bytes per step at the node's disk bandwidth
   (``plan.py --calibrate`` measures it; else an assumed 3 GB/s), shared by the node's ranks;
@@ -87,6 +92,8 @@ class Layout:
     last: Optional[int] = None
     host_bytes: int = 0  # CPU hosts: the busiest host's memory, its ranks together
     disk_bytes: int = 0  # CPU hosts: the busiest host's swap files
+    ep: int = 1  # expert-parallel size (MoE models)
+    etp: Optional[int] = None  # expert tensor-parallel size when it differs from tp (MoE models)
 
     def settings(self, num_layers: int) -> Dict[str, object]:
         """Config fields (``megazero.config`` names) of this layout."""
@@ -103,6 +110,10 @@ class Layout:
                        decoder_last_pipeline_num_layers=self.last)
         if self.recompute != "none":
             out["recompute_granularity"] = self.recompute
+        if self.ep > 1:
+            out["expert_model_parallel_size"] = self.ep
+        if self.etp is not None:
+            out["expert_tensor_parallel_size"] = self.etp
         return out
 
 
@@ -147,30 +158,50 @@ def enumerate_layouts(cfg, gpus: int, gpus_per_node: int, micro_batch_sizes: Opt
             cps = [c for c in _divisors(gpus // (tp * pp)) if c > 1 and m.seq_length % (2 * c) == 0
                    and m.attention_dropout == 0]  # dropout inside ring attention is not implemented
             for cp in (cps if context_parallel else [1]):
-                yield from _layouts_of(cfg, tp, pp, cp, gpus // (tp * pp * cp), micro_batch_sizes, recompute,
-                                       zero_stages, _pipeline_splits(m.num_layers, pp, max_vpp), low)
+                for ep, etp in expert_layouts(cfg, gpus, tp, pp):
+                    splits = _pipeline_splits(m.num_layers, pp, max_vpp)
+                    yield from _layouts_of(cfg, tp, pp, cp, gpus // (tp * pp * cp), micro_batch_sizes,
+                                           recompute, zero_stages, splits, low, ep, etp)
 
 
-def _layouts_of(cfg, tp, pp, cp, dp, micro_batch_sizes, recompute, zero_stages, splits, low):
-    """The layouts of one TP x PP x CP x DP grid (:func:`enumerate_layouts`)."""
+def expert_layouts(cfg, gpus: int, tp: int, pp: int) -> List[tuple]:
+    """``(ep, etp)`` pairs for a TP x PP grid: ``(1, None)`` for a dense model; for a mixture of experts
+    every expert-parallel size dividing ``--num-experts`` with expert TP equal to TP (``None``, the
+    default; not for experts with biases under TP) or 1 (experts whole on each rank, when TP > 1), such that
+    expert TP x EP x PP divides the GPUs (the rest is expert data parallelism)."""
+    moe = cfg.moe
+    if not moe.num_experts:
+        return [(1, None)]
+    # biased experts are never split (Megatron-LM's rule): expert TP 1 under TP
+    etps = [None] if tp == 1 else [1] if cfg.model.add_bias_linear else [None, 1]
+    return [(ep, etp) for ep in _divisors(moe.num_experts) for etp in etps
+            if gpus % ((etp or tp) * ep * pp) == 0 and moe.moe_ffn_hidden_size % (etp or tp) == 0]
+
+
+def _layouts_of(cfg, tp, pp, cp, dp, micro_batch_sizes, recompute, zero_stages, splits, low, ep=1, etp=None):
+    """The layouts of one TP x PP x CP x DP (x EP) grid (:func:`enumerate_layouts`)."""
     m, gbs = cfg.model, cfg.training.global_batch_size
     if gbs % dp:
         return
     mbs = micro_batch_sizes or [b for b in (1, 2, 4, 8, 16) if (gbs // dp) % b == 0]
-    sps = (False, True) if tp > 1 else (False,)
+    # MoE layers under TP need sequence parallelism (Megatron-LM's rule)
+    sps = ((True,) if cfg.moe.num_experts else (False, True)) if tp > 1 else (False,)
     for (vpp, first, last), mb, zero, rc, sp in itertools.product(splits, mbs, zero_stages, recompute, sps):
         n_micro = gbs // (dp * mb) if gbs % (dp * mb) == 0 else 0
         if not n_micro or (vpp > 1 and n_micro % pp) or (dp * cp == 1 and zero != low):
             continue
         if sp and m.seq_length // cp % tp:
             continue
-        yield Layout(tp, pp, vpp, dp, zero, rc, sp, mb, cp=cp, first=first, last=last)
+        yield Layout(tp, pp, vpp, dp, zero, rc, sp, mb, cp=cp, first=first, last=last, ep=ep, etp=etp)
 
 
 def layout_config(cfg, layout: Layout, gpus: int):
     """The validated config of ``layout`` (``cfg``'s model, batch and precision)."""
-    settings = {f: getattr(section, f) for section in (cfg.model, cfg.training, cfg.optimizer, cfg.precision)
-                for f in section.__dataclass_fields__ if f not in ("padded_vocab_size", "num_micro_batches")}
+    settings = {f: getattr(section, f) for section in (cfg.model, cfg.training, cfg.optimizer, cfg.precision,
+                                                       cfg.moe)
+                for f in section.__dataclass_fields__ if f not in ("padded_vocab_size", "num_micro_batches",
+                                                                   "expert_data_parallel_size",
+                                                                   "expert_tensor_parallel_size")}
     for name in ("recompute_granularity", "recompute_method", "recompute_num_layers"):
         settings.pop(name, None)
     par = cfg.parallel
@@ -285,10 +316,47 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     owned = estimate_rank_elements(cfg)
     optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
     nvme = nvme_time(cfg, hw, n_micro * compute)
-    total = pipeline + p2p + dp_comm + optimizer + nvme
+    ep_comm = n_micro * ep_time(cfg, hw)
+    total = pipeline + p2p + dp_comm + optimizer + nvme + ep_comm
     return {"compute_s": n_micro * compute, "tp_comm_s": n_micro * tp_comm, "bubble_s": pipeline - work,
             "p2p_s": p2p, "dp_comm_s": dp_comm, "optimizer_s": optimizer, "nvme_s": nvme,
-            "step_time_s": total}
+            "ep_comm_s": ep_comm, "step_time_s": total}
+
+
+def ep_time(cfg, hw: Hardware) -> float:
+    """Seconds of one micro-batch's token traffic in the MoE layers of the busiest pipeline stage,
+    exposed (0 for a dense model).  Per MoE layer: the all-to-all over the EP group sends a rank's
+    routed pairs' rows (``P h`` elements, :func:`megazero.planning.activations.moe_dims`, balanced
+    routing) out and their outputs back, forward and backward (once more each way forward under full
+    recomputation), a share ``(ep - 1) / ep`` leaving the rank: ``(ep - 1)`` messages of ``P h E / ep``
+    bytes each on the link spanning expert TP x EP consecutive ranks (Megatron-core's expert order
+    etp-ep-edp-pp); with expert TP > 1, the received rows are all-gathered and the outputs
+    reduce-scattered over expert TP (a ring each, forward and backward)."""
+    from megazero.moe.settings import moe_layers
+    from megazero.planning.activations import dims, moe_dims
+    moe, par, m = cfg.moe, cfg.parallel, cfg.model
+    layers = moe_layers(cfg)
+    if not layers:
+        return 0.0
+    ep = moe.expert_model_parallel_size
+    etp = moe.expert_tensor_parallel_size or par.tensor_model_parallel_size
+    if ep == 1 and etp == 1:
+        return 0.0
+    D = dims(cfg, hw.device if hw.device == "cpu" else "cuda")
+    M = moe_dims(cfg, D)
+    rows = M.pairs * m.hidden_size * D.E  # bytes of one direction's rows on this rank
+    passes = 4 + (2 if m.recompute_granularity == "full" else 0)
+    a2a = 0.0
+    if ep > 1:
+        link = _link(etp * ep, hw)
+        a2a = passes * (ep - 1) * link.p2p(rows / ep)
+    if etp > 1:
+        a2a += passes * _link(etp, hw).ring(M.rows * m.hidden_size * D.E, etp)
+    per_stage = max(stage_layer_counts(m.num_layers, par.pipeline_model_parallel_size,
+                                       par.decoder_first_pipeline_num_layers,
+                                       par.decoder_last_pipeline_num_layers))
+    share = len(layers) / m.num_layers  # MoE layers per layer, as the FLOPs count them
+    return per_stage * share * a2a
 
 
 def nvme_time(cfg, hw: Hardware, compute: float) -> float:
@@ -314,11 +382,16 @@ def nvme_time(cfg, hw: Hardware, compute: float) -> float:
 
 
 def estimate_rank_elements(cfg) -> float:
-    """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0)."""
+    """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0; expert
+    parameters sharded over expert DP)."""
     from megazero.planning.estimate import stage_params
-    n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
+    from megazero.planning.model_state import plan_buckets, rank_chunks
     par = cfg.parallel
-    return n if par.zero_stage == 0 else n / (par.data_parallel_size * par.context_parallel_size)
+    if par.zero_stage == 0 or not cfg.moe.num_experts:
+        n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
+        return n if par.zero_stage == 0 else n / (par.data_parallel_size * par.context_parallel_size)
+    return max(sum(b.shard for b in plan_buckets(cfg, rank_chunks(cfg, r), par.zero_stage))
+               for r in loaded_stages(cfg))
 
 
 def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
@@ -326,17 +399,36 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
     collective.  With ranks sharing processors nothing overlaps: communicating is work for the
     same processors (gloo copies and reduces on the CPU), so every reduction and gather counts."""
     from megazero.planning.estimate import stage_params
-    from megazero.planning.model_state import plan_buckets, rank_chunks
-    par, pre = cfg.parallel, cfg.precision
-    # gradients reduce over dp x cp (one data-parallel group of dp x cp ranks)
-    dp, zero, n_micro = par.data_parallel_size * par.context_parallel_size, par.zero_stage, \
-        cfg.training.num_micro_batches
-    if dp == 1:
-        return 0.0
-    n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
-    buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0), zero))
-    P, G = compute_bytes(pre), grad_bytes(pre)
-    link = _link(par.tensor_model_parallel_size * dp, hw)
+    from megazero.planning.model_state import EXPERT, plan_buckets, rank_chunks
+    par = cfg.parallel
+    dp, zero, tp = par.data_parallel_size * par.context_parallel_size, par.zero_stage, \
+        par.tensor_model_parallel_size
+    if not cfg.moe.num_experts:  # gradients reduce over dp x cp (one group of dp x cp ranks)
+        if dp == 1:
+            return 0.0
+        n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
+        buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0), zero))
+        return _group_dp_time(cfg, hw, fwd, compute, dp, n, buckets, tp * dp)
+    # the experts' buckets reduce over expert DP, a group spanning the stage's world / pp consecutive
+    # ranks (Megatron-core's etp-ep-edp-pp order), the others over dp x cp; each its own ring
+    stage = max(loaded_stages(cfg), key=lambda r: stage_params(cfg, r))
+    buckets = plan_buckets(cfg, rank_chunks(cfg, stage), zero)
+    out = 0.0
+    for expert, span in ((False, tp * dp), (True, par.world_size // par.pipeline_model_parallel_size)):
+        mine = [b for b in buckets if (b.kind == EXPERT) == expert]
+        if mine and mine[0].group > 1:
+            out += _group_dp_time(cfg, hw, fwd, compute, mine[0].group, sum(b.numel for b in mine), len(mine),
+                                  span)
+    return out
+
+
+def _group_dp_time(cfg, hw: Hardware, fwd: float, compute: float, dp: int, n: int, buckets: int,
+                   span: int) -> float:
+    """:func:`_dp_time` of ``buckets`` buckets of ``n`` elements reduced over a group of ``dp`` ranks
+    spanning ``span`` consecutive ranks."""
+    zero, n_micro = cfg.parallel.zero_stage, cfg.training.num_micro_batches
+    P, G = compute_bytes(cfg.precision), grad_bytes(cfg.precision)
+    link = _link(span, hw)
     shared, bwd = hw.oversubscription > 1, compute - fwd
 
     def exposed(cost: float) -> float:  # behind the backward, except the last bucket (a quarter)

@@ -19,7 +19,8 @@ from megazero.planning.planner import Layout, layout_config, plan, smallest_memo
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--zero-stage",
                 "--num-layers-per-virtual-pipeline-stage", "--micro-batch-size", "--sequence-parallel",
                 "--recompute-granularity", "--use-distributed-optimizer", "--pipeline-schedule",
-                "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
+                "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                "--expert-model-parallel-size", "--expert-tensor-parallel-size")
 # the offload tiers: taken from the model flags, emitted again per layout by flags() (with a value / without)
 OFFLOAD_FLAGS = ("--offload-optimizer-device", "--offload-param-device", "--nvme-path")
 OFFLOAD_SWITCHES = ("--offload-optimizer",)
@@ -130,7 +131,9 @@ def describe(x: Layout) -> str:
     split = f" (vpp {x.vpp})" if x.vpp > 1 else ""
     if x.first is not None:
         split = f" (first {x.first}, last {x.last} layers)"
-    return (f"TP {x.tp}{' SP' if x.sequence_parallel else ''}{cp} x PP {x.pp}{split} x DP {x.dp}, "
+    ep = f" x EP {x.ep}" if x.ep > 1 else ""
+    ep += f" (expert TP {x.etp})" if x.etp is not None else ""
+    return (f"TP {x.tp}{' SP' if x.sequence_parallel else ''}{cp} x PP {x.pp}{split} x DP {x.dp}{ep}, "
             f"ZeRO-{x.zero_stage}{rc}, micro-batch {x.micro_batch_size}")
 
 
@@ -164,6 +167,10 @@ def flags(layout: Layout, model_args: Sequence[str], cfg) -> List[str]:
                 "--decoder-last-pipeline-num-layers", str(layout.last)]
     if layout.sequence_parallel:
         out.append("--sequence-parallel")
+    if layout.ep > 1:
+        out += ["--expert-model-parallel-size", str(layout.ep)]
+    if layout.etp is not None:
+        out += ["--expert-tensor-parallel-size", str(layout.etp)]
     if layout.zero_stage:
         out += ["--zero-stage", str(layout.zero_stage)]
     if layout.recompute != "none":
@@ -189,6 +196,7 @@ def to_dict(layout: Layout, model_args: Sequence[str], cfg) -> Dict[str, object]
            "decoder_first_pipeline_num_layers": layout.first, "decoder_last_pipeline_num_layers": layout.last,
            "zero_stage": layout.zero_stage, "recompute": layout.recompute,
            "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch_size,
+           "ep": layout.ep, "expert_tensor_parallel_size": layout.etp,
            "memory_gb": round(layout.memory_bytes / GB, 3), "step_time_s": layout.step["step_time_s"],
            "tokens_per_sec": layout.step["tokens_per_sec"], "mfu": layout.step["mfu"],
            "breakdown": {k: v for k, v in layout.step.items() if k.endswith("_s") and k != "step_time_s"},

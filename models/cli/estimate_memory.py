@@ -77,19 +77,33 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
         plot(rows, ours.plot, _title(cfg, world))
     if ours.json:
         print(json.dumps({"total_params": total_params(cfg), "padded_total_params": total_params(cfg, True),
+                          "active_params": total_params(cfg, active=True),
                           "world_size": world, "data_parallel_size": cfg.parallel.data_parallel_size,
+                          "expert_model_parallel_size": cfg.moe.expert_model_parallel_size,
+                          "expert_data_parallel_size": cfg.moe.expert_data_parallel_size,
                           "device": device, "stages": rows, "pipeline_stages": stages}, indent=2))
         return EXIT_OK
     _print_estimate(cfg, rows, world, device)
     return EXIT_OK
 
 
+def _experts(cfg) -> str:
+    """The expert layout of an MoE model (``""`` for a dense one)."""
+    moe = cfg.moe
+    if not moe.num_experts:
+        return ""
+    return (f"; experts: EP {moe.expert_model_parallel_size} x expert TP {moe.expert_tensor_parallel_size} x "
+            f"expert DP {moe.expert_data_parallel_size} ({total_params(cfg, active=True) / 1e6:.1f}M "
+            "active parameters a token)")
+
+
 def _title(cfg, world: int) -> str:
     par = cfg.parallel
     name = cfg.model_preset or f"{total_params(cfg) / 1e6:.0f}M-parameter GPT"
     cp = f"CP {par.context_parallel_size} x " if par.context_parallel_size > 1 else ""
+    ep = f" x EP {cfg.moe.expert_model_parallel_size}" if cfg.moe.expert_model_parallel_size > 1 else ""
     return (f"{name}: TP {par.tensor_model_parallel_size} x {cp}PP {par.pipeline_model_parallel_size} x "
-            f"DP {par.data_parallel_size} ({world} ranks), micro-batch {cfg.training.micro_batch_size}, "
+            f"DP {par.data_parallel_size}{ep} ({world} ranks), micro-batch {cfg.training.micro_batch_size}, "
             f"seq {cfg.model.seq_length}")
 
 
@@ -100,8 +114,8 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
           f"{par.tensor_model_parallel_size} x "
           f"{f'CP {par.context_parallel_size} x ' if par.context_parallel_size > 1 else ''}"
           f"PP {par.pipeline_model_parallel_size} x DP "
-          f"{par.data_parallel_size}; {rows[0]['params_per_rank'] / 1e6:.1f}M parameters on the most loaded "
-          f"rank; estimate for {device}")
+          f"{par.data_parallel_size}{_experts(cfg)}; {rows[0]['params_per_rank'] / 1e6:.1f}M parameters on "
+          f"the most loaded rank; estimate for {device}")
     heads = ("params", "grads", "optim", "comm", "zero3", "activ", "pipe", "temp", "total", "host", "nvme")
     print(f"{'ZeRO':>4} {'pp':>3} " + " ".join(f"{h:>8}" for h in heads) + "   (GiB per rank)")
     for r in rows:
