@@ -23,6 +23,7 @@ from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
@@ -65,11 +66,12 @@ class GPTModel(nn.Module):
             self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
-                full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
-                # _weight: take ours, without drawing from the default generator
-                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h,
-                                                        _weight=full.to(mesh.device))
-                self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+                shape, key = (m.max_position_embeddings, h), "position_embeddings.weight"
+                weight = new_param(shape, lambda: init_full(shape, seed, -1, key, std), mesh.device)
+                # _weight: take ours, without drawing from the default generator (and keep our parameter)
+                self.position_embeddings = nn.Embedding(*shape, _weight=weight)
+                self.position_embeddings.weight = weight
+                weight.sequence_parallel = self.sequence_parallel
         self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
                                       for i in layers})
         if post_process:
@@ -83,6 +85,8 @@ class GPTModel(nn.Module):
                 w.vocab_parallel = True
                 w.shared_embedding = w.tied_copy = tied
                 w.is_embedding_or_output_parameter = True  # --decoupled-lr, as Megatron-LM marks it
+            else:  # tied in this chunk: the head's product delivers its part of the gradient itself
+                self.word_embeddings.weight.grad_arrivals = 2
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:

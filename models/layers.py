@@ -24,6 +24,7 @@ from einops import rearrange
 
 from megazero.context_parallel import ring_attention
 from megazero.recompute import recompute
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -41,8 +42,9 @@ class Norm(nn.Module):
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind!r}")
         self.kind, self.eps = kind, eps
-        self.weight = nn.Parameter(torch.ones(hidden, device=device))
-        self.bias = nn.Parameter(torch.zeros(hidden, device=device)) if kind == "LayerNorm" else None
+        self.weight = new_param((hidden,), lambda: torch.ones(hidden, device="cpu"), device)
+        self.bias = (new_param((hidden,), lambda: torch.zeros(hidden, device="cpu"), device)
+                     if kind == "LayerNorm" else None)
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
 

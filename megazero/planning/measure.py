@@ -137,6 +137,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
     from megazero.precision import compute_dtype
+    from megazero.tensor_parallel.deferred import build_chunks, realize_rest
     from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training import build_mesh
     from megazero.zero import build_optimizer
@@ -144,12 +145,13 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     mesh = build_mesh(cfg, device)
     tr, dtype = cfg.training, compute_dtype(cfg)
     seed_default_generators(tr.seed, mesh)
-    chunks = [c.to(device=mesh.device, dtype=dtype) for c in model_provider(cfg, mesh)]
+    chunks = build_chunks(model_provider, cfg, mesh, dtype)  # as the trainer builds them
     for c in chunks:
         c.train()
     if mesh.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(mesh.device)
     optimizer = build_optimizer(chunks, mesh, cfg)
+    realize_rest(chunks, mesh.device, dtype)
     stage3 = optimizer.stage3
     tracker = SavedTensorTracker(_storage_ptrs(chunks),
                                  stage3.gathered_storages if stage3 is not None else None)

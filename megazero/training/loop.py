@@ -44,6 +44,7 @@ from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.precision import compute_dtype
 from megazero.training.summary import startup_summary
+from megazero.tensor_parallel.deferred import build_chunks, realize_rest
 from megazero.tensor_parallel.rng import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
@@ -262,10 +263,12 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     seed_default_generators(tr.seed, mesh)
-    chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
+    # built without memory where the model allows: the optimizer initialises it bucket by bucket
+    chunks = build_chunks(model_provider, cfg, mesh, compute_dtype(cfg))
     for c in chunks:
         c.train()
     optimizer = build_optimizer(chunks, mesh, cfg)
+    realize_rest(chunks, mesh.device, compute_dtype(cfg))
     data = build_data(cfg)
     schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
     pos, wandb_id, loaded = Position(), None, None

@@ -62,8 +62,8 @@ class FlatStorage:
             self.params[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo:hi])
             return
         self.params[b.offset:b.offset + b.numel].copy_(full)
-        for p, s in zip(b.params, b.starts):
-            p.data = self.params[b.offset + s:b.offset + s + p.numel()].view(p.shape)
+        for p, s, shape in zip(b.params, b.starts, b.shapes):
+            p.data = self.params[b.offset + s:b.offset + s + shape.numel()].view(shape)
 
     def updated_range(self, b: Bucket) -> Tuple[int, int]:
         """Bucket-local range the optimizer updates on this rank (all of it at stage 0)."""

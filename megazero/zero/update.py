@@ -73,7 +73,8 @@ class ShardedUpdate:
             else:
                 self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
             self.state[b.index] = self.optim.init_state(self.master[b.index])
-        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if p.dim() > 1])
+        dims = {id(p): len(shape) for p, shape in zip(b.params, b.shapes)}  # (ZeRO-3 parameters are empty)
+        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if dims[id(p)] > 1])
         self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
                                           if getattr(p, "is_embedding_or_output_parameter", False)])
         self.norm_pieces[b.index] = self._norm_pieces(b)
