@@ -502,6 +502,38 @@ def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
                 assert loss == pytest.approx(rloss, rel=R_TRAIN_ADAM)
 
 
+# ---- the tied embedding in a bucket of its own ----------------------------------------------
+def _own_embedding_bucket(stage):
+    """Stage ``stage`` with buckets of at most 600 elements, below the 640-element tied embedding:
+    its bucket holds it alone (under ZeRO-3 the root unit and the layers are cut into several)."""
+    from models.gpt import full_state_dict
+    hist, chunks, opt = _train_capturing(dict(GPT, zero_stage=stage, ddp_bucket_size=600))
+    emb = chunks[0].word_embeddings.weight
+    (bucket,) = [b for b in opt.buckets if any(p is emb for p in b.params)]
+    with opt.gathered_params():
+        params = {n: t.detach().clone() for n, t in full_state_dict(chunks[0]).items()}
+    units = [len(u.buckets) for u in opt.stage3.units] if opt.stage3 is not None else []
+    return ([(h["loss"], h["grad_norm"]) for h in hist], params, len(bucket.params),
+            opt.reducer.expected[bucket.index], units)
+
+
+@pytest.mark.slow
+def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
+    """The output head's part of the tied embedding's gradient is written by its product and reduced
+    at once, the lookup's part (its ``.grad``) becomes the bucket's buffer and is added later: ZeRO-2
+    and ZeRO-3 at DP 2 (four micro-batches each) still follow one process at stage 0."""
+    ((ref, ref_params),) = _gpt_train([0])
+    for stage in (2, 3):
+        for hist, params, members, parts, units in run_ranks(_own_embedding_bucket, 2, stage):
+            assert members == 1 and parts == 2, stage  # alone in its bucket; two parts per backward
+            if stage == 3:
+                assert len(units) == 5 and min(units) >= 2, units  # every unit cut into buckets
+            for (loss, norm), (rloss, rnorm, _) in zip(hist, ref):  # fp32 training: R_TRAIN
+                assert loss == pytest.approx(rloss, rel=R_TRAIN) and norm == pytest.approx(rnorm, rel=R_TRAIN)
+            for name, want in ref_params.items():
+                assert (params[name] - want).abs().max() <= SGD_ATOL, (stage, name)
+
+
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",

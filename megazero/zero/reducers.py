@@ -133,17 +133,33 @@ class _Reducer:
         self.synced = True  # False from the first gradient until finish_grad_sync
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for b in self.buckets for p in b.params]
+        # gradient parts per backward and bucket: one per parameter, except that a weight with
+        # ``grad_arrivals = 2`` (the tied embedding in one chunk) gets its output head's part through
+        # write_grad and its lookup's through .grad
+        self.expected = [len(b.params) for b in self.buckets]
         for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
             for p in b.params:
-                if getattr(p, "linear_weight", False) and p.dtype == storage.grads.dtype:
+                if p.dtype != storage.grads.dtype:
+                    continue
+                if getattr(p, "linear_weight", False):
                     p.write_grad = functools.partial(self._write_grad, p)
+                elif getattr(p, "grad_arrivals", 1) == 2:
+                    p.write_grad = functools.partial(self._write_grad, p)
+                    self.expected[b.index] += 1
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:  # the weight's gradient went straight into the buffer (write_grad)
             return
-        grad = p.grad.reshape(-1)
+        grad, p.grad = p.grad.reshape(-1), None
+        b = self.location[id(p)][0]
+        if self._take(b, grad):  # the gradient itself becomes the bucket's buffer: no copy
+            self._arrived(b)
+            return
         self._write_grad(p, lambda dst, accumulate: dst.add_(grad) if accumulate else dst.copy_(grad))
-        p.grad = None
+
+    def _take(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """Stages 2/3: make ``grad`` (the whole of bucket ``b``) its fresh partial buffer, if it can."""
+        return False
 
     def _write_grad(self, p: torch.nn.Parameter, write: Callable[[torch.Tensor, bool], None]) -> None:
         """``write(dst, accumulate)`` puts ``p``'s gradient of this backward into ``dst`` (its flat
@@ -152,13 +168,23 @@ class _Reducer:
         b, start, i = self.location[id(p)]
         dst, accumulate = self._destination(b, start, i, p.numel())
         write(dst, accumulate)
+        self._arrived(b)
+
+    def _arrived(self, b: Bucket) -> None:
+        """One gradient part of bucket ``b`` is in: the bucket is complete after the last part; a
+        bucket of one parameter used twice reduces each part as it arrives (stages 2/3)."""
         self.synced = False
         prog = self.progress[b.index]
         prog.arrived += 1
-        if prog.arrived == len(b.params):
+        if prog.arrived == self.expected[b.index]:
             prog.arrived = 0
             self.on_bucket_complete(b)
             self._bucket_complete(b)
+        elif len(b.params) == 1:
+            self._part_complete(b)
+
+    def _part_complete(self, b: Bucket) -> None:
+        """A part of a one-parameter bucket arrived, more are to come (stages 0/1 wait for them)."""
 
     def _flush_incomplete(self) -> None:
         """Buckets the last backward left incomplete (unused parameters) are reduced as they are."""
@@ -277,10 +303,28 @@ class EveryMicroBatchReducer(_Reducer):
         accumulate, prog.written[i] = prog.written[i], True
         return prog.partial[start:start + numel], accumulate
 
+    def _take(self, b: Bucket, grad: torch.Tensor) -> bool:
+        prog = self.progress[b.index]
+        if (prog.partial is not None or len(b.params) != 1 or grad.numel() != b.numel
+                or grad.dtype != self.storage.grads.dtype or grad.device != self.storage.grads.device
+                or not grad.is_contiguous()):
+            return False
+        self.in_flight.retire_finished()
+        prog.partial, prog.written = grad, [True]
+        self.grad_bytes.hold(grad.nbytes)
+        return True
+
     def _bucket_complete(self, b: Bucket) -> None:
         self._launch(b)
         if not self.overlap:
             self.in_flight.retire()
+
+    def _part_complete(self, b: Bucket) -> None:
+        """Reduced into the shard now and waited for, so that its buffers are gone before the backward
+        goes on (the tied embedding's head part: an embedding-sized buffer and its receive buffer);
+        the next part starts a fresh buffer."""
+        self._launch(b)
+        self.in_flight.retire()
 
     def _reduce_incomplete(self, b: Bucket) -> None:
         self._launch(b)

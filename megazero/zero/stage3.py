@@ -136,6 +136,9 @@ class Stage3Params:
             for h in u.handles:
                 h.wait()
             u.handles = None
+            if swap is not None and self.mesh.size("dp", "cp") > 1:
+                for b in u.buckets:  # the gathered buffer holds the shard: no second copy while in use
+                    swap.evict(b.index)
             for b in u.buckets:
                 full = u.full[b.index]
                 for p, s, shape in zip(b.params, b.starts, b.shapes):
