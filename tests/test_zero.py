@@ -505,8 +505,11 @@ def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
 # ---- the tied embedding in a bucket of its own ----------------------------------------------
 def _own_embedding_bucket(stage):
     """Stage ``stage`` with buckets of at most 600 elements, below the 640-element tied embedding:
-    its bucket holds it alone (under ZeRO-3 the root unit and the layers are cut into several)."""
+    its bucket holds it alone (under ZeRO-3 the root unit and the layers are cut into several).  Its
+    parts are reduced in pieces of 32 elements a rank (ten pieces; this forked rank's own setting)."""
+    from megazero.zero import comm
     from models.gpt import full_state_dict
+    comm.PIECE_BYTES = 2 * 32 * 4
     hist, chunks, opt = _train_capturing(dict(GPT, zero_stage=stage, ddp_bucket_size=600))
     emb = chunks[0].word_embeddings.weight
     (bucket,) = [b for b in opt.buckets if any(p is emb for p in b.params)]
@@ -520,8 +523,9 @@ def _own_embedding_bucket(stage):
 @pytest.mark.slow
 def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
     """The output head's part of the tied embedding's gradient is written by its product and reduced
-    at once, the lookup's part (its ``.grad``) becomes the bucket's buffer and is added later: ZeRO-2
-    and ZeRO-3 at DP 2 (four micro-batches each) still follow one process at stage 0."""
+    at once, the lookup's part (its ``.grad``) becomes the bucket's buffer and is added later, each
+    reduced in pieces: ZeRO-2 and ZeRO-3 at DP 2 (four micro-batches each) still follow one process
+    at stage 0."""
     ((ref, ref_params),) = _gpt_train([0])
     for stage in (2, 3):
         for hist, params, members, parts, units in run_ranks(_own_embedding_bucket, 2, stage):

@@ -10,7 +10,9 @@ bf16/fp16 gradients: summed in another order than gloo's all-reduce, their round
 ZeRO-1/2/3 drift visibly from stage 0 under Adam.
 
 Every launch returns a :class:`Reduction` that says how many bytes of temporaries it holds until
-it is waited for, so the optimizer can bound the gradient memory in flight.
+it is waited for, so the optimizer can bound the gradient memory in flight.  A reduction the caller
+waits for at once (``blocking``: the tied embedding's parts, embedding-sized) runs on gloo as a
+series of all-to-alls of column pieces through one receive buffer of :data:`PIECE_BYTES`.
 """
 from __future__ import annotations
 
@@ -56,15 +58,22 @@ def all_reduce_mean(buf: torch.Tensor, group, size: int) -> Reduction:
     return Reduction(work, lambda: buf.mul_(1.0 / size))
 
 
+PIECE_BYTES = 32 << 20  #: receive buffer of a blocking reduction on gloo (bytes)
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, scale: float = 1.0,
-                   accumulate: bool = False) -> Reduction:
+                   accumulate: bool = False, blocking: bool = False) -> Reduction:
     """Start reducing ``inp`` (``N * out.numel()`` elements) over ``group`` into ``out``.
 
     After ``wait()`` of the result, ``out`` holds ``scale * sum`` of this rank's slice (or has it
     added when ``accumulate``).  The result keeps ``inp`` alive until its collective is over; the
-    caller must not change it before.
+    caller must not change it before.  ``blocking`` (gloo, fp32/fp64): done on return, exchanged
+    in pieces through one receive buffer of at most :data:`PIECE_BYTES` instead of a full-bucket one.
     """
     n = out.numel()
+    if inp.dtype in (torch.float32, torch.float64) and dist.get_backend(group) == "gloo" and blocking:
+        _reduce_scatter_pieces(out, inp.view(-1, n), group, scale, accumulate)
+        return Reduction(None)
     if inp.dtype in (torch.float32, torch.float64) and dist.get_backend(group) == "gloo":
         recv = torch.empty_like(inp)
         work = dist.all_to_all_single(recv, inp, group=group, async_op=True)
@@ -87,3 +96,23 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, scale: float = 1
         elif scale != 1.0:
             out.mul_(scale)
     return Reduction(work, finish_native, inp, tmp.nbytes if accumulate else 0)
+
+
+def _reduce_scatter_pieces(out: torch.Tensor, rows: torch.Tensor, group, scale: float,
+                           accumulate: bool) -> None:
+    """:func:`reduce_scatter` of ``rows`` (``[N, n]``: row ``r`` goes to rank ``r``) in pieces of
+    columns, each an all-to-all of contiguous row slices into one reused receive buffer."""
+    N, n = rows.shape
+    m = max(1, min(n, PIECE_BYTES // (N * rows.element_size())))
+    recv = torch.empty(N, m, dtype=rows.dtype, device=rows.device)
+    for a in range(0, n, m):
+        k = min(m, n - a)
+        parts = [recv[r, :k] for r in range(N)]
+        dist.all_to_all(parts, [rows[r, a:a + k] for r in range(N)], group=group)
+        got = recv[:, :k]
+        if accumulate:
+            out[a:a + k].add_(got.sum(0), alpha=scale)
+        else:
+            torch.sum(got, 0, out=out[a:a + k])
+            if scale != 1.0:
+                out[a:a + k].mul_(scale)

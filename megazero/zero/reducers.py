@@ -320,11 +320,10 @@ class EveryMicroBatchReducer(_Reducer):
             self.in_flight.retire()
 
     def _part_complete(self, b: Bucket) -> None:
-        """Reduced into the shard now and waited for, so that its buffers are gone before the backward
-        goes on (the tied embedding's head part: an embedding-sized buffer and its receive buffer);
-        the next part starts a fresh buffer."""
+        """Reduced into the shard now (in pieces, :func:`megazero.zero.comm.reduce_scatter` with
+        ``blocking``), so that its buffer is gone before the backward goes on (the tied embedding's
+        head part: an embedding-sized buffer); the next part starts a fresh one."""
         self._launch(b)
-        self.in_flight.retire()
 
     def _reduce_incomplete(self, b: Bucket) -> None:
         self._launch(b)
@@ -344,9 +343,14 @@ class EveryMicroBatchReducer(_Reducer):
             self.grad_bytes.hold(-partial.nbytes)
             return
         self._retire_for_launch()
+        # a parameter used twice (the tied embedding alone in its bucket): each part is reduced in
+        # pieces and waited for, no full-bucket receive buffer beside the embedding-sized part
+        blocking = self.expected[b.index] > len(b.params)
         self.in_flight.start(reduce_scatter(shard, partial, self.mesh.group("dp", "cp"), 1.0 / dp,
-                                            accumulate=accumulate),
+                                            accumulate=accumulate, blocking=blocking),
                              partial.nbytes)
+        if blocking:
+            self.in_flight.retire()
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:
         self._drain()  # the previous backward's reductions: frees their partial buffers
