@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches
+from megazero.host_memory import limit_retention, peak_rss_bytes
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
@@ -168,15 +169,6 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
     return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (0 where the platform does not report it)."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
-
-
 def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
     out = {k: v for k, v in dict(optimizer.memory_bytes()).items()}
     out["peak_rss_bytes"] = peak_rss_bytes()
@@ -262,6 +254,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
+    limit_retention()  # freed tensors of a few MiB go back to the system, not into glibc's heaps
     seed_default_generators(tr.seed, mesh)
     # built without memory where the model allows: the optimizer initialises it bucket by bucket
     chunks = build_chunks(model_provider, cfg, mesh, compute_dtype(cfg))

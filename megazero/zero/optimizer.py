@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
+from megazero.host_memory import release_free
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.tensor_parallel.deferred import initial_value, is_deferred, realize
 from megazero.zero.buckets import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
@@ -74,6 +75,7 @@ class ZeroOptimizer:
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
+        release_free()  # what setting up the buckets freed, before the gradient buffer comes
         self.storage.allocate_grads()  # (deferred with parameters on NVMe: the model's tensors are gone)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
         in_flight = par.max_reductions_in_flight
