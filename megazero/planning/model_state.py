@@ -5,7 +5,7 @@ into buckets: per model chunk (per gather unit under ZeRO-3: each transformer la
 of the chunk) and per reduction *kind* (``dense``; ``sp`` for parameters replicated over TP with
 a partial gradient under sequence parallelism: norms and row-parallel biases; ``emb`` for the tied
 embedding and its copy when pp > 1), in reverse registration order, at most ``bucket_size``
-elements a bucket (ZeRO-3 never splits a unit), each padded to a multiple of the data-parallel
+elements a bucket (a ZeRO-3 unit too), each padded to a multiple of the data-parallel
 size ``N``.  With ``n`` the padded elements of all buckets, ``P``/``G`` the bytes of a parameter /
 gradient element, ``K`` the optimizer's bytes per element:
 
@@ -16,7 +16,8 @@ gradient element, ``K`` the optimizer's bytes per element:
   device are their own master weights;
 - ``peak_grad_bytes``: gradients plus the communication buffers of backward, from
   :func:`grad_peak` (a replay of the optimizer's bucket life cycle, assuming no reduction finishes
-  early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``);
+  early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``); ``settled_peak_grad_bytes`` the
+  same when each reduction is over before the next bucket starts (the likely figure on one host);
 - ZeRO-3 (``N > 1``): ``gathered_param_bytes``, the full buckets gathered while a unit runs (the
   chunk's root unit, the current layer and the prefetched one).  Nothing more: the views of
   gathered weights that autograd saves (``weight.t()`` in a linear layer) hold no memory once
@@ -37,10 +38,12 @@ PLAIN, SP, EMB = KINDS
 
 class ParamSpec(NamedTuple):
     """One parameter: elements, reduction kind (:data:`megazero.zero.buckets.KINDS`), ZeRO-3 unit
-    (layer index, or None for the chunk's root unit)."""
+    (layer index, or None for the chunk's root unit), gradient parts per backward (2: the word
+    embedding tied to the head in one chunk, whose head part arrives first, through write_grad)."""
     numel: int
     kind: str
     unit: Optional[int]
+    parts: int = 1
 
 
 @dataclass
@@ -82,7 +85,9 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     vocab = m.padded_vocab_size // tp * h
     specs: List[ParamSpec] = []
     if pre:
-        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None))
+        bpe = bytes_per_element(cfg)
+        parts = 2 if tied and post and bpe["P"] == bpe["G"] else 1  # write_grad needs the grads' dtype
+        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None, parts))
         if m.position_embedding_type == "learned_absolute":
             specs.append(ParamSpec(m.max_position_embeddings * h,
                                    SP if par.sequence_parallel else PLAIN, None))
@@ -130,24 +135,21 @@ def bytes_per_element(cfg) -> Dict[str, int]:
 
 
 def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
-              backend: str = "nccl") -> int:
+              backend: str = "nccl", settled: bool = False) -> int:
     """Most gradient bytes held in backward: ``persistent`` plus the buckets' temporaries.
 
     Replays :class:`megazero.zero.ZeroOptimizer`'s life cycle (:mod:`megazero.zero.reducers`) with
-    gradients arriving in reverse registration order and at most ``K =
-    cfg.parallel.max_reductions_in_flight`` reductions in flight (:class:`InFlight`: before a
-    launch the oldest are retired until ``K - 1`` remain).  Stage 0 reduces in place; stage 1
-    reduces each complete bucket (last micro-batch) through a full-bucket receive buffer on gloo
-    fp32, so up to ``K`` receive buffers live at once (counted as the ``K`` largest buckets: an
+    gradients arriving in reverse registration order (the tied embedding's head part first) and at
+    most ``K = cfg.parallel.max_reductions_in_flight`` reductions in flight (:class:`InFlight`:
+    before a launch the oldest are retired until ``K - 1`` remain).  Stage 0 reduces in place;
+    stage 1 reduces each complete bucket (last micro-batch) through a full-bucket receive buffer on
+    gloo fp32, so up to ``K`` receive buffers live at once (counted as the ``K`` largest buckets: an
     upper bound); stages 2/3 copy a bucket's gradients into a full-bucket temporary from its first
-    gradient on, and when it is complete retire down to ``K - 1`` reductions, then launch its own,
-    which holds its temporary plus a receive buffer (gloo fp32: full bucket; native
-    reduce-scatter: a shard-sized partial result) until retired.  No reduction is assumed to
-    finish early (``retire_finished`` retires nothing), and those in flight when one chunk's
-    backward ends are still held during the next chunk's: an upper bound of
-    ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward.
-    The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
-    so it never sets the peak."""
+    gradient on (:func:`_partial_peak`).  The transient ``finish_bytes`` of a retirement (a shard) is
+    smaller than the input it replaces, so it never sets the peak.  ``settled``: every reduction is
+    over by the time the next bucket's first gradient arrives (the collectives faster than backward,
+    as between the ranks of one host), so ``retire_finished`` retires it then: the likely peak rather
+    than the upper bound."""
     G = bytes_per_element(cfg)["G"]
     dp = cfg.parallel.data_parallel_size * cfg.parallel.context_parallel_size  # dp x cp
     K = cfg.parallel.max_reductions_in_flight
@@ -157,28 +159,55 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     if zero_stage == 1:
         largest = sorted((b.numel for b in buckets), reverse=True)[:K]
         return persistent + (sum(largest) * G if gloo_fp32 else 0)
+    return _partial_peak(chunks, buckets, persistent, G, dp, K, gloo_fp32, settled)
+
+
+def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp: int, K: int,
+                  gloo_fp32: bool, settled: bool = False) -> int:
+    """Stages 2/3: a bucket's temporary (its gradient, full size) lives from its first gradient part
+    on; complete, the bucket retires down to ``K - 1`` reductions and launches its own, which holds
+    the temporary plus a receive buffer (gloo fp32: full bucket; native reduce-scatter: a shard)
+    until retired.  A bucket of one parameter with two parts (the tied embedding) reduces each part
+    at once and waits for it (and for every reduction in flight), in pieces of at most
+    ``PIECE_BYTES`` of receive buffer on gloo.  No reduction is assumed to finish early
+    (``retire_finished`` retires nothing), and those in flight when one chunk's backward ends are
+    still held during the next chunk's: an upper bound of ``memory_bytes()["peak_grad_bytes"]``,
+    exact when the collectives are slower than backward."""
+    from megazero.zero.comm import PIECE_BYTES
     peak = live = persistent
     pending: List[int] = []                       # bytes each reduction in flight holds, oldest first
     for c, specs in enumerate(chunks):
-        mine = [b for b in buckets if b.chunk == c]
-        where = {i: b for b in mine for i in b.params}
+        where = {i: b for b in buckets if b.chunk == c for i in b.params}
+        parts = {id(b): sum(specs[i].parts for i in b.params) for b in where.values()}
         arrived: Dict[int, int] = {}
-        for i in reversed(range(len(specs))):
+        held: Dict[int, bool] = {}
+        for i in [i for i, p in enumerate(specs) if p.parts > 1] + list(reversed(range(len(specs)))):
             b = where[i]
-            if id(b) not in arrived:
-                arrived[id(b)] = 0
-                live += b.numel * G
+            size = b.numel * G
+            if id(b) not in held:
+                if settled:                        # retire_finished: every earlier reduction is over
+                    live -= sum(pending)
+                    pending = []
+                held[id(b)] = True
+                live += size
                 peak = max(peak, live)
-            arrived[id(b)] += 1
-            if arrived[id(b)] < len(b.params):
+            arrived[id(b)] = arrived.get(id(b), 0) + 1
+            part = arrived[id(b)] < parts[id(b)]
+            if part and len(b.params) > 1:
                 continue
+            del held[id(b)]
             if dp == 1:
-                live -= b.numel * G                # added into the shard at once
+                live -= size                       # added into the shard at once
                 continue
             while len(pending) > K - 1:            # retire the oldest until K - 1 remain
                 live -= pending.pop(0)
-            recv = b.numel * G if gloo_fp32 else b.numel // dp * G
-            pending.append(b.numel * G + recv)
+            if parts[id(b)] > len(b.params):       # reduced in pieces and waited for, with all in flight
+                peak = max(peak, live + (min(PIECE_BYTES, size) if gloo_fp32 else size // dp))
+                live -= size + sum(pending)
+                pending = []
+                continue
+            recv = size if gloo_fp32 else size // dp
+            pending.append(size + recv)
             live += recv
             peak = max(peak, live)
     return peak
@@ -220,8 +249,29 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
            "param_device": param_device(par) if zero_stage == 3 else "none",
            "max_bucket_elements": max(b.numel for b in buckets)}
     out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
+    out["settled_peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend,
+                                               settled=True)
     out["gathered_param_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets)
-    # parameters on NVMe: the shards of the units in use (root + two layers) are in memory
-    out["resident_param_bytes"] = (zero3_buffers(cfg, buckets) // dp if out["param_device"] == "nvme"
+    out["resident_param_bytes"] = (resident_shards(cfg, buckets, dp) if out["param_device"] == "nvme"
                                    else out["param_bytes"])
     return out
+
+
+def resident_shards(cfg, buckets: List[BucketSpec], dp: int) -> int:
+    """ZeRO-3 parameters on NVMe: the shard bytes in memory at once (:mod:`megazero.zero.param_swap`).
+    A unit being read holds its shard twice (the aligned copy the disk fills and the shard); one
+    DP rank uses the shards of the units in use as they are (the root and two layers), several
+    gather them and drop the shards, keeping only the next unit's being read."""
+    layer = max(_layer_units(cfg, buckets), default=0) // dp
+    if dp == 1:
+        return zero3_buffers(cfg, buckets) + layer
+    return 2 * layer
+
+
+def _layer_units(cfg, buckets: List[BucketSpec]) -> List[int]:
+    P = bytes_per_element(cfg)["P"]
+    units: Dict[Tuple[int, Optional[int]], int] = {}
+    for b in buckets:
+        if not b.root:
+            units[(b.chunk, b.unit)] = units.get((b.chunk, b.unit), 0) + b.numel * P
+    return list(units.values())
