@@ -77,12 +77,11 @@ def test_providers_that_cannot_defer_are_built_in_memory():
 # the NVMe streaming buffers) outweighs the runtime's ~0.3 GiB, small enough for the suite; buckets
 # of at most 2M elements (8 MiB), so that whether a reduction is still in flight when the next bucket
 # starts (timing) moves the peak by a few per cent at most.
-RSS_MODEL = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
-             "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "8192",
-             "--micro-batch-size", "1", "--global-batch-size", "2", "--recompute-granularity", "full", "--hidden-dropout", "0",
-             "--attention-dropout", "0", "--ddp-bucket-size", "2000000", "--zero-stage", "3",
-             "--offload-optimizer-device", "nvme", "--offload-param-device", "nvme",
-             "--nvme-buffer-size", str(16 << 20)]
+RSS_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
+             "--max-position-embeddings 128 --vocab-size 8192 --micro-batch-size 1 --global-batch-size 2 "
+             "--recompute-granularity full --hidden-dropout 0 --attention-dropout 0 --ddp-bucket-size 2000000 "
+             "--zero-stage 3 --offload-optimizer-device nvme --offload-param-device nvme "
+             f"--nvme-buffer-size {16 << 20}").split()
 
 
 @pytest.mark.slow
