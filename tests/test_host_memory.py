@@ -79,7 +79,8 @@ def test_providers_that_cannot_defer_are_built_in_memory():
 # starts (timing) moves the peak by a few per cent at most.
 RSS_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 128 "
              "--max-position-embeddings 128 --vocab-size 8192 --micro-batch-size 1 --global-batch-size 2 "
-             "--recompute-granularity full --hidden-dropout 0 --attention-dropout 0 --ddp-bucket-size 2000000 "
+             "--recompute-granularity full --hidden-dropout 0 --attention-dropout 0 "
+             "--ddp-bucket-size 2000000 "
              "--zero-stage 3 --offload-optimizer-device nvme --offload-param-device nvme "
              f"--nvme-buffer-size {16 << 20}").split()
 
