@@ -53,6 +53,10 @@ class GPTModel(nn.Module):
             raise ValueError(f"mesh tp size {mesh.size('tp')} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
+        # ZeRO-3 may release this chunk's own weights (embeddings, final norm, head) once backward
+        # reaches the layers: the head's and the final norm's backward come before the layers', and
+        # the lookups need no weights in backward (megazero.zero.stage3)
+        self.zero3_free_root_in_backward = True
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")

@@ -25,7 +25,9 @@ backward refills the same storage (parameters do not change within a step), so t
 the right values again.
 
 So with or without recomputation a chunk holds its root unit (embedding, final norm, head) and at
-most two blocks gathered at any moment: the one in use and the one being prefetched
+most two blocks gathered at any moment: the one in use and the one being prefetched (a chunk that
+sets ``zero3_free_root_in_backward``, as the GPT model does, has its root released once backward
+reaches its blocks)
 (``peak_gathered_bytes``; ``ZeroOptimizer.memory_bytes()["peak_param_bytes"]`` adds the shards).
 Recomputing ``k`` layers as one group needs those ``k`` at once, plus one prefetched.
 
@@ -95,7 +97,7 @@ class Stage3Params:
 
     def _next_in_backward(self, u: _Unit) -> Optional[_Unit]:
         """The unit whose backward follows ``u``'s: after the root (the head) the last block, then the
-        blocks in reverse; after the first block none (the root stays gathered all through backward)."""
+        blocks in reverse; after the first block none (the root is gathered, or released: ``_release_root``)."""
         order = self.order[u.chunk]
         i = order.index(u)
         if i == 0:
@@ -144,7 +146,9 @@ class Stage3Params:
                 for p, s, shape in zip(b.params, b.starts, b.shapes):
                     p.data = full[s:s + shape.numel()].view(shape)
 
-    def free(self, u: _Unit) -> None:
+    def free(self, u: _Unit, keep_views: bool = False) -> None:
+        """Release ``u``'s gathered buffers (and shards read from NVMe); its parameters become empty,
+        or with ``keep_views`` keep their shape as views of storage that holds nothing."""
         if u.full is None:
             return
         swap = self.storage.swap
@@ -156,7 +160,8 @@ class Stage3Params:
             h.wait()
         for b in u.buckets:
             for p in b.params:
-                p.data = self.empty
+                if not keep_views:
+                    p.data = self.empty
         if self.mesh.size("dp", "cp") > 1:
             for t in u.full.values():
                 t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
@@ -195,13 +200,25 @@ class Stage3Params:
         return [t for u in self.units if u.full is not None for t in u.full.values()]
 
     # ---- hooks --------------------------------------------------------------------------
+    def _release_root(self, u: _Unit) -> None:
+        """Backward has reached block ``u``: the chunk's root unit is released if the chunk says its
+        weights are no longer read (``zero3_free_root_in_backward``: a GPT chunk's head and final norm
+        run their backward before the blocks', and a lookup needs no weights in backward).  Its
+        parameters keep their shapes, for the gradients still to arrive; the next use gathers it."""
+        root = self.order[u.chunk][0]
+        if root is not u and root.full is not None and getattr(root.module, "zero3_free_root_in_backward",
+                                                               False):
+            self.free(root, keep_views=True)
+
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
+            if _in_backward():  # a replay (activation recomputation): backward is past the root
+                self._release_root(u)
             self.gather(u)
             if not _in_backward():
                 self.gather(self._next_in_forward(u), wait=False)
-            # a replay inside backward (activation recomputation) prefetches nothing here: the
-            # unit needed next is the one before it, fetched by the replay's pre-backward hook
+            # a replay inside backward prefetches nothing here: the unit needed next is the one
+            # before it, fetched by the replay's pre-backward hook
         return hook
 
     def _post_forward_hook(self, u: _Unit):
@@ -216,6 +233,7 @@ class Stage3Params:
 
     def _pre_backward_hook(self, u: _Unit):
         def hook(grad):
+            self._release_root(u)
             self.gather(u)
             self.gather(self._next_in_backward(u), wait=False)
         return hook
