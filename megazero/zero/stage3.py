@@ -97,7 +97,8 @@ class Stage3Params:
 
     def _next_in_backward(self, u: _Unit) -> Optional[_Unit]:
         """The unit whose backward follows ``u``'s: after the root (the head) the last block, then the
-        blocks in reverse; after the first block none (the root is gathered, or released: ``_release_root``)."""
+        blocks in reverse; after the first block none (the root is gathered, or released:
+        :meth:`_release_root`)."""
         order = self.order[u.chunk]
         i = order.index(u)
         if i == 0:
