@@ -4,7 +4,9 @@ The rule (docs/internals.md): sum the squares of every gradient element this ran
 counting parameters without ``tensor_model_parallel`` only on TP rank 0 (they are replicated
 over TP) and skipping ``tied_copy`` (the last stage's copy of the tied embedding), then sum
 over the whole world.  Under ZeRO a rank owns its shard of each bucket, so every element is
-counted exactly once and every rank gets the same norm.
+counted exactly once and every rank gets the same norm.  Expert parameters (``expert_parallel``)
+live on the expert decomposition (etp x ep x edp x pp): each EP rank holds other experts, ZeRO
+shards them over expert DP, and one not split over expert TP counts on expert-TP rank 0 only.
 
 The same all-reduce also detects inf/NaN: the excluded elements are summed separately so an
 overflow anywhere, even in a gradient that does not count towards the norm, is seen by all.
@@ -18,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 
-def counts_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` contributes to the global gradient norm."""
+def counts_in_norm(param: torch.nn.Parameter, tp_rank: int, etp_rank: int = 0) -> bool:
+    """Whether this rank's copy of ``param`` contributes to the global gradient norm (``etp_rank``: this
+    rank's expert tensor-parallel coordinate, for expert parameters)."""
     if getattr(param, "tied_copy", False):
         return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+    rank = etp_rank if getattr(param, "expert_parallel", False) else tp_rank
+    return bool(getattr(param, "tensor_model_parallel", False)) or rank == 0
 
 
 SQUARE_CHUNK = 1 << 15  # elements per fp32 dot product in :func:`square_sum`
@@ -91,7 +95,10 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh)
     """Clip plain ``.grad`` tensors of a model that is *not* under ZeRO (already reduced over DP:
     each DP replica holds the same gradient, so only DP rank 0 contributes).  Returns the norm."""
     params = [p for p in params if p.grad is not None]
-    pieces = [(p.grad, counts_in_norm(p, mesh.coord("tp")) and mesh.coord("dp", "cp") == 0) for p in params]
+
+    def owner(p):  # the first replica over data parallelism (expert DP for experts)
+        return mesh.coord("edp") == 0 if getattr(p, "expert_parallel", False) else mesh.coord("dp", "cp") == 0
+    pieces = [(p.grad, counts_in_norm(p, mesh.coord("tp"), mesh.coord("etp")) and owner(p)) for p in params]
     norm, _ = global_norm_and_overflow(local_square_sums(pieces), mesh)
     coef = clip_coefficient(norm, max_norm)
     if coef < 1.0:

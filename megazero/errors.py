@@ -9,18 +9,26 @@ raise it too, and the config imports them.  This module imports nothing.
 Kinds:
 
 * ``"config"``: an invalid setting, raised alike on every rank; global rank 0 prints it and the
-  exit status is 2;
+  exit status is :data:`EXIT_USAGE` (2);
 * ``"everywhere"``: raised alike on every rank (a checkpoint problem, a diverged run); global rank
-  0 prints it, the exit status is 1;
+  0 prints it, the exit status is :data:`EXIT_FAILURE` (1);
 * ``"local"``: seen by one rank only (a collective that timed out, bad data in this rank's batch);
   that rank prints it, prefixed with its rank.
 
 Any other exception is a bug and keeps its traceback.
+
+The exit statuses themselves (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`) live here
+too, the one source for every program; the shell launchers restate them in comments only.
 """
 
 CONFIG = "config"
 EVERYWHERE = "everywhere"
 LOCAL = "local"
+
+# The exit statuses of every megazero program (pretrain_gpt.py, the launcher, the tools and benchmarks):
+EXIT_OK = 0  #: done, or stopped cleanly (a signal, a time or iteration limit)
+EXIT_FAILURE = 1  #: the run failed (divergence, a collective that timed out, a save that failed, a bug)
+EXIT_USAGE = 2  #: an invalid flag or setting, or a checkpoint that cannot be used (argparse's status too)
 
 
 class MegazeroError(Exception):

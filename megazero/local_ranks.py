@@ -19,13 +19,15 @@ from typing import Any, Callable, List
 import torch
 import torch.distributed as dist
 
+from megazero.threads import set_rank_threads
+
 
 class RankError(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
 
 
 def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
-    torch.set_num_threads(1)
+    set_rank_threads()
     # gloo ranks on CPUs by design: a GPU machine's default device (megazero.mesh.default_device)
     # must not send them to CUDA (hidden before this process first touches CUDA)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -7,13 +7,27 @@ out by axis name: ``mesh.size("tp")``, ``mesh.coord("pp")``, ``mesh.group("dp", 
 ``mesh.ranks("pp")``.
 
 The layout is Megatron-core's ``RankGenerator``: an order string names the axes from fastest to
-slowest (default ``tp-cp-ep-dp-pp``; ``ep``, expert parallelism, is reserved and always of size 1
-here). An axis of size 1 may be left out of the string (it is appended), so the older ``tp-dp-pp``
-style strings keep working; an axis of size > 1 must be named. With strides ``stride[a]`` the
-product of the sizes of the axes named before ``a``, ``rank = sum(coord[a] * stride[a])``. The
-group of a set of axes holds the ranks that differ only in those axes, listed with the first-named
-axis varying fastest (Megatron's ``generate_masked_orthogonal_rank_groups``); groups are listed by
-the remaining axes' coordinates, again first-named fastest.
+slowest (default ``tp-cp-ep-dp-pp``). An axis of size 1 may be left out of the string (it is
+appended), so the older ``tp-dp-pp`` style strings keep working; an axis of size > 1 must be named.
+With strides ``stride[a]`` the product of the sizes of the axes named before ``a``,
+``rank = sum(coord[a] * stride[a])``. The group of a set of axes holds the ranks that differ only in
+those axes, listed with the first-named axis varying fastest (Megatron's
+``generate_masked_orthogonal_rank_groups``); groups are listed by the remaining axes' coordinates,
+again first-named fastest.
+
+Two decompositions of the same world, as in Megatron-core:
+
+- dense layers (attention, dense MLPs, embeddings, norms, routers): ``tp x cp x dp x pp`` (the order's
+  ``ep`` slot has size 1 there);
+- expert layers (the routed experts of a mixture of experts): ``etp x ep x edp x pp``, Megatron-core's
+  ``expert_decoder_rank_generator``: the same order string read with ``tp`` = expert tensor parallel
+  (``--expert-tensor-parallel-size``, default the TP size), ``ep`` = expert parallel
+  (``--expert-model-parallel-size``), ``dp`` = expert data parallel = world / (etp x ep x pp) and
+  ``cp`` = 1.  Its pipeline groups must be the dense ones.
+
+Groups of the expert decomposition are named ``etp``, ``ep``, ``edp`` and ``etp-ep`` (never mixed
+with the dense axes in one name): ``mesh.group("ep")`` is the group the tokens travel in,
+``mesh.group("edp")`` the one expert gradients are reduced and sharded over.
 """
 from __future__ import annotations
 
@@ -30,6 +44,13 @@ EMBEDDING = "embedding"
 # the groups a live mesh creates: every axis, the model-parallel tp x pp group, the dp x cp group
 # that reduces gradients and shards the distributed optimizer, and tp x cp
 MESH_GROUPS = (("tp",), ("cp",), ("dp",), ("pp",), ("tp", "pp"), ("dp", "cp"), ("tp", "cp"))
+# the expert decomposition's axes and the name of each in Megatron-core's RankGenerator
+EXPERT_AXES = ("etp", "ep", "edp")
+EXPERT_GENERATOR_NAMES = {"etp": "tp", "ep": "ep", "edp": "dp"}
+# the expert groups a live mesh creates: expert TP (tokens gathered for the sharded experts), EP (the
+# all-to-all), expert DP (gradient reduction of expert weights) and expert TP x EP (the allgather
+# dispatcher's group)
+EXPERT_GROUPS = (("etp",), ("ep",), ("edp",), ("etp", "ep"))
 
 
 def parse_rank_order(order: str, sizes: Optional[Dict[str, int]] = None) -> List[str]:
@@ -72,6 +93,57 @@ def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> Dict[str, int]:
     return {"tp": tp, "cp": cp, "ep": 1, "dp": world_size // (tp * pp * cp), "pp": pp}
 
 
+def expert_sizes(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> Dict[str, int]:
+    """The expert decomposition's sizes ``{"etp", "ep", "edp"}`` (``etp`` defaults to ``tp``, as in
+    Megatron-LM); ValueError when etp x ep x pp does not divide the world."""
+    etp = tp if etp is None else etp
+    for name, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if world_size % (etp * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}; "
+            "choose expert sizes whose product with the pipeline size divides the world size")
+    return {"etp": etp, "ep": ep, "edp": world_size // (etp * ep * pp)}
+
+
+def _generator_sizes(experts: Dict[str, int], pp: int) -> Dict[str, int]:
+    """The expert decomposition as Megatron-core's RankGenerator sizes (tp, cp, ep, dp, pp)."""
+    out = {EXPERT_GENERATOR_NAMES[a]: n for a, n in experts.items()}
+    return dict(out, cp=1, pp=pp)
+
+
+def expert_layouts(world_size: int, tp: int, pp: int, order: str, cp: int = 1, ep: int = 1,
+                   etp: Optional[int] = None) -> Dict[Tuple[str, ...], List[List[int]]]:
+    """The groups of :data:`EXPERT_GROUPS` (keyed by their axes) of the expert decomposition; with
+    expert parallelism (``ep`` > 1 or ``etp`` != ``tp``) checks Megatron-core's two rules that tie it to
+    the dense one: the same pipeline groups, and with the pipeline axis not last in the order, the same
+    data-parallel size."""
+    dense = _check_sizes(world_size, tp, pp, cp)
+    experts = expert_sizes(world_size, tp, pp, ep, etp)
+    gen = _generator_sizes(experts, pp)
+    try:
+        parse_rank_order(order, gen)
+    except ValueError as err:
+        raise ValueError(f"expert layers: {err}") from None
+    layouts = {axes: axis_groups(gen, order, [EXPERT_GENERATOR_NAMES[a] for a in axes])
+               for axes in EXPERT_GROUPS}
+    if experts["ep"] == 1 and experts["etp"] == tp:  # no expert parallelism: nothing to tie
+        return layouts
+    if axis_groups(gen, order, ["pp"]) != axis_groups(dense, order, ["pp"]):
+        raise ValueError(
+            f"--expert-tensor-parallel-size {experts['etp']} x --expert-model-parallel-size {experts['ep']} "
+            f"with --rank-order {order!r} gives the expert layers other pipeline groups than the dense "
+            "layers (Megatron-core requires the same); put pp last in the order or use "
+            "--expert-tensor-parallel-size equal to --tensor-model-parallel-size")
+    if pp > 1 and not order.lower().endswith("pp") and experts["edp"] != dense["dp"]:
+        raise ValueError(f"--rank-order {order!r} does not end with pp: the expert data-parallel size "
+                         f"{experts['edp']} must then equal the data-parallel size {dense['dp']} "
+                         "(Megatron-core's rule); put pp last")
+    return layouts
+
+
 def axis_groups(sizes: Dict[str, int], order: str, axes: Sequence[str]) -> List[List[int]]:
     """The rank groups of the product of ``axes`` (Megatron-core's masked orthogonal groups): each
     group holds the ranks whose coordinates differ only along ``axes``."""
@@ -96,17 +168,20 @@ def axis_groups(sizes: Dict[str, int], order: str, axes: Sequence[str]) -> List[
 
 
 def rank_groups(world_size: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
-                cp: int = 1) -> Dict[str, List[List[int]]]:
+                cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
     """Megatron-LM's process-group layout, as lists of rank lists.
 
     Returns a dict with keys ``"tp"``, ``"cp"``, ``"dp"``, ``"pp"``, ``"mp"`` (the tp x pp
     model-parallel group), ``"dp-cp"`` (the gradient-reduction group), ``"tp-cp"`` and
-    ``"embedding"`` (first and last rank of each pipeline group; one rank when pp == 1).
+    ``"embedding"`` (first and last rank of each pipeline group; one rank when pp == 1), and the
+    expert decomposition's ``"etp"``, ``"ep"``, ``"edp"`` and ``"etp-ep"`` (``ep`` experts-parallel
+    ranks, ``etp`` expert-tensor-parallel ranks, default ``tp``).
     """
     sizes = _check_sizes(world_size, tp, pp, cp)
     result = {"-".join(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
     result["mp"] = result.pop("tp-pp")
     result[EMBEDDING] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in result["pp"]]
+    result.update({"-".join(k): v for k, v in expert_layouts(world_size, tp, pp, order, cp, ep, etp).items()})
     return result
 
 
@@ -150,15 +225,22 @@ def backend_for(device: torch.device) -> str:
 
 
 def _key(axes: Sequence[str]) -> Tuple[str, ...]:
-    """The canonical name of a group: ``("embedding",)`` or its axes in ``AXES`` order."""
+    """The canonical name of a group: ``("embedding",)``, its axes in ``AXES`` order, or expert axes
+    (any of ``etp``, ``ep``, ``edp``: the expert decomposition) in ``EXPERT_AXES`` order."""
     if tuple(axes) == (EMBEDDING,):
         return (EMBEDDING,)
     if not axes:
         raise ValueError("name at least one mesh axis, e.g. mesh.group('dp', 'cp')")
-    bad = [a for a in axes if a not in AXES]
+    bad = [a for a in axes if a not in AXES and a not in EXPERT_AXES]
     if bad:
-        raise ValueError(f"unknown mesh axis {bad[0]!r}; the axes are {', '.join(AXES)} "
-                         f"(and the {EMBEDDING!r} group)")
+        raise ValueError(f"unknown mesh axis {bad[0]!r}; the axes are {', '.join(AXES)}, the expert axes "
+                         f"{', '.join(EXPERT_AXES)} (and the {EMBEDDING!r} group)")
+    if any(a in EXPERT_AXES for a in axes):
+        dense = [a for a in axes if a not in EXPERT_AXES]
+        if dense:
+            raise ValueError(f"mesh axis {dense[0]!r} is not an axis of the expert layers' decomposition "
+                             f"({', '.join(EXPERT_AXES)}); name expert and dense groups separately")
+        return tuple(a for a in EXPERT_AXES if a in axes)
     return tuple(a for a in AXES if a in axes)
 
 
@@ -170,7 +252,8 @@ class ParallelMesh:
     :meth:`ParallelMesh.single` for one process.  Everything that needs a group receives the
     mesh explicitly; there are no module-level globals.  ``sizes`` maps each axis of ``AXES`` to
     its size; ``groups`` maps a canonical group name (:func:`_key`) to ``(process group or None,
-    ranks)`` of this rank's group.
+    ranks)`` of this rank's group.  ``sizes`` are the dense decomposition's (its ``ep`` is 1);
+    ``expert_sizes`` maps ``etp``, ``ep`` and ``edp`` to the expert decomposition's sizes.
     """
 
     world_size: int
@@ -180,17 +263,20 @@ class ParallelMesh:
     sizes: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in AXES})
     groups: Dict[Tuple[str, ...], Tuple[Optional[object], List[int]]] = field(default_factory=dict)
     world_group: Optional[object] = None
+    expert_sizes: Dict[str, int] = field(default_factory=lambda: {a: 1 for a in EXPERT_AXES})
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def build(cls, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
-              device: Optional[torch.device] = None, timeout=None, cp: int = 1) -> "ParallelMesh":
-        """Create every group of ``MESH_GROUPS`` and the embedding group on the default process group
-        (collective), each with ``timeout`` (a ``timedelta``; torch's default when None), named by its
-        axes and warmed up by one collective; a product group equal to one already made (an axis of
-        size 1) reuses it.  ``device`` (default: this rank's local GPU by ``$LOCAL_RANK``, or the CPU)
-        becomes the current CUDA device, so a caller that builds the mesh itself seeds and computes
-        on the rank's own GPU."""
+              device: Optional[torch.device] = None, timeout=None, cp: int = 1, ep: int = 1,
+              etp: Optional[int] = None) -> "ParallelMesh":
+        """Create every group of ``MESH_GROUPS``, the embedding group and the expert groups of
+        ``EXPERT_GROUPS`` (``ep`` expert-parallel ranks, ``etp`` expert tensor-parallel ranks, default
+        ``tp``) on the default process group (collective), each with ``timeout`` (a ``timedelta``;
+        torch's default when None), named by its axes and warmed up by one collective; a group equal to
+        one already made (an axis of size 1) reuses it.  ``device`` (default: this rank's local GPU by
+        ``$LOCAL_RANK``, or the CPU) becomes the current CUDA device, so a caller that builds the mesh
+        itself seeds and computes on the rank's own GPU."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh.build needs torch.distributed to be initialised first: call "
@@ -199,10 +285,11 @@ class ParallelMesh:
         world, rank = dist.get_world_size(), dist.get_rank()
         sizes = _check_sizes(world, tp, pp, cp)
         parse_rank_order(order, sizes)
-        device = use_device(device)
-        kwargs = {} if timeout is None else {"timeout": timeout}
         layouts = {_key(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
         layouts[(EMBEDDING,)] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in layouts[("pp",)]]
+        layouts.update(expert_layouts(world, tp, pp, order, cp, ep, etp))
+        device = use_device(device)
+        kwargs = {} if timeout is None else {"timeout": timeout}
         mine, made = {}, {}
         for key, layout in layouts.items():
             signature = tuple(tuple(g) for g in layout)
@@ -219,12 +306,13 @@ class ParallelMesh:
             mine.setdefault(key, (None, []))
         warm_up([mine[key][0] for key in made.values()], device)
         return cls(world_size=world, rank=rank, device=torch.device(device), order=order, sizes=sizes,
-                   groups=mine, world_group=dist.group.WORLD)
+                   groups=mine, world_group=dist.group.WORLD,
+                   expert_sizes=expert_sizes(world, tp, pp, ep, etp))
 
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":
         """A mesh of one process (no process groups; collectives become no-ops)."""
-        keys = [_key(axes) for axes in MESH_GROUPS] + [(EMBEDDING,)]
+        keys = [_key(axes) for axes in MESH_GROUPS + EXPERT_GROUPS] + [(EMBEDDING,)]
         return cls(world_size=1, rank=0, device=use_device(device), groups={k: (None, [0]) for k in keys})
 
     # ---- lookup by axis name ------------------------------------------------------------
@@ -239,9 +327,11 @@ class ParallelMesh:
         """The size of an axis, or of the product of several (``size("dp", "cp")``)."""
         if tuple(axes) == (EMBEDDING,):
             return len(self.ranks(EMBEDDING))
+        key = _key(axes)
+        sizes = self.expert_sizes if key[0] in EXPERT_AXES else self.sizes
         out = 1
-        for a in _key(axes):
-            out *= self.sizes[a]
+        for a in key:
+            out *= sizes[a]
         return out
 
     def coord(self, *axes: str) -> int:
@@ -288,8 +378,10 @@ class ParallelMesh:
         return backend_for(self.device)
 
     def describe(self) -> str:
-        coords = " ".join(f"{a} {self.coord(a)}/{self.size(a)}" for a in ("tp", "cp", "pp", "dp")
-                          if a != "cp" or self.size("cp") > 1)
+        shown = [a for a in ("tp", "cp", "pp", "dp", "ep", "etp") if a in ("tp", "pp", "dp")
+                 or (a in ("cp", "ep") and self.size(a) > 1)
+                 or (a == "etp" and self.size(a) != self.size("tp"))]
+        coords = " ".join(f"{a} {self.coord(a)}/{self.size(a)}" for a in shown)
         return f"rank {self.rank}/{self.world_size}: {coords} on {self.device}"
 
     def device_mesh(self):

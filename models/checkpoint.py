@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Dict, Optional, Tuple
 
-from megazero.config import ModelConfig, config_from_dict, validate
+from megazero.config import ModelConfig, MoEConfig, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, load_full_state_dict
 
@@ -17,12 +17,16 @@ NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute
 
 
 def model_settings(saved_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The ModelConfig settings of a saved configuration (``config.json`` of a checkpoint), without
-    the derived ones and without recomputation (inference needs none)."""
-    derived = {f.name for f in fields(ModelConfig) if f.metadata.get("derived")}
-    known = {f.name for f in fields(ModelConfig)}
-    model = {k: v for k, v in saved_config["model"].items() if k in known and k not in derived}
-    return dict(model, **NO_RECOMPUTE)
+    """The ModelConfig (and MoEConfig) settings of a saved configuration (``config.json`` of a
+    checkpoint), without the derived ones, the expert-parallel sizes (one process by default) and
+    recomputation (inference needs none)."""
+    out = {}
+    for section, cls in (("model", ModelConfig), ("moe", MoEConfig)):
+        derived = {f.name for f in fields(cls) if f.metadata.get("derived")}
+        known = {f.name for f in fields(cls)} - derived - {"expert_model_parallel_size",
+                                                           "expert_tensor_parallel_size"}
+        out.update({k: v for k, v in saved_config.get(section, {}).items() if k in known})
+    return dict(out, **NO_RECOMPUTE)
 
 
 def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[ParallelMesh] = None,

@@ -27,7 +27,12 @@ from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
-from .layers import KVCache, Norm, TransformerLayer, rope_cos_sin, rope_scaling_of
+from megazero.checkpoint.names import expert_name
+from megazero.config.patterns import active_window, layer_window, uses_rope
+from megazero.moe import MoEStats, moe_layers
+from .layers import KVCache, Norm, TransformerLayer, window_mask
+from .moe import moe_mlp
+from .rope import rope_cos_sin, rope_scaling_of
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -76,8 +81,12 @@ class GPTModel(nn.Module):
                 self.position_embeddings = nn.Embedding(*shape, _weight=weight)
                 self.position_embeddings.weight = weight
                 weight.sequence_parallel = self.sequence_parallel
-        self.decoder = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn)
-                                      for i in layers})
+        here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
+        self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
+        self.decoder = nn.ModuleDict({
+            str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
+                                     mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
+            for i in layers})
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):
@@ -100,6 +109,8 @@ class GPTModel(nn.Module):
         if self.cp_size > 1:
             ids = split_for_cp(ids, 1, self.cp_size, self.cp_rank)
         x = self.word_embeddings(ids.t())
+        if self.cfg.model.scale_embedding:  # Gemma: sqrt(h), rounded to the activations' dtype
+            x = x * torch.tensor(self.cfg.model.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
         if hasattr(self, "position_embeddings") and self.cp_size > 1:
             pos = self.positions(ids.shape[1] * self.cp_size, ids.device)
             if self.sequence_parallel:
@@ -122,7 +133,7 @@ class GPTModel(nn.Module):
 
     def _rope(self, x: torch.Tensor, offset: int = 0):
         m = self.cfg.model
-        if m.position_embedding_type != "rope":
+        if not uses_rope(m):
             return None
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
         full = offset + seq * self.cp_size
@@ -132,15 +143,26 @@ class GPTModel(nn.Module):
             return cos[pos], sin[pos]
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
+    def window_masks(self, x: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """The additive masks of this chunk's sliding windows, one per window that hides keys of this
+        sequence, built once per forward and shared by the layers (SDPA keeps one tensor for all of
+        them).  None where the kernel takes the window itself (context parallelism, soft-capping)."""
+        m = self.cfg.model
+        if self.cp_size > 1 or m.attn_logit_softcapping is not None:
+            return {}
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
+        windows = {active_window(layer_window(m, i), seq) for i in self.layers} - {None}
+        return {w: window_mask(seq, w, x.dtype, x.device) for w in sorted(windows)}
+
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         """The transformer layers, with full recomputation (uniform or block) when configured."""
-        m, rope = self.cfg.model, self._rope(x)
+        m, rope, masks = self.cfg.model, self._rope(x), self.window_masks(x)
         layers = list(self.decoder.values())
 
         def segment(start, end):
             def run(h):
                 for layer in layers[start:end]:
-                    h = layer(h, rope)
+                    h = layer(h, rope, masks=masks)
                 return h
             return run
 
@@ -154,7 +176,7 @@ class GPTModel(nn.Module):
             if full and m.recompute_method == "block" and i < n:
                 x = recompute(segment(i, i + 1), x, tracker=self.rng_tracker, device=x.device)
             else:
-                x = layers[i](x, rope)
+                x = layers[i](x, rope, masks=masks)
         return x
 
     def output_weight(self) -> torch.Tensor:
@@ -176,8 +198,13 @@ class GPTModel(nn.Module):
             x = layer(x, rope, kv_cache)
         kv_cache.length = past + ids.shape[1]
         x = copy_to_tp(self.final_norm(x), self.mesh)
-        logits = linear(x, self.output_weight(), onednn=self.onednn)
+        logits = self.softcap(linear(x, self.output_weight(), onednn=self.onednn))
         return gather_from_tp(logits, self.mesh)[..., :self.cfg.model.vocab_size].transpose(0, 1)
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap tanh(logits / cap)`` with ``--final-logit-softcapping`` (Gemma 2), else the logits."""
+        cap = self.cfg.model.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -187,7 +214,8 @@ class GPTModel(nn.Module):
             return x
         x = self.final_norm(x)
         x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
-        logits = linear(x, self.output_weight(), onednn=self.onednn)  # [s, b, padded_vocab / tp]
+        # [s, b, padded_vocab / tp]
+        logits = self.softcap(linear(x, self.output_weight(), onednn=self.onednn))
         vocab = self.cfg.model.vocab_size
         if labels is None:
             logits = gather_from_tp(logits, self.mesh)[..., :vocab].transpose(0, 1).contiguous()
@@ -200,41 +228,72 @@ class GPTModel(nn.Module):
 
 
 # ---- full (TP-gathered, unpadded) tensors ---------------------------------------------------
+def _gather_over(t: torch.Tensor, mesh, axis: str, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(mesh.size(axis))]
+    dist.all_gather(parts, t.contiguous(), group=mesh.group(axis))
+    return torch.cat(parts, dim=dim)
+
+
 def _gather(t: torch.Tensor, param, mesh) -> torch.Tensor:
-    if getattr(param, "tensor_model_parallel", False) and mesh.size("tp") > 1:
-        parts = [torch.empty_like(t) for _ in range(mesh.size("tp"))]
-        dist.all_gather(parts, t.contiguous(), group=mesh.group("tp"))
-        t = torch.cat(parts, dim=param.partition_dim)
+    """The whole tensor: TP pieces joined (expert TP and EP for experts: all experts stacked)."""
+    expert = getattr(param, "expert_parallel", False)
+    split = "etp" if expert else "tp"
+    if getattr(param, "tensor_model_parallel", False) and mesh.size(split) > 1:
+        t = _gather_over(t, mesh, split, param.partition_dim)
+    if expert and mesh.size("ep") > 1:
+        t = _gather_over(t, mesh, "ep", 0)
     return t
 
 
 def full_state_dict(model: GPTModel, grads: bool = False) -> Dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of this chunk as the full tensor: TP shards gathered
-    (collective over the TP group: every TP rank must call it) and vocabulary padding removed.
-    Gradients of ``sequence_parallel`` parameters are returned as this rank holds them."""
+    (collective over the TP group, and the expert TP and EP groups in an MoE model: every rank of
+    them must call it) and vocabulary padding removed; an expert parameter as one tensor per expert
+    (``...experts.<e>.fc1_weight``, the checkpoint's names).  Gradients of ``sequence_parallel``
+    parameters are returned as this rank holds them."""
     vocab, out = model.cfg.model.vocab_size, {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p.detach()
         if t is None:
             continue
         t = _gather(t, p, model.mesh)
+        if getattr(p, "expert_parallel", False):
+            out.update({expert_name(name, e): t[e] for e in range(t.shape[0])})
+            continue
         out[name] = t[:vocab] if getattr(p, "vocab_parallel", False) else t
+    return out
+
+
+def _expert_keys(model: GPTModel) -> Dict[str, list]:
+    """Stacked expert parameter name -> the per-expert names of the experts this rank holds."""
+    out = {}
+    for name, p in model.named_parameters():
+        if getattr(p, "expert_parallel", False):
+            first = model.mesh.coord("ep") * p.shape[0]
+            out[name] = [expert_name(name, first + j) for j in range(p.shape[0])]
     return out
 
 
 def load_full_state_dict(model: GPTModel, state: Dict[str, torch.Tensor]) -> None:
     """Copy full (unsharded, unpadded) tensors into this chunk's parameters, keeping this rank's
-    slice and padding the vocabulary. Raises ``KeyError`` naming missing or unexpected keys."""
+    slice and padding the vocabulary; experts by their own names (``...experts.<e>.fc1_weight``, every
+    expert of the model: a rank takes its own). Raises ``KeyError`` naming missing or unexpected keys."""
     names = dict(model.named_parameters())
-    missing, unexpected = sorted(set(names) - set(state)), sorted(set(state) - set(names))
+    experts = _expert_keys(model)
+    wanted = {n for n in names if n not in experts}
+    all_experts = {k for k in state if k.rsplit(".", 2)[0] + "." + k.rsplit(".", 1)[1] in experts}
+    missing = sorted(wanted - set(state)) + sorted({k for ks in experts.values() for k in ks} - set(state))
+    unexpected = sorted(set(state) - wanted - all_experts)
     if missing or unexpected:
         raise KeyError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for name, p in names.items():
-            t = state[name]
+            t = torch.stack([state[k] for k in experts[name]]) if name in experts else state[name]
             if getattr(p, "vocab_parallel", False):
                 t = pad_rows(t, model.cfg.model.padded_vocab_size)
-            if getattr(p, "tensor_model_parallel", False):
+            if getattr(p, "tensor_model_parallel", False) and name in experts:
+                t = t.chunk(model.mesh.size("etp"), dim=p.partition_dim)[model.mesh.coord("etp")]
+            elif getattr(p, "tensor_model_parallel", False):
                 t = shard(t, model.mesh, p.partition_dim)
             if t.shape != p.shape:
                 raise ValueError(f"{name}: expected a full tensor giving shard {tuple(p.shape)}, "

@@ -1,19 +1,24 @@
-"""Hugging Face ``transformers`` interop: GPT-2 (``GPT2LMHeadModel``), LLaMA (``LlamaForCausalLM``, with
-LLaMA-3.x RoPE scaling), Qwen2 (``Qwen2ForCausalLM``) and Mistral without a sliding window (imported as
-a LLaMA).
+"""Hugging Face ``transformers`` interop: GPT-2, LLaMA (RoPE scaling of the llama3, linear, yarn and dynamic
+types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3.
 
 - :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
-  overrides and rejects what megazero cannot reproduce exactly (naming the field).
+  overrides and rejects what megazero cannot reproduce exactly (naming the field and the feature);
+  :func:`hf_config_from` (:mod:`models.hf_export`) is the other direction.
 - :func:`from_hf` builds a megazero model (pp = 1) holding this rank's TP shard of the weights.
 - :func:`to_hf` writes ``config.json`` + ``model.safetensors`` that ``AutoModelForCausalLM``
   loads. With TP > 1 it gathers the shards first: every TP rank must call it (collective) and
   TP rank 0 of data-parallel rank 0 writes.
+- :func:`megazero_tensor` (import) and :func:`export_groups` (export) map tensors one at a time, so
+  ``scripts/convert_hf.py`` streams them (:mod:`models.hf_convert`).
 
 Layout differences handled here: GPT-2's ``Conv1D`` weights are ``[in, out]`` (transposed) and
-its ``c_attn`` stacks ``[q; k; v]``; LLaMA has separate ``q/k/v_proj`` and ``gate/up/down_proj``.
+its ``c_attn`` stacks ``[q; k; v]``, as Phi-3's ``qkv_proj`` (untransposed) does, whose ``gate_up_proj``
+stacks ``[gate; up]``; the others have separate ``q/k/v_proj`` and ``gate/up/down_proj``.
 megazero's fused QKV (and Qwen2's QKV bias) is grouped per key/value head (see :mod:`models.layers`).
-LLaMA's q/k rows are already in the half-split ``rotate_half`` layout megazero uses, so they are
-copied as is.
+Gemma's norms scale by ``1 + weight``: megazero stores ``1 + weight`` (in fp32, the very factor
+transformers computes), and exports the stored scale minus one.  Per-layer norms are named by
+``--norm-position`` (:data:`NORMS`).  The q/k rows are already in the half-split ``rotate_half``
+layout megazero uses, so they are copied as is.
 """
 from __future__ import annotations
 
@@ -25,27 +30,30 @@ import torch
 from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
-from .hf_config import GPT2_ACTIVATIONS, arch_of, config_from_hf, hf_config_from  # noqa: F401 - public names
+from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
+from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
 
-GPT2_LAYER = [  # (megazero name, HF name, HF stores it transposed)
-    ("input_norm.weight", "ln_1.weight", False), ("input_norm.bias", "ln_1.bias", False),
-    ("attention.proj.weight", "attn.c_proj.weight", True), ("attention.proj.bias", "attn.c_proj.bias", False),
-    ("post_attention_norm.weight", "ln_2.weight", False), ("post_attention_norm.bias", "ln_2.bias", False),
-    ("mlp.fc1.weight", "mlp.c_fc.weight", True), ("mlp.fc1.bias", "mlp.c_fc.bias", False),
-    ("mlp.fc2.weight", "mlp.c_proj.weight", True), ("mlp.fc2.bias", "mlp.c_proj.bias", False)]
+GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
+    ("input_norm.weight", "ln_1.weight", ""), ("input_norm.bias", "ln_1.bias", ""),
+    ("attention.proj.weight", "attn.c_proj.weight", "T"), ("attention.proj.bias", "attn.c_proj.bias", ""),
+    ("post_attention_norm.weight", "ln_2.weight", ""), ("post_attention_norm.bias", "ln_2.bias", ""),
+    ("mlp.fc1.weight", "mlp.c_fc.weight", "T"), ("mlp.fc1.bias", "mlp.c_fc.bias", ""),
+    ("mlp.fc2.weight", "mlp.c_proj.weight", "T"), ("mlp.fc2.bias", "mlp.c_proj.bias", "")]
 GPT2_GLOBAL = [("word_embeddings.weight", "transformer.wte.weight"),
                ("position_embeddings.weight", "transformer.wpe.weight"),
                ("final_norm.weight", "transformer.ln_f.weight"), ("final_norm.bias", "transformer.ln_f.bias"),
                ("output_layer.weight", "lm_head.weight")]
-LLAMA_LAYER = [("input_norm.weight", "input_layernorm.weight", False),
-               ("attention.proj.weight", "self_attn.o_proj.weight", False),
-               ("post_attention_norm.weight", "post_attention_layernorm.weight", False),
-               ("mlp.gate.weight", "mlp.gate_proj.weight", False),
-               ("mlp.fc1.weight", "mlp.up_proj.weight", False),
-               ("mlp.fc2.weight", "mlp.down_proj.weight", False)]
 LLAMA_GLOBAL = [("word_embeddings.weight", "model.embed_tokens.weight"),
                 ("final_norm.weight", "model.norm.weight"),
                 ("output_layer.weight", "lm_head.weight")]
+NORMS = {  # megazero's norms of a layer by --norm-position, and their transformers names
+    "pre": [("input_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm")],
+    "post": [("attention_output_norm", "post_attention_layernorm"),
+             ("mlp_output_norm", "post_feedforward_layernorm")],
+    "sandwich": [("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
+                 ("post_attention_norm", "pre_feedforward_layernorm"),
+                 ("mlp_output_norm", "post_feedforward_layernorm")]}
+OFFSET_NORMS = ("gemma", "gemma2")  # norms that scale by 1 + weight: megazero stores 1 + weight
 
 
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -60,72 +68,126 @@ def _split_qkv(qkv, heads: int, groups: int, head_dim: int):
     return [t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v)]
 
 
-def _maps(arch: str):
-    """(layer map, global map, HF layer-name prefix) of an architecture."""
+def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
+    """``(megazero name, HF name, how)`` of one layer's one-to-one tensors: how is ``""`` (as is),
+    ``"T"`` (HF stores it transposed) or ``"1p"`` (HF stores the norm scale minus one)."""
     if arch == "gpt2":
-        return GPT2_LAYER, GPT2_GLOBAL, "transformer.h."
-    return LLAMA_LAYER, LLAMA_GLOBAL, "model.layers."
+        return list(GPT2_LAYER)
+    offset = "1p" if arch in OFFSET_NORMS else ""
+    out = [(f"{mz}.weight", f"{hf}.weight", offset) for mz, hf in NORMS[cfg.model.norm_position]]
+    out += [("attention.proj.weight", "self_attn.o_proj.weight", ""),
+            ("mlp.fc2.weight", "mlp.down_proj.weight", "")]
+    if arch != "phi3":
+        out += [("mlp.gate.weight", "mlp.gate_proj.weight", ""), ("mlp.fc1.weight", "mlp.up_proj.weight", "")]
+    if cfg.model.qk_layernorm:
+        out += [("attention.q_norm.weight", "self_attn.q_norm.weight", ""),
+                ("attention.k_norm.weight", "self_attn.k_norm.weight", "")]
+    return out
 
 
-def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
-    """The full (unsharded, unpadded) megazero tensor ``name`` from a Hugging Face model's tensors,
-    fetched one by one with ``get(hf_name)``."""
-    m, arch = cfg.model, arch_of(cfg.model)
-    layer_map, global_map, prefix = _maps(arch)
+def _global_map(arch: str) -> Dict[str, str]:
+    return dict(GPT2_GLOBAL if arch == "gpt2" else LLAMA_GLOBAL)
+
+
+def _prefix(arch: str) -> str:
+    return "transformer.h." if arch == "gpt2" else "model.layers."
+
+
+def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
+                    arch: Optional[str] = None) -> torch.Tensor:
+    """The full (unsharded, unpadded) megazero tensor ``name`` from a Hugging Face model's tensors of
+    architecture ``arch`` (default: the one an export of ``cfg`` writes), fetched one by one with
+    ``get(hf_name)``."""
+    m, arch = cfg.model, arch or arch_of(cfg.model)
     if not name.startswith("decoder."):
-        return get(dict(global_map)[name])
+        t = get(_global_map(arch)[name])
+        return t.float() + 1 if name == "final_norm.weight" and arch in OFFSET_NORMS else t
     _, i, rest = name.split(".", 2)
-    src = f"{prefix}{i}."
-    for mz, hf, transposed in layer_map:
+    src = f"{_prefix(arch)}{i}."
+    for mz, hf, how in layer_map(cfg, arch):
         if rest == mz:
-            return get(src + hf).t() if transposed else get(src + hf)
+            t = get(src + hf)
+            return t.t() if how == "T" else (t.float() + 1 if how == "1p" else t)
+    if arch == "phi3" and rest in ("mlp.gate.weight", "mlp.fc1.weight"):
+        gate, up = get(src + "mlp.gate_up_proj.weight").chunk(2)
+        return gate if rest == "mlp.gate.weight" else up
     kind = rest.rsplit(".", 1)[1]  # attention.qkv.weight / .bias
-    if arch == "gpt2":
-        w = get(src + f"attn.c_attn.{kind}")
-        return _fuse_qkv(*(w.t() if kind == "weight" else w).chunk(3), m.num_query_groups)
+    if arch in ("gpt2", "phi3"):
+        w = get(src + (f"attn.c_attn.{kind}" if arch == "gpt2" else f"self_attn.qkv_proj.{kind}"))
+        w = w.t() if arch == "gpt2" and kind == "weight" else w
+        q_rows, kv_rows = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+        return _fuse_qkv(*w.split([q_rows, kv_rows, kv_rows]), m.num_query_groups)
     return _fuse_qkv(*[get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv"], m.num_query_groups)
 
 
-def hf_pieces(name: str, tensor: torch.Tensor, cfg) -> List[Tuple[str, torch.Tensor]]:
-    """The Hugging Face tensors (name, view or tensor) of megazero tensor ``name`` (full, unpadded)."""
+ExportGroup = Tuple[List[str], List[str], Callable[..., List[torch.Tensor]]]
+
+
+def export_groups(cfg) -> List[ExportGroup]:
+    """How to write a model in transformers' names: ``(megazero names, HF names, f)`` where
+    ``f(*megazero tensors)`` returns the HF tensors (views where possible), in order.  One group
+    per HF tensor, except the q/k/v projections split from one fused tensor."""
     m, arch = cfg.model, arch_of(cfg.model)
-    layer_map, global_map, prefix = _maps(arch)
-    if not name.startswith("decoder."):
-        return [(dict(global_map)[name], tensor)]
-    _, i, rest = name.split(".", 2)
-    dst = f"{prefix}{i}."
-    for mz, hf, transposed in layer_map:
-        if rest == mz:
-            return [(dst + hf, tensor.t() if transposed else tensor)]
-    kind = rest.rsplit(".", 1)[1]
-    q, k, v = _split_qkv(tensor, m.num_attention_heads, m.num_query_groups, m.kv_channels)
+    glob, groups = _global_map(arch), []
+    for name in megazero_names(cfg):
+        if not name.startswith("decoder."):
+            offset = name == "final_norm.weight" and arch in OFFSET_NORMS
+            fix = (lambda t: [t - 1]) if offset else (lambda t: [t])
+            groups.append(([name], [glob[name]], fix))
+            continue
+        _, i, rest = name.split(".", 2)
+        dst = f"{_prefix(arch)}{i}."
+        one = {mz: (hf, how) for mz, hf, how in layer_map(cfg, arch)}
+        if rest in one:
+            hf, how = one[rest]
+            fn = {"T": lambda t: [t.t()], "1p": lambda t: [t - 1], "": lambda t: [t]}[how]
+            groups.append(([name], [dst + hf], fn))
+        elif rest == "mlp.gate.weight":  # phi3: with fc1, one gate_up_proj
+            groups.append(([name, f"decoder.{i}.mlp.fc1.weight"], [dst + "mlp.gate_up_proj.weight"],
+                           lambda g, u: [torch.cat([g, u])]))
+        elif rest != "mlp.fc1.weight":
+            groups.append(_qkv_group(name, dst, rest.rsplit(".", 1)[1], m, arch))
+    return groups
+
+
+def _qkv_group(name: str, dst: str, kind: str, m, arch: str) -> ExportGroup:
+    def split(t):
+        return _split_qkv(t, m.num_attention_heads, m.num_query_groups, m.kv_channels)
     if arch == "gpt2":
-        joined = torch.cat([q, k, v])
-        return [(dst + f"attn.c_attn.{kind}", joined.t() if kind == "weight" else joined)]
-    return [(f"{dst}self_attn.{n}_proj.{kind}", t) for n, t in zip("qkv", (q, k, v))]
+        def c_attn(t):
+            joined = torch.cat(split(t))
+            return [joined.t() if kind == "weight" else joined]
+        return [name], [dst + f"attn.c_attn.{kind}"], c_attn
+    if arch == "phi3":
+        return [name], [dst + f"self_attn.qkv_proj.{kind}"], lambda t: [torch.cat(split(t))]
+    return [name], [f"{dst}self_attn.{n}_proj.{kind}" for n in "qkv"], split
 
 
 def megazero_names(cfg) -> List[str]:
-    """Every megazero parameter name of a whole model of ``cfg``, embeddings first, layers in order."""
-    m, arch = cfg.model, arch_of(cfg.model)
-    layer_map, global_map, _ = _maps(arch)
-    names = ["word_embeddings.weight"] + (["position_embeddings.weight"] if arch == "gpt2" else [])
-    qkv = ["attention.qkv.weight"] + (["attention.qkv.bias"] if m.add_bias_linear or m.add_qkv_bias else [])
-    for i in range(m.num_layers):
-        names += [f"decoder.{i}.{mz}" for mz, _, _ in layer_map] + [f"decoder.{i}.{n}" for n in qkv]
-    names += [mz for mz, _ in global_map if mz.startswith("final_norm.")]
-    names = [n for n in names if arch == "gpt2" or not n.endswith("final_norm.bias")]
-    return names + (["output_layer.weight"] if m.untie_embeddings_and_output_weights else [])
+    """Every parameter name of a whole model of ``cfg`` in the model's order (embeddings first, layers
+    in order): the names of a model built on the meta device."""
+    from . import build_model
+    from .checkpoint import model_settings
+    whole = validate(config_from_dict(model_settings(cfg.to_dict())), 1, check_data=False)  # the model alone
+    with torch.device("meta"):
+        model = build_model(whole, ParallelMesh.single(torch.device("meta")))
+    return [n for n, _ in model.named_parameters()]
 
 
-def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
-    """Full megazero tensors (unsharded, unpadded) from a GPT-2 / LLaMA / Qwen2 / Mistral ``state_dict``."""
-    return {n: megazero_tensor(n, cfg, hf_state.__getitem__).detach().float() for n in megazero_names(cfg)}
+def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg,
+                           arch: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Full megazero tensors (unsharded, unpadded) from a transformers ``state_dict`` of architecture
+    ``arch`` (default: the one an export of ``cfg`` writes)."""
+    return {n: megazero_tensor(n, cfg, hf_state.__getitem__, arch).detach().float()
+            for n in megazero_names(cfg)}
 
 
 def hf_state_from_megazero(state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
     """The inverse of :func:`megazero_state_from_hf` (HF parameter names; tied head omitted)."""
-    return {hf: t.contiguous() for name, tensor in state.items() for hf, t in hf_pieces(name, tensor, cfg)}
+    out = {}
+    for mz, hf, fn in export_groups(cfg):
+        out.update({n: t.contiguous() for n, t in zip(hf, fn(*[state[k] for k in mz]))})
+    return out
 
 
 def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
@@ -149,7 +211,7 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
                     pipeline_model_parallel_size=1, **(cfg_overrides or {}))
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)
-    load_full_state_dict(model, megazero_state_from_hf(hf.state_dict(), cfg))
+    load_full_state_dict(model, megazero_state_from_hf(hf.state_dict(), cfg, hf.config.model_type))
     return model
 
 

@@ -1,19 +1,38 @@
-"""Hugging Face configs and megazero's ModelConfig, both ways, for the architectures megazero reproduces
-exactly: GPT-2, LLaMA (LLaMA-3.x ``rope_scaling`` of the ``llama3`` and ``linear`` types included),
-Qwen2 / Qwen2.5 (LLaMA with biases on the query, key and value projections) and Mistral without a
-sliding window (a LLaMA; exported as one).
+"""Hugging Face configs to megazero's ModelConfig settings, for the architectures megazero reproduces
+exactly: GPT-2, LLaMA (RoPE scaling of the ``llama3``, ``linear``, ``yarn`` and ``dynamic`` types),
+Mistral and Qwen2 (with their sliding windows), Qwen3 (q/k norms), Gemma and Gemma 2 (norms with
+``1 + weight``, the embedding scale, GeGLU; Gemma 2's sandwich norms, soft-caps and alternating
+windows), Phi-3 (fused weights), OLMo 2 (norms after each sublayer, q/k norms over all heads) and
+SmolLM3 (layers without RoPE).  The other direction is :mod:`models.hf_export`.
 
 Anything else is refused by name: :class:`ConfigError` naming the Hugging Face field, its value and
-what megazero supports.
+the feature megazero lacks (or, for another architecture, what it would need).
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import math
+from typing import Any, Dict, List, Optional
 
 from megazero.config import ConfigError
+from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direction, public names here too
+from .rope import yarn_attention_factor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}  # HF -> megazero
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
+# architectures megazero does not import, and the feature each would need
+OTHER_ARCHITECTURES = {
+    "olmo": "OLMo (1)'s non-parametric layer norm (LayerNorm without a scale or bias) and clip_qkv",
+    "gemma3_text": "Gemma 3's second RoPE base for its sliding-window layers (rope_local_base_freq) and its "
+                   "q/k norms with 1 + weight",
+    "gemma3": "Gemma 3's vision tower, second RoPE base for its sliding-window layers (rope_local_base_freq) "
+              "and q/k norms with 1 + weight",
+    "olmo3": "OLMo 3's RoPE parameters per layer type (rope_parameters for sliding and full attention apart)",
+    "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
+    "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
+    "falcon": "Falcon's parallel attention and MLP (and ALiBi in some)",
+    "qwen3_moe": "mixture-of-experts layers",
+    "mixtral": "mixture-of-experts layers",
+}
 
 
 def _unsupported(field: str, value, fix: str):
@@ -21,15 +40,16 @@ def _unsupported(field: str, value, fix: str):
 
 
 def config_from_hf(hf_config) -> Dict[str, Any]:
-    """ModelConfig field overrides equivalent to a ``GPT2Config``, ``LlamaConfig``, ``Qwen2Config``
-    or ``MistralConfig``; :class:`ConfigError` naming the field for anything megazero does not
-    implement (rope scaling of other types, sliding windows, LLaMA's attention/MLP biases, other
-    activations, ...)."""
+    """ModelConfig field overrides equivalent to a transformers config of one of the architectures in
+    the module docstring; :class:`ConfigError` naming the field and the missing feature otherwise."""
     kind = getattr(hf_config, "model_type", None)
     if kind == "gpt2":
         return _gpt2_settings(hf_config)
     if kind in LLAMA_FAMILY:
-        return _llama_settings(hf_config, kind)
+        return dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
+    if kind in OTHER_ARCHITECTURES:
+        raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r} needs "
+                          f"{OTHER_ARCHITECTURES[kind]}, which megazero does not implement")
     raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports "
                       f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY)}")
 
@@ -52,26 +72,46 @@ def _gpt2_settings(c) -> Dict[str, Any]:
                 init_method_std=c.initializer_range)
 
 
-def _no_sliding_window(c, kind: str) -> None:
-    """Qwen2 and Mistral may attend within a sliding window only: refused unless it cannot act."""
-    if kind == "qwen2":
-        sliding = [i for i, t in enumerate(getattr(c, "layer_types", None) or []) if t == "sliding_attention"]
-        if getattr(c, "use_sliding_window", False) or sliding:
-            _unsupported("use_sliding_window", True, "sliding-window attention is not implemented (full "
-                         "causal attention only)")
-    window = getattr(c, "sliding_window", None)
-    if kind == "mistral" and window is not None and window < c.max_position_embeddings:
-        _unsupported("sliding_window", window, "sliding-window attention is not implemented; a Mistral with "
-                     f"sliding_window null (or >= max_position_embeddings {c.max_position_embeddings}) "
-                     "imports as a LLaMA")
+def _rope_dict(c) -> Dict[str, Any]:
+    return dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+
+
+def _yarn(rope: Dict[str, Any], c) -> Dict[str, Any]:
+    """Megatron-LM's YaRN settings of transformers' ``yarn`` rope_parameters."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or c.max_position_embeddings / original)
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not (mscale and all_dim):  # transformers then uses 0.1 ln(factor) + 1
+        mscale, all_dim = 1.0, 0.0
+    out = dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
+               yarn_original_max_position_embeddings=original,
+               yarn_beta_fast=float(rope.get("beta_fast") or 32),
+               yarn_beta_slow=float(rope.get("beta_slow") or 1),
+               yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
+               mscale=float(mscale), mscale_all_dim=float(all_dim))
+    given = rope.get("attention_factor")
+    if given is not None:
+        ours = yarn_attention_factor(dict(out, factor=factor))
+        if not math.isclose(given, ours, rel_tol=1e-12):  # Megatron-LM's mscale: 0.1 mscale ln(f) + 1
+            if factor <= 1:
+                _unsupported("rope_scaling.attention_factor", given,
+                             "YaRN's attention factor is 1 for factor <= 1")
+            out["mscale"] = (given - 1) / (0.1 * math.log(factor))
+            out["mscale_all_dim"] = 0.0
+    return out
 
 
 def rope_settings(c) -> Dict[str, Any]:
     """``rotary_base`` and the RoPE scaling fields of a LLaMA-family config's ``rope_parameters``
     (``rope_scaling`` in older transformers)."""
-    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope = _rope_dict(c)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    out = dict(rotary_base=float(rope.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)))
+    base = rope.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)
+    out: Dict[str, Any] = dict(rotary_base=float(base))
+    partial = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None) or 1.0)
+    if float(partial) != 1.0:
+        _unsupported("partial_rotary_factor", partial,
+                     "partial rotary embeddings (RoPE on part of each head) are not implemented")
     if kind == "llama3":
         out.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
                    rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
@@ -80,94 +120,90 @@ def rope_settings(c) -> Dict[str, Any]:
                        rope["original_max_position_embeddings"]))
     elif kind == "linear":
         out.update(rotary_seq_len_interpolation_factor=float(rope["factor"]))
+    elif kind == "dynamic":
+        out.update(dynamic_rope_scaling_factor=float(rope["factor"]))
+    elif kind == "yarn":
+        out.update(_yarn(rope, c))
     elif kind != "default":
         _unsupported("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"},
-                     "megazero implements plain RoPE and the 'llama3' and 'linear' rope_type")
+                     "megazero implements plain RoPE and the 'llama3', 'linear', 'yarn' and 'dynamic' "
+                     f"rope_type ({kind!r} is not implemented)")
     return out
 
 
 def _llama_settings(c, kind: str) -> Dict[str, Any]:
-    if c.hidden_act != "silu":
-        _unsupported("hidden_act", c.hidden_act, "megazero's LLaMA uses silu (SwiGLU)")
-    if kind == "llama":
-        for field in ("attention_bias", "mlp_bias"):
-            if getattr(c, field, False):
-                _unsupported(field, True, "megazero's LLaMA has no linear biases (Qwen2's QKV-only bias is "
-                             "supported)")
-    _no_sliding_window(c, kind)
+    act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
+    want = "gelu_pytorch_tanh" if kind in ("gemma", "gemma2") else "silu"
+    if act != want and not (want == "gelu_pytorch_tanh" and act in ("gelu_new", "gelu_fast")):
+        _unsupported("hidden_act", act, f"megazero's {kind} MLP is gated with {want}")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(c, field, False) and not (kind == "qwen2" and field == "attention_bias"):
+            _unsupported(field, True, "linear biases on all attention projections (or the MLP) are not "
+                         "implemented (Qwen2's query/key/value-only bias is)")
+    if getattr(c, "use_bidirectional_attention", None):
+        _unsupported("use_bidirectional_attention", True, "attention is causal only")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+    return dict(dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
                 num_attention_heads=c.num_attention_heads,
                 num_query_groups=c.num_key_value_heads or c.num_attention_heads, kv_channels=head_dim,
                 ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
                 max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
                 norm_epsilon=c.rms_norm_eps, position_embedding_type="rope", normalization="RMSNorm",
                 activation="swiglu", add_bias_linear=False, add_qkv_bias=kind == "qwen2",
-                untie_embeddings_and_output_weights=not c.tie_word_embeddings, hidden_dropout=0.0,
-                attention_dropout=getattr(c, "attention_dropout", 0.0), init_method_std=c.initializer_range,
-                **rope_settings(c))
+                untie_embeddings_and_output_weights=not c.tie_word_embeddings,
+                hidden_dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
+                attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
+                init_method_std=c.initializer_range), **rope_settings(c))
 
 
-def arch_of(m) -> str:
-    """'gpt2', 'llama' or 'qwen2' for a ModelConfig; ConfigError if none matches exactly."""
-    feats = (m.position_embedding_type, m.normalization, m.activation, m.add_bias_linear)
-    heads = m.num_attention_heads
-    plain_heads = m.kv_channels * heads == m.hidden_size and m.num_query_groups == heads
-    gelu = m.activation in ("gelu", "gelu_exact")
-    plain_rope = not (m.use_rope_scaling or m.rotary_seq_len_interpolation_factor)
-    if feats[:2] + feats[3:] == ("learned_absolute", "LayerNorm", True) and gelu and plain_heads:
-        return "gpt2"
-    if feats == ("rope", "RMSNorm", "swiglu", False):
-        if m.use_rope_scaling and m.rotary_seq_len_interpolation_factor:
-            raise ConfigError("no transformers config holds LLaMA-3 RoPE scaling and linear interpolation at "
-                              "once (--use-rope-scaling with --rotary-seq-len-interpolation-factor)")
-        return "qwen2" if m.add_qkv_bias else "llama"
-    raise ConfigError(f"no transformers architecture matches (position_embedding_type, normalization, "
-                      f"activation, add_bias_linear) = {feats}{'' if plain_rope else ' with RoPE scaling'}; "
-                      "GPT-2, LLaMA and Qwen2 layouts are supported")
-
-
-def _rope_parameters(m) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"rope_type": "default", "rope_theta": m.rotary_base}
-    if m.use_rope_scaling:
-        out.update(rope_type="llama3", factor=m.rope_scaling_factor,
-                   low_freq_factor=m.rope_scaling_low_freq_factor,
-                   high_freq_factor=m.rope_scaling_high_freq_factor,
-                   original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings)
-    elif m.rotary_seq_len_interpolation_factor:
-        out.update(rope_type="linear", factor=m.rotary_seq_len_interpolation_factor)
+def _windows(c, kind: str) -> Dict[str, Any]:
+    """``window_size`` and ``window_attn_skip_freq`` of the sliding window of ``c``: the layers of
+    ``layer_types`` marked ``sliding_attention`` (every layer for Mistral and Phi-3) attend to the last
+    ``sliding_window`` positions (their own included)."""
+    width = getattr(c, "sliding_window", None)
+    if kind == "smollm3" and not getattr(c, "use_sliding_window", False):
+        width = None
+    if kind not in ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "smollm3") or not width:
+        return {}
+    types: List[str] = list(getattr(c, "layer_types", None) or [])
+    flags = [True] * c.num_hidden_layers if kind in ("mistral", "phi3") or not types else \
+        [t == "sliding_attention" for t in types]
+    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+    if unknown:
+        _unsupported("layer_types", unknown,
+                     "only sliding_attention and full_attention layers are implemented")
+    if not any(flags):
+        return {}
+    out: Dict[str, Any] = dict(window_size=[int(width) - 1, 0])
+    if not all(flags):
+        every = next((n for n in range(2, len(flags) + 1)
+                      if flags == [(i + 1) % n != 0 for i in range(len(flags))]), None)
+        out["window_attn_skip_freq"] = every or [int(f) for f in flags]
     return out
 
 
-def hf_config_from(cfg):
-    """A ``transformers`` config (GPT2Config, LlamaConfig or Qwen2Config) for a megazero config."""
-    m, arch = cfg.model, arch_of(cfg.model)
-    if arch == "gpt2":
-        from transformers import GPT2Config
-        eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
-        out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
-                         n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
-                         activation_function="gelu_new" if m.activation == "gelu" else "gelu",
-                         layer_norm_epsilon=m.norm_epsilon, resid_pdrop=m.hidden_dropout,
-                         embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
-                         initializer_range=m.init_method_std,
-                         tie_word_embeddings=not m.untie_embeddings_and_output_weights,
-                         bos_token_id=eod, eos_token_id=eod)
-        out.architectures = ["GPT2LMHeadModel"]
-        return out
-    from transformers import LlamaConfig, Qwen2Config
-    common = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-                  num_key_value_heads=m.num_query_groups,
-                  max_position_embeddings=max(m.max_position_embeddings, m.seq_length),
-                  rms_norm_eps=m.norm_epsilon, rope_parameters=_rope_parameters(m), hidden_act="silu",
-                  attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
-                  tie_word_embeddings=not m.untie_embeddings_and_output_weights)
-    if arch == "qwen2":
-        out = Qwen2Config(use_sliding_window=False, **common)
-        out.head_dim = m.kv_channels  # Qwen2 reads it when present (default hidden / heads)
-        out.architectures = ["Qwen2ForCausalLM"]
-    else:
-        out = LlamaConfig(head_dim=m.kv_channels, **common)
-        out.architectures = ["LlamaForCausalLM"]
+def _family_settings(c, kind: str) -> Dict[str, Any]:
+    """What each architecture adds to the LLaMA layout."""
+    out = _windows(c, kind)
+    if kind == "qwen3":
+        out.update(qk_layernorm=True, qk_layernorm_scope="head")
+    if kind == "olmo2":
+        out.update(qk_layernorm=True, qk_layernorm_scope="all", norm_position="post")
+    if kind in ("gemma", "gemma2"):
+        out.update(activation="geglu", scale_embedding=True)
+    if kind == "gemma2":
+        out.update(norm_position="sandwich", attn_logit_softcapping=_float(c.attn_logit_softcapping),
+                   final_logit_softcapping=_float(c.final_logit_softcapping),
+                   softmax_scale=float(c.query_pre_attn_scalar) ** -0.5)
+    if kind == "smollm3":
+        use = list(getattr(c, "no_rope_layers", None) or [1] * c.num_hidden_layers)
+        if not all(use):
+            skip = [1 - int(u) for u in use]
+            every = next((n for n in range(1, len(skip) + 1) if len(skip) % n == 0
+                          and skip == [int((i + 1) % n == 0) for i in range(len(skip))]), None)
+            out["no_rope_freq"] = every or skip
     return out
+
+
+def _float(v) -> Optional[float]:
+    return None if v is None else float(v)

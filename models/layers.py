@@ -22,10 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from megazero.context_parallel import ring_attention
+from megazero.config.patterns import GATED, layer_uses_rope, layer_window
+from megazero.context_parallel import blockwise_attention, ring_attention
 from megazero.recompute import recompute
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megazero.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_scaling_of  # noqa: F401 - public names
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
@@ -65,53 +68,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def rope_scaling_of(m) -> Dict[str, float]:
-    """The RoPE scaling of a ModelConfig: ``{}`` or keys ``llama3`` (factor), ``low``, ``high``,
-    ``original`` (LLaMA-3.x) and ``linear`` (position interpolation factor)."""
-    out: Dict[str, float] = {}
-    if m.use_rope_scaling:
-        out.update(llama3=m.rope_scaling_factor, low=m.rope_scaling_low_freq_factor,
-                   high=m.rope_scaling_high_freq_factor,
-                   original=m.rope_scaling_original_max_position_embeddings)
-    if m.rotary_seq_len_interpolation_factor is not None:
-        out["linear"] = m.rotary_seq_len_interpolation_factor
-    return out
-
-
-def rope_inv_freq(dim: int, base: float, device, scaling: Optional[Dict[str, float]] = None) -> torch.Tensor:
-    """fp32 rotary frequencies ``[dim / 2]``, with LLaMA-3.x scaling and/or linear position
-    interpolation (``scaling`` from :func:`rope_scaling_of`), as Hugging Face computes them."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    scaling = scaling or {}
-    if "llama3" in scaling:
-        factor, low, high, original = (scaling[k] for k in ("llama3", "low", "high", "original"))
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)  # long waves: slowed down
-        smooth = (original / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    if "linear" in scaling:
-        inv_freq = inv_freq / scaling["linear"]
-    return inv_freq
-
-
-def rope_cos_sin(seq: int, dim: int, base: float, device,
-                 scaling: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``cos, sin`` of shape ``[seq, dim]`` in Hugging Face's half-split layout."""
-    inv_freq = rope_inv_freq(dim, base, device, scaling)
-    freqs = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [b, heads, s, d]`` (HF ``rotate_half``: pairs are ``(i, i + d/2)``), in fp32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-
 class KVCache:
     """Past keys and values of every layer, for generation: ``[b, groups (/ tp), s, head_dim]`` per
     layer, and ``length``, the number of positions already in it (the caller advances it after
@@ -130,9 +86,56 @@ class KVCache:
         return k, v
 
 
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over all heads of a token's query (or key) projection, OLMo 2's q/k norm, on
+    ``[b, heads / tp, s, d]``: the sum of squares is all-reduced over TP (forward and backward), the
+    scale ``[heads * d]`` is split over TP with the heads (``tensor_model_parallel``, dim 0)."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, mesh):
+        super().__init__()
+        tp = mesh.size("tp")
+        self.mesh, self.eps, self.total, self.heads = mesh, eps, heads * head_dim, heads // tp
+        self.weight = nn.Parameter(torch.ones(heads // tp * head_dim, device=mesh.device))
+        self.weight.tensor_model_parallel, self.weight.partition_dim = True, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(dim=(1, 3), keepdim=True)  # [b, 1, s, 1]: this rank's heads
+        if self.mesh.size("tp") > 1:  # all-reduce in forward and in backward
+            squares = reduce_from_tp(copy_to_tp(squares, self.mesh), self.mesh)
+        y = xf * torch.rsqrt(squares / self.total + self.eps)
+        return (y * self.weight.float().view(self.heads, 1, -1)).to(x.dtype)
+
+
+def _qk_norms(m, mesh, heads: int, groups: int):
+    """The query and key norms of ``--qk-layernorm`` (None, None without it).  Per head, their
+    scales ``[d]`` are replicated over TP while each rank normalises its own heads: marked
+    ``sequence_parallel`` (gradients summed over TP)."""
+    if not m.qk_layernorm:
+        return None, None
+    if m.qk_layernorm_scope == "all":
+        return (HeadsRMSNorm(heads, m.kv_channels, m.norm_epsilon, mesh),
+                HeadsRMSNorm(groups, m.kv_channels, m.norm_epsilon, mesh))
+    return tuple(Norm(m.kv_channels, m.normalization, m.norm_epsilon, mesh.device, sequence_parallel=True)
+                 for _ in range(2))
+
+
+def window_mask(seq: int, window: int, dtype, device) -> torch.Tensor:
+    """Additive ``[seq, seq]`` mask (0 where seen, -inf where hidden) of causal attention within a
+    window: query ``i`` sees keys ``i - window .. i``.  In the attention's dtype, so that
+    ``scaled_dot_product_attention`` keeps this tensor for backward instead of a converted copy."""
+    i = torch.arange(seq, device=device)
+    hidden = (i[None, :] > i[:, None]) | (i[:, None] - i[None, :] > window)
+    return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads split over TP (column-parallel QKV,
-    row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward."""
+    row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward.
+
+    Per layer (:mod:`megazero.config.patterns`): a sliding window (``self.window``: keys before its
+    own a query sees), RoPE or not (``--no-rope-freq``); per model: q/k norms before RoPE, the score
+    scale and the soft-cap of the scores."""
 
     def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False,
                  onednn: bool = False):
@@ -144,6 +147,8 @@ class Attention(nn.Module):
         self.head_dim, self.dropout = m.kv_channels, m.attention_dropout
         self.q_per_group = m.num_attention_heads // m.num_query_groups
         self.groups = m.num_query_groups // mesh.size("tp")
+        self.window, self.rotary = layer_window(m, layer_idx), layer_uses_rope(m, layer_idx)
+        self.softcap, self.scale = m.attn_logit_softcapping, m.softmax_scale
         qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias
@@ -153,21 +158,29 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(m.num_attention_heads * m.kv_channels, m.hidden_size, mesh,
                                       bias=m.add_bias_linear, sequence_parallel=sp, onednn=onednn,
                                       init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
+        self.q_norm, self.k_norm = _qk_norms(m, mesh, m.num_attention_heads, m.num_query_groups)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal; ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``.
         Under context parallelism ``s`` is this CP rank's part of the sequence (the load-balanced
         split) and attention runs over the CP group: ring attention (p2p) or Ulysses (a2a), whose
-        kernel never forms the s x s matrix and takes grouped K/V heads as they are."""
+        kernel never forms the s x s matrix, takes grouped K/V heads as they are and skips the tiles
+        outside the window.  Soft-capped scores run in that kernel on one rank too (no s x s matrix
+        either); a window otherwise goes to SDPA as the additive ``mask`` (shared by the layers)."""
         if self.mesh.size("cp") > 1:
-            return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type)
+            return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type,
+                                  scale=self.scale, window=self.window, softcap=self.softcap)
+        if self.softcap is not None:
+            return blockwise_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)[0]
         if self.q_per_group > 1:  # grouped-query: each key/value head serves q_per_group query heads
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
+        kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=True)
         if self.training and self.dropout > 0:
             with self.tracker.fork():  # heads are split over TP: a different mask on each rank
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, scale=self.scale, **kw)
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kw)
 
     def split_qkv(self, qkv: torch.Tensor):
         """``[s, b, groups * (q_per_group + 2) * d]`` -> ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``:
@@ -179,82 +192,106 @@ class Attention(nn.Module):
         return q.permute(1, 2, 0, 3), k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
 
     def cached_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-        """Generation: queries of the positions after the ``past`` ones, keys and values of all."""
+        """Generation: queries of the positions after the ``past`` ones, keys and values of all
+        (the window and the soft-cap as in training; no gradient)."""
         k = k.repeat_interleave(self.q_per_group, dim=1)
         v = v.repeat_interleave(self.q_per_group, dim=1)
-        if past == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # query i (position past + i) sees keys 0 .. past + i
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        qpos = torch.arange(past, past + q.shape[2], device=q.device)[:, None]
+        kpos = torch.arange(k.shape[2], device=q.device)[None, :]
+        seen = kpos <= qpos
+        if self.window is not None:
+            seen = seen & (qpos - kpos <= self.window)
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = (torch.tanh(scores / self.softcap) * self.softcap).masked_fill(~seen, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self.split_qkv(self.qkv(x))
-        if rope is not None:
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None and self.rotary:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             past = kv_cache.length
             out = self.cached_core(q, *kv_cache.extend(self.layer_idx, k, v), past)
         elif self.recompute_core and torch.is_grad_enabled():
-            out = recompute(self.core, q, k, v, tracker=self.tracker, device=x.device)
+            out = recompute(self.core, q, k, v, mask, tracker=self.tracker, device=x.device)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, mask)
         return self.proj(rearrange(out, "b n s d -> s b (n d)"))
 
 
 class MLP(nn.Module):
-    """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or SwiGLU
-    ``fc2(silu(gate(x)) * fc1(x))``; column- then row-parallel."""
+    """GELU MLP (``gelu``: the tanh approximation; ``gelu_exact``: erf), or gated:
+    ``fc2(act(gate(x)) * fc1(x))`` with SiLU (``swiglu``) or the tanh GELU (``geglu``);
+    column- then row-parallel.  ``ffn_hidden_size`` (default ``--ffn-hidden-size``) and ``prefix``
+    (the init key's, default ``mlp``) serve the MoE layer's shared expert
+    (:mod:`megazero_models.moe`)."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, onednn: bool = False, ffn_hidden_size: Optional[int] = None,
+                 prefix: str = "mlp"):
         super().__init__()
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
+        ffn = ffn_hidden_size or m.ffn_hidden_size
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.swiglu = m.activation == "swiglu"
-        self.gelu_approximation = "tanh" if m.activation == "gelu" else "none"  # gelu_exact: erf
+        self.gated, self.silu = m.activation in GATED, m.activation == "swiglu"
+        self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
 
         def column(name):
-            init = normal_init(seed, layer_idx, f"mlp.{name}.weight", std)
-            return ColumnParallelLinear(m.hidden_size, m.ffn_hidden_size, mesh, bias=m.add_bias_linear,
+            init = normal_init(seed, layer_idx, f"{prefix}.{name}.weight", std)
+            return ColumnParallelLinear(m.hidden_size, ffn, mesh, bias=m.add_bias_linear,
                                         sequence_parallel=sp, init=init, onednn=onednn)
-        self.gate = column("gate") if self.swiglu else None
+        self.gate = column("gate") if self.gated else None
         self.fc1 = column("fc1")
-        self.fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, mesh, bias=m.add_bias_linear,
+        self.fc2 = RowParallelLinear(ffn, m.hidden_size, mesh, bias=m.add_bias_linear,
                                      sequence_parallel=sp, onednn=onednn,
-                                     init=normal_init(seed, layer_idx, "mlp.fc2.weight", out_std))
+                                     init=normal_init(seed, layer_idx, f"{prefix}.fc2.weight", out_std))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        return F.silu(h) if self.silu else F.gelu(h, approximate=self.gelu_approximation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        if self.swiglu:
-            h = F.silu(self.gate(x)) * h
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximation)
+        h = self.activation(self.gate(x)) * h if self.gated else self.activation(h)
         return self.fc2(h)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``.
+    """Pre-norm block: ``x + drop(attn(norm(x)))`` then ``x + drop(mlp(norm(x)))``; with
+    ``--norm-position post`` the norms act on the sublayer outputs instead, ``x + drop(norm(attn(x)))``
+    (OLMo 2), and ``sandwich`` has both (Gemma 2).  Parameter names: ``input_norm`` and
+    ``post_attention_norm`` before attention and the MLP, ``attention_output_norm`` and
+    ``mlp_output_norm`` after them.
 
     Hidden dropout acts on activations every TP rank holds in full, so it draws from the default
     generator (same mask on every TP rank); under sequence parallelism each rank holds a
     different part of the sequence, so it runs under the tracker's fork.
 
     ``onednn``: the linear layers' fp32 CPU products through oneDNN (``--cpu-matmul``, resolved
-    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).
+    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).  ``mlp``: the module
+    in the MLP's place (an MoE layer, :mod:`megazero_models.moe`); default the dense :class:`MLP`.
     """
 
-    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False):
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, onednn: bool = False,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         m = cfg.model
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.tracker, self.dropout = tracker, m.hidden_dropout
         norm = lambda: Norm(m.hidden_size, m.normalization, m.norm_epsilon, mesh.device,  # noqa: E731
                             cfg.parallel.sequence_parallel)
-        self.input_norm = norm()
+        pre, post = m.norm_position in ("pre", "sandwich"), m.norm_position in ("post", "sandwich")
+        self.input_norm = norm() if pre else None
         self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
                                    onednn)
-        self.post_attention_norm = norm()
-        self.mlp = MLP(cfg, mesh, layer_idx, onednn)
+        self.attention_output_norm = norm() if post else None
+        self.post_attention_norm = norm() if pre else None
+        self.mlp = mlp if mlp is not None else MLP(cfg, mesh, layer_idx, onednn)
+        self.mlp_output_norm = norm() if post else None
 
     def hidden_dropout(self, h: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0:
@@ -264,6 +301,14 @@ class TransformerLayer(nn.Module):
                 return F.dropout(h, self.dropout)
         return F.dropout(h, self.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.attention(self.input_norm(x), rope, kv_cache))
-        return x + self.hidden_dropout(self.mlp(self.post_attention_norm(x)))
+    @staticmethod
+    def _norm(norm: Optional[Norm], x: torch.Tensor) -> torch.Tensor:
+        return x if norm is None else norm(x)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None,
+                masks: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
+        mask = (masks or {}).get(self.attention.window)
+        a = self.attention(self._norm(self.input_norm, x), rope, kv_cache, mask)
+        x = x + self.hidden_dropout(self._norm(self.attention_output_norm, a))
+        h = self.mlp(self._norm(self.post_attention_norm, x))
+        return x + self.hidden_dropout(self._norm(self.mlp_output_norm, h))

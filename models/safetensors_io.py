@@ -149,6 +149,16 @@ class ShardedWriter:
         self.fh.close()
         self.fh = None
 
+    def abort(self) -> None:
+        """Remove the shards written so far (the directory is left as it was found)."""
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
+        for tmp, _ in self.shards:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        self.shards = []
+
     def close(self) -> List[str]:
         """Finish the last shard, name the files and write the index; returns the file names."""
         self._close_shard()

@@ -13,7 +13,12 @@ Per transformer layer (no recomputation):
   itself in fp32, a copy in half precision), mean and rstd ``2 * 4 Tl``; RMSNorm keeps the fp32
   input ``4 Tl h``, the rsqrt ``4 Tl`` and the normalised product ``4 Tl h``; in half precision
   both keep fp32 copies of their weight (and bias): ``4 h`` each;
-- the QKV projection keeps its input ``E T h`` (the norm output, or the sequence-gathered copy);
+- with ``--norm-position post`` the norms act on the sublayer outputs instead, ``sandwich`` has
+  four per layer; each keeps what a norm keeps;
+- the QKV projection keeps its input ``E T h`` (the norm output, the layer input without a norm
+  before attention, or the sequence-gathered copy);
+- q/k norms (:func:`_qk_path`) keep their input (the QKV output, or the regrouped query), rsqrt and
+  normalised product; the core then sees their (rotated) output;
 - attention, flash/efficient SDPA (CPU without attention dropout, CUDA): the query storage, the
   key and value after ``repeat_interleave`` (always copies, ``2 E T ap d``), the output
   ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s`` (efficient kernel: ``s`` rounded up to 32).
@@ -26,23 +31,29 @@ Per transformer layer (no recomputation):
   ``2 E T ap d``, the value ``E T ap d``, the softmax, the dropout mask and the dropped
   probabilities ``b ap s^2 (2 E + M)`` (the ``5 a s^2 b`` term of Korthikanti et al. exists
   only here), and the regrouped output ``E T ap d`` for the projection;
-- RoPE keeps fp32 ``cos`` and ``sin`` ``2 * 4 s d`` once per chunk forward (shared by its layers);
+- soft-capped attention runs in the blockwise kernel, which keeps q, k, v as given, its output,
+  the fp32 log-sum-exp and the projection's regrouped copy, as ring attention does;
+- RoPE keeps fp32 ``cos`` and ``sin`` ``2 * 4 s d`` once per chunk forward (shared by its layers),
+  and so does a sliding window its additive mask ``E s^2`` (SDPA's flash/efficient kernels keep
+  it; per distinct window, only where the window hides keys; :func:`shared_bytes`);
 - each hidden dropout keeps its mask ``M Tl h``;
 - the MLP keeps its input ``E T h`` (twice under sequence parallelism with SwiGLU: gate and fc1
   each gather it), GELU its input and output ``2 E T fp``, SwiGLU the gate output, its SiLU, the
   fc1 output and the product ``4 E T fp``.
 
 Embedding (first stage): the token ids ``8 T`` (with TP > 1 the shifted ids ``8 T`` and the
-out-of-range mask ``T``), the dropout mask ``M Tl h``.  Head and loss (last stage): the final
-norm, the head's input ``E T h``, the cross-entropy's fp32 softmax ``4 T Vp``, shifted labels
+out-of-range mask ``T``), Gemma's scale ``E``, the dropout mask ``M Tl h``.  Head and loss (last
+stage): the final norm, the head's input ``E T h``, a final soft-cap's tanh output ``E T Vp``, the
+cross-entropy's fp32 softmax ``4 T Vp``, shifted labels
 ``8 T``, ownership mask ``T`` and vocabulary mask ``Vp``; the executor's loss keeps the loss mask
 ``4 T`` and one fp32 scalar.
 
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
+from megazero.element_bytes import FP32
 from megazero.planning.activations import Dims, Segment
 
 
@@ -57,8 +68,8 @@ def norm_bytes(D: Dims) -> int:
     weight multiply saves the weight, a parameter: not counted).  Measured on CPU (torch 2.13);
     the CUDA RMSNorm figure assumes the same decomposition (not measured here)."""
     if D.rms:
-        return 4 * D.Tl * D.h * 2 + 4 * D.Tl
-    stats = D.E if D.device == "cpu" else 4
+        return FP32 * D.Tl * D.h * 2 + FP32 * D.Tl
+    stats = D.E if D.device == "cpu" else FP32
     return D.E * D.Tl * D.h + 2 * stats * D.Tl
 
 
@@ -90,109 +101,128 @@ def _grouped(D: Dims) -> bool:
     return D.ap != D.gp
 
 
-def _qkv_kept(D: Dims) -> bool:
-    """Whether SDPA (or the selective recomputation) saves a view of the QKV output: the query
-    without RoPE when it is a view, or the value (and unrotated key) when they are not repeated."""
-    return (not D.rope and _query_is_view(D)) or not _grouped(D)
-
-
-def _query_own(D: Dims) -> int:
-    """The query's own storage when it is not a view of the QKV output (rotated, or regrouped)."""
-    return 0 if (not D.rope and _query_is_view(D)) else _heads(D)
-
-
-def _key_own(D: Dims) -> int:
-    """Keys and values SDPA saves outside the QKV output: the two repeated copies with
-    grouped-query attention, else the rotated key ``E T gp d`` with RoPE (the value is a view)."""
-    if _grouped(D):
-        return 2 * _heads(D)
-    return D.E * D.T * D.gp * D.d if D.rope else 0
-
-
 def _lse(D: Dims) -> int:
     s = -(-D.s // 32) * 32 if D.backend == "efficient" else D.s
-    return 4 * D.b * D.ap * s
+    return FP32 * D.b * D.ap * s
 
 
-def _math_set(D: Dims) -> int:
-    """What the math SDPA saves: the scaled query and key (copies ``2 E T ap d``), the value as
-    given (the repeated copy, or a view of the QKV output: counted by the caller), the softmax,
-    and with attention dropout its mask and the dropped probabilities ``b ap s^2 (E + M)`` (the
-    ``5 a s^2 b`` term of Korthikanti et al. exists only here)."""
-    probs = D.b * D.ap * D.s * D.s
-    dropped = probs * (D.E + D.M) if D.attention_dropout else 0
-    return 2 * _heads(D) + (_heads(D) if _grouped(D) else 0) + probs * D.E + dropped
+Storage = Tuple[str, int]  # a tensor storage by name (each counted once), and its bytes
 
 
-def _cp_core(D: Dims) -> int:
-    """Context parallelism. Ring attention (:mod:`megazero.context_parallel.ring_attention`) saves q, k,
-    v as given (keys and values are not repeated: the kernel folds the grouped query heads), its
-    output ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s``; the value is a view of the QKV output,
-    so that stays; the output is ``[b, ap, s, d]``-contiguous, so the projection keeps a regrouped copy.
-    Ulysses saves, inside its kernel, the all-to-all'ed q, k, v (keys and values repeated to the
+def _qk_path(D: Dims) -> Tuple[Dict[str, int], Storage, Storage, Storage]:
+    """What the split, the q/k norms and RoPE keep, and the storages q, k and v reach the core in.
+
+    q is a view of the QKV output or a regrouped copy (:func:`_query_is_view`); k and v are views.
+    A q/k norm (``Norm`` per head on ``F.rms_norm``'s decomposition, or ``HeadsRMSNorm`` over all
+    heads) keeps its input (itself in fp32, an fp32 copy in half precision), the rsqrt (per head
+    and token, or per token), the fp32 normalised product and, over all heads in half precision, an
+    fp32 copy of its scale; its output, or RoPE's rotated copy of it, is what the core sees."""
+    qkv: Storage = ("qkv", _qkv_out(D))
+    q: Storage = qkv if _query_is_view(D) else ("q_regrouped", _heads(D))
+    k = v = qkv
+    kept: Dict[str, int] = {}
+    if D.qk_norm:
+        for tag, src, heads in (("q", q, D.ap), ("k", k, D.gp)):
+            size = D.T * heads * D.d
+            if D.half:
+                kept[f"{tag}_fp32"] = 4 * size
+            else:
+                kept[src[0]] = src[1]
+            kept[f"{tag}_rsqrt"] = 4 * D.T * (heads if D.qk_norm == "head" else 1)
+            kept[f"{tag}_product"] = 4 * size
+            if D.half and D.qk_norm == "all":  # HeadsRMSNorm's fp32 copy of its half-precision scale
+                kept[f"{tag}_scale_fp32"] = 4 * heads * D.d
+        q, k = ("q_normed", _heads(D)), ("k_normed", D.E * D.T * D.gp * D.d)
+    if D.rope:
+        q, k = ("q_rotated", _heads(D)), ("k_rotated", D.E * D.T * D.gp * D.d)
+    return kept, q, k, v
+
+
+def _kernel(D: Dims, q: Storage, k: Storage, v: Storage) -> Dict[str, int]:
+    """What the attention kernel saves (q, k, v included) and the projection's copy of its output.
+
+    Flash/efficient SDPA: q, the keys and values (copies after ``repeat_interleave`` with
+    grouped-query attention), the output and the fp32 log-sum-exp; a window's mask is shared by the
+    chunk (:func:`shared_bytes`); CPU's flash output regroups as a view (:func:`_proj_copies`).
+    Math SDPA: the scaled query and key copies, the value, the softmax, and with dropout its mask
+    and the dropped probabilities ``b ap s^2 (E + M)`` (the ``5 a s^2 b`` term of Korthikanti et
+    al. exists only here), and the projection's regrouped copy.  The blockwise kernel (soft-capped
+    scores) and ring attention: q, k, v as given (not repeated), the output, the fp32 log-sum-exp
+    and the projection's regrouped copy of the ``[b, ap, s, d]`` output."""
+    out: Dict[str, int] = {}
+    if D.backend == "math":
+        probs = D.b * D.ap * D.s * D.s
+        out.update(scaled_q=_heads(D), scaled_k=_heads(D), probs=probs * D.E, proj_copy=_heads(D))
+        if D.attention_dropout:
+            out["dropped"] = probs * (D.E + D.M)
+        out.update([("v_repeated", _heads(D)) if _grouped(D) else v])
+        return out
+    out.update([q], out=_heads(D), lse=_lse(D))
+    if D.backend in ("blockwise", "ring"):
+        out.update([k, v], proj_copy=_heads(D))
+        return out
+    if _grouped(D):
+        out.update(k_repeated=_heads(D), v_repeated=_heads(D))
+    else:
+        out.update([k, v])
+    if _proj_copies(D):
+        out["proj_copy"] = _heads(D)
+    return out
+
+
+def _ulysses(D: Dims) -> int:
+    """Ulysses saves, inside its kernel, the all-to-all'ed q, k, v (keys and values repeated to the
     query heads when the groups do not divide by CP), its output and log-sum-exp, all of the same
     size as this rank's share, plus the projection's copy; the QKV output and rotated q/k are not
-    saved by anything."""
-    if D.backend == "ring":
-        rotated_key = D.E * D.T * D.gp * D.d if D.rope else 0
-        return _qkv_out(D) + _query_own(D) + rotated_key + 2 * _heads(D) + _lse(D)
+    saved by anything (q/k norms keep what :func:`_qk_path` says)."""
     groups = D.gp if D.gp % D.cp == 0 else D.ap
     return D.E * D.T * (D.ap + 2 * groups) * D.d + 2 * _heads(D) + _lse(D)
 
 
 def core_bytes(D: Dims) -> int:
-    """What the attention core (``split_qkv``, RoPE, ``repeat_interleave``, SDPA) and the output
-    projection's input keep.
-
-    Flash/efficient: the QKV output when a saved query/key/value views it (:func:`_qkv_kept`),
-    the query's own storage (:func:`_query_own`), the repeated or rotated keys
-    (:func:`_key_own`), the output ``E T ap d``, the fp32 log-sum-exp, and the projection's
-    regrouped copy of the output where it is one (:func:`_proj_copies`).  Math: :func:`_math_set`,
-    the QKV output when the value is a view of it, and the projection's regrouped copy of the
-    ``[b, ap, s, d]`` output ``E T ap d``."""
-    if D.cp > 1:
-        return _cp_core(D)
-    qkv = _qkv_out(D) if _qkv_kept(D) else 0
-    if D.backend == "math":
-        return _math_set(D) + (qkv if not _grouped(D) else 0) + _heads(D)
-    return qkv + _query_own(D) + _key_own(D) + _heads(D) + _lse(D) + (_heads(D) if _proj_copies(D) else 0)
+    """What the attention core (``split_qkv``, the q/k norms, RoPE, the kernel) and the output
+    projection's input keep: the union of :func:`_qk_path`'s and :func:`_kernel`'s storages, each
+    once (the QKV output, say, is kept by the value, the key and the norms alike)."""
+    kept, q, k, v = _qk_path(D)
+    if D.backend == "ulysses":
+        return sum(kept.values()) + _ulysses(D)
+    return sum({**kept, **_kernel(D, q, k, v)}.values())
 
 
 def _proj_copies(D: Dims) -> bool:
     """Whether the output projection keeps its own regrouped copy of the SDPA output.  CPU's flash
     kernel lays its output out like the query, which ``split_qkv`` leaves seq-major (a view of the
-    QKV output, a ``[s, b, heads, d]`` copy permuted, or rotated from either: elementwise ops keep
-    the layout), so the ``[s, b, heads * d]`` regrouping is a view.  CUDA's kernels write a fresh
-    ``[b, s, heads, d]``-strided output (assumed to need a copy, as before; not measured here)."""
-    return D.device != "cpu"
+    QKV output, a ``[s, b, heads, d]`` copy permuted, or rotated or normalised from either:
+    elementwise ops keep the layout), so the ``[s, b, heads * d]`` regrouping is a view; but a
+    per-head q norm (``F.rms_norm``) returns a ``[b, heads, s, d]``-contiguous query, and so output.
+    CUDA's kernels write a fresh ``[b, s, heads, d]``-strided output (assumed to need a copy, as
+    before; not measured here)."""
+    return D.device != "cpu" or D.qk_norm == "head"
 
 
 def selective_kept(D: Dims) -> int:
-    """The recomputed core's saved inputs (q, k, v) and its output, kept by the projection."""
-    kept = _qkv_out(D)                       # v (and k, q without RoPE) are views of the QKV output
-    if D.rope:
-        kept += _heads(D) + D.E * D.T * D.gp * D.d   # rotated q and k
-    elif not _query_is_view(D):
-        kept += _heads(D)                     # q regrouped to [b, heads, s, d]
-    return kept + _heads(D)  # the output the projection keeps (math: its regrouped copy)
+    """The recomputed core's saved inputs (q, k, v, with what the q/k norms keep) and its output,
+    kept by the projection."""
+    kept, q, k, v = _qk_path(D)
+    return sum({**kept, **dict([q, k, v])}.values()) + _heads(D)  # the output (or its copy)
 
 
 def selective_replay(D: Dims) -> int:
-    """Bytes the core's replay saves in backward, beyond its inputs (already kept): flash, the
-    repeated keys and values (grouped-query attention), the output and the log-sum-exp; math,
-    :func:`_math_set` (its output is not saved inside the core)."""
-    if D.backend == "math":
-        return _math_set(D)
-    if D.backend == "ring":  # the output and the log-sum-exp (q, k, v are the kept inputs)
-        return _heads(D) + _lse(D)
+    """Bytes the core's replay saves in backward, beyond its inputs (already kept): the kernel's
+    set without q, k, v and without the projection's copy (the output the projection keeps is the
+    forward's)."""
     if D.backend == "ulysses":  # its own q, k, v, output and log-sum-exp
-        return _cp_core(D) - _heads(D)
-    return (2 * _heads(D) if _grouped(D) else 0) + _heads(D) + _lse(D)
+        return _ulysses(D) - _heads(D)
+    _, q, k, v = _qk_path(D)
+    saved = _kernel(D, q, k, v)
+    for name in (q[0], k[0], v[0], "proj_copy"):
+        saved.pop(name, None)
+    return sum(saved.values())
 
 
 def rope_bytes(D: Dims) -> int:
     """fp32 cos and sin ``[s, d]`` (once per chunk forward)."""
-    return 2 * 4 * D.s * D.d if D.rope else 0
+    return 2 * FP32 * D.s * D.d if D.rope else 0
 
 
 def mlp_bytes(D: Dims) -> int:
@@ -200,11 +230,16 @@ def mlp_bytes(D: Dims) -> int:
     return inputs + D.E * D.T * D.fp * (4 if D.swiglu else 2)
 
 
+def _norms_around(D: Dims) -> Tuple[int, int]:
+    """Norms of each sublayer's half of a layer: before it (pre, sandwich), after it (post, sandwich)."""
+    return int(D.norms != "post"), int(D.norms != "pre")
+
+
 def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
     """One transformer layer's kept bytes by part (module docstring)."""
     attn = selective_kept(D) if selective else core_bytes(D)
-    return {"norms": 2 * norm_bytes(D), "qkv_input": D.E * D.T * D.h, "attention": attn,
-            "mlp": mlp_bytes(D), "dropout": 2 * dropout_bytes(D)}
+    return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), "qkv_input": D.E * D.T * D.h,
+            "attention": attn, "mlp": mlp_bytes(D), "dropout": 2 * dropout_bytes(D)}
 
 
 def layer_bytes(D: Dims, selective: bool = False) -> int:
@@ -213,8 +248,9 @@ def layer_bytes(D: Dims, selective: bool = False) -> int:
 
 def layer_segments(D: Dims, selective: bool) -> List[Segment]:
     """A layer as two segments (attention half, MLP half) in forward order."""
-    attn = norm_bytes(D) + D.E * D.T * D.h + dropout_bytes(D)
-    mlp = norm_bytes(D) + mlp_bytes(D) + dropout_bytes(D)
+    norms = sum(_norms_around(D)) * norm_bytes(D)
+    attn = norms + D.E * D.T * D.h + dropout_bytes(D)
+    mlp = norms + mlp_bytes(D) + dropout_bytes(D)
     if not selective:
         return [Segment(attn + core_bytes(D)), Segment(mlp)]
     # backward reaches the core's replay after the dropout mask and the projection's input are freed
@@ -222,20 +258,37 @@ def layer_segments(D: Dims, selective: bool) -> List[Segment]:
             Segment(mlp)]
 
 
-def group_segment(D: Dims, n_layers: int) -> Segment:
-    """Full recomputation of ``n_layers`` layers: keeps the group's input; the replay holds the
-    layers' activations (the input's storage is the first norm's saved input, counted once, except
-    RMSNorm in half precision, which saves an fp32 copy)."""
+def shared_bytes(Ds: Sequence[Dims]) -> int:
+    """What a chunk's forward builds once for its layers ``Ds`` and their kernels keep: the RoPE
+    tables (when a layer rotates) and one additive window mask ``E s^2`` per window that SDPA's
+    flash/efficient kernels take (the math path keeps no mask)."""
+    if not Ds:
+        return 0
+    D = Ds[0]
+    rope = rope_bytes(D) if any(x.rope for x in Ds) else 0
+    windows = {x.window for x in Ds if x.window is not None and x.backend in ("flash", "efficient")}
+    return rope + len(windows) * D.E * D.s * D.s
+
+
+def group_segment(Ds: Sequence[Dims]) -> Segment:
+    """Full recomputation of layers ``Ds``: keeps the group's input; the replay holds the layers'
+    activations and the chunk's shared tables.  The input's storage is what the first layer's first
+    norm keeps (counted once), except RMSNorm in half precision (an fp32 copy); without a norm
+    before attention (``post``), the QKV projection keeps the input itself unless sequence
+    parallelism gathers it into a copy."""
+    D = Ds[0]
     inp = D.E * D.Tl * D.h
-    shared = not (D.rms and D.half)
-    replay = n_layers * layer_bytes(D) + rope_bytes(D) - (inp if shared else 0)
+    shared = not D.sp if D.norms == "post" else not (D.rms and D.half)
+    replay = sum(layer_bytes(x) for x in Ds) + shared_bytes(Ds) - (inp if shared else 0)
     return Segment(inp, replay)
 
 
 # ---- ends of the model -------------------------------------------------------------------------
 def embedding_bytes(D: Dims) -> int:
+    """The token ids (TP > 1: the shifted ids and the out-of-range mask), Gemma's scale (a 0-dim
+    tensor the multiply keeps) and the dropout mask."""
     ids = 8 * D.T if D.tp == 1 else 8 * D.T + D.T
-    return ids + dropout_bytes(D)
+    return ids + (D.E if D.embed_scale else 0) + dropout_bytes(D)
 
 
 def head_bytes(D: Dims) -> int:
@@ -245,7 +298,9 @@ def head_bytes(D: Dims) -> int:
     scalar, ``4``); at TP > 1 the vocab-parallel kernel keeps its fp32 softmax ``4 T Vp``, the
     clamped local indices ``8 T`` and the ownership mask ``T``."""
     if D.tp == 1:
-        ce = 4 * D.T * D.v + 8 * D.T + 4
+        ce = FP32 * D.T * D.v + 8 * D.T + FP32
     else:
-        ce = 4 * D.T * D.vp + 8 * D.T + D.T
-    return norm_bytes(D) + D.E * D.T * D.h + ce + 4 * D.T * D.cp + 4  # the masked mean: the whole sequence
+        ce = FP32 * D.T * D.vp + 8 * D.T + D.T
+    softcap = D.E * D.T * D.vp if D.final_softcap else 0  # tanh keeps its output
+    masked_mean = FP32 * D.T * D.cp + FP32  # the masked mean: the whole sequence
+    return norm_bytes(D) + D.E * D.T * D.h + softcap + ce + masked_mean

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Convert between a Hugging Face GPT-2 / LLaMA / Qwen2 / Mistral directory and a megazero training
-checkpoint, one tensor at a time (peak memory about one tensor plus a layer, not the model).
+"""Convert between a Hugging Face directory (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3,
+OLMo 2, SmolLM3: docs/usage.md#hugging-face-models) and a megazero training checkpoint, one tensor at
+a time (peak memory about one tensor plus a layer, not the model).
 
 to-megazero: HF_DIR (save_pretrained) -> a checkpoint directory in the --save layout
     (latest_checkpointed_iteration.txt, iter_0000000/ with the model weights only), which
@@ -26,6 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
 
 
 def to_megazero(src: str, dst: str) -> str:
@@ -100,8 +103,8 @@ def main(argv=None) -> int:
                         args.max_shard_size))
     except (CheckpointError, ConfigError, OSError) as err:
         print(f"convert_hf.py: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 if __name__ == "__main__":

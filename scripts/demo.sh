@@ -10,8 +10,8 @@
 # 3. prints text sampled from the trained checkpoint (scripts/generate.py);
 # 4. draws the loss curve and the rest of the metrics (scripts/plot_metrics.py).
 #
-# On CPUs (gloo, one thread per rank) it takes about three minutes on 2 cores.  On a node with a
-# multiple of 4 GPUs it uses every GPU (NCCL; data parallel = GPUs / 4).
+# On CPUs (gloo, one thread per rank) the run the README shows took 324 s on 2 cores with other jobs
+# running.  On a node with a multiple of 4 GPUs it uses every GPU (NCCL; data parallel = GPUs / 4).
 #
 #   bash scripts/demo.sh [extra pretrain_gpt.py flags, e.g. --train-iters 300 --wandb-project demo]
 #
@@ -51,6 +51,7 @@ else
   echo "demo: CPUs (gloo): 8 ranks = TP 2 x PP 2 x DP 2, one thread each"
 fi
 dp=$((nproc / 4))
+# one intra-op thread per rank unless set: the rule and its reasons live in megazero/threads.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-disabled}"
 rm -rf "$out/ckpt"

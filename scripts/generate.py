@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
+from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
         result = run(args)
     except (ValueError, CheckpointError, ConfigError, OSError) as err:
         print(f"generate.py: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     iteration, path, notes = result.pop("using")
     if result.pop("rank") == 0:
         if notes:  # not the newest checkpoint: say which one and why
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
             print(json.dumps(result))
         else:
             print(result["text"] if result["text"] is not None else " ".join(map(str, result["ids"])))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

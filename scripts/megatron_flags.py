@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Regenerate ``megazero/config/megatron_flags.txt``: the names of Megatron-LM's command-line flags.
 
-Megatron-LM defines its flags in ``megatron/training/arguments.py``, partly as literal
+Megatron-LM defines its flags in ``megatron/training/arguments.py`` (and, for ``pretrain_gpt.py`` with
+nvidia-modelopt installed, ``megatron/post_training/arguments.py``), partly as literal
 ``add_argument('--flag', ...)`` calls and partly from dataclasses (``ArgumentGroupFactory(Config,
 exclude=[...])``: a field ``foo_bar`` is ``--foo-bar``, a ``bool`` field that defaults to True is
 ``--no-foo-bar`` / ``--disable-foo-bar``, ``argparse_meta={"arg_names": [...]}`` renames it).  This
@@ -25,8 +26,16 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # run from a checkout without installing
+
+from megazero.errors import EXIT_FAILURE, EXIT_OK  # noqa: E402 - after the path
+
 PINNED = os.path.join(ROOT, "megazero", "config", "megatron_flags.txt")
 ARGUMENTS = "megatron/training/arguments.py"
+# pretrain_gpt.py adds these ModelOpt flags (extra_args_provider) when nvidia-modelopt is installed;
+# Megatron-LM's own scripts pass them (examples/gptoss, examples/post_training/modelopt)
+MODELOPT = "megatron/post_training/arguments.py"
 
 
 class Source:
@@ -154,9 +163,12 @@ def dataclass_flags(classes: Dict[str, ast.ClassDef], name: str, excluded: Set[s
 
 
 def megatron_flags(source: Source, parse: Callable[[str], ast.AST] = ast.parse) -> List[str]:
-    """Every flag Megatron-LM's ``add_megatron_arguments`` defines, sorted."""
+    """Every flag Megatron-LM's ``add_megatron_arguments`` defines, and the ModelOpt flags its
+    ``pretrain_gpt.py`` adds, sorted."""
     arguments = parse(source.read(ARGUMENTS))
     flags = literal_flags(arguments)
+    if MODELOPT in source.python_files():
+        flags |= literal_flags(parse(source.read(MODELOPT)))
     calls = factory_calls(arguments)
     wanted = {name for name, _ in calls}
     classes: Dict[str, ast.ClassDef] = {}
@@ -206,10 +218,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name in names:
                 print(f"{sign} {name}")
         print(f"{len(flags)} flags in {source.describe()}; {len(added)} new, {len(removed)} gone")
-        return 1 if added or removed else 0
+        return EXIT_FAILURE if added or removed else EXIT_OK
     write_list(flags, source.describe(), args.output)
     print(f"wrote {len(flags)} flags from {source.describe()} to {args.output}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

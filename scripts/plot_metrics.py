@@ -17,6 +17,12 @@ import os
 import sys
 from typing import Dict, List, Tuple
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)  # run from a checkout without installing
+
+from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
+
 PANELS = [("loss", "train loss", False), ("eval_loss", "eval loss", False), ("lr", "learning rate", False),
           ("grad_norm", "grad norm", False), ("loss_scale", "loss scale", True),
           ("tokens_per_sec", "tokens/s", False)]
@@ -91,17 +97,17 @@ def main(argv=None) -> int:
     if args.labels and len(args.labels) != len(args.files):
         print(f"plot_metrics.py: error: --labels: {len(args.labels)} names for {len(args.files)} files",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     labels = args.labels or [os.path.splitext(os.path.basename(f))[0] if sum(
         os.path.basename(g) == os.path.basename(f) for g in args.files) == 1 else f for f in args.files]
     try:
         runs = [(label, read_metrics(f)) for label, f in zip(labels, args.files)]
     except (OSError, ValueError) as err:
         print(f"plot_metrics.py: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     plot(runs, args.output, args.title)
     print(f"wrote {args.output}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

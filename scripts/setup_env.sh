@@ -1,34 +1,62 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv in the repository root and install megazero with what it needs.
-# Installs a CPU build of torch when the machine has no NVIDIA GPU and no torch yet; an
-# existing torch is left alone.  Safe to run repeatedly: a stamp skips work already done.
+# Installs a CPU build of torch when the machine has no NVIDIA GPU and no torch yet, whatever
+# pip's default index serves; an existing torch is left alone.  Safe to run repeatedly: a stamp
+# skips work already done.  MEGAZERO_VENV=DIR uses another virtualenv (the tests use a stub).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV="${MEGAZERO_VENV:-$root/.venv}"
+TORCH_CPU=2.13.0                                  # the CPU build CI runs
+CPU_INDEX=https://download.pytorch.org/whl/cpu    # PyTorch's index of CPU builds
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-VPY="$root/.venv/bin/python"
-stamp=".venv/.megazero-installed"
+VPY="$VENV/bin/python"
+stamp="$VENV/.megazero-installed"
 want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+
+has_gpu() {  # nvidia-smi -L prints one "GPU i: ..." line per GPU (none, or an error, without one)
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+install_cpu_torch() {
+  if [ "$(uname -s)" != Linux ]; then  # macOS and Windows: pip's default index has only CPU builds
+    "$VPY" -m pip install -q "torch==$TORCH_CPU"
+    return
+  fi
+  # On Linux the default index (PyPI) serves the CUDA build under the plain version number, so ask
+  # for the "+cpu" build by name: from the sources pip is configured with (a local wheel
+  # directory, a mirror), else from PyTorch's CPU index.  Neither can yield a CUDA build.
+  if "$VPY" -m pip install -q "torch==$TORCH_CPU+cpu"; then
+    return
+  fi
+  echo "setup_env.sh: no torch==$TORCH_CPU+cpu among pip's sources; trying $CPU_INDEX" >&2
+  if ! "$VPY" -m pip install -q "torch==$TORCH_CPU+cpu" --index-url "$CPU_INDEX"; then
+    echo "setup_env.sh: could not install the CPU build torch==$TORCH_CPU+cpu (no NVIDIA GPU here, so" \
+         "the CUDA build is not installed); install a CPU build of torch >= 2.6 into $VENV yourself" \
+         "(pip install torch --index-url $CPU_INDEX) and run this script again" >&2
+    exit 1
+  fi
+}
+
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if has_gpu; then
     "$VPY" -m pip install -q "torch>=2.6"          # CUDA build from the index
   else
-    # CPU build: the pinned version is on local disk here; elsewhere use PyTorch's CPU index
-    "$VPY" -m pip install -q torch==2.13.0 \
-      || "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    install_cpu_torch
   fi
 fi
 # an older torch already here: say so rather than let pip replace it with whatever the index has
 if ! "$VPY" -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(v < (2, 6))"; then
   echo "setup_env.sh: torch $("$VPY" -c 'import torch; print(torch.__version__)') is older than the 2.6 megazero needs" \
-       "(transformers 5 refuses older ones); upgrade it (CPU: pip install torch==2.13.0) or use a fresh venv" >&2
+       "(transformers 5 refuses older ones); upgrade it (CPU: pip install torch==$TORCH_CPU+cpu --index-url" \
+       "$CPU_INDEX) or use a fresh venv" >&2
   exit 2
 fi
 "$VPY" -m pip install -q -e ".[test]"

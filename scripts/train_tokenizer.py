@@ -13,6 +13,12 @@ import os
 import sys
 import time
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)  # run from a checkout without installing
+
+from megazero.errors import EXIT_OK  # noqa: E402 - after the path
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,7 +67,7 @@ def main(argv=None) -> int:
     size = sum(os.path.getsize(p) for p in args.input)
     print(f"train_tokenizer.py: {path} ({args.model_type}, vocab {args.vocab_size}) from "
           f"{size / 1e6:.2f} MB in {time.perf_counter() - start:.1f} s")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

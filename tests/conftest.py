@@ -4,13 +4,15 @@ import os
 import sys
 
 import pytest
-import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
-torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from megazero.threads import set_rank_threads  # noqa: E402 - after the path
+
+set_rank_threads()  # one intra-op thread per rank, as megazero.threads states
 
 # Tests of over ~0.5 s each (measured with --durations on 2 busy cores) that the fast tier leaves out,
 # beside those marked @pytest.mark.slow where they are defined (the end-to-end runs).  Every
@@ -19,6 +21,7 @@ SLOW_TIER = (
     "test_benchmarks.py::test_bench_gpu_quick_runs_on_cpu",
     "test_benchmarks.py::test_gpu_check_without_a_gpu_says_so",
     "test_benchmarks.py::test_the_gpu_marker_selects_exactly_tests_test_gpu",
+    "test_checkpoint.py::test_a_load_without_a_checkpoint_starts_from_scratch_and_names_it",
     "test_checkpoint.py::test_adam_resharded_to_one_process",
     "test_checkpoint.py::test_dropout_resume_restores_rng_in_the_same_layout",
     "test_checkpoint.py::test_finetune_starts_at_iteration_zero_with_a_fresh_optimizer",
@@ -67,7 +70,7 @@ SLOW_TIER = (
     "test_offload_train.py::test_resume_nvme_to_memory_and_back",
     "test_offload_train.py::test_zero3_parameters_and_optimizer_on_nvme",
     "test_operations_ii.py::test_fp16_nan_forward_loss_exits_non_zero_and_the_tracker_names_the_last_good",
-    "test_operations_ii.py::test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save",
+    "test_operations_ii.py::test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save_and_the_resume_repairs_the_file",  # noqa: E501
     "test_operations_ii.py::test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started",  # noqa: E501
     "test_operations_ii.py::test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good",
     "test_overflow.py::test_overflow_on_one_rank_skips_everywhere",

@@ -217,3 +217,12 @@ def test_config_is_a_schema_that_imports_no_other_subsystem():
     loaded = eval(out)
     assert loaded and all(m in ("megazero", "megazero.errors") or m.startswith("megazero.config")
                           for m in loaded), loaded
+
+
+def test_dry_run_prints_the_start_up_notes_about_the_flags(monkeypatch, capsys):
+    from models.cli import pretrain_main
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert pretrain_main(["--dry-run", "--mock-data", "--model", "tiny", "--log-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "megazero: ignored Megatron-LM flags (no effect here): --log-progress" in out
+    assert "dry run: the flags are valid for 2 ranks" in out

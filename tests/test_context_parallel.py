@@ -4,8 +4,9 @@
   the refusal of a length it cannot split.
 - The blockwise kernel against plain masked softmax attention on output, log-sum-exp and every
   input gradient: causal and not, GQA, odd lengths with offset and non-contiguous positions, query
-  rows that see no key, tiles smaller than and not dividing the length; and its saved activations
-  are O(s).
+  rows that see no key, tiles smaller than and not dividing the length, sliding windows and
+  soft-capped scores; and its saved activations are O(s); tiles (and ring blocks) outside every
+  query's window are skipped.
 - Ring attention (p2p) and Ulysses (a2a) on CP 2 and CP 4 gloo ranks against plain attention over
   the whole sequence in one process: the output and dq/dk/dv, gathered back to sequence order.
 
@@ -14,7 +15,8 @@ the magnitude; 1e-10 of the magnitude leaves a wide margin and still catches any
 once by hand that the tests fail when the math is broken: merging ring blocks without the
 log-sum-exp weights (``out + part_out``), a mask of ``>=`` instead of ``>``, a backward without the
 ``- dlse`` term or with the local instead of the global lse, the dK/dV buffer not travelling the last
-hop to its owner, and skipping the diagonal tile pairs each make several of these tests fail.
+hop to its owner, and skipping the diagonal tile pairs each make several of these tests fail; so do a
+window that hides one key too many (``>=``) and a soft-cap backward without its ``1 - tanh^2``.
 """
 import pytest
 import torch
@@ -27,14 +29,19 @@ from megazero.local_ranks import run_ranks
 B, D = 2, 8
 
 
-def reference(q, k, v, q_pos, k_pos, causal=True, scale=None):
-    """Plain attention: the whole masked score matrix, softmax, matmul (rows seeing no key -> 0, -inf)."""
+def reference(q, k, v, q_pos, k_pos, causal=True, scale=None, window=None, softcap=None):
+    """Plain attention: the whole masked score matrix, softmax, matmul (rows seeing no key -> 0, -inf);
+    scores soft-capped at ``softcap``, keys more than ``window`` positions back hidden."""
     scale = D ** -0.5 if scale is None else scale
     n = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         s = s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    if window is not None:
+        s = s.masked_fill(q_pos[:, None] - k_pos[None, :] > window, float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = m.masked_fill(m == float("-inf"), 0.0)
     e = torch.exp(s - m)
@@ -73,8 +80,13 @@ def grads(fn, q, k, v, dout, dlse):
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-# name: (heads, groups, queries, keys, query offset or positions, causal, block, scale)
+# name: (heads, groups, queries, keys, query offset or positions, causal, block, scale[, window, softcap])
 KERNEL_CASES = {
+    "window 5, tiles of 7": (4, 2, 37, 37, 0, True, 7, None, 5, None),
+    "window 0 (itself only), GQA after 16 keys": (4, 2, 37, 53, 16, True, 8, None, 0, None),
+    "window 9 of load-balanced chunks": (4, 2, 24, 24, "split", True, 5, None, 9, None),
+    "soft-capped scores, own scale": (4, 2, 37, 37, 0, True, 8, 0.7, None, 1.5),
+    "soft-capped scores in a window, one key head": (4, 1, 37, 53, 16, True, 6, None, 11, 2.0),
     "causal, tiles not dividing the length": (4, 4, 37, 37, 0, True, 8, None),
     "causal GQA, 37 queries after 53 keys": (4, 2, 37, 53, 16, True, 7, None),
     "full GQA, one key head, 37 x 53": (4, 1, 37, 53, 0, False, 16, None),
@@ -85,18 +97,20 @@ KERNEL_CASES = {
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_blockwise_kernel_matches_plain_attention(name):
-    heads, groups, sq, sk, offset, causal, block, scale = KERNEL_CASES[name]
+    heads, groups, sq, sk, offset, causal, block, scale, *extra = KERNEL_CASES[name]
+    window, softcap = extra or (None, None)
     q, k, v, dout, dlse = make(len(name), heads, groups, sq, sk)
     if offset == "split":  # rank 0's queries of a CP 2 split of 48 against rank 1's keys
         q_pos, k_pos = cp_positions(48, 2, 0), cp_positions(48, 2, 1)
     else:
         q_pos, k_pos = torch.arange(sq) + offset, torch.arange(sk)
-    got = grads(lambda a, b, c: blockwise_attention(a, b, c, q_pos, k_pos, causal, scale, block),
+    got = grads(lambda a, b, c: blockwise_attention(a, b, c, q_pos, k_pos, causal, scale, block, window,
+                                                    softcap), q, k, v, dout, dlse)
+    ref = grads(lambda a, b, c: reference(a, b, c, q_pos, k_pos, causal, scale, window, softcap),
                 q, k, v, dout, dlse)
-    ref = grads(lambda a, b, c: reference(a, b, c, q_pos, k_pos, causal, scale), q, k, v, dout, dlse)
     for g, r in zip(got, ref):
         close(g, r)
-    if offset == "split":  # queries 0..11 come before every key: nothing to attend to
+    if offset == "split" and window is None:  # queries 0..11 come before every key: nothing to attend to
         assert torch.isinf(got[1][:, :, :12]).all() and (got[0][:, :, :12] == 0).all()
         assert torch.isfinite(got[1][:, :, 12:]).all()
 
@@ -166,6 +180,11 @@ RING_CASES = {
     "cp4 a2a causal": (4, "a2a", 4, 4, 64, True, False, 7, False),
     "cp4 a2a causal GQA, 45 tokens": (4, "a2a", 4, 2, 45, True, True, 8, False),
     "cp2 p2p on groups [0, 2] and [1, 3]": (2, "p2p", 4, 2, 32, True, False, 4, True),
+    # sliding windows and soft-capped scores: (..., {window, softcap})
+    "cp2 p2p window 5, GQA": (2, "p2p", 4, 2, 32, True, False, 3, False, dict(window=5)),
+    "cp4 p2p window 3 and soft-cap, 45 tokens": (4, "p2p", 4, 2, 45, True, True, 4, False,
+                                                 dict(window=3, softcap=1.5)),
+    "cp2 a2a window 6 and soft-cap": (2, "a2a", 4, 2, 32, True, False, 5, False, dict(window=6, softcap=2.0)),
 }
 
 
@@ -179,7 +198,7 @@ def _rank_cases(world):
     # CP groups of non-neighbouring global ranks, [0, 2] and [1, 3]: every rank creates both
     strided = [dist.new_group(list(range(p, world, 2))) for p in range(2)] if world == 4 else ()
     results = {}
-    for name, (cp, comm, heads, groups, seq, causal, uneven, block, sub) in RING_CASES.items():
+    for name, (cp, comm, heads, groups, seq, causal, uneven, block, sub, *extra) in RING_CASES.items():
         if (4 if sub else cp) != world:  # the strided groups need 4 ranks
             continue
         group = strided[rank % 2] if sub else None
@@ -187,7 +206,7 @@ def _rank_cases(world):
         q, k, v, dout, _ = make(len(name), heads, groups, seq, seq)
         q, k, v = (split_for_cp(t, 2, cp, cp_rank, uneven).requires_grad_() for t in (q, k, v))
         out = ring_attention(q, k, v, group, _positions(seq, cp, uneven), comm_type=comm, causal=causal,
-                             block_size=block)
+                             block_size=block, **(extra[0] if extra else {}))
         out.backward(split_for_cp(dout, 2, cp, cp_rank, uneven))
         results[name] = (out.detach(), q.grad, k.grad, v.grad)
     return results
@@ -200,13 +219,29 @@ def ring_results():
 
 @pytest.mark.parametrize("name", list(RING_CASES))
 def test_context_parallel_attention_matches_one_process(ring_results, name):
-    cp, _, heads, groups, seq, causal, uneven, _, sub = RING_CASES[name]
+    cp, _, heads, groups, seq, causal, uneven, _, sub, *extra = RING_CASES[name]
     q, k, v, dout, _ = make(len(name), heads, groups, seq, seq)
     pos = torch.arange(seq)
-    ref = grads(lambda a, b, c: reference(a, b, c, pos, pos, causal), q, k, v, dout, torch.zeros(1))
+    kw = extra[0] if extra else {}
+    ref = grads(lambda a, b, c: reference(a, b, c, pos, pos, causal, **kw), q, k, v, dout, torch.zeros(1))
     ref = (ref[0], *ref[2:])
     members = [[0, 2], [1, 3]] if sub else [list(range(cp))]  # global ranks of each CP group, CP order
     for ranks in members:
         per_rank = [ring_results[4 if sub else cp][r][name] for r in ranks]
         for i, r in enumerate(ref):  # out, dq, dk, dv
             close(gather_from_cp([p[i] for p in per_rank], 2, allow_uneven=uneven), r)
+
+
+def test_tiles_and_ring_blocks_outside_the_window_are_skipped():
+    """A window of 7 over 64 positions in tiles of 8: the diagonal tile pairs and the ones just before
+    them (15), not the 36 of causal attention.  Under CP 4 (chunks of 8, rank 0 holding positions
+    0-7 and 56-63), rank 2's block (16-23, 40-47) lies wholly outside rank 0's windows of 4: the
+    ring computes nothing for it, while causal attention needs it."""
+    from megazero.context_parallel.blockwise import Tiles, Visibility, tile_pairs
+    whole = Tiles(torch.arange(64), 8, "cpu")
+    assert tile_pairs(whole, whole, Visibility()) == 36
+    assert tile_pairs(whole, whole, Visibility(window=7)) == 15
+    ranks = [Tiles(cp_positions(64, 4, r), 8, "cpu") for r in range(4)]
+    assert tile_pairs(ranks[0], ranks[2], Visibility(window=4)) == 0
+    assert tile_pairs(ranks[0], ranks[2], Visibility()) > 0
+    assert tile_pairs(ranks[0], ranks[1], Visibility(window=4)) > 0  # 52-55 are within 4 of 56-59

@@ -126,6 +126,123 @@ def test_bad_flags_name_the_flag(tmp_path, capsys):
     assert "--max-shard-size lots" in capsys.readouterr().err
 
 
+def _llama_with_tokenizer(directory):
+    """A tiny random LLaMA with dropout 0 and a tokenizer saved beside it whose special tokens are not
+    the class defaults: bos 3, eos 4, pad 1 (the config's eos is a list, as Llama 3's is)."""
+    from tokenizers import ByteLevelBPETokenizer
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["to be or not to be that is the question"] * 20, vocab_size=VOCAB,
+                            special_tokens=["<unk>", "<pad>", "<extra>", "<s>", "</s>"])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>",
+                                               eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                   max_position_embeddings=64, attention_dropout=0.0, bos_token_id=3,
+                                   eos_token_id=[4, 2], pad_token_id=1)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return tok
+
+
+@pytest.mark.slow
+def test_finetune_with_checkpoint_args_exports_the_sources_dropout_tokenizer_and_ids(tmp_path, monkeypatch):
+    """--use-checkpoint-args takes the dropout and the tokenizer from a converted checkpoint (as
+    Megatron-LM does): the fine-tune trains without dropout, and its export has attention_dropout 0.0,
+    the source's tokenizer files and the source's bos/eos/pad ids (not the LlamaConfig defaults 1, 2)."""
+    from megazero.config import parse_args
+    from models.cli import pretrain_main
+    convert, src = _script(), tmp_path / "hf"
+    tok = _llama_with_tokenizer(str(src))
+    assert convert.main(["--direction", "to-megazero", "--input", str(src), "--output",
+                         str(tmp_path / "ck")]) == 0
+    monkeypatch.chdir(tmp_path)  # relative paths: the run records where its tokenizer is, absolutely
+    argv = ["--load", "ck", "--finetune", "--use-checkpoint-args", "--mock-data", "--seq-length", "16",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4"]
+    cfg = parse_args(argv)
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.0)
+    assert cfg.data.tokenizer_model == str(tmp_path / "ck" / "hf_files")
+    assert pretrain_main(argv + ["--save", "run"]) == 0
+    monkeypatch.chdir(tmp_path / "ck")  # the export, from elsewhere
+    assert convert.main(["--direction", "to-hf", "--input", "../run", "--output", "../out"]) == 0
+    out = json.load(open(tmp_path / "out" / "config.json"))
+    assert out["attention_dropout"] == 0.0
+    assert (out["bos_token_id"], out["eos_token_id"], out["pad_token_id"]) == (3, [4, 2], 1)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "out"))
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert back("to be or not")["input_ids"] == tok("to be or not")["input_ids"]
+    assert (back.bos_token_id, back.eos_token_id) == (3, 4)
+
+
+def test_checkpoint_args_given_flags_win_and_a_missing_tokenizer_is_named(tmp_path, monkeypatch):
+    """Flags given beside --use-checkpoint-args win over the checkpoint's (dropout, tokenizer);
+    --no-use-tokenizer-model-from-checkpoint-args keeps none; a tokenizer the checkpoint names but that
+    is gone is an error naming the flags."""
+    from megazero.checkpoint import save_weights
+    from megazero.config import ConfigError, config_from_dict, parse_args, validate
+    from megazero.mesh import ParallelMesh
+    import models
+    from doc_commands import make_stand_ins
+    monkeypatch.chdir(tmp_path)
+    make_stand_ins(["--tokenizer-model", "tok.model"])
+    cfg = validate(config_from_dict(dict(models.PRESETS["tiny-llama"], mock_data=True, hidden_dropout=0.0,
+                                         attention_dropout=0.0, tokenizer_model="tok.model")), 1)
+    save_weights("ck", [models.build_model(cfg)], ParallelMesh.single(), cfg)
+    base = ["--load", "ck", "--finetune", "--use-checkpoint-args", "--mock-data"]
+    taken = parse_args(base)
+    assert (taken.model.attention_dropout, taken.data.tokenizer_model) == (0.0, str(tmp_path / "tok.model"))
+    given = parse_args(base + ["--attention-dropout", "0.2", "--tokenizer-type", "NullTokenizer",
+                               "--vocab-size", "64"])
+    assert (given.model.attention_dropout, given.data.tokenizer_model) == (0.2, None)
+    for flag in ("--no-use-tokenizer-model-from-checkpoint-args",
+                 "--disable-use-tokenizer-model-from-checkpoint-args"):
+        assert parse_args(base + [flag]).data.tokenizer_model is None
+    os.remove("tok.model")
+    with pytest.raises(ConfigError, match=r"the checkpoint's tokenizer \(--tokenizer-model .*tok.model\) is "
+                                          r"not found from here; pass --tokenizer-model PATH, or "
+                                          r"--no-use-tokenizer-model-from-checkpoint-args"):
+        parse_args(base)
+
+
+def test_to_hf_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):
+    """As --load does (docs/operations.md): a block of the newest checkpoint that fails its checksum
+    while it is exported makes to-hf export the previous one, say why, and leave no partial shard;
+    --iteration N asked for the damaged one is an error naming the file; nothing usable names each."""
+    from safetensors.torch import load_file
+    from megazero.checkpoint import checkpoint_path, read_weights, save_weights
+    from megazero.config import config_from_dict, validate
+    from megazero.mesh import ParallelMesh
+    import models
+    convert, d = _script(), str(tmp_path / "ck")
+    cfg = validate(config_from_dict(dict(models.PRESETS["tiny-llama"], mock_data=True)), 1)
+    model = models.build_model(cfg)
+    save_weights(d, [model], ParallelMesh.single(), cfg, iteration=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_weights(d, [model], ParallelMesh.single(), cfg, iteration=2)
+    shard = os.path.join(checkpoint_path(d, 2), "shard_tp00_pp000_dp000.bin")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) * 3 // 4] ^= 0x5A
+    open(shard, "wb").write(bytes(data))
+    out = tmp_path / "out"
+    assert convert.main(["--direction", "to-hf", "--input", d, "--output", str(out), "--iteration", "2"]) == 2
+    assert "shard_tp00_pp000_dp000.bin" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == []  # the partial export was removed
+    assert convert.main(["--direction", "to-hf", "--input", d, "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "(iteration 1; not the newest: skipped" in said and "shard_tp00_pp000_dp000.bin" in said
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    exported = load_file(str(out / "model.safetensors"))
+    _, _, _, weights = read_weights(d, 1)
+    embedding = next(v for k, v in weights.items() if k.endswith("word_embeddings.weight"))
+    assert torch.equal(exported["model.embed_tokens.weight"], embedding)  # iteration 1's, not 2's
+    os.remove(os.path.join(checkpoint_path(d, 1), "shard_tp00_pp000_dp000.bin"))
+    assert convert.main(["--direction", "to-hf", "--input", d, "--output", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no usable checkpoint" in err and "iter_0000002" in err and "iter_0000001" in err
+
+
 # ---- peak memory at 160M parameters --------------------------------------------------------------
 BIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
            num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)

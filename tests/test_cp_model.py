@@ -1,8 +1,10 @@
 """Context parallelism wired into the GPT model and the trainer, against the one-process oracle.
 
 - The model (every gradient): CP 2 and CP 4 (ring, p2p) and CP 2 Ulysses (a2a), alone and with
-  TP 2 + sequence parallelism, GPT-2 style (learned positions, tied embedding) and LLaMA style (RoPE,
-  GQA, SwiGLU): the whole-sequence logits, the per-token loss and every parameter's gradient.
+  TP 2 + sequence parallelism, GPT-2 style (learned positions, tied embedding), LLaMA style (RoPE,
+  GQA, SwiGLU) and today's dense models (tests/test_model.py's DENSE: Gemma 2's alternating windows
+  and soft-caps, Qwen3's window on every layer with q/k norms and a layer without RoPE, OLMo 2's
+  norms): the whole-sequence logits, the per-token loss and every parameter's gradient.
 - The trainer (loss, gradient norm and eval loss of every step): CP 2 x TP 2 (SP) x PP 2 with ZeRO-3,
   GQA, RoPE and selective recomputation on 8 ranks; CP 2 x DP 2 with the interleaved schedule.
 - A checkpoint saved at CP 4 resumes at CP 1 and one saved at CP 1 resumes at CP 4, both following
@@ -26,11 +28,11 @@ from megazero.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from models import build_model, full_state_dict
 from tolerance import C_FWD, C_FWD_BWD, R_TRAIN, fp32_bound
-from test_model import STYLES, batch, step, sum_sequence_parallel_grads
+from test_model import ALL, ALL_PARAMS, STYLES, batch, step, sum_sequence_parallel_grads
 
 
 def make_cfg(style, cp=1, tp=1, sp=False, comm="p2p"):
-    settings = dict(STYLES[style], tensor_model_parallel_size=tp, context_parallel_size=cp,
+    settings = dict(ALL[style], tensor_model_parallel_size=tp, context_parallel_size=cp,
                     cp_comm_type=comm, sequence_parallel=sp, mock_data=True, seed=7)
     return validate(config_from_dict(settings), tp * cp)
 
@@ -51,14 +53,14 @@ def _rank_run(style, cp, tp, sp, comm):
 @pytest.fixture(scope="module")
 def oracle():
     out = {}
-    for style in STYLES:
+    for style in ALL:
         model = build_model(make_cfg(style))
         logits, loss = step(model, *batch(model.cfg))
         out[style] = dict(logits=logits, loss=loss, grads=full_state_dict(model, grads=True))
     return out
 
 
-@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("style", ALL_PARAMS)
 @pytest.mark.parametrize("cp,tp,sp,comm", [(2, 1, False, "p2p"), (4, 1, False, "p2p"), (2, 1, False, "a2a"),
                                            (2, 2, True, "p2p")])
 def test_context_parallel_model_matches_one_process(oracle, style, cp, tp, sp, comm):

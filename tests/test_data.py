@@ -513,8 +513,13 @@ def test_build_data_errors_name_the_problem(corpus, tmp_path):
 
 
 def test_tokenizer_model_sets_the_vocabulary(corpus):
+    """As in Megatron-LM the tokenizer sets the vocabulary; a --vocab-size that differs is named in a
+    start-up warning with both numbers (nothing when it agrees)."""
     cfg = validate(_data_cfg([corpus["txt"]], vocab_size=50, tokenizer_model=corpus["tok"]))
     assert cfg.model.vocab_size == 256 and cfg.model.padded_vocab_size == 256
+    assert f"WARNING: --vocab-size 50 ignored: the tokenizer ({corpus['tok']}) has 256 ids and sets the " \
+        "model's vocabulary, as in Megatron-LM" in " ".join(cfg.notes)
+    assert not [n for n in _data_cfg([corpus["txt"]], tokenizer_model=corpus["tok"]).notes if "vocab" in n]
     validate(cfg)  # re-validation keeps it
     assert cfg.model.vocab_size == 256
     assert build_data(cfg).get_tokens(range(4)).shape == (4, 17)

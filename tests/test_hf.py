@@ -105,7 +105,9 @@ def test_export_from_one_process(saved, tmp_path):
 
 
 @pytest.mark.parametrize("kind,over,field", [
-    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_scaling"),  # llama3, linear: ok
+    ("llama", dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 2,
+                                    "long_factor": [2.0] * 2, "original_max_position_embeddings": 16}),
+     "rope_scaling"),  # llama3, linear, yarn, dynamic: tests/test_hf_models.py
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(mlp_bias=True), "mlp_bias"),
     ("llama", dict(hidden_act="gelu"), "hidden_act"),

@@ -1,57 +1,40 @@
-"""The Hugging Face models people fine-tune, against transformers (tiny random models built here, no
-download): LLaMA-3.x with rope_scaling (llama3 and linear), Qwen2 (QKV bias), Mistral without a
-sliding window (a LLaMA). Import: logits and greedy generation equal transformers'; export: transformers
-loads the same model back. What megazero cannot represent is refused by name."""
+"""The Hugging Face models people fine-tune, against transformers (tiny random models, tests/hf_families.py,
+nothing downloaded): LLaMA with rope_scaling (llama3, linear, yarn, dynamic), Qwen2 (QKV bias, sliding
+window on some layers), Mistral (with and without its window), Qwen3 (q/k norms, head_dim apart from
+hidden / heads), Gemma (1 + weight norms, embedding scale, GeGLU), Gemma 2 (sandwich norms, soft-caps,
+alternating windows, query_pre_attn_scalar), Phi-3 (fused weights, window), OLMo 2 (norms after the
+sublayers, q/k norms over all heads) and SmolLM3 (a layer without RoPE).  Sequences are longer than
+every window.  Import: logits and greedy generation (KV cache) equal transformers'; what each family
+adds changes the logits measurably; export: transformers loads the same model back, as the same
+architecture; TP 2 equals transformers.  What megazero cannot represent is refused, naming the feature."""
 import pytest
 import torch
 
 from megazero.config import ConfigError
-from megazero.mesh import ParallelMesh
 from megazero.local_ranks import run_ranks
+from megazero.mesh import ParallelMesh
 from models.generate import generate
 from models.hf import config_from_hf, from_hf, to_hf
+from hf_families import EXPORTED_AS, FAMILIES, SEQ, VOCAB, family_config, hf_model
 from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
-VOCAB, SEQ = 96, 48
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6,
-             bos_token_id=0, eos_token_id=None, pad_token_id=None)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16, "rope_theta": 50000.0}  # scaled within SEQ tokens
-
-
-def family_config(name):
-    t = transformers
-    if name == "llama3-rope-scaling":
-        return t.LlamaConfig(**SHAPE, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
-    if name == "llama-linear-rope":
-        linear = {"rope_type": "linear", "factor": 2.5, "rope_theta": 10000.0}
-        return t.LlamaConfig(**SHAPE, rope_parameters=linear, tie_word_embeddings=True)
-    if name == "qwen2":
-        return t.Qwen2Config(**SHAPE, tie_word_embeddings=True, use_sliding_window=False,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    if name == "qwen2-untied":
-        return t.Qwen2Config(**SHAPE, tie_word_embeddings=False)
-    if name == "mistral":  # v0.2 and later: no sliding window; head_dim given apart from hidden / heads
-        return t.MistralConfig(**SHAPE, sliding_window=None, head_dim=16, tie_word_embeddings=False)
-    raise KeyError(name)
-
-
-FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "qwen2", "qwen2-untied", "mistral"]
-EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen2-untied": "Qwen2ForCausalLM"}  # the others: a LLaMA
-
-
-def hf_model(name):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(family_config(name)).eval()
-    with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
-
-
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+# settings that take away what a family adds: the model without it is measurably another one
+WITHOUT = {"llama3-rope-scaling": dict(use_rope_scaling=False),
+           "llama-linear-rope": dict(rotary_seq_len_interpolation_factor=None),
+           "llama-yarn": dict(position_embedding_type="rope"),
+           "llama-dynamic": dict(dynamic_rope_scaling_factor=None),
+           "qwen2-window": dict(window_size=None, window_attn_skip_freq=None),
+           "mistral-window": dict(window_size=None),
+           "gemma": dict(scale_embedding=False),
+           "gemma2": dict(attn_logit_softcapping=None),
+           "phi3": dict(window_size=None),
+           "smollm3": dict(no_rope_freq=None)}
+MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
+                           dict(window_size=None, window_attn_skip_freq=None), dict(softmax_scale=None)],
+                "gemma": [dict(activation="swiglu")]}
 
 
 def close_to_hf(got, ref):
@@ -66,7 +49,11 @@ def _logits(model, ids=IDS):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+BEFORE = ("llama3-rope-scaling", "llama-linear-rope", "qwen2", "qwen2-untied", "mistral")  # the fast tier's
+PARAMS = [f if f in BEFORE else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
 def family(request):
     return request.param, hf_model(request.param)
 
@@ -82,15 +69,15 @@ def test_import_matches_transformers_logits(family):
     if name == "llama3-rope-scaling":
         assert m.use_rope_scaling and m.rope_scaling_factor == 4.0
         assert m.rope_scaling_original_max_position_embeddings == 16
-    # what the family adds matters: the model without it is measurably another one
-    plain = {"llama3-rope-scaling": dict(use_rope_scaling=False),
-             "llama-linear-rope": dict(rotary_seq_len_interpolation_factor=None)}.get(name)
-    if plain:
+    if name == "gemma2":
+        assert m.window_size == [11, 0] and m.window_attn_skip_freq == 2 and m.norm_position == "sandwich"
+    for plain in ([WITHOUT[name]] if name in WITHOUT else []) + MORE_WITHOUT.get(name, []):
         other = from_hf(hf, cfg_overrides=plain).eval()
-        assert (_logits(other) - ref).abs().max() > 100 * fp32_bound(ref, C_FWD)["atol"]
+        assert (_logits(other) - ref).abs().max() > 100 * fp32_bound(ref, C_FWD)["atol"], plain
 
 
 def test_greedy_generation_equals_transformers(family):
+    """Prompt 8 + 24 new tokens: past every window, so the cached path masks old keys too."""
     name, hf = family
     model = from_hf(hf).eval()
     prompt = IDS[:, :8]
@@ -105,42 +92,71 @@ def test_export_loads_back_in_transformers(family, tmp_path):
     model = from_hf(hf).eval()
     to_hf(model, str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    assert type(back).__name__ == EXPORTED_AS.get(name, "LlamaForCausalLM")
+    assert type(back).__name__ == EXPORTED_AS.get(name, "Llama") + "ForCausalLM"
     close_to_hf(_logits(back), _logits(hf))
     again = config_from_hf(back.config)  # the exported config imports as the same megazero model
     assert again == config_from_hf(hf.config)
 
 
-def _qwen2_tp2(path):
+TP_FAMILIES = ["qwen2", "qwen3", "gemma2", "phi3", "olmo2"]  # biases, q/k norms (per head, over all heads)
+
+
+def _tp2_logits(paths):
     mesh = ParallelMesh.build(tp=2)
-    model = from_hf(path, mesh).eval()
-    return _logits(model)
+    return {name: _logits(from_hf(path, mesh).eval()) for name, path in paths.items()}
 
 
-def test_qwen2_bias_under_tensor_parallelism(tmp_path):
-    hf = hf_model("qwen2")
-    hf.save_pretrained(str(tmp_path))
-    for logits in run_ranks(_qwen2_tp2, 2, str(tmp_path)):
-        close_to_hf(logits, _logits(hf))
+@pytest.mark.slow
+def test_tensor_parallel_import_matches_transformers(tmp_path):
+    """TP 2 splits heads (and OLMo 2's all-head q/k norm, whose sum of squares is all-reduced)."""
+    models = {name: hf_model(name) for name in TP_FAMILIES}
+    paths = {}
+    for name, hf in models.items():
+        paths[name] = str(tmp_path / name)
+        hf.save_pretrained(paths[name])
+    for got in run_ranks(_tp2_logits, 2, paths):
+        for name, hf in models.items():
+            close_to_hf(got[name], _logits(hf))
 
 
 @pytest.mark.parametrize("name,over,needle", [
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=True; sliding-window"),
-    ("mistral", dict(sliding_window=16), "sliding_window=16; sliding-window attention is not implemented"),
-    ("llama3-rope-scaling", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-     "rope_scaling=.*'dynamic'.*'llama3' and 'linear'"),
+    ("qwen2", dict(layer_types=["sliding_attention", "chunked_attention"], sliding_window=16,
+                   use_sliding_window=True),
+     "layer_types=\\['chunked_attention'\\]; only sliding_attention and full_attention"),
+    ("llama3-rope-scaling", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                  "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+     "rope_scaling=.*'longrope'.*is not implemented"),
+    ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor=0.5; partial rotary embeddings"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True; linear biases on all attention projections"),
+    ("gemma2", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention=True; attention is causal"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
     for k, v in over.items():
         setattr(cfg, k, v)
-    if name == "qwen2" and over.get("use_sliding_window"):
-        cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
     with pytest.raises(ConfigError, match=f"unsupported Hugging Face config: {needle}"):
         config_from_hf(cfg)
 
 
-def test_a_mistral_window_longer_than_its_context_is_no_window():
-    cfg = family_config("mistral")
-    cfg.sliding_window = cfg.max_position_embeddings
-    assert config_from_hf(cfg)["position_embedding_type"] == "rope"
+@pytest.mark.parametrize("kind,feature", [("olmo", "non-parametric layer norm"),
+                                          ("gemma3_text", "second RoPE base for its sliding-window layers")])
+def test_a_refused_architecture_names_the_missing_feature(kind, feature):
+    cfg = transformers.AutoConfig.for_model(kind)
+    with pytest.raises(ConfigError, match=f"model_type='{kind}' needs .*{feature}"):
+        config_from_hf(cfg)
+
+
+def test_a_window_longer_than_the_sequence_changes_nothing():
+    hf = hf_model("mistral")
+    wide = from_hf(hf, cfg_overrides=dict(window_size=[SEQ - 1, 0])).eval()
+    assert torch.equal(_logits(wide), _logits(from_hf(hf).eval()))
+
+
+@pytest.mark.parametrize("hf_type,needle", [("gemma", "activation swiglu \\(gemma has geglu\\)"),
+                                            ("qwen3", "--qk-layernorm off \\(qwen3: head\\)")])
+def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(hf_type, needle, tmp_path):
+    model = from_hf(hf_model("mistral-window"), cfg_overrides=dict(hf_model_type=hf_type))
+    with pytest.raises(ConfigError, match=f"--hf-model-type {hf_type} cannot hold this model: {needle}"):
+        to_hf(model, str(tmp_path))

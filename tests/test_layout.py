@@ -101,3 +101,26 @@ def test_command_line_programs_live_outside_the_engine():
         guards = [n for n in ast.walk(tree) if isinstance(n, ast.Compare) and isinstance(n.left, ast.Name)
                   and n.left.id == "__name__"]
         assert not mains and not guards, f"{path.relative_to(ROOT)}: {mains or '__main__ guard'}"
+
+
+def test_one_source_for_exit_statuses_and_thread_defaults():
+    """megazero.errors holds the exit statuses and megazero.threads the per-rank thread rule: no program
+    of megazero, models or scripts returns a literal status from its main() or sets one thread itself."""
+    import re
+    from megazero.threads import THREADS_PER_RANK, rank_thread_env
+    assert rank_thread_env({})["OMP_NUM_THREADS"] == str(THREADS_PER_RANK) == "1"
+    assert rank_thread_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert rank_thread_env({"OMP_NUM_THREADS": "4"}, force=True)["OMP_NUM_THREADS"] == "1"
+    found = []
+    for package in ("megazero", "models", "scripts"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "threads.py" and path.parent.name == "megazero":
+                continue
+            tree = ast.parse(path.read_text())
+            mains = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.endswith("main")]
+            found += [f"{path.name}:{r.lineno} return {r.value.value}" for fn in mains for r in ast.walk(fn)
+                      if isinstance(r, ast.Return) and isinstance(r.value, ast.Constant)
+                      and r.value.value in (0, 1, 2) and not isinstance(r.value.value, bool)]
+            pattern = r"set_num_threads\(1\)|OMP_NUM_THREADS=\"1\""
+            found += [f"{path.name}: {m}" for m in re.findall(pattern, path.read_text())]
+    assert not found, found

@@ -216,6 +216,44 @@ def test_metrics_file_appends_and_a_restart_drops_the_rows_after_its_start(tmp_p
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]  # each iteration once
 
 
+@pytest.mark.parametrize("tail,dropped", [
+    ('{"iteration": 3, "loss": 4.1, "lo', 1),  # cut short without its newline (a full disk)
+    ('{"iteration": 3, "loss": 4.1, "lo\n', 1),  # cut short, newline written
+    ('{"iteration": 3, "loss": 4.1}', 0),  # whole but for its newline
+    ('\x00' * 37, 0),  # what some file systems leave after a crash mid-write
+    ('{"iteration": 3, "lo{"iteration": 3, "loss": 4.1}\n\n', 0),  # a row appended onto a cut one
+    ('{"iteration": 3, "loss": 4.1}\n{"iteration": 4, "loss": 4.0}\n{"iter', 2),  # after the start, and cut
+])
+def test_a_resume_repairs_the_metrics_file_whatever_its_last_row(tmp_path, tail, dropped):
+    """The file a full disk or a crash left: the resumed run (start 3) keeps whole rows up to 3,
+    drops the rest, and its first row starts a line of its own."""
+    cfg = MegazeroConfig()
+    cfg.training.train_iters = 5
+    cfg.logging.metrics_file = path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as fh:
+        fh.write('{"iteration": 1, "loss": 4.3}\n{"iteration": 2, "loss": 4.2}\n' + tail)
+    resumed = TrainingLogger(cfg, stream=io.StringIO(), start_iteration=3)
+    assert resumed.dropped_rows == dropped
+    resumed.log(_metrics(4))
+    resumed.close()
+    rows = [json.loads(line) for line in open(path)]  # every line is whole JSON
+    whole_3 = "4.1}" in tail.split("\n")[0]
+    assert [r["iteration"] for r in rows] == [1, 2] + ([3] if whole_3 else []) + [4]
+
+
+def test_a_valid_metrics_file_is_left_alone_and_missed_rows_are_written(tmp_path):
+    cfg = MegazeroConfig()
+    cfg.logging.metrics_file = path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as fh:
+        fh.write('{"iteration": 1, "loss": 4.3}\n{"iteration": 2, "loss": 4.2}\n')
+    inode = os.stat(path).st_ino
+    TrainingLogger(cfg, stream=io.StringIO(), start_iteration=2).close()
+    assert os.stat(path).st_ino == inode  # not rewritten
+    missed = [{"iteration": 3, "loss": 4.1}, {"iteration": 4, "loss": 4.0}]  # from a checkpoint at 3
+    TrainingLogger(cfg, stream=io.StringIO(), start_iteration=3, missed_rows=missed).close()
+    assert [json.loads(line)["iteration"] for line in open(path)] == [1, 2, 3]
+
+
 def test_tensorboard_gets_the_metrics_file_values(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

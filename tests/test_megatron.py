@@ -151,7 +151,11 @@ def test_first_iterations_follow_megatrons_scheduler(tmp_path):
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction and --lr-warmup-iters"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
     (["--swiglu", "--activation", "gelu"], "--swiglu means --activation swiglu"),
-    (["--qk-layernorm"], "--qk-layernorm: normalising queries and keys is not implemented"),
+    (["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm: weight decay on the --qk-layernorm scales"),
+    (["--window-size", "7,1"], "--window-size 7,1: attention is causal, so RIGHT must be 0"),
+    (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq chooses the layers that attend within"),
+    (["--no-position-embedding"], "--no-position-embedding is deprecated.*--position-embedding-type none"),
+    (["--rope-type", "yarn"], "--rope-type yarn: .*--position-embedding-type yarn"),
     (["--finetune"], "--finetune needs --load DIR"),
 ])
 def test_refused_flags_name_the_flag_and_the_fix(flags, needle):
@@ -220,3 +224,24 @@ def test_llama3_8b_script_runs_scaled_down(tmp_path):
     assert [r["lr"] for r in rows] == pytest.approx(
         [megatron_lr(8 * i, 1.5e-4, 1e-5, 16, 24) for i in range(4)])
     assert all(r["loss"] == r["loss"] for r in rows)  # finite
+
+
+def test_rope_type_rope_yarn_and_no_position_embedding():
+    """Megatron-LM's --rope-type rope (ordinary attention's) is accepted and named; YaRN is
+    --position-embedding-type yarn with Megatron-LM's flags; --position-embedding-type none is NoPE."""
+    cfg = parse_args(["--mock-data", "--position-embedding-type", "rope", "--rope-type", "rope"],
+                     world_size=1)
+    assert cfg.model.position_embedding_type == "rope" and any("--rope-type rope" in n for n in cfg.notes)
+    yarn = parse_args(["--mock-data", "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                       "--yarn-original-max-position-embeddings", "32", "--yarn-beta-fast", "16",
+                       "--no-yarn-correction-range-round-to-int", "--mscale", "0.7", "--mscale-all-dim",
+                       "0.7"], world_size=1).model
+    assert (yarn.rotary_scaling_factor, yarn.yarn_original_max_position_embeddings, yarn.yarn_beta_fast,
+            yarn.yarn_correction_range_round_to_int, yarn.mscale) == (4.0, 32, 16.0, False, 0.7)
+    nope = parse_args(["--mock-data", "--position-embedding-type", "none", "--seq-length", "64",
+                       "--max-position-embeddings", "16"], world_size=1)
+    import torch
+    import models
+    model = models.build_model(nope)
+    assert not any("position" in n for n, _ in model.named_parameters())
+    assert model(torch.randint(0, 100, (2, 64))).shape == (2, 64, nope.model.vocab_size)

@@ -70,9 +70,18 @@ class OtherConfig:
 '''
 
 
+FAKE_MODELOPT = '''
+def add_modelopt_args(parser):
+    group = parser.add_argument_group(title="modelopt-generic")
+    group.add_argument("--export-force-local-attention", action="store_true")
+    return parser
+'''
+
+
 def test_extractor_reads_literal_flags_and_dataclass_fields(tmp_path):
     for path, text in (("megatron/training/arguments.py", FAKE_ARGUMENTS),
-                       ("megatron/training/config/train.py", FAKE_CONFIG)):
+                       ("megatron/training/config/train.py", FAKE_CONFIG),
+                       ("megatron/post_training/arguments.py", FAKE_MODELOPT)):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(textwrap.dedent(text))
     mod = _script()
@@ -80,7 +89,8 @@ def test_extractor_reads_literal_flags_and_dataclass_fields(tmp_path):
     assert got == sorted(["--micro-batch-size", "--lr", "--learning-rate",
                           "--wandb-logging", "--no-wandb-logging", "--seq-length", "--train-iters",
                           "--no-check-for-nan", "--disable-check-for-nan",
-                          "--use-thing", "--save-interval", "--persistent-save-interval", "--kept"])
+                          "--use-thing", "--save-interval", "--persistent-save-interval", "--kept",
+                          "--export-force-local-attention"])  # pretrain_gpt.py's ModelOpt flags too
     out = tmp_path / "flags.txt"
     assert mod.main(["--source", str(tmp_path), "--output", str(out)]) == 0
     assert mod.read_list(str(out)) == got and mod.main(["--source", str(tmp_path), "--output", str(out),
@@ -128,9 +138,11 @@ def test_no_megatron_flag_is_an_unrecognized_argument():
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--moe-router-topk", "2"], "--moe-router-topk: mixture of experts is not implemented"),
-    (["--num-experts", "8", "--moe-grouped-gemm"], "--num-experts: mixture of experts is not implemented"),
-    (["--moe-a-future-flag", "3"], "--moe-a-future-flag: mixture of experts"),  # newer than the pinned list
+    (["--moe-input-jitter-eps", "0.1"], "--moe-input-jitter-eps: this mixture-of-experts option is not "
+                                        "implemented"),
+    (["--moe-router-num-groups", "2"], "--moe-router-num-groups: this mixture-of-experts option"),
+    # newer than the pinned list
+    (["--moe-a-future-flag", "3"], "--moe-a-future-flag: this mixture-of-experts option"),
     (["--fp8-format", "hybrid"], "--fp8-format: FP8/FP4 training is not implemented; use --bf16"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP"),
     (["--dataloader-type", "cyclic"], "--dataloader-type cyclic: samples are read in order"),
@@ -151,6 +163,38 @@ def test_flags_megatron_does_not_have_are_unrecognized(capsys):
     assert "unrecognized arguments: --not-a-megatron-flag 3" in err and "not among Megatron-LM's flags" in err
     with pytest.raises(SystemExit):  # spelled out, never guessed from a prefix (Megatron-LM's allow_abbrev)
         parse_args(["--mock-data", "--micro-batch", "2"], world_size=1)
+
+
+def test_megatron_lms_own_modelopt_flags_get_true_reasons():
+    """pretrain_gpt.py adds the ModelOpt flags when nvidia-modelopt is installed (Megatron-LM's GPT-OSS
+    example passes two): each is answered as a Megatron-LM flag, never as one Megatron-LM lacks."""
+    assert {"--export-force-local-attention", "--enable-gpt-oss"} <= set(pinned_flags())
+    cfg = parse_args(["--mock-data", "--export-force-local-attention", "--export-model-type", "GPTModel"],
+                     world_size=1)
+    (note,) = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
+    assert "--export-force-local-attention (ModelOpt's choice of layer implementation" in note
+    with pytest.raises(ConfigError, match=r"^--enable-gpt-oss: GPT-OSS mode \(ModelOpt: fills in GPT-OSS's "
+                                          r"YaRN RoPE constants\) is not implemented"):
+        parse_args(["--mock-data", "--enable-gpt-oss"], world_size=1)
+    with pytest.raises(ConfigError, match="--export-kv-cache-quant fp8: quantization"):
+        parse_args(["--mock-data", "--export-kv-cache-quant", "fp8"], world_size=1)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--no-async-tensor-model-parallel-allreduce"],
+     "--no-async-tensor-model-parallel-allreduce: removed from Megatron-LM (last in its parser 2026-01); it "
+     "only tuned speed, memory or communication, which changes no numbers, here as there: drop it"),
+    (["--layernorm-epsilon", "1e-5"], "--layernorm-epsilon: removed from Megatron-LM (last in its parser "
+                                      "2023-09); renamed: use --norm-epsilon"),
+    (["--DDP-impl", "local", "--use-contiguous-buffers-in-ddp"], "--DDP-impl: removed .*; "
+                                                                 "--use-contiguous-buffers-in-ddp: removed"),
+    (["--local_rank=3"], "--local_rank: removed .* launch with torchrun"),
+])
+def test_flags_megatron_lm_removed_say_what_became_of_them(flags, needle):
+    from megazero.config.megatron_removed import REMOVED
+    assert not set(REMOVED) & (set(pinned_flags()) | implemented_flags())  # gone, answered nowhere else
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(["--mock-data"] + flags, world_size=1)
 
 
 def test_named_no_ops_of_the_issue_parse_with_a_note():

@@ -1,6 +1,6 @@
 """Public Megatron-style launch scripts of 2025-2026, their flags kept (names and values) and their sizes
 scaled down, through pretrain_gpt.py: each trains, or is refused by name only for a feature megazero
-names as not implemented (MoE, FP8, Megatron-FSDP, DeepSpeed, per-document attention masks); never a
+names as not implemented (FP8, Megatron-FSDP, DeepSpeed, per-document attention masks); never a
 bare "unrecognized arguments" for a Megatron-LM flag.
 
 Where a script builds its command from shell conditions, the branch is named; flags of the project a
@@ -17,6 +17,25 @@ from test_megatron import gpt2_bpe, gpt3_175b_flags, llama3_8b_flags  # noqa: F4
 DECOUPLED = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
        "--fp8-param-gather"]
+
+
+def qwen3_8b_flags(tmp, tokenizer_dir):
+    """NVIDIA/Megatron-LM examples/post_training/modelopt/conf/Qwen/Qwen3-8B.sh (d98e8a6): its MODEL_ARGS,
+    every flag kept, sizes scaled down (36 layers of 4096 with 32 heads of 128 channels and 8 key/value
+    groups -> 2 layers of 64 with 8 heads of 16 channels: heads of other than hidden / heads channels,
+    as Qwen3-0.6B has), TOKENIZER_MODEL a local Hugging Face tokenizer, and the training flags the
+    recipe leaves to its caller (mock data, SGD-free defaults, 2 iterations)."""
+    model = ["--save-interval", "100000", "--micro-batch-size", "1", "--bf16", "--no-masked-softmax-fusion",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+             "rope", "--no-rope-fusion", "--normalization", "RMSNorm", "--swiglu", "--num-layers", "2",
+             "--hidden-size", "64", "--ffn-hidden-size", "192", "--num-attention-heads", "8",
+             "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
+             "--seq-length", "32", "--max-position-embeddings", "64", "--tokenizer-type",
+             "HuggingFaceTokenizer", "--make-vocab-size-divisible-by", "1187", "--use-mcore-models",
+             "--rotary-percent", "1.0", "--rotary-base", "1000000", "--no-bias-swiglu-fusion"]
+    return model + ["--tokenizer-model", tokenizer_dir, "--mock-data", "--global-batch-size", "4",
+                    "--lr", "1e-4", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2", "--save", f"{tmp}/ckpt", "--log-interval", "1"]
 
 
 def mixtral_8x7b_flags(tmp):
@@ -88,8 +107,9 @@ def mindspeed_llama2_13b_flags(tmp):
     """Ascend/MindSpeed-LLM examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (TP 8 there, 2 here). Its
     own flags that megazero answers are kept (the fused-kernel switches, ignored; --tokenizer-name-or-path,
     refused with Megatron-LM's spelling); --tokenizer-type PretrainedFromHF, --handler-name,
-    --enable-hf2mg-convert and --model-type-hf are left out. Its --load names converted weights; here it
-    is the run's own --save directory (empty: a fresh start)."""
+    --enable-hf2mg-convert and --model-type-hf are left out. Its --load names converted weights, a
+    directory of its own; here that directory has no checkpoint: a warning and a fresh start, as in
+    Megatron-LM."""
     return ["--use-mcore-models", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
             "--sequence-parallel", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
             "--num-attention-heads", "4", "--tokenizer-name-or-path", f"{tmp}/tokenizer",
@@ -105,7 +125,7 @@ def mindspeed_llama2_13b_flags(tmp):
             "--weight-decay", "1e-1", "--lr-warmup-fraction", "0.01", "--clip-grad", "1.0", "--adam-beta1",
             "0.9",
             "--initial-loss-scale", "4096", "--adam-beta2", "0.95", "--no-gradient-accumulation-fusion",
-            "--load", f"{tmp}/save", "--no-load-optim", "--no-load-rng", "--use-fused-swiglu",
+            "--load", f"{tmp}/converted", "--no-load-optim", "--no-load-rng", "--use-fused-swiglu",
             "--use-fused-rotary-pos-emb", "--bf16",
             "--ckpt-format", "torch", "--mock-data", "--split", "949,50,1", "--log-interval", "1",
             "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",
@@ -152,6 +172,19 @@ def sp_model(tmp_path_factory):
     return str(d / "tok.model")
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A Hugging Face tokenizer directory (save_pretrained) of a small byte-level BPE."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["To be, or not to be, that is the question."] * 50, vocab_size=300,
+                            special_tokens=["<|endoftext|>"])
+    d = str(tmp_path_factory.mktemp("hf_tokenizer"))
+    PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, eos_token="<|endoftext|>").save_pretrained(d)
+    return d
+
+
 def _without(argv, *flags_and_values):
     """``argv`` less the given flags, each with the values that follow it (until the next flag)."""
     out, skip = [], False
@@ -175,12 +208,8 @@ def _scripts(tmp, bpe, sp):
         "megatron-lm llama3 8b bf16": (llama3_8b_flags(tmp) + DECOUPLED, 2, None, ()),
         "megatron-lm llama3 8b fp8": (llama3_8b_flags(tmp) + FP8, 2, "--fp8-format: FP8/FP4 training is not "
                                       "implemented", tuple(f for f in FP8 if f.startswith("--"))),
-        "megatron-lm mixtral 8x7b": (mixtral_8x7b_flags(tmp), 2, "--num-experts: mixture of experts is not "
-                                     "implemented", ("--num-experts", "--moe-router-topk",
-                                                     "--moe-router-load-balancing-type",
-                                                     "--moe-aux-loss-coeff",
-                                                     "--moe-grouped-gemm", "--moe-token-dispatcher-type",
-                                                     "--expert-model-parallel-size")),
+        # PP 2 x EP 2 needs 4 ranks (the original's PP 4 x EP 8 needs 32)
+        "megatron-lm mixtral 8x7b": (mixtral_8x7b_flags(tmp), 4, None, ()),
         "megatron-lm megatron-fsdp llama3 8b": (fsdp, 2, "--use-megatron-fsdp: Megatron-FSDP",
                                                 ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                                                  "--fsdp-double-buffer", "--fsdp-manual-registration")),
@@ -231,6 +260,9 @@ def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_mod
                          world_size=4)
     assert swallow.model.use_rope_scaling and swallow.model.rope_scaling_factor == 8.0
     assert swallow.model.rotary_base == 500000.0
+    mixtral = parse_args(s["megatron-lm mixtral 8x7b"][0], world_size=4).moe
+    assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_aux_loss_coeff) == (8, 2, 1e-2)
+    assert (mixtral.moe_token_dispatcher_type, mixtral.expert_model_parallel_size) == ("alltoall", 2)
 
 
 def _pretrain(argv):
@@ -249,3 +281,18 @@ def test_script_trains_scaled_down(name, tmp_path, gpt2_bpe, sp_model):  # noqa:
     assert run_ranks(_pretrain, world, argv, timeout=300) == [0] * world
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert len(rows) >= 2 and all(r["loss"] == r["loss"] for r in rows)
+
+
+@pytest.mark.slow
+def test_qwen3_recipe_trains_unmodified(tmp_path, hf_tokenizer):
+    """Megatron-LM's Qwen3-8B flags, scaled down, train on 4 ranks (TP 2 x PP 2) as they are:
+    --qk-layernorm (per-head RMSNorm of queries and keys) and --kv-channels 16 with 64 / 8 heads."""
+    argv = qwen3_8b_flags(tmp_path, hf_tokenizer)
+    cfg = parse_args(argv, world_size=4)
+    m = cfg.model
+    assert (m.qk_layernorm, m.qk_layernorm_scope, m.kv_channels, m.num_query_groups) == (True, "head", 16, 2)
+    assert m.padded_vocab_size % (1187 * 2) == 0 and cfg.precision.bf16
+    argv += ["--metrics-file", str(tmp_path / "m.jsonl")]
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)

@@ -24,7 +24,19 @@ GPT2 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300,
 LLAMA = dict(GPT2, position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
              add_bias_linear=False, num_query_groups=2, untie_embeddings_and_output_weights=True)
 
+# today's dense models: Gemma 2's pieces (sandwich norms, GeGLU, embedding scale, soft-caps in the
+# blockwise kernel, alternating windows), OLMo 2's (norms after the sublayers, q/k norms over all
+# heads) and Qwen3's (per-head q/k norms) with a window and a layer without RoPE
+GEMMA2 = dict(LLAMA, activation="geglu", norm_position="sandwich", scale_embedding=True, kv_channels=16,
+              attn_logit_softcapping=5.0, final_logit_softcapping=3.0, window_size=[5, 0],
+              window_attn_skip_freq=2)
+OLMO2 = dict(LLAMA, qk_layernorm=True, qk_layernorm_scope="all", norm_position="post")
+QWEN3 = dict(LLAMA, qk_layernorm=True, window_size=[5, 0], no_rope_freq=2)
+
 SAVED = saved_activations  # what the model declares it saves for backward
+ARCHS = {"gpt2": GPT2, "llama": LLAMA, "gemma2": GEMMA2, "olmo2": OLMO2, "qwen3": QWEN3}
+ARCH_PARAMS = [pytest.param(a, id=n, marks=[pytest.mark.slow] if n not in ("gpt2", "llama") else [])
+               for n, a in ARCHS.items()]
 
 
 def cfg_of(world=1, **kw):
@@ -41,7 +53,7 @@ def _count(settings):
     return mesh.coord("pp"), sum(p.numel() for c in chunks for p in c.parameters())
 
 
-@pytest.mark.parametrize("arch", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_stage_params_match_the_built_model(arch):
     settings = dict(arch, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg = cfg_of(4, **settings)
@@ -49,7 +61,7 @@ def test_stage_params_match_the_built_model(arch):
         assert n == stage_params(cfg, pp_rank)
 
 
-@pytest.mark.parametrize("arch", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_total_params_match_one_process(arch):
     import models
     cfg = cfg_of(1, **dict(arch, vocab_size=256, make_vocab_size_divisible_by=128))  # no padding
@@ -99,6 +111,29 @@ def test_flash_attention_keeps_no_seq_squared_term():
     math2 = Dims(**dict(math.__dict__, s=2 * math.s))
     s2 = math.b * math.ap * math.s * math.s  # probabilities, dropout mask, dropped probabilities
     assert core_bytes(math2) - 2 * core_bytes(math) == 2 * s2 * (2 * math.E + math.M)
+
+
+def _measure_one(settings):
+    import models
+    from megazero.planning.measure import measure_rank
+    return measure_rank(cfg_of(1, **settings), models.build_chunks, iters=1)["activation_bytes"]
+
+
+@pytest.mark.slow
+def test_a_window_costs_one_mask_per_chunk_measured_and_estimated():
+    """Four layers attending within 6 of 32 positions: SDPA keeps the chunk's one additive fp32 mask
+    (4 s^2 bytes), not one per layer; the estimate says the same, and both whole figures agree."""
+    base = dict(LLAMA, seq_length=32, micro_batch_size=2)
+    sizes = {}
+    for name, extra in (("full", {}), ("window", dict(window_size=[5, 0])),
+                        ("two-windows", dict(window_size=[5, 0], window_attn_skip_freq=[1, 0, 1, 0]))):
+        settings = dict(base, **extra)
+        (est,) = estimate_stages(cfg_of(1, **settings), device="cpu", backend="gloo", saved=SAVED)
+        sizes[name] = (est["activation_bytes"], _measure_one(settings))
+        assert sizes[name][0] == sizes[name][1], (name, sizes[name])
+    mask = 4 * 32 * 32  # one micro-batch in flight, whatever its size
+    for name in ("window", "two-windows"):
+        assert sizes[name][1] - sizes["full"][1] == mask, sizes
 
 
 def test_layer_bytes_by_hand_gpt2_fp32():
@@ -173,6 +208,16 @@ LAYOUTS = {
                                      sequence_parallel=True, bf16=True, zero_stage=2, offload_optimizer=True),
     "pp2-dp2-zero3-bf16": dict(GPT2, pipeline_model_parallel_size=2, zero_stage=3, bf16=True,
                                global_batch_size=16),
+    # sliding windows of 6 positions in 16-token sequences: one additive mask per chunk, shared
+    "tp2-pp2-window-alternating": dict(LLAMA, window_size=[5, 0], window_attn_skip_freq=2,
+                                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                       global_batch_size=8),
+    "pp2-dp2-gemma2-bf16-zero1": dict(GEMMA2, pipeline_model_parallel_size=2, bf16=True, zero_stage=1,
+                                      global_batch_size=8),
+    "tp2sp-dp2-olmo2-selective": dict(OLMO2, tensor_model_parallel_size=2, sequence_parallel=True,
+                                      recompute_granularity="selective"),
+    "dp4-qwen3-window-nope-full": dict(QWEN3, recompute_granularity="full", recompute_num_layers=2,
+                                       global_batch_size=16),
 }
 
 

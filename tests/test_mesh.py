@@ -260,3 +260,79 @@ def test_parallel_mesh_with_cp_8_ranks():
                                 ("tp-pp", "mp")):
             group = next(g for g in layout[layout_key] if r in g)
             assert out[key] == (sum(group), len(group), group.index(r)), (r, key)
+
+
+# ---- the expert decomposition (etp x ep x edp x pp), against Megatron-core's rule ----------------
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp,order", [
+    (8, 2, 1, 2, 2, 2, "tp-cp-ep-dp-pp"),   # EP 2 x TP 2 x PP 2: edp 1
+    (8, 1, 1, 1, 4, 1, "tp-cp-ep-dp-pp"),   # EP 4 x DP 2
+    (8, 2, 1, 2, 2, 1, "tp-cp-ep-dp-pp"),   # expert TP 1 under TP 2
+    (16, 2, 2, 1, 4, 1, "tp-cp-ep-dp-pp"),  # CP folds into expert DP
+    (16, 4, 1, 2, 2, 2, "tp-cp-ep-dp-pp"),
+    (16, 2, 1, 2, 2, 2, "tp-ep-dp-pp"),
+    (8, 2, 1, 1, 2, 2, "tp-cp-ep-pp-dp"),
+])
+def test_expert_layouts_equal_megatron_rank_generator(world, tp, cp, pp, ep, etp, order):
+    edp = world // (etp * ep * pp)
+    esizes = {"tp": etp, "ep": ep, "dp": edp, "pp": pp, "cp": 1}
+    g = rank_groups(world, tp=tp, pp=pp, order=order, cp=cp, ep=ep, etp=etp)
+    for key, masked in (("etp", ["tp"]), ("ep", ["ep"]), ("edp", ["dp"]), ("etp-ep", ["tp", "ep"])):
+        assert g[key] == megatron_rule(world, esizes, order, masked), key
+    # the dense groups are unchanged by the expert sizes, and both decompositions share the pp groups
+    dense = {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)}
+    assert g["dp-cp"] == megatron_rule(world, dense, order, ["dp", "cp"])
+    assert megatron_rule(world, esizes, order, ["pp"]) == g["pp"]
+    # every expert group family partitions the world
+    for key in ("etp", "ep", "edp", "etp-ep"):
+        assert sorted(r for grp in g[key] for r in grp) == list(range(world))
+
+
+def test_expert_layout_by_hand_ep2_tp2_pp2():
+    # etp 2, ep 2, pp 2 on 8 ranks: expert rank = etp + 2 ep + 4 pp (edp 1)
+    g = rank_groups(8, tp=2, pp=2, ep=2)
+    assert g["etp"] == g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["ep"] == g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["edp"] == [[r] for r in range(8)]
+    assert g["etp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # expert TP 1 under TP 2: the EP group takes the TP pair, expert DP the DP pair
+    g = rank_groups(8, tp=2, pp=2, ep=2, etp=1)
+    assert g["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(world_size=8, tp=2, pp=2, ep=4), "not divisible by --expert-tensor-parallel-size 2 x "
+                                           "--expert-model-parallel-size 4"),
+    (dict(world_size=8, tp=1, pp=1, ep=0), "--expert-model-parallel-size must be a positive integer"),
+    (dict(world_size=8, tp=2, pp=2, ep=2, order="tp-dp-pp"), "does not name axis 'ep'"),
+    (dict(world_size=8, tp=2, pp=2, ep=1, etp=1, order="tp-pp-dp"), "other pipeline groups"),
+])
+def test_expert_layout_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        rank_groups(**kwargs)
+
+
+def test_single_mesh_expert_lookup():
+    m = ParallelMesh.single(torch.device("cpu"))
+    assert m.size("ep") == m.size("etp", "ep") == m.size("edp") == 1 and m.ranks("edp") == [0]
+    with pytest.raises(ValueError, match="not an axis of the expert layers"):
+        m.group("tp", "ep")
+
+
+def _expert_mesh_probe():
+    m = ParallelMesh.build(tp=2, pp=2, ep=2, etp=1)
+    out = {}
+    for axes in (("etp",), ("ep",), ("edp",), ("etp", "ep"), ("dp", "cp")):
+        x = torch.tensor([float(m.rank)])
+        dist.all_reduce(x, group=m.group(*axes))
+        out["-".join(axes)] = (x.item(), m.size(*axes), m.coord(*axes))
+    return out
+
+
+@pytest.mark.slow
+def test_parallel_mesh_expert_groups_8_ranks():
+    res = run_ranks(_expert_mesh_probe, 8)
+    layout = rank_groups(8, 2, 2, ep=2, etp=1)
+    for r, out in enumerate(res):
+        for key in ("etp", "ep", "edp", "etp-ep", "dp-cp"):
+            group = next(g for g in layout[key] if r in g)
+            assert out[key] == (sum(group), len(group), group.index(r)), (r, key)

@@ -3,7 +3,9 @@ counters, start-up errors naming --nvme-path, a disk that fills mid-write, scrat
 import errno
 import gc
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -11,9 +13,12 @@ import pytest
 import torch
 
 from megazero.offload import NvmeSpaceError, NvmeStore, Streamer, aligned_empty, check_nvme_path, swap_bytes
+from megazero.offload.checks import SwapCorruptError
+from megazero.offload.lock import SwapBusyError
 from megazero.offload import nvme
 from megazero.offload.aligned import typed_view
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16384  # small blocks: every tensor of a few KiB spans several requests
 
 SIZES = [1, 3, 1023, 1024, 1025, 4097, 12345, 70001]
@@ -288,8 +293,10 @@ def test_a_disk_that_fills_mid_write_is_named(tmp_path):
             assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC
             assert f"--nvme-path {d}: no space left on device while writing {store.file}" in str(err.value)
             assert torch.equal(store.read("x0"), torch.ones(2 ** 17))
+            with pytest.raises(SwapCorruptError, match=r"block \d+ of 'x1' .*its last write failed"):
+                store.read("x1")  # part of it never reached the disk
             with pytest.raises(NvmeSpaceError, match="while writing"):  # a streamed write-back, too
-                for _k, t in Streamer(store, ["x0", "x1", "x2"], buffer_count=2).run():
+                for _k, t in Streamer(store, ["x0", "x2"], buffer_count=2).run():
                     t[next(iter(t))].add_(1)
         assert os.listdir(d) == []
     finally:
@@ -308,7 +315,7 @@ def test_swap_file_is_scratch(tmp_path):
     with pytest.raises(RuntimeError, match="closed"):
         store.write("a", torch.zeros(1000))
     with NvmeStore(tmp_path, {"a": 1000}) as store:
-        assert os.listdir(tmp_path) == ["rank0.swap"]
+        assert sorted(os.listdir(tmp_path)) == [".rank0.swap.lock", "rank0.swap"]  # its lock beside it
         with pytest.raises(KeyError):
             store.write("b", torch.zeros(1))
         with pytest.raises(ValueError, match="holds 1000 x torch.float32"):
@@ -318,6 +325,78 @@ def test_swap_file_is_scratch(tmp_path):
     del store
     gc.collect()  # dropped without close(): the file goes too
     assert os.listdir(tmp_path) == []
+
+
+def test_a_flipped_byte_and_a_cut_file_are_named_by_file_and_block(tmp_path):
+    """Every block is checksummed when written and checked when read: a byte flipped on disk names the
+    tensor and the block it is in (whatever the alignment: in place, through a copy, the last partial
+    page); a file cut short names the first block past its end.  Blocks never written are not checked."""
+    x = torch.arange(70001, dtype=torch.float32)  # 4 whole 16 KiB blocks, then a partial page
+    with NvmeStore(tmp_path, {"x": 70001, "y": 100}, block_size=BLOCK) as store:
+        assert torch.equal(store.read("y"), torch.zeros(100))  # never written: not checked
+        store.write("x", x)
+        assert torch.equal(store.read("x"), x)
+        for offset, block in ((5, 0), (BLOCK + 7, 1), (4 * BLOCK + 100, 4)):  # the last: the partial page
+            with open(store.file, "r+b") as fh:
+                fh.seek(offset)
+                byte = fh.read(1)
+                fh.seek(offset)
+                fh.write(bytes([byte[0] ^ 0x10]))
+            named = (rf"--nvme-path {tmp_path}: swap file {store.file}, block {block} of 'x' "
+                     r"\(bytes \d+-\d+\): fails its checksum \(\w{16} read, \w{16} written\)")
+            for out in (None, torch.empty(70002)[1:]):  # an aligned buffer, and a copy through one
+                with pytest.raises(SwapCorruptError, match=named):
+                    store.read("x", out)
+            store.write("x", x)  # rewritten: whole again
+        assert torch.equal(store.read("x"), x)
+        os.truncate(store.file, 2 * BLOCK + 10)
+        with pytest.raises(SwapCorruptError, match=r"block 2 of 'x' \(bytes 32768-49151\): lies past the end "
+                                                   r"of the file \(32778 bytes\): it was cut short"):
+            store.read("x")
+
+
+def test_a_second_store_on_the_same_swap_file_is_refused_and_the_first_is_not_truncated(tmp_path):
+    """The swap file's lock is taken before the file is opened: a second run's store names the holder
+    and leaves the file alone; a store of another name (another tier) shares the directory."""
+    holder = subprocess.Popen(  # a store's lock and file (without importing torch: quick)
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+         "from megazero.run_lock import RunLock; RunLock.acquire(sys.argv[2] + '/.rank0.swap.lock'); "
+         "open(sys.argv[2] + '/rank0.swap', 'wb').write(b'state' * 4096); print('held', flush=True); "
+         "time.sleep(120)", ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = open(tmp_path / "rank0.swap", "rb").read()
+        holder_named = (rf"--nvme-path {tmp_path}: another run is using the swap file {tmp_path}/rank0.swap "
+                        rf"\(run \w+, pid {holder.pid} on {socket.gethostname()}, since .*\). Two runs must "
+                        "not share")
+        with pytest.raises(SwapBusyError, match=holder_named):
+            NvmeStore(tmp_path, {"b": 10}, block_size=BLOCK)
+        assert open(tmp_path / "rank0.swap", "rb").read() == before
+        with NvmeStore(tmp_path, {"b": 10}, block_size=BLOCK, name="params-rank"):
+            pass  # another file: allowed
+    finally:
+        holder.kill()
+        holder.wait()
+    with NvmeStore(tmp_path, {"b": 10}, block_size=BLOCK):  # the holder died: the lock is free at once
+        pass
+    assert os.listdir(tmp_path) == []  # the dead holder's scratch file was reused, then removed
+
+
+def test_a_store_dropped_with_requests_in_flight_frees_its_file_and_lock_at_once(tmp_path, monkeypatch):
+    """The requests on the I/O threads hold no reference to the store: dropping it finishes them,
+    removes the file and releases its lock in the dropping thread (a request that held the store
+    kept it, and its lock, alive, and ran its finalizer on an I/O thread: "cannot join current
+    thread")."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    for _ in range(8):
+        store = NvmeStore(tmp_path, {"a": 100000}, block_size=BLOCK)
+        handle = store.write_async("a", torch.ones(100000))
+        del store
+        assert os.listdir(tmp_path) == []  # gone at once, lock and all: the next store may take the file
+        handle.wait()
+    gc.collect()
+    assert unraisable == []
 
 
 @pytest.mark.gpu
@@ -340,9 +419,10 @@ def test_cuda_tensors_go_through_pinned_buffers(tmp_path):
 def test_the_benchmark_runs_and_cleans_up(tmp_path):  # a subprocess: ~5 s on 2 busy cores
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--dir", str(tmp_path), "--raw-mib", "8", "--blocks", "1", "--threads", "1", "2",
-            "--state-mib", "8", "--subgroup-mib", "4", "--rounds", "1"]
+            "--state-mib", "8", "--subgroup-mib", "4", "--rounds", "1", "--checksum-rounds", "1"]
     proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_nvme_io.py")] + args,
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "peak: write" in proc.stdout and "I/O only" in proc.stdout and "synchronous" in proc.stdout
+    assert re.search(r"zlib crc32 +\d+ ms/step +[\d.]+x the step without", proc.stdout), proc.stdout
     assert os.listdir(tmp_path) == []

@@ -3,6 +3,7 @@ weight equal to the in-memory run (the same operations on the same numbers, so b
 1/2/3, DP, TP x PP x DP, fp16 with a skipped step; checkpoints written by an NVMe run load into the
 in-memory layout and back; bad input is refused by flag name before training starts."""
 import os
+import re
 
 import pytest
 import torch
@@ -231,6 +232,119 @@ def test_a_disk_that_fills_mid_run_stops_it_and_the_last_checkpoint_resumes(tmp_
     rest = _run(_cfg(4, load=ck))
     assert [m["iteration"] for m in rest] == [3, 4]
     assert [m["loss"] for m in rest] == [m["loss"] for m in ref[2:]]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+
+
+def _nvme_flags(swap, iters=100000):
+    """A tiny ZeRO-3 run with the parameters and the optimizer state on NVMe (both swap files)."""
+    return ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--vocab-size", "100", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--optimizer", "adam", "--lr", "1e-3", "--train-iters", str(iters),
+            "--log-interval", "1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "3",
+            "--offload-optimizer-device", "nvme", "--offload-param-device", "nvme", "--nvme-path", str(swap),
+            "--nvme-buffer-size", str(BUFFER), "--nvme-block-size", "16384"]
+
+
+def _start(log, flags, *extra):
+    """pretrain_gpt.py with ``flags``, its output in ``log`` (stdout) and ``log.err``, once it trains."""
+    import subprocess
+    import sys
+    import time
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, SCRIPT, *flags, *extra], env=env, stdout=open(log, "w"),
+                            stderr=open(f"{log}.err", "w"))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:  # both swap files written by iteration 2
+        if re.search(r"^iteration +2/", open(log).read(), re.M):
+            return proc
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(open(f"{log}.err").read()[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("harm,file,problem", [
+    ("flip", "rank0.swap", r"fails its checksum \(\w{16} read, \w{16} written\)"),
+    ("cut", "params-rank0.swap", r"lies past the end of the file \(\d+ bytes\): it was cut short"),
+])
+def test_a_swap_file_changed_under_a_run_stops_it_in_one_line(tmp_path, harm, file, problem):
+    """Bytes flipped in the optimizer's swap file, or the parameters' swap file cut short, while the
+    run trains (again and again, until a read finds it): exit status 1 and one line naming the file
+    and the block, where the first used to train on to `loss nan` and the second to 87 lines with
+    two tracebacks."""
+    import subprocess
+    import time
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    log = str(tmp_path / "out.log")
+    proc = _start(log, _nvme_flags(swap))
+    path = str(swap / file)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not os.path.exists(path):  # the run has stopped (and removed it)
+                time.sleep(0.02)
+                continue
+            size = os.path.getsize(path)
+            if harm == "cut":
+                os.truncate(path, size // 2)
+            else:
+                with open(path, "r+b") as fh:
+                    for offset in range(9, size, 16384):  # a byte of every block
+                        fh.seek(offset)
+                        byte = fh.read(1)
+                        fh.seek(offset)
+                        fh.write(bytes([byte[0] ^ 0xFF]))
+            time.sleep(0.02)
+        code = proc.wait(timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        raise
+    err = open(f"{log}.err").read().splitlines()
+    assert code == 1 and len(err) == 1, "\n".join(err[-40:])
+    named = (rf"pretrain_gpt.py: error: rank 0: --nvme-path {swap}: swap file {path}, block \d+ of '[\w.]+' "
+             rf"\(bytes \d+-\d+\): {problem}; .* resume from the last checkpoint")
+    assert re.match(named, err[0]), err[0]
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_nvme_path_is_refused_in_one_line_and_the_first_trains_on(tmp_path, capfd):
+    """Run A trains with both tiers on NVMe; run B (2 ranks) is given the same --nvme-path: its rank 0
+    finds params-rank0.swap held, its rank 1 gets params-rank1.swap, and every rank refuses alike (exit
+    status 2,
+    one line from rank 0 naming A's pid and host); A, whose files were not touched, trains on and
+    stops cleanly on SIGTERM."""
+    import signal
+    import socket
+    from models.cli import pretrain_main
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    log = str(tmp_path / "first.log")
+    first = _start(log, _nvme_flags(swap), "--exit-signal-handler")
+    try:
+        capfd.readouterr()
+        assert run_ranks(pretrain_main, 2, _nvme_flags(swap, iters=2), timeout=300) == [2, 2]
+        out = capfd.readouterr()
+        lines = [line for line in (out.out + out.err).splitlines() if "error" in line]
+        assert len(lines) == 1 and re.fullmatch(
+            rf"pretrain_gpt.py: error: --nvme-path {swap}: another run is using the swap file "
+            rf"{swap}/params-rank0.swap \(run \w+, pid {first.pid} on {socket.gethostname()}, since "
+            rf"[\d: -]+; lock {swap}/.params-rank0.swap.lock\). Two runs must not share a --nvme-path "
+            "directory: wait for that run to end, stop it, or give this run its own --nvme-path",
+            lines[0]), lines[0]
+        assert not (swap / "params-rank1.swap").exists()  # rank 1 closed the store it had opened
+        first.send_signal(signal.SIGTERM)
+        code = first.wait(timeout=120)
+    finally:
+        first.kill()
+    assert code == 0 and "stopping after iteration" in open(log).read(), open(f"{log}.err").read()[-3000:]
+    assert open(f"{log}.err").read() == ""
 
 
 def test_megatron_flags_and_the_offload_fraction(tmp_path):

@@ -94,6 +94,18 @@ def test_nan_guard_counts_and_names_the_iteration():
     assert all(off.check(i, float("nan"), None, skipped=True) for i in range(10))
 
 
+def _signal_this_process():
+    """In a child process (run_ranks), never the pytest process: SIGUSR1 to itself under ExitSignals."""
+    mesh = ParallelMesh.single(torch.device("cpu"))
+    res = validate(_settings(exit_interval=3), 1).resilience
+    signals = ExitSignals(["SIGUSR1"])
+    with signals:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        seen = (signals.received, StopConditions(res, signals).reason(1, mesh))
+    return seen, signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
 def test_stop_conditions_interval_duration_and_signal():
     mesh = ParallelMesh.single(torch.device("cpu"))
     res = validate(_settings(exit_interval=3), 1).resilience
@@ -102,13 +114,9 @@ def test_stop_conditions_interval_duration_and_signal():
     late = StopConditions(validate(_settings(exit_duration_in_mins=0.5), 1).resilience, None,
                           started=time.monotonic() - 31)
     assert late.reason(1, mesh) == "--exit-duration-in-mins 0.5 reached"
-    signals = ExitSignals(["SIGUSR1"])
-    with signals:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)
-        assert signals.received == "SIGUSR1"
-        assert StopConditions(res, signals).reason(1, mesh) == "SIGUSR1 received (--exit-signal-handler)"
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # restored
+    [(seen, restored)] = run_ranks(_signal_this_process, 1)
+    assert seen == ("SIGUSR1", "SIGUSR1 received (--exit-signal-handler)")
+    assert restored  # the handler is put back on leaving
 
 
 def test_fault_injection_spec():
@@ -144,6 +152,45 @@ def test_one_report_per_failure(capsys):
     except KeyError as bug:
         assert report_failure(bug, rank=2, world_size=4, wait=0) == 1
     assert "Traceback" in capsys.readouterr().err  # a bug keeps its traceback
+
+
+def _rewrite_error_file(path, stop):
+    os.environ["TORCHELASTIC_ERROR_FILE"] = path
+    from megazero.resilience.errors import write_error_file
+    while not stop.is_set():
+        write_error_file("--global-batch-size 8 differs from the last batch size 16")
+
+
+def test_the_error_file_is_never_seen_half_written(tmp_path):
+    """torchrun's agent parses the error file of every rank it ends (torch's ProcessFailure, the reader
+    used here), possibly while that rank is writing it: a file rewritten in place was read empty
+    (JSONDecodeError inside torchrun, 57 lines, exit 1 instead of the usage error's 2).  A rank
+    rewrites its file in a loop while this process reads it as the agent does."""
+    import logging
+    import multiprocessing
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    path = str(tmp_path / "error.json")
+    stop = multiprocessing.get_context("fork").Event()
+    writer = multiprocessing.get_context("fork").Process(target=_rewrite_error_file, args=(path, stop))
+    writer.start()
+    reads, bad = 0, []
+    logging.disable(logging.CRITICAL)  # ProcessFailure logs the traceback of a file it cannot parse
+    try:
+        deadline = time.monotonic() + 0.1
+        while time.monotonic() < deadline or reads < 20:
+            if os.path.exists(path):
+                reads += 1
+                try:
+                    failure = ProcessFailure(local_rank=1, pid=writer.pid, exitcode=2, error_file=path)
+                    assert failure.message["message"].startswith("--global-batch-size 8 differs")
+                except ValueError as err:  # json.JSONDecodeError
+                    bad.append(err)
+    finally:
+        logging.disable(logging.NOTSET)
+        stop.set()
+        writer.join()
+    assert not bad, f"{len(bad)} of {reads} reads found the error file half-written: {bad[0]}"
+    assert not [n for n in os.listdir(tmp_path) if n != "error.json"]  # no temporary file left
 
 
 def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(capsys):
@@ -359,23 +406,31 @@ def _state(pid):
 
 
 @pytest.mark.slow
-def test_a_bad_flag_is_reported_once_in_every_launch(tmp_path):
-    """Bad flags under torchrun: rank 0 prints the message; the other rank waits for the launcher,
-    so the message never vanishes (it used to in 2 of 31 launches).  Launched a few at a time: 2 in
-    the suite, MEGAZERO_BAD_FLAG_LAUNCHES=30 to look for the rare loss."""
-    launches = int(os.environ.get("MEGAZERO_BAD_FLAG_LAUNCHES", "2"))
-    needle = "pretrain_gpt.py: error: --hidden-size 30 is not divisible by --num-attention-heads 4"
+def test_a_usage_error_is_one_line_and_status_2_in_every_launch(tmp_path):
+    """A usage error (Megatron-LM's --global-batch-size with a --step-batch-size-schedule that ends
+    elsewhere) under scripts/launch.py with 8 ranks: exit status 2 and one line, rank 0's message.
+    Rank 0 prints it; the others wait for the launcher, so the message never vanishes (it used to in
+    2 of 31 launches); torchrun's agent parses the error file of every rank it ends, which a rank
+    must never leave half-written (it crashed the agent with a JSONDecodeError, 3 launches in 3).
+    One launch in the suite; MEGAZERO_BAD_FLAG_LAUNCHES=N runs N, two at a time (10 to show the
+    race gone, 30 to look for a rare loss)."""
+    launches = int(os.environ.get("MEGAZERO_BAD_FLAG_LAUNCHES", "1"))
+    flags = ["--global-batch-size", "8", "--step-batch-size-schedule", "0:8 100:16"]
+    needle = ("pretrain_gpt.py: error: --global-batch-size 8 differs from the last batch size 16 of "
+              "--step-batch-size-schedule")
+    launcher = [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--standalone",
+                "--nproc-per-node", "8", SCRIPT, *TINY, "--train-iters", "3"]
     done = 0
     while done < launches:
-        batch = min(4, launches - done)
-        runs = [Launch(_torchrun(2, "--hidden-size", "30"), _env(), str(tmp_path / f"{done + i}.log"),
-                       str(tmp_path)) for i in range(batch)]
+        batch = min(2, launches - done)
+        runs = [Launch(launcher + flags, _env(), str(tmp_path / f"{done + i}.log"), str(tmp_path))
+                for i in range(batch)]
         try:
             for i, run in enumerate(runs):
-                assert run.wait(300) != 0
-                out = run.text()
-                assert out.count(needle) == 1, f"launch {done + i}:\n{out[-3000:]}"
-                assert re.search(r"exitcode\s*: 2", out), out[-3000:]
+                code = run.wait(300)
+                lines = run.text().splitlines()
+                assert code == 2 and len(lines) == 1 and lines[0].startswith(needle), \
+                    f"launch {done + i}: status {code}\n" + "\n".join(lines[-40:])
         finally:
             for run in runs:
                 run.__exit__(None, None, None)

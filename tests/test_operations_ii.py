@@ -1,6 +1,7 @@
 """Operations II: divergence never becomes the checkpoint to resume from, one voice under the launcher,
 preemption that always saves, fine-tunes that resume, asynchronous saves, pruning.  End-to-end runs
 reuse the torchrun harness of test_operations.py (every process killed in ``finally``)."""
+import json
 import math
 import os
 import re
@@ -156,6 +157,8 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
         run.wait_for(r"iteration +3/1000", 300)
         pids = [run.proc.pid] + _children(run.proc.pid)
         assert len(pids) == 5, pids
+        stores = _listening(run.proc.pid)  # the agent's stores: on 127.0.0.1 only (torchrun: every interface)
+        assert stores and all(addr == "127.0.0.1" for addr, _ in stores), stores
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         assert run.wait(300) == 0, run.text()[-3000:]
@@ -413,22 +416,68 @@ def test_the_launcher_line_names_the_stopped_rank_from_the_error_files(tmp_path,
     assert line == "rank 0 exited with status 1 first; its messages are above"  # an exited rank failed itself
 
 
-def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save(tmp_path, monkeypatch):
+class _DiskFillsAt:
+    """A metrics file on a disk that fills during write number ``at``: that write puts ``room`` bytes
+    of its row on disk, then fails with ENOSPC (a row cut short, no newline), as a full disk does."""
+
+    def __init__(self, fh, at, room=40):
+        self.fh, self.at, self.room, self.writes = fh, at, room, 0
+
+    def write(self, text):
+        self.writes += 1
+        if self.writes < self.at:
+            return self.fh.write(text)
+        self.fh.write(text[:self.room] if self.writes == self.at else "")
+        self.fh.flush()
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        self.fh.flush()
+
+    def close(self):
+        self.fh.close()
+
+
+def _read_metrics(path):
+    """scripts/plot_metrics.py's reader (raises on a line that is not JSON)."""
+    import importlib.util
+    script = os.path.join(ROOT, "scripts", "plot_metrics.py")
+    spec = importlib.util.spec_from_file_location("plot_metrics", script)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.read_metrics(path)
+
+
+def test_a_full_metrics_disk_stops_with_one_line_and_an_emergency_save_and_the_resume_repairs_the_file(
+        tmp_path, monkeypatch):
+    """The disk fills while iteration 3's row is written: the row is cut short (no newline), the run
+    stops with one line and an emergency save at iteration 3.  The resume repairs the file (the cut
+    row goes; iteration 3's row, kept in the checkpoint, is written whole) and appends after it:
+    plot_metrics.py reads every iteration once, with the losses of an uninterrupted run."""
     from megazero.resilience import FatalError
     from megazero.training.log import TrainingLogger
-    real = TrainingLogger._write_files
+    real_open = TrainingLogger._open_metrics
 
-    def full(self, it, metrics):
-        if it >= 3:
-            raise OSError(28, "No space left on device")
-        return real(self, it, metrics)
-    monkeypatch.setattr(TrainingLogger, "_write_files", full)
+    def open_on_a_filling_disk(self, *args):
+        real_open(self, *args)
+        self.metrics_fh = _DiskFillsAt(self.metrics_fh, at=3)
+    monkeypatch.setattr(TrainingLogger, "_open_metrics", open_on_a_filling_disk)
     d, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     needle = (r"--metrics-file \S+m.jsonl: no space left on device \(errno 28\) at iteration 3; stopped with "
               r"an emergency save \(saved checkpoint at iteration 3")
     with pytest.raises(FatalError, match=needle):
-        _train(_settings(train_iters=8, save=d, save_interval=5, metrics_file=metrics))
-    assert latest_iteration(d) == 3 and len(open(metrics).readlines()) == 2
+        _train(_settings(train_iters=6, save=d, save_interval=5, metrics_file=metrics))
+    text = open(metrics).read()
+    assert latest_iteration(d) == 3 and text.count("\n") == 2 and text.endswith(text.splitlines()[2])
+    with pytest.raises(ValueError, match="m.jsonl:3: not a JSON line"):
+        _read_metrics(metrics)  # what the file looked like before it was repaired on resume
+    monkeypatch.undo()
+    resumed = _train(_settings(train_iters=6, load=d, metrics_file=metrics))
+    assert [m["iteration"] for m in resumed] == [4, 5, 6]
+    rows = [json.loads(line) for line in open(metrics)]  # every line whole
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    ref = _train(_settings(train_iters=6))
+    assert [m["loss"] for m in _read_metrics(metrics).values()] == _losses(ref)
 
 
 # ---- launch scripts ---------------------------------------------------------------------------
@@ -519,18 +568,26 @@ def test_run_multinode_with_two_agents_on_localhost(tmp_path):
     assert latest_iteration(d) == 3
 
 
-def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+def _repeated_signals():
+    """In a child process (run_ranks), never the pytest process: SIGUSR1 three times, then once more
+    after the save started."""
     from megazero.resilience import ExitSignals
     signals = ExitSignals(["SIGUSR1"], grace=0.3)
     with signals:
         for _ in range(3):  # the scheduler's, the launcher's forwarded copy, the agent's death
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.02)
-        assert signals.received == "SIGUSR1" and signals.repeats == 2  # still alive: one request
+        before = (signals.received, signals.repeats)
         signals.saving()
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(0.02)
-        assert signals.repeats == 3  # within the grace period after the save started
+        return before, signals.repeats
+
+
+def test_repeated_signals_are_one_request_until_the_grace_period_after_the_save_started():
+    [(before, after)] = run_ranks(_repeated_signals, 1)
+    assert before == ("SIGUSR1", 2)  # still alive: one request
+    assert after == 3  # within the grace period after the save started
     child = subprocess.run([sys.executable, "-c", (
         "import os, signal, time\n"
         "from megazero.resilience.signals import ExitSignals\n"
@@ -643,3 +700,63 @@ def test_the_launcher_refuses_a_bad_join_timeout(capsys):
     from models.cli import launch_main
     assert launch_main(["--join-timeout", "soon", "--nnodes", "2", "x.py"]) == 2
     assert "launch.py: error: --join-timeout needs seconds (0 or more), got 'soon'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:999999"],
+     "launch.py: error: --rdzv-endpoint localhost:999999: The port number of the rendezvous endpoint "
+     "'localhost:999999' must be an integer between 0 and 65536."),
+    (["--master-port", "99999"],
+     "launch.py: error: --master-port 99999: a port number is between 0 and 65535"),
+    (["--nnodes", "1:x"], "launch.py: error: --nnodes 1:x: give a number of nodes, or MIN:MAX"),
+    (["--nproc-per-node", "two"],
+     "launch.py: error: --nproc-per-node: Unsupported nproc_per_node value: two"),
+])
+def test_a_bad_launcher_argument_is_one_line_and_status_2(capsys, flags, line):
+    """torchrun raises on these deep inside the launch (a 35-line traceback for the endpoint)."""
+    from models.cli import launch_main
+    assert launch_main(["--nproc-per-node", "2", *flags, "x.py"]) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def _listening(pid):
+    """(address, port) of every TCP socket process ``pid`` listens on (from /proc; IPv6 as '::...')."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for row in open(table).read().splitlines()[1:]:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                addr, port = f[1].split(":")
+                text = ("127.0.0.1" if addr == "0100007F" else "0.0.0.0" if addr == "00000000" else addr) \
+                    if width == 8 else ("::" if set(addr) == {"0"} else addr)
+                out.append((text, int(port, 16)))
+    return out
+
+
+def test_a_single_host_launch_serves_its_stores_on_loopback_only():
+    """torchrun's TCPStore server listens on every interface whatever host it is given; on one host
+    the launcher hands it a socket bound to 127.0.0.1 (and tells the workers to connect there);
+    launches over several nodes are left alone."""
+    import torch.distributed as dist
+    from torch.distributed import run as torchrun
+    from megazero.resilience.loopback import loopback_store_class, single_host
+    store = loopback_store_class(dist.TCPStore)("localhost", 0, is_master=True, multi_tenant=True)
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    client.set("k", "v")
+    assert store.get("k") == b"v" and isinstance(store, dist.TCPStore)
+    assert ("127.0.0.1", store.port) in _listening(os.getpid())
+    assert not [a for a, p in _listening(os.getpid()) if p == store.port and a != "127.0.0.1"]
+    one = [["--standalone"], ["--nnodes", "1"],
+           ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400"]]
+    many = [["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400"],
+            ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400"],
+            ["--nnodes", "1", "--master-addr", "node0"]]
+    assert [single_host(torchrun.parse_args(f + ["x.py"])) for f in one + many] == [True] * 3 + [False] * 3

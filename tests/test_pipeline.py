@@ -387,7 +387,8 @@ def _gpt_oracle(settings, m, seed):
                (dict(LLAMA, untie_embeddings_and_output_weights=True,
                      decoder_first_pipeline_num_layers=1), 3)]),
     (2, 2, 2, [(dict(GPT, sequence_parallel=True), 3),
-               (dict(GPT, num_layers_per_virtual_pipeline_stage=1), 2)]),
+               (dict(GPT, num_layers_per_virtual_pipeline_stage=1), 2),
+               (dict(GPT, decoder_last_pipeline_num_layers=1), 2)]),
 ])
 def test_gpt_pipeline_matches_oracle(tp, pp, dp, cases):
     results = run_ranks(_gpt_worker, tp * pp * dp, tp, pp, dp, cases)

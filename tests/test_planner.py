@@ -9,9 +9,10 @@ import pytest
 
 import models
 from megazero.config import parse_args
-from megazero.planning.estimate import estimate_stages
-from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, advice, describe, enumerate_layouts,
-                                       flags, layout_config, model_config, peak_memory, plan, step_time)
+from megazero.planning.estimate import estimate_rank, estimate_stages
+from megazero.planning.planner import (GB, GPUS, Hardware, Layout, Link, enumerate_layouts, layout_config,
+                                       peak_memory, plan, step_time)
+from megazero.planning.report import advice, describe, flags, model_config
 
 SAVED = models.saved_activations
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,10 +143,17 @@ def test_calibration_fits_recover_the_constants():
     with pytest.raises(ValueError, match="quieter machine"):
         fit_layer({256: 0.02, 1024: 0.01})
     cal = {"flops": rate, "intra": [alpha, beta], "inter": [alpha, beta], "layer_overhead_s": overhead,
-           "oversubscription": 4.0}
-    machine = Hardware.from_calibration(cal, 64 * GB, 20 * GB, 8)
-    assert (machine.peak_flops, machine.efficiency, machine.intra, machine.oversubscription) == \
-        (rate, 1.0, Link(alpha, beta), 4.0)
+           "oversubscription": 4.0, "cores": 2, "core_flops": 8 * rate}
+    machine = Hardware.from_calibration(cal, 64 * GB, 8)  # the calibrated machine: 8 ranks on 2 cores
+    assert (machine.intra, machine.oversubscription, machine.layer_overhead_s) == \
+        (Link(alpha, beta), 4.0, overhead)
+    # a rank computes at the rate measured for it; a core's peak (8 x) shared by 4 ranks is its peak
+    assert machine.peak_flops * machine.efficiency == pytest.approx(rate, rel=1e-12)
+    assert (machine.peak_flops, machine.efficiency) == pytest.approx((2 * rate, 0.5), rel=1e-12)
+    # 2 ranks on the same 2 cores: a core each, 4x the rate and a quarter of the fixed cost per layer
+    pair = Hardware.from_calibration(cal, 64 * GB, 2)
+    assert (pair.peak_flops * pair.efficiency, pair.oversubscription, pair.layer_overhead_s) == \
+        pytest.approx((4 * rate, 1.0, overhead / 4), rel=1e-12)
 
 
 def test_nothing_fits_gives_the_smallest_change():
@@ -187,6 +195,11 @@ def test_plan_json_schema():
     (["--gpus", "8", "--gpu-memory-gb", "-1"], "--gpu-memory-gb"),
     (["--gpus", "8", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size"),
     (["--gpus", "8", "--num-attention-heads", "0"], "--num-attention-heads"),
+    (["--gpus", "8", "--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers"),
+    (["--gpus", "8", "--device", "cuda", "--host-cores", "2"], "--host-cores"),
+    (["--gpus", "8", "--device", "cpu", "--gpu-memory-gb", "23"], "--gpu-memory-gb"),
+    (["--gpus", "8", "--host-memory-gb", "0"], "--host-memory-gb"),
+    (["--gpus", "8", "--offload-param-device", "cpu"], "--offload-param-device"),
 ])
 def test_bad_input_names_the_flag(args, flag, capsys):
     from models.cli import plan_main  # in-process: the script itself is run by test_plan_json_schema
@@ -207,7 +220,8 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
     assert (cal["flops"] > 1e8 and cal["intra"][0] >= 0 and cal["intra"][1] > 0
             and cal["oversubscription"] >= 1)
     assert 1e6 < cal["disk_bytes_per_s"] < 1e12 and os.listdir(tmp_path) == []  # its swap file removed
-    assert Hardware.from_calibration(cal, 1e9, 1e10, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
+    assert Hardware.from_calibration(cal, 1e9, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
+    assert cal["cores"] >= 1 and cal["core_flops"] > 1e8
     assert {n for n, _, _ in cal["allreduce_points"]} == {2}
     cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
     cal_path.write_text(json.dumps(cal))
@@ -264,3 +278,139 @@ def test_nvme_tiers_add_their_bytes_at_the_disk_bandwidth():
     assert params > base_t["compute_s"]  # the case where the parameters' I/O outlasts the compute
     fast = dataclasses.replace(disk, disk_bytes_per_s=1e15)  # the parameters' I/O hidden: the optimizer's
     assert step_time(both, fast)["nvme_s"] == pytest.approx(owned * 24 / (1e15 / 8), rel=1e-12)
+
+
+# ---- uneven pipeline stages, the attention kernel ---------------------------------------------
+def test_pipeline_sizes_that_do_not_divide_the_layers_get_the_most_even_uneven_split():
+    from megazero.pipeline.partition import balanced_split, stage_layer_counts
+    assert [balanced_split(*a) for a in ((126, 16), (10, 4), (5, 2), (9, 8), (8, 4), (3, 4))] == \
+        [(7, 7), (2, 2), (2, 3), (1, 2), None, None]
+    args = ["--num-layers", "6"] + MODEL[2:]
+    cfg = base(args=args)
+    layouts = list(enumerate_layouts(cfg, 8, 8, recompute=("none",)))
+    pp4 = [x for x in layouts if x.pp == 4]
+    assert pp4 and all((x.first, x.last, x.vpp) == (1, 1, 1) for x in pp4)
+    assert all(x.first is None for x in layouts if x.pp != 4) and {x.pp for x in layouts} == {1, 2, 4}
+    x = next(x for x in pp4 if x.zero_stage == 0 and x.tp == 1 and x.micro_batch_size == 1)
+    assert "PP 4 (first 1, last 1 layers)" in describe(x)
+    parsed = parse_args(flags(x, args, cfg) + ["--mock-data"], presets=models.PRESETS, world_size=8)
+    par = parsed.parallel
+    assert stage_layer_counts(6, 4, par.decoder_first_pipeline_num_layers,
+                              par.decoder_last_pipeline_num_layers) == [1, 2, 2, 1]
+    # stage 1 holds the most (3 micro-batches in flight of 2 layers, against 4 of 1 on stage 0):
+    # the memory filter takes every stage that can be the most loaded
+    lc = layout_config(cfg, x, 8)
+    stages = [estimate_rank(lc, r, saved=SAVED)["total_bytes"] for r in range(4)]
+    assert stages.index(max(stages)) == 1 and peak_memory(lc, saved=SAVED) == max(stages)
+
+
+@pytest.mark.slow
+def test_attention_backend_unfused_keeps_the_scores_and_costs_time(capsys):
+    """Megatron-LM's --attention-backend: unfused (and local) keep the s x s scores in the memory
+    model and time them in the shape model; flash, fused and auto do neither."""
+    from megazero.planning.activations import dims
+    from megazero.planning.gpu_model import GPU_TYPES
+    from models.cli import plan_main
+    from models.saved_activations import core_bytes
+    cfg = base(seq=512, gbs=8)
+    lc = layout_config(cfg, Layout(1, 1, 1, 1, 0, "none", False, 1), 1)
+    flash, unfused = (estimate_rank(lc, 0, saved=SAVED, attention=a)["activation_bytes"]
+                      for a in ("flash", "unfused"))
+    D = dims(lc, "cuda", "unfused")
+    per_layer = core_bytes(D) - core_bytes(dims(lc, "cuda"))
+    assert unfused - flash == 8 * per_layer  # one micro-batch in flight, 8 layers
+    assert per_layer >= D.b * D.ap * D.s ** 2 * (2 * D.E + D.M)  # softmax, dropout mask and output
+    a100 = GPU_TYPES["A100"]
+    assert step_time(lc, Hardware.for_gpu(a100, attention="unfused"))["step_time_s"] > \
+        step_time(lc, Hardware.for_gpu(a100))["step_time_s"]
+    got = {}
+    for backend in ("flash", "fused", "unfused", "local"):
+        assert plan_main(["--gpus", "1", "--gpu", "A100", "--seq-length", "512", "--global-batch-size", "8",
+                          "--micro-batch-sizes", "1", "--recompute", "none", "--json", *MODEL,
+                          "--attention-backend", backend]) == 0
+        (x,) = json.loads(capsys.readouterr().out)
+        got[backend] = (x["memory_gb"], x["step_time_s"])
+    assert got["flash"] == got["fused"] and got["unfused"] == got["local"]
+    assert got["unfused"][0] > got["flash"][0] and got["unfused"][1] > got["flash"][1]
+    assert got["unfused"][0] == pytest.approx(peak_memory(lc, saved=SAVED, attention="unfused") / GB,
+                                              abs=1e-3)
+
+
+# ---- CPU hosts: ranks share the host's memory, cores and disk ----------------------------------
+XL_HOST = ["--gpus", "2", "--host-cores", "2", "--host-memory-gb", "23", "--host-disk-gb", "100",
+           "--model", "gpt2-xl", "--seq-length", "256", "--global-batch-size", "2"]
+TIERS = ["--offload-optimizer-device", "nvme", "--offload-param-device", "nvme",
+         "--nvme-path", "/tmp/xl/swap"]
+
+
+@pytest.mark.slow
+def test_two_ranks_on_a_23_gb_host_share_it_and_plan_gpt2_xl_with_nvme_offload(capsys):
+    """plan.py --gpus 2 on a 2-core, 23 GB host (injected; default: this machine's): the ranks share
+    23 GB, which GPT-2 XL's fp32 Adam state (25 GB) does not fit without the disk."""
+    from models.cli import plan_main
+    assert plan_main(XL_HOST) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("nothing fits 2 ranks sharing one host of 2 cores and 23 GB with a 10% margin; "
+                          "smallest change: add --offload-optimizer-device nvme --nvme-path DIR"), out
+    assert "of the host's 23 GB (2 ranks sharing it)" in out
+    # 23 GB for each rank, as two GPUs would have, fits without offload: the defect this fixes
+    assert plan_main(XL_HOST[:2] + ["--gpu-memory-gb", "23", "--fp32"] + XL_HOST[8:]) == 0
+    capsys.readouterr()
+    assert plan_main(XL_HOST + TIERS + ["--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found and all(x["zero_stage"] == 3 and x["host_memory_gb"] <= 0.9 * 23 for x in found)
+    for x in found:  # the host holds both ranks (PP 1: the same stage twice; PP 2: one of each)
+        assert x["host_memory_gb"] >= (2 if x["pp"] == 1 else 1) * x["memory_gb"] - 2e-3
+        assert x["mfu"] < 0.5 and x["breakdown"]["nvme_s"] > 0 and TIERS[1] in x["flags"]
+    assert any(x["pp"] == 1 and x["dp"] == 2 for x in found)
+    # the README's run: one process, ZeRO-3, both tiers on NVMe, full recomputation
+    one = XL_HOST[2:] + TIERS + ["--gpus", "1", "--global-batch-size", "1", "--recompute", "full",
+                                 "--json"]
+    assert plan_main(one) == 0
+    assert {(x["dp"], x["zero_stage"]) for x in json.loads(capsys.readouterr().out)} >= {(1, 3)}
+    # a disk too small for the swap files is named
+    assert plan_main(XL_HOST[:6] + ["--host-disk-gb", "10"] + XL_HOST[8:] + TIERS) == 1
+    assert "GB of swap files on the host's disk, which has 10 GB free" in capsys.readouterr().out
+    assert plan_main(XL_HOST[:6] + ["--host-disk-gb", "10"] + XL_HOST[8:]) == 1
+    assert "(offloading the optimizer and the parameters to NVMe is not enough: its swap files need more " \
+        "than the 10 GB free on the disk)" in capsys.readouterr().out
+
+
+def test_ranks_on_a_host_share_its_cores_and_mfu_stays_below_a_layers_efficiency():
+    """8 ranks on 2 cores do the work of 2 cores, not of 8; MFU is against the cores' peak."""
+    from megazero.planning.hardware import CPU_EFFICIENCY
+    cfg = model_config(MODEL, models.PRESETS, 256, 64, fp32=True)
+
+    def t(ranks, cores):
+        x = Layout(1, 1, 1, ranks, 0, "none", False, 1)
+        return step_time(layout_config(cfg, x, ranks), Hardware.cpu_host(ranks, cores, 64 * GB))
+    two, eight = t(2, 2), t(8, 2)
+    assert eight["compute_s"] == pytest.approx(two["compute_s"], rel=1e-12)
+    assert eight["step_time_s"] > two["step_time_s"]  # only the communication differs
+    assert t(8, 8)["compute_s"] == pytest.approx(two["compute_s"] / 4, rel=1e-12)
+    found = plan(cfg, 8, Hardware.cpu_host(8, 2, 64 * GB), saved=SAVED, micro_batch_sizes=(1,),
+                 recompute=("none",), zero_stages=(0,))
+    assert found and all(0 < x.step["mfu"] < CPU_EFFICIENCY for x in found)
+
+
+def test_a_hosts_memory_holds_the_sum_of_its_ranks():
+    from megazero.planning.planner import fits, host_memory
+    cfg = model_config(MODEL, models.PRESETS, 128, 32, fp32=True)
+    x = Layout(1, 2, 1, 2, 1, "none", False, 1)
+    lc = layout_config(cfg, x, 4)
+    need = [estimate_rank(lc, r, device="cpu", saved=SAVED) for r in range(2)]
+    need = [int(e["total_bytes"] + e["host_bytes"]) for e in need]
+    assert host_memory(lc, Hardware.cpu_host(4, 4, 1e12), saved=SAVED)[:2] == (max(need), 2 * sum(need))
+    # two hosts of 2 ranks: each holds one stage's pair (ranks run tp-dp-pp)
+    assert host_memory(lc, Hardware.cpu_host(2, 4, 1e12), saved=SAVED)[1] == 2 * max(need)
+    x.memory_bytes, x.host_bytes = max(need), 2 * sum(need)
+    assert not fits(x, Hardware.cpu_host(4, 4, 2 * sum(need) - 1), 2 * sum(need) - 1)
+    assert fits(x, Hardware.cpu_host(4, 4, 2 * sum(need)), 2 * sum(need))
+
+
+def test_a_calibration_without_the_cores_is_refused_with_the_fix(tmp_path, capsys):
+    from models.cli import plan_main
+    old = tmp_path / "cal.json"
+    old.write_text(json.dumps({"flops": 1e10, "intra": [1e-4, 1e-9], "inter": [1e-4, 1e-9]}))
+    assert plan_main(["--gpus", "2", "--calibration", str(old), "--global-batch-size", "8", *MODEL]) == 2
+    assert "run plan.py --calibrate again" in capsys.readouterr().err

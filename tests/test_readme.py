@@ -7,8 +7,17 @@ Every fenced ```bash block is read.  For each ``scripts/*.py`` or ``megazero-*``
 or, for a script that hands its arguments to ``pretrain_gpt.py``, one ``pretrain_gpt.py --help``
 lists; after a ``--`` only the latter.  Nothing is run beyond ``--help`` and ``bash -n``.
 
+Every command that runs ``pretrain_gpt.py`` (directly, as ``megazero-pretrain``, under torchrun or
+``scripts/launch.py``, or through a launcher: ``launch/run_local.sh``, ``run_multinode.sh``,
+``slurm.sbatch``, ``scripts/demo.sh``) is also validated with ``--dry-run`` at its own world size, so a
+changed default cannot break a documented command unseen: the shell launchers run for real under
+bash, with ``python`` (and ``srun``, ``scontrol``, ``nvidia-smi``) replaced by stubs that record the
+command line they were given, which is then dry-run in this process; files the command reads (data,
+tokenizers, a checkpoint to fine-tune) are small stand-ins made in a scratch directory
+(:mod:`doc_commands`).
+
 README.md and docs/usage.md are checked in the fast tier; the other pages, whose commands name
-the benchmark scripts, are marked slow.
+the benchmark scripts, and the dry runs (which build stand-ins) are marked slow.
 """
 import configparser
 import os
@@ -18,6 +27,8 @@ import subprocess
 import sys
 
 import pytest
+
+from doc_commands import CommandError, make_stand_ins, pretrain_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_DOCS = ["README.md", "docs/usage.md"]
@@ -32,6 +43,9 @@ TAKES_PRETRAIN_FLAGS = {"scripts/estimate_memory.py", "scripts/plan.py"}
 SEPARATORS = {"|", "||", "&&", ";", "&"}
 PY_SCRIPT = re.compile(r"(?:^|/)(scripts/[\w/]+\.py)$")
 SH_SCRIPT = re.compile(r"(?:^|/)((?:scripts|launch)/[\w/.-]+\.(?:sh|sbatch))$")
+
+COMMAND_START = re.compile(r"^(?:[A-Z_]+=\S* )*(?:\.venv/bin/)?(?:python3?|torchrun|bash|sbatch|srun|"
+                           r"mkdir|megazero-\S+|(?:\./)?(?:scripts|launch)/\S+) ")
 
 _helps = {}
 
@@ -83,6 +97,16 @@ def bash_blocks(text):
     return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
 
 
+def command_lines_outside_bash_blocks(text):
+    """Lines of other fenced blocks (not python) that start like a command: such a command would
+    escape these checks (output lines start otherwise)."""
+    found = []
+    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+        if lang not in ("bash", "python"):
+            found += [line for line in block.splitlines() if COMMAND_START.match(line)]
+    return found
+
+
 def commands(block):
     """Each command of a bash block as a token list (continuations joined, comments dropped)."""
     out = []
@@ -125,16 +149,15 @@ def has_option(help_text, flag):
     return re.search(r"(?m)^  (?:-\S+(?: \S+)*?, )*" + re.escape(flag) + r"(?![\w-])", help_text) is not None
 
 
-def documented_commands(doc):
+def documented_token_lists(doc):
+    """Each command of ``doc``'s bash blocks that names a megazero program, as a token list."""
     with open(os.path.join(ROOT, doc)) as f:
         text = f.read()
-    found = []
-    for block in bash_blocks(text):
-        for tokens in commands(block):
-            prog = program(tokens)
-            if prog:
-                found.append((" ".join(tokens), *prog))
-    return found
+    return [tokens for block in bash_blocks(text) for tokens in commands(block) if program(tokens)]
+
+
+def documented_commands(doc):
+    return [(" ".join(tokens), *program(tokens)) for tokens in documented_token_lists(doc)]
 
 
 def console_scripts():
@@ -223,6 +246,18 @@ def test_links_between_the_docs_reach_a_file_and_heading():
     assert bad == []
 
 
+def test_commands_are_in_bash_blocks_where_they_are_checked():
+    bad = {}
+    for doc in FAST_DOCS + OTHER_DOCS:
+        with open(os.path.join(ROOT, doc)) as f:
+            lines = command_lines_outside_bash_blocks(f.read())
+        if lines:
+            bad[doc] = lines
+    assert bad == {}
+    block = "```\npython scripts/plan.py --gpus 8\n[rank0]: done\n```\n"
+    assert command_lines_outside_bash_blocks(block) == ["python scripts/plan.py --gpus 8"]
+
+
 @pytest.mark.parametrize("doc", FAST_DOCS)
 def test_commands_in_the_readme_and_usage_guide_match_the_programs(doc):
     found = documented_commands(doc)
@@ -250,3 +285,92 @@ def test_the_check_reads_the_readme_and_catches_a_wrong_flag():
         "launch/run_local.sh does not take --max-restarts",
         "bash scripts/no_such_script.sh: scripts/no_such_script.sh does not exist",
     ]
+
+
+def dry_run_problems(token_lists, scratch, monkeypatch, capsys):
+    """Dry-run every pretrain_gpt.py run of the commands at its world size, in ``scratch`` (stand-ins
+    for the files they read made there); returns (the runs checked, what failed)."""
+    from models.cli import pretrain_main
+    checked, bad = [], []
+    monkeypatch.chdir(scratch)
+    for tokens in token_lists:
+        what = " ".join(tokens)
+        try:
+            runs = pretrain_runs(tokens, str(scratch))
+        except CommandError as err:
+            bad.append(str(err))
+            continue
+        for world, args in runs:
+            make_stand_ins(args)
+            monkeypatch.setenv("WORLD_SIZE", str(world))
+            code = pretrain_main(args + ["--dry-run"])
+            out = capsys.readouterr()
+            checked.append((world, what))
+            if code != 0 or f"valid for {world} ranks" not in out.out:
+                said = (out.out + out.err).strip()
+                bad.append(f"{what}: at {world} ranks, --dry-run exited {code}: {said}")
+    return checked, bad
+
+
+@pytest.mark.slow
+def test_every_documented_training_command_passes_a_dry_run_at_its_world_size(tmp_path, monkeypatch, capsys):
+    lists = [(doc, tokens) for doc in FAST_DOCS + OTHER_DOCS for tokens in documented_token_lists(doc)]
+    checked, bad = dry_run_problems([t for _, t in lists], tmp_path, monkeypatch, capsys)
+    assert bad == []
+    # the check found the commands that start training, each at its own world size
+    anchors = [(8, "bash scripts/demo.sh"), (8, "torchrun --nproc-per-node 8 scripts/pretrain_gpt.py"),
+               (1, ".venv/bin/python scripts/pretrain_gpt.py"), (8, "NPROC=8 launch/run_local.sh"),
+               (64, "WORLD_SIZE=64 python scripts/pretrain_gpt.py"), (16, "sbatch launch/slurm.sbatch"),
+               (32, "launch/run_multinode.sh --nnodes 4"), (2, "MEGAZERO_FAULT=sigkill@1:6 NPROC=2 launch")]
+    for world, start in anchors:
+        assert any(w == world and what.startswith(start) for w, what in checked), (world, start, checked)
+    assert len(checked) >= 19
+
+
+@pytest.mark.slow
+def test_the_dry_run_check_finds_world_sizes_and_catches_bad_commands(tmp_path, monkeypatch, capsys):
+    block = ("torchrun --nnodes 2:4 --nproc_per_node=4 scripts/pretrain_gpt.py --model tiny --mock-data\n"
+             "NPROC=3 launch/run_local.sh --model tiny --mock-data --tensor-model-parallel-size 2\n"
+             "sbatch --nodes 4 --gpus-per-node 2 launch/slurm.sbatch --model tiny --mock-data\n"
+             "WORLD_SIZE=2 megazero-pretrain --model tiny --mock-data --context-parallel-size 2\n"
+             "bash scripts/test.sh -k nothing   # runs no training: not started here\n")
+    checked, bad = dry_run_problems(commands(block), tmp_path, monkeypatch, capsys)
+    assert [w for w, _ in checked] == [8, 16, 3, 8, 2]
+    assert len(bad) == 2
+    assert bad[0].startswith("NPROC=3 launch/run_local.sh --model tiny --mock-data "
+                             "--tensor-model-parallel-size 2: at 3 ranks, --dry-run exited 2: ")
+    assert "--tensor-model-parallel-size" in bad[0].split("exited 2: ")[1]
+    assert bad[1].startswith("WORLD_SIZE=2 megazero-pretrain") and "--attention-dropout 0.1" in bad[1]
+
+
+def where_things_live():
+    """docs/design.md's "Where things live" block: {package path: the text about it}; "" is the top of
+    megazero/ (files directly in it) and models/ the top of models/."""
+    with open(os.path.join(ROOT, "docs", "design.md")) as f:
+        text = f.read()
+    block = re.search(r"^## Where things live\n\n```\n(.*?)^```", text, re.S | re.M).group(1)
+    sections, top, current = {}, None, None
+    for line in block.splitlines():
+        if re.match(r"^\S+/", line):
+            top = line.split()[0]
+            current = top
+        elif re.match(r"^  \S+/ ", line):
+            current = top + line.split()[0]
+        sections[current] = sections.get(current, "") + line + "\n"
+    return sections
+
+
+def test_design_names_every_module_where_it_lives():
+    sections = where_things_live()
+    files = subprocess.run(["git", "ls-files", "megazero", "models"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    missing = []
+    for path in files:
+        if not path.endswith((".py", ".txt")) or path.endswith("__init__.py"):
+            continue
+        package, name = path.rsplit("/", 1)
+        parent, _, sub = package.rpartition("/")  # a sub-package may be named under its parent: sub/name
+        if not (has_flag(sections.get(package + "/", ""), name)
+                or has_flag(sections.get(parent + "/", ""), f"{sub}/{name}")):
+            missing.append(path)
+    assert files and missing == [], f"docs/design.md's 'Where things live' does not name {missing}"

@@ -10,7 +10,7 @@ import torch
 
 from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
-                                     model_flops_per_iteration, peak_flops)
+                                     layer_forward_flops_per_token, model_flops_per_iteration, peak_flops)
 from megazero.local_ranks import run_ranks
 from megazero.training.lr import learning_rate
 from models.cli import pretrain_main
@@ -61,6 +61,22 @@ def test_model_flops_match_megatron_formula():
     b, s, L, h, V = 8, 128, 2, 256, gqa.model.padded_vocab_size
     megatron = 12 * b * s * L * h * h * ((1 + 2 / 8 + s / h) + 512 / h * 1.5 + V / (2 * L * h))
     assert model_flops_per_iteration(gqa) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_a_sliding_window_counts_the_keys_a_query_sees():
+    """Half the layers attend within 128 + 1 of 1024 positions: their score and value products are
+    129 / 1024 of a full layer's; the other layers' and the dense products are unchanged."""
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=1024, vocab_size=64)
+    full = _model_cfg(**base)
+    windowed = _model_cfg(**base, window_size=[128, 0], window_attn_skip_freq=2)
+    a, b = (layer_forward_flops_per_token(c) for c in (full, windowed))
+    assert b["dense"] == a["dense"]
+    assert b["attention"] == pytest.approx(a["attention"] * (1 + 129 / 1024) / 2, rel=1e-12)
+    tokens = 8 * 1024
+    saved = 3 * 4 * tokens * (a["attention"] - b["attention"])  # forward + backward, 4 layers
+    assert model_flops_per_iteration(full) - model_flops_per_iteration(windowed) == pytest.approx(saved)
+    wide = _model_cfg(**base, window_size=[4096, 0])  # a window longer than the sequence: no change
+    assert layer_forward_flops_per_token(wide) == a
 
 
 def test_recompute_adds_a_forward_of_the_layers():
@@ -169,15 +185,19 @@ LAYOUTS = {  # name: (world, config changes)
     "tp2-pp2x2virtual-dp2-zero3": (8, dict(tp=2, pp=2, zero=3, num_layers_per_virtual_pipeline_stage=1)),
     "tp4-dp2-zero1-untied": (8, dict(tp=4, zero=1, untie_embeddings_and_output_weights=True)),
     "dp8-zero3": (8, dict(zero=3)),
-    "pp2-uneven-gpipe-dp4-zero2": (8, dict(pp=2, zero=2, decoder_first_pipeline_num_layers=1,
-                                           pipeline_schedule="gpipe")),
+    # uneven stages shaped like Llama 3's: one layer fewer on the first and the last (1, 2, 2, 1); with
+    # TP, tests/test_pipeline.py (gradients, each flag) and tests/test_checkpoint.py (resharded loads)
+    "pp4-uneven-first-last-dp2-zero2": (8, dict(pp=4, zero=2, num_layers=6,
+                                                decoder_first_pipeline_num_layers=1,
+                                                decoder_last_pipeline_num_layers=1)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_one_process(name):
     world, changes = LAYOUTS[name]
-    single_changes = {k: v for k, v in changes.items() if k in ("untie_embeddings_and_output_weights",)}
+    single_changes = {k: v for k, v in changes.items() if k in ("untie_embeddings_and_output_weights",
+                                                                "num_layers")}
     (ref,) = _run(_cfg(**single_changes), 1)
     ranks = _run(_cfg(**changes), world)
     for hist in ranks:  # the loss reaches every rank
@@ -191,6 +211,34 @@ def test_layout_matches_one_process(name):
         assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
     assert [m["lr"] for m in got] == [m["lr"] for m in ref]
     assert all(m["param_bytes"] > 0 and m["skipped"] == 0 and m["loss_scale"] == 1.0 for m in got)
+
+
+DENSE_MODELS = {  # today's dense models' pieces, 4 layers of hidden 32, windows of 6 in 16 tokens
+    "gemma2": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm",
+                   activation="geglu", add_bias_linear=False, norm_position="sandwich", scale_embedding=True,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, window_size=[5, 0],
+                   window_attn_skip_freq=2),
+    "qwen3-yarn": dict(num_query_groups=2, position_embedding_type="yarn", rotary_scaling_factor=4.0,
+                       yarn_original_max_position_embeddings=8, normalization="RMSNorm", activation="swiglu",
+                       add_bias_linear=False, qk_layernorm=True, window_size=[5, 0], no_rope_freq=2,
+                       untie_embeddings_and_output_weights=True),
+    "olmo2": dict(num_query_groups=2, position_embedding_type="rope", normalization="RMSNorm",
+                  activation="swiglu", add_bias_linear=False, qk_layernorm=True, qk_layernorm_scope="all",
+                  norm_position="post", kv_channels=16),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DENSE_MODELS))
+def test_dense_models_under_zero3_tp_sp_pp_match_one_process(name):
+    """TP 2 (+SP) x PP 2 x DP 2 with ZeRO-3: q/k norm scales replicated over TP (gradients summed), or
+    split with the heads (OLMo 2's), sandwich and post norms, soft-caps, windows, YaRN, a NoPE layer."""
+    model = DENSE_MODELS[name]
+    (ref,) = _run(_cfg(**model), 1)
+    got = _run(_cfg(tp=2, pp=2, zero=3, sequence_parallel=True, **model), 8)[0]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = [m[key] for m in ref if key in m], [m[key] for m in got if key in m]
+        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
 
 
 def test_adam_with_clipping_matches_one_process():

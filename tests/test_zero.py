@@ -727,3 +727,25 @@ def test_linear_weights_keep_their_grad_when_the_buffer_has_another_dtype():
     (chunk,) = build_chunks(cfg)
     build_optimizer([chunk], _mesh(), cfg)
     assert not any(hasattr(p, "write_grad") for p in chunk.parameters())  # bf16 weights, fp32 gradients
+
+
+@pytest.mark.parametrize("dtype,optimizer,extra,want", [
+    ("fp32", "adam", {}, dict(P=4, G=4, master=0, state=8)),  # fp32 Adam: its parameters are the master
+    ("bf16", "adam", {}, dict(P=2, G=4, master=4, state=8)),  # K = 12
+    ("bf16", "adam", dict(grad_reduce_dtype="param"), dict(P=2, G=2, master=4, state=8)),
+    ("fp16", "sgd", {}, dict(P=2, G=4, master=4, state=4)),  # momentum 0.9
+    ("fp32", "adam", dict(offload_optimizer_device="cpu"), dict(P=4, G=4, master=4, state=8)),
+])
+def test_bytes_per_element_have_one_source(dtype, optimizer, extra, want):
+    """megazero.element_bytes decides; ZeRO's K, the estimator's bytes per parameter and the model-state
+    figures all read it (the estimator used to miss the master copy of --offload-optimizer-device)."""
+    from megazero.element_bytes import bytes_per_element
+    from megazero.planning.estimate import bytes_per_param
+    cfg = _cfg(1, optimizer, dtype=dtype, **extra)
+    assert bytes_per_element(cfg) == want
+    k = optimizer_bytes_per_param(optimizer, mixed_precision=dtype != "fp32", momentum=True,
+                                  offload="offload_optimizer_device" in extra)
+    assert k == want["master"] + want["state"]
+    assert bytes_per_param(cfg) == {"param": want["P"], "grad": want["G"], "optim": k}
+    stage0 = bytes_per_element(cfg, zero_stage=0)["master"]  # stage 0 updates in place
+    assert stage0 == (0 if dtype == "fp32" else 4)

@@ -23,8 +23,10 @@ Saving (:mod:`megazero.checkpoint.writer`, :mod:`megazero.checkpoint.shards`): e
 own slice at the same time, straight from the optimizer's memory, so no rank ever holds more than its
 own shard (plus one bucket slice when the state lives on a GPU).  Pieces are named by the
 parameter's *global* name (``decoder.<layer>.…``, the same at every pipeline layout) with how TP
-splits it; TP-replicated parameters are written by TP rank 0 only, the last stage's tied copy of the
-embedding not at all.  A NaN or inf in the state refuses the save.
+splits it (a mixture of experts' weights one expert at a time, ``….experts.<e>.fc1_weight``, split
+over expert TP: :mod:`megazero.checkpoint.names`, so any EP size loads them); TP-replicated
+parameters are written by TP rank 0 only, the last stage's tied copy of the embedding not at all.
+A NaN or inf in the state refuses the save.
 
 Loading (:mod:`megazero.checkpoint.reader`, :mod:`megazero.checkpoint.assemble`) reshards: each rank
 computes the element ranges of its new slice, maps them through the saved TP split and vocabulary
@@ -100,13 +102,13 @@ layout and schedule), :mod:`~megazero.checkpoint.integrity` (checksums, durable 
 :mod:`~megazero.checkpoint.assemble`, :mod:`~megazero.checkpoint.reader`,
 :mod:`~megazero.checkpoint.writer`.
 """
-from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError  # noqa: F401
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointSaveError  # noqa: F401
 from megazero.checkpoint.format import checkpoint_path  # noqa: F401
 from megazero.checkpoint.lock import SaveLock  # noqa: F401
 from megazero.checkpoint.reader import load, open_weights, read_weights, resume_iteration  # noqa: F401
 from megazero.checkpoint.resolve import latest_iteration, saved_config  # noqa: F401
 from megazero.checkpoint.writer import check_save_dir, discard, publish, save, save_weights  # noqa: F401
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "SaveLock", "check_save_dir", "checkpoint_path", "discard",
-           "latest_iteration", "load", "open_weights", "publish", "read_weights", "resume_iteration", "save",
-           "save_weights", "saved_config"]
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointSaveError", "SaveLock", "check_save_dir",
+           "checkpoint_path", "discard", "latest_iteration", "load", "open_weights", "publish",
+           "read_weights", "resume_iteration", "save", "save_weights", "saved_config"]

@@ -20,7 +20,8 @@ import torch
 
 from megazero.checkpoint.errors import CheckpointError
 from megazero.checkpoint.format import EMBEDDING, named_params
-from megazero.checkpoint.shards import SavedShards, fill_range, full_shape, param_info
+from megazero.checkpoint.names import param_info, split_coord, stored, stored_ranges
+from megazero.checkpoint.shards import SavedShards, fill_range, full_shape
 
 
 def saved_name(name: str, p) -> str:
@@ -33,17 +34,18 @@ def check_params(meta: dict, chunks, optimizer, mesh, cfg, path: str, hint: str)
     shapes = optimizer.param_shapes()
     suffix = f" (model settings differ: {hint})" if hint else ""
     for name, p in named_params(chunks):
-        key = saved_name(name, p)
-        label = name if key == name else f"{name} (tied to {key})"
-        saved = meta["params"].get(key)
-        if saved is None:
-            raise CheckpointError(f"{path}: parameter {label} is not in the checkpoint{suffix}")
-        mine = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
-        have = full_shape(saved, meta["layout"]["tp"], meta["model"]["vocab_size"])
-        want = full_shape(mine, mesh.size("tp"), cfg.model.vocab_size)
-        if have != want or saved["split"] != mine["split"] or (mine["split"] and saved["dim"] != mine["dim"]):
-            raise CheckpointError(f"{path}: parameter {label} has shape {have} in the checkpoint but {want} "
-                                  f"in this model{suffix}")
+        for stored_name, mine in stored(name, p, shapes.get(p, p.shape), mesh.coord("pp"), mesh):
+            key = saved_name(stored_name, p)
+            label = stored_name if key == stored_name else f"{stored_name} (tied to {key})"
+            saved = meta["params"].get(key)
+            if saved is None:
+                raise CheckpointError(f"{path}: parameter {label} is not in the checkpoint{suffix}")
+            have = full_shape(saved, meta["layout"]["tp"], meta["model"]["vocab_size"])
+            want = full_shape(mine, mesh.size("tp"), cfg.model.vocab_size)
+            if have != want or saved["split"] != mine["split"] or \
+                    (mine["split"] and saved["dim"] != mine["dim"]):
+                raise CheckpointError(f"{path}: parameter {label} has shape {have} in the checkpoint but "
+                                      f"{want} in this model{suffix}")
     if hint:  # every parameter fit, yet the model differs (e.g. fewer layers): refuse a partial load
         raise CheckpointError(f"{path}: the checkpoint's model differs from this run's: {hint}")
 
@@ -59,10 +61,12 @@ def _fill_bucket(src: SavedShards, b, names, shapes, mesh, keys: List[str], lo: 
     starts = {id(p): s for p, s in zip(b.params, b.starts)}
     covered = lo
     for p, a, e in b.segments(lo, hi):
-        new = param_info(p, shapes[p], mesh.coord("pp"))
-        name, s = saved_name(names[id(p)], p), starts[id(p)]
-        for k in keys:
-            fill_range(src, name, k, new, mesh.coord("tp"), a - s, dest[k][a - lo:e - lo])
+        s, coord = starts[id(p)], split_coord(p, mesh)
+        layouts = dict(stored(names[id(p)], p, shapes[p], mesh.coord("pp"), mesh))
+        for name, plo, phi, at in stored_ranges(names[id(p)], p, shapes[p], a - s, e - s, mesh):
+            for k in keys:
+                fill_range(src, saved_name(name, p), k, layouts[name], coord, plo,
+                           dest[k][a - lo + at:a - lo + at + phi - plo])
         covered = max(covered, e)
     for k in keys:
         dest[k][covered - lo:] = 0.0

@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 
 from megazero.checkpoint.comm import agree, all_ok
-from megazero.checkpoint.errors import CheckpointError
-from megazero.checkpoint.format import CONFIG, checkpoint_path, named_params, rng_file
+from megazero.checkpoint.errors import CheckpointError, CheckpointSaveError
+from megazero.checkpoint.format import (CONFIG, checkpoint_path, named_params, rng_file,
+                                        saved_settings)
 from megazero.checkpoint.integrity import describe_file, write_json
 
 
@@ -152,7 +153,8 @@ class AsyncSave:
         from megazero.checkpoint.writer import _gather_to_rank0, _metadata, _seal
         self.thread.join()
         try:
-            agree(self.error, self.mesh, f"saving iteration {self.iteration} to {self.tmp}")
+            agree(self.error, self.mesh, f"saving iteration {self.iteration} to {self.tmp}",
+                  CheckpointSaveError)
             gathered = _gather_to_rank0(self.result, self.mesh)
             error = None
             if self.mesh.rank == 0:
@@ -161,14 +163,14 @@ class AsyncSave:
                     for f, p in gathered:
                         files.update(f)
                         params.update(p)
-                    write_json(os.path.join(self.tmp, CONFIG), self.cfg.to_dict())
+                    write_json(os.path.join(self.tmp, CONFIG), saved_settings(self.cfg))
                     files[CONFIG] = describe_file(os.path.join(self.tmp, CONFIG))
                     meta = _metadata(self.iteration, self.snapshot, self.mesh, self.cfg, self.extra,
                                      self.lock.run_id, files, params)
                     _seal(self.tmp, meta, self.lock)
                 except Exception as err:  # noqa: BLE001
                     error = err
-            agree(error, self.mesh, f"sealing checkpoint {self.final}")
+            agree(error, self.mesh, f"sealing checkpoint {self.final}", CheckpointSaveError)
         except CheckpointError:
             if self.mesh.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointSaveError
 
 
 def all_ok(ok: bool, mesh) -> bool:
@@ -22,10 +22,10 @@ def all_ok(ok: bool, mesh) -> bool:
     return int(failed.item()) == 0
 
 
-def agree(error: Optional[BaseException], mesh, what: str) -> None:
-    """Raise on every rank when any rank failed (collective): the same :class:`CheckpointError`
-    everywhere, with the first failing rank's message (its class kept for a corrupt checkpoint), so
-    rank 0 can report the real cause once."""
+def agree(error: Optional[BaseException], mesh, what: str, failure=CheckpointError) -> None:
+    """Raise on every rank when any rank failed (collective): the same error everywhere, with the first
+    failing rank's message, so rank 0 can report the real cause once; its class is ``failure``
+    (:class:`CheckpointSaveError` while saving), or kept for a corrupt checkpoint."""
     ok = all_ok(error is None, mesh)
     if ok:
         return
@@ -37,7 +37,7 @@ def agree(error: Optional[BaseException], mesh, what: str) -> None:
     rank, message, kind = next(r for r in reports if r is not None)
     where = f"rank {rank}: " if mesh.is_distributed else ""
     text = message if message.startswith(what) or not what else f"{what}: {message}"
-    raise _error_class(kind)(where + text) from error
+    raise _error_class(kind, failure)(where + text) from error
 
 
 def _message(err: BaseException) -> str:
@@ -73,6 +73,7 @@ def on_rank0(fn, mesh):
     return result
 
 
-def _error_class(kind: Optional[str]):
-    """The checkpoint error class named ``kind`` (so every rank raises the same type)."""
-    return CheckpointCorrupt if kind == "CheckpointCorrupt" else CheckpointError
+def _error_class(kind: Optional[str], failure=CheckpointError):
+    """The checkpoint error class named ``kind`` (so every rank raises the same type), else ``failure``."""
+    known = {"CheckpointCorrupt": CheckpointCorrupt, "CheckpointSaveError": CheckpointSaveError}
+    return known.get(kind, failure)

@@ -10,3 +10,10 @@ class CheckpointError(MegazeroError, RuntimeError):
 
 class CheckpointCorrupt(CheckpointError):
     """A checkpoint file is missing, truncated or altered (the message names it)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing or publishing a checkpoint failed (a full disk, an I/O error, a non-finite model,
+    another writer): the run fails, exit status 1.  A checkpoint that cannot be *used* (any other
+    :class:`CheckpointError`: at load, or a ``--save`` directory refused at start-up) is a usage
+    error, exit status 2."""

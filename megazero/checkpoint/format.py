@@ -17,7 +17,13 @@ EMBEDDING = "word_embeddings.weight"  # where a tied output head's weight is sto
 # ModelConfig fields that fix the parameter set and shapes (compared on load)
 ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
-               "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights")
+               "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
+               "qk_layernorm", "qk_layernorm_scope", "norm_position")
+
+# MoEConfig fields that fix the parameter set and shapes (compared on load, recorded with the model's)
+MOE_ARCH_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                   "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                   "moe_router_enable_expert_bias")
 
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
@@ -26,11 +32,36 @@ SCHEDULER_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_dec
                     "lr_wsd_decay_iters", "lr_wsd_decay_samples", "decoupled_lr", "decoupled_min_lr")
 
 # ModelConfig fields --use-checkpoint-args takes from a checkpoint (Megatron-LM's list, in megazero's terms)
-CHECKPOINT_ARGS = ARCH_FIELDS + ("seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
+CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
+                                 "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                                 "moe_router_topk_scaling_factor",
+                                 "seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
                                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",
                                  "rope_scaling_high_freq_factor",
                                  "rope_scaling_original_max_position_embeddings",
-                                 "rotary_seq_len_interpolation_factor")
+                                 "rotary_seq_len_interpolation_factor", "no_rope_freq",
+                                 "rotary_scaling_factor",
+                                 "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+                                 "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
+                                 "dynamic_rope_scaling_factor", "window_size", "window_attn_skip_freq",
+                                 "attn_logit_softcapping", "final_logit_softcapping", "softmax_scale",
+                                 "scale_embedding", "hf_model_type", "hidden_dropout",
+                                 "attention_dropout")
+# DataConfig fields it takes too (as one group: none of them when any is given), unless
+# --no-use-tokenizer-model-from-checkpoint-args
+CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def saved_settings(cfg) -> Dict[str, object]:
+    """The configuration a checkpoint records (``config.json``): every setting, with the tokenizer's
+    files as absolute paths, so that an export or a ``--use-checkpoint-args`` run started from another
+    directory finds them."""
+    out = cfg.to_dict()
+    data = out.get("data", {})
+    for k in ("tokenizer_model", "vocab_file", "merge_file"):
+        if data.get(k) and os.path.exists(data[k]):
+            data[k] = os.path.abspath(data[k])
+    return out
 
 
 def checkpoint_path(directory: str, iteration: int) -> str:
@@ -45,7 +76,8 @@ def rng_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
 def layout_of(cfg, mesh) -> Dict[str, object]:
     """Everything that decides which rank holds what (RNG states are kept only when it matches).
     ``dp`` counts the optimizer shards (dp x cp: ZeRO shards over both, as Megatron-LM's distributed
-    optimizer does); ``cp`` is recorded only when > 1, so CP 1 layouts read as before."""
+    optimizer does); ``cp`` is recorded only when > 1, ``ep`` and ``etp`` only when the experts are
+    split otherwise than over TP, so other layouts read as before."""
     par = cfg.parallel
     out = {"world_size": mesh.world_size, "tp": mesh.size("tp"), "pp": mesh.size("pp"),
            "dp": mesh.size("dp", "cp"),
@@ -55,6 +87,8 @@ def layout_of(cfg, mesh) -> Dict[str, object]:
            "last_stage_layers": par.decoder_last_pipeline_num_layers}
     if mesh.size("cp") > 1:
         out["cp"] = mesh.size("cp")
+    if mesh.size("ep") > 1 or mesh.size("etp") != mesh.size("tp"):  # experts split otherwise than TP
+        out.update(ep=mesh.size("ep"), etp=mesh.size("etp"))
     return out
 
 
@@ -63,7 +97,13 @@ def scheduler_of(cfg) -> Dict[str, object]:
 
 
 def arch_of(cfg) -> Dict[str, object]:
-    return {k: getattr(cfg.model, k) for k in ARCH_FIELDS}
+    """The architecture fields (the model's, and the mixture of experts' when there is one)."""
+    out = {k: getattr(cfg.model, k) for k in ARCH_FIELDS}
+    moe = getattr(cfg, "moe", None)
+    if moe is not None and moe.num_experts:
+        out.update({k: getattr(moe, k) for k in MOE_ARCH_FIELDS})
+        out["moe_layer_freq"] = str(moe.moe_layer_freq)  # a file may give an integer
+    return out
 
 
 def named_params(chunks) -> List[Tuple[str, torch.nn.Parameter]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,10 +22,11 @@ import torch
 from megazero.checkpoint.assemble import check_params, load_rank_state, verify_rank_state
 from megazero.checkpoint.comm import agree, all_ok, on_rank0
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, SCHEDULER_FIELDS, arch_of, layout_of, rng_file,
-                                        rng_trackers)
+from megazero.checkpoint.format import (ARCH_FIELDS, CONFIG, MOE_ARCH_FIELDS, SCHEDULER_FIELDS, arch_of,
+                                        layout_of, rng_file, rng_trackers)
 from megazero.checkpoint.integrity import check_file, read_json
-from megazero.checkpoint.resolve import complete_iterations, latest_iteration, resolve, resolve_here
+from megazero.checkpoint.resolve import (complete_iterations, describe_foreign, latest_iteration, resolve,
+                                         resolve_here)
 from megazero.checkpoint.shards import SavedShards, full_shape
 from megazero.tensor_parallel.rng import RNGTracker, seed_default_generators
 
@@ -36,25 +37,33 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def resume_iteration(load_dir: str, save_dir: Optional[str], mesh,
-                     iteration: Optional[int] = None) -> Optional[int]:
-    """The iteration ``--load load_dir`` resumes from, or None to start fresh: ``--save`` and
-    ``--load`` name the same directory (Megatron's auto-resume pattern) and it holds no checkpoint
-    yet.  Decided by global rank 0 and shared with every rank (collective); any other missing or
-    incomplete checkpoint raises :class:`CheckpointError` on every rank.  ``iteration``: a given
-    one (``--ckpt-step``) instead of the latest."""
+def resume_iteration(load_dir: str, mesh, iteration: Optional[int] = None) -> Optional[int]:
+    """The iteration ``--load load_dir`` resumes from, or None to start fresh: the directory holds no
+    checkpoint yet (:func:`holds_no_checkpoint`), as Megatron-LM starts from random then (the caller
+    says so, or refuses with ``--exit-on-missing-checkpoint``).  Decided by global rank 0 and shared
+    with every rank (collective); a damaged checkpoint that has no usable predecessor, a directory in
+    another format, or a missing ``iteration`` (``--ckpt-step``, asked for instead of the latest)
+    raises :class:`CheckpointError` on every rank."""
     def decide() -> Optional[int]:
-        same = save_dir is not None and os.path.realpath(save_dir) == os.path.realpath(load_dir)
-        if same and not os.path.exists(load_dir):
+        if iteration is None and holds_no_checkpoint(load_dir):
             return None
-        if same and os.path.isdir(load_dir) and not complete_iterations(load_dir):
-            try:
-                if latest_iteration(load_dir) is None:
-                    return None
-            except CheckpointError:
-                pass  # a garbled tracker: resolve_here explains
         return int(resolve_here(load_dir, iteration)[1]["iteration"])
     return on_rank0(decide, mesh)
+
+
+def holds_no_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` does not exist, or holds neither a tracker file nor a complete checkpoint
+    nor a model in another format (it may hold incomplete saves)."""
+    if not os.path.exists(directory):
+        return True
+    if not os.path.isdir(directory) or complete_iterations(directory):
+        return False
+    try:
+        if latest_iteration(directory) is not None:
+            return False
+    except CheckpointError:
+        return False  # a garbled tracker: resolve_here explains
+    return describe_foreign(directory) is None
 
 
 def _state_names(cfg) -> List[str]:
@@ -81,8 +90,9 @@ def _check_compatible(meta: dict, cfg, path: str, load_optim: bool = True) -> st
             f"({', '.join(so['state_names']) or 'none'}) but this run uses --optimizer "
             f"{cfg.optimizer.optimizer} ({', '.join(names) or 'none'}); "
             "resume with the same optimizer settings")
-    diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine[k]} in this run"
-             for k in ARCH_FIELDS if saved.get(k) != mine[k]]
+    diffs = [f"{_flag(k)} {saved[k]} in the checkpoint, {mine.get(k)} in this run"
+             for k in ARCH_FIELDS + MOE_ARCH_FIELDS
+             if k in saved and saved[k] != mine.get(k)]  # older ones lack newer fields
     return "; ".join(diffs)
 
 
@@ -256,7 +266,7 @@ def _full_weight(src: SavedShards, name: str, vocab: int) -> torch.Tensor:
     info = src.params[name]
     shape = [int(s) for s in info["shape"]]
     pieces = []
-    for t in range(src.tp if info["split"] else 1):
+    for t in range(src.parts(name)):
         out = np.empty(int(np.prod(shape, dtype=np.int64)), dtype=np.float32)
         src.read(t, name, "master", 0, out)
         pieces.append(torch.from_numpy(out).view(shape))
@@ -277,7 +287,7 @@ def _read_full_streaming(src: SavedShards, name: str, vocab: int) -> torch.Tenso
     """One parameter's whole fp32 master weight from v2 shards, assembled in one tensor of its own (a
     TP piece at a time; the mapped pages are released after each piece)."""
     info = src.params[name]
-    tp = src.tp if info["split"] else 1
+    tp = src.parts(name)
     shape = list(full_shape(info, tp, vocab if info["vocab_parallel"] else None))
     out = torch.empty(shape, dtype=torch.float32)
     local = [int(x) for x in info["shape"]]
@@ -308,13 +318,15 @@ def _read_chunked(src: SavedShards, tp: int, name: str, dest: np.ndarray) -> Non
 
 
 def open_weights(directory: str, iteration: Optional[int] = None, flag: str = "--load",
-                 notes: Optional[List[str]] = None):
+                 notes: Optional[List[str]] = None, skip: Sequence[int] = ()):
     """``(path, metadata, config, get, close)`` of a checkpoint whose weights are read one parameter at
     a time: ``get(name)`` returns its full fp32 master weight (TP shards joined, vocabulary unpadded) in
     memory of its own, each block checked against its CRC-32 as it is read; ``close()`` when done.
     For an export that must not hold the whole model (:func:`read_weights` reads all at once).
-    ``notes``: a list that receives why the checkpoint taken is not the newest, if it is not."""
-    path, meta, found = resolve_here(directory, iteration, flag=flag)
+    ``notes``: a list that receives why the checkpoint taken is not the newest, if it is not; ``skip``:
+    iterations not to take (a caller that met a damaged block in one falls back past it, as
+    :func:`read_weights` does)."""
+    path, meta, found = resolve_here(directory, iteration, skip, flag=flag)
     if notes is not None:
         notes.extend(found)
     config = read_json(os.path.join(path, CONFIG))

@@ -10,7 +10,9 @@ Its index ``shard_….json`` lists each piece as ``[name, key, lo, hi, offset]``
 ``[lo, hi)`` of the parameter's flattened tensor-parallel-local tensor, at byte ``offset``; the
 CRC-32 of every 4 MiB block of the ``.bin``; the run id.  Parameters replicated over TP are written
 by TP rank 0 only, the last stage's tied copy of the embedding not at all.  A NaN or inf refuses the
-save.
+save.  Experts are stored one by one under names of their own, split over expert TP, and their
+pieces carry a sixth element, the expert-TP coordinate (:mod:`megazero.checkpoint.names`); the
+bucket slices of experts are those of expert DP.
 
 Reading (:class:`SavedShards`): the ``.bin`` files are memory-mapped; a read checks the blocks under
 it once (:class:`ShardFile`) and copies the bytes out.  :func:`fill_range` assembles any element
@@ -29,26 +31,14 @@ import torch
 
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from megazero.checkpoint.integrity import BLOCK, check_file, crc32_bytes, describe_file, write_bytes_durably
+from megazero.checkpoint.names import is_expert, param_info, split_coord, stored, stored_ranges, writes
 
 SHARD_FORMAT = "megazero-shard-v1"
+__all__ = ["param_info", "writes"]  # (defined in megazero.checkpoint.names)
 
 
 def shard_stem(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"shard_tp{tp_rank:02d}_pp{pp_rank:03d}_dp{dp_rank:03d}"
-
-
-def param_info(p, shape, pp_rank: int) -> dict:
-    """How a parameter is laid out: its TP-local shape, whether and along which dim TP splits it."""
-    split = bool(getattr(p, "tensor_model_parallel", False))
-    return {"shape": [int(s) for s in shape], "split": split, "dim": int(p.partition_dim) if split else -1,
-            "vocab_parallel": bool(getattr(p, "vocab_parallel", False)), "pp": int(pp_rank)}
-
-
-def writes(p, tp_rank: int) -> bool:
-    """Whether this TP rank writes ``p`` (tied copies never; TP-replicated ones on TP rank 0 only)."""
-    if getattr(p, "tied_copy", False):
-        return False
-    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
 
 
 class BlockWriter:
@@ -88,7 +78,7 @@ class BlockWriter:
         return self.crcs
 
 
-def _bucket_pieces(optimizer, b, tp_rank: int, dp_rank: int, names):
+def _bucket_pieces(optimizer, b, mesh, dp_rank: int, names):
     """Yield ``(lo, [(name, param, a, e, start)], host tensors by key)`` for bucket ``b``'s slice, one
     piece of the optimizer's at a time (the whole slice in memory, each sub-group on NVMe), so a
     shard on disk is never staged whole."""
@@ -103,7 +93,7 @@ def _bucket_pieces(optimizer, b, tp_rank: int, dp_rank: int, names):
         if plo >= phi:
             continue
         segs = [(names[id(p)], p, a, e, starts[id(p)]) for p, a, e in b.segments(plo, phi)
-                if writes(p, tp_rank)]
+                if writes(p, mesh)]
         if not segs:
             continue
         tensors = update.piece_tensors(b, j)
@@ -122,19 +112,18 @@ def write_rank_shard(directory: str, optimizer, named, mesh, run_id: str) -> Tup
     entries, params = [], {}
     try:
         for b in optimizer.buckets:
-            dp_rank = mesh.coord("dp", "cp")
-            for lo, segs, host in _bucket_pieces(optimizer, b, mesh.coord("tp"), dp_rank, names):
+            for lo, segs, host in _bucket_pieces(optimizer, b, mesh, optimizer.storage.rank_of(b), names):
                 for key, t in host.items():
                     _refuse_nonfinite(t, segs, lo, key)
                     for name, p, a, e, start in segs:
-                        offset = writer.write(t[a - lo:e - lo].numpy())
-                        entries.append([name, key, a - start, e - start, offset])
+                        _write_ranges(writer, entries, name, p, shapes.get(p, p.shape), key,
+                                      t[a - lo:e - lo], a - start, mesh)
                 for name, p, a, e, start in segs:
-                    params[name] = param_info(p, shapes.get(p, p.shape), mesh.coord("pp"))
+                    params.update(stored(name, p, shapes.get(p, p.shape), mesh.coord("pp"), mesh))
         if mesh.coord("dp", "cp") == 0:  # parameters without optimizer state: the weight itself
             for name, p in named:
-                if p not in shapes and writes(p, mesh.coord("tp")):
-                    _write_weight(writer, entries, params, name, p, mesh.coord("pp"))
+                if p not in shapes and writes(p, mesh):
+                    _write_weight(writer, entries, params, name, p, mesh)
     finally:
         crcs = writer.close()
     return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
@@ -154,26 +143,40 @@ def write_weights_shard(directory: str, named, mesh, run_id: str,
     entries, params = [], {}
     try:
         for name, p in named:
-            if writes(p, mesh.coord("tp")):
-                _write_weight(writer, entries, params, name, p, mesh.coord("pp"),
+            if writes(p, mesh):
+                _write_weight(writer, entries, params, name, p, mesh,
                               values(name, p) if values is not None else None)
     finally:
         crcs = writer.close()
     return _write_index(directory, stem, writer, crcs, entries, mesh, run_id), params
 
 
-def _write_weight(writer, entries: list, params: dict, name: str, p, pp_rank: int, value=None) -> None:
+def _write_ranges(writer, entries: list, name: str, p, shape, key: str, values: torch.Tensor, a: int,
+                  mesh) -> None:
+    """Append ``values``, elements ``[a, a + len)`` of ``p`` (full ``shape`` here), as the pieces of its
+    stored tensors (:func:`megazero.checkpoint.names.stored_ranges`)."""
+    coord = [split_coord(p, mesh)] if is_expert(p) else []
+    for stored_name, lo, hi, at in stored_ranges(name, p, shape, a, a + values.numel(), mesh):
+        offset = writer.write(values[at:at + hi - lo].numpy())
+        entries.append([stored_name, key, lo, hi, offset] + coord)
+
+
+def _write_weight(writer, entries: list, params: dict, name: str, p, mesh, value=None) -> None:
     """Append parameter ``p``'s fp32 values (``value``, zero-padded to ``p``'s size, when given) as its
     ``master`` entry (refusing NaN/inf)."""
     t = (p.detach() if value is None else value).to("cpu", torch.float32).reshape(-1).contiguous()
     _refuse_nonfinite(t, [(name, p, 0, t.numel(), 0)], 0, "master")
     if t.numel() > p.numel():
         raise ValueError(f"{name}: {t.numel()} values for a parameter of {p.numel()}")
+    if is_expert(p):  # stored expert by expert (never vocabulary-padded)
+        _write_ranges(writer, entries, name, p, p.shape, "master", t, 0, mesh)
+        params.update(stored(name, p, p.shape, mesh.coord("pp"), mesh))
+        return
     start = writer.write(t.numpy())
     for pad in range(t.numel(), p.numel(), 1 << 22):  # vocabulary padding, in bounded pieces
         writer.write(np.zeros(min(1 << 22, p.numel() - pad), dtype=np.float32))
     entries.append([name, "master", 0, p.numel(), start])
-    params[name] = param_info(p, p.shape, pp_rank)
+    params[name] = param_info(p, p.shape, mesh.coord("pp"))
 
 
 def _write_index(directory: str, stem: str, writer, crcs, entries: list, mesh,
@@ -221,7 +224,7 @@ class ShardFile:
     def read_into(self, offset: int, out: np.ndarray, copy: bool = True) -> None:
         """Copy the float32 values at byte ``offset`` into ``out`` (its length decides how many), after
         checking the blocks under them (each block once; ``copy=False`` only checks)."""
-        nbytes = 4 * out.size
+        nbytes = out.nbytes
         if offset < 0 or offset + nbytes > self.size:
             raise CheckpointCorrupt(f"{self.path}: bytes {offset}-{offset + nbytes} lie beyond its "
                                     f"{self.size} bytes (truncated)")
@@ -249,20 +252,29 @@ class ShardFile:
 
 
 class SavedShards:
-    """The data of one checkpoint, read lazily: only the (tp, pp) coordinates a parameter needs."""
+    """The data of one checkpoint, read lazily: only the (tp, pp) coordinates a parameter needs (every
+    rank of its pipeline stage for an expert's, which any of them may have written)."""
 
     def __init__(self, path: str, meta: dict):
         self.path, self.meta = path, meta
         self.params: Dict[str, dict] = meta["params"]
         self.tp, self.dp = int(meta["layout"]["tp"]), int(meta["layout"]["dp"])
         self._pieces: Dict[Tuple[int, int], Dict[Tuple[str, str], list]] = {}
+        # pp -> the experts' pieces by (expert-TP coordinate, name, key)
+        self._experts: Dict[int, Dict[Tuple[int, str, str], list]] = {}
         self.files: List[ShardFile] = []
         self.verify_only = False  # reads check their blocks and coverage but copy nothing
+
+    def parts(self, name: str) -> int:
+        """How many TP (or expert-TP) pieces ``name`` was saved in."""
+        info = self.params[name]
+        return int(info.get("tp", self.tp)) if info["split"] else 1
 
     def _coordinate(self, tp: int, pp: int) -> Dict[Tuple[str, str], list]:
         if (tp, pp) in self._pieces:
             return self._pieces[(tp, pp)]
         pieces: Dict[Tuple[str, str], list] = {}
+        experts = self._experts.setdefault(pp, {})
         for dp in range(self.dp):
             stem = shard_stem(tp, pp, dp)
             files = self.meta["files"]
@@ -277,16 +289,27 @@ class SavedShards:
             shard = ShardFile(os.path.join(self.path, stem + ".bin"), index["size"], index["block"],
                               index["block_crc32"])
             self.files.append(shard)
-            for name, key, lo, hi, offset in index["entries"]:
-                pieces.setdefault((name, key), []).append((lo, hi, shard, offset))
+            for name, key, lo, hi, offset, *coord in index["entries"]:
+                if coord:  # an expert's piece: indexed by its expert-TP coordinate
+                    experts.setdefault((coord[0], name, key), []).append((lo, hi, shard, offset))
+                else:
+                    pieces.setdefault((name, key), []).append((lo, hi, shard, offset))
         self._pieces[(tp, pp)] = pieces
         return pieces
 
+    def _pieces_of(self, tp: int, name: str, key: str) -> list:
+        pp = self.params[name]["pp"]
+        if not self.params[name].get("expert"):
+            return self._coordinate(tp, pp).get((name, key), [])
+        for t in range(self.tp):  # every file of the stage (each is opened once)
+            self._coordinate(t, pp)
+        return self._experts[pp].get((tp, name, key), [])
+
     def read(self, tp: int, name: str, key: str, lo: int, out: np.ndarray) -> None:
-        """Elements ``[lo, lo + out.size)`` of saved TP rank ``tp``'s piece of ``name`` (``key``: master
-        or a moment) into ``out``."""
+        """Elements ``[lo, lo + out.size)`` of saved TP (or expert-TP) rank ``tp``'s piece of ``name``
+        (``key``: master or a moment) into ``out``."""
         hi = lo + out.size
-        pieces = self._coordinate(tp, self.params[name]["pp"]).get((name, key), [])
+        pieces = self._pieces_of(tp, name, key)
         covered = 0
         for plo, phi, shard, offset in pieces:
             a, e = max(lo, plo), min(hi, phi)
@@ -304,14 +327,15 @@ class SavedShards:
     def close(self) -> None:
         for f in self.files:
             f.close()
-        self.files, self._pieces = [], {}
+        self.files, self._pieces, self._experts = [], {}, {}
 
 
 def full_shape(info: dict, tp_size: int, vocab: Optional[int]) -> Tuple[int, ...]:
-    """The whole (unpadded) shape of a parameter from its TP-local layout."""
+    """The whole (unpadded) shape of a parameter from its TP-local layout (``tp_size`` pieces, or the
+    expert-TP size the layout records for an expert)."""
     shape = list(info["shape"])
     if info["split"]:
-        shape[info["dim"]] *= tp_size
+        shape[info["dim"]] *= int(info.get("tp", tp_size))
     if info["vocab_parallel"] and vocab is not None:
         shape[0] = vocab
     return tuple(shape)
@@ -328,7 +352,7 @@ def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, l
     d, s_shape, n_shape = new["dim"], list(saved["shape"]), list(new["shape"])
     if not new["split"]:
         src.read(0, name, key, lo, out)
-    elif s_shape == n_shape and tp_rank < src.tp:  # the same TP split: the same flat offsets
+    elif s_shape == n_shape and tp_rank < src.parts(name):  # the same TP split: the same flat offsets
         src.read(tp_rank, name, key, lo, out)
     elif d == 0:
         _fill_row_split(src, name, key, saved, new, tp_rank, lo, out)
@@ -338,7 +362,7 @@ def fill_range(src: SavedShards, name: str, key: str, new: dict, tp_rank: int, l
         for a in range(lo - lo % row, lo + out.size, step):  # whole rows at a time, re-split columns
             r0, r1 = a // row, -(-min(a + step, lo + out.size) // row)
             block = torch.zeros((r1 - r0,) + tuple(n_shape[1:]), dtype=torch.float32)
-            for t in range(src.tp):
+            for t in range(src.parts(name)):
                 _fill_columns_from(src, name, key, saved, new, tp_rank, t, r0, r1, block)
             flat, b0 = block.reshape(-1).numpy(), r0 * row
             x0, x1 = max(lo, b0), min(lo + out.size, r1 * row)
@@ -355,7 +379,7 @@ def _fill_row_split(src, name, key, saved, new, tp_rank, lo, out) -> None:
     limit = src.meta["model"]["vocab_size"] * row if new["vocab_parallel"] else g_hi
     if g_hi > limit:
         out[max(0, limit - g_lo):] = 0.0
-    for t in range(src.tp):
+    for t in range(src.parts(name)):
         s_lo = t * s_shape[0] * row
         a, e = max(g_lo, s_lo), min(g_hi, s_lo + s_shape[0] * row, limit)
         if a < e:

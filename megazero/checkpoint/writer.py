@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.comm import agree, on_rank0
-from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.errors import CheckpointError, CheckpointSaveError
 from megazero.checkpoint.format import (CONFIG, FORMAT, METADATA, TRACKER, arch_of, checkpoint_path,
-                                        layout_of, named_params, rng_file, rng_trackers, scheduler_of)
+                                        layout_of, named_params, rng_file, rng_trackers, saved_settings,
+                                        scheduler_of)
 from megazero.checkpoint.integrity import describe_file, fsync_dir, seal, write_bytes_durably, write_json
 from megazero.checkpoint.lock import SaveLock
 from megazero.checkpoint.shards import write_rank_shard, write_weights_shard
@@ -133,7 +134,7 @@ def publish(directory: str, iteration: int, mesh) -> None:
             _commit(directory, final + ".tmp", final, iteration)
         except OSError as err:
             error = err
-    agree(error, mesh, f"publishing checkpoint {final}")
+    agree(error, mesh, f"publishing checkpoint {final}", CheckpointSaveError)
 
 
 def discard(directory: str, iteration: int, mesh) -> Optional[str]:
@@ -179,7 +180,7 @@ def _prepare(directory: str, tmp: str, mesh) -> None:
             os.makedirs(tmp)
         except OSError as err:
             error = err
-    agree(error, mesh, f"cannot create the checkpoint directory {tmp}")
+    agree(error, mesh, f"cannot create the checkpoint directory {tmp}", CheckpointSaveError)
 
 
 def _write_rank(tmp: str, chunks, optimizer, mesh, run_id: str):
@@ -202,7 +203,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
     except Exception as err:  # noqa: BLE001 - every rank learns of it below
         error = err
     try:
-        agree(error, mesh, f"saving iteration {iteration} to {tmp}")
+        agree(error, mesh, f"saving iteration {iteration} to {tmp}", CheckpointSaveError)
         gathered = _gather_to_rank0(mine, mesh)
         error = None
         if mesh.rank == 0:
@@ -211,7 +212,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
                 for f, p in gathered:
                     files.update(f)
                     params.update(p)
-                write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+                write_json(os.path.join(tmp, CONFIG), saved_settings(cfg))
                 files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
                 meta = _metadata(iteration, optimizer, mesh, cfg, extra, lock.run_id, files, params)
                 _seal(tmp, meta, lock)
@@ -219,7 +220,7 @@ def _save_locked(directory: str, iteration: int, chunks, optimizer, mesh, cfg, e
                     _commit(directory, tmp, final, iteration)
             except Exception as err:  # noqa: BLE001
                 error = err
-        agree(error, mesh, f"publishing checkpoint {final}")
+        agree(error, mesh, f"publishing checkpoint {final}", CheckpointSaveError)
     except CheckpointError:
         if mesh.rank == 0:  # every rank has stopped writing: nothing partial is left behind
             shutil.rmtree(tmp, ignore_errors=True)
@@ -270,7 +271,7 @@ def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: O
         _prepare(directory, tmp, mesh)
         try:
             files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id, values)
-            write_json(os.path.join(tmp, CONFIG), cfg.to_dict())
+            write_json(os.path.join(tmp, CONFIG), saved_settings(cfg))
             files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
             meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,
                     "extra": dict(extra or {}), "run_id": lock.run_id,

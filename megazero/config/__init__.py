@@ -12,12 +12,13 @@
 """
 from megazero.config.parsing import build_parser, config_from_dict, parse_args
 from megazero.config.sections import (SECTIONS, CheckpointConfig, DataConfig, Derived, LoggingConfig,
-                                      MegazeroConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                                      MegazeroConfig, MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                                       PrecisionConfig, ResilienceConfig, TrainingConfig, field_index, flag_of)
 from megazero.config.validation import derive, validate
 from megazero.errors import ConfigError
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",
-           "MegazeroConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
+           "MegazeroConfig", "MoEConfig",
+           "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
            "ResilienceConfig", "TrainingConfig", "build_parser", "config_from_dict", "derive", "field_index",
            "flag_of", "parse_args", "validate"]

@@ -9,7 +9,8 @@ Every flag of Megatron-LM's parser (the pinned list ``megatron_flags.txt``) has 
   :func:`translate` (``--group-query-attention``, ``--grad-reduce-in-bf16``, ...);
 - the tables of :mod:`megazero.config.megatron_table`: ignored flags (named with the reason on one
   start-up line, rank 0), flags accepted only at Megatron-LM's default, and refused flags (named,
-  with what to do instead).
+  with what to do instead); and flags Megatron-LM has removed (:mod:`megazero.config.megatron_removed`),
+  refused with what became of them.
 
 Everything here works on the parsed flags before the config is built (:func:`translate`), and
 returns the remarks instead of printing them; :func:`required_notes` names the settings Megatron-LM
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from megazero.config.megatron_removed import REMOVED
 from megazero.config.megatron_table import DEFAULT_ONLY, IGNORED, REFUSED, classify, pinned_flags
 from megazero.errors import ConfigError
 
@@ -34,6 +36,9 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--override-opt_param-scheduler": ("override_opt_param_scheduler", True),
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
     "--openai-gelu": ("activation", "gelu"),
+    "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
+                                                           True),
+    "--no-yarn-correction-range-round-to-int": ("yarn_correction_range_round_to_int", False),
 }
 
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
@@ -55,7 +60,11 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                                  "the same model in exact arithmetic here, where norm scales get no weight "
                                  "decay."),
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
-                                    "no learned table)."),
+                                    "no learned table); Megatron-LM's deprecated flag: for no position "
+                                    "embedding at all use --position-embedding-type none."),
+    "--rope-type": dict(choices=["rope", "yarn"], help="Megatron-LM's RoPE type: rope is ordinary "
+                        "attention's (accepted); yarn is multi-latent attention's (not implemented; YaRN for "
+                        "ordinary attention: --position-embedding-type yarn)."),
 }
 
 
@@ -119,13 +128,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=_dest(flag), nargs="*", metavar="VALUE",
                            help=f"Only {' or '.join(values)} (Megatron-LM's default): {why}.")
     taken = _taken(parser)
-    for flag in dict.fromkeys([*IGNORED, *REFUSED, *pinned_flags()]):
+    for flag in dict.fromkeys([*IGNORED, *REFUSED, *pinned_flags(), *REMOVED]):
         if flag in taken:
             continue
         kind, why = classify(flag)
         if kind == "ignored":
             group.add_argument(flag, dest=_dest(flag), nargs="*", metavar="VALUE", help=f"Ignored: {why}.")
-        elif kind == "refused":
+        elif kind in ("refused", "removed"):
             group.add_argument(flag, dest=_dest(flag), nargs="*", help=argparse.SUPPRESS)
 
 
@@ -135,7 +144,7 @@ def unrecognized_message(extras: List[str], parser: argparse.ArgumentParser) -> 
     the pinned list); any other is said to be unknown to Megatron-LM too."""
     from megazero.config.megatron_table import pinned_origin
     flags = [w.split("=", 1)[0] for w in extras if w.startswith("--")]
-    refused = [(f, classify(f)[1]) for f in flags if classify(f)[0] == "refused"]
+    refused = [(f, classify(f)[1]) for f in flags if classify(f)[0] in ("refused", "removed")]
     if refused:
         return "; ".join(f"{f}: {why}" for f, why in refused)
     words = " ".join(extras)
@@ -172,7 +181,7 @@ def translate(settings: Dict[str, Any], command_line: Set[str]) -> Tuple[Dict[st
     for a refused flag or a value megazero cannot honour."""
     given = {"--" + k[len(PREFIX):]: v for k, v in settings.items() if k.startswith(PREFIX)}
     out = {k: v for k, v in settings.items() if not k.startswith(PREFIX)}
-    refused = [f for f in given if classify(f)[0] == "refused"]
+    refused = [f for f in given if classify(f)[0] in ("refused", "removed")]
     if refused:
         raise ConfigError("; ".join(f"{f}: {classify(f)[1]}" for f in refused))
     for flag, (name, value) in SWITCHES.items():
@@ -220,11 +229,19 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
         ignored.append("--apply-layernorm-1p (the same model in exact arithmetic: norm scales are stored "
                        "as is and, as in Megatron-LM, get no weight decay; in bf16 the compute copy of a "
                        "scale near 1 is coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
-    if given.get("--no-position-embedding") and out.get("position_embedding_type") != "rope":
-        raise ConfigError("--no-position-embedding: a model without any position embedding is not "
-                          "implemented; use it with --position-embedding-type rope or drop it")
+    if given.get("--no-position-embedding") and out.get("position_embedding_type") not in ("rope", "yarn"):
+        raise ConfigError("--no-position-embedding is deprecated (Megatron-LM accepts it only with rotary "
+                          "embeddings): for a model without position embeddings use "
+                          "--position-embedding-type none")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
+    if given.get("--rope-type") == "yarn":
+        raise ConfigError("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
+                          "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
+                          "--position-embedding-type yarn")
+    if given.get("--rope-type"):
+        ignored.append("--rope-type rope (ordinary attention's RoPE, which --position-embedding-type "
+                       "chooses)")
     if out.get("sequence_parallel") and out.get("tensor_model_parallel_size", 1) == 1:
         out["sequence_parallel"] = False
         notes.append("--sequence-parallel turned off: it needs --tensor-model-parallel-size > 1 "

@@ -42,11 +42,12 @@ _RESILIENCE = "Megatron-LM's fault-tolerance and restart machinery; megazero bou
 _CUDA_GRAPHS = "CUDA graphs only: the same numbers either way"
 _TOKENIZER_TEXT = "how text is encoded: training reads ids already encoded (scripts/preprocess_data.py)"
 _FP8 = "FP8/FP4 training is not implemented; use --bf16"
-_MOE = "mixture of experts is not implemented (dense models only); drop the MoE flags"
+_MOE = "this mixture-of-experts option is not implemented (see --help for the MoE flags megazero has)"
 _FSDP = "Megatron-FSDP / torch FSDP2 is not implemented; megazero shards parameters, gradients and " \
         "optimizer state over the data-parallel ranks with --zero-stage 3"
 _RL = "reinforcement learning (GRPO) is not implemented"
-_MLA = "multi-latent attention (and its YaRN RoPE) is not implemented"
+_MLA = "multi-latent attention is not implemented (YaRN for ordinary attention: --position-embedding-type " \
+       "yarn)"
 _HYBRID = "Mamba, linear-attention and hybrid layer stacks are not implemented (transformer layers only)"
 _CP = "only plain context parallelism is implemented: use --context-parallel-size N with --cp-comm-type " \
       "p2p or a2a"
@@ -77,6 +78,13 @@ IGNORED: Dict[str, str] = {
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 already "
                                             "(--grad-reduce-dtype fp32)",
     "--attention-softmax-in-fp32": "the attention softmax runs in fp32 already",
+    "--moe-per-layer-logging": _LOGGING, "--save-tokens-per-expert-interval": _LOGGING,
+    "--moe-permute-fusion": _FUSION, "--moe-router-fusion": _FUSION,
+    "--use-grouped-gemm-for-shared-expert": _FUSION,
+    "--moe-shared-expert-overlap": _SPEED, "--overlap-moe-expert-parallel-comm": _SPEED,
+    "--overlap-dispatch-backward-with-experts-wgrad": _SPEED,
+    "--ep-overlap-early-attn-memory-release": _MEMORY,
+    "--high-priority-a2a-comm-stream": _SPEED, "--moe-layer-recompute": _MEMORY,
     "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
     "--ckpt-format": "megazero writes its own format, which loads under any layout",
     "--tiktoken-pattern": "used by TikTokenizer only",
@@ -112,7 +120,6 @@ IGNORED: Dict[str, str] = {
     "--ddp-num-buckets": "bucketing only (megazero: --ddp-bucket-size)",
     "--ddp-reduce-scatter-with-fp32-accumulation": "gradients are accumulated in fp32 already",
     "--ddp-param-name-patterns-for-fp32-local-accumulation": "gradients are accumulated in fp32 already",
-    "--apply-wd-to-qk-layernorm": "acts only on --qk-layernorm weights (refused)",
     "--use-checkpoint-opt-param-scheduler": "megazero checks the schedule against the checkpoint's (an error "
                                             "when they differ; --override-opt-param-scheduler takes this "
                                             "run's)",
@@ -121,9 +128,6 @@ IGNORED: Dict[str, str] = {
                                             "run's)",
     "--use-mp-args-from-checkpoint-args": "--use-checkpoint-args takes the architecture; the layout is this "
                                           "run's (checkpoints load under any layout)",
-    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command line",
-    "--disable-use-tokenizer-model-from-checkpoint-args": "the tokenizer is the one given on the command "
-                                                          "line",
     "--no-save-optim": "megazero always saves the optimizer state (so a run resumes exactly)",
     "--no-save-rng": "megazero always saves the generators (so a run resumes exactly)",
     "--test-data-path": "megazero evaluates on the validation set only",
@@ -226,6 +230,42 @@ IGNORED: Dict[str, str] = {
             "--chat-template"),
 }
 
+# Megatron-LM's ModelOpt flags (megatron/post_training/arguments.py), which its pretrain_gpt.py adds when
+# nvidia-modelopt is installed; its GPT-OSS example and ModelOpt recipes pass them
+_QUANT = "quantization (NVIDIA ModelOpt) is not implemented; train in --bf16 and quantize the exported model"
+_DISTILL = "knowledge distillation (NVIDIA ModelOpt) is not implemented"
+_ONE_GPT = "ModelOpt's choice of layer implementation (local or Transformer Engine): megazero has one GPT " \
+           "implementation, whose attention is torch's scaled_dot_product_attention"
+MODELOPT_IGNORED: Dict[str, str] = {
+    **_each(_ONE_GPT, "--export-force-local-attention --export-te-mcore-model --export-default-te-spec"),
+    "--export-legacy-megatron": "ModelOpt's switch for loading a legacy Megatron-LM checkpoint, which "
+                                "megazero cannot read whatever the flag (--load names what it finds; Hugging "
+                                "Face weights: scripts/convert_hf.py --direction to-megazero)",
+}
+MODELOPT_REFUSED: Dict[str, str] = {
+    "--enable-gpt-oss": "GPT-OSS mode (ModelOpt: fills in GPT-OSS's YaRN RoPE constants) is not implemented; "
+                        "give the model's own flags instead",
+    "--export-quant-cfg": _QUANT,
+    **_each(_DISTILL, "--export-kd-teacher-load --export-kd-teacher-model-config "
+                      "--export-kd-teacher-ckpt-format --export-kd-cfg"),
+    "--qad-train-target": "quantization-aware distillation (ModelOpt) is not implemented",
+    "--freeze-base-for-mtp": "multi-token prediction is not implemented",
+    "--modelopt-enabled": "ModelOpt (quantized or distilled) models and checkpoints are not implemented",
+    "--export-qk-l2-norm": "normalising queries and keys (Llama 4's L2 norm) is not implemented",
+    "--export-moe-apply-probs-on-input": _MOE,
+    "--export-offline-model": "ModelOpt's offline speculative-decoding model (embedding and output layer "
+                              "only) is not implemented",
+    **_each("fine-tuning on a Hugging Face dataset (ModelOpt) is not implemented: tokenize it with "
+            "scripts/preprocess_data.py and pass --data-path", "--finetune-hf-dataset --finetune-data-files"),
+}
+IGNORED.update(MODELOPT_IGNORED)
+MODELOPT_DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "--export-model-type": (("GPTModel",), "megazero builds GPT models only"),
+    "--export-kv-cache-quant": (("none",), _QUANT),
+    "--export-real-quant-cfg": (("None",), _QUANT),
+    "--finetune-data-split": (("train",), "used only with --finetune-hf-dataset, which is not implemented"),
+}
+
 IGNORED_PREFIXES: Dict[str, str] = {
     "--inference-": _INFERENCE, "--no-inference-": _INFERENCE, "--inprocess-": _RESILIENCE,
     "--fault-injector-": _RESILIENCE, "--one-logger-": _LOGGING, "--otel-": _LOGGING,
@@ -249,17 +289,16 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--recompute-modules": (("core_attn",), "--recompute-granularity selective recomputes the attention core "
                                             "(core_attn) only"),
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),
-    "--rotary-scaling-factor": (("1.0",), "used by multi-latent attention's YaRN RoPE, which is not "
-                                          "implemented"),
     "--num-distributed-optimizer-instances": (("1",), "one ZeRO group spans the data-parallel ranks"),
     "--tensor-parallel-num-weight-shards": (("1",), "tensor-parallel weight re-materialisation is not "
                                                     "implemented"),
-    "--expert-model-parallel-size": (("1",), _MOE),
-    "--expert-tensor-parallel-size": (("1",), _MOE),
+    "--moe-router-dtype": (("fp32",), "the router's logits and scores are computed in fp32"),
+    **MODELOPT_DEFAULT_ONLY,
 }
 
 REFUSED: Dict[str, str] = {
-    "--qk-layernorm": "normalising queries and keys is not implemented",
+    "--apply-wd-to-qk-layernorm": "weight decay on the --qk-layernorm scales is not implemented (they get "
+                                  "none, as every norm scale here and in Megatron-LM by default); drop it",
     "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
     "--rotary-interleaved": "interleaved rotary pairs are not implemented (megazero rotates halves, as "
                             "Hugging Face LLaMA does)",
@@ -278,12 +317,9 @@ REFUSED: Dict[str, str] = {
     "--qk-l2-norm": "normalising queries and keys is not implemented",
     "--qk-clip": "QK-clip is not implemented", "--qk-clip-alpha": "QK-clip is not implemented",
     "--qk-clip-threshold": "QK-clip is not implemented",
-    "--no-rope-freq": "layers without rotary embeddings (NoPE) are not implemented",
     "--mrope-section": "multimodal RoPE is not implemented",
     "--relative-attention-num-buckets": "relative position attention (T5) is not implemented",
     "--relative-attention-max-distance": "relative position attention (T5) is not implemented",
-    "--window-size": "sliding-window attention is not implemented (full causal attention)",
-    "--window-attn-skip-freq": "sliding-window attention is not implemented (full causal attention)",
     "--glu-linear-offset": "a GLU offset is not implemented",
     "--quick-geglu": "the quick-GeGLU activation is not implemented (gelu or --swiglu)",
     "--use-fused-weighted-squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
@@ -350,17 +386,12 @@ REFUSED: Dict[str, str] = {
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--v-head-dim": _MLA, "--qk-pos-emb-head-dim": _MLA, "--cache-mla-latents": _MLA,
     "--mla-down-proj-fusion": _MLA,
-    "--mscale": _MLA, "--mscale-all-dim": _MLA, "--rope-type": _MLA,
     "--is-hybrid-model": _HYBRID, "--hybrid-layer-pattern": _HYBRID, "--hybrid-override-pattern": _HYBRID,
     "--disable-mamba-mem-eff-path": _HYBRID, "--linear-attention-freq": _HYBRID,
     "--enable-mhc-connections": "hyper-connections are not implemented",
     "--indexer-batch-size": "DeepSeek sparse attention is not implemented",
     "--indexer-log-interval": "DeepSeek sparse attention is not implemented",
-    "--num-experts": _MOE, "--expert-tensor-parallel-num-weight-shards": _MOE,
-    "--overlap-moe-expert-parallel-comm": _MOE,
-    "--overlap-dispatch-backward-with-experts-wgrad": _MOE, "--ep-overlap-early-attn-memory-release": _MOE,
-    "--use-grouped-gemm-for-shared-expert": _MOE, "--save-tokens-per-expert-interval": _MOE,
-    "--high-priority-a2a-comm-stream": _MOE, "--gtp-expert-remat-nccl-ub": _MOE,
+    "--expert-tensor-parallel-num-weight-shards": _MOE, "--gtp-expert-remat-nccl-ub": _MOE,
     "--first-last-layers-bf16": _FP8, "--num-layers-at-start-in-bf16": _FP8,
     "--num-layers-at-end-in-bf16": _FP8,
     "--no-fp8-wgrad": _FP8, "--disable-fp8-wgrad": _FP8, "--keep-fp8-transpose-cache": _FP8,
@@ -378,12 +409,13 @@ REFUSED: Dict[str, str] = {
     "--enable-hf2mg-convert": "convert Hugging Face weights first: scripts/convert_hf.py --direction "
                               "to-megazero",
     "--model-type-hf": "convert Hugging Face weights first: scripts/convert_hf.py --direction to-megazero",
+    **MODELOPT_REFUSED,
 }
 
 REFUSED_PREFIXES: Dict[str, str] = {
     "--moe-": _MOE, "--fp8-": _FP8, "--fp4-": _FP8, "--kitchen-": _FP8,
     "--megatron-fsdp-": _FSDP, "--fsdp-": _FSDP, "--rl-": _RL, "--no-rl-": _RL, "--grpo-": _RL,
-    "--mamba-": _HYBRID, "--linear-": _HYBRID, "--gdp-": _HYBRID, "--yarn-": _MLA, "--no-yarn-": _MLA,
+    "--mamba-": _HYBRID, "--linear-": _HYBRID, "--gdp-": _HYBRID,
     "--mtp-": "multi-token prediction is not implemented",
     "--dsa-": "DeepSeek sparse attention is not implemented",
     "--no-dsa-": "DeepSeek sparse attention is not implemented",
@@ -401,7 +433,8 @@ def _prefixed(flag: str, table: Dict[str, str]) -> Optional[str]:
 
 def classify(flag: str, implemented=()) -> Tuple[str, str]:
     """``(kind, reason)`` of a Megatron-LM flag: kind is ``implemented`` (a megazero flag of that name,
-    given in ``implemented``), ``default-only``, ``ignored``, ``refused`` or ``unknown``."""
+    given in ``implemented``), ``default-only``, ``ignored``, ``refused``, ``removed`` (no longer in
+    Megatron-LM's parser: :mod:`megazero.config.megatron_removed`) or ``unknown``."""
     if flag in implemented:
         return "implemented", ""
     if flag in DEFAULT_ONLY:
@@ -415,7 +448,9 @@ def classify(flag: str, implemented=()) -> Tuple[str, str]:
         return "refused", refused
     if ignored:
         return "ignored", ignored
-    return "unknown", ""
+    from megazero.config.megatron_removed import removed_hint
+    removed = removed_hint(flag)
+    return ("removed", removed) if removed else ("unknown", "")
 
 
 def pinned_flags(path: str = PINNED) -> List[str]:

@@ -122,27 +122,39 @@ def _tokenizer_vocab_size(data: Dict[str, Any], vocab_size: Optional[int]) -> Op
     return None if tok is None else tok.vocab_size
 
 
-def _checkpoint_model_args(settings: Dict[str, Any]) -> Dict[str, Any]:
-    """``--use-checkpoint-args``: the architecture settings of the ``--load`` checkpoint (none when
-    the directory holds no checkpoint yet: the load itself then decides)."""
+def _checkpoint_args(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """``--use-checkpoint-args``: per section, the settings taken from the ``--load`` checkpoint: the
+    architecture and dropout, and its tokenizer unless one is given here (none when the directory
+    holds no checkpoint yet: the load itself then decides)."""
     from megazero.checkpoint.errors import CheckpointError
-    from megazero.checkpoint.format import CHECKPOINT_ARGS
+    from megazero.checkpoint.format import CHECKPOINT_ARGS, CHECKPOINT_TOKENIZER_ARGS
     from megazero.checkpoint.resolve import saved_config
     if not settings.get("load"):
         raise ConfigError("--use-checkpoint-args needs --load DIR (the checkpoint to take the model's "
                           "architecture from)")
     try:
-        saved = saved_config(settings["load"], settings.get("ckpt_step"))
+        saved = saved_config(settings["load"], settings.get("ckpt_step")) or {}
     except CheckpointError as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
-    model = (saved or {}).get("model", {})
-    return {k: model[k] for k in CHECKPOINT_ARGS if k in model}
+    model, data = saved.get("model", {}), saved.get("data", {})
+    out = {"model": {k: model[k] for k in CHECKPOINT_ARGS if k in model}, "data": {}}
+    if settings.get("no_use_tokenizer_model_from_checkpoint_args") or \
+            any(settings.get(k) is not None for k in CHECKPOINT_TOKENIZER_ARGS):
+        return out
+    out["data"] = {k: data[k] for k in CHECKPOINT_TOKENIZER_ARGS if data.get(k) is not None}
+    for k in ("tokenizer_model", "vocab_file", "merge_file"):
+        if k in out["data"] and not os.path.exists(out["data"][k]):
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(f"--use-checkpoint-args: the checkpoint's tokenizer ({flag} {out['data'][k]}) "
+                              f"is not found from here; pass {flag} PATH, or "
+                              "--no-use-tokenizer-model-from-checkpoint-args to train without it")
+    return out
 
 
 def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]] = None) -> MegazeroConfig:
     """Build a config from ``{field_name: value}`` (a preset named by ``model_preset`` first, then
-    with ``use_checkpoint_args`` the ``--load`` checkpoint's architecture).  With a tokenizer
-    (``tokenizer_model``, ``vocab_file``/``merge_file``, ``tokenizer_type``) the tokenizer's
+    with ``use_checkpoint_args`` the ``--load`` checkpoint's architecture, dropout and tokenizer).  With
+    a tokenizer (``tokenizer_model``, ``vocab_file``/``merge_file``, ``tokenizer_type``) the tokenizer's
     vocabulary size replaces ``vocab_size``."""
     index = field_index()
     per_section: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -154,7 +166,8 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
         for k, v in presets[preset].items():
             per_section[index[k][0]][k] = v
     if settings.get("use_checkpoint_args"):  # over the preset, under the settings given
-        per_section["model"].update(_checkpoint_model_args(settings))
+        for section, taken in _checkpoint_args(settings).items():
+            per_section[section].update(taken)
     for key, value in settings.items():
         if key in ("model_preset", "model", "config"):
             continue
@@ -167,11 +180,25 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = value
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
-    notes = _no_tokenizer(per_section) if vocab is None else []
+    notes = _no_tokenizer(per_section) if vocab is None else _vocab_replaced(settings, per_section, vocab)
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
                           model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _vocab_replaced(settings: Dict[str, Any], per_section: Dict[str, Dict[str, Any]],
+                    vocab: int) -> List[str]:
+    """A --vocab-size given beside a tokenizer with another number of ids: as in Megatron-LM the tokenizer
+    sets the vocabulary; the start-up note says so, naming both."""
+    given = settings.get("vocab_size")
+    data = per_section["data"]
+    if given is None or given == vocab or data.get("tokenizer_type") == "NullTokenizer":
+        return []
+    source = data.get("tokenizer_model") or data.get("vocab_file")
+    return [f"WARNING: --vocab-size {given} ignored: the tokenizer ({source}) has {vocab:,} ids and sets the "
+            "model's vocabulary, as in Megatron-LM; drop --vocab-size (or train without a tokenizer: "
+            "--tokenizer-type NullTokenizer --vocab-size N)"]
 
 
 def _no_tokenizer(per_section: Dict[str, Dict[str, Any]]) -> List[str]:

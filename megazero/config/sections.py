@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from megazero.config.patterns import parse_pattern, parse_pattern_arg, parse_window
+
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
@@ -115,9 +118,33 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = _f(None, "Learned position table size (default seq length).")
     vocab_size: int = _f(512, "Vocabulary size before padding (the tokenizer's, when one is given).")
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this x TP size.")
-    position_embedding_type: str = _f("learned_absolute", "learned_absolute (GPT-2) or rope (LLaMA).",
-                                      choices=["learned_absolute", "rope"])
+    position_embedding_type: str = _f(
+        "learned_absolute", "learned_absolute (GPT-2), rope (LLaMA), yarn (RoPE with YaRN's frequencies and "
+        "attention factor: --rotary-scaling-factor and the --yarn-* flags) or none (no position embedding: "
+        "NoPE).", choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: float = _f(10000.0, "RoPE base.", type=float)
+    no_rope_freq: Optional[Any] = _f(
+        None, "Layers without RoPE (NoPE layers, SmolLM3): N skips it on every N-th layer (counting from 1), "
+        "or a per-layer list expression such as '([0]*3+[1])*2' (1: no RoPE).", type=parse_pattern_arg)
+    rotary_scaling_factor: float = _f(1.0, "YaRN: how much longer than "
+                                      "--yarn-original-max-position-embeddings the context is made (HF "
+                                      "rope_scaling 'factor').", type=float)
+    yarn_original_max_position_embeddings: int = _f(4096, "YaRN: the context length the model was trained "
+                                                    "for.")
+    yarn_beta_fast: float = _f(32.0, "YaRN: rotations above which a frequency is kept (extrapolated).",
+                               type=float)
+    yarn_beta_slow: float = _f(1.0, "YaRN: rotations below which a frequency is divided by the factor.",
+                               type=float)
+    yarn_correction_range_round_to_int: bool = _f(
+        True, "YaRN: round the ramp's ends to whole dimensions (HF 'truncate'); "
+        "--no-yarn-correction-range-round-to-int keeps them fractional.")
+    mscale: float = _f(1.0, "YaRN attention factor: (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim "
+                       "ln(factor) + 1) multiplies cos and sin.", type=float)
+    mscale_all_dim: float = _f(0.0, "YaRN attention factor's denominator (see --mscale).", type=float)
+    dynamic_rope_scaling_factor: Optional[float] = _f(
+        None, "Dynamic NTK RoPE scaling (Hugging Face's rope_scaling type 'dynamic'): a forward over L > "
+        "--max-position-embeddings positions uses base x (factor L / max - factor + 1)^(d / (d - 2)).",
+        type=float)
     use_rope_scaling: bool = _f(
         False, "LLaMA-3.x RoPE scaling (Megatron-LM's --use-rope-scaling): rotary frequencies whose "
         "wavelength exceeds --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor "
@@ -136,15 +163,46 @@ class ModelConfig:
         "(Hugging Face's rope_scaling type 'linear').", type=float)
     normalization: str = _f("LayerNorm", "LayerNorm or RMSNorm.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the norms.", type=float)
+    norm_position: str = _f(
+        "pre", "Where each layer's norms are: pre (the input of attention and of the MLP), post (their "
+        "outputs, before the residual add: OLMo 2) or sandwich (both: Gemma 2).",
+        choices=["pre", "post", "sandwich"])
+    qk_layernorm: bool = _f(False, "Normalise queries and keys (with --normalization) before RoPE (Qwen3, "
+                            "OLMo 2).")
+    qk_layernorm_scope: str = _f("head", "With --qk-layernorm: over each head's channels (head: Qwen3, "
+                                 "Megatron-LM's) or over all heads of a token (all: OLMo 2).",
+                                 choices=["head", "all"])
+    window_size: Optional[List[int]] = _f(
+        None, "Sliding-window attention, Megatron-LM's LEFT,RIGHT: a query sees itself and the LEFT keys "
+        "before it (RIGHT must be 0: attention is causal; LEFT -1: no window). A Hugging Face sliding_window "
+        "W is W-1,0.", type=parse_window)
+    window_attn_skip_freq: Optional[Any] = _f(
+        None, "With --window-size: N makes every N-th layer (counting from 1) attend to everything and the "
+        "others within the window (Gemma 2: 2), or a per-layer list expression such as '[1,1,1,0]*3' (1: "
+        "windowed, 0: full).", type=parse_pattern_arg)
+    attn_logit_softcapping: Optional[float] = _f(
+        None, "Soft-cap the attention scores: cap x tanh(score / cap) before the softmax (Gemma 2).",
+        type=float)
+    final_logit_softcapping: Optional[float] = _f(
+        None, "Soft-cap the output logits: cap x tanh(logit / cap) (Gemma 2).", type=float)
+    softmax_scale: Optional[float] = _f(
+        None, "Scale of the attention scores (default 1 / sqrt(--kv-channels); Gemma 2: "
+        "query_pre_attn_scalar^-0.5).", type=float)
+    scale_embedding: bool = _f(False, "Multiply the word embeddings by sqrt(--hidden-size) (Gemma).")
     activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
-                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu) or swiglu (LLaMA).",
-                         choices=["gelu_exact", "gelu", "swiglu"])
+                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA) or "
+                         "geglu (gated, tanh-approximated GELU: Gemma).",
+                         choices=["gelu_exact", "gelu", "swiglu", "geglu"])
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")
     add_qkv_bias: bool = _f(False, "Biases on the query, key and value projections, even without "
                             "--add-bias-linear's other biases (Qwen2; Megatron-LM's --add-qkv-bias).")
     untie_embeddings_and_output_weights: bool = _f(False, "Give the output head its own weight.")
+    hf_model_type: Optional[str] = _f(
+        None, "The transformers architecture an export writes (scripts/convert_hf.py --direction to-hf): "
+        "set by an import; default the first of gpt2, llama, mistral, qwen2, qwen3, gemma, gemma2, olmo2, "
+        "smollm3 that holds the model.", choices=list(HF_MODEL_TYPES))
     hidden_dropout: float = _f(0.1, "Dropout after attention and MLP.", type=float)
     attention_dropout: float = _f(0.1, "Dropout on attention probabilities.", type=float)
     init_method_std: float = _f(0.02, "Std of the normal initialisation.", type=float)
@@ -155,6 +213,16 @@ class ModelConfig:
                                              "or layers recomputed per stage (block).")
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
+
+    def __post_init__(self):
+        """Patterns and windows given as text (a config file, a saved config) in their parsed form;
+        text that does not parse is left for validation to name."""
+        for name, parse in (("window_size", parse_window), ("window_attn_skip_freq", parse_pattern),
+                            ("no_rope_freq", parse_pattern)):
+            try:
+                setattr(self, name, parse(getattr(self, name)))
+            except (TypeError, ValueError):
+                pass
 
 
 @dataclass
@@ -274,7 +342,8 @@ class CheckpointConfig:
         "latest_checkpointed_iteration.txt), every --save-interval steps and at the end.")
     load: Optional[str] = _f(None, "Directory to resume from: its latest checkpoint, written under any "
                              "TP/PP/DP/ZeRO layout (iteration, LR schedule, data position, loss scale "
-                             "continue); the same directory as --save may be empty (first job starts fresh).")
+                             "continue). Without a checkpoint there the run starts from scratch (a warning "
+                             "unless it is also --save), as in Megatron-LM.")
     save_interval: int = _f(0, "Save every this many steps (0: only at the end of training; needs --save).")
     finetune: bool = _f(
         False, "With --load: take the model weights only and start at iteration 0 with a fresh "
@@ -285,8 +354,11 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "With --load: do not restore the generators; reseed them from "
                            "(--seed, iteration) instead.")
     use_checkpoint_args: bool = _f(False, "Take the model's architecture (layers, sizes, heads, vocabulary, "
-                                   "norms, ...) from the --load checkpoint; architecture flags given on the "
-                                   "command line still win.")
+                                   "norms, ...), its dropout and its tokenizer from the --load checkpoint, "
+                                   "as Megatron-LM does; flags given on the command line still win.")
+    no_use_tokenizer_model_from_checkpoint_args: bool = _f(
+        False, "With --use-checkpoint-args: keep the tokenizer flags of this command line (or none) instead "
+        "of the checkpoint's tokenizer.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
     exit_on_missing_checkpoint: bool = _f(
         False, "With --load: stop with an error when the directory holds no checkpoint, instead of "
@@ -377,7 +449,72 @@ class ResilienceConfig:
         type=float)
 
 
-SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "training": TrainingConfig,
+@dataclass
+class MoEConfig:
+    """Mixture of experts (Megatron-LM's flags): which layers route their tokens to experts, the router,
+    the token dispatcher, the experts and how they are split over the expert-parallel axes."""
+    num_experts: Optional[int] = _f(None, "Routed experts per MoE layer (none: a dense model).")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "Hidden size of each routed expert's MLP (default "
+                                            "--ffn-hidden-size).")
+    moe_layer_freq: str = _f(
+        "1", "Which layers are MoE layers: an integer N (layers 0, N, 2N, ... are MoE, the others dense) or "
+        "Megatron-LM's list expression of 0s and 1s, one per layer, e.g. '([0]*1+[1]*1)*2' (1: MoE).")
+    moe_router_topk: int = _f(2, "Experts each token is routed to.")
+    moe_router_score_function: str = _f("softmax", "Score of the router's logits: softmax or sigmoid.",
+                                        choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = _f(False, "Take the score (softmax or sigmoid) of all experts before the "
+                                      "top-k (default: softmax over the top-k logits only).")
+    moe_router_topk_scaling_factor: Optional[float] = _f(
+        None, "Multiply the top-k routing weights by this.", type=float)
+    moe_router_enable_expert_bias: bool = _f(
+        False, "Aux-loss-free balancing: a per-expert bias, added to the scores for the top-k choice only, "
+        "moved by --moe-router-bias-update-rate after every step towards balance (no gradient; sigmoid "
+        "scores).")
+    moe_router_bias_update_rate: float = _f(
+        1e-3, "Step of the expert bias update: + rate for experts below the mean token count, - rate above.",
+        type=float)
+    moe_router_load_balancing_type: str = _f(
+        "aux_loss", "Load-balancing loss: aux_loss (Switch/GShard, per micro-batch), seq_aux_loss (per "
+        "sequence, DeepSeek-V2) or none.",
+        choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"])
+    moe_aux_loss_coeff: float = _f(0.0, "Coefficient of the load-balancing loss (1e-2 is a usual start).",
+                                   type=float)
+    moe_z_loss_coeff: Optional[float] = _f(None, "Coefficient of the router z-loss (mean squared "
+                                           "log-sum-exp of the logits; 1e-3 is a usual start).", type=float)
+    moe_token_dispatcher_type: str = _f(
+        "allgather", "How tokens reach their experts: allgather (every rank of the expert-TP x EP group sees "
+        "all tokens and computes its experts' share) or alltoall (tokens travel by all-to-all over the EP "
+        "group, then gathered over expert TP).", choices=["allgather", "alltoall", "flex"])
+    moe_expert_capacity_factor: Optional[float] = _f(
+        None, "Expert capacity as a multiple of the even share: each expert takes at most ceil(factor x "
+        "top-k x T / experts) of the T tokens of a micro-batch (the sequences of one data-parallel rank's "
+        "micro-batch, whatever the TP, CP and EP split); the rest are dropped. None: dropless.", type=float)
+    moe_token_drop_policy: str = _f("probs", "Which tokens an expert over capacity keeps: probs (the highest "
+                                    "routing weights) or position (the earliest tokens).",
+                                    choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = _f(
+        False, "Give every expert exactly its capacity of tokens (tokens not routed to it fill the free "
+        "places with routing weight 0); needs --moe-expert-capacity-factor.")
+    moe_grouped_gemm: bool = _f(
+        True, "Run a rank's experts as one grouped product (always on: the experts' tokens are padded to one "
+        "batched matrix product, or torch's grouped_mm on a GPU); the flag is accepted for Megatron-LM "
+        "scripts.", action="store_true")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(
+        None, "Hidden size of the shared expert, a dense MLP every token goes through beside its routed "
+        "experts (Qwen2-MoE, DeepSeek); none: no shared expert.")
+    moe_shared_expert_gate: bool = _f(
+        False, "Scale the shared expert's output by sigmoid(x . w) with a learned w (Qwen2-MoE).")
+    expert_model_parallel_size: int = _f(
+        1, "Ranks the experts are split over (expert parallel, EP): each holds --num-experts / EP experts.")
+    expert_tensor_parallel_size: Optional[int] = _f(
+        None, "Ranks each expert's weights are split over (expert tensor parallel; default "
+        "--tensor-model-parallel-size).")
+    # derived (see Derived)
+    expert_data_parallel_size: int = _f(1, "world size / (expert TP x EP x PP): the ranks that hold the same "
+                                        "experts and reduce their gradients (derived).", derived=True)
+
+
+SECTIONS = {"parallel": ParallelConfig, "model": ModelConfig, "moe": MoEConfig, "training": TrainingConfig,
             "optimizer": OptimizerConfig, "precision": PrecisionConfig, "data": DataConfig,
             "checkpoint": CheckpointConfig, "logging": LoggingConfig, "resilience": ResilienceConfig}
 
@@ -415,6 +552,7 @@ class Derived:
     virtual_pipeline_model_parallel_size: int
     padded_vocab_size: int
     num_micro_batches: int
+    expert_data_parallel_size: int = 1
     filled: Tuple[Tuple[str, Any], ...] = ()
 
     def values(self) -> Dict[str, Any]:
@@ -432,6 +570,7 @@ class MegazeroConfig:
     copy whose sections hold the derived values too and whose ``derived`` says which they are."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

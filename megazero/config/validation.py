@@ -14,6 +14,7 @@ import contextlib
 import os
 from typing import Any, Dict, Optional
 
+from megazero.config.patterns import GATED, layer_flags, uses_rope
 from megazero.config.sections import Derived, MegazeroConfig, field_index
 from megazero.errors import ConfigError
 
@@ -47,7 +48,8 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     _check_world(given, world_size)
     resolved = given._fill(derive(given, world_size))  # given is this call's own copy
     data = (_check_data,) if check_data else ()
-    for check in (_check_model, _check_context_parallel, _check_sequence_parallel, _check_pipeline,
+    for check in (_check_model, _check_moe, _check_context_parallel, _check_sequence_parallel,
+                  _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
                   _check_checkpoint, *data, _check_resilience):
         check(resolved)
@@ -65,11 +67,13 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
     vpl = par.num_layers_per_virtual_pipeline_stage or filled.get("num_layers_per_virtual_pipeline_stage")
     multiple = mod.make_vocab_size_divisible_by * tp
     global_batch = tr.global_batch_size or filled["global_batch_size"]
+    etp = cfg.moe.expert_tensor_parallel_size or tp
+    edp = max(1, world_size // (etp * max(1, cfg.moe.expert_model_parallel_size) * pp))
     return Derived(world_size=world_size, data_parallel_size=dp,
                    virtual_pipeline_model_parallel_size=mod.num_layers // (pp * vpl) if vpl else 1,
                    padded_vocab_size=-(-mod.vocab_size // multiple) * multiple,
                    num_micro_batches=global_batch // (tr.micro_batch_size * dp),
-                   filled=tuple(filled.items()))
+                   expert_data_parallel_size=edp, filled=tuple(filled.items()))
 
 
 def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
@@ -86,8 +90,10 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
         train_iters = iterations_for_samples(schedule_of(tr, mod.seq_length, global_batch), tr.train_samples)
     else:
         train_iters = tr.train_samples // global_batch if tr.train_samples else 10
-    rules = {"num_query_groups": heads, "kv_channels": hidden // heads,
-             "ffn_hidden_size": swiglu_ffn if mod.activation == "swiglu" else 4 * hidden,
+    ffn = swiglu_ffn if mod.activation in GATED else 4 * hidden
+    rules = {"num_query_groups": heads, "kv_channels": hidden // heads, "ffn_hidden_size": ffn,
+             "moe_ffn_hidden_size": mod.ffn_hidden_size or ffn,
+             "expert_tensor_parallel_size": cfg.parallel.tensor_model_parallel_size,
              "max_position_embeddings": mod.seq_length, "global_batch_size": default_batch,
              "train_iters": train_iters,
              "pipeline_schedule": "1f1b"}
@@ -167,6 +173,18 @@ def _check_world(cfg: MegazeroConfig, world: int) -> None:
            f"multiple of {tp * cp * pp} processes or change the sizes")
     with _owned_rule("--rank-order: "):
         parse_rank_order(par.rank_order, {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)})
+    moe = cfg.moe
+    if moe.num_experts:  # the expert decomposition of the same world (megazero.mesh)
+        from megazero.mesh import expert_layouts
+        with _owned_rule():
+            expert_layouts(world, tp, pp, par.rank_order, cp, moe.expert_model_parallel_size,
+                           moe.expert_tensor_parallel_size)
+
+
+def _check_moe(cfg: MegazeroConfig) -> None:
+    from megazero.moe.settings import check_moe
+    with _owned_rule():
+        check_moe(cfg)
 
 
 def _check_context_parallel(cfg: MegazeroConfig) -> None:
@@ -215,22 +233,76 @@ def _check_model(cfg: MegazeroConfig) -> None:
            "(--hidden-size, --tensor-model-parallel-size); choose a hidden size that TP divides")
     _check(mod.ffn_hidden_size % tp == 0,
            f"--ffn-hidden-size {mod.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
-    _check(mod.position_embedding_type == "rope" or mod.seq_length <= mod.max_position_embeddings,
+    _check(mod.position_embedding_type != "learned_absolute" or mod.seq_length <= mod.max_position_embeddings,
            f"--seq-length {mod.seq_length} exceeds --max-position-embeddings {mod.max_position_embeddings}; "
            "raise --max-position-embeddings or shorten the sequence")
-    _check(mod.position_embedding_type != "rope" or mod.kv_channels % 2 == 0,
-           f"rope needs an even head dimension, got {mod.kv_channels}")
+    _check(not uses_rope(mod) or mod.kv_channels % 2 == 0,
+           f"--position-embedding-type {mod.position_embedding_type} needs an even head dimension "
+           f"(--kv-channels), got {mod.kv_channels}")
     for flag, v in (("--hidden-dropout", mod.hidden_dropout), ("--attention-dropout", mod.attention_dropout)):
         _check(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
     _check_rope_scaling(mod)
+    _check_attention(mod)
+
+
+def _check_pattern(flag: str, value, num_layers: int, counts: bool = True) -> None:
+    _check(value is None or isinstance(value, (int, list)),
+           f"{flag} {value!r}: expected an integer N or a list expression such as [1,1,0]*4")
+    if value is not None:
+        with _owned_rule(f"{flag} {value}: "):
+            layer_flags(value, num_layers)
+        _check(not counts or not isinstance(value, int) or num_layers % value == 0,
+               f"{flag} {value} must divide --num-layers {num_layers} (Megatron-LM's rule); give a per-layer "
+               "list instead")
+
+
+def _check_attention(mod) -> None:
+    """Windows, soft-caps, the q/k norm and the attention scale."""
+    w = mod.window_size
+    _check(w is None or (isinstance(w, list) and len(w) == 2 and all(isinstance(v, int) for v in w)),
+           f"--window-size {w!r}: expected two integers LEFT,RIGHT such as 4095,0")
+    if w is not None:
+        _check(w[1] == 0, f"--window-size {w[0]},{w[1]}: attention is causal, so RIGHT must be 0 (a query "
+               f"sees no later key); use --window-size {w[0]},0")
+        _check(w[0] >= -1, f"--window-size {w[0]},0: LEFT must be >= 0 (or -1: no window)")
+    _check(mod.window_attn_skip_freq is None or (w is not None and w[0] >= 0),
+           "--window-attn-skip-freq chooses the layers that attend within --window-size; give --window-size "
+           "LEFT,0 too or drop it")
+    _check_pattern("--window-attn-skip-freq", mod.window_attn_skip_freq, mod.num_layers, counts=False)
+    _check_pattern("--no-rope-freq", mod.no_rope_freq, mod.num_layers)
+    _check(mod.no_rope_freq is None or uses_rope(mod),
+           "--no-rope-freq picks layers that skip RoPE: it needs --position-embedding-type rope or yarn")
+    for flag, v in (("--attn-logit-softcapping", mod.attn_logit_softcapping),
+                    ("--final-logit-softcapping", mod.final_logit_softcapping),
+                    ("--softmax-scale", mod.softmax_scale)):
+        _check(v is None or v > 0, f"{flag} must be > 0, got {v}")
+    _check(not mod.attn_logit_softcapping or mod.attention_dropout == 0.0,
+           f"--attn-logit-softcapping with --attention-dropout {mod.attention_dropout}: soft-capped "
+           "attention runs in megazero's blockwise kernel, which has no dropout; use --attention-dropout 0")
+    _check(not (mod.qk_layernorm and mod.qk_layernorm_scope == "all") or mod.normalization == "RMSNorm",
+           "--qk-layernorm-scope all (one norm over all heads of a token, OLMo 2's) is implemented for "
+           "--normalization RMSNorm only")
 
 
 def _check_rope_scaling(mod) -> None:
-    linear = mod.rotary_seq_len_interpolation_factor
+    linear, dynamic = mod.rotary_seq_len_interpolation_factor, mod.dynamic_rope_scaling_factor
     for flag, on in (("--use-rope-scaling", mod.use_rope_scaling),
-                     ("--rotary-seq-len-interpolation-factor", linear is not None)):
-        _check(not on or mod.position_embedding_type == "rope",
+                     ("--rotary-seq-len-interpolation-factor", linear is not None),
+                     ("--dynamic-rope-scaling-factor", dynamic is not None)):
+        _check(not on or uses_rope(mod),
                f"{flag} scales rotary embeddings: it needs --position-embedding-type rope")
+    scalings = [f for f, on in (("--use-rope-scaling", mod.use_rope_scaling),
+                                ("--dynamic-rope-scaling-factor", dynamic is not None),
+                                ("--position-embedding-type yarn", mod.position_embedding_type == "yarn"))
+                if on]
+    _check(len(scalings) <= 1, f"{' and '.join(scalings)} are two RoPE scalings; choose one")
+    _check(dynamic is None or dynamic > 0, f"--dynamic-rope-scaling-factor must be > 0, got {dynamic}")
+    if mod.position_embedding_type == "yarn":
+        _check(mod.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be > 0, got "
+                                              f"{mod.rotary_scaling_factor}")
+        _check(isinstance(mod.yarn_original_max_position_embeddings, int)
+               and mod.yarn_original_max_position_embeddings >= 1,
+               "--yarn-original-max-position-embeddings must be a positive integer")
     _check(linear is None or linear > 0, f"--rotary-seq-len-interpolation-factor must be > 0, got {linear}")
     if mod.use_rope_scaling:
         low, high = mod.rope_scaling_low_freq_factor, mod.rope_scaling_high_freq_factor

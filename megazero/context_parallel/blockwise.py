@@ -6,14 +6,18 @@ Layout: ``q [batch, heads, sq, dim]``, ``k, v [batch, groups, sk, dim]`` with ``
 into the row dimension of one matrix product, so K and V are never expanded to ``heads`` heads.
 
 The causal mask is given by *global positions*: query ``i`` sees key ``j`` when
-``k_pos[j] <= q_pos[i]``. Any two token sets can therefore be combined (a chunk with itself, an early
-chunk's keys for a late chunk's queries, or the reverse, which is fully masked), whatever their
-lengths. Queries and keys are cut into tiles of at most ``block_size`` tokens, also cut where the
-positions jump (so a tile never straddles two chunks of the load-balanced split); a tile pair is
+``k_pos[j] <= q_pos[i]`` and, with a sliding ``window``, ``q_pos[i] - k_pos[j] <= window``. Any two
+token sets can therefore be combined (a chunk with itself, an early chunk's keys for a late chunk's
+queries, or the reverse, which is fully masked), whatever their lengths. Queries and keys are cut
+into tiles of at most ``block_size`` tokens, also cut where the positions jump (so a tile never
+straddles two chunks of the load-balanced split); a tile pair is
 
-- skipped when every key is after every query,
-- computed without a mask when every key is at or before every query,
-- masked elementwise otherwise (the diagonal).
+- skipped when every key is after every query, or (window) too far before every query,
+- computed without a mask when every query sees every key,
+- masked elementwise otherwise (the diagonal, the window's edge).
+
+A ``softcap`` replaces each scaled score ``s`` by ``cap tanh(s / cap)`` (Gemma 2) before the softmax;
+backward multiplies the score gradient by ``1 - tanh^2``, recomputed from the capped score.
 
 Forward keeps, per query row, the running maximum ``m``, the running sum ``l`` of ``exp(s - m)``
 and the unnormalised output ``acc``; a new key tile with scores ``s`` updates them as
@@ -29,11 +33,19 @@ float64 inputs in their own precision. A query row that sees no key at all gets 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+class Visibility(NamedTuple):
+    """Which keys a query sees, and the score transform: causal (``k_pos <= q_pos``), within
+    ``window`` positions before it (None: no limit), scores soft-capped at ``softcap`` (None: not)."""
+    causal: bool = True
+    window: Optional[int] = None
+    softcap: Optional[float] = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,23 +74,35 @@ class Tiles:
                 self.tiles.append((start, end, int(piece.min()), int(piece.max())))
 
 
-def _visibility(q_tile, k_tile, causal: bool) -> int:
-    if not causal:
+def _visibility(q_tile, k_tile, vis: Visibility) -> int:
+    if not vis.causal:
         return FULL
     if k_tile[2] > q_tile[3]:  # every key after every query
         return SKIP
-    if k_tile[3] <= q_tile[2]:  # every key at or before every query
+    if vis.window is not None and q_tile[2] - k_tile[3] > vis.window:  # every key too far back
+        return SKIP
+    if k_tile[3] <= q_tile[2] and (vis.window is None or q_tile[3] - k_tile[2] <= vis.window):
         return FULL
     return PARTIAL
 
 
-def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n: int):
-    """Scaled scores ``[b, g, n * bq, bk]`` of one tile pair, masked to -inf where hidden."""
+def tile_pairs(q_tiles: Tiles, k_tiles: Tiles, vis: Visibility) -> int:
+    """How many tile pairs the kernel computes (the others are skipped)."""
+    return sum(_visibility(qt, kt, vis) != SKIP for qt in q_tiles.tiles for kt in k_tiles.tiles)
+
+
+def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n: int, vis: Visibility):
+    """Scaled (and soft-capped) scores ``[b, g, n * bq, bk]`` of one tile pair, -inf where hidden."""
     j0, j1 = k_tile[0], k_tile[1]
     s = qb @ k[:, :, j0:j1].transpose(-1, -2)
+    if vis.softcap is not None:
+        s = torch.tanh(s / vis.softcap) * vis.softcap
     if kind == PARTIAL:
-        qpos = q_tiles.device_positions[q_tile[0]:q_tile[1]]
-        hidden = k_tiles.device_positions[j0:j1][None, :] > qpos[:, None]  # [bq, bk]
+        qpos = q_tiles.device_positions[q_tile[0]:q_tile[1]][:, None]
+        kpos = k_tiles.device_positions[j0:j1][None, :]
+        hidden = kpos > qpos  # [bq, bk]
+        if vis.window is not None:
+            hidden = hidden | (qpos - kpos > vis.window)
         b, g, rows, bk = s.shape
         s = s.view(b, g, n, rows // n, bk).masked_fill(hidden, float("-inf")).view(b, g, rows, bk)
     return s
@@ -90,7 +114,7 @@ def _query_tile(q5, q_tile, scale):
     return q5[:, :, :, q_tile[0]:q_tile[1]].reshape(b, g, n * (q_tile[1] - q_tile[0]), d) * scale
 
 
-def forward_pair(q, k, v, q_tiles: Tiles, k_tiles: Tiles, scale: float, causal: bool):
+def forward_pair(q, k, v, q_tiles: Tiles, k_tiles: Tiles, scale: float, vis: Visibility):
     """Attention of queries ``q`` over keys/values ``k, v`` (all in the compute dtype).
 
     Returns ``(out [b, h, sq, d], lse [b, h, sq])``, or ``None`` when no query sees any key."""
@@ -104,10 +128,10 @@ def forward_pair(q, k, v, q_tiles: Tiles, k_tiles: Tiles, scale: float, causal: 
     for q_tile in q_tiles.tiles:
         qb, m, l, acc = _query_tile(q5, q_tile, scale), None, None, None
         for k_tile in k_tiles.tiles:
-            kind = _visibility(q_tile, k_tile, causal)
+            kind = _visibility(q_tile, k_tile, vis)
             if kind == SKIP:
                 continue
-            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n)
+            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis)
             m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that saw nothing yet
             p = torch.exp(s - m_safe[..., None])
@@ -130,7 +154,7 @@ def forward_pair(q, k, v, q_tiles: Tiles, k_tiles: Tiles, scale: float, causal: 
     return out.view(b, h, sq, d), lse.view(b, h, sq)
 
 
-def backward_pair(q, k, v, dout, lse, delta, q_tiles: Tiles, k_tiles: Tiles, scale: float, causal: bool,
+def backward_pair(q, k, v, dout, lse, delta, q_tiles: Tiles, k_tiles: Tiles, scale: float, vis: Visibility,
                   dq, dk, dv) -> None:
     """Add this tile set's gradient contributions to ``dq [b, h, sq, d]`` and ``dk, dv [b, g, sk, d]``.
 
@@ -152,13 +176,16 @@ def backward_pair(q, k, v, dout, lse, delta, q_tiles: Tiles, k_tiles: Tiles, sca
         lse_b = lse4[:, :, :, i0:i1].reshape(b, g, rows, 1)
         delta_b = delta4[:, :, :, i0:i1].reshape(b, g, rows, 1)
         for k_tile in k_tiles.tiles:
-            kind = _visibility(q_tile, k_tile, causal)
+            kind = _visibility(q_tile, k_tile, vis)
             if kind == SKIP:
                 continue
             j0, j1 = k_tile[0], k_tile[1]
-            p = torch.exp(_scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n) - lse_b)
+            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis)
+            p = torch.exp(s - lse_b)
             dv[:, :, j0:j1] += p.transpose(-1, -2) @ dob
             ds = p * (dob @ v[:, :, j0:j1].transpose(-1, -2) - delta_b)
+            if vis.softcap is not None:  # d(cap tanh(x / cap))/dx = 1 - tanh^2; hidden entries have p = 0
+                ds = ds * (1 - (s / vis.softcap).square()).nan_to_num(0.0, 0.0, 0.0)
             dk[:, :, j0:j1] += ds.transpose(-1, -2) @ qb  # qb carries the scale
             dqb = ds @ k[:, :, j0:j1] if dqb is None else dqb + ds @ k[:, :, j0:j1]
         if dqb is not None:
@@ -187,14 +214,14 @@ def check_shapes(q, k, v) -> None:
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_tiles, k_tiles, causal, scale):
+    def forward(ctx, q, k, v, q_tiles, k_tiles, vis, scale):
         cd = compute_dtype(q.dtype)
-        part = forward_pair(q.to(cd), k.to(cd), v.to(cd), q_tiles, k_tiles, scale, causal)
+        part = forward_pair(q.to(cd), k.to(cd), v.to(cd), q_tiles, k_tiles, scale, vis)
         if part is None:
             part = (q.new_zeros(q.shape, dtype=cd), q.new_full(q.shape[:3], float("-inf"), dtype=cd))
         out, lse = part[0].to(q.dtype), part[1]
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.tiles, ctx.causal, ctx.scale = (q_tiles, k_tiles), causal, scale
+        ctx.tiles, ctx.vis, ctx.scale = (q_tiles, k_tiles), vis, scale
         return out, lse
 
     @staticmethod
@@ -206,7 +233,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
         dk = torch.zeros(k.shape, dtype=cd, device=k.device)
         dv = torch.zeros(v.shape, dtype=cd, device=v.device)
-        backward_pair(q.to(cd), k.to(cd), v.to(cd), dout, lse, delta, *ctx.tiles, ctx.scale, ctx.causal,
+        backward_pair(q.to(cd), k.to(cd), v.to(cd), dout, lse, delta, *ctx.tiles, ctx.scale, ctx.vis,
                       dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
@@ -215,13 +242,16 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         q_positions: Optional[torch.Tensor] = None,
                         k_positions: Optional[torch.Tensor] = None,
                         causal: bool = True, scale: Optional[float] = None,
-                        block_size: int = 256) -> Tuple[torch.Tensor, torch.Tensor]:
+                        block_size: int = 256, window: Optional[int] = None,
+                        softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``softmax(scale q k^T + mask) v`` without the ``sq x sk`` matrix; returns ``(out, lse)``.
 
     ``q [b, heads, sq, d]``, ``k, v [b, groups, sk, d]``; ``out`` has ``q``'s shape and dtype, ``lse
     [b, heads, sq]`` is float64 for float64 inputs and float32 otherwise. Positions (1-D int, default
     ``arange``) define the causal mask: query ``i`` sees key ``j`` when ``k_positions[j] <=
-    q_positions[i]``. ``scale`` defaults to ``1 / sqrt(d)``. Both outputs are differentiable."""
+    q_positions[i]`` (and, with ``window``, ``q_positions[i] - k_positions[j] <= window``).
+    ``scale`` defaults to ``1 / sqrt(d)``; ``softcap`` caps the scaled scores at ``cap tanh(s / cap)``.
+    Both outputs are differentiable."""
     check_shapes(q, k, v)
     if q_positions is None:
         q_positions = torch.arange(q.shape[2])
@@ -230,7 +260,10 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q_positions.numel() != q.shape[2] or k_positions.numel() != k.shape[2]:
         raise ValueError(f"{q_positions.numel()} query and {k_positions.numel()} key positions for "
                          f"{q.shape[2]} queries and {k.shape[2]} keys")
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q_tiles = Tiles(q_positions, block_size, q.device)
     k_tiles = Tiles(k_positions, block_size, q.device)
-    return _BlockwiseAttention.apply(q, k, v, q_tiles, k_tiles, causal, scale)
+    vis = Visibility(causal, window, softcap)
+    return _BlockwiseAttention.apply(q, k, v, q_tiles, k_tiles, vis, scale)

@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.context_parallel.blockwise import (Tiles, backward_pair, blockwise_attention, check_shapes,
-                                                 compute_dtype, forward_pair, merge)
+from megazero.context_parallel.blockwise import (Tiles, Visibility, backward_pair, blockwise_attention,
+                                                 check_shapes, compute_dtype, forward_pair, merge)
 from megazero.context_parallel.split import cp_positions
 from megazero.context_parallel.ulysses import ulysses_attention
 
@@ -74,7 +74,7 @@ def _kv_buffer(kv: torch.Tensor, length: int, dtype=None) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, q_tiles: Tiles, k_tiles, causal: bool, scale: float):
+    def forward(ctx, q, k, v, ring: _Ring, q_tiles: Tiles, k_tiles, vis: Visibility, scale: float):
         n, r = ring.size, ring.rank
         cd = compute_dtype(q.dtype)
         qc = q.to(cd)
@@ -84,7 +84,7 @@ class _RingAttention(torch.autograd.Function):
             if t < n - 1:  # start the next block's transfer before computing on this one
                 incoming = _kv_buffer(kv, k_tiles[(r - t - 1) % n].length)
                 requests = ring.exchange(kv, incoming, _KV_TAG)
-            part = forward_pair(qc, kv[0].to(cd), kv[1].to(cd), q_tiles, k_tiles[(r - t) % n], scale, causal)
+            part = forward_pair(qc, kv[0].to(cd), kv[1].to(cd), q_tiles, k_tiles[(r - t) % n], scale, vis)
             if part is not None:
                 out, lse = merge(out, lse, *part)
             if t < n - 1:
@@ -94,7 +94,7 @@ class _RingAttention(torch.autograd.Function):
             out, lse = qc.new_zeros(q.shape), qc.new_full(q.shape[:3], float("-inf"))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.q_tiles, ctx.k_tiles, ctx.causal, ctx.scale = ring, q_tiles, k_tiles, causal, scale
+        ctx.ring, ctx.q_tiles, ctx.k_tiles, ctx.vis, ctx.scale = ring, q_tiles, k_tiles, vis, scale
         return out
 
     @staticmethod
@@ -115,7 +115,7 @@ class _RingAttention(torch.autograd.Function):
             owner = (r - t) % n
             mine = _kv_buffer(kv, k_tiles[owner].length, cd).zero_()
             backward_pair(qc, kv[0].to(cd), kv[1].to(cd), dout, lse, delta, ctx.q_tiles, k_tiles[owner],
-                          ctx.scale, ctx.causal, dq, mine[0], mine[1])
+                          ctx.scale, ctx.vis, dq, mine[0], mine[1])
             if t > 0:  # the contributions of ranks owner .. r-1 to the owner's dK/dV
                 _wait(dkv_requests)
                 mine += dkv_in
@@ -141,7 +141,8 @@ def _rank_positions(positions, cp_size: int, local_len: int):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                    positions: Optional[Sequence[torch.Tensor]] = None, *, comm_type: str = "p2p",
-                   causal: bool = True, scale: Optional[float] = None, block_size: int = 256) -> torch.Tensor:
+                   causal: bool = True, scale: Optional[float] = None, block_size: int = 256,
+                   window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Causal (or full) self-attention of a sequence split over the CP ``group``; returns this rank's
     output ``[b, heads, s_local, d]``, differentiable in ``q, k, v``.
 
@@ -150,7 +151,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     r's gives the order of its local tokens). ``None`` means the load-balanced split of
     ``cp_size * s_local`` tokens (:func:`megazero.context_parallel.cp_positions`); ranks may hold
     different numbers of tokens when given explicitly. ``comm_type``: ``"p2p"`` (ring) or ``"a2a"``
-    (Ulysses). ``scale`` defaults to ``1 / sqrt(d)``; ``block_size`` is the kernel's tile length."""
+    (Ulysses). ``scale`` defaults to ``1 / sqrt(d)``; ``block_size`` is the kernel's tile length;
+    ``window`` (keys before its own a query sees) and ``softcap`` as in
+    :func:`~megazero.context_parallel.blockwise.blockwise_attention`: a K/V block wholly outside every
+    local query's window is skipped (it still travels the ring)."""
     check_comm_type(comm_type)
     check_shapes(q, k, v)
     if q.shape[2] != k.shape[2]:
@@ -164,8 +168,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                          f"positions")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if cp_size == 1:
-        return blockwise_attention(q, k, v, positions[0], positions[0], causal, scale, block_size)[0]
+        return blockwise_attention(q, k, v, positions[0], positions[0], causal, scale, block_size, window,
+                                   softcap)[0]
+    vis = Visibility(causal, window, softcap)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, positions, causal, scale, block_size)
+        return ulysses_attention(q, k, v, group, positions, vis, scale, block_size)
     k_tiles = [Tiles(p, block_size, q.device) for p in positions]
-    return _RingAttention.apply(q, k, v, _Ring(group), k_tiles[cp_rank], k_tiles, causal, scale)
+    return _RingAttention.apply(q, k, v, _Ring(group), k_tiles[cp_rank], k_tiles, vis, scale)

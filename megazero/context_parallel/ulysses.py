@@ -62,8 +62,9 @@ class _AllToAll(torch.autograd.Function):
         return undo(grad.contiguous(), ctx.group, ctx.lengths), None, None, None
 
 
-def ulysses_attention(q, k, v, group, positions, causal: bool, scale: float, block_size: int) -> torch.Tensor:
-    """Ulysses attention; arguments as :func:`megazero.context_parallel.ring_attention` (resolved)."""
+def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: int) -> torch.Tensor:
+    """Ulysses attention; arguments as :func:`megazero.context_parallel.ring_attention` (resolved; ``vis``
+    the :class:`~megazero.context_parallel.blockwise.Visibility`)."""
     n = dist.get_world_size(group)
     heads, groups = q.shape[1], k.shape[1]
     if heads % n:
@@ -76,5 +77,6 @@ def ulysses_attention(q, k, v, group, positions, causal: bool, scale: float, blo
     lengths = [int(p.numel()) for p in positions]
     everyone = torch.cat([p.reshape(-1).to("cpu", torch.long) for p in positions])
     qh, kh, vh = (_AllToAll.apply(t, group, lengths, True) for t in (q, k, v))
-    out, _ = blockwise_attention(qh, kh, vh, everyone, everyone, causal, scale, block_size)
+    out, _ = blockwise_attention(qh, kh, vh, everyone, everyone, vis.causal, scale, block_size, vis.window,
+                                 vis.softcap)
     return _AllToAll.apply(out, group, lengths, False)

@@ -86,3 +86,19 @@ def io_error(err: OSError, file: str, doing: str, flag: str = FLAG) -> OSError:
     if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         return NvmeSpaceError(file, doing, flag)
     return OSError(err.errno, f"{flag} {os.path.dirname(file)}: {doing} {file} failed: {err.strerror}")
+
+
+class SwapCorruptError(MegazeroError):
+    """A block of a swap file read back differs from what was written (its checksum), or lies past the
+    end of a file that was cut short: reported in one line by the rank that read it, naming the file
+    and the block.  The swap files are scratch; the run resumes from its last checkpoint."""
+
+    kind = LOCAL
+
+    def __init__(self, file: str, name: str, block: int, start: int, nbytes: int, problem: str,
+                 flag: str = FLAG):
+        super().__init__(f"{flag} {os.path.dirname(file)}: swap file {file}, block {block} of {name!r} "
+                         f"(bytes {start}-{start + nbytes - 1}): {problem}; the disk or another process "
+                         "changed the file, so this run's state is lost: resume from the last checkpoint "
+                         "(--load)")
+        self.path, self.block = file, block

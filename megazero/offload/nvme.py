@@ -4,7 +4,16 @@
 ``<--nvme-path>/rank{r}.swap``: every tensor owns a region that starts on a block boundary, the
 whole file is allocated when the store opens (so a disk without room fails then, not mid-run),
 and a file left by a crashed run is truncated and reused.  The file is scratch: :meth:`close`
-(or leaving the ``with`` block, or the interpreter exiting) removes it.
+(or leaving the ``with`` block, or the interpreter exiting) removes it.  One run per file: the
+store locks it before opening it (:mod:`megazero.offload.lock`), and another run's store given the
+same file is refused, naming the holder, instead of truncating it.
+
+Every block is checksummed: a 64-bit checksum of each request's bytes (xxHash's XXH3, about ten
+times as fast as zlib's CRC32, so that it costs little beside the disk) is computed on the host
+buffer on the I/O thread just before the write and kept in memory; a read verifies the bytes it brought in
+against it, and a block that differs, or lies past the end of a file cut short, stops the run with
+:class:`~megazero.offload.checks.SwapCorruptError`, one line naming the file, the tensor and the
+block (a block never written is not checked).
 
 I/O is plain ``os.pwrite``/``os.preadv`` (which release the GIL) on a file opened with ``O_DIRECT``,
 split into ``block_size`` requests that ``io_threads`` threads keep in flight.  Direct I/O needs
@@ -22,17 +31,20 @@ import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+from xxhash import xxh3_64_intdigest as block_checksum
 
 from megazero.offload.aligned import ALIGN, aligned_empty, byte_view, is_aligned, round_up, typed_view
-from megazero.offload.checks import check_nvme_path, io_error
+from megazero.offload.checks import SwapCorruptError, check_nvme_path, io_error
 from megazero.offload.handles import IOHandle, IOStats
+from megazero.offload.lock import SwapBusyError, first_refusal, lock_swap_file
 from megazero.offload.transfer import direct_works, remove_store, transfer, transfer_tail, unlink_quietly
 
 DEFAULT_BLOCK_SIZE = 1 << 20  #: bytes per I/O request (``--nvme-block-size``)
 DEFAULT_IO_THREADS = 4  #: requests in flight, one per thread (``--nvme-io-threads``)
+WRITE_FAILED = -1  #: the checksum of a block whose last write failed (a checksum is never negative)
 
 Spec = Union[int, Tuple[int, torch.dtype]]
 
@@ -88,14 +100,20 @@ class NvmeStore:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.regions, self.file_bytes = plan_regions(specs, block_size)
         self.file = os.path.join(str(path), f"{name}{rank}.swap")  # name: one file per store of a rank
-        if check_space:
-            leftover = os.path.getsize(self.file) if os.path.isfile(self.file) else 0
-            check_nvme_path(path, self.file_bytes, reclaimable=leftover)
-        self.stats = IOStats()
-        self._pending: Dict[str, IOHandle] = {}
-        self.fd, self.direct, self.io_note = self._open(direct, preallocate)
+        self.lock = lock_swap_file(self.file)  # before anything truncates it
+        try:
+            if check_space:
+                leftover = os.path.getsize(self.file) if os.path.isfile(self.file) else 0
+                check_nvme_path(path, self.file_bytes, reclaimable=leftover)
+            self.stats = IOStats()
+            self._pending: Dict[str, IOHandle] = {}
+            self._sums: Dict[str, List[Optional[int]]] = {}  # name -> checksum of each block written
+            self.fd, self.direct, self.io_note = self._open(direct, preallocate)
+        except BaseException:
+            self.lock.release()
+            raise
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="nvme-io")
-        self._finalizer = weakref.finalize(self, remove_store, self.fd, self.file, self._pool)
+        self._finalizer = weakref.finalize(self, remove_store, self.fd, self.file, self._pool, self.lock)
 
     # -- opening --------------------------------------------------------------------------------
     def _open(self, direct: bool, preallocate: bool):
@@ -149,7 +167,7 @@ class NvmeStore:
             if tensor.is_cuda:
                 before = torch.cuda.Event()
                 before.record()
-        futures = self._submit(region, host, write=True, before=before)
+        futures = self._submit(name, region, host, write=True, before=before)
         handle = IOHandle(self, futures, keep=(tensor, host))
         self.stats.add(written=region.nbytes)
         return self._track(name, handle)
@@ -161,14 +179,15 @@ class NvmeStore:
         region = self._check(name, out)
         self._settle(name)
         if is_aligned(out):
-            handle = IOHandle(self, self._submit(region, out, write=False), keep=(out,))
+            handle = IOHandle(self, self._submit(name, region, out, write=False), keep=(out,))
         else:
             host = typed_view(aligned_empty(region.nbytes, self.pin), 0, region.numel, region.dtype)
             shape = out.shape
 
             def finish():
                 out.copy_(host.view(shape), non_blocking=out.is_cuda)
-            handle = IOHandle(self, self._submit(region, host, write=False), finish=finish, keep=(out, host))
+            handle = IOHandle(self, self._submit(name, region, host, write=False), finish=finish,
+                              keep=(out, host))
         self.stats.add(read=region.nbytes)
         return self._track(name, handle)
 
@@ -231,17 +250,68 @@ class NvmeStore:
         self._pending[name] = handle
         return handle
 
-    def _submit(self, region: Region, host: torch.Tensor, write: bool, before=None):
-        """Requests moving the aligned CPU tensor ``host`` to or from ``region``: ``block_size`` pieces
-        of the whole pages in place, the last partial page through a bounce page."""
+    def _submit(self, name: str, region: Region, host: torch.Tensor, write: bool, before=None):
+        """Requests moving the aligned CPU tensor ``host`` to or from ``name``'s ``region``: ``block_size``
+        pieces of the whole pages in place, the last partial page through a bounce page; each piece
+        (block) checksummed."""
         mv, nbytes = byte_view(host), region.nbytes
         body = nbytes - nbytes % ALIGN
-        futures = []
-        for start in range(0, body, self.block_size):
-            piece = mv[start:min(start + self.block_size, body)]
-            futures.append(self._pool.submit(self.stats.busy, transfer, self.fd, piece, region.offset + start,
-                                             write, self.file, before))
+        pieces = [(a, min(a + self.block_size, body)) for a in range(0, body, self.block_size)]
         if body < nbytes:
-            futures.append(self._pool.submit(self.stats.busy, transfer_tail, self.fd, mv[body:],
-                                             region.offset + body, write, self.file, before))
-        return futures
+            pieces.append((body, nbytes))
+        sums = self._sums.setdefault(name, [None] * len(pieces))
+        return [self._pool.submit(self.stats.busy, _move, self.fd, self.file, mv[a:e], region.offset + a,
+                                  write, before, name, k, sums, a >= body) for k, (a, e) in enumerate(pieces)]
+
+
+def _move(fd: int, file: str, mv: memoryview, offset: int, write: bool, before, name: str, block: int,
+          sums: List[Optional[int]], tail: bool) -> None:
+    """One block of tensor ``name`` of swap file ``file``, on an I/O thread: its checksum recorded
+    before it is written, checked after it is read (requests on one name never overlap, see
+    :meth:`NvmeStore._settle`).  A plain function: a request must not hold the store, or the store
+    could be dropped, and its finalizer run, on one of its own I/O threads."""
+    move = transfer_tail if tail else transfer
+    if write:
+        if before is not None:
+            before.synchronize()
+        sums[block] = block_checksum(mv)
+        try:
+            move(fd, mv, offset, True, file, None)
+        except BaseException:
+            sums[block] = WRITE_FAILED
+            raise
+        return
+    try:
+        move(fd, mv, offset, False, file, None)
+    except OSError:
+        size = os.fstat(fd).st_size
+        if size < offset + len(mv):
+            raise SwapCorruptError(file, name, block, offset, len(mv), f"lies past the end of the file "
+                                   f"({size} bytes): it was cut short") from None
+        raise
+    want = sums[block]
+    if want == WRITE_FAILED:
+        raise SwapCorruptError(file, name, block, offset, len(mv), "its last write failed (see the error it "
+                               "raised), so it holds no whole value")
+    if want is not None:
+        got = block_checksum(mv)
+        if got != want:
+            raise SwapCorruptError(file, name, block, offset, len(mv),
+                                   f"fails its checksum ({got:016x} read, {want:016x} written)")
+
+
+def open_store(mesh, *args, **kwargs) -> "NvmeStore":
+    """``NvmeStore(*args, **kwargs)`` on every rank of ``mesh`` (a collective): when any rank's swap
+    file is held by another run, every rank closes its store and raises the same
+    :class:`~megazero.offload.lock.SwapBusyError` (the first refused rank's message; rank 0 reports it)."""
+    store, refused = None, None
+    try:
+        store = NvmeStore(*args, **kwargs)
+    except SwapBusyError as err:
+        refused = str(err)
+    first = first_refusal(refused, mesh)
+    if first is None:
+        return store
+    if store is not None:
+        store.close()
+    raise SwapBusyError(first, everywhere=True)

@@ -61,7 +61,10 @@ def unlink_quietly(file: str) -> None:
         pass
 
 
-def remove_store(fd: int, file: str, pool: ThreadPoolExecutor) -> None:
+def remove_store(fd: int, file: str, pool: ThreadPoolExecutor, lock=None) -> None:
+    """Finish the requests, close and remove the swap file, then drop its lock (``lock``)."""
     pool.shutdown(wait=True)
     os.close(fd)
     unlink_quietly(file)
+    if lock is not None:
+        lock.release()

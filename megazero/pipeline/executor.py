@@ -9,7 +9,8 @@ trainer always goes through here.
 Chunks follow docs/internals.md: ``chunk(input, labels=None, loss_mask=None)``; the first stage's
 first chunk takes token ids, the last stage's last chunk returns the per-token loss when given
 labels.  The micro-batch loss is ``(loss * mask).sum() / mask.sum()``; backward runs on
-``loss / num_micro_batches * loss_scale``.
+``loss / num_micro_batches * loss_scale``.  The auxiliary losses of MoE layers (on any stage) get the
+same factor as their gradient (``chunk.moe_stats.backward_scale``, :mod:`megazero.moe.stats`).
 
 Memory: a chunk's input is kept from its forward until its backward (1F1B bounds how many).
 Its output is needed after the send only for its ``grad_fn``, so once the send is posted (the
@@ -46,6 +47,7 @@ import torch
 
 from torch.autograd.variable import Variable
 
+from megazero.moe.stats import set_backward_scale
 from megazero.pipeline.p2p import StageComm
 from megazero.pipeline.schedules import Action, build_schedule, steps
 
@@ -302,6 +304,8 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     """
     m, vp = num_micro_batches, len(chunks)
     _check_chunks(chunks, mesh)
+    if not forward_only:  # MoE layers' auxiliary losses: the gradient a micro-batch's loss gets
+        set_backward_scale(chunks, loss_scale / m)
     if isinstance(schedule, str):
         actions = build_schedule(schedule, mesh.size("pp"), m, vp, forward_only)[mesh.coord("pp")]
     else:

@@ -9,7 +9,7 @@ the first stage's first chunk, the final norm, output head and loss on the last 
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 def check_layout(num_layers: int, pp: int, vp_layers: Optional[int] = None, first: Optional[int] = None,
@@ -58,6 +58,22 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None,
     if last is not None:
         counts[-1] = last
     return counts
+
+
+def balanced_split(num_layers: int, pp: int) -> Optional[Tuple[int, int]]:
+    """``(first, last)`` layer counts of the most even uneven split when ``pp`` does not divide
+    ``num_layers`` (None when it does, or when ``pp`` exceeds the layers): every middle stage holds
+    ``c = ceil(num_layers / pp)`` layers (``floor`` when that leaves fewer than one layer for each
+    end) and the first and the last share the rest, the last taking the odd one.  Llama 3 405B's
+    126 layers on 16 stages give ``(7, 7)``: one layer fewer at each end, as Grattafiori et al.
+    (2024) placed them."""
+    if pp < 2 or pp > num_layers or num_layers % pp == 0:
+        return None
+    for c in (-(-num_layers // pp), num_layers // pp):
+        rest = num_layers - (pp - 2) * c
+        if rest >= 2:
+            return rest // 2, rest - rest // 2
+    return None
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, vp_layers: Optional[int] = None,

@@ -2,8 +2,10 @@
 
 What each part of the model saves is declared by the model (for megazero's GPT,
 :mod:`megazero_models.saved_activations`) and passed in as ``saved``: an object with
-``embedding_bytes(D)``, ``layer_segments(D, selective)``, ``group_segment(D, n_layers)``,
-``rope_bytes(D)`` and ``head_bytes(D)`` of a :class:`Dims` (per micro-batch, on one rank), in
+``embedding_bytes(D)``, ``layer_segments(D, selective)`` and ``head_bytes(D)`` of a :class:`Dims`,
+``group_segment(Ds)`` and ``shared_bytes(Ds)`` of a list of per-layer Dims (:func:`layer_dims`: a
+recomputed group's layers, a chunk's layers sharing RoPE tables and window masks), per
+micro-batch, on one rank, in
 :class:`Segment` s where backward frees in steps.  Notation: ``s`` sequence, ``b`` micro-batch,
 ``h`` hidden, ``T = s*b`` tokens (``s``: a CP rank's ``seq / cp`` under context parallelism),
 ``Tl`` the tokens a rank holds outside the tensor-parallel regions (``T / tp`` under sequence
@@ -26,9 +28,11 @@ in-flight micro-batches of 1F1B, interleaved 1F1B or GPipe are counted as they o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, NamedTuple
+from dataclasses import dataclass, replace
+from typing import List, NamedTuple, Optional
 
+from megazero.element_bytes import compute_bytes
+from megazero.config.patterns import GATED, active_window, layer_uses_rope, layer_window, uses_rope
 from megazero.pipeline.partition import chunk_layers
 from megazero.pipeline.schedules import interleaved_warmup
 
@@ -49,15 +53,20 @@ class Dims:
     fp: int
     vp: int
     v: int        # the unpadded vocabulary (TP 1's cross-entropy sees only these columns)
-    rope: bool
+    rope: bool    # this layer rotates queries and keys (RoPE/YaRN, not a --no-rope-freq layer)
     rms: bool
-    swiglu: bool
+    swiglu: bool  # a gated MLP (SwiGLU or GeGLU: the same saved set)
     half: bool
     hidden_dropout: bool
     attention_dropout: bool
-    backend: str  # "flash", "efficient", "math", or "ring" / "ulysses" (context parallel)
+    backend: str  # "flash", "efficient", "math", "blockwise" (soft-capped), "ring" / "ulysses" (CP)
     device: str   # "cpu" or "cuda"
     cp: int = 1   # context-parallel size: ``s`` is then this CP rank's share of the sequence
+    window: Optional[int] = None  # this layer's sliding window when it hides keys (SDPA: an additive mask)
+    qk_norm: str = ""             # "head" or "all" with --qk-layernorm
+    norms: str = "pre"            # --norm-position: pre, post or sandwich
+    embed_scale: bool = False     # Gemma's sqrt(h) (a 0-dim tensor the multiply keeps)
+    final_softcap: bool = False   # the head's tanh keeps its output
 
     @property
     def T(self) -> int:
@@ -77,24 +86,44 @@ def sdpa_backend(device: str, half: bool, dropout: bool, head_dim: int) -> str:
     return "flash" if half and head_dim <= 256 else "efficient"
 
 
-def dims(cfg, device: str = "cuda") -> Dims:
-    """:class:`Dims` of a validated config on ``device`` ("cpu" or "cuda")."""
+def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
+    """:class:`Dims` of a validated config on ``device`` ("cpu" or "cuda").  ``attention``: the
+    kernel of the stack being modelled; ``flash`` is the SDPA kernel megazero runs
+    (:func:`sdpa_backend`), ``unfused`` the unfused attention of older Megatron-LM stacks
+    (``--attention-backend unfused``/``local``), which keeps the ``s x s`` scores as the math
+    kernel does."""
     m, par, pre = cfg.model, cfg.parallel, cfg.precision
     tp = par.tensor_model_parallel_size
     half = bool(pre.bf16 or pre.fp16)
-    E = 2 if half else 4
+    E = compute_bytes(pre)
     cp = par.context_parallel_size
     backend = sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels)
+    if attention == "unfused":
+        backend = "math"
+    if m.attn_logit_softcapping is not None:
+        backend = "blockwise"
     if cp > 1:
         backend = "ring" if par.cp_comm_type == "p2p" else "ulysses"
     return Dims(s=m.seq_length // cp, b=cfg.training.micro_batch_size, h=m.hidden_size, tp=tp,
                 sp=bool(par.sequence_parallel), E=E, M=E if device == "cpu" else 1,
                 ap=m.num_attention_heads // tp, gp=m.num_query_groups // tp, d=m.kv_channels,
                 fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp, v=m.vocab_size,
-                rope=m.position_embedding_type == "rope", rms=m.normalization == "RMSNorm",
-                swiglu=m.activation == "swiglu", half=half, hidden_dropout=m.hidden_dropout > 0,
+                rope=uses_rope(m), rms=m.normalization == "RMSNorm",
+                swiglu=m.activation in GATED, half=half, hidden_dropout=m.hidden_dropout > 0,
                 attention_dropout=m.attention_dropout > 0,
-                backend=backend, device=device, cp=cp)
+                backend=backend, device=device, cp=cp, qk_norm=m.qk_layernorm_scope if m.qk_layernorm else "",
+                norms=m.norm_position, embed_scale=m.scale_embedding,
+                final_softcap=m.final_logit_softcapping is not None)
+
+
+def layer_dims(cfg, D: Dims, layer: int) -> Dims:
+    """``D`` for transformer layer ``layer``: its RoPE (``--no-rope-freq``) and its window, when the
+    window hides keys of a ``--seq-length`` sequence and SDPA takes it as a mask (not under context
+    parallelism or soft-capping, whose kernel applies it by position)."""
+    m = cfg.model
+    window = active_window(layer_window(m, layer), m.seq_length)
+    mask = window if D.backend in ("flash", "efficient", "math") else None
+    return replace(D, rope=layer_uses_rope(m, layer), window=mask)
 
 
 class Segment(NamedTuple):
@@ -105,28 +134,30 @@ class Segment(NamedTuple):
     freed_first: int = 0
 
 
-def chunk_segments(cfg, D: Dims, n_layers: int, pre: bool, post: bool, saved) -> List[Segment]:
-    """One chunk's segments in forward order (recomputation as configured)."""
+def chunk_segments(cfg, D: Dims, layers: range, pre: bool, post: bool, saved) -> List[Segment]:
+    """One chunk's segments in forward order (recomputation as configured); ``layers``: the
+    chunk's global layer indices (layers differ in RoPE and window)."""
     m = cfg.model
     selective = m.recompute_granularity == "selective"
+    Ds = [layer_dims(cfg, D, i) for i in layers]
+    n_layers = len(Ds)
     segs = [Segment(saved.embedding_bytes(D))] if pre else []
     if m.recompute_granularity == "full":
         k = m.recompute_num_layers or 1
         if m.recompute_method == "block":
             recomputed = min(k, n_layers)
-            segs += [saved.group_segment(D, 1) for _ in range(recomputed)]
-            plain = n_layers - recomputed
-            if plain:
-                segs.append(Segment(saved.rope_bytes(D)))
-            for _ in range(plain):
-                segs += saved.layer_segments(D, False)
+            segs += [saved.group_segment(Ds[i:i + 1]) for i in range(recomputed)]
+            if n_layers > recomputed:
+                segs.append(Segment(saved.shared_bytes(Ds[recomputed:])))
+            for Dl in Ds[recomputed:]:
+                segs += saved.layer_segments(Dl, False)
         else:
-            segs += [saved.group_segment(D, min(k, n_layers - i)) for i in range(0, n_layers, k)]
+            segs += [saved.group_segment(Ds[i:i + k]) for i in range(0, n_layers, k)]
     else:
         if n_layers:
-            segs.append(Segment(saved.rope_bytes(D)))
-        for _ in range(n_layers):
-            segs += saved.layer_segments(D, selective)
+            segs.append(Segment(saved.shared_bytes(Ds)))
+        for Dl in Ds:
+            segs += saved.layer_segments(Dl, selective)
     if post:
         segs.append(Segment(saved.head_bytes(D)))
     return segs
@@ -144,12 +175,12 @@ def chunk_profile(segments: List[Segment]) -> tuple:
 
 
 # ---- a pipeline stage over the schedule --------------------------------------------------------
-def stage_chunks(cfg, pp_rank: int, saved, device: str = "cuda") -> List[tuple]:
+def stage_chunks(cfg, pp_rank: int, saved, device: str = "cuda", attention: str = "flash") -> List[tuple]:
     """(kept, backward peak) of each of this stage's chunks for one micro-batch."""
-    D = dims(cfg, device)
+    D = dims(cfg, device, attention)
     pp = cfg.parallel.pipeline_model_parallel_size
     ranges = chunk_layers(cfg, pp_rank)
-    return [chunk_profile(chunk_segments(cfg, D, len(r), pp_rank == 0 and v == 0,
+    return [chunk_profile(chunk_segments(cfg, D, r, pp_rank == 0 and v == 0,
                                          pp_rank == pp - 1 and v == len(ranges) - 1, saved))
             for v, r in enumerate(ranges)]
 
@@ -209,6 +240,7 @@ def in_flight(cfg, pp_rank: int) -> int:
     return most
 
 
-def stage_activation_peak(cfg, pp_rank: int, saved, device: str = "cuda") -> int:
-    """Peak activation bytes kept for backward on one rank of stage ``pp_rank``."""
-    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, saved, device))
+def stage_activation_peak(cfg, pp_rank: int, saved, device: str = "cuda", attention: str = "flash") -> int:
+    """Peak activation bytes kept for backward on one rank of stage ``pp_rank`` (``attention``:
+    :func:`dims`)."""
+    return schedule_peak(cfg, pp_rank, stage_chunks(cfg, pp_rank, saved, device, attention))

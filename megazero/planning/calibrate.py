@@ -17,14 +17,15 @@ the same measurement under torchrun with NCCL) that all work at once, as in trai
 the NVMe offload tiers use it: 256 MiB written, then read back, in 1 MiB direct-I/O requests on 4
 threads (:class:`megazero.offload.NvmeStore`); bytes moved over the time of both passes.
 
-``oversubscription`` is the ranks per processor this process may use (1 when each rank has its
+``core_flops``: a core's peak, the best rate of a 768 x 768 fp32 matrix product on one thread of
+the calibrating process (:func:`core_peak`); the planner's MFU on CPU hosts is relative to it.  ``cores``: the
+cores this process may use, and ``oversubscription`` the ranks per core (1 when each rank has its
 own).  The result (JSON) feeds ``plan.py --calibration FILE``.  On one machine the "intra-node"
 and "inter-node" links are the same measurement.
 """
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from typing import Dict, List
@@ -34,10 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.errors import ConfigError
+from megazero.threads import host_cores, set_rank_threads
 
 SIZES = (16384, 131072, 524288)  # fp32 elements: 64 KB .. 2 MB
 HIDDEN, HEADS, SEQ = 256, 4, 256  # the timed layer; batches of 1, 2 and 4 sequences
 ROUNDS = 10  # all-reduces per timed loop
+PEAK_N = 768  # the square matrix product whose rate is a core's peak
 
 
 def _timed(fn, repeats: int) -> float:
@@ -105,6 +108,21 @@ def _time_allreduces(repeats: int) -> List[tuple]:
     return out
 
 
+def core_peak(repeats: int = 10) -> float:
+    """FLOP/s of one core on a large fp32 matrix product: the best of ``repeats`` products on one
+    thread (a rank's, :func:`megazero.threads.set_rank_threads`) in this process (interference only
+    slows a product down, so the best is the core's)."""
+    threads = torch.get_num_threads()
+    set_rank_threads()
+    try:
+        a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
+        a @ b  # warm-up
+        best = min(_timed(lambda: a @ b, 1) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * PEAK_N ** 3 / best
+
+
 def _rank_measurements(repeats: int = 5) -> Dict[str, object]:
     """One rank's timings (every rank runs this together)."""
     return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats)}
@@ -139,12 +157,13 @@ def fit_alpha_beta(points: List[tuple]) -> tuple:
 
 def measure_disk(directory: str, nbytes: int = 256 << 20) -> float:
     """Bytes per second a swap file under ``directory`` moves (module docstring)."""
+    from megazero.element_bytes import FP32
     from megazero.offload import NvmeStore
     from megazero.offload.aligned import aligned_empty, typed_view
     piece = 64 << 20
-    specs = {f"t{i}": piece // 4 for i in range(max(1, nbytes // piece))}
+    specs = {f"t{i}": piece // FP32 for i in range(max(1, nbytes // piece))}
     with NvmeStore(directory, specs, name="calibrate") as store:
-        buf = typed_view(aligned_empty(piece), 0, piece // 4, torch.float32).fill_(1.0)
+        buf = typed_view(aligned_empty(piece), 0, piece // FP32, torch.float32).fill_(1.0)
         start = time.perf_counter()
         for h in [store.write_async(n, buf) for n in specs]:
             h.wait()
@@ -164,11 +183,13 @@ def calibrate(ranks: int = 8, disk_dir: str = None) -> Dict[str, object]:
     alpha, beta = fit_alpha_beta(points)
     rate, overhead = fit_layer({t: statistics.median(r["layer"][t] for r in results)
                                 for t in results[0]["layer"]})
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
+    sharing = max(1.0, ranks / cores)
     import tempfile
     disk = measure_disk(disk_dir or tempfile.gettempdir())
     return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
-            "layer_overhead_s": overhead, "oversubscription": max(1.0, ranks / cores),
+            "layer_overhead_s": overhead, "oversubscription": sharing, "cores": cores,
+            "core_flops": core_peak(),
             "disk_bytes_per_s": disk, "allreduce_points": points}
 
 
@@ -181,4 +202,7 @@ def load_calibration(path: str) -> Dict[str, object]:
             cal[key]  # noqa: B018 - presence check
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"--calibration {path}: not a calibration file ({err})") from None
+    if "cores" not in cal or "core_flops" not in cal:
+        raise ConfigError(f"--calibration {path}: written before plan.py --calibrate measured the cores and "
+                          "their matmul peak; run plan.py --calibrate again")
     return cal

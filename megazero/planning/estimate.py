@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
+from megazero.config.patterns import GATED
 from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak
 from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
@@ -54,18 +55,36 @@ COMPONENTS = ("param_bytes", "grad_bytes", "optim_bytes", "comm_bytes", "gathere
 
 
 # ---- parameter counts ------------------------------------------------------------------------
-def layer_params(cfg) -> int:
-    """Parameters of one transformer layer (unsharded)."""
+def _mlp_params(m, f: int) -> int:
+    """Parameters of one MLP of hidden size ``f`` (two or, gated, three matrices, and biases)."""
+    h, bias = m.hidden_size, m.add_bias_linear
+    if m.activation in GATED:
+        return 3 * h * f + ((2 * f + h) if bias else 0)
+    return 2 * h * f + ((f + h) if bias else 0)
+
+
+def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
+    """Parameters of transformer layer ``layer`` (unsharded; default a dense layer).  An MoE layer has
+    the router, ``--num-experts`` experts (``active``: only the ``--moe-router-topk`` a token uses) and
+    the shared expert with its gate in place of the MLP."""
+    from megazero.moe.settings import moe_layers
     m = cfg.model
-    h, f, d = m.hidden_size, m.ffn_hidden_size, m.kv_channels
+    h, d = m.hidden_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
     bias = m.add_bias_linear
     attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if bias or m.add_qkv_bias else 0) + (h if bias else 0)
-    if m.activation == "swiglu":
-        mlp = 3 * h * f + ((2 * f + h) if bias else 0)
-    else:
-        mlp = 2 * h * f + ((f + h) if bias else 0)
-    norms = 2 * (2 * h if m.normalization == "LayerNorm" else h)
+    per_norm = 2 if m.normalization == "LayerNorm" else 1
+    if m.qk_layernorm:
+        attn += q + kv if m.qk_layernorm_scope == "all" else 2 * d * per_norm
+    mlp = _mlp_params(m, m.ffn_hidden_size)
+    if layer is not None and layer in moe_layers(cfg):
+        moe = cfg.moe
+        experts = moe.moe_router_topk if active else moe.num_experts
+        shared = moe.moe_shared_expert_intermediate_size
+        mlp = moe.num_experts * h + experts * _mlp_params(m, moe.moe_ffn_hidden_size)
+        if shared:
+            mlp += _mlp_params(m, shared) + (h if moe.moe_shared_expert_gate else 0)
+    norms = (4 if m.norm_position == "sandwich" else 2) * h * per_norm
     return attn + mlp + norms
 
 
@@ -75,13 +94,15 @@ def stage_params(cfg, pp_rank: int) -> int:
     return sum(p.numel for c in rank_chunks(cfg, pp_rank) for p in c)
 
 
-def total_params(cfg, padded: bool = False) -> int:
+def total_params(cfg, padded: bool = False, active: bool = False) -> int:
     """Parameters of the whole model (unsharded, tied embedding counted once); ``padded``: with the
-    vocabulary padded to ``padded_vocab_size``, as the ranks hold it."""
+    vocabulary padded to ``padded_vocab_size``, as the ranks hold it; ``active``: a mixture of experts'
+    parameters one token uses (its ``--moe-router-topk`` experts of each MoE layer)."""
     m = cfg.model
     h = m.hidden_size
     vocab = m.padded_vocab_size if padded else m.vocab_size
-    n = m.num_layers * layer_params(cfg) + vocab * h + (2 * h if m.normalization == "LayerNorm" else h)
+    layers = sum(layer_params(cfg, i, active) for i in range(m.num_layers))
+    n = layers + vocab * h + (2 * h if m.normalization == "LayerNorm" else h)
     if m.position_embedding_type == "learned_absolute":
         n += m.max_position_embeddings * h
     if m.untie_embeddings_and_output_weights:
@@ -93,9 +114,7 @@ def bytes_per_param(cfg) -> Dict[str, int]:
     """(param, grad, optimizer) bytes per parameter for the configured precision and optimizer
     (optimizer: fp32 master when it is a separate copy + moments)."""
     bpe = bytes_per_element(cfg)
-    half = bpe["P"] == 2
-    master = 4 if (half or (cfg.parallel.offload_optimizer and cfg.parallel.zero_stage >= 1)) else 0
-    return {"param": bpe["P"], "grad": bpe["G"], "optim": master + bpe["state"]}
+    return {"param": bpe["P"], "grad": bpe["G"], "optim": bpe["master"] + bpe["state"]}
 
 
 def activation_bytes(cfg, pp_rank: int = 0, device: str = "cuda", *, saved) -> int:
@@ -137,11 +156,13 @@ def _temporary(cfg, pp_rank: int, device: str) -> int:
 
 
 def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: str = "cuda",
-                  backend: Optional[str] = None, *, saved,
-                  states: Optional[dict] = None) -> Dict[str, object]:
+                  backend: Optional[str] = None, *, saved, states: Optional[dict] = None,
+                  attention: str = "flash") -> Dict[str, object]:
     """Every component (module docstring) for one rank of stage ``pp_rank``; ``zero_stage``
     defaults to the config's, ``backend`` to gloo on CPU and NCCL on CUDA.  ``states``: a dict the
-    caller keeps (one planner search) in which model states are looked up and stored."""
+    caller keeps (one planner search) in which model states are looked up and stored.
+    ``attention``: ``unfused`` models a stack whose attention keeps the ``s x s`` scores
+    (:func:`megazero.planning.activations.dims`; the planner's ``--attention-backend``)."""
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     backend = backend or ("gloo" if device == "cpu" else "nccl")
     ms = _model_state(cfg, pp_rank, stage, backend, states)
@@ -150,7 +171,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
             "settled_peak_grad_bytes", "gathered_param_bytes", "optim_on_cpu")
     out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
-    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device)
+    out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device, attention)
     out["pipeline_input_bytes"] = pipeline_input_bytes(cfg, pp_rank)
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
     out["temporary_bytes"] = _temporary(cfg, pp_rank, device)

@@ -7,8 +7,11 @@ gradients), so 3x the forward in all.  Per token and layer the forward matmuls a
 * attention projections: ``2 h (q + 2 kv)`` for Q, K, V and ``2 q h`` for the output,
   where ``q = heads x kv_channels`` and ``kv = query_groups x kv_channels``;
 * attention itself: ``2 s q`` for scores and ``2 s q`` for the weighted values (the causal
-  mask is not discounted, as in Megatron-LM);
-* MLP: ``2 x 2 h ffn`` (``x 3/2`` with SwiGLU's third matrix);
+  mask is not discounted, as in Megatron-LM); a layer with a sliding window counts the keys a
+  query can see, ``min(s, window + 1)`` instead of ``s`` (averaged over the layers);
+* MLP: ``2 x 2 h ffn`` (``x 3/2`` with SwiGLU's or GeGLU's third matrix); an MoE layer counts what a
+  token runs through, its *active* parameters: the router ``2 h E``, ``topk`` experts of
+  ``--moe-ffn-hidden-size`` and the shared expert with its gate (``2 h``);
 
 plus ``2 h V`` per token for the output logits.  *Hardware* FLOPs add the forward work that
 activation recomputation repeats: the recomputed layers' forward (full), or the attention
@@ -19,6 +22,8 @@ from __future__ import annotations
 import re
 
 from typing import Optional
+
+from megazero.config.patterns import GATED, layer_window
 
 # Dense peak TFLOP/s per device: (16-bit tensor cores, fp32 without TF32).  Names are matched as
 # whole words of torch.cuda.get_device_name() ("L4" does not match "L40"), most specific first.
@@ -47,17 +52,38 @@ PEAK_TFLOPS = (
 
 
 def layer_forward_flops_per_token(cfg) -> dict:
-    """Forward FLOPs of one transformer layer for one token, split into matmuls and attention."""
+    """Forward FLOPs of one transformer layer for one token, split into matmuls and attention (the mean
+    over the layers when MoE and dense layers mix)."""
     m = cfg.model
     h, s = m.hidden_size, m.seq_length
     kv_ch = m.kv_channels or h // m.num_attention_heads
     q = m.num_attention_heads * kv_ch
     kv = (m.num_query_groups or m.num_attention_heads) * kv_ch
     ffn = m.ffn_hidden_size or 4 * h
-    glu = 1.5 if m.activation == "swiglu" else 1.0
-    dense = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 2 * h * ffn * glu
-    attention = 2 * s * q + 2 * s * q
+    glu = 1.5 if m.activation in GATED else 1.0
+    mlp = 2 * 2 * h * ffn * glu
+    moe = _moe_layer_count(cfg)
+    if moe:  # the layers' mean: MoE layers count the experts a token goes through
+        c = cfg.moe
+        routed = 2 * h * c.num_experts + c.moe_router_topk * 2 * 2 * h * (c.moe_ffn_hidden_size or ffn) * glu
+        shared = c.moe_shared_expert_intermediate_size
+        if shared:
+            routed += 2 * 2 * h * shared * glu + (2 * h if c.moe_shared_expert_gate else 0)
+        mlp = (mlp * (m.num_layers - moe) + routed * moe) / m.num_layers
+    dense = 2 * h * (q + 2 * kv) + 2 * q * h + mlp
+    windows = [layer_window(m, i) for i in range(m.num_layers)]
+    keys = sum(s if w is None else min(s, w + 1) for w in windows) / m.num_layers  # keys per query
+    attention = 2 * keys * q + 2 * keys * q
     return {"dense": dense, "attention": attention}
+
+
+def _moe_layer_count(cfg) -> int:
+    """How many layers are MoE layers (0 for a dense model)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None or not moe.num_experts:
+        return 0
+    from megazero.moe.settings import moe_layers
+    return len(moe_layers(cfg))
 
 
 def model_flops_per_iteration(cfg) -> float:

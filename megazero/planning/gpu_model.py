@@ -36,6 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
+from megazero.element_bytes import compute_bytes
+from megazero.config.patterns import GATED
 from megazero.pipeline.partition import stage_layer_counts
 
 # Elements per token and layer that element-wise forward work reads and writes (module docstring).
@@ -128,7 +130,7 @@ def layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
     kv_ch = m.kv_channels or h // m.num_attention_heads
     q, kv = m.num_attention_heads * kv_ch, (m.num_query_groups or m.num_attention_heads) * kv_ch
     ffn = m.ffn_hidden_size or 4 * h
-    up = 2 * ffn if m.activation == "swiglu" else ffn
+    up = 2 * ffn if m.activation in GATED else ffn
     return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t), (tokens, up // t, h), (tokens, h, ffn // t)]
 
 
@@ -139,7 +141,7 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     cp = par.context_parallel_size
-    elem = 2 if (cfg.precision.bf16 or cfg.precision.fp16) else 4
+    elem = compute_bytes(cfg.precision)
     s, b, h = m.seq_length, tr.micro_batch_size, m.hidden_size
     tokens = b * s // cp
     heads = m.num_attention_heads // t

@@ -29,11 +29,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
+from megazero.element_bytes import bytes_per_element
+from megazero.config.patterns import GATED
+from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import chunk_layers
 from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
 from megazero.zero.stages import overlaps_param_gather
 
-PLAIN, SP, EMB = KINDS
+PLAIN, SP, EMB, EXPERT = KINDS
 
 
 class ParamSpec(NamedTuple):
@@ -62,8 +65,8 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     bias, rep = m.add_bias_linear, SP if sp else PLAIN
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
 
-    def norm():
-        return [ParamSpec(h, rep, idx)] * (2 if m.normalization == "LayerNorm" else 1)
+    def norm(size=h, kind=rep):
+        return [ParamSpec(size, kind, idx)] * (2 if m.normalization == "LayerNorm" else 1)
 
     def column(out, with_bias=bias):
         return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if with_bias else [])
@@ -71,10 +74,38 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     def row(inp):
         return [ParamSpec(h * inp, PLAIN, idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
 
-    specs = norm() + column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp) + norm()
-    if m.activation == "swiglu":
+    pre, post = m.norm_position in ("pre", "sandwich"), m.norm_position in ("post", "sandwich")
+    attention = column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp)
+    if m.qk_layernorm and m.qk_layernorm_scope == "all":  # split over TP with the heads
+        attention += [ParamSpec(m.num_attention_heads * d // tp, PLAIN, idx),
+                      ParamSpec(m.num_query_groups * d // tp, PLAIN, idx)]
+    elif m.qk_layernorm:  # replicated, gradients summed over TP
+        attention += norm(d, SP) + norm(d, SP)
+    specs = (norm() if pre else []) + attention + (norm() if post else []) + (norm() if pre else [])
+    if idx in moe_layers(cfg):
+        return specs + _moe_specs(cfg, idx, column, row, rep) + (norm() if post else [])
+    if m.activation in GATED:
         specs += column(f)
-    return specs + column(f) + row(f)
+    return specs + column(f) + row(f) + (norm() if post else [])
+
+
+def _moe_specs(cfg, idx: int, column, row, rep) -> List[ParamSpec]:
+    """An MoE layer's parameters in registration order (``megazero_models.moe.MoELayer``): the shared
+    expert's gate, the router, this rank's experts (kind ``expert``), the shared expert."""
+    m, moe, tp = cfg.model, cfg.moe, cfg.parallel.tensor_model_parallel_size
+    h, swiglu, bias = m.hidden_size, m.activation in GATED, m.add_bias_linear
+    shared = moe.moe_shared_expert_intermediate_size
+    specs = [ParamSpec(h, rep, idx)] if shared and moe.moe_shared_expert_gate else []
+    specs.append(ParamSpec(moe.num_experts * h, rep, idx))
+    local = moe.num_experts // moe.expert_model_parallel_size
+    f = moe.moe_ffn_hidden_size // moe.expert_tensor_parallel_size
+    specs += [ParamSpec(local * f * h, EXPERT, idx)] * (3 if swiglu else 2)  # fc1, gate, fc2
+    if bias:
+        specs += [ParamSpec(local * f, EXPERT, idx)] * (2 if swiglu else 1)
+        specs.append(ParamSpec(local * h, EXPERT, idx))
+    if shared:
+        specs += (column(shared // tp) if swiglu else []) + column(shared // tp) + row(shared // tp)
+    return specs
 
 
 def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSpec]:
@@ -115,23 +146,15 @@ def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[Bu
     over the chunks' parameter descriptions."""
     par = cfg.parallel
     dp = par.data_parallel_size * par.context_parallel_size  # ZeRO shards over dp x cp
+    sizes = {k: dp for k in KINDS}
+    sizes[EXPERT] = cfg.moe.expert_data_parallel_size  # experts: over expert DP
     items = [[(c, i) for i in range(len(specs))] for c, specs in enumerate(chunks)]
     groups = bucket_groups(items, lambda x: chunks[x[0]][x[1]].unit, zero_stage,
                            overlaps_param_gather(zero_stage, dp, par.overlap_param_gather))
-    cuts = cut_buckets(groups, dp, par.ddp_bucket_size,
+    cuts = cut_buckets(groups, sizes, par.ddp_bucket_size,
                        numel=lambda x: chunks[x[0]][x[1]].numel, kind=lambda x: chunks[x[0]][x[1]].kind)
     return [BucketSpec(cut.chunk, cut.unit, cut.kind, [i for _, i in cut.members], cut.numel,
                        chunks[cut.chunk][cut.members[0][1]].unit is None) for cut in cuts]
-
-
-def bytes_per_element(cfg) -> Dict[str, int]:
-    """Bytes per element: parameter ``P``, gradient ``G`` and optimizer ``state`` (Adam: two fp32
-    moments; SGD: the momentum buffer if any)."""
-    pre, opt = cfg.precision, cfg.optimizer
-    P = 2 if (pre.bf16 or pre.fp16) else 4
-    G = 4 if pre.grad_reduce_dtype == "fp32" else P
-    state = 8 if opt.optimizer == "adam" else (4 if opt.sgd_momentum else 0)
-    return {"P": P, "G": G, "state": state}
 
 
 def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
@@ -234,12 +257,11 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
     buckets = plan_buckets(cfg, chunks, zero_stage)
     n = sum(b.numel for b in buckets)
     shard = n // dp
-    bpe = bytes_per_element(cfg)
+    bpe = bytes_per_element(cfg, zero_stage)
     from megazero.offload.settings import optimizer_device, param_device
     device = optimizer_device(par) if zero_stage >= 1 else "none"
     offload = device != "none"
-    half = bpe["P"] == 2
-    master = 4 if (half or offload) else 0
+    master = bpe["master"]
     owned = n if zero_stage == 0 else shard
     out = {"params_per_rank": sum(p.numel for c in chunks for p in c),
            "param_bytes": bpe["P"] * (shard if zero_stage == 3 else n),

@@ -21,10 +21,8 @@ import time
 import traceback
 from typing import Optional, TextIO
 
-from megazero.errors import CONFIG, EVERYWHERE, LOCAL, MegazeroError
+from megazero.errors import CONFIG, EVERYWHERE, EXIT_FAILURE, EXIT_USAGE, LOCAL, MegazeroError
 
-CONFIG_EXIT = 2
-FAILURE_EXIT = 1
 WAIT_FOR_RANK0 = 60.0  # seconds a silent rank waits for its launcher (torchrun ends it once rank 0 exits)
 
 
@@ -62,13 +60,14 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
                    world_size: Optional[int] = None, stream: Optional[TextIO] = None,
                    wait: float = WAIT_FOR_RANK0) -> int:
     """Print ``err`` the way its kind asks (see the module docstring) and return the exit status:
-    2 for a configuration error, 1 otherwise.  A rank that stays silent first waits up to ``wait``
-    seconds when other ranks exist: its launcher ends it once rank 0 has printed and exited."""
+    :data:`~megazero.errors.EXIT_USAGE` (2) for a configuration error, ``EXIT_FAILURE`` (1) otherwise.
+    A rank that stays silent first waits up to ``wait`` seconds when other ranks exist: its launcher
+    ends it once rank 0 has printed and exited."""
     rank = rank_of_env() if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
     stream = sys.stderr if stream is None else stream
     kind = _kind(err)
-    code = CONFIG_EXIT if kind == CONFIG else FAILURE_EXIT
+    code = EXIT_USAGE if kind == CONFIG else EXIT_FAILURE
     if kind == "bug":
         lines = traceback.format_exception(type(err), err, err.__traceback__)
         stream.write(f"[rank {rank}] " + "".join(lines))
@@ -87,16 +86,25 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
 def write_error_file(message: str) -> None:
     """``message`` in torchrun's error file for this rank (``TORCHELASTIC_ERROR_FILE``, in the format
     of torch's ``ErrorHandler``): the launcher reads it (a stall's diagnosis names the stopped rank)
-    and its timestamp orders the failures.  Nothing outside torchrun; a write that fails is ignored."""
+    and its timestamp orders the failures.  Nothing outside torchrun; a write that fails is ignored.
+
+    Written to a temporary file in the same directory, then renamed over the error file: torchrun's
+    agent parses the file of every rank it ends (it may end this one mid-write) and fails on a file
+    it finds empty or half-written, so the file holds either nothing or the whole message."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        with open(path, "w") as fh:
+        with open(tmp, "w") as fh:
             json.dump(data, fh)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def exit_process(code: int) -> None:

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import List, Optional, Sequence, TextIO, Tuple
 
+from megazero.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+
 PROG = "launch.py"
 
 
@@ -133,6 +135,34 @@ def failure_line(err) -> str:
     return f"{lead}rank {rank} {what} first{more}; its messages are above{log}"
 
 
+def usage_problem(args) -> Optional[str]:
+    """What is wrong with torchrun's parsed ``args`` (a bad --rdzv-endpoint, --master-port, --nnodes,
+    --nproc-per-node, --rdzv-conf: torch raises on them deep inside the launch, with a traceback),
+    in one line naming the flag; None when they are usable."""
+    import copy
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+    try:
+        low, high = parse_min_max_nnodes(str(args.nnodes))
+        if not 0 < low <= high:
+            raise ValueError
+    except (ValueError, RuntimeError):
+        return f"--nnodes {args.nnodes}: give a number of nodes, or MIN:MAX"
+    if args.rdzv_endpoint and not args.standalone:
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as err:
+            return f"--rdzv-endpoint {args.rdzv_endpoint}: {err}"
+    if args.master_port is not None and not 0 <= args.master_port < 65536:
+        return f"--master-port {args.master_port}: a port number is between 0 and 65535"
+    try:
+        config_from_args(copy.copy(args))  # --nproc-per-node, --rdzv-conf, ...
+    except (ValueError, RuntimeError) as err:
+        flag = "--nproc-per-node" if "nproc_per_node" in str(err) else "launcher arguments"
+        return f"{flag}: {err}"
+    return None
+
+
 def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None,
                  join_timeout: float = 600.0, join_interval: float = 30.0) -> int:
     """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status.  On several
@@ -144,9 +174,17 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     stream = sys.stderr if stream is None else stream
     _quiet()
     args = torchrun.parse_args(list(argv))
+    problem = usage_problem(args)
+    if problem:
+        stream.write(f"{PROG}: error: {problem}\n")
+        stream.flush()
+        return EXIT_USAGE
+    from megazero.resilience.loopback import serve_on_loopback, single_host
+    if single_host(args):  # the agent's stores listen on 127.0.0.1, not on every interface
+        serve_on_loopback(args)
     from megazero.resilience.join import join_before_torchrun
     if not join_before_torchrun(args, argv, join_timeout, join_interval, stream):
-        return 1
+        return EXIT_FAILURE
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
@@ -157,11 +195,11 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         code = int(failure.exitcode)
-        if any(int(f.exitcode) == 2 for f in err.failures.values()):  # a usage error: rank 0 printed it
-            return 2  # (the other ranks, waiting for the launcher, may be recorded as failing first)
+        if any(int(f.exitcode) == EXIT_USAGE for f in err.failures.values()):  # rank 0 printed it
+            return EXIT_USAGE  # (the other ranks, waiting for the launcher, may be recorded as failing first)
         stream.write(f"{PROG}: {entry}: {failure_line(err)}\n")
         stream.flush()
-        return code if 0 < code < 256 else 1
+        return code if 0 < code < 256 else EXIT_FAILURE
     except mp_api.SignalException as err:
         name = signal.Signals(err.sigval).name
         if handler.first is not None and time.monotonic() - handler.first <= grace:
@@ -176,4 +214,4 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         stream.write(f"{PROG}: {signal.Signals(handler.signum).name} received: every rank stopped cleanly "
                      "(a checkpoint was saved where --save was given)\n")
         stream.flush()
-    return 0
+    return EXIT_OK

@@ -5,8 +5,9 @@ Only global rank 0 writes.  :class:`TrainingLogger.log` takes one dict per itera
 trainer's metrics) and sends the same values everywhere:
 
 * ``--metrics-file``: one JSON object per iteration, every value as given, appended; a run that
-  starts after iteration K (a resumed checkpoint's) first drops the file's rows after K, so each
-  iteration appears once;
+  starts after iteration K (a resumed checkpoint's) first repairs the file: it drops the rows after
+  K and any row cut short (a full disk, a crash), and adds the rows the checkpoint holds because a
+  full disk kept them out, so each iteration appears once and no row is appended onto a partial one;
 * ``--tensorboard-dir``: every numeric value as a scalar of the same name (torch's SummaryWriter);
 * wandb (``--wandb-project``, ``--wandb-entity``): ``wandb.log(values, step=iteration)``, the full
   config as the run config; a resumed run continues the wandb run whose id its checkpoint holds;
@@ -22,7 +23,9 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from megazero.errors import LOCAL, MegazeroError
 
 
 def wandb_mode(requested: Optional[str]) -> str:
@@ -54,6 +57,12 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
     if m.get("grad_norm") is not None:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
     parts.append(f"loss scale {m['loss_scale']:g}")
+    if m.get("moe_imbalance") is not None:  # a mixture of experts: the routers' step
+        named = (("moe_aux_loss", "aux loss"), ("moe_z_loss", "z loss"))
+        losses = "".join(f"{label} {m[key]:.4f} " for key, label in named if key in m)
+        parts.append(f"moe {losses}tokens/expert {m['moe_tokens_per_expert_min']:.0f}-"
+                     f"{m['moe_tokens_per_expert_max']:.0f} (imbalance {m['moe_imbalance']:.2f}) dropped "
+                     f"{m['moe_dropped_tokens']:.0f}")
     parts.append(f"skipped {m.get('skipped_total', int(m.get('skipped', 0)))}")
     parts.append(f"{m['iteration_time'] * 1000:.0f} ms/it")
     parts.append(f"{m['tokens_per_sec']:.0f} tok/s")
@@ -92,42 +101,98 @@ def tensorboard_writer_class():
     return SummaryWriter
 
 
-def trim_metrics_file(path: str, last_iteration: int) -> int:
-    """Drop the rows of ``path`` after ``last_iteration`` (written by a run that went on past the
-    checkpoint it is resumed from, or by an earlier run of a fresh start), so that each iteration
-    appears once once this run appends its own; returns how many were dropped.  Lines that are not
-    JSON objects with an ``iteration`` are kept; the file is replaced atomically."""
-    if not os.path.isfile(path):
-        return 0
-    with open(path) as fh:
-        lines = fh.readlines()
-    kept = []
-    for line in lines:
+class MetricsFileError(MegazeroError, OSError):
+    """``--metrics-file`` cannot be prepared at start-up (repaired, trimmed, opened): rank 0, the only
+    writer, reports it in one line."""
+
+    kind = LOCAL
+
+
+def _parse_row(line: str) -> Optional[Tuple[str, dict]]:
+    """``(text, row)`` of one line of a metrics file, or None for a row cut short.  A line that a
+    cut-short row and the next row share (``{"iteration": 27, "los{"iteration": 28, ...}``, written
+    before rows stopped being appended onto a partial one) gives its last row."""
+    last = line.rfind('{"iteration"')
+    for start in [0] + ([last] if last > 0 else []):
         try:
-            row = json.loads(line)
+            row = json.loads(line[start:])
         except ValueError:
-            row = None
-        if (isinstance(row, dict) and isinstance(row.get("iteration"), int)
-                and row["iteration"] > last_iteration):
             continue
-        kept.append(line if line.endswith("\n") else line + "\n")
-    if len(kept) != len(lines):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.writelines(kept)
-        os.replace(tmp, path)
-    return len(lines) - len(kept)
+        if isinstance(row, dict):
+            return line[start:], row
+    return None
+
+
+def repair_metrics_rows(text: str, last_iteration: int) -> Tuple[List[str], int]:
+    """The rows of a metrics file's ``text`` that are whole JSON objects with an ``iteration`` of at
+    most ``last_iteration`` (objects without one are kept), one per line; also how many were dropped
+    (rows after ``last_iteration``, rows cut short).  NUL bytes (what some file systems leave after
+    a crash mid-write) and blank lines go."""
+    kept, dropped = [], 0
+    for line in text.replace("\x00", "").splitlines():
+        if not line.strip():
+            continue
+        parsed = _parse_row(line.strip())
+        if parsed is None or (isinstance(parsed[1].get("iteration"), int)
+                              and parsed[1]["iteration"] > last_iteration):
+            dropped += 1
+            continue
+        kept.append(parsed[0] + "\n")
+    return kept, dropped
+
+
+def trim_metrics_file(path: str, last_iteration: int, missed: Sequence[dict] = ()) -> int:
+    """Repair ``path`` before a run appends to it: drop its rows after ``last_iteration`` (written by a
+    run that went on past the checkpoint it is resumed from, or by an earlier run of a fresh start)
+    and any row cut short (a full disk, a crash mid-write: a partial row, with or without its
+    newline), so that each iteration appears once and no row is ever appended onto a partial one;
+    then add the rows of ``missed`` (rows a run could not write, kept in its checkpoint) up to
+    ``last_iteration`` that the file lacks.  Returns how many rows were dropped.  The file is
+    replaced atomically, and only when it changes."""
+    if not os.path.isfile(path):
+        data = b""
+    else:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    kept, dropped = repair_metrics_rows(data.decode("utf-8", errors="replace"), last_iteration)
+    have = {row.get("iteration") for row in (json.loads(line) for line in kept)}
+    for row in sorted((r for r in missed if r.get("iteration") not in have
+                       and isinstance(r.get("iteration"), int) and r["iteration"] <= last_iteration),
+                      key=lambda r: r["iteration"]):
+        kept.append(json.dumps(row, allow_nan=False) + "\n")
+    new = "".join(kept).encode()
+    if new != data and (data or new):
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(new)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+            raise
+    return dropped
+
+
+def clean_row(metrics: Dict[str, Any]) -> Dict[str, Any]:
+    """One iteration's metrics as a strict-JSON row: a non-finite value (the grad norm of a skipped fp16
+    step) becomes null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
 
 
 class TrainingLogger:
     """Console, progress bar, metrics file, TensorBoard and wandb for one run (only rank 0 writes).
 
     ``start_iteration``: the iteration the run starts after (a resumed checkpoint's, else 0): the
-    metrics file keeps its rows up to it and this run appends.  ``wandb_id``: the wandb run to
-    continue (stored in the checkpoint), when there is one."""
+    metrics file is repaired (:func:`trim_metrics_file`), keeps its rows up to it and this run
+    appends.  ``wandb_id``: the wandb run to continue (stored in the checkpoint), when there is one.
+    ``missed_rows``: rows an earlier run could not write (a full disk; stored in the checkpoint it
+    saved, from :attr:`unwritten`), added to the file."""
 
     def __init__(self, cfg, rank: int = 0, stream: Optional[TextIO] = None, start_iteration: int = 0,
-                 wandb_id: Optional[str] = None):
+                 wandb_id: Optional[str] = None, missed_rows: Sequence[dict] = ()):
         self.cfg, self.active = cfg, rank == 0
         self.stream = stream if stream is not None else sys.stdout
         self.interval = max(1, cfg.logging.log_interval)
@@ -137,17 +202,26 @@ class TrainingLogger:
         self.metrics_fh = self.wandb_run = self.tensorboard = None
         self.dropped_rows = 0
         self.io_error: Optional[str] = None  # a metrics file or TensorBoard write failed (rank 0): why
+        self.unwritten: List[dict] = []  # metrics rows a failed write kept out of the file
         if not self.active:
             return
         lc = cfg.logging
         if lc.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(lc.metrics_file)), exist_ok=True)
-            self.dropped_rows = trim_metrics_file(lc.metrics_file, start_iteration)
-            self.metrics_fh = open(lc.metrics_file, "a")
+            self._open_metrics(lc.metrics_file, start_iteration, missed_rows)
         if lc.tensorboard_dir:
             self.tensorboard = tensorboard_writer_class()(log_dir=lc.tensorboard_dir)
         if lc.wandb_project and wandb_mode(lc.wandb_mode) != "disabled":
             self.wandb_run = self._start_wandb(wandb_id)
+
+    def _open_metrics(self, path: str, start_iteration: int, missed_rows: Sequence[dict]) -> None:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.dropped_rows = trim_metrics_file(path, start_iteration, missed_rows)
+            self.metrics_fh = open(path, "a")
+        except OSError as err:
+            why = (err.strerror or str(err)).lower()
+            raise MetricsFileError(f"--metrics-file {path}: {why} (errno {err.errno}) while repairing or "
+                                   "opening it; free space or choose another --metrics-file") from None
 
     def _start_wandb(self, wandb_id: Optional[str]):
         import wandb
@@ -193,11 +267,11 @@ class TrainingLogger:
 
     def _write_files(self, it: int, metrics: Dict[str, Any]) -> None:
         if self.metrics_fh is not None:
-            # strict JSON: a non-finite value (the grad norm of a skipped fp16 step) becomes null
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in metrics.items()}
-            self.metrics_fh.write(json.dumps(clean, allow_nan=False) + "\n")
+            row = clean_row(metrics)
+            self.unwritten.append(row)  # until it is on disk (a failed write leaves part of it, or none)
+            self.metrics_fh.write(json.dumps(row, allow_nan=False) + "\n")
             self.metrics_fh.flush()
+            self.unwritten.pop()
         if self.tensorboard is not None:
             for k, v in metrics.items():
                 if k != "iteration" and isinstance(v, (int, float)) and math.isfinite(v):

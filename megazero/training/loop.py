@@ -43,6 +43,7 @@ from megazero.planning.flops import device_peak_flops, hardware_flops_per_iterat
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
+from megazero.moe.step import finish_step
 from megazero.precision import compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.deferred import build_chunks, realize_rest
@@ -77,7 +78,8 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
         par = cfg.parallel
         return ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                   par.rank_order, device, timeout=timeout_of(cfg),
-                                  cp=par.context_parallel_size)
+                                  cp=par.context_parallel_size, ep=cfg.moe.expert_model_parallel_size,
+                                  etp=cfg.moe.expert_tensor_parallel_size)
     return ParallelMesh.single(device)
 
 
@@ -126,13 +128,14 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
 def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     """Before training (collective): ``--save`` must be writable (probed now, not at the first save)
     and this run its only writer (the directory's lock, held until ``guard`` closes); ``--load`` is
-    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``,
-    or ``--save DIR --load DIR`` (Megatron's auto-resume pattern) before the first save.  A
-    ``--load`` directory that differs from ``--save`` must hold a checkpoint."""
+    resolved once, by global rank 0.  Returns the iteration to resume from, or None: no ``--load``, or
+    a ``--load`` directory without a checkpoint yet (``--save DIR --load DIR`` before the first save,
+    Megatron's auto-resume pattern; or any other, where Megatron-LM too warns and starts from random),
+    which ``--exit-on-missing-checkpoint`` makes an error."""
     from megazero.checkpoint import CheckpointError, check_save_dir, resume_iteration
     if ck.save:
         guard.save_lock = check_save_dir(ck.save, mesh)
-    it = resume_iteration(ck.load, ck.save, mesh, ck.ckpt_step) if ck.load else None
+    it = resume_iteration(ck.load, mesh, ck.ckpt_step) if ck.load else None
     if ck.load and it is None and ck.exit_on_missing_checkpoint:  # every rank: the answer is rank 0's
         raise CheckpointError(f"--exit-on-missing-checkpoint: no checkpoint in --load {ck.load}; check the "
                               "path, "
@@ -140,9 +143,21 @@ def _checkpoint_startup(ck, mesh: ParallelMesh, guard) -> Optional[int]:
     return it
 
 
+def _no_checkpoint_line(ck) -> str:
+    """What rank 0 says when ``--load`` holds no checkpoint (yet)."""
+    start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
+             else "starting from scratch")
+    if ck.save and os.path.realpath(ck.save) == os.path.realpath(ck.load):
+        return f"no checkpoint in {ck.load} yet (it is also --save): {start}"
+    what = "no such directory" if not os.path.exists(ck.load) else "it holds no checkpoint"
+    return (f"megazero: WARNING: --load {ck.load}: {what}; {start}, as Megatron-LM does "
+            "(--exit-on-missing-checkpoint makes this an error)")
+
+
 def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule):
     """``--load``: returns (iteration, skipped iterations, samples consumed, samples the learning-rate
-    schedule has counted, wandb run id, the line to print)."""
+    schedule has counted, the checkpoint's ``extra`` (wandb run id, metrics rows not written), the
+    line to print)."""
     from megazero.training.batch_schedule import consumed_after
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
@@ -162,11 +177,12 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
         what = f"iteration {it}, {consumed} samples"
     fresh = "" if info["optimizer_loaded"] else "; fresh optimizer"
     rng = "restored" if info["rng_restored"] else ("from --seed" if ck.finetune else "reseeded")
+    experts = f" ep {lay['ep']} etp {lay['etp']}" if "ep" in lay else ""
     line = (f"loaded checkpoint {info['path']} ({what}; saved under tp {lay['tp']} pp {lay['pp']} "
-            f"dp {lay['dp']} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
+            f"dp {lay['dp']}{experts} zero {lay['zero_stage']}{fresh}; RNG {rng}) in "
             f"{info['seconds']:.2f} s")
     line = "\n".join([f"warning: {w}" for w in info.get("warnings", [])] + [line])
-    return it, skipped, consumed, lr_samples, extra.get("wandb_run_id"), line
+    return it, skipped, consumed, lr_samples, extra, line
 
 
 def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
@@ -264,16 +280,17 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     realize_rest(chunks, mesh.device, compute_dtype(cfg))
     data = build_data(cfg)
     schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
-    pos, wandb_id, loaded = Position(), None, None
+    pos, extra, loaded = Position(), {}, None
     if ck.load and resume_from is not None:
-        it, skipped, consumed, lr_samples, wandb_id, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
+        it, skipped, consumed, lr_samples, extra, loaded = _resume(chunks, optimizer, mesh, cfg, schedule)
         pos = Position(it, consumed, skipped, lr_samples)
         guard.good = f"iteration {it} in {ck.load}"
     elif ck.pretrained_checkpoint:  # nothing of the fine-tune's own yet: the pretrained weights
         pretrained = replace(cfg, checkpoint=replace(ck, load=ck.pretrained_checkpoint, finetune=True,
                                                      ckpt_step=None))
         loaded = _resume(chunks, optimizer, mesh, pretrained, schedule)[-1]
-    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration, wandb_id=wandb_id)
+    logger = TrainingLogger(cfg, mesh.rank, stream, start_iteration=pos.iteration,
+                            wandb_id=extra.get("wandb_run_id"), missed_rows=extra.get("metrics_rows", ()))
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
     for line in startup_summary(cfg, data, mesh.rank):
@@ -286,9 +303,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
                  "TFLOP "
                  "per iteration")
     if ck.load and resume_from is None:
-        start = ("fine-tuning from --pretrained-checkpoint" if ck.pretrained_checkpoint
-                 else "starting from scratch")
-        logger.print(f"no checkpoint in {ck.load} yet (it is also --save): {start}")
+        logger.print(_no_checkpoint_line(ck))
     if loaded:
         logger.print(loaded)
     if logger.dropped_rows:
@@ -313,6 +328,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
                             device=mesh.device, first=pos.consumed)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
     optimizer.finish_grad_sync()
+    moe = finish_step(chunks, mesh, cfg, len(batches))  # MoE routers: records reduced, expert biases moved
     if skip_if is not None:  # the loss first (a collective): every rank decides alike
         loss = _mean_loss(losses, mesh)
         stats = optimizer.step(lr, decoupled_lr, skip=bool(skip_if(loss)))
@@ -329,6 +345,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     rates = (batch * cfg.model.seq_length, work[0] * share, work[1] * share, work[2])
     m = _iteration_metrics(pos.iteration, pos.consumed, loss, lr, stats, pos.skipped, elapsed, optimizer,
                            mesh, rates)
+    m.update(moe)
     if io_before is not None:  # the NVMe tier's traffic in this iteration
         io = optimizer.io_counts() - io_before
         m.update(io_read_bytes=io.bytes_read, io_write_bytes=io.bytes_written, io_wait_s=io.wait_seconds,

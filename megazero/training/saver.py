@@ -50,6 +50,9 @@ class Saver:
         extra = {"consumed_samples": consumed, "skipped_iterations": skipped_total, "lr_samples": lr_samples}
         if self.logger.wandb_id:  # rank 0's metadata: a resumed run continues this wandb run
             extra["wandb_run_id"] = self.logger.wandb_id
+        missed = [row for row in self.logger.unwritten if row["iteration"] <= iteration]
+        if missed:  # rows a full disk kept out of --metrics-file: a resumed run writes them
+            extra["metrics_rows"] = missed
         if self.cfg.checkpoint.async_save and not final:
             from megazero.checkpoint.background import AsyncSave
             self.background = AsyncSave(self.directory, iteration, self.chunks, self.optimizer, self.mesh,

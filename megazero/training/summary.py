@@ -32,9 +32,17 @@ def parameter_line(cfg) -> str:
         zero3 = f", / {par.data_parallel_size} under ZeRO-3"
     ranks = ", ".join(f"stage {pp}: {_count(n)}" for pp, n in enumerate(per_stage))
     total = total_params(cfg)
+    moe = cfg.moe
+    active = ""
+    if moe.num_experts:  # a mixture of experts: what one token goes through
+        n = total_params(cfg, active=True)
+        active = (f", {_count(n)} active ({n:,}: {moe.moe_router_topk} of {moe.num_experts} experts per MoE "
+                  "layer)")
+        if moe.expert_model_parallel_size > 1:
+            zero3 += f"; experts / {moe.expert_model_parallel_size} over expert parallelism"
     return (f"parameters: {_count(total)} in total ({total:,}; tied embedding counted "
-            f"once, vocabulary unpadded); per rank (one of {par.tensor_model_parallel_size} tensor-parallel "
-            f"shards{zero3}): {ranks}")
+            f"once, vocabulary unpadded){active}; per rank (one of {par.tensor_model_parallel_size} "
+            f"tensor-parallel shards{zero3}): {ranks}")
 
 
 def non_default_settings(cfg) -> Dict[str, object]:

@@ -14,7 +14,10 @@ the same layout on every rank that sums them:
 - ``"sequence_parallel"``: parameters replicated over TP that get partial gradients under sequence
   parallelism (summed over the TP group);
 - ``"shared_embedding"``: the tied embedding and its copy (summed over the embedding group when
-  pp > 1).
+  pp > 1);
+- ``"expert"``: the routed experts' weights (``expert_parallel``): reduced and sharded over the expert
+  data-parallel group (``edp``) instead of dp x cp, so their buckets are padded to a multiple of the
+  expert-DP size and each expert-DP rank owns its slice (:data:`REDUCTION_GROUPS`).
 
 A :class:`Bucket` is layout only; what happens to it during a step lives in
 :mod:`megazero.zero.reducers`.
@@ -25,11 +28,14 @@ a chunk), so a unit is gathered as a whole, one or more buckets (cut at the same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-KINDS = ("plain", "sequence_parallel", "shared_embedding")
+KINDS = ("plain", "sequence_parallel", "shared_embedding", "expert")
+# the mesh group each kind's buckets are reduced and sharded over
+REDUCTION_GROUPS = {"plain": ("dp", "cp"), "sequence_parallel": ("dp", "cp"),
+                    "shared_embedding": ("dp", "cp"), "expert": ("edp",)}
 MIN_BUCKET, MAX_BUCKET = 1_000_000, 40_000_000  # elements
 
 
@@ -44,8 +50,17 @@ def default_bucket_size(total: int) -> int:
     return min(max(-(-total // 4), MIN_BUCKET), MAX_BUCKET)
 
 
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's whole shape: ``p.shape``, or ``p.zero_shape`` while ``p.data`` is empty because
+    the rank keeps only its slice elsewhere (a model built under :class:`megazero.engine.Init`)."""
+    shape = getattr(p, "zero_shape", None)
+    return p.shape if shape is None else shape
+
+
 def param_kind(p: torch.nn.Parameter) -> str:
     """The reduction kind of a parameter (see module docstring)."""
+    if getattr(p, "expert_parallel", False):
+        return "expert"
     if getattr(p, "shared_embedding", False):
         return "shared_embedding"
     if getattr(p, "sequence_parallel", False):
@@ -56,7 +71,9 @@ def param_kind(p: torch.nn.Parameter) -> str:
 @dataclass
 class Bucket:
     """A contiguous slice ``[offset, offset + numel)`` of the flat buffers; this rank's shard of it
-    is ``[shard_offset, shard_offset + shard_numel)`` of the sharded buffers."""
+    is ``[shard_offset, shard_offset + shard_numel)`` of the sharded buffers.  ``dp`` is the size of
+    the mesh group ``group`` the bucket is reduced and sharded over (``("dp", "cp")``, or ``("edp",)``
+    for experts)."""
 
     index: int
     chunk: int
@@ -69,6 +86,7 @@ class Bucket:
     offset: int = 0            # start in the flat param/grad buffers
     unit: Optional[int] = None  # ZeRO-3 gather unit
     shard_offset: int = 0      # start of this rank's shard in the sharded buffers
+    group: Tuple[str, ...] = ("dp", "cp")  # the mesh group that reduces and shards it
 
     @property
     def shard_numel(self) -> int:
@@ -135,18 +153,21 @@ class BucketCut(NamedTuple):
     numel: int
 
 
-def cut_buckets(groups: Sequence[Group], dp: int, bucket_size: Optional[int],
-                numel: Callable = lambda p: p.numel(), kind: Callable = param_kind) -> List[BucketCut]:
+def cut_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]], bucket_size: Optional[int],
+                numel: Callable = lambda p: full_shape(p).numel(),
+                kind: Callable = param_kind) -> List[BucketCut]:
     """The bucket plan: :func:`bucket_groups` cut into buckets, one kind at a time.
 
     Items are laid out in reverse order; a bucket closes before it would pass ``bucket_size``
     elements (default :func:`default_bucket_size` of all items), and never holds items of two groups
     (a ZeRO-3 unit is gathered as a whole, bucket by bucket; cut, a large item such as the word
     embedding has a bucket of its own, whose gradient buffer exists only once that gradient arrives,
-    at the end of backward); each bucket is padded to a multiple of ``dp``.  Items are parameters
-    for the optimizer (:func:`plan_buckets`) and parameter descriptions for the memory estimator,
-    which passes its own ``numel`` and ``kind``: one rule serves both.
+    at the end of backward); each bucket is padded to a multiple of ``dp`` (its kind's entry when
+    ``dp`` maps kinds to the sizes of their reduction groups).  Items are parameters for the
+    optimizer (:func:`plan_buckets`) and parameter descriptions for the memory estimator, which
+    passes its own ``numel`` and ``kind``: one rule serves both.
     """
+    sizes = dp if isinstance(dp, dict) else {k: dp for k in KINDS}
     total = sum(numel(x) for g in groups for x in g.items)
     cap = bucket_size or default_bucket_size(total)
     out: List[BucketCut] = []
@@ -156,28 +177,34 @@ def cut_buckets(groups: Sequence[Group], dp: int, bucket_size: Optional[int],
             size = 0
             for x in [x for x in reversed(list(items)) if kind(x) == k]:
                 if current and size + numel(x) > cap:
-                    out.append(BucketCut(chunk, unit, k, current, _padded(size, dp)))
+                    out.append(BucketCut(chunk, unit, k, current, _padded(size, sizes[k])))
                     current, size = [], 0
                 current.append(x)
                 size += numel(x)
             if current:
-                out.append(BucketCut(chunk, unit, k, current, _padded(size, dp)))
+                out.append(BucketCut(chunk, unit, k, current, _padded(size, sizes[k])))
     return out
 
 
-def plan_buckets(groups: Sequence[Group], dp: int, bucket_size: Optional[int]) -> List[Bucket]:
+def plan_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]],
+                 bucket_size: Optional[int]) -> List[Bucket]:
     """:func:`cut_buckets` over parameters, as :class:`Bucket` s with their ``offset`` in one flat
-    index space."""
+    index space and their shards' in the sharded one.  ``dp``: the size of every kind's reduction
+    group (:data:`REDUCTION_GROUPS`), or one size for all."""
+    sizes = dp if isinstance(dp, dict) else {k: dp for k in KINDS}
     buckets: List[Bucket] = []
-    offset = 0
-    for cut in cut_buckets(groups, dp, bucket_size):
+    offset = shard_offset = 0
+    for cut in cut_buckets(groups, sizes, bucket_size):
         starts, n = [], 0
         for p in cut.members:
             starts.append(n)
-            n += p.numel()
+            n += full_shape(p).numel()
+        size = sizes[cut.kind]
         buckets.append(Bucket(len(buckets), cut.chunk, cut.kind, list(cut.members), starts,
-                              [p.shape for p in cut.members], cut.numel, dp, offset, cut.unit, offset // dp))
+                              [full_shape(p) for p in cut.members], cut.numel, size, offset, cut.unit,
+                              shard_offset, REDUCTION_GROUPS[cut.kind]))
         offset += cut.numel
+        shard_offset += cut.numel // size
     return buckets
 
 
@@ -203,3 +230,14 @@ def find_units(chunk: torch.nn.Module) -> List[torch.nn.Module]:
                 best, best_n = m, n
     blocks = [b for b in best.children() if any(True for _ in b.parameters())] if best is not None else []
     return blocks + [chunk]
+
+
+Blocks = List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]]
+
+
+def default_blocks(chunk: torch.nn.Module) -> Blocks:
+    """``(module, parameters)`` per ZeRO-3 block of a chunk (:func:`find_units`, the chunk itself left
+    out: its unit takes every parameter no block claims).  A parameter listed by two blocks belongs
+    to the later one.  Another rule for another kind of model (any ``nn.Module``:
+    :func:`megazero.engine.units.module_blocks`) is passed to :func:`megazero.zero.build_optimizer`."""
+    return [(b, list(b.parameters())) for b in find_units(chunk)[:-1]]

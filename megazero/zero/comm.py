@@ -53,7 +53,8 @@ class Reduction:
 
 
 def all_reduce_mean(buf: torch.Tensor, group, size: int) -> Reduction:
-    """Start averaging ``buf`` in place over ``group`` (``size`` ranks); no temporaries."""
+    """Start summing ``buf`` in place over ``group`` and dividing by ``size`` (the ranks the mean is
+    over, which for expert buckets are more than the group's); no temporaries."""
     work = dist.all_reduce(buf, group=group, async_op=True)
     return Reduction(work, lambda: buf.mul_(1.0 / size))
 

@@ -20,14 +20,16 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megazero.offload import NvmeStore, Streamer, check_nvme_path, swap_bytes
+from megazero.element_bytes import FP32
+from megazero.offload import Streamer, check_nvme_path, swap_bytes
+from megazero.offload.nvme import open_store
 from megazero.offload.aligned import ALIGN
 
 
 def subgroup_elements(buffer_size: int, keys: int) -> int:
     """Elements per sub-group so that ``keys`` fp32 tensors, each at a page boundary, fit ``buffer_size``."""
     per_key = (buffer_size // keys) // ALIGN * ALIGN
-    return max(ALIGN // 4, per_key // 4)
+    return max(ALIGN // FP32, per_key // FP32)
 
 
 def cut(length: int, size: int) -> List[Tuple[int, int]]:
@@ -57,8 +59,8 @@ class NvmeTier:
         check_nvme_path(par.nvme_path, total, reclaimable=_leftover(par.nvme_path, mesh.rank), what=what)
         if mesh.is_distributed:
             dist.barrier(group=mesh.world_group)  # every rank checked the free room before any allocates
-        self.store = NvmeStore(par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
-                               io_threads=par.nvme_io_threads, check_space=False)
+        self.store = open_store(mesh, par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
+                                io_threads=par.nvme_io_threads, check_space=False)  # locked: one run per file
         self.streamer = Streamer(self.store, groups, buffer_count=par.nvme_buffer_count)
 
     # ---- set-up ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Checkpoints read and write the update's tensors in place (:mod:`megazero.checkpo
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -24,10 +24,11 @@ from megazero.clip import clip_coefficient, global_norm_and_overflow, local_squa
 from megazero.host_memory import release_free
 from megazero.precision import build_loss_scaler, compute_dtype
 from megazero.tensor_parallel.deferred import initial_value, is_deferred, realize
-from megazero.zero.buckets import Bucket, bucket_groups, find_units, plan_buckets, trainable_params
+from megazero.zero.buckets import (REDUCTION_GROUPS, Bucket, bucket_groups, default_blocks, plan_buckets,
+                                   trainable_params)
 from megazero.zero.param_gather import OverlappedParamGather
 from megazero.zero.reducers import EveryMicroBatchReducer, LastMicroBatchReducer
-from megazero.zero.stage3 import Stage3Params
+from megazero.zero.stage3 import Prefetch, Stage3Params
 from megazero.zero.stages import check_stage, overlaps_param_gather, shards_gradients, shards_parameters
 from megazero.zero.storage import FlatStorage
 from megazero.zero.update import ShardedUpdate
@@ -37,8 +38,10 @@ from megazero.offload.settings import check_offload, optimizer_device, param_dev
 class ZeroOptimizer:
     """ZeRO stage 0-3 optimizer for this rank's model chunks; build it with :func:`build_optimizer`."""
 
-    def __init__(self, chunks: List[torch.nn.Module], mesh, cfg):
+    def __init__(self, chunks: List[torch.nn.Module], mesh, cfg, blocks: Callable = default_blocks,
+                 prefetch: Optional[Prefetch] = None, values: Optional[Callable] = None):
         par, pre = cfg.parallel, cfg.precision
+        self.blocks = blocks
         check_stage(par.zero_stage)
         check_offload(par)
         self.mesh, self.stage, self.cfg = mesh, par.zero_stage, cfg
@@ -53,7 +56,8 @@ class ZeroOptimizer:
         self.step_count = 0
         self.skipped_steps = 0
         units, groups = self._param_groups()
-        self.buckets = plan_buckets(groups, mesh.size("dp", "cp"), par.ddp_bucket_size)
+        self.buckets = plan_buckets(groups, {k: mesh.size(*g) for k, g in REDUCTION_GROUPS.items()},
+                                    par.ddp_bucket_size)
         self.numel = sum(p.numel() for b in self.buckets for p in b.params)
         self.param_swap = None
         if shards_parameters(self.stage) and param_device(par) == "nvme":
@@ -64,17 +68,17 @@ class ZeroOptimizer:
         self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.coord("tp"),
                                     tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
-            full = _bucket_values(b, mesh.device, self.dtype)
+            full = _bucket_values(b, mesh.device, self.dtype) if values is None else values(b, mesh.device)
             self.storage.adopt(b, full)
             self.update.add_bucket(b, full)
             del full
         self._settle_param_writes()
         self.param_gather = None
         if self.overlap_param_gather:
-            self.param_gather = OverlappedParamGather(self.chunks, self.buckets)
+            self.param_gather = OverlappedParamGather(self.chunks, self.buckets, blocks)
         self.stage3 = None
         if shards_parameters(self.stage):
-            self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype)
+            self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype, prefetch or Prefetch())
         release_free()  # what setting up the buckets freed, before the gradient buffer comes
         self.storage.allocate_grads()  # (deferred with parameters on NVMe: the model's tensors are gone)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
@@ -91,10 +95,10 @@ class ZeroOptimizer:
         buckets (:func:`megazero.zero.buckets.bucket_groups`, shared with the memory estimator)."""
         seen: Dict[int, bool] = {}
         params = [trainable_params(chunk, seen) for chunk in self.chunks]
-        blocks = [find_units(chunk)[:-1] for chunk in self.chunks]
-        block_of = {id(p): i for bs in blocks for i, b in enumerate(bs) for p in b.parameters()}
+        blocks = [self.blocks(chunk) for chunk in self.chunks]
+        block_of = {id(p): i for bs in blocks for i, (_, ps) in enumerate(bs) for p in ps}
         groups = bucket_groups(params, lambda p: block_of.get(id(p)), self.stage, self.overlap_param_gather)
-        units = [(self.chunks[g.chunk] if g.block is None else blocks[g.chunk][g.block], g.chunk)
+        units = [(self.chunks[g.chunk] if g.block is None else blocks[g.chunk][g.block][0], g.chunk)
                  for g in groups if g.unit is not None]
         return units, groups
 
@@ -289,10 +293,18 @@ def _bucket_values(b: Bucket, device, dtype: torch.dtype) -> torch.Tensor:
     return full
 
 
-def build_optimizer(chunks, mesh, cfg) -> ZeroOptimizer:
+def build_optimizer(chunks, mesh, cfg, blocks: Callable = default_blocks, prefetch: Optional[Prefetch] = None,
+                    values: Optional[Callable] = None) -> ZeroOptimizer:
     """The single entry point: a ZeRO optimizer (stage ``cfg.parallel.zero_stage``) for this rank's
     model chunks.  Puts the parameters into flat compute-dtype buffers (as views) and registers the
-    gradient hooks; under ZeRO-3 the parameters are sharded from here on."""
+    gradient hooks; under ZeRO-3 the parameters are sharded from here on.
+
+    For models other than megazero's own (the any-model engine, :mod:`megazero.engine`):
+    ``blocks(chunk)`` gives the ZeRO-3 gather units as ``(module, parameters)`` (default
+    :func:`~megazero.zero.buckets.default_blocks`: the layers of the chunk's largest ``ModuleList``);
+    ``prefetch`` how far ZeRO-3 gathers ahead (default one unit); ``values(bucket, device)`` the
+    bucket's full fp32 values as one padded tensor, when the parameters do not hold them (a model
+    built partitioned)."""
     if isinstance(chunks, torch.nn.Module):
         chunks = [chunks]
-    return ZeroOptimizer(list(chunks), mesh, cfg)
+    return ZeroOptimizer(list(chunks), mesh, cfg, blocks, prefetch, values)

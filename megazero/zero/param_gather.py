@@ -20,37 +20,37 @@ does in ``step()``, ``gathered_params()`` and when loading; the trainer at the e
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from megazero.zero.buckets import Bucket, find_units
+from megazero.zero.buckets import Bucket, default_blocks
 
 
 class OverlappedParamGather:
     """Pending parameter all-gathers of stages 1/2 and the forward pre-hooks that wait for them."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], buckets: List[Bucket]):
+    def __init__(self, chunks: Sequence[torch.nn.Module], buckets: List[Bucket],
+                 blocks: Callable = default_blocks):
         bucket_of = {id(p): b.index for b in buckets for p in b.params}
         self.pending: Dict[int, object] = {}  # bucket index -> work handle of its all-gather
         self.order: List[int] = []  # bucket indices in the order the forward needs them
         self.hooks = []
         for chunk in chunks:
-            for module, wanted in self._unit_buckets(chunk, bucket_of):
+            for module, wanted in self._unit_buckets(chunk, bucket_of, blocks):
                 self.order += [i for i in wanted if i not in self.order]
                 self.hooks.append(module.register_forward_pre_hook(self._waiter(wanted)))
         self.order += [b.index for b in buckets if b.index not in self.order]  # parameters of no unit
 
     @staticmethod
-    def _unit_buckets(chunk: torch.nn.Module,
-                      bucket_of: Dict[int, int]) -> List[Tuple[torch.nn.Module, List[int]]]:
+    def _unit_buckets(chunk: torch.nn.Module, bucket_of: Dict[int, int],
+                      blocks: Callable = default_blocks) -> List[Tuple[torch.nn.Module, List[int]]]:
         """``(module, bucket indices)`` per unit of ``chunk`` in forward order: the chunk first (its
-        own parameters), then its blocks."""
-        units = find_units(chunk)
-        blocks, out = units[:-1], []
-        in_block = {id(p) for b in blocks for p in b.parameters()}
+        own parameters), then its blocks (``blocks(chunk)``: ``(module, parameters)`` each)."""
+        units, out = blocks(chunk), []
+        in_block = {id(p) for _, ps in units for p in ps}
         own = [p for p in chunk.parameters() if id(p) not in in_block]
-        for module, params in [(chunk, own)] + [(b, list(b.parameters())) for b in blocks]:
+        for module, params in [(chunk, own)] + list(units):
             wanted = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of}, reverse=True)
             out.append((module, wanted))
         return out

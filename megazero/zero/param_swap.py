@@ -20,7 +20,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megazero.offload import NvmeStore, check_nvme_path, swap_bytes
+from megazero.offload import check_nvme_path, swap_bytes
+from megazero.offload.nvme import open_store
 from megazero.offload.aligned import aligned_empty, typed_view
 
 
@@ -37,8 +38,8 @@ class ParamSwap:
         check_nvme_path(par.nvme_path, total, what=what)
         if mesh.is_distributed:
             dist.barrier(group=mesh.world_group)
-        self.store = NvmeStore(par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
-                               io_threads=par.nvme_io_threads, check_space=False, name="params-rank")
+        self.store = open_store(mesh, par.nvme_path, specs, rank=mesh.rank, block_size=par.nvme_block_size,
+                                io_threads=par.nvme_io_threads, check_space=False, name="params-rank")
         self.homes: Dict[int, torch.Tensor] = {}
         for b in buckets:
             home = torch.empty(b.shard_numel, dtype=dtype, device=mesh.device)

@@ -123,6 +123,10 @@ class _Reducer:
             raise ValueError(f"--max-reductions-in-flight must be at least 1, got {max_in_flight}")
         self.storage, self.mesh, self.overlap = storage, storage.mesh, overlap
         self.max_in_flight = max_in_flight
+        # every bucket's reduction is the mean over the dense data ranks (dp x cp): dense buckets sum over
+        # them, expert buckets over expert DP, whose ranks together saw the same tokens (Megatron-core's
+        # expert gradient scaling)
+        self.scale = 1.0 / storage.mesh.size("dp", "cp")
         self.buckets = storage.buckets
         self.on_bucket_complete = on_bucket_complete
         self.progress = [BucketProgress() for _ in self.buckets]
@@ -267,15 +271,17 @@ class LastMicroBatchReducer(_Reducer):
             return
         prog.reduced = True
         self._zero_unwritten(b)
-        dp, group = self.mesh.size("dp", "cp"), self.mesh.group("dp", "cp")
-        if dp == 1:
-            return
+        scale, group = self.scale, self.mesh.group(*b.group)
         full = storage.full_grads(b)
+        if b.dp == 1:
+            if scale != 1.0:  # experts without expert DP still average over the dense data ranks
+                full.mul_(scale)
+            return
         if not shards_optimizer(storage.stage):  # stage 0: every rank keeps the whole mean, in place
-            self.in_flight.start(all_reduce_mean(full, group, dp), 0)
+            self.in_flight.start(all_reduce_mean(full, group, self.mesh.size("dp", "cp")), 0)
         else:  # stage 1: a receive buffer per reduction in flight (gloo)
             self._retire_for_launch()
-            self.in_flight.start(reduce_scatter(storage.updated_grads(b), full, group, 1.0 / dp), 0)
+            self.in_flight.start(reduce_scatter(storage.updated_grads(b), full, group, scale), 0)
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:
         self._flush_incomplete()
@@ -336,17 +342,22 @@ class EveryMicroBatchReducer(_Reducer):
         for start, shape, written in zip(b.starts, b.shapes, prog.written):
             if not written:  # no gradient in this backward (unused parameter)
                 partial[start:start + shape.numel()].zero_()
-        shard, dp = self.storage.updated_grads(b), self.mesh.size("dp", "cp")
+        shard, scale = self.storage.updated_grads(b), self.scale
         accumulate, prog.shard_written = prog.shard_written, True  # the step's first reduction writes
-        if dp == 1:
-            shard.add_(partial) if accumulate else shard.copy_(partial)
+        if b.dp == 1:
+            if accumulate:
+                shard.add_(partial, alpha=scale)
+            else:
+                shard.copy_(partial)
+                if scale != 1.0:
+                    shard.mul_(scale)
             self.grad_bytes.hold(-partial.nbytes)
             return
         self._retire_for_launch()
         # a parameter used twice (the tied embedding alone in its bucket): each part is reduced in
         # pieces and waited for, no full-bucket receive buffer beside the embedding-sized part
         blocking = self.expected[b.index] > len(b.params)
-        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.group("dp", "cp"), 1.0 / dp,
+        self.in_flight.start(reduce_scatter(shard, partial, self.mesh.group(*b.group), scale,
                                             accumulate=accumulate, blocking=blocking),
                              partial.nbytes)
         if blocking:

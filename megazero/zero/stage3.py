@@ -1,14 +1,18 @@
 """ZeRO-3 parameter sharding: gather a unit's parameters just before they are used, free after.
 
 A *unit* is one transformer layer (a block of the chunk's largest ``nn.ModuleList``) or the
-rest of a chunk (embedding, final norm, output head).  Between uses each rank holds only its
-shard of every bucket; ``param.data`` is an empty tensor.
+rest of a chunk (embedding, final norm, output head); for other models, whatever blocks
+:func:`megazero.zero.build_optimizer` is given (:mod:`megazero.engine.units`).  Between uses each
+rank holds only its shard of every bucket; ``param.data`` is an empty tensor.
 
 - forward pre-hook: gather the unit (waiting for a prefetch if one is in flight) and start
   gathering the unit whose forward comes next;
-- forward post-hook: free the unit and hook its outputs so it is gathered again just before its
-  backward, prefetching the unit whose backward comes next (after the root, the last block, then
-  the blocks in reverse);
+- forward post-hook: free the unit and hook its outputs (those that are not its inputs passed
+  through) so it is gathered again just before its backward, prefetching the unit whose backward
+  comes next (after the root, the last block, then the blocks in reverse);
+- the order is the blocks' registration order until a chunk's first forward has run, then the
+  order that forward used them in (:class:`Prefetch` sets how far ahead to gather: one unit by
+  default, or units up to a number of elements, never past a limit on the elements gathered);
 - inside backward a forward is a recomputation replay (:mod:`megazero.recompute`): its pre-hook
   prefetches nothing (the unit needed next is the one *before* it, which the replay's own
   pre-backward hook fetches) and its post-hook keeps the unit for the backward that follows;
@@ -36,10 +40,11 @@ many micro-batches) works: each use gathers what it needs.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from megazero.distributed import all_gather_single
 from megazero.zero.buckets import Bucket
@@ -50,9 +55,37 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def tensor_leaves(obj) -> List[torch.Tensor]:
+    """The tensors inside a module's inputs or outputs: through tuples, lists, mappings (a Hugging Face
+    ``ModelOutput`` is one) and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensor_leaves(x)]
+    if isinstance(obj, Mapping):
+        return [t for x in obj.values() for t in tensor_leaves(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensor_leaves(getattr(obj, f.name, None))]
+    return []
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """How far ahead ZeRO-3 gathers, after the unit in use (DeepSpeed's ``stage3_prefetch_bucket_size``
+    and ``stage3_max_live_parameters``).
+
+    ``numel``: the following units are gathered ahead while their elements add up to at most this
+    (always the next one at least, unless 0: none); None: exactly the next unit.  ``max_live``: no
+    unit is gathered ahead while that would put more than this many elements gathered at once (the
+    unit in use is always gathered)."""
+    numel: Optional[int] = None
+    max_live: Optional[int] = None
+
+
 class _Unit:
     def __init__(self, index: int, module: torch.nn.Module, chunk: int):
         self.index, self.module, self.chunk = index, module, chunk
+        self.numel = 0  # elements of its buckets
         self.buckets: List[Bucket] = []
         self.full: Optional[Dict[int, torch.Tensor]] = None  # bucket index -> gathered buffer, while gathered
         self.buffers: Dict[int, torch.Tensor] = {}  # bucket index -> its buffer (storage empty when freed)
@@ -64,29 +97,34 @@ class _Unit:
 class Stage3Params:
     """Owns the gather/free life cycle of every unit (see module docstring)."""
 
-    def __init__(self, units: List[tuple], storage, mesh, dtype: torch.dtype):
+    def __init__(self, units: List[tuple], storage, mesh, dtype: torch.dtype,
+                 prefetch: Prefetch = Prefetch()):
         """``units``: ``(module, chunk)`` per unit id; ``storage``: the
         :class:`~megazero.zero.storage.FlatStorage` holding this rank's parameter shards."""
-        self.mesh, self.storage = mesh, storage
+        self.mesh, self.storage, self.prefetch = mesh, storage, prefetch
         buckets = storage.buckets
         self.units = [_Unit(i, m, c) for i, (m, c) in enumerate(units)]
         for b in buckets:
             self.units[b.unit].buckets.append(b)
+            self.units[b.unit].numel += b.numel
         self.empty = torch.empty(0, dtype=dtype, device=mesh.device)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full buffers held now / at most so far
+        self.gathered_numel = 0  # elements of the units gathered now
         self.order: Dict[int, List[_Unit]] = {}  # chunk -> its units in forward order (root first)
         for u in self.units:
             self.order.setdefault(u.chunk, [])
         for c in self.order:
             mine = [u for u in self.units if u.chunk == c]
             self.order[c] = [mine[-1]] + mine[:-1]  # the chunk (root) runs first, then its blocks
+        self.trace: Dict[int, Optional[List[_Unit]]] = {c: [] for c in self.order}  # None: recorded
         for b in buckets:
             for p in b.params:
                 p.data = self.empty  # sharded from now on
         self.hook_handles = []
         for u in self.units:
             self.hook_handles.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u)))
-            self.hook_handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+            self.hook_handles.append(u.module.register_forward_hook(self._post_forward_hook(u),
+                                                                    with_kwargs=True))
 
     # ---- gather / free ------------------------------------------------------------------
     def _next_in_forward(self, u: _Unit) -> Optional[_Unit]:
@@ -105,15 +143,49 @@ class Stage3Params:
             return order[-1] if len(order) > 1 else None
         return order[i - 1] if i > 1 else None
 
+    def _prefetch(self, u: _Unit, step) -> None:
+        """Start gathering the units after ``u`` (``step``: the next in forward or backward order) as
+        far as :class:`Prefetch` allows."""
+        ahead, taken = step(u), 0
+        while ahead is not None:
+            if self.prefetch.numel is not None and (taken + ahead.numel > self.prefetch.numel and
+                                                    (taken or self.prefetch.numel == 0)):
+                return
+            if ahead.full is None:
+                limit = self.prefetch.max_live
+                if limit is not None and self.gathered_numel + ahead.numel > limit:
+                    return
+                self.gather(ahead, wait=False)
+            if self.prefetch.numel is None:
+                return
+            taken += ahead.numel
+            ahead = step(ahead)
+
+    def _record(self, u: _Unit) -> None:
+        """During a chunk's first forward: note the order its units are used in."""
+        trace = self.trace[u.chunk]
+        if trace is not None and u is not self.order[u.chunk][0] and u not in trace:
+            trace.append(u)
+
+    def _recorded(self, root: _Unit) -> None:
+        """The chunk's first forward is over: its blocks are prefetched in the order it used them."""
+        trace = self.trace[root.chunk]
+        if trace is None:
+            return
+        rest = [x for x in self.order[root.chunk][1:] if x not in trace]
+        self.order[root.chunk] = [root] + trace + rest
+        self.trace[root.chunk] = None
+
     def gather(self, u: Optional[_Unit], wait: bool = True) -> None:
         if u is None:
             return
         swap = self.storage.swap  # --offload-param-device nvme: shards read from disk first
         if u.full is None:
             u.full, u.handles, u.after_read = {}, [], []
+            self.gathered_numel += u.numel
             for b in u.buckets:
                 shard = swap.fetch(b.index) if swap is not None else self.storage.param_shard(b)
-                if self.mesh.size("dp", "cp") == 1:
+                if b.dp == 1:
                     u.full[b.index] = shard
                     continue
                 full = u.buffers.get(b.index)
@@ -126,14 +198,14 @@ class Stage3Params:
                 if swap is not None:  # the gather starts once the shard is read
                     u.after_read.append((b, full, shard))
                     continue
-                u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
                                                    async_op=True))
         if wait and u.handles is not None:
             if swap is not None:
                 for b in u.buckets:
                     swap.ready(b.index)
                 for b, full, shard in u.after_read:
-                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group("dp", "cp"),
+                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
                                                        async_op=True))
                 u.after_read = []
             for h in u.handles:
@@ -163,13 +235,15 @@ class Stage3Params:
             for p in b.params:
                 if not keep_views:
                     p.data = self.empty
-        if self.mesh.size("dp", "cp") > 1:
-            for t in u.full.values():
+        for b in u.buckets:
+            if b.dp > 1:
+                t = u.full[b.index]
                 t.untyped_storage().resize_(0)  # views autograd saved now hold nothing
                 self._count(-t.nbytes)
         if swap is not None:
             for b in u.buckets:
                 swap.evict(b.index)  # the same for the shard on disk
+        self.gathered_numel -= u.numel
         u.full, u.handles, u.done = None, [], 0
 
     def _count(self, nbytes: int) -> None:
@@ -196,9 +270,8 @@ class Stage3Params:
         return {t.untyped_storage()._cdata for u in self.units if u.full is not None for t in u.full.values()}
 
     def live_buffers(self) -> List[torch.Tensor]:
-        if self.mesh.size("dp", "cp") == 1:
-            return []  # gathered units are views of the shards
-        return [t for u in self.units if u.full is not None for t in u.full.values()]
+        """The gathered buffers held now (a bucket of a group of one is a view of its shard)."""
+        return [u.full[b.index] for u in self.units if u.full is not None for b in u.buckets if b.dp > 1]
 
     # ---- hooks --------------------------------------------------------------------------
     def _release_root(self, u: _Unit) -> None:
@@ -217,18 +290,22 @@ class Stage3Params:
                 self._release_root(u)
             self.gather(u)
             if not _in_backward():
-                self.gather(self._next_in_forward(u), wait=False)
-            # a replay inside backward prefetches nothing here: the unit needed next is the one
-            # before it, fetched by the replay's pre-backward hook
+                self._record(u)
+                self._prefetch(u, self._next_in_forward)
+            # a replay inside backward (activation recomputation) prefetches nothing here: the
+            # unit needed next is the one before it, fetched by the replay's pre-backward hook
         return hook
 
     def _post_forward_hook(self, u: _Unit):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not _in_backward():  # a replay's backward follows at once: keep the unit until then
                 self.free(u)
+                if u is self.order[u.chunk][0]:
+                    self._recorded(u)
             if torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                inputs = {id(t) for t in tensor_leaves((args, kwargs))}
+                for t in tensor_leaves(output):  # an input passed through is not this unit's output
+                    if t.requires_grad and id(t) not in inputs:
                         t.register_hook(self._pre_backward_hook(u))
         return hook
 
@@ -236,5 +313,5 @@ class Stage3Params:
         def hook(grad):
             self._release_root(u)
             self.gather(u)
-            self.gather(self._next_in_backward(u), wait=False)
+            self._prefetch(u, self._next_in_backward)
         return hook

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from typing import Dict
 
+from megazero.element_bytes import master_bytes, optimizer_state_bytes
 from megazero.zero.stages import check_stage, shards_gradients, shards_optimizer, shards_parameters
 
 
 def optimizer_bytes_per_param(optimizer: str = "adam", mixed_precision: bool = True, momentum: bool = False,
                               offload: bool = False) -> int:
-    """K: bytes of fp32 master weights (when they are a separate copy) + optimizer state per parameter."""
-    state = {"adam": 8, "sgd": 4 if momentum else 0}[optimizer]
-    return state + (4 if (mixed_precision or offload) else 0)
+    """K: bytes of fp32 master weights (when they are a separate copy) + optimizer state per parameter
+    (:mod:`megazero.element_bytes`)."""
+    return optimizer_state_bytes(optimizer, momentum) + master_bytes(mixed_precision, offload)
 
 
 def zero_model_state_bytes(num_params: int, stage: int, dp: int, param_bytes: int = 2, grad_bytes: int = 2,

@@ -8,8 +8,9 @@ stage  parameters (compute dtype)                  gradients (``--grad-reduce-dt
 3      this rank's shard of every bucket           this rank's shard of every bucket
 =====  ==========================================  ============================================
 
-Every bucket is padded to a multiple of the DP size, so DP rank ``r`` owns the same contiguous
-slice of every bucket (:meth:`Bucket.shard_range`).  The optimizer updates the *updated range*
+Every bucket is padded to a multiple of the size of the group it is reduced over (dp x cp; expert DP
+for the experts' buckets), so rank ``r`` of that group owns the same contiguous slice of every such
+bucket (:meth:`Bucket.shard_range`).  The optimizer updates the *updated range*
 of a bucket: all of it at stage 0 (every rank steps the whole model), the owned slice otherwise.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ class FlatStorage:
         self.buckets, self.stage, self.mesh = buckets, stage, mesh
         self.swap = param_swap  # stage 3 with --offload-param-device nvme: shards on disk (ParamSwap)
         self.dp_rank, self.dp_size = mesh.coord("dp", "cp"), mesh.size("dp", "cp")
+        self._ranks = {g: mesh.coord(*g) for g in {b.group for b in buckets}}
         total = sum(b.numel for b in buckets)
         shard_total = sum(b.shard_numel for b in buckets)
         self.sharded_params = shards_parameters(stage)
@@ -44,6 +46,10 @@ class FlatStorage:
         if param_swap is None:
             self.allocate_grads()
 
+    def rank_of(self, b: Bucket) -> int:
+        """This rank's index in the group bucket ``b`` is sharded over."""
+        return self._ranks[b.group]
+
     def allocate_grads(self) -> None:
         numel, dtype = self._grad_shape
         if self.grads.numel() != numel:
@@ -53,12 +59,12 @@ class FlatStorage:
         """Store bucket ``b``'s values (``full``: the whole padded bucket) and, unless parameters are
         sharded, make its parameters views of the flat buffer."""
         if self.swap is not None:
-            lo, hi = b.shard_range(self.dp_rank)
+            lo, hi = b.shard_range(self.rank_of(b))
             self.swap.materialize(b.index).copy_(full[lo:hi])
             self.swap.flush(b.index)
             return
         if self.sharded_params:
-            lo, hi = b.shard_range(self.dp_rank)
+            lo, hi = b.shard_range(self.rank_of(b))
             self.params[b.shard_offset:b.shard_offset + b.shard_numel].copy_(full[lo:hi])
             return
         self.params[b.offset:b.offset + b.numel].copy_(full)
@@ -67,7 +73,7 @@ class FlatStorage:
 
     def updated_range(self, b: Bucket) -> Tuple[int, int]:
         """Bucket-local range the optimizer updates on this rank (all of it at stage 0)."""
-        return b.shard_range(self.dp_rank) if shards_optimizer(self.stage) else (0, b.numel)
+        return b.shard_range(self.rank_of(b)) if shards_optimizer(self.stage) else (0, b.numel)
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
         """Stage 3: this rank's shard of bucket ``b``'s parameters (on NVMe: its home tensor, valid
@@ -107,15 +113,15 @@ class FlatStorage:
     def grad_slice(self, b: Bucket, a: int, e: int) -> torch.Tensor:
         """Reduced gradient of bucket-local ``[a, e)``, inside this rank's DP slice."""
         if self.sharded_grads:
-            base = b.shard_offset - self.dp_rank * b.shard_numel
+            base = b.shard_offset - self.rank_of(b) * b.shard_numel
             return self.grads[base + a:base + e]
         return self.grads[b.offset + a:b.offset + e]
 
     def all_gather_params(self, b: Bucket, async_op: bool = False):
         """Stages 1/2: all-gather every rank's updated slice into the full parameter buffer (the
         work handle when ``async_op``; None when there is nothing to gather)."""
-        if self.sharded_params or not shards_optimizer(self.stage) or self.dp_size == 1:
+        if self.sharded_params or not shards_optimizer(self.stage) or b.dp == 1:
             return None
         full = self.params[b.offset:b.offset + b.numel]
-        return all_gather_single(full, self.updated_params(b), group=self.mesh.group("dp", "cp"),
+        return all_gather_single(full, self.updated_params(b), group=self.mesh.group(*b.group),
                                  async_op=async_op)

@@ -73,8 +73,9 @@ class ShardedUpdate:
             else:
                 self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
             self.state[b.index] = self.optim.init_state(self.master[b.index])
-        dims = {id(p): len(shape) for p, shape in zip(b.params, b.shapes)}  # (ZeRO-3 parameters are empty)
-        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi) if dims[id(p)] > 1])
+        shapes = {id(p): shape for p, shape in zip(b.params, b.shapes)}  # (ZeRO-3 parameters are empty)
+        self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
+                                      if decays(p, shapes[id(p)])])
         self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
                                           if getattr(p, "is_embedding_or_output_parameter", False)])
         self.norm_pieces[b.index] = self._norm_pieces(b)
@@ -82,8 +83,9 @@ class ShardedUpdate:
     def _norm_pieces(self, b: Bucket) -> List[Tuple[int, int, bool]]:
         """``(a, e, counted)`` runs over the owned DP slice; adjacent runs with one flag merged."""
         pieces: List[Tuple[int, int, bool]] = []
-        for p, a, e in b.segments(*b.shard_range(self.storage.dp_rank)):
-            counted = counts_in_norm(p, self.tp_rank)
+        etp_rank = self.storage.mesh.coord("etp")
+        for p, a, e in b.segments(*b.shard_range(self.storage.rank_of(b))):
+            counted = counts_in_norm(p, self.tp_rank, etp_rank)
             if pieces and pieces[-1][1] == a and pieces[-1][2] == counted:
                 pieces[-1] = (pieces[-1][0], e, counted)
             else:
@@ -264,6 +266,14 @@ class ShardedUpdate:
         """Remove the swap file (a clean exit; idempotent)."""
         if self.nvme is not None:
             self.nvme.close()
+
+
+def decays(p: torch.nn.Parameter, shape: torch.Size) -> bool:
+    """Whether weight decay applies to ``p`` (of full ``shape``): ``p.apply_weight_decay`` when set (the
+    any-model engine marks each parameter by its optimizer group), else Megatron-LM's rule: matrices
+    and embeddings yes, biases and norms no."""
+    given = getattr(p, "apply_weight_decay", None)
+    return len(shape) > 1 if given is None else bool(given)
 
 
 def _length(r: Tuple[int, int]) -> int:

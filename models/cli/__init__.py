@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from megazero.errors import EXIT_USAGE
+
 
 def model_provider(cfg, mesh):
     """This rank's GPT model chunks (one per virtual pipeline stage)."""
@@ -50,7 +52,7 @@ def launch_main(argv: Optional[List[str]] = None) -> int:
             seconds[flag] = -1.0
         if not seconds[flag] >= 0:
             sys.stderr.write(f"launch.py: error: {flag} needs seconds (0 or more), got {value!r}\n")
-            return 2
+            return EXIT_USAGE
     return run_torchrun(argv, seconds["--signal-grace"], join_timeout=seconds["--join-timeout"])
 
 

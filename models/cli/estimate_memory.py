@@ -22,6 +22,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
+from megazero.errors import EXIT_OK, EXIT_USAGE
 from megazero.host_memory import rss_bytes
 from megazero.planning.estimate import estimate, estimate_stages, peak_rss, total_params
 
@@ -54,7 +55,7 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
     if "-h" in rest or "--help" in rest:
         pre.print_help()
         print("\nAll pretrain_gpt.py flags are accepted as well (see scripts/pretrain_gpt.py --help).")
-        return 0
+        return EXIT_OK
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     world = ours.world_size or env_world
     if ours.measure and "--mock-data" not in rest and "--data-path" not in rest:
@@ -67,7 +68,7 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
         cfg = parse_args(rest, presets=presets, world_size=world, check_data=ours.measure)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if ours.measure:
         return _measure_main(cfg, ours, world, env_world, model_provider)
     device = ours.device or "cuda"
@@ -79,9 +80,9 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
         print(json.dumps({"total_params": total_params(cfg), "padded_total_params": total_params(cfg, True),
                           "world_size": world, "data_parallel_size": cfg.parallel.data_parallel_size,
                           "device": device, "stages": rows, "pipeline_stages": stages}, indent=2))
-        return 0
+        return EXIT_OK
     _print_estimate(cfg, rows, world, device)
-    return 0
+    return EXIT_OK
 
 
 def _with_rss(rows: List[dict], device: str) -> List[dict]:
@@ -188,13 +189,13 @@ def _measure_main(cfg, ours, world: int, env_world: int, model_provider) -> int:
     runtime = rss_bytes()  # before the ranks fork from this process (or start beside it)
     measured = _run_measure(cfg, world, env_world, model_provider, ours.iters)
     if measured is None:
-        return 0
+        return EXIT_OK
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = compare(cfg, measured, device, runtime)
     if ours.json:
         print(json.dumps({"world_size": world, "device": device, "zero_stage": cfg.parallel.zero_stage,
                           "runtime_bytes": runtime, "stages": rows}, indent=2))
-        return 0
+        return EXIT_OK
     print(f"{_title(cfg, world)}; ZeRO {cfg.parallel.zero_stage}; {ours.iters} iterations on {device}")
     for row in rows:
         print(f"pipeline stage {row['pp_rank']}:")
@@ -210,7 +211,7 @@ def _measure_main(cfg, ours, world: int, env_world: int, model_provider) -> int:
                   f"{(c['max_memory_allocated']['measured'] - known) / 2**20:.3f} MiB")
     print("peak_grad_bytes: the estimate is an upper bound (no reduction finishing early); "
           "activations: bytes saved for backward, peak over the schedule.")
-    return 0
+    return EXIT_OK
 
 
 # ---- --plot ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from megazero.data import preprocess
 from megazero.data.indexed import IndexedDatasetWriter, best_dtype
 from megazero.data.preprocess import TOKENIZER_TYPES, Encoder, batches, is_json, read_documents
 from megazero.data.tokenizer import load_tokenizer
+from megazero.errors import EXIT_OK, EXIT_USAGE
 
 
 def parse_args(argv=None):
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
             tokenizer.eod  # noqa: B018 - fails now if the tokenizer has none
     except (FileNotFoundError, ValueError) as err:
         print(f"preprocess_data.py: error: --tokenizer-model: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     keys = args.json_keys if any(is_json(f) for f in args.input) else ["text"]
     dtype = best_dtype(tokenizer.vocab_size)
     in_bytes = sum(os.path.getsize(f) for f in args.input)
@@ -94,12 +95,12 @@ def main(argv=None) -> int:
             w.finalize()
     except ValueError as err:
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except OSError as err:  # the output cannot be written (a read-only directory, a full disk)
         where = err.filename or args.output_prefix
         print(f"preprocess_data.py: error: --output-prefix {args.output_prefix}: cannot write {where} "
               f"({err.strerror or err}); choose a writable location", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     finally:
         if pool is not None:
             pool.terminate()
@@ -113,4 +114,4 @@ def main(argv=None) -> int:
     print(f"preprocess_data.py: {n_docs} documents, {n_tokens} tokens, {n_bytes / 1e6:.2f} MB in "
           f"{elapsed:.2f} s ({n_bytes / elapsed / 1e6:.2f} MB/s, {n_tokens / elapsed:.0f} tokens/s, "
           f"{workers} worker{'s' if workers > 1 else ''})")
-    return 0
+    return EXIT_OK

@@ -7,6 +7,7 @@ from typing import Dict, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
 from megazero.data import build_data
+from megazero.errors import EXIT_OK, EXIT_USAGE
 from megazero.training import ModelProvider, train
 
 
@@ -48,18 +49,22 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if cfg.logging.dry_run:
         from megazero.training.summary import parameter_line
+        for note in cfg.notes:  # what a run would say at start-up about the flags (ignored ones, warnings)
+            print(f"megazero: {note}")
         par = cfg.parallel
         print(f"dry run: the flags are valid for {world} ranks: tp {par.tensor_model_parallel_size} "
               f"pp {par.pipeline_model_parallel_size} dp {par.data_parallel_size} zero {par.zero_stage}; "
               f"{parameter_line(cfg)}")
-        return 0
+        return EXIT_OK
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
-    from megazero.checkpoint import CheckpointError
+    from megazero.checkpoint import CheckpointError, CheckpointSaveError
     try:
         train(cfg, model_provider, keep_history=False)  # rows streamed, not kept
     except Exception as err:  # noqa: BLE001 - reported once, with the exit status
         code = report_failure(err)
-        # a checkpoint that cannot be used is a usage error (exit 2), like an invalid flag
-        return 2 if isinstance(err, CheckpointError) else code
-    return 0
+        # a checkpoint that cannot be used is a usage error, like an invalid flag; a save that failed
+        # (a full disk) is a failure
+        unusable = isinstance(err, CheckpointError) and not isinstance(err, CheckpointSaveError)
+        return EXIT_USAGE if unusable else code
+    return EXIT_OK

@@ -101,7 +101,8 @@ def async_steps(args):
         print(f"{'async' if mode else 'sync':<6} {median:>14.3f} {statistics.mean(saving):>17.3f} "
               f"{mean_during:>12.3f} (n={len(during):>2}) {mean_during / median:>6.2f}")
     print(f"checkpoints: shard data and RNG files {'bitwise equal' if same else 'DIFFER'}")
-    return 0
+    from megazero.errors import EXIT_OK
+    return EXIT_OK
 
 
 def _same_files(a, b):

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def parse():
@@ -153,7 +153,8 @@ def _run_rank(args, directory):
 def main():
     args = parse()
     sys.path.insert(0, args.repo)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megazero.threads import rank_thread_env
+    os.environ.update(rank_thread_env())  # for the ranks it forks
     if args.async_steps:
         from bench.async_save import async_steps
         return async_steps(args)
@@ -177,7 +178,8 @@ def main():
               f"{max(x['save_mem'] for x in rows) / mib:>14.0f} "
               f"{max(x['load_s'] for x in rows):>8.2f} {max(x['load_mem'] for x in rows) / mib:>14.0f}  "
               f"{'exact' if all(x['same'] for x in rows) else 'DIFFERS'}")
-    return 0
+    from megazero.errors import EXIT_OK
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import torch
 
 from bench import write_json
 
+from megazero.errors import EXIT_OK
+
 QUICK = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, micro_batch=2, steps=2, warmup=1)
 
 
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
               f"{r['hw_tflops']:11.1f} {mfu:>6} {mem:>7} {r['loss']:7.3f}")
     if args.json:
         write_json({"device": name, "params": n, "args": vars(args), "results": results}, args.json)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ achieves while streaming an optimizer step (measured, never asserted).
     bandwidth); "streamed", with a small Adam-like update (the overlap); "synchronous", a plain
     read-update-write loop.  Printed per step: time, bytes, bandwidth and its ratio to "disk" in
     the same round, the fraction of the step spent waiting on I/O, CPU seconds per GB moved.
+(c) What the blocks' checksums cost: the "I/O only" step with the store's checksum (XXH3), with
+    zlib's CRC32 instead and with none, interleaved; each as a ratio to the step without.
 
     python scripts/bench_nvme_io.py --dir /tmp            # ~2 minutes, at most ~2 GiB of files
     python scripts/bench_nvme_io.py --dir /mnt/nvme --blocks 1 4 --threads 4 8 --state-mib 2048
@@ -28,12 +30,15 @@ import statistics
 import subprocess
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from megazero.errors import EXIT_OK
 from megazero.offload import IOCounts, NvmeStore, Streamer, aligned_empty
 from megazero.offload.aligned import byte_view
+from megazero.threads import set_rank_threads
 from bench.timing import interleaved_rounds
 
 MiB = 1 << 20
@@ -181,6 +186,35 @@ def store_step(directory: str, raw: str, raw_bytes: int, a, peak: dict) -> None:
               f"({streamer.host_bytes / MiB:.0f} MiB of host memory); {a.rounds} interleaved rounds")
         print(f"the update alone, in memory: {compute * 1e3:.0f} ms per step")
         _report(times, counts, moved, cpu_s, a.rounds)
+        if a.checksum_rounds:
+            checksum_cost(store, streamer, init, a.checksum_rounds)
+
+
+def checksum_cost(store, streamer, init, rounds: int) -> None:
+    """Print (c): the "I/O only" step with the store's block checksum (XXH3), with zlib's CRC32 in
+    its place and with none, in interleaved rounds (each preceded by an untimed rewrite of the state,
+    so the checksums on file are the function's own); the ratio of each step to the unchecksummed
+    one of the same round."""
+    from megazero.offload import nvme
+    kinds = {"xxh3 (the store's)": nvme.block_checksum, "zlib crc32": zlib.crc32, "none": lambda mv: 0}
+    times = {k: [] for k in kinds}
+    try:
+        for r in range(rounds + 1):  # round 0: a warm-up
+            for k in list(kinds)[r % 3:] + list(kinds)[:r % 3]:
+                nvme.block_checksum = kinds[k]
+                for name in store.regions:
+                    store.write(name, init)
+                start = time.perf_counter()
+                for _ in streamer.run():
+                    pass
+                if r:
+                    times[k].append(time.perf_counter() - start)
+    finally:
+        nvme.block_checksum = kinds["xxh3 (the store's)"]
+    print(f"\n(c) the blocks' checksums: the I/O-only step, {rounds} interleaved rounds")
+    for k, ts in times.items():
+        ratio = statistics.median(t / n for t, n in zip(ts, times["none"]))
+        print(f"{k:>20} {statistics.median(ts) * 1e3:>8.0f} ms/step {ratio:>6.2f}x the step without")
 
 
 def _one_step(mode, store, streamer, groups, step):
@@ -238,8 +272,9 @@ def main(argv=None):
     p.add_argument("--io-threads", type=int, default=4, help="the store's --nvme-io-threads")
     p.add_argument("--buffer-count", type=int, default=3, help="the streamer's --nvme-buffer-count")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of (b), after a warm-up")
+    p.add_argument("--checksum-rounds", type=int, default=3, help="interleaved rounds of (c); 0: skip it")
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_rank_threads()
     raw = os.path.join(a.dir, "bench_nvme_raw.bin")
     raw_bytes = max(a.raw_mib, a.state_mib) * MiB  # (b) compares with a file as large as the state
     try:
@@ -254,7 +289,7 @@ def main(argv=None):
         for f in (raw, os.path.join(a.dir, "bench_nvme_dd.bin")):
             if os.path.exists(f):
                 os.unlink(f)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

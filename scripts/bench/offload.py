@@ -22,6 +22,8 @@ import os
 import statistics
 import tempfile
 
+from megazero.errors import EXIT_OK
+
 MiB = 1 << 20
 MODES = {"memory": {}, "cpu": dict(offload_optimizer_device="cpu"),
          "nvme-optimizer": dict(offload_optimizer_device="nvme"),
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
               f"{100 * r['of_peak']:>7.0f}% {r['peak_rss_bytes'] / MiB:>13.0f}")
     if a.json:
         write_json(out, a.json)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

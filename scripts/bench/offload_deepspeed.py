@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 
+from megazero.errors import EXIT_OK, EXIT_USAGE
+
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -281,12 +283,12 @@ def main(argv=None) -> int:
             sys.path.remove(HERE)
         framework, device = MODES[a.child]
         (_child_deepspeed if framework == "deepspeed" else _child_megazero)(a, device, a.swap)
-        return 0
+        return EXIT_OK
     if any(MODES[m][0] == "deepspeed" for m in a.modes):
         why = _check_ds_python(a.ds_python)
         if why:
             print(f"offload_deepspeed: --ds-python {why}; {SETUP}", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     out = {"load_average_before": os.getloadavg(), "modes": {}}
     for name in a.modes:
         out["modes"][name] = _summary(_run_child(a, argv, name))
@@ -295,7 +297,7 @@ def main(argv=None) -> int:
     if a.json:
         from bench import write_json
         write_json(out, a.json)
-    return 0
+    return EXIT_OK
 
 
 def _print(a, out: dict) -> None:

@@ -55,8 +55,11 @@ import torch.nn.functional as F
 
 from bench import write_json
 from bench.timing import interleaved_rounds
+from megazero.element_bytes import FP32
+from megazero.errors import EXIT_OK
 from megazero.local_ranks import run_ranks
-from megazero.zero import zero_model_state_bytes
+from megazero.threads import set_rank_threads
+from megazero.zero import optimizer_bytes_per_param, zero_model_state_bytes
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
 QUICK_MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=128)
@@ -459,7 +462,8 @@ def _summary(key: str, layout: Layout, per_rank: List[dict]) -> dict:
     res = per_rank[0]
     mz, peer = statistics.median(res["times"]["megazero"]), statistics.median(res["times"]["peer"])
     worst = max(per_rank, key=lambda r: sum(r["megazero_bytes"].values()))
-    formula = zero_model_state_bytes(worst["numel"], layout.zero_stage, worst["dp"], 4, 4, 8)["total_bytes"]
+    formula = zero_model_state_bytes(worst["numel"], layout.zero_stage, worst["dp"], FP32, FP32,
+                                     optimizer_bytes_per_param("adam", mixed_precision=False))["total_bytes"]
     return {"layout": key, "name": layout.name, "world": layout.world, "peer": layout.peer,
             "megazero_ms": mz * 1e3, "peer_ms": peer * 1e3, "ratio": mz / peer,
             "megazero_min_ms": min(res["times"]["megazero"]) * 1e3,
@@ -505,7 +509,7 @@ def main(argv=None) -> int:
     args.model_desc = (f"{model['num_layers']} layers, hidden {model['hidden_size']}, "
                        f"{model['num_attention_heads']} heads, seq {model['seq_length']}, "
                        f"vocab {model['vocab_size']}, untied, no biases")
-    torch.set_num_threads(1)
+    set_rank_threads()
     if torch.__version__ < "2.13":  # a TorchVersion: compares as a version
         print(f"warning: the peers are tested on torch 2.13; with {torch.__version__} (2.6 here) the "
               "interleaved pipelining peer lost a rank", file=sys.stderr)
@@ -524,7 +528,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"model": model, "rounds": args.rounds, "load_average": [load0[0], load1[0]], "rows": rows}
         write_json(out, args.json)
-    return 0
+    return EXIT_OK
 
 
 def _params_of(model: dict):

@@ -109,7 +109,8 @@ def main(argv=None):
     p.add_argument("--matmul", action="store_true", help="real matmuls instead of sleeping")
     args = p.parse_args(argv)
     from megazero.local_ranks import run_ranks
-    torch.set_num_threads(1)
+    from megazero.threads import set_rank_threads
+    set_rank_threads()
     print(f"{'pp':>3} {'m':>3} {'schedule':>14} {'theory':>7} {'simulated':>9} {'sim+comm':>8} "
           f"{'measured':>8} {'p2p wait':>8}")
     for pp in args.pp:

@@ -24,7 +24,7 @@ import tempfile
 from bench.published import report, spearman
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
          "--vocab-size", "1024", "--global-batch-size", "16"]
 LAYOUTS = {  # name: layout flags (8 ranks)
@@ -56,7 +56,7 @@ def predict(flags, nproc, cal):
     from megazero.config import parse_args
     from megazero.planning.planner import GB, Hardware, step_time
     cfg = parse_args(MODEL + flags + ["--mock-data"], world_size=nproc)
-    hw = Hardware.from_calibration(cal, 64 * GB, 20 * GB, nproc)
+    hw = Hardware.from_calibration(cal, 64 * GB, nproc)  # nproc ranks on the calibrated machine
     return step_time(cfg, hw)["step_time_s"]
 
 
@@ -66,7 +66,8 @@ def measure(flags, nproc, iters):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *MODEL, *flags, "--mock-data",
                "--train-iters", str(iters), "--metrics-file", metrics, "--log-interval", "1000"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+        from megazero.threads import rank_thread_env
+        env = dict(rank_thread_env(force=True), WANDB_MODE="disabled")
         subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=900)
         with open(metrics) as fh:
             times = [json.loads(line)["iteration_time"] for line in fh if line.strip()]
@@ -108,8 +109,8 @@ def main(argv=None):
     if a.fit:
         p.error("--fit goes with --published")
     if a.calibration:
-        with open(a.calibration) as fh:
-            cal = json.load(fh)
+        from megazero.planning.calibrate import load_calibration
+        cal = load_calibration(a.calibration)
     else:
         from megazero.planning.calibrate import calibrate
         cal = calibrate(a.nproc)

@@ -31,6 +31,10 @@ Not published, so assumed: micro-batch 1 where the table gives none; the non-int
 in the 2021-22 Megatron rows; Llama 3's interleaving (4 virtual stages of 2 layers).  Llama 3's 126
 layers sit in 128 layer slots (16 stages of 8, one fewer on the first and the last stage for the
 embedding and the head); the time is modelled with 128 even layers, the FLOPs counted for 126.
+These rows time Llama 3's own run, which needed no recomputation; megazero's planner plans the
+real split (``--decoder-first/last-pipeline-num-layers 7``, no virtual stages) and, by megazero's
+memory model, fits it only with full recomputation (docs/planning.md, "Llama 3 405B on 16,384
+H100s"; tests/test_planner_scale.py).
 """
 from __future__ import annotations
 

@@ -13,9 +13,10 @@ import argparse
 
 import torch
 
-import megazero_models as models
 from megazero.config import config_from_dict, validate
 from megazero.planning.estimate import activation_bytes
+from megazero.threads import set_rank_threads
+import megazero_models as models
 
 MODES = {"none": {}, "selective": {"recompute_granularity": "selective"},
          "full uniform (1 layer/group)": {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -52,7 +53,7 @@ def main(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
     a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_rank_threads()
     base = dict(mock_data=True, num_layers=a.num_layers, hidden_size=a.hidden_size,
                 num_attention_heads=a.num_attention_heads, seq_length=a.seq_length,
                 micro_batch_size=a.micro_batch_size, vocab_size=a.vocab_size, hidden_dropout=0.1,

@@ -53,11 +53,13 @@ import torch.nn as nn
 
 
 from megazero.config import MegazeroConfig
+from megazero.element_bytes import FP32
 from megazero.distributed import all_gather_single, reduce_scatter_single
 from megazero.mesh import ParallelMesh
 from bench.timing import interleaved_rounds
 from megazero.local_ranks import run_ranks
-from megazero.zero import build_optimizer, zero_model_state_bytes
+from megazero.errors import EXIT_OK
+from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
 
 
 class Block(nn.Module):
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
     like = {"ddp": 0, "fsdp2": 3}
     for mode, r in res.items():
         stage = like[mode] if mode in like else int(mode[-1])
-        formula = zero_model_state_bytes(numel, stage, n, 4, 4, 8)["total_bytes"]
+        adam_fp32 = optimizer_bytes_per_param("adam", mixed_precision=False)  # no master copy
+        formula = zero_model_state_bytes(numel, stage, n, FP32, FP32, adam_fp32)["total_bytes"]
         total = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
         print(f"{mode:7} {r['time'] * 1e3:9.1f} {r['min'] * 1e3:7.1f} {r['time'] / base['time']:7.2f} "
               f"{r['min'] / base['min']:7.2f} {r['param_bytes'] / 2**20:9.2f} {r['grad_bytes'] / 2**20:8.2f} "
@@ -230,7 +233,7 @@ def main(argv=None) -> int:
         print("gloo collectives, median ms (fp32; reduce-scatter and all-gather move a 1/N shard):")
         for size, t in coll.items():
             print(f"  {size:>9} elements: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in t.items()))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,0 +1,215 @@
+"""Which ``transformers`` architecture holds a megazero model, and its config (the export direction of
+:mod:`models.hf_config`).
+
+:func:`arch_of` is ``--hf-model-type`` (set by an import) when that architecture holds the model,
+else the first of :data:`AUTO_ORDER` that does; :func:`missing` says what an architecture lacks to
+hold a model (one line, naming the feature).  Phi-3 is never chosen by itself: it holds the same
+models as LLaMA/Mistral with fused weights, so it is written only for a model imported from one
+(or with ``--hf-model-type phi3``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from megazero.config import ConfigError
+from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
+from .rope import yarn_mscale
+
+AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3")
+LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3")  # window per layer (config.layer_types)
+
+
+def _scalings(m) -> List[str]:
+    out = [k for k, on in (("llama3", m.use_rope_scaling), ("linear", m.rotary_seq_len_interpolation_factor),
+                           ("yarn", m.position_embedding_type == "yarn"),
+                           ("dynamic", m.dynamic_rope_scaling_factor)) if on]
+    return out
+
+
+def _window_kind(m) -> Optional[str]:
+    """None (no window), 'all' (every layer) or 'some'."""
+    flags = windowed_layers(m)
+    return None if not any(flags) else ("all" if all(flags) else "some")
+
+
+def _llama_family(m, t: str) -> Optional[str]:
+    """What the LLaMA-like architecture ``t`` lacks to hold ``m`` (None: nothing)."""
+    gemma = t in ("gemma", "gemma2")
+    wants = {"activation": "geglu" if gemma else "swiglu",
+             "norm_position": {"gemma2": "sandwich", "olmo2": "post"}.get(t, "pre")}
+    for field, value in wants.items():
+        if getattr(m, field) != value:
+            return f"{field} {getattr(m, field)} ({t} has {value})"
+    if m.scale_embedding != gemma:
+        return f"scale_embedding {m.scale_embedding} ({t}: {gemma})"
+    qk = {"qwen3": "head", "olmo2": "all"}.get(t)
+    if (m.qk_layernorm and m.qk_layernorm_scope) != (qk or False):
+        mine = f"scope {m.qk_layernorm_scope}" if m.qk_layernorm else "off"
+        return f"--qk-layernorm {mine} ({t}: {qk or 'none'})"
+    if m.add_qkv_bias != (t == "qwen2"):
+        return f"add_qkv_bias {m.add_qkv_bias} ({t}: {t == 'qwen2'})"
+    window = _window_kind(m)
+    uniform = LAYER_TYPES + ("mistral", "phi3")
+    if window == "some" and t not in LAYER_TYPES or window == "all" and t not in uniform:
+        return f"a sliding window on {'some' if window == 'some' else 'all'} layers ({t} has " + \
+               ("it on every layer or none)" if t in ("mistral", "phi3") else "none)")
+    if t == "gemma2":
+        return None
+    for field in ("attn_logit_softcapping", "final_logit_softcapping", "softmax_scale"):
+        if getattr(m, field) is not None:
+            return f"{field} {getattr(m, field)} (Gemma 2 only)"
+    if m.no_rope_freq is not None and t != "smollm3":
+        return "layers without RoPE, --no-rope-freq (SmolLM3 only)"
+    if t == "phi3" and _scalings(m):
+        return f"RoPE scaling {_scalings(m)[0]} (Phi-3: plain or longrope)"
+    return None
+
+
+def missing(m, t: str) -> Optional[str]:
+    """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` (None: it holds it)."""
+    plain_heads = m.kv_channels * m.num_attention_heads == m.hidden_size and m.num_query_groups == \
+        m.num_attention_heads
+    if t == "gpt2":
+        if (m.position_embedding_type, m.normalization, m.add_bias_linear, m.norm_position) != \
+                ("learned_absolute", "LayerNorm", True, "pre") or m.activation not in ("gelu", "gelu_exact"):
+            return "GPT-2 has learned positions, LayerNorm, biases and a GELU MLP"
+        others = [f for f in ("qk_layernorm", "window_size", "scale_embedding", "attn_logit_softcapping",
+                              "final_logit_softcapping", "softmax_scale") if getattr(m, f)]
+        return "heads of hidden / heads channels, no grouped-query attention" if not plain_heads else \
+            (f"{others[0]} (not in GPT-2)" if others else None)
+    if not uses_rope(m) or m.normalization != "RMSNorm" or m.add_bias_linear:
+        return f"{t} has RoPE, RMSNorm and no linear biases"
+    if m.use_rope_scaling and m.rotary_seq_len_interpolation_factor:
+        return "LLaMA-3 RoPE scaling and linear interpolation at once"
+    return _llama_family(m, t)
+
+
+def arch_of(m) -> str:
+    """The transformers model_type an export of ModelConfig ``m`` writes; ConfigError naming what is
+    missing when none holds it."""
+    if m.hf_model_type:
+        why = missing(m, m.hf_model_type)
+        if why:
+            raise ConfigError(f"--hf-model-type {m.hf_model_type} cannot hold this model: {why}")
+        return m.hf_model_type
+    reasons = []
+    for t in AUTO_ORDER:
+        why = missing(m, t)
+        if why is None:
+            return t
+        reasons.append(f"{t}: {why}")
+    raise ConfigError("no transformers architecture holds this model (" + "; ".join(reasons[1:4]) + "; ...)")
+
+
+# ---- the transformers config ------------------------------------------------------------------
+def rope_parameters(m) -> Dict[str, Any]:
+    out: Dict[str, Any] = {"rope_type": "default", "rope_theta": m.rotary_base}
+    if m.use_rope_scaling:
+        out.update(rope_type="llama3", factor=m.rope_scaling_factor,
+                   low_freq_factor=m.rope_scaling_low_freq_factor,
+                   high_freq_factor=m.rope_scaling_high_freq_factor,
+                   original_max_position_embeddings=m.rope_scaling_original_max_position_embeddings)
+    elif m.rotary_seq_len_interpolation_factor:
+        out.update(rope_type="linear", factor=m.rotary_seq_len_interpolation_factor)
+    elif m.dynamic_rope_scaling_factor:
+        out.update(rope_type="dynamic", factor=m.dynamic_rope_scaling_factor)
+    elif m.position_embedding_type == "yarn":
+        out.update(rope_type="yarn", factor=m.rotary_scaling_factor,
+                   original_max_position_embeddings=m.yarn_original_max_position_embeddings,
+                   beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                   truncate=m.yarn_correction_range_round_to_int)
+        if m.mscale and m.mscale_all_dim:
+            out.update(mscale=m.mscale, mscale_all_dim=m.mscale_all_dim)
+        else:  # transformers then uses 0.1 ln(factor) + 1: give Megatron-LM's factor explicitly
+            out["attention_factor"] = yarn_mscale(m.rotary_scaling_factor, m.mscale)
+    return out
+
+
+def _gpt2_config(m):
+    from transformers import GPT2Config
+    eod = 50256 if m.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, when the vocabulary has it
+    out = GPT2Config(vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size,
+                     n_layer=m.num_layers, n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size,
+                     activation_function="gelu_new" if m.activation == "gelu" else "gelu",
+                     layer_norm_epsilon=m.norm_epsilon, resid_pdrop=m.hidden_dropout,
+                     embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+                     initializer_range=m.init_method_std,
+                     tie_word_embeddings=not m.untie_embeddings_and_output_weights,
+                     bos_token_id=eod, eos_token_id=eod)
+    out.architectures = ["GPT2LMHeadModel"]
+    return out
+
+
+CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+           "gemma2": "Gemma2", "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3"}
+
+
+def _window_settings(m, t: str) -> Dict[str, Any]:
+    flags = windowed_layers(m)
+    width = m.window_size[0] + 1 if any(flags) else None
+    if t in ("mistral", "phi3"):
+        return dict(sliding_window=width)
+    if t not in LAYER_TYPES:
+        return {}
+    types = ["sliding_attention" if f else "full_attention" for f in flags]
+    out: Dict[str, Any] = dict(layer_types=types, sliding_window=width or 4096)
+    if t != "gemma2":
+        out["use_sliding_window"] = width is not None
+    return out
+
+
+def _family_settings(m, t: str) -> Dict[str, Any]:
+    """The architecture's own fields."""
+    out: Dict[str, Any] = _window_settings(m, t)
+    if t in ("gemma", "gemma2"):
+        out.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                   head_dim=m.kv_channels)
+    if t == "gemma2":
+        out.update(attn_logit_softcapping=m.attn_logit_softcapping,
+                   final_logit_softcapping=m.final_logit_softcapping,
+                   query_pre_attn_scalar=_pre_attn_scalar(m))
+    if t == "smollm3":
+        rope = [True] * m.num_layers if m.no_rope_freq is None else \
+            [not f for f in layer_flags(m.no_rope_freq, m.num_layers)]
+        out["no_rope_layers"] = [int(r) for r in rope]
+    if t == "phi3":
+        out.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
+                   original_max_position_embeddings=m.max_position_embeddings)
+    return out
+
+
+def _pre_attn_scalar(m):
+    """Gemma 2's ``query_pre_attn_scalar`` (the score scale is its -1/2 power)."""
+    if m.softmax_scale is None:
+        return m.kv_channels
+    value = m.softmax_scale ** -2
+    return int(round(value)) if abs(value - round(value)) < 1e-6 * value else value
+
+
+def hf_config_from(cfg):
+    """A ``transformers`` config for a megazero config (the architecture :func:`arch_of` picks)."""
+    import transformers
+    if getattr(cfg, "moe", None) is not None and cfg.moe.num_experts:
+        raise ConfigError("a mixture of experts (--num-experts) does not convert to transformers yet "
+                          "(Mixtral / Qwen2-MoE export is not implemented)")
+    m, t = cfg.model, arch_of(cfg.model)
+    if t == "gpt2":
+        return _gpt2_config(m)
+    cls = getattr(transformers, f"{CLASSES[t]}Config")
+    max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
+        max(m.max_position_embeddings, m.seq_length)
+    out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+              num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+              num_key_value_heads=m.num_query_groups, max_position_embeddings=max_pos,
+              rms_norm_eps=m.norm_epsilon, rope_parameters=rope_parameters(m),
+              attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
+              tie_word_embeddings=not m.untie_embeddings_and_output_weights, **_family_settings(m, t))
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):  # class defaults beyond this vocabulary
+        value = getattr(out, field, None)
+        if field == "pad_token_id" or not isinstance(value, int) or value >= m.vocab_size:
+            setattr(out, field, None)
+    out.head_dim = m.kv_channels  # read where the architecture allows it (default hidden / heads)
+    if t not in ("gemma", "gemma2"):
+        out.hidden_act = "silu"
+    out.architectures = [f"{CLASSES[t]}ForCausalLM"]
+    return out

@@ -1,0 +1,86 @@
+"""Tiny random transformers models of every architecture megazero imports (built from configs, nothing
+downloaded), shared by tests/test_hf_models.py and the fine-tuning tests.  Sequences of SEQ tokens are
+longer than every window here (WINDOW positions), so each window hides keys."""
+import torch
+
+VOCAB, SEQ, WINDOW = 96, 48, 12
+SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6,
+             bos_token_id=0, eos_token_id=None, pad_token_id=None)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 50000.0}  # scaled within SEQ tokens
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0,
+             "beta_slow": 1.0, "rope_theta": 10000.0}  # the ramp covers some of head_dim 16's 8 frequencies
+
+
+def _llama_family(t, name):
+    if name == "llama3-rope-scaling":
+        return t.LlamaConfig(**SHAPE, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+    if name == "llama-linear-rope":
+        linear = {"rope_type": "linear", "factor": 2.5, "rope_theta": 10000.0}
+        return t.LlamaConfig(**SHAPE, rope_parameters=linear, tie_word_embeddings=True)
+    if name == "llama-yarn":
+        return t.LlamaConfig(**SHAPE, rope_parameters=dict(YARN_ROPE), head_dim=16, tie_word_embeddings=False)
+    if name == "llama-dynamic":  # dynamic NTK acts beyond max_position_embeddings: 16 here
+        dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        return t.LlamaConfig(**dict(SHAPE, max_position_embeddings=16), rope_parameters=dynamic,
+                             tie_word_embeddings=False)
+    if name == "qwen2":
+        return t.Qwen2Config(**SHAPE, tie_word_embeddings=True, use_sliding_window=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if name == "qwen2-untied":
+        return t.Qwen2Config(**SHAPE, tie_word_embeddings=False)
+    if name == "qwen2-window":  # layers from max_window_layers on attend within the window
+        return t.Qwen2Config(**SHAPE, tie_word_embeddings=False, use_sliding_window=True,
+                             sliding_window=WINDOW, max_window_layers=1)
+    if name == "mistral":  # v0.2 and later: no sliding window; head_dim given apart from hidden / heads
+        return t.MistralConfig(**SHAPE, sliding_window=None, head_dim=16, tie_word_embeddings=False)
+    if name == "mistral-window":
+        return t.MistralConfig(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False)
+    return None
+
+
+def _newer_families(t, name):
+    if name == "qwen3":  # head_dim 16 with hidden 32 / 4 heads: the Qwen3-0.6B pattern
+        return t.Qwen3Config(**SHAPE, head_dim=16, tie_word_embeddings=True)
+    if name == "gemma":
+        return t.GemmaConfig(**dict(SHAPE, num_key_value_heads=1), head_dim=16)
+    if name == "gemma2":  # small caps, so that they bend these tiny models' scores and logits
+        return t.Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                              attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if name == "phi3":
+        return t.Phi3Config(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False, resid_pdrop=0.0,
+                            embd_pdrop=0.0)
+    if name == "olmo2":
+        return t.Olmo2Config(**SHAPE, tie_word_embeddings=False)
+    if name == "smollm3":  # the second layer skips RoPE
+        return t.SmolLM3Config(**SHAPE, no_rope_layer_interval=2, tie_word_embeddings=True)
+    raise KeyError(name)
+
+
+def family_config(name):
+    import transformers
+    return _llama_family(transformers, name) or _newer_families(transformers, name)
+
+
+FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
+            "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "phi3",
+            "olmo2", "smollm3"]
+EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
+               "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
+               "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3"}  # the others: LLaMA
+
+
+def hf_model(name, **over):
+    """A tiny random model of family ``name`` (config fields changed by ``over``), every weight
+    perturbed."""
+    import transformers
+    torch.manual_seed(0)
+    config = family_config(name)
+    for k, v in over.items():
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
