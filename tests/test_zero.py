@@ -538,6 +538,37 @@ def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
                 assert (params[name] - want).abs().max() <= SGD_ATOL, (stage, name)
 
 
+# ---- the collectives ZeRO's buffers use on gloo -----------------------------------------------
+def _gather_shards_cases():
+    """gather_shards against all_gather_single: the world, a group of ranks 0 and 2 (global ranks
+    differ from group ranks), the input already in place in the output, and the async handle."""
+    from megazero.distributed import all_gather_single, gather_shards
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 2])  # every rank takes part in creating it
+    out = []
+    for group, size, me in ((None, 3, rank), (pair, 2, {0: 0, 2: 1}.get(rank))):
+        if me is None:
+            continue
+        shard = torch.arange(5, dtype=torch.float32) + 100.0 * rank + 0.25
+        want, got = torch.empty(5 * size), torch.full((5 * size,), float("nan"))
+        all_gather_single(want, shard, group=group)
+        gather_shards(got, shard, group=group)
+        inplace = torch.full((5 * size,), float("nan"))
+        inplace[5 * me:5 * me + 5] = shard
+        gather_shards(inplace, inplace[5 * me:5 * me + 5], group=group, async_op=True).wait()
+        out.append((want, got, inplace))
+    return out
+
+
+@pytest.mark.slow
+def test_gather_shards_equals_all_gather_on_gloo():
+    results = run_ranks(_gather_shards_cases, 3)
+    assert [len(r) for r in results] == [2, 1, 2]
+    for res in results:
+        for want, got, inplace in res:
+            assert torch.equal(got, want) and torch.equal(inplace, want)
+
+
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",

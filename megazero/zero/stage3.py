@@ -46,7 +46,7 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from megazero.distributed import all_gather_single
+from megazero.distributed import gather_shards
 from megazero.zero.buckets import Bucket
 
 
@@ -183,8 +183,8 @@ class Stage3Params:
         if u.full is None:
             u.full, u.handles, u.after_read = {}, [], []
             self.gathered_numel += u.numel
-            for b in u.buckets:
-                shard = swap.fetch(b.index) if swap is not None else self.storage.param_shard(b)
+            for b in u.buckets:  # (from disk in a group > 1: into a copy that only feeds the all-gather)
+                shard = self.storage.param_shard(b) if swap is None else swap.fetch(b.index, home=b.dp == 1)
                 if b.dp == 1:
                     u.full[b.index] = shard
                     continue
@@ -198,21 +198,23 @@ class Stage3Params:
                 if swap is not None:  # the gather starts once the shard is read
                     u.after_read.append((b, full, shard))
                     continue
-                u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
-                                                   async_op=True))
+                u.handles.append(gather_shards(full, shard, group=self.mesh.group(*b.group), async_op=True))
         if wait and u.handles is not None:
+            read = []  # in a group > 1 the copies read from disk, alive until their gathers are done
             if swap is not None:
                 for b in u.buckets:
-                    swap.ready(b.index)
+                    if b.dp == 1:
+                        swap.ready(b.index)
                 for b, full, shard in u.after_read:
-                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
-                                                       async_op=True))
+                    read.append(swap.take(b.index))
+                    u.handles.append(gather_shards(full, read[-1], group=self.mesh.group(*b.group),
+                                                   async_op=True))
                 u.after_read = []
             for h in u.handles:
                 h.wait()
-            u.handles = None
-            if swap is not None and self.mesh.size("dp", "cp") > 1:
-                for b in u.buckets:  # the gathered buffer holds the shard: no second copy while in use
+            u.handles, read = None, None
+            for b in u.buckets if swap is not None else ():
+                if b.dp > 1:  # the gathered buffer holds the shard: no second copy while in use
                     swap.evict(b.index)
             for b in u.buckets:
                 full = u.full[b.index]
