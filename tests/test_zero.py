@@ -506,10 +506,13 @@ def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
 def _own_embedding_bucket(stage):
     """Stage ``stage`` with buckets of at most 600 elements, below the 640-element tied embedding:
     its bucket holds it alone (under ZeRO-3 the root unit and the layers are cut into several).  Its
-    parts are reduced in pieces of 32 elements a rank (ten pieces; this forked rank's own setting)."""
-    from megazero.zero import comm
+    head part is reduced in pieces of 32 elements a rank (ten pieces; this forked rank's own
+    setting), its lookup part as rows (counted)."""
+    from megazero.zero import comm, reducers
     from models.gpt import full_state_dict
     comm.PIECE_BYTES = 2 * 32 * 4
+    as_rows, reduce_rows = [], reducers.reduce_rows
+    reducers.reduce_rows = lambda *a: as_rows.append(1) or reduce_rows(*a)
     hist, chunks, opt = _train_capturing(dict(GPT, zero_stage=stage, ddp_bucket_size=600))
     emb = chunks[0].word_embeddings.weight
     (bucket,) = [b for b in opt.buckets if any(p is emb for p in b.params)]
@@ -517,19 +520,20 @@ def _own_embedding_bucket(stage):
         params = {n: t.detach().clone() for n, t in full_state_dict(chunks[0]).items()}
     units = [len(u.buckets) for u in opt.stage3.units] if opt.stage3 is not None else []
     return ([(h["loss"], h["grad_norm"]) for h in hist], params, len(bucket.params),
-            opt.reducer.expected[bucket.index], units)
+            opt.reducer.expected[bucket.index], units, len(as_rows))
 
 
 @pytest.mark.slow
 def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
     """The output head's part of the tied embedding's gradient is written by its product and reduced
-    at once, the lookup's part (its ``.grad``) becomes the bucket's buffer and is added later, each
-    reduced in pieces: ZeRO-2 and ZeRO-3 at DP 2 (four micro-batches each) still follow one process
-    at stage 0."""
+    at once in pieces, the lookup's part (a sparse ``.grad``: the rows looked up) is added into the
+    shard as every rank's rows: ZeRO-2 and ZeRO-3 at DP 2 (four micro-batches each) still follow
+    one process at stage 0."""
     ((ref, ref_params),) = _gpt_train([0])
     for stage in (2, 3):
-        for hist, params, members, parts, units in run_ranks(_own_embedding_bucket, 2, stage):
+        for hist, params, members, parts, units, as_rows in run_ranks(_own_embedding_bucket, 2, stage):
             assert members == 1 and parts == 2, stage  # alone in its bucket; two parts per backward
+            assert as_rows == 4 * len(hist), (stage, as_rows)  # the lookup part of each micro-batch
             if stage == 3:
                 assert len(units) == 5 and min(units) >= 2, units  # every unit cut into buckets
             for (loss, norm), (rloss, rnorm, _) in zip(hist, ref):  # fp32 training: R_TRAIN
@@ -567,6 +571,41 @@ def test_gather_shards_equals_all_gather_on_gloo():
     for res in results:
         for want, got, inplace in res:
             assert torch.equal(got, want) and torch.equal(inplace, want)
+
+
+def _rows_of(rank, h):
+    g = torch.Generator().manual_seed(10 + rank)
+    m = 3 + 2 * rank  # the ranks look up different numbers of rows, some twice
+    return torch.randint(0, 6, (m,), generator=g), torch.randn(m, h, generator=g, dtype=torch.float64)
+
+
+def _reduce_rows_case(lo, n, accumulate):
+    from megazero.zero.comm import reduce_rows
+    rank, world, h = dist.get_rank(), dist.get_world_size(), 4
+    idx, rows = _rows_of(rank, h)
+    out = torch.full((n,), 7.0, dtype=torch.float64)
+    reduce_rows(out, lo, idx, rows, dist.group.WORLD, 1.0 / world, accumulate)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lo,n,accumulate", [(0, 12, False), (5, 9, True), (13, 11, False)])
+def test_reduce_rows_equals_the_dense_gradient_mean(lo, n, accumulate):
+    """A gradient given as (row index, row) pairs, different on each of 2 ranks, reduced into a slice
+    of the flattened 6 x 4 gradient that starts and ends inside rows: the mean of the dense
+    gradients (float64; summation order only), added to what the slice held when ``accumulate``."""
+    from megazero.zero.comm import reduce_rows
+    dense = torch.zeros(6, 4, dtype=torch.float64)
+    for r in range(2):
+        idx, rows = _rows_of(r, 4)
+        dense.index_add_(0, idx, rows)
+    want = (dense / 2).reshape(-1)[lo:lo + n] + (7.0 if accumulate else 0.0)
+    for got in run_ranks(_reduce_rows_case, 2, lo, n, accumulate):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    one = torch.zeros(n, dtype=torch.float64)  # one rank, no group: its own rows
+    reduce_rows(one, lo, *_rows_of(0, 4), None)
+    single = torch.zeros(6, 4, dtype=torch.float64).index_add_(0, *_rows_of(0, 4)).reshape(-1)[lo:lo + n]
+    torch.testing.assert_close(one, single, rtol=0, atol=1e-12)
 
 
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------

@@ -190,12 +190,13 @@ def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp
     """Stages 2/3: a bucket's temporary (its gradient, full size) lives from its first gradient part
     on; complete, the bucket retires down to ``K - 1`` reductions and launches its own, which holds
     the temporary plus a receive buffer (gloo fp32: full bucket; native reduce-scatter: a shard)
-    until retired.  A bucket of one parameter with two parts (the tied embedding) reduces each part
-    at once and waits for it (and for every reduction in flight), in pieces of at most
-    ``PIECE_BYTES`` of receive buffer on gloo.  No reduction is assumed to finish early
-    (``retire_finished`` retires nothing), and those in flight when one chunk's backward ends are
-    still held during the next chunk's: an upper bound of ``memory_bytes()["peak_grad_bytes"]``,
-    exact when the collectives are slower than backward."""
+    until retired.  A bucket of one parameter with two parts (the tied embedding) reduces its head
+    part at once and waits for it (and for every reduction in flight), in pieces of at most
+    ``PIECE_BYTES`` of receive buffer on gloo; its lookup part arrives as rows, added into the shard
+    without a buffer of the bucket's size (the gathered rows are activation-sized).  No reduction is
+    assumed to finish early (``retire_finished`` retires nothing), and those in flight when one
+    chunk's backward ends are still held during the next chunk's: an upper bound of
+    ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward."""
     from megazero.zero.comm import PIECE_BYTES
     peak = live = persistent
     pending: List[int] = []                       # bytes each reduction in flight holds, oldest first
@@ -207,6 +208,8 @@ def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp
         for i in [i for i, p in enumerate(specs) if p.parts > 1] + list(reversed(range(len(specs)))):
             b = where[i]
             size = b.numel * G
+            if len(b.params) == 1 and arrived.get(id(b), 0) > 0:
+                continue                           # the lookup's part: rows added into the shard
             if id(b) not in held:
                 if settled:                        # retire_finished: every earlier reduction is over
                     live -= sum(pending)

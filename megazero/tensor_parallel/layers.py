@@ -273,10 +273,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.vocab_parallel = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        sparse = bool(getattr(self.weight, "sparse_grad", False))  # set by the optimizer: rows, not dense
         if self.mesh.size("tp") == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, sparse=sparse)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, sparse=sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_to_sp(out, self.mesh) if self.reduce_scatter else reduce_from_tp(out, self.mesh)

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import reduce_scatter_single
+from megazero.distributed import all_gather_single, reduce_scatter_single
 
 
 class Reduction:
@@ -117,3 +117,30 @@ def _reduce_scatter_pieces(out: torch.Tensor, rows: torch.Tensor, group, scale: 
             torch.sum(got, 0, out=out[a:a + k])
             if scale != 1.0:
                 out[a:a + k].mul_(scale)
+
+
+def reduce_rows(out: torch.Tensor, lo: int, indices: torch.Tensor, rows: torch.Tensor, group,
+                scale: float = 1.0, accumulate: bool = False) -> None:
+    """Reduce a gradient given as rows over ``group`` into ``out``: ``rows [m, h]`` at row ``indices
+    [m]`` of a flattened ``[*, h]`` gradient (a sparse embedding gradient: the rows of the tokens
+    looked up), ``out`` this rank's slice ``[lo, lo + out.numel())`` of it.  Every rank's rows are
+    gathered (``m`` may differ between ranks) and the elements that fall in the slice are added,
+    times ``scale`` (over what ``out`` holds when ``accumulate``, over zeros otherwise): the dense
+    gradient, as large as the embedding, never exists."""
+    h = rows.shape[1]
+    if group is not None and dist.get_world_size(group) > 1:
+        size = dist.get_world_size(group)
+        counts = torch.empty(size, dtype=torch.int64, device=rows.device)
+        all_gather_single(counts, torch.tensor([indices.numel()], device=rows.device), group=group)
+        top = int(counts.max())
+        idx = torch.zeros(top, dtype=torch.int64, device=rows.device)
+        val = rows.new_zeros(top, h)  # padding: zero rows at row 0
+        idx[:indices.numel()], val[:indices.numel()] = indices, rows
+        indices, rows = idx.new_empty(size * top), val.new_empty(size * top, h)
+        all_gather_single(indices, idx, group=group)
+        all_gather_single(rows, val, group=group)
+    elements = indices[:, None] * h + torch.arange(h, device=rows.device)
+    inside = (elements >= lo) & (elements < lo + out.numel())
+    if not accumulate:
+        out.zero_()
+    out.index_add_(0, elements[inside] - lo, rows[inside], alpha=scale)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.zero.buckets import Bucket
-from megazero.zero.comm import Reduction, all_reduce_mean, reduce_scatter
+from megazero.zero.comm import Reduction, all_reduce_mean, reduce_rows, reduce_scatter
 from megazero.zero.stages import shards_optimizer
 from megazero.zero.storage import FlatStorage
 
@@ -154,8 +154,12 @@ class _Reducer:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:  # the weight's gradient went straight into the buffer (write_grad)
             return
-        grad, p.grad = p.grad.reshape(-1), None
+        grad, p.grad = p.grad, None
         b = self.location[id(p)][0]
+        if grad.is_sparse and self._rows(b, grad):  # reduced as rows: no gradient of the weight's size
+            self._arrived(b)
+            return
+        grad = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
         if self._take(b, grad):  # the gradient itself becomes the bucket's buffer: no copy
             self._arrived(b)
             return
@@ -163,6 +167,10 @@ class _Reducer:
 
     def _take(self, b: Bucket, grad: torch.Tensor) -> bool:
         """Stages 2/3: make ``grad`` (the whole of bucket ``b``) its fresh partial buffer, if it can."""
+        return False
+
+    def _rows(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """Stages 2/3: reduce the sparse ``grad`` of bucket ``b``'s one parameter as rows, if it can."""
         return False
 
     def _write_grad(self, p: torch.nn.Parameter, write: Callable[[torch.Tensor, bool], None]) -> None:
@@ -297,6 +305,24 @@ class LastMicroBatchReducer(_Reducer):
 
 class EveryMicroBatchReducer(_Reducer):
     """Stages 2/3 (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for b in self.buckets:  # the tied embedding alone in its bucket: its lookup's part as rows
+            if len(b.params) == 1 and self.expected[b.index] > 1:
+                b.params[0].sparse_grad = True
+
+    def _rows(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """The lookup's part of the tied embedding: every rank's rows added into the shard
+        (:func:`megazero.zero.comm.reduce_rows`); neither a full-size gradient nor a partial buffer."""
+        if len(b.params) != 1 or grad.dim() != 2 or b.starts[0] != 0:
+            return False
+        prog = self.progress[b.index]
+        accumulate, prog.shard_written = prog.shard_written, True
+        lo = b.shard_range(self.storage.rank_of(b))[0]
+        reduce_rows(self.storage.updated_grads(b), lo, grad._indices()[0], grad._values(),
+                    self.mesh.group(*b.group) if b.dp > 1 else None, self.scale, accumulate)
+        return True
 
     def _destination(self, b: Bucket, start: int, i: int, numel: int) -> Tuple[torch.Tensor, bool]:
         prog = self.progress[b.index]
