@@ -284,13 +284,13 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
 
 def resident_shards(cfg, buckets: List[BucketSpec], dp: int) -> int:
     """ZeRO-3 parameters on NVMe: the shard bytes in memory at once (:mod:`megazero.zero.param_swap`).
-    A unit being read holds its shard twice (the aligned copy the disk fills and the shard); one
-    DP rank uses the shards of the units in use as they are (the root and two layers), several
-    gather them and drop the shards, keeping only the next unit's being read."""
+    One DP rank uses the shards of the units in use as they are (the root and two layers), the one
+    being read held twice (the aligned copy the disk fills and the shard); several read the next
+    unit's shard into the aligned copy alone, which feeds its all-gather and is dropped after it."""
     layer = max(_layer_units(cfg, buckets), default=0) // dp
     if dp == 1:
         return zero3_buffers(cfg, buckets) + layer
-    return 2 * layer
+    return layer
 
 
 def _layer_units(cfg, buckets: List[BucketSpec]) -> List[int]:
