@@ -24,7 +24,7 @@ import sys
 from typing import Optional
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD = 4 << 20  #: blocks of at least this many bytes get a mapping of their own
+MMAP_THRESHOLD = 1 << 20  #: blocks of at least this many bytes get a mapping of their own
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
