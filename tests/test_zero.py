@@ -513,6 +513,8 @@ def _own_embedding_bucket(stage):
     comm.PIECE_BYTES = 2 * 32 * 4
     as_rows, reduce_rows = [], reducers.reduce_rows
     reducers.reduce_rows = lambda *a: as_rows.append(1) or reduce_rows(*a)
+    in_pieces, reduce_row_pieces = [], reducers.reduce_row_pieces
+    reducers.reduce_row_pieces = lambda *a: in_pieces.append(1) or reduce_row_pieces(*a)
     hist, chunks, opt = _train_capturing(dict(GPT, zero_stage=stage, ddp_bucket_size=600))
     emb = chunks[0].word_embeddings.weight
     (bucket,) = [b for b in opt.buckets if any(p is emb for p in b.params)]
@@ -520,20 +522,21 @@ def _own_embedding_bucket(stage):
         params = {n: t.detach().clone() for n, t in full_state_dict(chunks[0]).items()}
     units = [len(u.buckets) for u in opt.stage3.units] if opt.stage3 is not None else []
     return ([(h["loss"], h["grad_norm"]) for h in hist], params, len(bucket.params),
-            opt.reducer.expected[bucket.index], units, len(as_rows))
+            opt.reducer.expected[bucket.index], units, len(as_rows), len(in_pieces))
 
 
 @pytest.mark.slow
 def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
-    """The output head's part of the tied embedding's gradient is written by its product and reduced
-    at once in pieces, the lookup's part (a sparse ``.grad``: the rows looked up) is added into the
+    """The output head's part of the tied embedding's gradient is computed and reduced a piece of rows
+    at a time (ten pieces), the lookup's part (a sparse ``.grad``: the rows looked up) is added into the
     shard as every rank's rows: ZeRO-2 and ZeRO-3 at DP 2 (four micro-batches each) still follow
     one process at stage 0."""
     ((ref, ref_params),) = _gpt_train([0])
     for stage in (2, 3):
-        for hist, params, members, parts, units, as_rows in run_ranks(_own_embedding_bucket, 2, stage):
+        for hist, params, members, parts, units, as_rows, in_pieces in run_ranks(_own_embedding_bucket, 2,
+                                                                                 stage):
             assert members == 1 and parts == 2, stage  # alone in its bucket; two parts per backward
-            assert as_rows == 4 * len(hist), (stage, as_rows)  # the lookup part of each micro-batch
+            assert as_rows == in_pieces == 4 * len(hist), (stage, as_rows, in_pieces)  # each micro-batch
             if stage == 3:
                 assert len(units) == 5 and min(units) >= 2, units  # every unit cut into buckets
             for (loss, norm), (rloss, rnorm, _) in zip(hist, ref):  # fp32 training: R_TRAIN
@@ -606,6 +609,34 @@ def test_reduce_rows_equals_the_dense_gradient_mean(lo, n, accumulate):
     reduce_rows(one, lo, *_rows_of(0, 4), None)
     single = torch.zeros(6, 4, dtype=torch.float64).index_add_(0, *_rows_of(0, 4)).reshape(-1)[lo:lo + n]
     torch.testing.assert_close(one, single, rtol=0, atol=1e-12)
+
+
+def _row_pieces_case(accumulate):
+    from megazero.zero import comm
+    comm.PIECE_BYTES = 3 * 4 * 8  # three rows of 4 float64 a piece (this forked rank's own setting)
+    rank, world, rows, width = dist.get_rank(), dist.get_world_size(), 7, 4
+    n = -(-rows * width // world)  # 10 a rank: the slices start and end inside rows, the last padded
+    part = torch.randn(rows, width, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    out = torch.full((n,), 7.0, dtype=torch.float64)
+    comm.reduce_row_pieces(out, rank * n, rows, width, lambda a, e, buf: buf.copy_(part[a:e]),
+                           dist.group.WORLD, 1.0 / world, accumulate)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_reduce_row_pieces_equals_the_mean_over_three_ranks(accumulate):
+    """A 7 x 4 gradient filled three rows at a time on 3 ranks, each rank keeping a slice of 10 of
+    the 30 padded elements: the mean over the ranks (float64), the padding zero, added to what the
+    slice held when ``accumulate``."""
+    parts = [torch.randn(7, 4, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+             for r in range(3)]
+    want = torch.cat([(sum(parts) / 3).reshape(-1), torch.zeros(2, dtype=torch.float64)])
+    if accumulate:
+        want[:28] += 7.0
+        want[28:] = 7.0
+    got = torch.cat(run_ranks(_row_pieces_case, 3, accumulate))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------

@@ -191,9 +191,10 @@ def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp
     on; complete, the bucket retires down to ``K - 1`` reductions and launches its own, which holds
     the temporary plus a receive buffer (gloo fp32: full bucket; native reduce-scatter: a shard)
     until retired.  A bucket of one parameter with two parts (the tied embedding) reduces its head
-    part at once and waits for it (and for every reduction in flight), in pieces of at most
-    ``PIECE_BYTES`` of receive buffer on gloo; its lookup part arrives as rows, added into the shard
-    without a buffer of the bucket's size (the gathered rows are activation-sized).  No reduction is
+    part at once, after every reduction in flight: with several ranks computed and reduced a piece
+    of rows (``PIECE_BYTES``) at a time, with one into a temporary of the bucket's size; its lookup
+    part arrives as rows, added into the shard without a buffer of the bucket's size (the gathered
+    rows are activation-sized).  No reduction is
     assumed to finish early (``retire_finished`` retires nothing), and those in flight when one
     chunk's backward ends are still held during the next chunk's: an upper bound of
     ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward."""
@@ -210,6 +211,12 @@ def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp
             size = b.numel * G
             if len(b.params) == 1 and arrived.get(id(b), 0) > 0:
                 continue                           # the lookup's part: rows added into the shard
+            if len(b.params) == 1 and parts[id(b)] > 1 and dp > 1:
+                live -= sum(pending)               # the head's part: reduced a piece of rows at a time
+                pending = []                       # after the reductions in flight
+                peak = max(peak, live + min(PIECE_BYTES, size))
+                arrived[id(b)] = 1
+                continue
             if id(b) not in held:
                 if settled:                        # retire_finished: every earlier reduction is over
                     live -= sum(pending)

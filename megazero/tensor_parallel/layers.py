@@ -19,7 +19,10 @@ Parameters carry the attributes that the optimizer, clipping and checkpoints rea
 - ``grad_arrivals = 2`` (the word embedding tied to the output head in one chunk): used by the
   lookup and by :func:`linear`; the optimizer gives it a ``write_grad`` too, so that the head's part
   of its gradient arrives (and, in a bucket of its own, is reduced) as soon as the head's backward
-  computes it, and the lookup's part arrives through ``.grad`` at the end of backward.
+  computes it, and the lookup's part arrives through ``.grad`` at the end of backward (sparse, the
+  rows looked up, where the ZeRO-2/3 reducer has set ``sparse_grad``).  The ``write`` handed to
+  ``write_grad`` also computes rows ``[a, e)`` alone (``write.rows(a, e, out)``; ``write.shape``),
+  so that a reducer can take the head's part a piece of rows at a time.
 
 Every linear layer's product goes through :func:`linear`, which adds two things to ``F.linear``:
 
@@ -156,6 +159,9 @@ class _Linear(torch.autograd.Function):
             def write(dst: torch.Tensor, accumulate: bool) -> None:
                 dst = dst.view(weight.shape)
                 dst.addmm_(grad2d.t(), x2d) if accumulate else torch.mm(grad2d.t(), x2d, out=dst)
+            # rows [a, e) of the weight gradient alone, for a reducer that takes it in pieces
+            write.rows = lambda a, e, out: torch.mm(grad2d[:, a:e].t(), x2d, out=out)
+            write.shape = weight.shape
             ctx.write_grad(write)
         elif ctx.needs_input_grad[1]:
             grad_weight = grad2d.t().mm(x2d)

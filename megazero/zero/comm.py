@@ -12,7 +12,10 @@ ZeRO-1/2/3 drift visibly from stage 0 under Adam.
 Every launch returns a :class:`Reduction` that says how many bytes of temporaries it holds until
 it is waited for, so the optimizer can bound the gradient memory in flight.  A reduction the caller
 waits for at once (``blocking``: the tied embedding's parts, embedding-sized) runs on gloo as a
-series of all-to-alls of column pieces through one receive buffer of :data:`PIECE_BYTES`.
+series of all-to-alls of column pieces through one receive buffer of :data:`PIECE_BYTES`.  The tied
+embedding's two parts need not exist whole at all: :func:`reduce_row_pieces` reduces the head's
+part as its product computes it, a piece of rows at a time, and :func:`reduce_rows` the lookup's
+sparse part as every rank's rows.
 """
 from __future__ import annotations
 
@@ -144,3 +147,34 @@ def reduce_rows(out: torch.Tensor, lo: int, indices: torch.Tensor, rows: torch.T
     if not accumulate:
         out.zero_()
     out.index_add_(0, elements[inside] - lo, rows[inside], alpha=scale)
+
+
+def reduce_row_pieces(out: torch.Tensor, lo: int, rows: int, width: int, fill: Callable, group,
+                      scale: float = 1.0, accumulate: bool = False) -> None:
+    """Reduce a ``[rows, width]`` gradient computed a piece of rows at a time over ``group`` into
+    ``out``, this rank's slice ``[lo, lo + out.numel())`` of it flattened (and padded: elements past
+    ``rows * width`` are zeros).  ``fill(a, e, buf)`` writes rows ``[a, e)`` of this rank's part into
+    ``buf`` (``[e - a, width]``); each piece is summed onto the ranks owning its elements
+    (``dist.reduce``) and added there times ``scale`` (over what ``out`` holds when ``accumulate``):
+    one buffer of :data:`PIECE_BYTES`, never one of the gradient's size."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    n = out.numel()
+    if not accumulate:
+        out[max(rows * width - lo, 0):].zero_()  # the padding
+    per = max(1, min(rows, PIECE_BYTES // (width * out.element_size())))
+    buf = torch.empty(per, width, dtype=out.dtype, device=out.device)
+    for a in range(0, rows, per):
+        e = min(rows, a + per)
+        piece = buf[:e - a]
+        fill(a, e, piece)
+        flat, start = piece.reshape(-1), a * width
+        for owner in range(start // n, min(size, -(-(e * width) // n))):  # the ranks whose slice it meets
+            s0, s1 = max(start, owner * n), min(e * width, (owner + 1) * n)
+            seg = flat[s0 - start:s1 - start]
+            dist.reduce(seg, dst=dist.get_global_rank(group, owner), group=group)
+            if owner == me:
+                dst = out[s0 - lo:s1 - lo]
+                if accumulate:
+                    dst.add_(seg, alpha=scale)
+                else:
+                    torch.mul(seg, scale, out=dst)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.zero.buckets import Bucket
-from megazero.zero.comm import Reduction, all_reduce_mean, reduce_rows, reduce_scatter
+from megazero.zero.comm import Reduction, all_reduce_mean, reduce_row_pieces, reduce_rows, reduce_scatter
 from megazero.zero.stages import shards_optimizer
 from megazero.zero.storage import FlatStorage
 
@@ -178,9 +178,15 @@ class _Reducer:
         slice), added to what is there when ``accumulate`` (overwriting it otherwise); then the
         bucket's bookkeeping as for a gradient arriving through ``.grad``."""
         b, start, i = self.location[id(p)]
-        dst, accumulate = self._destination(b, start, i, p.numel())
-        write(dst, accumulate)
+        if not self._write_pieces(b, write):
+            dst, accumulate = self._destination(b, start, i, p.numel())
+            write(dst, accumulate)
         self._arrived(b)
+
+    def _write_pieces(self, b: Bucket, write) -> bool:
+        """Stages 2/3: reduce the gradient ``write`` computes (all of bucket ``b``) a piece of rows at
+        a time, if it can."""
+        return False
 
     def _arrived(self, b: Bucket) -> None:
         """One gradient part of bucket ``b`` is in: the bucket is complete after the last part; a
@@ -311,6 +317,21 @@ class EveryMicroBatchReducer(_Reducer):
         for b in self.buckets:  # the tied embedding alone in its bucket: its lookup's part as rows
             if len(b.params) == 1 and self.expected[b.index] > 1:
                 b.params[0].sparse_grad = True
+
+    def _write_pieces(self, b: Bucket, write) -> bool:
+        """The head's part of the tied embedding (a bucket of its own, several ranks, nothing of it
+        pending): computed and reduced a piece of rows at a time into the shard
+        (:func:`megazero.zero.comm.reduce_row_pieces`), no buffer of the embedding's size."""
+        prog = self.progress[b.index]
+        if (len(b.params) != 1 or self.expected[b.index] == 1 or b.dp == 1 or prog.partial is not None
+                or getattr(write, "rows", None) is None or len(write.shape) != 2):
+            return False
+        self.in_flight.retire()  # the reductions in flight first, as a blocking reduction of a part does
+        accumulate, prog.shard_written = prog.shard_written, True
+        rows, width = write.shape
+        reduce_row_pieces(self.storage.updated_grads(b), b.shard_range(self.storage.rank_of(b))[0], rows,
+                          width, write.rows, self.mesh.group(*b.group), self.scale, accumulate)
+        return True
 
     def _rows(self, b: Bucket, grad: torch.Tensor) -> bool:
         """The lookup's part of the tied embedding: every rank's rows added into the shard
