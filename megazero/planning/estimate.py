@@ -168,7 +168,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     ms = _model_state(cfg, pp_rank, stage, backend, states)
     out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
     keys = ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "peak_grad_bytes",
-            "settled_peak_grad_bytes", "gathered_param_bytes", "optim_on_cpu")
+            "settled_peak_grad_bytes", "gathered_param_bytes", "gathered_root_bytes", "optim_on_cpu")
     out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
     out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device, attention)
@@ -216,9 +216,13 @@ def peak_rss(row: Dict[str, object], runtime_bytes: int) -> int:
     ``runtime_bytes``, e.g. the estimating process's own resident memory,
     :func:`megazero.host_memory.rss_bytes`), every component held in memory (``total_bytes``, with
     the likely gradient communication buffers, ``settled_peak_grad_bytes``, for the upper bound)
-    and the offload's host buffers (``host_bytes``)."""
+    and the offload's host buffers (``host_bytes``).  The gradient buffers exist in backward, and
+    under ZeRO-3 the root units are released once backward reaches the layers, so the two overlap
+    by at most the smaller of them."""
     likely = int(row["settled_peak_grad_bytes"]) - int(row["peak_grad_bytes"])
-    return int(runtime_bytes) + int(row["total_bytes"]) + likely + int(row["host_bytes"])
+    comm = max(int(row["comm_bytes"]) + likely, 0)
+    overlap = min(int(row.get("gathered_root_bytes", 0)), comm)
+    return int(runtime_bytes) + int(row["total_bytes"]) + likely - overlap + int(row["host_bytes"])
 
 
 def estimate_stages(cfg, zero_stage: Optional[int] = None, device: str = "cuda",

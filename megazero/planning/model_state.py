@@ -246,17 +246,17 @@ def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, dp
     return peak
 
 
-def zero3_buffers(cfg, buckets: List[BucketSpec]) -> int:
+def zero3_buffers(cfg, buckets: List[BucketSpec], layers: int = 2) -> int:
     """ZeRO-3 with dp > 1: the gathered working set, each chunk's root unit (gathered for the
-    chunk's whole forward and backward) plus the two largest layer units (the current one and the
-    prefetch)."""
+    chunk's whole forward and its backward until the layers') plus the ``layers`` largest layer
+    units (two: the current one and the prefetch)."""
     P = bytes_per_element(cfg)["P"]
     units: Dict[Tuple[int, bool], int] = {}
     for b in buckets:
         units[(b.unit, b.root)] = units.get((b.unit, b.root), 0) + b.numel * P
     roots = max((v for (u, root), v in units.items() if root), default=0)
-    layers = sorted((v for (u, root), v in units.items() if not root), reverse=True)
-    return roots + sum(layers[:2])
+    largest = sorted((v for (u, root), v in units.items() if not root), reverse=True)
+    return roots + sum(largest[:layers])
 
 
 def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
@@ -284,6 +284,8 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
     out["settled_peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend,
                                                settled=True)
     out["gathered_param_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets)
+    # of which the root units: released once backward reaches the layers (zero3_free_root_in_backward)
+    out["gathered_root_bytes"] = 0 if zero_stage != 3 or dp == 1 else zero3_buffers(cfg, buckets, layers=0)
     out["resident_param_bytes"] = (resident_shards(cfg, buckets, dp) if out["param_device"] == "nvme"
                                    else out["param_bytes"])
     return out
