@@ -23,6 +23,7 @@ from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
                                              normal_init, pad_rows, resolve_cpu_matmul, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
@@ -57,6 +58,10 @@ class GPTModel(nn.Module):
             raise ValueError(f"mesh tp size {mesh.size('tp')} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
+        # ZeRO-3 may release this chunk's own weights (embeddings, final norm, head) once backward
+        # reaches the layers: the head's and the final norm's backward come before the layers', and
+        # the lookups need no weights in backward (megazero.zero.stage3)
+        self.zero3_free_root_in_backward = True
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
@@ -70,11 +75,12 @@ class GPTModel(nn.Module):
             self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
-                full = init_full((m.max_position_embeddings, h), seed, -1, "position_embeddings.weight", std)
-                # _weight: take ours, without drawing from the default generator
-                self.position_embeddings = nn.Embedding(m.max_position_embeddings, h,
-                                                        _weight=full.to(mesh.device))
-                self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+                shape, key = (m.max_position_embeddings, h), "position_embeddings.weight"
+                weight = new_param(shape, lambda: init_full(shape, seed, -1, key, std), mesh.device)
+                # _weight: take ours, without drawing from the default generator (and keep our parameter)
+                self.position_embeddings = nn.Embedding(*shape, _weight=weight)
+                self.position_embeddings.weight = weight
+                weight.sequence_parallel = self.sequence_parallel
         here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
         self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
         self.decoder = nn.ModuleDict({
@@ -92,6 +98,8 @@ class GPTModel(nn.Module):
                 w.vocab_parallel = True
                 w.shared_embedding = w.tied_copy = tied
                 w.is_embedding_or_output_parameter = True  # --decoupled-lr, as Megatron-LM marks it
+            else:  # tied in this chunk: the head's product delivers its part of the gradient itself
+                self.word_embeddings.weight.grad_arrivals = 2
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:

@@ -25,6 +25,7 @@ from einops import rearrange
 from megazero.config.patterns import GATED, layer_uses_rope, layer_window
 from megazero.context_parallel import blockwise_attention, ring_attention
 from megazero.recompute import recompute
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megazero.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_scaling_of  # noqa: F401 - public names
@@ -44,8 +45,9 @@ class Norm(nn.Module):
         if kind not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization must be LayerNorm or RMSNorm, got {kind!r}")
         self.kind, self.eps = kind, eps
-        self.weight = nn.Parameter(torch.ones(hidden, device=device))
-        self.bias = nn.Parameter(torch.zeros(hidden, device=device)) if kind == "LayerNorm" else None
+        self.weight = new_param((hidden,), lambda: torch.ones(hidden, device="cpu"), device)
+        self.bias = (new_param((hidden,), lambda: torch.zeros(hidden, device="cpu"), device)
+                     if kind == "LayerNorm" else None)
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
 

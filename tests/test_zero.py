@@ -502,6 +502,143 @@ def test_gpt_interleaved_pipeline_recompute_adam_stages_1_and_3():
                 assert loss == pytest.approx(rloss, rel=R_TRAIN_ADAM)
 
 
+# ---- the tied embedding in a bucket of its own ----------------------------------------------
+def _own_embedding_bucket(stage):
+    """Stage ``stage`` with buckets of at most 600 elements, below the 640-element tied embedding:
+    its bucket holds it alone (under ZeRO-3 the root unit and the layers are cut into several).  Its
+    head part is reduced in pieces of 32 elements a rank (ten pieces; this forked rank's own
+    setting), its lookup part as rows (counted)."""
+    from megazero.zero import comm, reducers
+    from models.gpt import full_state_dict
+    comm.PIECE_BYTES = 2 * 32 * 4
+    as_rows, reduce_rows = [], reducers.reduce_rows
+    reducers.reduce_rows = lambda *a: as_rows.append(1) or reduce_rows(*a)
+    in_pieces, reduce_row_pieces = [], reducers.reduce_row_pieces
+    reducers.reduce_row_pieces = lambda *a: in_pieces.append(1) or reduce_row_pieces(*a)
+    hist, chunks, opt = _train_capturing(dict(GPT, zero_stage=stage, ddp_bucket_size=600))
+    emb = chunks[0].word_embeddings.weight
+    (bucket,) = [b for b in opt.buckets if any(p is emb for p in b.params)]
+    with opt.gathered_params():
+        params = {n: t.detach().clone() for n, t in full_state_dict(chunks[0]).items()}
+    units = [len(u.buckets) for u in opt.stage3.units] if opt.stage3 is not None else []
+    return ([(h["loss"], h["grad_norm"]) for h in hist], params, len(bucket.params),
+            opt.reducer.expected[bucket.index], units, len(as_rows), len(in_pieces))
+
+
+@pytest.mark.slow
+def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
+    """The output head's part of the tied embedding's gradient is computed and reduced a piece of rows
+    at a time (ten pieces), the lookup's part (a sparse ``.grad``: the rows looked up) is added into the
+    shard as every rank's rows: ZeRO-2 and ZeRO-3 at DP 2 (four micro-batches each) still follow
+    one process at stage 0."""
+    ((ref, ref_params),) = _gpt_train([0])
+    for stage in (2, 3):
+        for hist, params, members, parts, units, as_rows, in_pieces in run_ranks(_own_embedding_bucket, 2,
+                                                                                 stage):
+            assert members == 1 and parts == 2, stage  # alone in its bucket; two parts per backward
+            assert as_rows == in_pieces == 4 * len(hist), (stage, as_rows, in_pieces)  # each micro-batch
+            if stage == 3:
+                assert len(units) == 5 and min(units) >= 2, units  # every unit cut into buckets
+            for (loss, norm), (rloss, rnorm, _) in zip(hist, ref):  # fp32 training: R_TRAIN
+                assert loss == pytest.approx(rloss, rel=R_TRAIN) and norm == pytest.approx(rnorm, rel=R_TRAIN)
+            for name, want in ref_params.items():
+                assert (params[name] - want).abs().max() <= SGD_ATOL, (stage, name)
+
+
+# ---- the collectives ZeRO's buffers use on gloo -----------------------------------------------
+def _gather_shards_cases():
+    """gather_shards against all_gather_single: the world, a group of ranks 0 and 2 (global ranks
+    differ from group ranks), the input already in place in the output, and the async handle."""
+    from megazero.distributed import all_gather_single, gather_shards
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 2])  # every rank takes part in creating it
+    out = []
+    for group, size, me in ((None, 3, rank), (pair, 2, {0: 0, 2: 1}.get(rank))):
+        if me is None:
+            continue
+        shard = torch.arange(5, dtype=torch.float32) + 100.0 * rank + 0.25
+        want, got = torch.empty(5 * size), torch.full((5 * size,), float("nan"))
+        all_gather_single(want, shard, group=group)
+        gather_shards(got, shard, group=group)
+        inplace = torch.full((5 * size,), float("nan"))
+        inplace[5 * me:5 * me + 5] = shard
+        gather_shards(inplace, inplace[5 * me:5 * me + 5], group=group, async_op=True).wait()
+        out.append((want, got, inplace))
+    return out
+
+
+@pytest.mark.slow
+def test_gather_shards_equals_all_gather_on_gloo():
+    results = run_ranks(_gather_shards_cases, 3)
+    assert [len(r) for r in results] == [2, 1, 2]
+    for res in results:
+        for want, got, inplace in res:
+            assert torch.equal(got, want) and torch.equal(inplace, want)
+
+
+def _rows_of(rank, h):
+    g = torch.Generator().manual_seed(10 + rank)
+    m = 3 + 2 * rank  # the ranks look up different numbers of rows, some twice
+    return torch.randint(0, 6, (m,), generator=g), torch.randn(m, h, generator=g, dtype=torch.float64)
+
+
+def _reduce_rows_case(lo, n, accumulate):
+    from megazero.zero.comm import reduce_rows
+    rank, world, h = dist.get_rank(), dist.get_world_size(), 4
+    idx, rows = _rows_of(rank, h)
+    out = torch.full((n,), 7.0, dtype=torch.float64)
+    reduce_rows(out, lo, idx, rows, dist.group.WORLD, 1.0 / world, accumulate)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lo,n,accumulate", [(0, 12, False), (5, 9, True), (13, 11, False)])
+def test_reduce_rows_equals_the_dense_gradient_mean(lo, n, accumulate):
+    """A gradient given as (row index, row) pairs, different on each of 2 ranks, reduced into a slice
+    of the flattened 6 x 4 gradient that starts and ends inside rows: the mean of the dense
+    gradients (float64; summation order only), added to what the slice held when ``accumulate``."""
+    from megazero.zero.comm import reduce_rows
+    dense = torch.zeros(6, 4, dtype=torch.float64)
+    for r in range(2):
+        idx, rows = _rows_of(r, 4)
+        dense.index_add_(0, idx, rows)
+    want = (dense / 2).reshape(-1)[lo:lo + n] + (7.0 if accumulate else 0.0)
+    for got in run_ranks(_reduce_rows_case, 2, lo, n, accumulate):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    one = torch.zeros(n, dtype=torch.float64)  # one rank, no group: its own rows
+    reduce_rows(one, lo, *_rows_of(0, 4), None)
+    single = torch.zeros(6, 4, dtype=torch.float64).index_add_(0, *_rows_of(0, 4)).reshape(-1)[lo:lo + n]
+    torch.testing.assert_close(one, single, rtol=0, atol=1e-12)
+
+
+def _row_pieces_case(accumulate):
+    from megazero.zero import comm
+    comm.PIECE_BYTES = 3 * 4 * 8  # three rows of 4 float64 a piece (this forked rank's own setting)
+    rank, world, rows, width = dist.get_rank(), dist.get_world_size(), 7, 4
+    n = -(-rows * width // world)  # 10 a rank: the slices start and end inside rows, the last padded
+    part = torch.randn(rows, width, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    out = torch.full((n,), 7.0, dtype=torch.float64)
+    comm.reduce_row_pieces(out, rank * n, rows, width, lambda a, e, buf: buf.copy_(part[a:e]),
+                           dist.group.WORLD, 1.0 / world, accumulate)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_reduce_row_pieces_equals_the_mean_over_three_ranks(accumulate):
+    """A 7 x 4 gradient filled three rows at a time on 3 ranks, each rank keeping a slice of 10 of
+    the 30 padded elements: the mean over the ranks (float64), the padding zero, added to what the
+    slice held when ``accumulate``."""
+    parts = [torch.randn(7, 4, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+             for r in range(3)]
+    want = torch.cat([(sum(parts) / 3).reshape(-1), torch.zeros(2, dtype=torch.float64)])
+    if accumulate:
+        want[:28] += 7.0
+        want[28:] = 7.0
+    got = torch.cat(run_ranks(_row_pieces_case, 3, accumulate))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 # ---- ZeRO-3 gathers at most two layers at a time, with or without recomputation ---------------
 RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},
              "full": {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -529,6 +666,31 @@ def test_zero3_peak_param_bytes_are_the_shard_plus_root_and_two_layers_under_rec
             # finished layers (before the fix, full recomputation held all six layers by the end)
             assert shard + root + layer < peak <= shard + root + 2 * layer, (name, peak, shard, root, layer)
             assert loss == pytest.approx(res["none"][3], rel=1e-5)  # recomputation changes no result
+
+
+def _root_during_block_backward():
+    """Whether the chunk's root unit was gathered whenever a layer was gathered inside backward."""
+    from megazero.zero import stage3
+    seen, gather = [], stage3.Stage3Params.gather
+
+    def watch(self, u, wait=True):  # a layer gathered for use (not prefetched) inside backward
+        gather(self, u, wait)
+        root = self.order[0][0]
+        if wait and u is not None and u is not root and stage3._in_backward():
+            seen.append(root.full is not None)
+    stage3.Stage3Params.gather = watch  # (this forked rank only)
+    settings = dict(GPT, num_layers=3, zero_stage=3, train_iters=2, recompute_granularity="full")
+    hist, _, _ = _train_capturing(settings)
+    return seen, [h["loss"] for h in hist]
+
+
+def test_zero3_releases_the_gpt_root_unit_once_backward_reaches_the_layers():
+    """The GPT chunk's own weights (tied embedding and head, final norm) are not held through the
+    layers' backward (``zero3_free_root_in_backward``), and the losses follow one process."""
+    ((ref, _),) = _gpt_train([0], num_layers=3, recompute_granularity="full", train_iters=2)
+    for seen, losses in run_ranks(_root_during_block_backward, 2):
+        assert len(seen) >= 24 and not any(seen), seen  # 3 layers x 4 micro-batches x 2 steps at least
+        assert losses == pytest.approx([r[0] for r in ref], rel=R_TRAIN)
 
 
 # ---- stages 1/2: the parameter all-gather overlaps the next forward -------------------------

@@ -33,7 +33,9 @@ the measured high-water mark (a reduction that finishes early frees its buffers 
 ZeRO-3 working set an estimate.  ``total_bytes`` is the device total; ``host_bytes`` the host
 memory of ``--offload-optimizer-device cpu`` (the optimizer state and one bucket's fp32 gradient
 copy) or of the NVMe streaming buffers; ``nvme_bytes`` the swap files of
-``--offload-optimizer-device nvme`` and ``--offload-param-device nvme`` (each tier per rank).
+``--offload-optimizer-device nvme`` and ``--offload-param-device nvme`` (each tier per rank).  On
+CPUs the device is the host: :func:`peak_rss` adds the runtime to both for a rank's peak resident
+memory.
 
 :func:`estimate` returns one row per ZeRO stage (0-3) for the pipeline stage that needs the most
 memory, with the keys above plus ``zero_stage``, ``pp_rank``, ``params_per_rank``,
@@ -166,7 +168,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     ms = _model_state(cfg, pp_rank, stage, backend, states)
     out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
     keys = ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "peak_grad_bytes",
-            "gathered_param_bytes", "optim_on_cpu")
+            "settled_peak_grad_bytes", "gathered_param_bytes", "gathered_root_bytes", "optim_on_cpu")
     out.update({k: ms[k] for k in keys})
     out["comm_bytes"] = ms["peak_grad_bytes"] - ms["grad_bytes"]
     out["activation_bytes"] = stage_activation_peak(cfg, pp_rank, saved, device, attention)
@@ -205,7 +207,22 @@ def _tiers(cfg, ms, device: str) -> Dict[str, object]:
     buffers = par.nvme_buffer_count * par.nvme_buffer_size if dev == "nvme" else 0
     return {"optim_device": dev, "param_device": pdev, "offloaded_bytes": moved + params_moved,
             "host_bytes": (moved if dev == "cpu" else 0) + staging + buffers,
-            "nvme_bytes": (moved if dev == "nvme" else 0) + params_moved}
+            "nvme_bytes": (moved if dev == "nvme" else 0) + (ms["param_bytes"] if pdev == "nvme" else 0)}
+
+
+def peak_rss(row: Dict[str, object], runtime_bytes: int) -> int:
+    """The peak resident memory of a rank on CPUs (where the device is the host), from its row of
+    :func:`estimate_rank` for ``device="cpu"``: the runtime (interpreter, PyTorch and the program:
+    ``runtime_bytes``, e.g. the estimating process's own resident memory,
+    :func:`megazero.host_memory.rss_bytes`), every component held in memory (``total_bytes``, with
+    the likely gradient communication buffers, ``settled_peak_grad_bytes``, for the upper bound)
+    and the offload's host buffers (``host_bytes``).  The gradient buffers exist in backward, and
+    under ZeRO-3 the root units are released once backward reaches the layers, so the two overlap
+    by at most the smaller of them."""
+    likely = int(row["settled_peak_grad_bytes"]) - int(row["peak_grad_bytes"])
+    comm = max(int(row["comm_bytes"]) + likely, 0)
+    overlap = min(int(row.get("gathered_root_bytes", 0)), comm)
+    return int(runtime_bytes) + int(row["total_bytes"]) + likely - overlap + int(row["host_bytes"])
 
 
 def estimate_stages(cfg, zero_stage: Optional[int] = None, device: str = "cuda",

@@ -14,6 +14,8 @@ per component:
   the optimizer holds: storages that are neither its persistent buffers nor ZeRO-3 buckets
   gathered at that moment (a gathered bucket that autograd kept alive after ZeRO-3 freed it);
 - ``pipeline_input_bytes``: the executor's peak received activations (``PipelineTimer``);
+- ``peak_rss_bytes``: the process's peak resident memory over the run (Linux: ``VmHWM``, reset when
+  the measurement starts, so a forked rank starts from its resident memory at the fork);
 - on CUDA ``max_memory_allocated``.
 
 The hooks wrap the schedule from outside (``torch.autograd.graph.saved_tensors_hooks`` around
@@ -133,23 +135,28 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     """Train ``iters`` iterations of the validated ``cfg`` on this rank (inside an initialised
     process group, or alone) and return the measured components (module docstring)."""
     from megazero.data import build_data, micro_batches
+    from megazero.host_memory import limit_retention, peak_rss_bytes, reset_peak_rss
     from megazero.training.lr import lr_from_config
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
     from megazero.precision import compute_dtype
+    from megazero.tensor_parallel.deferred import build_chunks, realize_rest
     from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training import build_mesh
     from megazero.zero import build_optimizer
 
+    reset_peak_rss()  # a forked rank starts from its parent's high-water mark
     mesh = build_mesh(cfg, device)
     tr, dtype = cfg.training, compute_dtype(cfg)
+    limit_retention()  # as the trainer does
     seed_default_generators(tr.seed, mesh)
-    chunks = [c.to(device=mesh.device, dtype=dtype) for c in model_provider(cfg, mesh)]
+    chunks = build_chunks(model_provider, cfg, mesh, dtype)  # as the trainer builds them
     for c in chunks:
         c.train()
     if mesh.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(mesh.device)
     optimizer = build_optimizer(chunks, mesh, cfg)
+    realize_rest(chunks, mesh.device, dtype)
     stage3 = optimizer.stage3
     tracker = SavedTensorTracker(_storage_ptrs(chunks),
                                  stage3.gathered_storages if stage3 is not None else None)
@@ -168,7 +175,8 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     out: Dict[str, object] = {k: int(v) for k, v in dict(optimizer.memory_bytes()).items()}
     out.update(rank=mesh.rank, pp_rank=mesh.coord("pp"), tp_rank=mesh.coord("tp"), dp_rank=mesh.coord("dp"),
                activation_bytes=tracker.peak, saved_param_bytes=tracker.param_peak,
-               pipeline_input_bytes=timer.peak_input_bytes, live_after=tracker.live)
+               pipeline_input_bytes=timer.peak_input_bytes, live_after=tracker.live,
+               peak_rss_bytes=peak_rss_bytes())
     if mesh.device.type == "cuda":
         out["max_memory_allocated"] = int(torch.cuda.max_memory_allocated(mesh.device))
     out["nvme_bytes"] = int(out.get("nvme_bytes", 0)) + int(out.pop("nvme_param_bytes", 0))  # both tiers

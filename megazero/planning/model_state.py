@@ -5,7 +5,7 @@ into buckets: per model chunk (per gather unit under ZeRO-3: each transformer la
 of the chunk) and per reduction *kind* (``dense``; ``sp`` for parameters replicated over TP with
 a partial gradient under sequence parallelism: norms and row-parallel biases; ``emb`` for the tied
 embedding and its copy when pp > 1), in reverse registration order, at most ``bucket_size``
-elements a bucket (ZeRO-3 never splits a unit), each padded to a multiple of the data-parallel
+elements a bucket (a ZeRO-3 unit too), each padded to a multiple of the data-parallel
 size ``N`` (dp x cp; the routed experts' kind ``expert`` is reduced and sharded over the
 expert-data-parallel group instead, ``world / (expert TP x EP x PP)`` ranks, and ``n / N`` below
 is then the sum of every bucket's shard over its own group).  With ``n`` the padded elements of
@@ -19,7 +19,8 @@ per element:
   device are their own master weights;
 - ``peak_grad_bytes``: gradients plus the communication buffers of backward, from
   :func:`grad_peak` (a replay of the optimizer's bucket life cycle, assuming no reduction finishes
-  early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``);
+  early: an upper bound of ``memory_bytes()["peak_grad_bytes"]``); ``settled_peak_grad_bytes`` the
+  same when each reduction is over before the next bucket starts (the likely figure on one host);
 - ZeRO-3 (``N > 1``): ``gathered_param_bytes``, the full buckets gathered while a unit runs (the
   chunk's root unit, the current layer and the prefetched one).  Nothing more: the views of
   gathered weights that autograd saves (``weight.t()`` in a linear layer) hold no memory once
@@ -43,10 +44,12 @@ PLAIN, SP, EMB, EXPERT = KINDS
 
 class ParamSpec(NamedTuple):
     """One parameter: elements, reduction kind (:data:`megazero.zero.buckets.KINDS`), ZeRO-3 unit
-    (layer index, or None for the chunk's root unit)."""
+    (layer index, or None for the chunk's root unit), gradient parts per backward (2: the word
+    embedding tied to the head in one chunk, whose head part arrives first, through write_grad)."""
     numel: int
     kind: str
     unit: Optional[int]
+    parts: int = 1
 
 
 @dataclass
@@ -121,7 +124,9 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     vocab = m.padded_vocab_size // tp * h
     specs: List[ParamSpec] = []
     if pre:
-        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None))
+        bpe = bytes_per_element(cfg)
+        parts = 2 if tied and post and bpe["P"] == bpe["G"] else 1  # write_grad needs the grads' dtype
+        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None, parts))
         if m.position_embedding_type == "learned_absolute":
             specs.append(ParamSpec(m.max_position_embeddings * h,
                                    SP if par.sequence_parallel else PLAIN, None))
@@ -170,24 +175,21 @@ def plan_buckets(cfg, chunks: List[List[ParamSpec]], zero_stage: int) -> List[Bu
 
 
 def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persistent: int,
-              backend: str = "nccl") -> int:
+              backend: str = "nccl", settled: bool = False) -> int:
     """Most gradient bytes held in backward: ``persistent`` plus the buckets' temporaries.
 
     Replays :class:`megazero.zero.ZeroOptimizer`'s life cycle (:mod:`megazero.zero.reducers`) with
-    gradients arriving in reverse registration order and at most ``K =
-    cfg.parallel.max_reductions_in_flight`` reductions in flight (:class:`InFlight`: before a
-    launch the oldest are retired until ``K - 1`` remain).  Stage 0 reduces in place; stage 1
-    reduces each complete bucket (last micro-batch) through a full-bucket receive buffer on gloo
-    fp32, so up to ``K`` receive buffers live at once (counted as the ``K`` largest buckets: an
+    gradients arriving in reverse registration order (the tied embedding's head part first) and at
+    most ``K = cfg.parallel.max_reductions_in_flight`` reductions in flight (:class:`InFlight`:
+    before a launch the oldest are retired until ``K - 1`` remain).  Stage 0 reduces in place;
+    stage 1 reduces each complete bucket (last micro-batch) through a full-bucket receive buffer on
+    gloo fp32, so up to ``K`` receive buffers live at once (counted as the ``K`` largest buckets: an
     upper bound); stages 2/3 copy a bucket's gradients into a full-bucket temporary from its first
-    gradient on, and when it is complete retire down to ``K - 1`` reductions, then launch its own,
-    which holds its temporary plus a receive buffer (gloo fp32: full bucket; native
-    reduce-scatter: a shard-sized partial result) until retired.  No reduction is assumed to
-    finish early (``retire_finished`` retires nothing), and those in flight when one chunk's
-    backward ends are still held during the next chunk's: an upper bound of
-    ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward.
-    The transient ``finish_bytes`` of a retirement (a shard) is smaller than the input it replaces,
-    so it never sets the peak."""
+    gradient on (:func:`_partial_peak`).  The transient ``finish_bytes`` of a retirement (a shard) is
+    smaller than the input it replaces, so it never sets the peak.  ``settled``: every reduction is
+    over by the time the next bucket's first gradient arrives (the collectives faster than backward,
+    as between the ranks of one host), so ``retire_finished`` retires it then: the likely peak rather
+    than the upper bound."""
     G = bytes_per_element(cfg)["G"]
     K = cfg.parallel.max_reductions_in_flight
     gloo_fp32 = backend == "gloo" and G == 4
@@ -196,38 +198,75 @@ def grad_peak(cfg, chunks, buckets: List[BucketSpec], zero_stage: int, persisten
     if zero_stage == 1:  # buckets over a group of one rank are averaged in place
         largest = sorted((b.numel for b in buckets if b.group > 1), reverse=True)[:K]
         return persistent + (sum(largest) * G if gloo_fp32 else 0)
+    return _partial_peak(chunks, buckets, persistent, G, K, gloo_fp32, settled)
+
+
+def _partial_peak(chunks, buckets: List[BucketSpec], persistent: int, G: int, K: int,
+                  gloo_fp32: bool, settled: bool = False) -> int:
+    """Stages 2/3: a bucket's temporary (its gradient, full size) lives from its first gradient part
+    on; complete, the bucket retires down to ``K - 1`` reductions and launches its own, which holds
+    the temporary plus a receive buffer (gloo fp32: full bucket; native reduce-scatter: a shard)
+    until retired.  A bucket of one parameter with two parts (the tied embedding) reduces its head
+    part at once, after every reduction in flight: with several ranks computed and reduced a piece
+    of rows (``PIECE_BYTES``) at a time, with one into a temporary of the bucket's size; its lookup
+    part arrives as rows, added into the shard without a buffer of the bucket's size (the gathered
+    rows are activation-sized).  No reduction is
+    assumed to finish early (``retire_finished`` retires nothing), and those in flight when one
+    chunk's backward ends are still held during the next chunk's: an upper bound of
+    ``memory_bytes()["peak_grad_bytes"]``, exact when the collectives are slower than backward."""
+    from megazero.zero.comm import PIECE_BYTES
     peak = live = persistent
     pending: List[int] = []                       # bytes each reduction in flight holds, oldest first
     for c, specs in enumerate(chunks):
-        mine = [b for b in buckets if b.chunk == c]
-        where = {i: b for b in mine for i in b.params}
+        where = {i: b for b in buckets if b.chunk == c for i in b.params}
+        parts = {id(b): sum(specs[i].parts for i in b.params) for b in where.values()}
         arrived: Dict[int, int] = {}
-        for i in reversed(range(len(specs))):
+        held: Dict[int, bool] = {}
+        for i in [i for i, p in enumerate(specs) if p.parts > 1] + list(reversed(range(len(specs)))):
             b = where[i]
-            if id(b) not in arrived:
-                arrived[id(b)] = 0
-                live += b.numel * G
-                peak = max(peak, live)
-            arrived[id(b)] += 1
-            if arrived[id(b)] < len(b.params):
+            size = b.numel * G
+            if len(b.params) == 1 and arrived.get(id(b), 0) > 0:
+                continue                           # the lookup's part: rows added into the shard
+            if len(b.params) == 1 and parts[id(b)] > 1 and b.group > 1:
+                live -= sum(pending)               # the head's part: reduced a piece of rows at a time
+                pending = []                       # after the reductions in flight
+                peak = max(peak, live + min(PIECE_BYTES, size))
+                arrived[id(b)] = 1
                 continue
+            if id(b) not in held:
+                if settled:                        # retire_finished: every earlier reduction is over
+                    live -= sum(pending)
+                    pending = []
+                held[id(b)] = True
+                live += size
+                peak = max(peak, live)
+            arrived[id(b)] = arrived.get(id(b), 0) + 1
+            part = arrived[id(b)] < parts[id(b)]
+            if part and len(b.params) > 1:
+                continue
+            del held[id(b)]
             if b.group == 1:
-                live -= b.numel * G                # added into the shard at once
+                live -= size                       # added into the shard at once
                 continue
             while len(pending) > K - 1:            # retire the oldest until K - 1 remain
                 live -= pending.pop(0)
-            recv = b.numel * G if gloo_fp32 else b.shard * G
-            pending.append(b.numel * G + recv)
+            if parts[id(b)] > len(b.params):       # reduced in pieces and waited for, with all in flight
+                peak = max(peak, live + (min(PIECE_BYTES, size) if gloo_fp32 else b.shard * G))
+                live -= size + sum(pending)
+                pending = []
+                continue
+            recv = size if gloo_fp32 else b.shard * G
+            pending.append(size + recv)
             live += recv
             peak = max(peak, live)
     return peak
 
 
-def zero3_buffers(cfg, buckets: List[BucketSpec], shards: bool = False) -> int:
+def zero3_buffers(cfg, buckets: List[BucketSpec], layers: int = 2, shards: bool = False) -> int:
     """ZeRO-3 with dp > 1: the gathered working set, each chunk's root unit (gathered for the
-    chunk's whole forward and backward) plus the two largest layer units (the current one and the
-    prefetch; a bucket of a group of one is its own shard, nothing gathered); ``shards``: this rank's
-    shards of those units instead."""
+    chunk's whole forward and its backward until the layers') plus the ``layers`` largest layer
+    units (two: the current one and the prefetch; a bucket of a group of one is its own shard,
+    nothing gathered); ``shards``: this rank's shards of those units instead."""
     P = bytes_per_element(cfg)["P"]
     units: Dict[Tuple[int, bool], int] = {}
     for b in buckets:
@@ -235,8 +274,8 @@ def zero3_buffers(cfg, buckets: List[BucketSpec], shards: bool = False) -> int:
             continue
         units[(b.unit, b.root)] = units.get((b.unit, b.root), 0) + (b.shard if shards else b.numel) * P
     roots = max((v for (u, root), v in units.items() if root), default=0)
-    layers = sorted((v for (u, root), v in units.items() if not root), reverse=True)
-    return roots + sum(layers[:2])
+    largest = sorted((v for (u, root), v in units.items() if not root), reverse=True)
+    return roots + sum(largest[:layers])
 
 
 def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
@@ -262,8 +301,33 @@ def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Di
            "max_shard_elements": max(b.shard for b in buckets)}
     out["peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend)
     sharded = any(b.group > 1 for b in buckets)
+    out["settled_peak_grad_bytes"] = grad_peak(cfg, chunks, buckets, zero_stage, out["grad_bytes"], backend,
+                                               settled=True)
     out["gathered_param_bytes"] = 0 if zero_stage != 3 or not sharded else zero3_buffers(cfg, buckets)
-    # parameters on NVMe: the shards of the units in use (root + two layers) are in memory
-    out["resident_param_bytes"] = (zero3_buffers(cfg, buckets, shards=True) if out["param_device"] == "nvme"
+    # of which the root units: released once backward reaches the layers (zero3_free_root_in_backward)
+    out["gathered_root_bytes"] = (0 if zero_stage != 3 or not sharded
+                                  else zero3_buffers(cfg, buckets, layers=0))
+    out["resident_param_bytes"] = (resident_shards(cfg, buckets) if out["param_device"] == "nvme"
                                    else out["param_bytes"])
     return out
+
+
+def resident_shards(cfg, buckets: List[BucketSpec]) -> int:
+    """ZeRO-3 parameters on NVMe: the shard bytes in memory at once (:mod:`megazero.zero.param_swap`).
+    One DP rank uses the shards of the units in use as they are (the root and two layers), the one
+    being read held twice (the aligned copy the disk fills and the shard); several read the next
+    unit's shard into the aligned copy alone, which feeds its all-gather and is dropped after it."""
+    layer = max(_layer_shards(cfg, buckets), default=0)
+    if not any(b.group > 1 for b in buckets):
+        return zero3_buffers(cfg, buckets, shards=True) + layer
+    return layer
+
+
+def _layer_shards(cfg, buckets: List[BucketSpec]) -> List[int]:
+    """This rank's shard bytes of each layer unit (each bucket over its own group)."""
+    P = bytes_per_element(cfg)["P"]
+    units: Dict[Tuple[int, Optional[int]], int] = {}
+    for b in buckets:
+        if not b.root:
+            units[(b.chunk, b.unit)] = units.get((b.chunk, b.unit), 0) + b.shard * P
+    return list(units.values())

@@ -2,8 +2,11 @@
 
 Every weight is created as its full (unsharded) tensor on the CPU from a generator seeded by
 ``(seed, global layer index, parameter name)`` (:func:`init_full`) and this rank keeps its slice,
-so TP = N shards concatenate exactly to the TP = 1 weight.  Parameters carry the attributes that
-the optimizer, clipping and checkpoints read (see ``docs/internals.md``):
+so TP = N shards concatenate exactly to the TP = 1 weight.  Built under ``torch.device("meta")``
+(the trainer), the layers create *deferred* parameters instead, whose value is computed only when
+the optimizer takes them, one bucket at a time (:mod:`megazero.tensor_parallel.deferred`).
+Parameters carry the attributes that the optimizer, clipping and checkpoints read (see
+``docs/internals.md``):
 
 - ``tensor_model_parallel = True`` and ``partition_dim``: sharded along that dim over TP
   (set at every TP size, TP = 1 included, so checkpoints know how to reshard);
@@ -12,7 +15,14 @@ the optimizer, clipping and checkpoints read (see ``docs/internals.md``):
 - ``sequence_parallel = True``: replicated, but with a partial gradient under sequence
   parallelism (summed over TP before the data-parallel reduction);
 - ``linear_weight = True``: used once per forward, by :func:`linear` only, so the optimizer may
-  give it a ``write_grad`` (below).
+  give it a ``write_grad`` (below);
+- ``grad_arrivals = 2`` (the word embedding tied to the output head in one chunk): used by the
+  lookup and by :func:`linear`; the optimizer gives it a ``write_grad`` too, so that the head's part
+  of its gradient arrives (and, in a bucket of its own, is reduced) as soon as the head's backward
+  computes it, and the lookup's part arrives through ``.grad`` at the end of backward (sparse, the
+  rows looked up, where the ZeRO-2/3 reducer has set ``sparse_grad``).  The ``write`` handed to
+  ``write_grad`` also computes rows ``[a, e)`` alone (``write.rows(a, e, out)``; ``write.shape``),
+  so that a reducer can take the head's part a piece of rows at a time.
 
 Every linear layer's product goes through :func:`linear`, which adds two things to ``F.linear``:
 
@@ -31,12 +41,13 @@ from __future__ import annotations
 
 import platform
 import zlib
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                                                reduce_scatter_to_sp, scatter_to_tp)
 
@@ -48,7 +59,7 @@ def init_full(shape: Sequence[int], seed: int, layer_idx: int, name: str, std: f
     in every process and at every parallel layout (seeded by a CRC32 of the key)."""
     key = zlib.crc32(f"{seed}/{layer_idx}/{name}".encode())
     gen = torch.Generator(device="cpu").manual_seed(key)
-    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=gen)
+    return torch.empty(tuple(shape), dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
 
 
 def normal_init(seed: int, layer_idx: int, name: str, std: float) -> InitFn:
@@ -56,11 +67,17 @@ def normal_init(seed: int, layer_idx: int, name: str, std: float) -> InitFn:
     return lambda shape: init_full(shape, seed, layer_idx, name, std)
 
 
+def shard_shape(shape: Sequence[int], mesh, dim: int) -> Tuple[int, ...]:
+    """The shape of this TP rank's slice of a ``shape`` tensor split along ``dim``."""
+    if shape[dim] % mesh.size("tp"):
+        raise ValueError(f"cannot split dimension {dim} of size {shape[dim]} over "
+                         f"{mesh.size('tp')} tensor-parallel ranks")
+    return tuple(n // mesh.size("tp") if d == dim else n for d, n in enumerate(shape))
+
+
 def shard(full: torch.Tensor, mesh, dim: int) -> torch.Tensor:
     """This TP rank's contiguous slice of ``full`` along ``dim``."""
-    if full.shape[dim] % mesh.size("tp"):
-        raise ValueError(f"cannot split dimension {dim} of size {full.shape[dim]} over "
-                         f"{mesh.size('tp')} tensor-parallel ranks")
+    shard_shape(full.shape, mesh, dim)
     return full.chunk(mesh.size("tp"), dim=dim)[mesh.coord("tp")].contiguous()
 
 
@@ -142,6 +159,9 @@ class _Linear(torch.autograd.Function):
             def write(dst: torch.Tensor, accumulate: bool) -> None:
                 dst = dst.view(weight.shape)
                 dst.addmm_(grad2d.t(), x2d) if accumulate else torch.mm(grad2d.t(), x2d, out=dst)
+            # rows [a, e) of the weight gradient alone, for a reducer that takes it in pieces
+            write.rows = lambda a, e, out: torch.mm(grad2d[:, a:e].t(), x2d, out=out)
+            write.shape = weight.shape
             ctx.write_grad(write)
         elif ctx.needs_input_grad[1]:
             grad_weight = grad2d.t().mm(x2d)
@@ -162,8 +182,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return _onednn(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
 
-def _param(data: torch.Tensor, mesh) -> nn.Parameter:
-    return nn.Parameter(data.to(mesh.device))
+def _sharded_param(init: InitFn, shape: Sequence[int], mesh, dim: int,
+                   rows: Optional[int] = None) -> nn.Parameter:
+    """This TP rank's slice along ``dim`` of the full weight ``init(shape)`` (zero rows appended up
+    to ``rows`` first), as a parameter that may be deferred
+    (:func:`megazero.tensor_parallel.deferred.new_param`)."""
+    padded = (rows, *shape[1:]) if rows is not None else tuple(shape)
+
+    def make() -> torch.Tensor:
+        full = init(shape)
+        return shard(pad_rows(full, rows) if rows is not None else full, mesh, dim)
+    return mark_tensor_parallel(new_param(shard_shape(padded, mesh, dim), make, mesh.device), dim)
+
+
+def _zeros_param(n: int, mesh) -> nn.Parameter:
+    return new_param((n,), lambda: torch.zeros(n, device="cpu"), mesh.device)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -181,10 +214,10 @@ class ColumnParallelLinear(nn.Module):
         self.mesh, self.gather_output, self.sequence_parallel = mesh, gather_output, sequence_parallel
         self.onednn = onednn
         self.in_features, self.out_features = in_features, out_features
-        full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
-        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
+        init = init or normal_init(0, 0, "weight", 0.02)
+        self.weight = _sharded_param(init, (out_features, in_features), mesh, 0)
         self.weight.linear_weight = True
-        self.bias = mark_tensor_parallel(_param(torch.zeros(out_features // mesh.size("tp")), mesh), 0) \
+        self.bias = mark_tensor_parallel(_zeros_param(out_features // mesh.size("tp"), mesh), 0) \
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,10 +241,10 @@ class RowParallelLinear(nn.Module):
         self.mesh, self.input_is_parallel, self.sequence_parallel = mesh, input_is_parallel, sequence_parallel
         self.onednn = onednn
         self.in_features, self.out_features = in_features, out_features
-        full = (init or normal_init(0, 0, "weight", 0.02))((out_features, in_features))
-        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 1), mesh), 1)
+        init = init or normal_init(0, 0, "weight", 0.02)
+        self.weight = _sharded_param(init, (out_features, in_features), mesh, 1)
         self.weight.linear_weight = True
-        self.bias = _param(torch.zeros(out_features), mesh) if bias else None
+        self.bias = _zeros_param(out_features, mesh) if bias else None
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
 
@@ -239,15 +272,18 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
         self.per_rank = padded_vocab_size // mesh.size("tp")
         self.vocab_start = mesh.coord("tp") * self.per_rank
-        full = pad_rows((init or normal_init(0, 0, "weight", 0.02))((vocab_size, dim)), padded_vocab_size)
-        self.weight = mark_tensor_parallel(_param(shard(full, mesh, 0), mesh), 0)
+        init = init or normal_init(0, 0, "weight", 0.02)
+        if padded_vocab_size < vocab_size:
+            raise ValueError(f"tensor has {vocab_size} rows, more than the padded size {padded_vocab_size}")
+        self.weight = _sharded_param(init, (vocab_size, dim), mesh, 0, rows=padded_vocab_size)
         self.weight.vocab_parallel = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        sparse = bool(getattr(self.weight, "sparse_grad", False))  # set by the optimizer: rows, not dense
         if self.mesh.size("tp") == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight, sparse=sparse)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, sparse=sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_to_sp(out, self.mesh) if self.reduce_scatter else reduce_from_tp(out, self.mesh)

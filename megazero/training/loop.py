@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches
+from megazero.host_memory import limit_retention, peak_rss_bytes
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
@@ -45,6 +46,7 @@ from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.moe.step import finish_step
 from megazero.precision import compute_dtype
 from megazero.training.summary import startup_summary
+from megazero.tensor_parallel.deferred import build_chunks, realize_rest
 from megazero.tensor_parallel.rng import seed_default_generators
 
 ModelProvider = Callable[[MegazeroConfig, ParallelMesh], List[torch.nn.Module]]
@@ -183,15 +185,6 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
     return it, skipped, consumed, lr_samples, extra, line
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (0 where the platform does not report it)."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
-
-
 def _memory_metrics(optimizer, mesh: ParallelMesh) -> Dict[str, float]:
     out = {k: v for k, v in dict(optimizer.memory_bytes()).items()}
     out["peak_rss_bytes"] = peak_rss_bytes()
@@ -277,11 +270,14 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
+    limit_retention()  # freed tensors of a few MiB go back to the system, not into glibc's heaps
     seed_default_generators(tr.seed, mesh)
-    chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
+    # built without memory where the model allows: the optimizer initialises it bucket by bucket
+    chunks = build_chunks(model_provider, cfg, mesh, compute_dtype(cfg))
     for c in chunks:
         c.train()
     optimizer = build_optimizer(chunks, mesh, cfg)
+    realize_rest(chunks, mesh.device, compute_dtype(cfg))
     data = build_data(cfg)
     schedule = schedule_of(tr, cfg.model.seq_length, tr.global_batch_size)
     pos, extra, loaded = Position(), {}, None

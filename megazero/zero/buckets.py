@@ -22,8 +22,8 @@ the same layout on every rank that sums them:
 A :class:`Bucket` is layout only; what happens to it during a step lives in
 :mod:`megazero.zero.reducers`.
 
-Under ZeRO-3 each bucket holds the parameters of one *unit* (a transformer layer, or the rest
-of a chunk) so a unit is gathered as a whole.
+Under ZeRO-3 each bucket holds parameters of one *unit* only (a transformer layer, or the rest of
+a chunk), so a unit is gathered as a whole, one or more buckets (cut at the same bound).
 """
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ def _padded(n: int, dp: int) -> int:
 
 
 class Group(NamedTuple):
-    """Items that :func:`cut_buckets` cuts together: ``unit`` numbers a ZeRO-3 gather unit (never
-    split; None below stage 3); ``block`` is the unit's block index in its chunk (None for the
-    chunk's own items, or when the group is not a unit)."""
+    """Items that :func:`cut_buckets` cuts together: ``unit`` numbers a ZeRO-3 gather unit (None below
+    stage 3); ``block`` is the unit's block index in its chunk (None for the chunk's own items, or
+    when the group is not a unit)."""
     chunk: int
     unit: Optional[int]
     items: List
@@ -159,8 +159,10 @@ def cut_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]], bucket_
     """The bucket plan: :func:`bucket_groups` cut into buckets, one kind at a time.
 
     Items are laid out in reverse order; a bucket closes before it would pass ``bucket_size``
-    elements (default :func:`default_bucket_size` of all items), except that a ``unit`` group
-    (ZeRO-3) is never split; each bucket is padded to a multiple of ``dp`` (its kind's entry when
+    elements (default :func:`default_bucket_size` of all items), and never holds items of two groups
+    (a ZeRO-3 unit is gathered as a whole, bucket by bucket; cut, a large item such as the word
+    embedding has a bucket of its own, whose gradient buffer exists only once that gradient arrives,
+    at the end of backward); each bucket is padded to a multiple of ``dp`` (its kind's entry when
     ``dp`` maps kinds to the sizes of their reduction groups).  Items are parameters for the
     optimizer (:func:`plan_buckets`) and parameter descriptions for the memory estimator, which
     passes its own ``numel`` and ``kind``: one rule serves both.
@@ -174,7 +176,7 @@ def cut_buckets(groups: Sequence[Group], dp: Union[int, Dict[str, int]], bucket_
             current: List = []
             size = 0
             for x in [x for x in reversed(list(items)) if kind(x) == k]:
-                if current and unit is None and size + numel(x) > cap:
+                if current and size + numel(x) > cap:
                     out.append(BucketCut(chunk, unit, k, current, _padded(size, sizes[k])))
                     current, size = [], 0
                 current.append(x)

@@ -21,7 +21,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
+from megazero.host_memory import release_free
 from megazero.precision import build_loss_scaler, compute_dtype
+from megazero.tensor_parallel.deferred import initial_value, is_deferred, realize
 from megazero.zero.buckets import (REDUCTION_GROUPS, Bucket, bucket_groups, default_blocks, plan_buckets,
                                    trainable_params)
 from megazero.zero.param_gather import OverlappedParamGather
@@ -66,16 +68,18 @@ class ZeroOptimizer:
         self.update = ShardedUpdate(self.storage, cfg.optimizer, self.dtype, False, mesh.coord("tp"),
                                     tiers=assign_tiers(self.buckets, self.storage, par), par=par)
         for b in self.buckets:
-            full = (values or _bucket_values)(b, mesh.device)
+            full = _bucket_values(b, mesh.device, self.dtype) if values is None else values(b, mesh.device)
             self.storage.adopt(b, full)
             self.update.add_bucket(b, full)
             del full
+        self._settle_param_writes()
         self.param_gather = None
         if self.overlap_param_gather:
             self.param_gather = OverlappedParamGather(self.chunks, self.buckets, blocks)
         self.stage3 = None
         if shards_parameters(self.stage):
             self.stage3 = Stage3Params(units, self.storage, mesh, self.dtype, prefetch or Prefetch())
+        release_free()  # what setting up the buckets freed, before the gradient buffer comes
         self.storage.allocate_grads()  # (deferred with parameters on NVMe: the model's tensors are gone)
         on_complete = self.stage3.bucket_done if self.stage3 is not None else (lambda b: None)
         in_flight = par.max_reductions_in_flight
@@ -162,6 +166,13 @@ class ZeroOptimizer:
                 gathers.append(work)
         for work in gathers:
             work.wait()
+        self._settle_param_writes()
+
+    def _settle_param_writes(self) -> None:
+        """Parameters on NVMe: wait for the last write-backs, so that their host copies are not held
+        through the next forward and backward."""
+        if self.param_swap is not None:
+            self.param_swap.settle()
 
     def finish_param_sync(self) -> None:
         """Stages 1/2 with overlapped gathers: wait for the parameter all-gathers still in flight
@@ -270,11 +281,15 @@ def assign_tiers(buckets: List[Bucket], storage: FlatStorage, par) -> Dict[int, 
     return out
 
 
-def _bucket_values(b: Bucket, device) -> torch.Tensor:
-    """Bucket ``b``'s parameters as one padded fp32 tensor."""
+def _bucket_values(b: Bucket, device, dtype: torch.dtype) -> torch.Tensor:
+    """Bucket ``b``'s parameters as one padded fp32 tensor; a deferred parameter's value is computed
+    here (:mod:`megazero.tensor_parallel.deferred`) and the parameter becomes an empty ``dtype`` one
+    (the storage points it at the flat buffers next)."""
     full = torch.zeros(b.numel, dtype=torch.float32, device=device)
-    for p, s in zip(b.params, b.starts):
-        full[s:s + p.numel()].copy_(p.detach().reshape(-1))
+    for p, s, shape in zip(b.params, b.starts, b.shapes):
+        full[s:s + shape.numel()].copy_(initial_value(p).reshape(-1))
+        if is_deferred(p):
+            realize(p, torch.empty(0, dtype=dtype, device=device))
     return full
 
 

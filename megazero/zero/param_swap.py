@@ -65,21 +65,32 @@ class ParamSwap:
         raw = aligned_empty(home.numel() * home.element_size(), pin=self.store.pin)
         return typed_view(raw, 0, home.numel(), home.dtype)
 
-    def fetch(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s home tensor, its values being read (see :meth:`ready`) unless resident."""
+    def fetch(self, i: int, home: bool = True) -> torch.Tensor:
+        """Bucket ``i``'s home tensor, its values being read (see :meth:`ready`) unless resident;
+        ``home=False`` reads into the aligned copy only, which :meth:`take` hands over (the shard
+        feeds a ZeRO-3 all-gather and is not kept)."""
         if i not in self.resident and i not in self.reads:
             staging = self._staging(i)
             self.reads[i] = (self.store.read_async(f"p{i}", staging), staging)
-            self._alloc(i)
+            if home:
+                self._alloc(i)
         return self.homes[i]
 
     def ready(self, i: int) -> None:
-        """Wait for bucket ``i``'s read and copy it into the home."""
+        """Wait for bucket ``i``'s read and copy it into the home (if it was given one)."""
+        self.take(i)
+
+    def take(self, i: int) -> torch.Tensor:
+        """Wait for bucket ``i``'s read; the shard: the aligned copy read into (copied into the home
+        too when it has one), or the home when nothing was being read."""
         pending = self.reads.pop(i, None)
-        if pending is not None:
-            handle, staging = pending
-            handle.wait()
+        if pending is None:
+            return self.homes[i]
+        handle, staging = pending
+        handle.wait()
+        if i in self.resident:
             self.homes[i].copy_(staging)
+        return staging
 
     def evict(self, i: int) -> None:
         self.ready(i)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.zero.buckets import Bucket
-from megazero.zero.comm import Reduction, all_reduce_mean, reduce_scatter
+from megazero.zero.comm import Reduction, all_reduce_mean, reduce_row_pieces, reduce_rows, reduce_scatter
 from megazero.zero.stages import shards_optimizer
 from megazero.zero.storage import FlatStorage
 
@@ -137,32 +137,72 @@ class _Reducer:
         self.synced = True  # False from the first gradient until finish_grad_sync
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for b in self.buckets for p in b.params]
+        # gradient parts per backward and bucket: one per parameter, except that a weight with
+        # ``grad_arrivals = 2`` (the tied embedding in one chunk) gets its output head's part through
+        # write_grad and its lookup's through .grad
+        self.expected = [len(b.params) for b in self.buckets]
         for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
             for p in b.params:
-                if getattr(p, "linear_weight", False) and p.dtype == storage.grads.dtype:
+                if p.dtype != storage.grads.dtype:
+                    continue
+                if getattr(p, "linear_weight", False):
                     p.write_grad = functools.partial(self._write_grad, p)
+                elif getattr(p, "grad_arrivals", 1) == 2:
+                    p.write_grad = functools.partial(self._write_grad, p)
+                    self.expected[b.index] += 1
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is None:  # the weight's gradient went straight into the buffer (write_grad)
             return
-        grad = p.grad.reshape(-1)
+        grad, p.grad = p.grad, None
+        b = self.location[id(p)][0]
+        if grad.is_sparse and self._rows(b, grad):  # reduced as rows: no gradient of the weight's size
+            self._arrived(b)
+            return
+        grad = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
+        if self._take(b, grad):  # the gradient itself becomes the bucket's buffer: no copy
+            self._arrived(b)
+            return
         self._write_grad(p, lambda dst, accumulate: dst.add_(grad) if accumulate else dst.copy_(grad))
-        p.grad = None
+
+    def _take(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """Stages 2/3: make ``grad`` (the whole of bucket ``b``) its fresh partial buffer, if it can."""
+        return False
+
+    def _rows(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """Stages 2/3: reduce the sparse ``grad`` of bucket ``b``'s one parameter as rows, if it can."""
+        return False
 
     def _write_grad(self, p: torch.nn.Parameter, write: Callable[[torch.Tensor, bool], None]) -> None:
         """``write(dst, accumulate)`` puts ``p``'s gradient of this backward into ``dst`` (its flat
         slice), added to what is there when ``accumulate`` (overwriting it otherwise); then the
         bucket's bookkeeping as for a gradient arriving through ``.grad``."""
         b, start, i = self.location[id(p)]
-        dst, accumulate = self._destination(b, start, i, p.numel())
-        write(dst, accumulate)
+        if not self._write_pieces(b, write):
+            dst, accumulate = self._destination(b, start, i, p.numel())
+            write(dst, accumulate)
+        self._arrived(b)
+
+    def _write_pieces(self, b: Bucket, write) -> bool:
+        """Stages 2/3: reduce the gradient ``write`` computes (all of bucket ``b``) a piece of rows at
+        a time, if it can."""
+        return False
+
+    def _arrived(self, b: Bucket) -> None:
+        """One gradient part of bucket ``b`` is in: the bucket is complete after the last part; a
+        bucket of one parameter used twice reduces each part as it arrives (stages 2/3)."""
         self.synced = False
         prog = self.progress[b.index]
         prog.arrived += 1
-        if prog.arrived == len(b.params):
+        if prog.arrived == self.expected[b.index]:
             prog.arrived = 0
             self.on_bucket_complete(b)
             self._bucket_complete(b)
+        elif len(b.params) == 1:
+            self._part_complete(b)
+
+    def _part_complete(self, b: Bucket) -> None:
+        """A part of a one-parameter bucket arrived, more are to come (stages 0/1 wait for them)."""
 
     def _flush_incomplete(self) -> None:
         """Buckets the last backward left incomplete (unused parameters) are reduced as they are."""
@@ -272,6 +312,39 @@ class LastMicroBatchReducer(_Reducer):
 class EveryMicroBatchReducer(_Reducer):
     """Stages 2/3 (see the module docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for b in self.buckets:  # the tied embedding alone in its bucket: its lookup's part as rows
+            if len(b.params) == 1 and self.expected[b.index] > 1:
+                b.params[0].sparse_grad = True
+
+    def _write_pieces(self, b: Bucket, write) -> bool:
+        """The head's part of the tied embedding (a bucket of its own, several ranks, nothing of it
+        pending): computed and reduced a piece of rows at a time into the shard
+        (:func:`megazero.zero.comm.reduce_row_pieces`), no buffer of the embedding's size."""
+        prog = self.progress[b.index]
+        if (len(b.params) != 1 or self.expected[b.index] == 1 or b.dp == 1 or prog.partial is not None
+                or getattr(write, "rows", None) is None or len(write.shape) != 2):
+            return False
+        self.in_flight.retire()  # the reductions in flight first, as a blocking reduction of a part does
+        accumulate, prog.shard_written = prog.shard_written, True
+        rows, width = write.shape
+        reduce_row_pieces(self.storage.updated_grads(b), b.shard_range(self.storage.rank_of(b))[0], rows,
+                          width, write.rows, self.mesh.group(*b.group), self.scale, accumulate)
+        return True
+
+    def _rows(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """The lookup's part of the tied embedding: every rank's rows added into the shard
+        (:func:`megazero.zero.comm.reduce_rows`); neither a full-size gradient nor a partial buffer."""
+        if len(b.params) != 1 or grad.dim() != 2 or b.starts[0] != 0:
+            return False
+        prog = self.progress[b.index]
+        accumulate, prog.shard_written = prog.shard_written, True
+        lo = b.shard_range(self.storage.rank_of(b))[0]
+        reduce_rows(self.storage.updated_grads(b), lo, grad._indices()[0], grad._values(),
+                    self.mesh.group(*b.group) if b.dp > 1 else None, self.scale, accumulate)
+        return True
+
     def _destination(self, b: Bucket, start: int, i: int, numel: int) -> Tuple[torch.Tensor, bool]:
         prog = self.progress[b.index]
         if prog.partial is None:  # a fresh bucket: each gradient is written in, not added to zeros
@@ -283,10 +356,27 @@ class EveryMicroBatchReducer(_Reducer):
         accumulate, prog.written[i] = prog.written[i], True
         return prog.partial[start:start + numel], accumulate
 
+    def _take(self, b: Bucket, grad: torch.Tensor) -> bool:
+        prog = self.progress[b.index]
+        if (prog.partial is not None or len(b.params) != 1 or grad.numel() != b.numel
+                or grad.dtype != self.storage.grads.dtype or grad.device != self.storage.grads.device
+                or not grad.is_contiguous()):
+            return False
+        self.in_flight.retire_finished()
+        prog.partial, prog.written = grad, [True]
+        self.grad_bytes.hold(grad.nbytes)
+        return True
+
     def _bucket_complete(self, b: Bucket) -> None:
         self._launch(b)
         if not self.overlap:
             self.in_flight.retire()
+
+    def _part_complete(self, b: Bucket) -> None:
+        """Reduced into the shard now (in pieces, :func:`megazero.zero.comm.reduce_scatter` with
+        ``blocking``), so that its buffer is gone before the backward goes on (the tied embedding's
+        head part: an embedding-sized buffer); the next part starts a fresh one."""
+        self._launch(b)
 
     def _reduce_incomplete(self, b: Bucket) -> None:
         self._launch(b)
@@ -311,9 +401,14 @@ class EveryMicroBatchReducer(_Reducer):
             self.grad_bytes.hold(-partial.nbytes)
             return
         self._retire_for_launch()
+        # a parameter used twice (the tied embedding alone in its bucket): each part is reduced in
+        # pieces and waited for, no full-bucket receive buffer beside the embedding-sized part
+        blocking = self.expected[b.index] > len(b.params)
         self.in_flight.start(reduce_scatter(shard, partial, self.mesh.group(*b.group), scale,
-                                            accumulate=accumulate),
+                                            accumulate=accumulate, blocking=blocking),
                              partial.nbytes)
+        if blocking:
+            self.in_flight.retire()
 
     def prepare_backward(self, chunk_index: int, is_last_microbatch: bool) -> None:
         self._drain()  # the previous backward's reductions: frees their partial buffers

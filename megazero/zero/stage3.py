@@ -29,7 +29,9 @@ backward refills the same storage (parameters do not change within a step), so t
 the right values again.
 
 So with or without recomputation a chunk holds its root unit (embedding, final norm, head) and at
-most two blocks gathered at any moment: the one in use and the one being prefetched
+most two blocks gathered at any moment: the one in use and the one being prefetched (a chunk that
+sets ``zero3_free_root_in_backward``, as the GPT model does, has its root released once backward
+reaches its blocks)
 (``peak_gathered_bytes``; ``ZeroOptimizer.memory_bytes()["peak_param_bytes"]`` adds the shards).
 Recomputing ``k`` layers as one group needs those ``k`` at once, plus one prefetched.
 
@@ -44,7 +46,7 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from megazero.distributed import all_gather_single
+from megazero.distributed import gather_shards
 from megazero.zero.buckets import Bucket
 
 
@@ -133,7 +135,8 @@ class Stage3Params:
 
     def _next_in_backward(self, u: _Unit) -> Optional[_Unit]:
         """The unit whose backward follows ``u``'s: after the root (the head) the last block, then the
-        blocks in reverse; after the first block none (the root stays gathered all through backward)."""
+        blocks in reverse; after the first block none (the root is gathered, or released:
+        :meth:`_release_root`)."""
         order = self.order[u.chunk]
         i = order.index(u)
         if i == 0:
@@ -180,8 +183,8 @@ class Stage3Params:
         if u.full is None:
             u.full, u.handles, u.after_read = {}, [], []
             self.gathered_numel += u.numel
-            for b in u.buckets:
-                shard = swap.fetch(b.index) if swap is not None else self.storage.param_shard(b)
+            for b in u.buckets:  # (from disk in a group > 1: into a copy that only feeds the all-gather)
+                shard = self.storage.param_shard(b) if swap is None else swap.fetch(b.index, home=b.dp == 1)
                 if b.dp == 1:
                     u.full[b.index] = shard
                     continue
@@ -195,25 +198,32 @@ class Stage3Params:
                 if swap is not None:  # the gather starts once the shard is read
                     u.after_read.append((b, full, shard))
                     continue
-                u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
-                                                   async_op=True))
+                u.handles.append(gather_shards(full, shard, group=self.mesh.group(*b.group), async_op=True))
         if wait and u.handles is not None:
+            read = []  # in a group > 1 the copies read from disk, alive until their gathers are done
             if swap is not None:
                 for b in u.buckets:
-                    swap.ready(b.index)
+                    if b.dp == 1:
+                        swap.ready(b.index)
                 for b, full, shard in u.after_read:
-                    u.handles.append(all_gather_single(full, shard, group=self.mesh.group(*b.group),
-                                                       async_op=True))
+                    read.append(swap.take(b.index))
+                    u.handles.append(gather_shards(full, read[-1], group=self.mesh.group(*b.group),
+                                                   async_op=True))
                 u.after_read = []
             for h in u.handles:
                 h.wait()
-            u.handles = None
+            u.handles, read = None, None
+            for b in u.buckets if swap is not None else ():
+                if b.dp > 1:  # the gathered buffer holds the shard: no second copy while in use
+                    swap.evict(b.index)
             for b in u.buckets:
                 full = u.full[b.index]
                 for p, s, shape in zip(b.params, b.starts, b.shapes):
                     p.data = full[s:s + shape.numel()].view(shape)
 
-    def free(self, u: _Unit) -> None:
+    def free(self, u: _Unit, keep_views: bool = False) -> None:
+        """Release ``u``'s gathered buffers (and shards read from NVMe); its parameters become empty,
+        or with ``keep_views`` keep their shape as views of storage that holds nothing."""
         if u.full is None:
             return
         swap = self.storage.swap
@@ -225,7 +235,8 @@ class Stage3Params:
             h.wait()
         for b in u.buckets:
             for p in b.params:
-                p.data = self.empty
+                if not keep_views:
+                    p.data = self.empty
         for b in u.buckets:
             if b.dp > 1:
                 t = u.full[b.index]
@@ -265,8 +276,20 @@ class Stage3Params:
         return [u.full[b.index] for u in self.units if u.full is not None for b in u.buckets if b.dp > 1]
 
     # ---- hooks --------------------------------------------------------------------------
+    def _release_root(self, u: _Unit) -> None:
+        """Backward has reached block ``u``: the chunk's root unit is released if the chunk says its
+        weights are no longer read (``zero3_free_root_in_backward``: a GPT chunk's head and final norm
+        run their backward before the blocks', and a lookup needs no weights in backward).  Its
+        parameters keep their shapes, for the gradients still to arrive; the next use gathers it."""
+        root = self.order[u.chunk][0]
+        if root is not u and root.full is not None and getattr(root.module, "zero3_free_root_in_backward",
+                                                               False):
+            self.free(root, keep_views=True)
+
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
+            if _in_backward():  # a replay (activation recomputation): backward is past the root
+                self._release_root(u)
             self.gather(u)
             if not _in_backward():
                 self._record(u)
@@ -290,6 +313,7 @@ class Stage3Params:
 
     def _pre_backward_hook(self, u: _Unit):
         def hook(grad):
+            self._release_root(u)
             self.gather(u)
             self._prefetch(u, self._next_in_backward)
         return hook

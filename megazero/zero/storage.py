@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 import torch
 
-from megazero.distributed import all_gather_single
+from megazero.distributed import gather_shards
 from megazero.zero.buckets import Bucket
 from megazero.zero.stages import shards_gradients, shards_optimizer, shards_parameters
 
@@ -123,5 +123,5 @@ class FlatStorage:
         if self.sharded_params or not shards_optimizer(self.stage) or b.dp == 1:
             return None
         full = self.params[b.offset:b.offset + b.numel]
-        return all_gather_single(full, self.updated_params(b), group=self.mesh.group(*b.group),
-                                 async_op=async_op)
+        return gather_shards(full, self.updated_params(b), group=self.mesh.group(*b.group),
+                             async_op=async_op)

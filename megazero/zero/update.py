@@ -73,7 +73,7 @@ class ShardedUpdate:
             else:
                 self.master[b.index] = self.storage.updated_params(b)  # fp32 params are their own masters
             self.state[b.index] = self.optim.init_state(self.master[b.index])
-        shapes = {id(p): shape for p, shape in zip(b.params, b.shapes)}
+        shapes = {id(p): shape for p, shape in zip(b.params, b.shapes)}  # (ZeRO-3 parameters are empty)
         self.decay[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)
                                       if decays(p, shapes[id(p)])])
         self.decoupled[b.index] = _merge([(a - lo, e - lo) for p, a, e in b.segments(lo, hi)

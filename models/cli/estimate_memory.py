@@ -23,7 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
 from megazero.errors import EXIT_OK, EXIT_USAGE
-from megazero.planning.estimate import estimate, estimate_stages, total_params
+from megazero.host_memory import rss_bytes
+from megazero.planning.estimate import estimate, estimate_stages, peak_rss, total_params
 
 from .. import saved_activations
 
@@ -71,8 +72,8 @@ def main(argv: Optional[Sequence[str]], presets: Dict[str, dict], model_provider
     if ours.measure:
         return _measure_main(cfg, ours, world, env_world, model_provider)
     device = ours.device or "cuda"
-    rows = estimate(cfg, device, saved=saved_activations)
-    stages = estimate_stages(cfg, None, device, saved=saved_activations)
+    rows = _with_rss(estimate(cfg, device, saved=saved_activations), device)
+    stages = _with_rss(estimate_stages(cfg, None, device, saved=saved_activations), device)
     if ours.plot:
         plot(rows, ours.plot, _title(cfg, world))
     if ours.json:
@@ -97,6 +98,16 @@ def _experts(cfg) -> str:
             "active parameters a token)")
 
 
+def _with_rss(rows: List[dict], device: str) -> List[dict]:
+    """On CPUs, each row's ``peak_rss_bytes``: the rank's peak resident memory, with this process's own
+    resident memory now as the runtime (:func:`megazero.planning.estimate.peak_rss`)."""
+    if device == "cpu":
+        runtime = rss_bytes()
+        for r in rows:
+            r["peak_rss_bytes"] = peak_rss(r, runtime)
+    return rows
+
+
 def _title(cfg, world: int) -> str:
     par = cfg.parallel
     name = cfg.model_preset or f"{total_params(cfg) / 1e6:.0f}M-parameter GPT"
@@ -117,16 +128,21 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
           f"{par.data_parallel_size}{_experts(cfg)}; {rows[0]['params_per_rank'] / 1e6:.1f}M parameters on "
           f"the most loaded rank; estimate for {device}")
     heads = ("params", "grads", "optim", "comm", "zero3", "activ", "pipe", "temp", "total", "host", "nvme")
+    rss = device == "cpu"
+    heads += ("rss",) if rss else ()
     print(f"{'ZeRO':>4} {'pp':>3} " + " ".join(f"{h:>8}" for h in heads) + "   (GiB per rank)")
     for r in rows:
         vals = [r["param_bytes"], r["grad_bytes"], r["optim_bytes"], r["comm_bytes"],
                 r["gathered_param_bytes"], r["activation_bytes"],
                 r["pipeline_buffer_bytes"], r["temporary_bytes"], r["total_bytes"], r["host_bytes"],
-                r["nvme_bytes"]]
+                r["nvme_bytes"]] + ([r["peak_rss_bytes"]] if rss else [])
         where = {"cpu": "  (optimizer state in host memory)", "nvme": "  (optimizer state on NVMe)"}
         print(f"{r['zero_stage']:>4} {r['pp_rank']:>3} " + " ".join(f"{v / GIB:>8.3f}" for v in vals)
               + where.get(r["optim_device"], "")
               + ("  (parameters on NVMe)" if r["param_device"] == "nvme" else ""))
+    if rss:
+        print("rss: a rank's peak resident memory (total + host + this process's own resident memory, "
+              f"{rss_bytes() / GIB:.3f} GiB, for the interpreter and libraries)")
     if par.pipeline_model_parallel_size > 1:
         print(f"per pipeline stage at ZeRO {par.zero_stage}: " + ", ".join(
             f"stage {s['pp_rank']} {s['total_bytes'] / GIB:.3f} GiB "
@@ -160,9 +176,10 @@ def _run_measure(cfg, world: int, env_world: int, model_provider, iters: int) ->
     return [_measure_one(cfg, model_provider, iters)]
 
 
-def compare(cfg, measured: List[dict], device: str) -> List[dict]:
+def compare(cfg, measured: List[dict], device: str, runtime: int = 0) -> List[dict]:
     """Per pipeline stage ``{"pp_rank", "components": {name: {"estimate", "measured"}}}`` (measured:
-    the largest value over the stage's ranks)."""
+    the largest value over the stage's ranks); on CPUs also the peak resident memory, estimated with
+    ``runtime`` bytes for the interpreter and libraries."""
     out = []
     for est in estimate_stages(cfg, None, device, saved=saved_activations):
         ranks = [m for m in measured if m["pp_rank"] == est["pp_rank"]]
@@ -171,6 +188,9 @@ def compare(cfg, measured: List[dict], device: str) -> List[dict]:
         if est["nvme_bytes"] or any(m.get("nvme_bytes") for m in ranks):  # the NVMe tier, apart
             comps["nvme_bytes"] = {"estimate": int(est["nvme_bytes"]),
                                    "measured": max(int(m.get("nvme_bytes", 0)) for m in ranks)}
+        if device == "cpu":  # the whole process: the device is the host
+            comps["peak_rss_bytes"] = {"estimate": peak_rss(est, runtime),
+                                       "measured": max(int(m["peak_rss_bytes"]) for m in ranks)}
         if "max_memory_allocated" in ranks[0]:
             alloc = max(int(m["max_memory_allocated"]) for m in ranks)
             comps["max_memory_allocated"] = {"estimate": int(est["total_bytes"]), "measured": alloc}
@@ -180,14 +200,15 @@ def compare(cfg, measured: List[dict], device: str) -> List[dict]:
 
 def _measure_main(cfg, ours, world: int, env_world: int, model_provider) -> int:
     import torch
+    runtime = rss_bytes()  # before the ranks fork from this process (or start beside it)
     measured = _run_measure(cfg, world, env_world, model_provider, ours.iters)
     if measured is None:
         return EXIT_OK
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = compare(cfg, measured, device)
+    rows = compare(cfg, measured, device, runtime)
     if ours.json:
         print(json.dumps({"world_size": world, "device": device, "zero_stage": cfg.parallel.zero_stage,
-                          "stages": rows}, indent=2))
+                          "runtime_bytes": runtime, "stages": rows}, indent=2))
         return EXIT_OK
     print(f"{_title(cfg, world)}; ZeRO {cfg.parallel.zero_stage}; {ours.iters} iterations on {device}")
     for row in rows:
