@@ -141,7 +141,7 @@ def test_one_process_step_syncs_are_fixed(capsys):
 
 
 def _ranks(settings_list):
-    return [_count_iteration(s) for s in settings_list]
+    return [_count_iteration(s) for s in settings_list]  # [(events, buckets)] on this rank
 
 
 @pytest.mark.slow
@@ -151,9 +151,11 @@ def test_two_rank_step_syncs_are_fixed(layout):
     condition (here --exit-duration-in-mins) adds its one agreement read."""
     extra = {"dp2-zero2": dict(zero_stage=2), "pp2": dict(pipeline_model_parallel_size=2),
              "dp2-zero3-stop-agreement": dict(zero_stage=3, exit_duration_in_mins=1000.0)}[layout]
-    results = run_ranks(_ranks, 2, [_settings(False, **extra), _settings(True, **extra)])
+    layers = (2, 4) if layout == "pp2" else (1, 3)  # every stage needs a layer
+    results = run_ranks(_ranks, 2, [_settings(False, **extra, num_layers=layers[0]),
+                                    _settings(True, **extra, num_layers=layers[1])])
     expected = 3 if "stop" in layout else 2
-    for (small, _), (big, big_buckets) in results:
-        assert big_buckets >= 5
+    for (small, small_buckets), (big, big_buckets) in results:
+        assert big_buckets > small_buckets
         assert len(small) == len(big) == expected, (small, big)
         assert sorted(w for _, w in small) == sorted(w for _, w in big)

@@ -43,7 +43,7 @@ from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.moe.step import finish_step
-from megazero.precision import compute_dtype
+from megazero.precision import apply_tf32, compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.rng import seed_default_generators
 
@@ -284,6 +284,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     seed_default_generators(tr.seed, mesh)
+    apply_tf32(cfg.precision, mesh.device)  # --tf32 (CUDA only)
     chunks = [c.to(device=mesh.device, dtype=compute_dtype(cfg)) for c in model_provider(cfg, mesh)]
     for c in chunks:
         c.train()

@@ -1,8 +1,8 @@
 """Gradient synchronisation over the data-parallel axis: what happens to a bucket during backward.
 
-Gradients reach the flat buffers in one of two ways: a linear layer's weight whose dtype is the
-buffer's gets ``param.write_grad``, through which its backward writes the gradient straight into
-the weight's slice (:func:`megazero.tensor_parallel.layers.linear`); every other parameter's
+Gradients reach the flat buffers in one of two ways: a linear layer's weight gets
+``param.write_grad``, through which its backward writes the gradient straight into the weight's
+slice (a bf16/fp16 weight's product added into fp32 main gradients) (:func:`megazero.tensor_parallel.layers.linear`); every other parameter's
 ``param.grad`` is added in by a ``post_accumulate_grad`` hook and dropped.  When all of a
 bucket's parameters have their gradient, the bucket is *complete* and its reduction can start
 while backward goes on:
@@ -139,7 +139,7 @@ class _Reducer:
                       for b in self.buckets for p in b.params]
         for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
             for p in b.params:
-                if getattr(p, "linear_weight", False) and p.dtype == storage.grads.dtype:
+                if getattr(p, "linear_weight", False) and storage.grads.dtype.is_floating_point:
                     p.write_grad = functools.partial(self._write_grad, p)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
