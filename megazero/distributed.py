@@ -15,7 +15,8 @@ def all_gather_single(output, input, group=None, async_op: bool = False):  # noq
     return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output, input, group=None, async_op: bool = False, op=None):  # noqa: A002 - torch's name
+def reduce_scatter_single(output, input, group=None, async_op: bool = False,  # noqa: A002 - torch's name
+                          op=None):
     """Sum ``input`` over the ranks (or reduce with ``op``) and keep this rank's slice (dim 0) in
     ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -31,8 +31,6 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_scaling_of  # no
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
-
-
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa exists
 
 
@@ -44,6 +42,7 @@ def native_gqa(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
     gradients of a group in another order (same outputs, last-bit differences in those
     gradients): CPU results stay those of the repeated form."""
     return SDPA_GQA and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+
 
 class Norm(nn.Module):
     """LayerNorm or RMSNorm computed in fp32 whatever the parameter / activation dtype.

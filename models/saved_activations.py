@@ -149,8 +149,9 @@ def _kernel(D: Dims, q: Storage, k: Storage, v: Storage) -> Dict[str, int]:
     """What the attention kernel saves (q, k, v included) and the projection's copy of its output.
 
     Flash/efficient SDPA: q, the keys and values (copies after ``repeat_interleave`` with
-    grouped-query attention, except CUDA's flash kernel without a mask: :func:`_native_gqa`), the output and the fp32 log-sum-exp; a window's mask is shared by the
-    chunk (:func:`shared_bytes`); CPU's flash output regroups as a view (:func:`_proj_copies`).
+    grouped-query attention, except CUDA's flash kernel without a mask: :func:`_native_gqa`), the
+    output and the fp32 log-sum-exp; a window's mask is shared by the chunk (:func:`shared_bytes`);
+    CPU's flash output regroups as a view (:func:`_proj_copies`).
     Math SDPA: the scaled query and key copies, the value, the softmax, and with dropout its mask
     and the dropped probabilities ``b ap s^2 (E + M)`` (the ``5 a s^2 b`` term of Korthikanti et
     al. exists only here), and the projection's regrouped copy.  The blockwise kernel (soft-capped

@@ -117,11 +117,11 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
     tr = cfg.training
     for c in chunks:
         c.eval()
-    losses = []
+    losses, keys = [], stage_keys(chunks)  # the first stage reads tokens, the last labels and mask
     with torch.no_grad():
         for k in range(tr.eval_iters):
             batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
-                                    mesh.size("dp"), split="valid", device=mesh.device, keys=stage_keys(chunks))
+                                    mesh.size("dp"), split="valid", device=mesh.device, keys=keys)
             losses.append(_mean_loss(_forward_backward(chunks, batches, mesh, cfg, forward_only=True), mesh))
     for c in chunks:
         c.train()

@@ -2,10 +2,10 @@
 
 Gradients reach the flat buffers in one of two ways: a linear layer's weight gets
 ``param.write_grad``, through which its backward writes the gradient straight into the weight's
-slice (a bf16/fp16 weight's product added into fp32 main gradients) (:func:`megazero.tensor_parallel.layers.linear`); every other parameter's
-``param.grad`` is added in by a ``post_accumulate_grad`` hook and dropped.  When all of a
-bucket's parameters have their gradient, the bucket is *complete* and its reduction can start
-while backward goes on:
+slice (:func:`megazero.tensor_parallel.layers.linear`; a bf16/fp16 weight's product is added into
+fp32 main gradients); every other parameter's ``param.grad`` is added in by a
+``post_accumulate_grad`` hook and dropped.  When all of a bucket's parameters have their gradient,
+the bucket is *complete* and its reduction can start while backward goes on:
 
 - :class:`LastMicroBatchReducer` (stages 0/1): gradients accumulate in the full buffer over the
   micro-batches; each bucket is reduced once, in the last micro-batch's backward (an all-reduce
