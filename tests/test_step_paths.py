@@ -17,6 +17,7 @@ from megazero.tensor_parallel.layers import linear
 from megazero.zero.flat_optim import FlatAdamW
 from models.layers import native_gqa
 from models.saved_activations import _kernel, _qk_path, core_bytes
+from tolerance import U32
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -91,9 +92,11 @@ def test_adamw_scalars_are_reused_and_refilled():
     assert set(made) == {("cpu", "step"), ("cpu", "grad_scale")}
     assert all(opt.scalars[k] is made[k] for k in made)  # the same tensors, refilled
     assert opt.scalars[("cpu", "step")].item() == 3.0 and opt.scalars[("cpu", "grad_scale")].item() == 2.0
-    # one fp32 step in two orders of the same operations: a few ulps of the update (lr 1e-2)
-    torch.testing.assert_close(master, ref, rtol=0, atol=1e-6)
-    assert not torch.equal(master, master.new_zeros(64))
+    # the same fp32 arithmetic in another order: each step may round the master differently, by
+    # about an ulp of |p| (plus the update's own ulps): 3 steps x 2 roundings; a wrong step count
+    # (bias correction) moves it by ~lr = 1e-2
+    bound = 3 * 2 * U32 * float(ref.abs().max())
+    assert float((master - ref).abs().max()) <= bound
 
 
 # ---- bf16 weights, fp32 main gradients -------------------------------------------------------
