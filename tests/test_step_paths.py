@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megazero.config import config_from_dict, validate
-from megazero.data import MockGPTData, StepBatches, micro_batches, stage_keys
+from megazero.data import MockGPTData, micro_batches, stage_keys
+from megazero.data.loader import StepBatches
 from megazero.local_ranks import run_ranks
 from megazero.pipeline.schedules import build_schedule, stage_schedule, steps
 from megazero.planning.activations import dims

@@ -22,11 +22,11 @@ import torch
 
 from megazero.data.mock import MockGPTData
 from megazero.errors import ConfigError
-from megazero.data.loader import StepBatches
 
-__all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches", "stage_keys", "to_device", "StepBatches"]
+__all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches", "stage_keys", "to_device"]
 # Real data (``--data-path``): megazero.data.indexed (Megatron's .bin/.idx), megazero.data.tokenizer,
-# megazero.data.gpt_dataset.BlendedGPTData (the source build_data returns).
+# megazero.data.gpt_dataset.BlendedGPTData (the source build_data returns).  The trainer's step after
+# step loading (this stage's tensors, the next step prefetched): megazero.data.loader.StepBatches.
 
 
 def build_data(cfg):

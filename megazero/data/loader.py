@@ -14,6 +14,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megazero.data import micro_batches
+
 
 class StepBatches:
     """This rank's micro-batches of each training step (``source``: a token source)."""
@@ -29,7 +31,6 @@ class StepBatches:
         self.prefetched = 0  # steps served from the prefetch (for tests and curiosity)
 
     def load(self, first: int, size: int) -> List[Dict[str, torch.Tensor]]:
-        from megazero.data import micro_batches
         return micro_batches(self.source, None, size, self.micro_batch_size, self.dp_rank, self.dp_size,
                              device=self.device, first=first, keys=self.keys)
 

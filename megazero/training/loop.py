@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import MegazeroConfig, validate
-from megazero.data import StepBatches, build_data, micro_batches, stage_keys
+from megazero.data import build_data, micro_batches, stage_keys
+from megazero.data.loader import StepBatches
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
