@@ -202,9 +202,10 @@ def build_schedule(name: str, pp: int, m: int, vp: int = 1, forward_only: bool =
 @functools.lru_cache(maxsize=16)
 def stage_schedule(name: str, pp: int, m: int, vp: int, forward_only: bool, rank: int) -> Tuple[Step, ...]:
     """Stage ``rank``'s :func:`steps` of schedule ``name``, built once per set of arguments: the
-    executor asks for the same schedule every iteration, and building a large interleaved one (PP 16 x
-    VP 4 x 128 micro-batches) takes most of a second.  A memo of a pure function; the steps are
-    immutable (frozen actions in tuples), so callers share them safely."""
+    executor asks for the same schedule every iteration, and building one is Python work over every
+    action of every stage (``pp x m x vp`` of them, each stage's list built and all but one thrown
+    away).  A memo of a pure function; the steps are immutable (frozen actions in tuples), so callers
+    share them safely."""
     return tuple(steps(build_schedule(name, pp, m, vp, forward_only)[rank]))
 
 
