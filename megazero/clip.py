@@ -78,7 +78,7 @@ def global_norm_and_overflow(sums: torch.Tensor, mesh, device=None) -> Tuple[flo
     sums = sums.to(device or mesh.device)
     if mesh.world_size > 1:
         dist.all_reduce(sums, group=mesh.world_group)
-    counted, total = float(sums[0]), float(sums[0] + sums[1])
+    counted, total = torch.stack([sums[0], sums[0] + sums[1]]).tolist()  # the step's one read of them
     found_inf = not math.isfinite(total)
     return math.sqrt(counted) if math.isfinite(counted) else counted, found_inf
 

@@ -16,10 +16,14 @@ def all_gather_single(output, input, group=None, async_op: bool = False):  # noq
     return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output, input, group=None, async_op: bool = False):  # noqa: A002 - torch's name
-    """Sum ``input`` over the ranks and keep this rank's slice (dim 0) in ``output``."""
+def reduce_scatter_single(output, input, group=None, async_op: bool = False,  # noqa: A002 - torch's name
+                          op=None):
+    """Sum ``input`` over the ranks (or reduce with ``op``) and keep this rank's slice (dim 0) in
+    ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    if op is None:
+        return fn(output, input, group=group, async_op=async_op)
+    return fn(output, input, op=op, group=group, async_op=async_op)
 
 
 class Works:

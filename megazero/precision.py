@@ -128,6 +128,17 @@ def is_dynamic_state(state: Dict[str, float]) -> bool:
     return bool(state.get("dynamic", "growth_tracker" in state))
 
 
+def apply_tf32(precision, device: torch.device) -> bool:
+    """``--tf32`` on a CUDA device: fp32 matrix products (cuBLAS) and convolutions (cuDNN) may run
+    in TF32.  Process-wide torch settings; without the flag, or on another device, nothing is
+    changed (PyTorch's defaults, or what the environment chose, stay).  Returns whether it set them."""
+    if not getattr(precision, "tf32", False) or torch.device(device).type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
 def build_loss_scaler(precision):
     """The scaler a :class:`~megazero.config.PrecisionConfig` asks for: dynamic for fp16 without
     ``--loss-scale``, otherwise constant (1.0 for bf16/fp32 unless ``--loss-scale`` is given)."""

@@ -32,6 +32,18 @@ from .rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_scaling_of  # no
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa exists
+
+
+def native_gqa(q: torch.Tensor, mask: Optional[torch.Tensor]) -> bool:
+    """Whether grouped-query attention goes to SDPA as it is (``enable_gqa=True``, no K/V copies):
+    on CUDA in half precision without a mask, where SDPA's flash kernel reads each key/value head
+    for its group.  Elsewhere the keys and values are repeated: fp32, a mask (the memory-efficient
+    and math kernels would repeat them anyway) and the CPU, whose kernel sums the key/value
+    gradients of a group in another order (same outputs, last-bit differences in those
+    gradients): CPU results stay those of the repeated form."""
+    return SDPA_GQA and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+
 
 class Norm(nn.Module):
     """LayerNorm or RMSNorm computed in fp32 whatever the parameter / activation dtype.
@@ -173,10 +185,12 @@ class Attention(nn.Module):
                                   scale=self.scale, window=self.window, softcap=self.softcap)
         if self.softcap is not None:
             return blockwise_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)[0]
-        if self.q_per_group > 1:  # grouped-query: each key/value head serves q_per_group query heads
+        kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=True)
+        if self.q_per_group > 1 and native_gqa(q, mask):  # the kernel reads each K/V head per group
+            kw["enable_gqa"] = True
+        elif self.q_per_group > 1:  # grouped-query: each key/value head serves q_per_group query heads
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
-        kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=True)
         if self.training and self.dropout > 0:
             with self.tracker.fork():  # heads are split over TP: a different mask on each rank
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, scale=self.scale, **kw)

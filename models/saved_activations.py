@@ -20,7 +20,8 @@ Per transformer layer (no recomputation):
 - q/k norms (:func:`_qk_path`) keep their input (the QKV output, or the regrouped query), rsqrt and
   normalised product; the core then sees their (rotated) output;
 - attention, flash/efficient SDPA (CPU without attention dropout, CUDA): the query storage, the
-  key and value after ``repeat_interleave`` (always copies, ``2 E T ap d``), the output
+  key and value after ``repeat_interleave`` (copies, ``2 E T ap d``; with grouped-query attention on
+  CUDA's flash kernel without a window, ``enable_gqa`` instead: the grouped ones), the output
   ``E T ap d`` and the fp32 log-sum-exp ``4 b ap s`` (efficient kernel: ``s`` rounded up to 32).
   The query is a view of the fused QKV output when there is no RoPE and one query head per group
   (GPT-2), so the whole QKV output ``E T (ap + 2 gp) d`` stays alive; otherwise it is its own
@@ -108,6 +109,12 @@ def _grouped(D: Dims) -> bool:
     return D.ap != D.gp
 
 
+def _native_gqa(D: Dims) -> bool:
+    """``models.layers.native_gqa``: CUDA's flash kernel (half precision) without a window mask
+    takes the grouped keys and values as they are (``enable_gqa``), no repeated copies."""
+    return D.device != "cpu" and D.backend == "flash" and D.window is None
+
+
 def _lse(D: Dims) -> int:
     s = -(-D.s // 32) * 32 if D.backend == "efficient" else D.s
     return FP32 * D.b * D.ap * s
@@ -149,8 +156,9 @@ def _kernel(D: Dims, q: Storage, k: Storage, v: Storage) -> Dict[str, int]:
     """What the attention kernel saves (q, k, v included) and the projection's copy of its output.
 
     Flash/efficient SDPA: q, the keys and values (copies after ``repeat_interleave`` with
-    grouped-query attention), the output and the fp32 log-sum-exp; a window's mask is shared by the
-    chunk (:func:`shared_bytes`); CPU's flash output regroups as a view (:func:`_proj_copies`).
+    grouped-query attention, except CUDA's flash kernel without a mask: :func:`_native_gqa`), the
+    output and the fp32 log-sum-exp; a window's mask is shared by the chunk (:func:`shared_bytes`);
+    CPU's flash output regroups as a view (:func:`_proj_copies`).
     Math SDPA: the scaled query and key copies, the value, the softmax, and with dropout its mask
     and the dropped probabilities ``b ap s^2 (E + M)`` (the ``5 a s^2 b`` term of Korthikanti et
     al. exists only here), and the projection's regrouped copy.  The blockwise kernel (soft-capped
@@ -168,7 +176,7 @@ def _kernel(D: Dims, q: Storage, k: Storage, v: Storage) -> Dict[str, int]:
     if D.backend in ("blockwise", "ring"):
         out.update([k, v], proj_copy=_heads(D))
         return out
-    if _grouped(D):
+    if _grouped(D) and not _native_gqa(D):
         out.update(k_repeated=_heads(D), v_repeated=_heads(D))
     else:
         out.update([k, v])

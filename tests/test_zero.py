@@ -821,13 +821,18 @@ def test_linear_weight_gradients_written_into_the_buffer_match_float64_autograd(
         assert float(g.abs().max()) > 100 * (C_FWD_BWD * U32 * float(g.abs().max()) + 4 * U32 * p_max), n
 
 
-def test_linear_weights_keep_their_grad_when_the_buffer_has_another_dtype():
+def test_bf16_linear_weights_write_into_fp32_main_gradients():
+    """bf16 weights with fp32 gradient buffers get ``write_grad`` too (no bf16 ``.grad``); that the
+    numbers are those of the ``.grad`` path: tests/test_step_paths.py."""
     from megazero.config import config_from_dict
     from models import build_chunks
     cfg = validate(config_from_dict(dict(GPT, bf16=True, grad_reduce_dtype="fp32")), 1)
     (chunk,) = build_chunks(cfg)
-    build_optimizer([chunk], _mesh(), cfg)
-    assert not any(hasattr(p, "write_grad") for p in chunk.parameters())  # bf16 weights, fp32 gradients
+    opt = build_optimizer([chunk], _mesh(), cfg)
+    assert opt.storage.grads.dtype == torch.float32
+    weights = [p for p in chunk.parameters() if getattr(p, "linear_weight", False)]
+    assert weights and all(p.dtype == torch.bfloat16 and hasattr(p, "write_grad") for p in weights)
+    assert not any(hasattr(p, "write_grad") for p in chunk.parameters() if not getattr(p, "linear_weight", 0))
 
 
 @pytest.mark.parametrize("dtype,optimizer,extra,want", [

@@ -290,6 +290,9 @@ class PrecisionConfig:
     """Mixed precision and loss scaling."""
     bf16: bool = _f(False, "Parameters and activations in bfloat16, fp32 master weights.")
     fp16: bool = _f(False, "Parameters and activations in float16, fp32 master weights, loss scaling.")
+    tf32: bool = _f(False, "On CUDA, fp32 matrix products and convolutions in TF32 (tensor cores; about "
+                    "10 mantissa bits per product). Default: PyTorch's (fp32 products stay fp32 unless "
+                    "the environment says otherwise, as NGC containers do).")
     loss_scale: Optional[float] = _f(None, "Constant loss scale for fp16 (default: dynamic).", type=float)
     initial_loss_scale: float = _f(2.0 ** 32, "Starting dynamic loss scale.", type=float)
     min_loss_scale: float = _f(1.0, "Training stops if the dynamic scale would fall below this.", type=float)

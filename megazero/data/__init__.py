@@ -16,16 +16,17 @@ which the source keeps disjoint from training samples.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from megazero.data.mock import MockGPTData
 from megazero.errors import ConfigError
 
-__all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches"]
+__all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches", "stage_keys", "to_device"]
 # Real data (``--data-path``): megazero.data.indexed (Megatron's .bin/.idx), megazero.data.tokenizer,
-# megazero.data.gpt_dataset.BlendedGPTData (the source build_data returns).
+# megazero.data.gpt_dataset.BlendedGPTData (the source build_data returns).  The trainer's step after
+# step loading (this stage's tensors, the next step prefetched): megazero.data.loader.StepBatches.
 
 
 def build_data(cfg):
@@ -91,19 +92,36 @@ def sample_range(step: Optional[int], global_batch_size: int, dp_rank: int = 0, 
     return range(start, start + share)
 
 
+BATCH_KEYS = ("tokens", "labels", "loss_mask")
+
+
+def stage_keys(chunks) -> tuple:
+    """The micro-batch tensors a pipeline stage reads: ``tokens`` where one of its chunks embeds the
+    input (the first stage), ``labels`` and ``loss_mask`` where one computes the loss (the last)."""
+    first = any(getattr(c, "pre_process", True) for c in chunks)
+    last = any(getattr(c, "post_process", True) for c in chunks)
+    return (("tokens",) if first else ()) + (("labels", "loss_mask") if last else ())
+
+
 def micro_batches(source, step: Optional[int], global_batch_size: int, micro_batch_size: int,
                   dp_rank: int = 0, dp_size: int = 1, split: str = "train",
                   device: Optional[torch.device] = None,
-                  first: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+                  first: Optional[int] = None, keys: Sequence[str] = BATCH_KEYS) -> List[Dict[str, torch.Tensor]]:
     """This rank's micro-batches of batch ``step`` (or of the batch of ``global_batch_size`` samples
     that starts at sample ``first``): dicts of ``tokens``, ``labels`` (the next token) and
     ``loss_mask``, each ``[micro_batch_size, seq_length]``.  The mask is all ones unless the source
     has a ``masked_token`` (``--eod-mask-loss``): positions whose input is that token (the
-    prediction across a document boundary) are then left out, as in Megatron-LM."""
+    prediction across a document boundary) are then left out, as in Megatron-LM.
+
+    ``keys``: the tensors to build (:func:`stage_keys`: a middle pipeline stage reads none, and then
+    no sample is read either).  ``device``: where they go; to a device other than the CPU through
+    pinned memory with ``non_blocking`` copies (:func:`to_device`)."""
     indices = sample_range(step, global_batch_size, dp_rank, dp_size, first)
     if len(indices) % micro_batch_size:
         raise ValueError(f"a share of {len(indices)} samples is not divisible by micro-batch size "
                          f"{micro_batch_size}")
+    if not keys:
+        return [{} for _ in range(len(indices) // micro_batch_size)]
     ids = source.get_tokens(list(indices), split)
     out = []
     for start in range(0, len(indices), micro_batch_size):
@@ -112,5 +130,22 @@ def micro_batches(source, step: Optional[int], global_batch_size: int, micro_bat
         masked = getattr(source, "masked_token", None)
         mask = (tokens != masked).float() if masked is not None else torch.ones(labels.shape)
         batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
-        out.append({k: v.to(device) for k, v in batch.items()} if device is not None else batch)
+        out.append(to_device({k: batch[k] for k in keys}, device))
+    return out
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: Optional[torch.device]) -> Dict[str, torch.Tensor]:
+    """``batch`` on ``device`` (unchanged for None or the CPU).  To an accelerator each tensor is
+    pinned first and copied with ``non_blocking``: the host does not wait for the copy, which runs
+    in stream order before the kernels that read it (the pinned allocator keeps the host copy until
+    the transfer is done)."""
+    if device is None or torch.device(device).type == "cpu":
+        return batch if device is None else {k: v.to(device) for k, v in batch.items()}
+    out = {}
+    for k, v in batch.items():
+        try:
+            v = v.pin_memory()
+        except RuntimeError:  # an accelerator without pinned host memory: a plain copy
+            pass
+        out[k] = v.to(device, non_blocking=v.is_pinned())
     return out

@@ -49,7 +49,7 @@ from torch.autograd.variable import Variable
 
 from megazero.moe.stats import set_backward_scale
 from megazero.pipeline.p2p import StageComm
-from megazero.pipeline.schedules import Action, build_schedule, steps
+from megazero.pipeline.schedules import Action, stage_schedule, steps
 
 if TYPE_CHECKING:
     from megazero.zero.reducers import GradSync
@@ -306,15 +306,17 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     _check_chunks(chunks, mesh)
     if not forward_only:  # MoE layers' auxiliary losses: the gradient a micro-batch's loss gets
         set_backward_scale(chunks, loss_scale / m)
-    if isinstance(schedule, str):
-        actions = build_schedule(schedule, mesh.size("pp"), m, vp, forward_only)[mesh.coord("pp")]
+    if isinstance(schedule, str):  # cached: the same schedule every iteration
+        stage_steps = stage_schedule(schedule, mesh.size("pp"), m, vp, forward_only, mesh.coord("pp"))
+        actions = [a for step in stage_steps for a in ((step,) if isinstance(step, Action) else step)]
     else:
         actions = list(schedule)
+        stage_steps = tuple(steps(actions))
     stage = _Stage(chunks, mesh, _take(micro_batches, m), actions, grad_sync, loss_scale, forward_only,
                    deallocate_outputs)
     comm = StageComm(mesh, tensor_shape, dtype, vp)
     clock = _Clock(timer, mesh.device)
-    for step in steps(actions):
+    for step in stage_steps:
         clock.measure(stage)
         if isinstance(step, Action):
             with clock.timing("p2p_s"):  # this compute's input: received only now if still in flight

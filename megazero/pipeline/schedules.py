@@ -19,6 +19,7 @@ precedes its backward, counts live activations, and times the run with given F/B
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -196,6 +197,16 @@ def build_schedule(name: str, pp: int, m: int, vp: int = 1, forward_only: bool =
         return interleaved_one_f_one_b(pp, m, vp, forward_only)
     check_schedule(name, pp, m, vp)
     return (gpipe if name == "gpipe" else one_f_one_b)(pp, m, forward_only)
+
+
+@functools.lru_cache(maxsize=16)
+def stage_schedule(name: str, pp: int, m: int, vp: int, forward_only: bool, rank: int) -> Tuple[Step, ...]:
+    """Stage ``rank``'s :func:`steps` of schedule ``name``, built once per set of arguments: the
+    executor asks for the same schedule every iteration, and building one is Python work over every
+    action of every stage (``pp x m x vp`` of them, each stage's list built and all but one thrown
+    away).  A memo of a pure function; the steps are immutable (frozen actions in tuples), so callers
+    share them safely."""
+    return tuple(steps(build_schedule(name, pp, m, vp, forward_only)[rank]))
 
 
 def bubble_fraction(pp: int, m: int, vp: int = 1) -> float:

@@ -37,14 +37,15 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import MegazeroConfig, validate
-from megazero.data import build_data, micro_batches
+from megazero.data import build_data, micro_batches, stage_keys
+from megazero.data.loader import StepBatches
 from megazero.host_memory import limit_retention, peak_rss_bytes
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.moe.step import finish_step
-from megazero.precision import compute_dtype
+from megazero.precision import apply_tf32, compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.deferred import build_chunks, realize_rest
 from megazero.tensor_parallel.rng import seed_default_generators
@@ -86,15 +87,21 @@ def build_mesh(cfg: MegazeroConfig, device: Optional[torch.device] = None) -> Pa
 # ---- one step ------------------------------------------------------------------------------
 def _mean_loss(losses: Sequence, mesh: ParallelMesh) -> float:
     """Average of the last stage's micro-batch losses over micro-batches and DP, on every rank (every
-    CP rank holds the same, global, loss: one of them counts)."""
+    CP rank holds the same, global, loss: one of them counts).  The sum stays on the device (a
+    sequential float64 sum, as Python's) and is read once: one host sync for any number of
+    micro-batches."""
     owner = mesh.is_last_stage and mesh.coord("tp") == 0 and mesh.coord("cp") == 0
-    local = sum(float(x) for x in losses) / max(1, len(losses)) if owner and losses else 0.0
+    on = mesh.device if not mesh.is_distributed or mesh.backend == "nccl" else torch.device("cpu")
+    if owner and losses:
+        local = torch.stack([x.reshape(()) for x in losses]).double().cumsum(0)[-1] / len(losses)
+        local = local.to(on)
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=on)
     if not mesh.is_distributed:
-        return local
-    value = torch.tensor([local / mesh.size("dp") if owner else 0.0], dtype=torch.float64,
-                         device=mesh.device if mesh.backend == "nccl" else "cpu")
+        return local.item()
+    value = (local / mesh.size("dp")).reshape(1) if owner else local.reshape(1)
     dist.all_reduce(value, group=mesh.world_group)
-    return float(value.item())
+    return value.item()
 
 
 def _forward_backward(chunks, batches, mesh, cfg, optimizer=None, forward_only=False):
@@ -113,11 +120,11 @@ def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
     tr = cfg.training
     for c in chunks:
         c.eval()
-    losses = []
+    losses, keys = [], stage_keys(chunks)  # the first stage reads tokens, the last labels and mask
     with torch.no_grad():
         for k in range(tr.eval_iters):
             batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
-                                    mesh.size("dp"), split="valid", device=mesh.device)
+                                    mesh.size("dp"), split="valid", device=mesh.device, keys=keys)
             losses.append(_mean_loss(_forward_backward(chunks, batches, mesh, cfg, forward_only=True), mesh))
     for c in chunks:
         c.train()
@@ -272,6 +279,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     limit_retention()  # freed tensors of a few MiB go back to the system, not into glibc's heaps
     seed_default_generators(tr.seed, mesh)
+    apply_tf32(cfg.precision, mesh.device)  # --tf32 (CUDA only)
     # built without memory where the model allows: the optimizer initialises it bucket by bucket
     chunks = build_chunks(model_provider, cfg, mesh, compute_dtype(cfg))
     for c in chunks:
@@ -324,9 +332,10 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
     lr, decoupled_lr = lrs_at(cfg, pos.lr_samples)  # skipped steps do not advance the schedule
     io_before = optimizer.io_counts()
     optimizer.zero_grad()
-    batches = micro_batches(data, None, batch, tr.micro_batch_size, mesh.coord("dp"), mesh.size("dp"),
-                            device=mesh.device, first=pos.consumed)
+    batches = data.get(pos.consumed, batch)  # data: a StepBatches (this stage's tensors, prefetched)
     losses = _forward_backward(chunks, batches, mesh, cfg, optimizer)
+    if pos.iteration + 1 < tr.train_iters:  # the device computes: the host reads the next batch
+        data.ahead(pos.consumed + batch)
     optimizer.finish_grad_sync()
     moe = finish_step(chunks, mesh, cfg, len(batches))  # MoE routers: records reduced, expert biases moved
     if skip_if is not None:  # the loss first (a collective): every rank decides alike
@@ -366,13 +375,15 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
     chunks, optimizer, data, schedule, pos, logger = _startup(cfg, model_provider, mesh, stream, guard)
     start_iter, history, saved_at = pos.iteration, [], None
     saver = Saver(cfg, chunks, optimizer, mesh, logger, guard) if ck.save else None
+    loader = StepBatches(data, tr.micro_batch_size, mesh.coord("dp"), mesh.size("dp"), mesh.device,
+                         stage_keys(chunks), lambda consumed: batch_size_at(schedule, consumed))
     work = (model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg),
             device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16"))
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)
             batch = batch_size_at(schedule, pos.consumed)
-            m, stats, loss = _step(cfg, chunks, optimizer, data, mesh, pos, batch, work,
+            m, stats, loss = _step(cfg, chunks, optimizer, loader, mesh, pos, batch, work,
                                    guard.skip_spike if guard.spike.skips else None)
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)

@@ -9,6 +9,9 @@ receive buffer while it runs.  Other backends (NCCL) use their native reduce-sca
 bf16/fp16 gradients: summed in another order than gloo's all-reduce, their rounding would make
 ZeRO-1/2/3 drift visibly from stage 0 under Adam.
 
+On NCCL a mean over the whole group is ``ReduceOp.AVG`` (:func:`averages_natively`); gloo has no
+average for these collectives, so there the sum is scaled after it.
+
 Every launch returns a :class:`Reduction` that says how many bytes of temporaries it holds until
 it is waited for, so the optimizer can bound the gradient memory in flight.  A reduction the caller
 waits for at once (``blocking``: the tied embedding's parts, embedding-sized) runs on gloo as a
@@ -55,9 +58,20 @@ class Reduction:
             finish()
 
 
+def averages_natively(group, size: int) -> bool:
+    """Whether a mean over ``size`` ranks of ``group`` can be the collective's own ``ReduceOp.AVG``:
+    NCCL has it for all-reduce and reduce-scatter (one kernel, no pass of its own to divide), gloo
+    does not (there the sum is divided afterwards, as before), and the mean must be over the group
+    itself (expert buckets average over more ranks than their group)."""
+    return (hasattr(dist.ReduceOp, "AVG") and dist.get_backend(group) == "nccl"
+            and size == dist.get_world_size(group))
+
+
 def all_reduce_mean(buf: torch.Tensor, group, size: int) -> Reduction:
     """Start summing ``buf`` in place over ``group`` and dividing by ``size`` (the ranks the mean is
     over, which for expert buckets are more than the group's); no temporaries."""
+    if averages_natively(group, size):
+        return Reduction(dist.all_reduce(buf, op=dist.ReduceOp.AVG, group=group, async_op=True))
     work = dist.all_reduce(buf, group=group, async_op=True)
     return Reduction(work, lambda: buf.mul_(1.0 / size))
 
@@ -92,6 +106,10 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, scale: float = 1
                     out.mul_(scale)
         return Reduction(work, finish, inp, recv.nbytes, out.nbytes if accumulate else 0)
     tmp = torch.empty_like(out) if accumulate else out
+    size = dist.get_world_size(group)
+    if not accumulate and scale == 1.0 / size and averages_natively(group, size):
+        return Reduction(reduce_scatter_single(out, inp, group=group, async_op=True, op=dist.ReduceOp.AVG),
+                         None, inp)
     work = reduce_scatter_single(tmp, inp, group=group, async_op=True)
 
     def finish_native():

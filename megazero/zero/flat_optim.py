@@ -30,6 +30,7 @@ class FlatAdamW:
                  weight_decay: float = 0.0):
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         self.fused_devices: Dict[str, bool] = {}  # device type -> whether torch has a fused kernel for it
+        self.scalars: Dict[Tuple[str, str], torch.Tensor] = {}  # (device, name) -> the kernel's scalar
 
     def init_state(self, master: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {name: torch.zeros_like(master) for name in self.state_names}
@@ -61,6 +62,15 @@ class FlatAdamW:
             for a, b in segments:
                 master[a:b].addcdiv_(m[a:b], denom[a:b], value=-rate / bc1)
 
+    def _scalar(self, device: torch.device, name: str, value: float) -> torch.Tensor:
+        """The kernel's scalar ``name`` on ``device``, made once and refilled in place each step (a
+        ``fill_`` is a kernel with the value as its argument: no host-to-device copy per bucket, as a
+        new ``torch.tensor(value, device=...)`` would be)."""
+        key = (str(device), name)
+        if key not in self.scalars:
+            self.scalars[key] = torch.empty((), dtype=torch.float32, device=device)
+        return self.scalars[key].fill_(value)
+
     def _fused(self, flat, decay: Segments, runs, step: int, grad_mul: float) -> bool:
         """PyTorch's fused AdamW kernel on ``flat = (master, grad, exp_avg, exp_avg_sq)``, when this
         torch has one for the device (CPUs since 2.4); False (nothing done) otherwise.  For each rate
@@ -72,8 +82,8 @@ class FlatAdamW:
             return False
         if self.fused_devices.get(master.device.type) is False:
             return False
-        step_t = torch.tensor(float(step), device=master.device)
-        scale = None if grad_mul == 1.0 else torch.tensor(1.0 / grad_mul, device=master.device)
+        step_t = self._scalar(master.device, "step", float(step))
+        scale = None if grad_mul == 1.0 else self._scalar(master.device, "grad_scale", 1.0 / grad_mul)
         decayed = decay if self.weight_decay else []
         parts = [(_intersect(part, segments), wd, rate) for segments, rate in runs
                  for part, wd in ((decayed, self.weight_decay), (_complement(decayed, master.numel()), 0.0))]

@@ -1,11 +1,11 @@
 """Gradient synchronisation over the data-parallel axis: what happens to a bucket during backward.
 
-Gradients reach the flat buffers in one of two ways: a linear layer's weight whose dtype is the
-buffer's gets ``param.write_grad``, through which its backward writes the gradient straight into
-the weight's slice (:func:`megazero.tensor_parallel.layers.linear`); every other parameter's
-``param.grad`` is added in by a ``post_accumulate_grad`` hook and dropped.  When all of a
-bucket's parameters have their gradient, the bucket is *complete* and its reduction can start
-while backward goes on:
+Gradients reach the flat buffers in one of two ways: a linear layer's weight gets
+``param.write_grad``, through which its backward writes the gradient straight into the weight's
+slice (:func:`megazero.tensor_parallel.layers.linear`; a bf16/fp16 weight's product is added into
+fp32 main gradients); every other parameter's ``param.grad`` is added in by a
+``post_accumulate_grad`` hook and dropped.  When all of a bucket's parameters have their gradient,
+the bucket is *complete* and its reduction can start while backward goes on:
 
 - :class:`LastMicroBatchReducer` (stages 0/1): gradients accumulate in the full buffer over the
   micro-batches; each bucket is reduced once, in the last micro-batch's backward (an all-reduce
@@ -143,11 +143,9 @@ class _Reducer:
         self.expected = [len(b.params) for b in self.buckets]
         for b in self.buckets:  # linear layers' weights: their backward writes into the buffer itself
             for p in b.params:
-                if p.dtype != storage.grads.dtype:
-                    continue
-                if getattr(p, "linear_weight", False):
+                if getattr(p, "linear_weight", False) and storage.grads.dtype.is_floating_point:
                     p.write_grad = functools.partial(self._write_grad, p)
-                elif getattr(p, "grad_arrivals", 1) == 2:
+                elif getattr(p, "grad_arrivals", 1) == 2 and p.dtype == storage.grads.dtype:
                     p.write_grad = functools.partial(self._write_grad, p)
                     self.expected[b.index] += 1
 
@@ -314,8 +312,12 @@ class EveryMicroBatchReducer(_Reducer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for b in self.buckets:  # the tied embedding alone in its bucket: its lookup's part as rows
-            if len(b.params) == 1 and self.expected[b.index] > 1:
+        # the tied embedding alone in its bucket: its lookup's part as rows, on the host only (how
+        # many rows each rank has is read there; on an accelerator that read would stall the queue
+        # once per micro-batch, so there the part stays dense)
+        host = self.storage.grads.device.type == "cpu"
+        for b in self.buckets:
+            if len(b.params) == 1 and self.expected[b.index] > 1 and host:
                 b.params[0].sparse_grad = True
 
     def _write_pieces(self, b: Bucket, write) -> bool:

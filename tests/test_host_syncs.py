@@ -1,0 +1,178 @@
+"""Host syncs of one training iteration: a small, fixed number, whatever the buckets, micro-batches
+and layers.
+
+Every way a tensor's value reaches Python (``.item()``, ``float()``/``int()``/``bool()``/
+``operator.index`` of a tensor, ``.tolist()``) and every blocking copy between devices (``.to()``,
+``.cpu()``, ``.copy_()`` without ``non_blocking``) is counted by patching ``torch.Tensor`` while the
+trainer runs; the iteration counted is the whole loop body of iteration 2 (step, logging, checks,
+the stop agreement), from one ``RunGuard.begin`` to the next.  On a CPU the copies are never
+between devices (the counter would see them on an accelerator); the value reads are the syncs that
+stall a GPU's launch queue.  What remains, per docs/internals.md ("What a step waits for"): the
+gradient norm and overflow flag (one read: the skip decision and the logged norm), the loss (one
+read after its all-reduce) and, when a stop condition is configured over several ranks, the stop
+agreement.
+"""
+import collections
+import contextlib
+import traceback
+
+import pytest
+import torch
+
+from megazero.config import config_from_dict
+from megazero.local_ranks import run_ranks
+
+READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
+
+
+class SyncCounter:
+    """Counts host syncs while :meth:`patched` is active and :attr:`on` is True; ``events`` holds
+    ``(kind, "file:line")`` of each (the first frame in megazero, else the caller)."""
+
+    def __init__(self):
+        self.on = False
+        self.events = []
+
+    def _record(self, kind):
+        if not self.on:
+            return
+        frames = traceback.extract_stack()[:-2]
+        ours = [f for f in frames if "/megazero/" in f.filename] or frames
+        self.events.append((kind, f"{ours[-1].filename.split('/megazero/')[-1]}:{ours[-1].lineno}"))
+
+    @contextlib.contextmanager
+    def patched(self):
+        originals = {name: getattr(torch.Tensor, name) for name in READS + ("to", "cpu", "copy_")}
+
+        def read(name):
+            def counted(t, *args, **kwargs):
+                self._record(name)
+                return originals[name](t, *args, **kwargs)
+            return counted
+
+        def to(t, *args, **kwargs):
+            out = originals["to"](t, *args, **kwargs)
+            if out.device != t.device and not kwargs.get("non_blocking", False) and not (
+                    len(args) > 1 and isinstance(args[1], bool) and args[1]):
+                self._record("blocking .to()")
+            return out
+
+        def cpu(t, *args, **kwargs):
+            if t.device.type != "cpu":
+                self._record("blocking .cpu()")
+            return originals["cpu"](t, *args, **kwargs)
+
+        def copy_(t, src, non_blocking=False):
+            if src.device != t.device and not non_blocking:
+                self._record("blocking .copy_()")
+            return originals["copy_"](t, src, non_blocking)
+
+        for name in READS:
+            setattr(torch.Tensor, name, read(name))
+        torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_ = to, cpu, copy_
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+
+
+def _settings(grown: bool, **extra):
+    """A tiny GPT; ``grown``: three times the layers, four times the micro-batches and buckets of a
+    few hundred elements (about one per parameter) instead of one bucket."""
+    base = dict(mock_data=True, num_layers=3 if grown else 1, hidden_size=16, num_attention_heads=2,
+                seq_length=8, vocab_size=64, micro_batch_size=1, global_batch_size=8 if grown else 2,
+                train_iters=3, eval_interval=0, optimizer="adam", lr=1e-3, log_interval=1,
+                hidden_dropout=0.0, attention_dropout=0.0, ddp_bucket_size=300 if grown else None)
+    return dict(base, **extra)
+
+
+def _count_iteration(settings):
+    """``(sync events of iteration 2, buckets, micro-batches)`` on this rank."""
+    import models
+    from megazero.resilience import RunGuard
+    from megazero.training import train
+    from megazero.zero.optimizer import ZeroOptimizer
+    counter, seen = SyncCounter(), {}
+    begin, zero_grad = RunGuard.begin, ZeroOptimizer.zero_grad
+
+    def counting_begin(guard, iteration):
+        counter.on = iteration == 2
+        return begin(guard, iteration)
+
+    def recording_zero_grad(opt, *args, **kwargs):
+        seen["buckets"] = len(opt.buckets)
+        return zero_grad(opt, *args, **kwargs)
+
+    RunGuard.begin, ZeroOptimizer.zero_grad = counting_begin, recording_zero_grad
+    try:
+        with counter.patched():
+            train(config_from_dict(settings), models.build_chunks, stream=None)
+    finally:
+        RunGuard.begin, ZeroOptimizer.zero_grad = begin, zero_grad
+    return counter.events, seen["buckets"]
+
+
+def _host_only(events):
+    """``(events, n)``: the events less the ``n`` reads inside :func:`megazero.zero.comm.reduce_rows`,
+    which runs only where the gradients live on the host (the reducer gives the lookup a sparse
+    gradient only there), so no accelerator ever waits on them."""
+    import inspect
+
+    from megazero.zero import comm
+    lines, first = inspect.getsourcelines(comm.reduce_rows)
+    inside = {f"zero/comm.py:{n}" for n in range(first, first + len(lines))}
+    return [e for e in events if e[1] not in inside], sum(e[1] in inside for e in events)
+
+
+def _kinds(events):
+    return collections.Counter(kind for kind, _ in events)
+
+
+def test_the_counter_sees_each_kind_of_read():
+    counter = SyncCounter()
+    t = torch.tensor([1.5, 2.0])
+    with counter.patched():
+        counter.on = True
+        t[0].item(), float(t[0]), int(t[1]), bool(t[1]), t.tolist(), [0, 1, 2][t[1].long()]
+        t.to(torch.float64)  # no device change: no copy
+    assert _kinds(counter.events) == {"item": 1, "__float__": 1, "__int__": 1, "__bool__": 1, "tolist": 1,
+                                      "__index__": 1}
+    assert float(t[0]) == 1.5 and torch.Tensor.item is not SyncCounter  # restored
+
+
+def test_one_process_step_syncs_are_fixed(capsys):
+    """Two reads, the gradient norm with the overflow flag and the loss, with 1 or ~30 buckets, 2 or
+    8 micro-batches, 1 or 3 layers."""
+    small, small_buckets = _count_iteration(_settings(False))
+    big, big_buckets = _count_iteration(_settings(True))
+    assert small_buckets == 1 and big_buckets >= 10
+    assert len(small) == len(big) == 2, (small, big)
+    assert sorted(where for _, where in small) == sorted(where for _, where in big)
+    assert _kinds(big) == {"tolist": 1, "item": 1}
+
+
+def _ranks(settings_list):
+    return [_count_iteration(s) for s in settings_list]  # [(events, buckets)] on this rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp2-zero2", "pp2", "dp2-zero3-stop-agreement"])
+def test_two_rank_step_syncs_are_fixed(layout):
+    """Every rank syncs as often under DP 2 (ZeRO-2/3) or PP 2, small or grown; a configured stop
+    condition (here --exit-duration-in-mins) adds its one agreement read."""
+    extra = {"dp2-zero2": dict(zero_stage=2), "pp2": dict(pipeline_model_parallel_size=2),
+             "dp2-zero3-stop-agreement": dict(zero_stage=3, exit_duration_in_mins=1000.0)}[layout]
+    layers = (2, 4) if layout == "pp2" else (1, 3)  # every stage needs a layer
+    results = run_ranks(_ranks, 2, [_settings(False, **extra, num_layers=layers[0]),
+                                    _settings(True, **extra, num_layers=layers[1])])
+    expected = 3 if "stop" in layout else 2
+    for (small, small_buckets), (big, big_buckets) in results:
+        assert big_buckets > small_buckets
+        small, small_rows = _host_only(small)
+        big, big_rows = _host_only(big)
+        # ZeRO-2/3 over 2 ranks, the tied embedding alone in its bucket (grown): its lookup's rows
+        # are reduced on the host, one count read per micro-batch (4 a rank), never on an accelerator
+        assert small_rows == 0 and big_rows == (4 if "dp2" in layout else 0), (small_rows, big_rows)
+        assert len(small) == len(big) == expected, (small, big)
+        assert sorted(w for _, w in small) == sorted(w for _, w in big)
