@@ -395,6 +395,17 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = _f(None, "wandb run name.")
     wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
+    profile: bool = _f(False, "Profile the iterations from --profile-step-start + 1 to --profile-step-end on "
+                       "--profile-ranks (megazero/training/profile.py): a torch.profiler Chrome/Perfetto "
+                       "trace per rank in --profile-dir (on a GPU without --use-pytorch-profiler: a CUDA "
+                       "profiler capture range for nsys).")
+    use_pytorch_profiler: bool = _f(False, "With --profile: torch.profiler's trace also on a GPU (on the CPU "
+                                    "it is the only profiler).")
+    profile_step_start: int = _f(10, "With --profile: iterations done when profiling starts.")
+    profile_step_end: int = _f(12, "With --profile: iterations done when profiling stops.")
+    profile_ranks: List[int] = _f([0], "With --profile: the global ranks that profile.", nargs="+", type=int)
+    profile_dir: Optional[str] = _f(None, "With --profile: directory of the trace_rank<R>_iters<A>-<B>.json "
+                                    "files (default --tensorboard-dir, else ./profile).")
     dry_run: bool = _f(False, "Validate the flags for a job of $WORLD_SIZE ranks (default 1), print the "
                        "layout and exit 0 without training (--nvme-path, a directory of the training "
                        "machine, is not checked).", action="store_true")

@@ -51,7 +51,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     for check in (_check_model, _check_moe, _check_context_parallel, _check_sequence_parallel,
                   _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
-                  _check_checkpoint, *data, _check_resilience):
+                  _check_checkpoint, *data, _check_resilience, _check_profile):
         check(resolved)
     return resolved
 
@@ -545,3 +545,16 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
     _check(res.exit_signal_handler or signals == ["SIGTERM"],
            f"--exit-signal {' '.join(signals)} needs --exit-signal-handler (which turns the signal into a "
            "save and a clean exit)")
+
+
+def _check_profile(cfg: MegazeroConfig) -> None:
+    """--profile's window and ranks (megazero/training/profile.py)."""
+    lg, world = cfg.logging, cfg.parallel.world_size
+    if not lg.profile:
+        return
+    _check(0 <= lg.profile_step_start < lg.profile_step_end,
+           f"--profile-step-start {lg.profile_step_start} --profile-step-end {lg.profile_step_end}: need "
+           "0 <= start < end (the iterations done when profiling starts and when it stops)")
+    ranks = list(lg.profile_ranks or [])
+    _check(bool(ranks) and all(isinstance(r, int) and 0 <= r < world for r in ranks),
+           f"--profile-ranks {' '.join(map(str, ranks))}: give global ranks from 0 to {world - 1}")
