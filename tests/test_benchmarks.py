@@ -5,6 +5,7 @@ same run); what is checked is that the scripts run, select what they claim and t
 ``bench_peers.py`` compute what megazero computes (equal first-step losses).
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -99,3 +100,16 @@ def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
         # same initial weights and samples: the first step's loss agrees to fp32 rounding
         assert r["first_loss"]["megazero"] == pytest.approx(r["first_loss"]["peer"], rel=1e-5), r["layout"]
         assert r["megazero_mb"] <= r["formula_mb"] * 1.02  # padding only
+
+
+def test_bench_peers_times_the_trainers_own_step(monkeypatch):
+    """megazero's side of bench_peers.py is megazero.training.loop._step, the step a user's run takes."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from bench import peers
+    import megazero.training.loop as loop
+    calls, real = [], loop._step
+    monkeypatch.setattr(loop, "_step", lambda *a, **k: (calls.append(a[5].iteration), real(*a, **k))[1])
+    step = peers._megazero(peers.LAYOUTS["one"], peers.QUICK_MODEL)[0]
+    first, second = step(), step()
+    assert calls == [0, 1]  # the trainer's position advances: the next samples, as in training
+    assert isinstance(first, float) and math.isfinite(first) and first != second
