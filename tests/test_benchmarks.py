@@ -113,3 +113,21 @@ def test_bench_peers_times_the_trainers_own_step(monkeypatch):
     first, second = step(), step()
     assert calls == [0, 1]  # the trainer's position advances: the next samples, as in training
     assert isinstance(first, float) and math.isfinite(first) and first != second
+
+
+@pytest.mark.slow
+def test_bench_matmul_times_the_models_products_and_says_what_auto_chooses():
+    from megazero.tensor_parallel.layers import onednn_linear_available
+    if not onednn_linear_available():
+        pytest.skip("no oneDNN linear in this torch build")
+    proc = _run([sys.executable, "scripts/bench_matmul.py", "--hidden-size", "128",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+                 "--num-layers", "2", "--vocab-size", "1024",
+                 "--reps", "1", "--json", "-"], PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    shapes = {(r["out"], r["inp"]) for r in out["rows"]}
+    assert shapes == {(384, 128), (128, 128), (512, 128), (128, 512), (1024, 128)}  # qkv proj fc1 fc2 head
+    measured = [r for r in out["rows"] if r["measured"]]
+    assert all(r["macs"] >= 1 << 23 for r in measured) and measured  # 128 rows x 1024 x 128 = 16.8M
+    assert out["auto"] == ("onednn" if out["total"]["onednn"] <= 0.97 * out["total"]["torch"] else "torch")

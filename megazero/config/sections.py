@@ -298,7 +298,8 @@ class PrecisionConfig:
     grad_reduce_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32 or param.",
                                 choices=["fp32", "param"])
     cpu_matmul: str = _f("auto", "fp32 linear layers on the CPU: onednn (oneDNN's matrix product), torch "
-                         "(PyTorch's BLAS, MKL on x86) or auto (onednn where PyTorch has it on x86).",
+                         "(PyTorch's BLAS, MKL on x86) or auto (whichever runs the model's products faster "
+                         "on this machine: measured at start-up, cached in ~/.cache/megazero).",
                          choices=["auto", "onednn", "torch"])
 
 
