@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.compiling import compile_layers
 from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
@@ -84,6 +85,8 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
                                      mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
             for i in layers})
+        if cfg.precision.compile:  # --compile: each layer's forward through torch.compile
+            compile_layers(self.decoder.values())
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):

@@ -393,6 +393,11 @@ def _check_precision(cfg: MegazeroConfig) -> None:
     from megazero.tensor_parallel.layers import resolve_cpu_matmul
     with _owned_rule():
         resolve_cpu_matmul(pre.cpu_matmul)
+    if pre.compile:
+        from megazero.compiling import check_compile
+        with _owned_rule():
+            import torch
+            check_compile("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _check_recompute(cfg: MegazeroConfig) -> None:
