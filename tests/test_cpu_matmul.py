@@ -23,7 +23,7 @@ def _costs(onednn_factor):
 
     def timer(library, product, direction, fn):
         rows = fn().shape[0]
-        seen.append((library, product, direction))
+        seen.append((library, product, direction, rows))
         factor = onednn_factor(product, direction) if library == "onednn" else 1.0
         return 1e-9 * rows * product.out * product.inp * factor
     return timer, seen
@@ -40,6 +40,7 @@ SMALL = [Product(64, 96, 32, 3), Product(64, 384, 32, 1)]  # wide: 384 outputs
 def small_products(monkeypatch):
     monkeypatch.setattr(tp_layers, "ONEDNN_MIN_MACS", 0)
     monkeypatch.setattr(cm, "ROW_BUDGET_MACS", 16 * 96 * 32)  # 16 of the 64 rows: scaled back up
+    monkeypatch.setattr(cm, "MIN_ROWS", 8)
     return SMALL
 
 
@@ -59,8 +60,10 @@ def test_the_decision_follows_the_measured_totals(small_products, tmp_path, name
 
 
 def test_measure_scales_each_product_to_its_rows_and_count(small_products):
-    timer, _ = _costs(lambda p, d: 0.5)
+    timer, seen = _costs(lambda p, d: 0.5)
     seconds = measure(small_products, timer)
+    # 16 rows fit the budget for the narrow product; the wide one would get 4, raised to MIN_ROWS
+    assert {(p.out, rows) for _, p, _, rows in seen} == {(96, 16), (384, 8)}
     torch_s = sum(2 * 1e-9 * p.macs * p.count for p in small_products)  # forward + input gradient
     assert seconds["torch"] == pytest.approx(torch_s, rel=1e-12)
     assert seconds["onednn"] == pytest.approx(torch_s / 2, rel=1e-12)

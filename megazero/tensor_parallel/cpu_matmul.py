@@ -13,9 +13,9 @@ of shapes, in ``cpu_matmul.json`` under ``$MEGAZERO_CACHE_DIR`` (default
 a model with none left needs no measurement.
 
 Each product is timed on at most ``ROW_BUDGET_MACS`` multiply-adds (fewer rows of the same
-weight shape), the two libraries alternating, the fastest of ``REPS`` calls kept, and scaled back
-to the full row count.  ``timer(library, product, direction, fn)`` can be replaced (the tests give
-a fake one).
+weight shape, but at least ``MIN_ROWS``), the two libraries alternating, the fastest of ``REPS``
+calls kept, and scaled back to the full row count.  ``timer(library, product, direction, fn)`` can
+be replaced (the tests give a fake one).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 MARGIN = 0.03  # oneDNN must be at least 3 % faster: a tie or noise keeps PyTorch's BLAS
-ROW_BUDGET_MACS = 1 << 28
+ROW_BUDGET_MACS = 1 << 29
+MIN_ROWS = 128  # fewer rows would time matrix-vector-like kernels, not the ones the model runs
 REPS = 3
 CACHE_FILE = "cpu_matmul.json"
 # environment variables that change which kernels oneDNN or MKL dispatch to
@@ -121,7 +122,7 @@ def measure(products: Sequence[Product], timer: Timer = wall_timer, reps: int = 
     """Estimated seconds per step of each library over ``products`` (forward and input gradient)."""
     total = {"onednn": 0.0, "torch": 0.0}
     for p in products:
-        rows = max(1, min(p.rows, ROW_BUDGET_MACS // (p.out * p.inp)))
+        rows = min(p.rows, max(MIN_ROWS, ROW_BUDGET_MACS // (p.out * p.inp)))
         calls = _calls(p, rows)
         best: Dict[Tuple[str, str], float] = {}
         for rep in range(reps + 1):  # the first round warms up (oneDNN builds its kernels)
