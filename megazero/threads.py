@@ -17,6 +17,11 @@ from typing import Dict, Mapping, Optional
 THREADS_PER_RANK = 1
 
 
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def set_rank_threads() -> None:
     """This process is one of several ranks on a host's cores: :data:`THREADS_PER_RANK` intra-op
     threads (whatever ``OMP_NUM_THREADS`` says: forked ranks and single-rank measurements)."""

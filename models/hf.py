@@ -1,5 +1,6 @@
 """Hugging Face ``transformers`` interop: GPT-2, LLaMA (RoPE scaling of the llama3, linear, yarn and dynamic
-types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3.
+types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3,
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 - :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
   overrides and rejects what megazero cannot reproduce exactly (naming the field and the feature);
@@ -19,14 +20,25 @@ Gemma's norms scale by ``1 + weight``: megazero stores ``1 + weight`` (in fp32, 
 transformers computes), and exports the stored scale minus one.  Per-layer norms are named by
 ``--norm-position`` (:data:`NORMS`).  The q/k rows are already in the half-split ``rotate_half``
 layout megazero uses, so they are copied as is.
+
+Experts: megazero stacks a layer's experts (``mlp.experts.fc1_weight [E, F, hidden]``; the checkpoint
+and :func:`~models.gpt.full_state_dict` name them one by one, ``mlp.experts.<e>.fc1_weight``).
+transformers 5 holds them fused in memory (``mlp.experts.gate_up_proj [E, 2F, hidden]`` = ``[gate; up]``
+per expert, ``mlp.experts.down_proj``) and writes them one by one, as the published checkpoints are
+(Mixtral's ``block_sparse_moe.experts.<e>.w1`` = gate, ``w3`` = up, ``w2`` = down; the others'
+``mlp.experts.<e>.gate_proj`` ...).  Import reads either; export writes the published names, expert
+by expert.  The router is ``mlp.gate`` (``block_sparse_moe.gate`` on Mixtral's disk), Qwen2-MoE's shared
+expert ``mlp.shared_expert.*`` and its gate ``mlp.shared_expert_gate``.
 """
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megazero.checkpoint.names import expert_name
 from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
@@ -54,6 +66,14 @@ NORMS = {  # megazero's norms of a layer by --norm-position, and their transform
                  ("post_attention_norm", "pre_feedforward_layernorm"),
                  ("mlp_output_norm", "post_feedforward_layernorm")]}
 OFFSET_NORMS = ("gemma", "gemma2")  # norms that scale by 1 + weight: megazero stores 1 + weight
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_weight")  # stacked or one expert
+EXPERT_FILES = {"mixtral": {"gate": "w1", "fc1": "w3", "fc2": "w2"},  # the published per-expert names
+                "qwen": {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}}
+SHARED_EXPERT = [("mlp.shared_experts.gate.weight", "mlp.shared_expert.gate_proj.weight", ""),
+                 ("mlp.shared_experts.fc1.weight", "mlp.shared_expert.up_proj.weight", ""),
+                 ("mlp.shared_experts.fc2.weight", "mlp.shared_expert.down_proj.weight", ""),
+                 ("mlp.shared_gate_weight", "mlp.shared_expert_gate.weight", "")]
 
 
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -82,7 +102,49 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
     if cfg.model.qk_layernorm:
         out += [("attention.q_norm.weight", "self_attn.q_norm.weight", ""),
                 ("attention.k_norm.weight", "self_attn.k_norm.weight", "")]
+    if arch in MOE_ARCHS:
+        router = ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight"
+        out.append(("mlp.router.weight", router, ""))
+    if arch == "qwen2_moe":
+        out += SHARED_EXPERT
     return out
+
+
+def _expert_file_name(arch: str, e: int, leaf: str) -> str:
+    """Expert ``e``'s ``leaf`` (fc1, gate, fc2) under its published name, within a layer."""
+    if arch == "mixtral":
+        return f"block_sparse_moe.experts.{e}.{EXPERT_FILES['mixtral'][leaf]}.weight"
+    return f"mlp.experts.{e}.{EXPERT_FILES['qwen'][leaf]}.weight"
+
+
+def _expert_tensor(get, src: str, arch: str, e: Optional[int], leaf: str, experts: int) -> torch.Tensor:
+    """One expert's weight (``e``), or all stacked (``e`` None), from the published per-expert tensors
+    or, where those are absent, transformers' fused in-memory ones."""
+    try:
+        if e is not None:
+            return get(src + _expert_file_name(arch, e, leaf))
+        return torch.stack([get(src + _expert_file_name(arch, j, leaf)) for j in range(experts)])
+    except KeyError:
+        pass
+    if leaf == "fc2":
+        down = get(src + "mlp.experts.down_proj")
+        return down if e is None else down[e]
+    fused = get(src + "mlp.experts.gate_up_proj")
+    fused = fused if e is None else fused[e]
+    gate, up = fused.chunk(2, dim=-2)
+    return gate if leaf == "gate" else up
+
+
+def _moe_get(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """``get`` that also finds Mixtral's ``block_sparse_moe`` tensors under transformers' ``mlp``."""
+    def found(name: str) -> torch.Tensor:
+        try:
+            return get(name)
+        except KeyError:
+            if ".block_sparse_moe." not in name:
+                raise
+            return get(name.replace(".block_sparse_moe.", ".mlp."))
+    return found
 
 
 def _global_map(arch: str) -> Dict[str, str]:
@@ -98,12 +160,18 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
     """The full (unsharded, unpadded) megazero tensor ``name`` from a Hugging Face model's tensors of
     architecture ``arch`` (default: the one an export of ``cfg`` writes), fetched one by one with
     ``get(hf_name)``."""
-    m, arch = cfg.model, arch or arch_of(cfg.model)
+    m, arch = cfg.model, arch or arch_of(cfg.model, cfg.moe)
     if not name.startswith("decoder."):
         t = get(_global_map(arch)[name])
         return t.float() + 1 if name == "final_norm.weight" and arch in OFFSET_NORMS else t
     _, i, rest = name.split(".", 2)
     src = f"{_prefix(arch)}{i}."
+    if arch in MOE_ARCHS:
+        get = _moe_get(get)
+        expert = EXPERT.fullmatch(rest)
+        if expert:
+            e = None if expert.group(1) is None else int(expert.group(1))
+            return _expert_tensor(get, src, arch, e, expert.group(2), cfg.moe.num_experts)
     for mz, hf, how in layer_map(cfg, arch):
         if rest == mz:
             t = get(src + hf)
@@ -126,10 +194,11 @@ ExportGroup = Tuple[List[str], List[str], Callable[..., List[torch.Tensor]]]
 def export_groups(cfg) -> List[ExportGroup]:
     """How to write a model in transformers' names: ``(megazero names, HF names, f)`` where
     ``f(*megazero tensors)`` returns the HF tensors (views where possible), in order.  One group
-    per HF tensor, except the q/k/v projections split from one fused tensor."""
-    m, arch = cfg.model, arch_of(cfg.model)
+    per HF tensor, except the q/k/v projections split from one fused tensor.  Experts go one by one
+    (``decoder.L.mlp.experts.<e>.fc1_weight``, the checkpoint's names) to their published names."""
+    m, arch = cfg.model, arch_of(cfg.model, cfg.moe)
     glob, groups = _global_map(arch), []
-    for name in megazero_names(cfg):
+    for name in megazero_names(cfg, per_expert=True):
         if not name.startswith("decoder."):
             offset = name == "final_norm.weight" and arch in OFFSET_NORMS
             fix = (lambda t: [t - 1]) if offset else (lambda t: [t])
@@ -138,7 +207,11 @@ def export_groups(cfg) -> List[ExportGroup]:
         _, i, rest = name.split(".", 2)
         dst = f"{_prefix(arch)}{i}."
         one = {mz: (hf, how) for mz, hf, how in layer_map(cfg, arch)}
-        if rest in one:
+        expert = EXPERT.fullmatch(rest)
+        if expert:
+            hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
+            groups.append(([name], [dst + hf], lambda t: [t]))
+        elif rest in one:
             hf, how = one[rest]
             fn = {"T": lambda t: [t.t()], "1p": lambda t: [t - 1], "": lambda t: [t]}[how]
             groups.append(([name], [dst + hf], fn))
@@ -163,15 +236,20 @@ def _qkv_group(name: str, dst: str, kind: str, m, arch: str) -> ExportGroup:
     return [name], [f"{dst}self_attn.{n}_proj.{kind}" for n in "qkv"], split
 
 
-def megazero_names(cfg) -> List[str]:
+def megazero_names(cfg, per_expert: bool = False) -> List[str]:
     """Every parameter name of a whole model of ``cfg`` in the model's order (embeddings first, layers
-    in order): the names of a model built on the meta device."""
+    in order): the names of a model built on the meta device; with ``per_expert``, a stacked expert
+    parameter as one name per expert (``...experts.<e>.fc1_weight``, the checkpoint's)."""
     from . import build_model
     from .checkpoint import model_settings
     whole = validate(config_from_dict(model_settings(cfg.to_dict())), 1, check_data=False)  # the model alone
     with torch.device("meta"):
         model = build_model(whole, ParallelMesh.single(torch.device("meta")))
-    return [n for n, _ in model.named_parameters()]
+    out = []
+    for n, p in model.named_parameters():
+        expert = per_expert and getattr(p, "expert_parallel", False)
+        out += [expert_name(n, e) for e in range(p.shape[0])] if expert else [n]
+    return out
 
 
 def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg,
@@ -179,7 +257,7 @@ def megazero_state_from_hf(hf_state: Dict[str, torch.Tensor], cfg,
     """Full megazero tensors (unsharded, unpadded) from a transformers ``state_dict`` of architecture
     ``arch`` (default: the one an export of ``cfg`` writes)."""
     return {n: megazero_tensor(n, cfg, hf_state.__getitem__, arch).detach().float()
-            for n in megazero_names(cfg)}
+            for n in megazero_names(cfg, per_expert=True)}
 
 
 def hf_state_from_megazero(state: Dict[str, torch.Tensor], cfg) -> Dict[str, torch.Tensor]:
@@ -208,7 +286,11 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
     if mesh.size("pp") != 1:
         raise ValueError("from_hf builds the whole model; use a mesh with pipeline-model-parallel size 1")
     settings = dict(config_from_hf(hf.config), tensor_model_parallel_size=mesh.size("tp"),
-                    pipeline_model_parallel_size=1, **(cfg_overrides or {}))
+                    pipeline_model_parallel_size=1)
+    if settings.get("num_experts"):  # the mesh's expert layout (MoE under TP needs --sequence-parallel)
+        settings.update(expert_model_parallel_size=mesh.size("ep"),
+                        expert_tensor_parallel_size=mesh.size("etp"), sequence_parallel=mesh.size("tp") > 1)
+    settings.update(cfg_overrides or {})
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)
     load_full_state_dict(model, megazero_state_from_hf(hf.state_dict(), cfg, hf.config.model_type))

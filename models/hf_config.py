@@ -2,8 +2,10 @@
 exactly: GPT-2, LLaMA (RoPE scaling of the ``llama3``, ``linear``, ``yarn`` and ``dynamic`` types),
 Mistral and Qwen2 (with their sliding windows), Qwen3 (q/k norms), Gemma and Gemma 2 (norms with
 ``1 + weight``, the embedding scale, GeGLU; Gemma 2's sandwich norms, soft-caps and alternating
-windows), Phi-3 (fused weights), OLMo 2 (norms after each sublayer, q/k norms over all heads) and
-SmolLM3 (layers without RoPE).  The other direction is :mod:`models.hf_export`.
+windows), Phi-3 (fused weights), OLMo 2 (norms after each sublayer, q/k norms over all heads),
+SmolLM3 (layers without RoPE) and the mixtures of experts Mixtral, Qwen2-MoE (a shared expert with its
+sigmoid gate), Qwen3-MoE and OLMoE (:func:`moe_settings`).  The other direction is
+:mod:`models.hf_export`.
 
 Anything else is refused by name: :class:`ConfigError` naming the Hugging Face field, its value and
 the feature megazero lacks (or, for another architecture, what it would need).
@@ -30,9 +32,10 @@ OTHER_ARCHITECTURES = {
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
     "falcon": "Falcon's parallel attention and MLP (and ALiBi in some)",
-    "qwen3_moe": "mixture-of-experts layers",
-    "mixtral": "mixture-of-experts layers",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and grouped (node-limited) expert routing",
+    "gpt_oss": "gpt-oss's attention sinks, biased experts and clamped SwiGLU",
 }
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def _unsupported(field: str, value, fix: str):
@@ -45,13 +48,14 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
     kind = getattr(hf_config, "model_type", None)
     if kind == "gpt2":
         return _gpt2_settings(hf_config)
-    if kind in LLAMA_FAMILY:
-        return dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
+    if kind in LLAMA_FAMILY + MOE_FAMILY:
+        out = dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
+        return dict(out, **moe_settings(hf_config, kind)) if kind in MOE_FAMILY else out
     if kind in OTHER_ARCHITECTURES:
         raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r} needs "
                           f"{OTHER_ARCHITECTURES[kind]}, which megazero does not implement")
     raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports "
-                      f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY)}")
+                      f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY + MOE_FAMILY)}")
 
 
 def _gpt2_settings(c) -> Dict[str, Any]:
@@ -149,7 +153,8 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
                 ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size,
                 max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
                 norm_epsilon=c.rms_norm_eps, position_embedding_type="rope", normalization="RMSNorm",
-                activation="swiglu", add_bias_linear=False, add_qkv_bias=kind == "qwen2",
+                activation="swiglu", add_bias_linear=False,
+                add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(getattr(c, "qkv_bias", True))),
                 untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                 hidden_dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
                 attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
@@ -163,10 +168,11 @@ def _windows(c, kind: str) -> Dict[str, Any]:
     width = getattr(c, "sliding_window", None)
     if kind == "smollm3" and not getattr(c, "use_sliding_window", False):
         width = None
-    if kind not in ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "smollm3") or not width:
+    if kind not in ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "smollm3", "mixtral", "qwen2_moe",
+                    "qwen3_moe") or not width:
         return {}
     types: List[str] = list(getattr(c, "layer_types", None) or [])
-    flags = [True] * c.num_hidden_layers if kind in ("mistral", "phi3") or not types else \
+    flags = [True] * c.num_hidden_layers if kind in ("mistral", "phi3", "mixtral") or not types else \
         [t == "sliding_attention" for t in types]
     unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
     if unknown:
@@ -185,10 +191,14 @@ def _windows(c, kind: str) -> Dict[str, Any]:
 def _family_settings(c, kind: str) -> Dict[str, Any]:
     """What each architecture adds to the LLaMA layout."""
     out = _windows(c, kind)
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         out.update(qk_layernorm=True, qk_layernorm_scope="head")
+    if kind in ("olmo2", "olmoe"):
+        out.update(qk_layernorm=True, qk_layernorm_scope="all")
     if kind == "olmo2":
-        out.update(qk_layernorm=True, qk_layernorm_scope="all", norm_position="post")
+        out.update(norm_position="post")
+    if kind == "olmoe" and getattr(c, "clip_qkv", None) is not None:
+        _unsupported("clip_qkv", c.clip_qkv, "clamping the queries, keys and values is not implemented")
     if kind in ("gemma", "gemma2"):
         out.update(activation="geglu", scale_embedding=True)
     if kind == "gemma2":
@@ -207,3 +217,44 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
 
 def _float(v) -> Optional[float]:
     return None if v is None else float(v)
+
+
+def moe_pattern(flags: List[bool]) -> str:
+    """``--moe-layer-freq`` of one flag per layer: ``1`` (every layer) or the list of 0s and 1s."""
+    return "1" if all(flags) else "[" + ",".join(str(int(f)) for f in flags) + "]"
+
+
+def moe_settings(c, kind: str) -> Dict[str, Any]:
+    """The MoE settings of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE config.  Routing: transformers takes
+    the softmax over all experts, the top-k of it, and renormalises the k weights (Mixtral always, the
+    others with ``norm_topk_prob``): the softmax over the top-k logits, Megatron-LM's default; without
+    renormalising it is ``--moe-router-pre-softmax``.  Dropless (no capacity).  The load-balancing loss
+    is ``router_aux_loss_coef`` when the config adds it to the loss (``output_router_logits``)."""
+    experts, layers = int(c.num_experts or 0), c.num_hidden_layers
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        dense = set(getattr(c, "mlp_only_layers", None) or [])
+        step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+        flags = [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)]
+        ffn = c.moe_intermediate_size
+    else:
+        flags, ffn = [experts > 0] * layers, c.intermediate_size
+    if not any(flags):
+        _unsupported("num_experts", experts,
+                     f"a {kind} config without MoE layers: import it as a dense model")
+    jitter = getattr(c, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        _unsupported("router_jitter_noise", jitter, "jitter on the router's input (Megatron-LM's "
+                     "--moe-input-jitter-eps) is not implemented")
+    renormalise = kind == "mixtral" or bool(getattr(c, "norm_topk_prob", False))
+    out: Dict[str, Any] = dict(num_experts=experts, moe_router_topk=int(c.num_experts_per_tok),
+                               moe_ffn_hidden_size=int(ffn), moe_layer_freq=moe_pattern(flags),
+                               moe_router_score_function="softmax", moe_router_pre_softmax=not renormalise,
+                               moe_router_load_balancing_type="aux_loss",
+                               moe_aux_loss_coeff=float(c.router_aux_loss_coef)
+                               if getattr(c, "output_router_logits", False) else 0.0)
+    shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if kind == "qwen2_moe" else 0
+    if kind == "qwen2_moe" and not shared:
+        _unsupported("shared_expert_intermediate_size", shared, "megazero's Qwen2-MoE has its shared expert")
+    if shared:
+        out.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return out

@@ -5,7 +5,8 @@
 else the first of :data:`AUTO_ORDER` that does; :func:`missing` says what an architecture lacks to
 hold a model (one line, naming the feature).  Phi-3 is never chosen by itself: it holds the same
 models as LLaMA/Mistral with fused weights, so it is written only for a model imported from one
-(or with ``--hf-model-type phi3``).
+(or with ``--hf-model-type phi3``).  A mixture of experts (``--num-experts``) goes to the first of
+:data:`MOE_ORDER` that holds it (:func:`moe_missing`: its routing, shared expert and MoE layers).
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from typing import Any, Dict, List, Optional
 
 from megazero.config import ConfigError
 from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
+from megazero.moe.settings import moe_layer_pattern
 from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3")
-LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3")  # window per layer (config.layer_types)
+MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe")  # window per layer (config.layer_types)
+WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
 
 
 def _scalings(m) -> List[str]:
@@ -42,17 +46,17 @@ def _llama_family(m, t: str) -> Optional[str]:
             return f"{field} {getattr(m, field)} ({t} has {value})"
     if m.scale_embedding != gemma:
         return f"scale_embedding {m.scale_embedding} ({t}: {gemma})"
-    qk = {"qwen3": "head", "olmo2": "all"}.get(t)
+    qk = {"qwen3": "head", "olmo2": "all", "qwen3_moe": "head", "olmoe": "all"}.get(t)
     if (m.qk_layernorm and m.qk_layernorm_scope) != (qk or False):
         mine = f"scope {m.qk_layernorm_scope}" if m.qk_layernorm else "off"
         return f"--qk-layernorm {mine} ({t}: {qk or 'none'})"
-    if m.add_qkv_bias != (t == "qwen2"):
+    if m.add_qkv_bias != (t == "qwen2") and t != "qwen2_moe":
         return f"add_qkv_bias {m.add_qkv_bias} ({t}: {t == 'qwen2'})"
     window = _window_kind(m)
-    uniform = LAYER_TYPES + ("mistral", "phi3")
+    uniform = LAYER_TYPES + WHOLE_WINDOW
     if window == "some" and t not in LAYER_TYPES or window == "all" and t not in uniform:
         return f"a sliding window on {'some' if window == 'some' else 'all'} layers ({t} has " + \
-               ("it on every layer or none)" if t in ("mistral", "phi3") else "none)")
+               ("it on every layer or none)" if t in WHOLE_WINDOW else "none)")
     if t == "gemma2":
         return None
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "softmax_scale"):
@@ -65,8 +69,40 @@ def _llama_family(m, t: str) -> Optional[str]:
     return None
 
 
-def missing(m, t: str) -> Optional[str]:
-    """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` (None: it holds it)."""
+def moe_missing(moe, m, t: str) -> Optional[str]:
+    """What the MoE architecture ``t`` lacks to hold the experts of MoEConfig ``moe`` (None: nothing)."""
+    if moe.moe_router_score_function != "softmax":
+        return f"--moe-router-score-function {moe.moe_router_score_function} ({t}: softmax)"
+    if moe.moe_router_enable_expert_bias:
+        return f"--moe-router-enable-expert-bias ({t} has no expert bias)"
+    if moe.moe_router_topk_scaling_factor not in (None, 1.0):
+        return f"--moe-router-topk-scaling-factor {moe.moe_router_topk_scaling_factor} ({t} has none)"
+    if t == "mixtral" and moe.moe_router_pre_softmax:
+        return "--moe-router-pre-softmax (Mixtral renormalises the top-k weights)"
+    if t in ("mixtral", "olmoe") and not all(moe_layer_pattern(moe.moe_layer_freq, m.num_layers)):
+        return f"dense layers among the MoE layers, --moe-layer-freq {moe.moe_layer_freq} " \
+               f"({t}: every layer MoE)"
+    shared = moe.moe_shared_expert_intermediate_size
+    if t == "qwen2_moe" and not (shared and moe.moe_shared_expert_gate):
+        return "no gated shared expert (qwen2_moe has one: --moe-shared-expert-intermediate-size and " \
+               "--moe-shared-expert-gate)"
+    if t != "qwen2_moe" and shared:
+        return f"a shared expert, --moe-shared-expert-intermediate-size ({t} has none)"
+    return None
+
+
+def missing(m, t: str, moe=None) -> Optional[str]:
+    """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` with MoEConfig ``moe``
+    (None: it holds it)."""
+    experts = bool(moe is not None and moe.num_experts)
+    if experts != (t in MOE_ORDER):
+        return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
+    if experts:
+        return _dense_missing(m, t) or moe_missing(moe, m, t)
+    return _dense_missing(m, t)
+
+
+def _dense_missing(m, t: str) -> Optional[str]:
     plain_heads = m.kv_channels * m.num_attention_heads == m.hidden_size and m.num_query_groups == \
         m.num_attention_heads
     if t == "gpt2":
@@ -84,21 +120,23 @@ def missing(m, t: str) -> Optional[str]:
     return _llama_family(m, t)
 
 
-def arch_of(m) -> str:
-    """The transformers model_type an export of ModelConfig ``m`` writes; ConfigError naming what is
-    missing when none holds it."""
+def arch_of(m, moe=None) -> str:
+    """The transformers model_type an export of ModelConfig ``m`` (with MoEConfig ``moe``) writes;
+    ConfigError naming what is missing when none holds it."""
     if m.hf_model_type:
-        why = missing(m, m.hf_model_type)
+        why = missing(m, m.hf_model_type, moe)
         if why:
             raise ConfigError(f"--hf-model-type {m.hf_model_type} cannot hold this model: {why}")
         return m.hf_model_type
     reasons = []
-    for t in AUTO_ORDER:
-        why = missing(m, t)
+    experts = bool(moe is not None and moe.num_experts)
+    for t in MOE_ORDER if experts else AUTO_ORDER:
+        why = missing(m, t, moe)
         if why is None:
             return t
         reasons.append(f"{t}: {why}")
-    raise ConfigError("no transformers architecture holds this model (" + "; ".join(reasons[1:4]) + "; ...)")
+    shown = reasons if experts else reasons[1:4]
+    raise ConfigError("no transformers architecture holds this model (" + "; ".join(shown) + "; ...)")
 
 
 # ---- the transformers config ------------------------------------------------------------------
@@ -141,14 +179,16 @@ def _gpt2_config(m):
 
 
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-           "gemma2": "Gemma2", "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3"}
+           "gemma2": "Gemma2", "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
+           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
 
 
 def _window_settings(m, t: str) -> Dict[str, Any]:
     flags = windowed_layers(m)
     width = m.window_size[0] + 1 if any(flags) else None
-    if t in ("mistral", "phi3"):
-        return dict(sliding_window=width)
+    if t in WHOLE_WINDOW:
+        out = dict(sliding_window=width)
+        return dict(out, use_sliding_window=width is not None) if t == "qwen3_moe" else out
     if t not in LAYER_TYPES:
         return {}
     types = ["sliding_attention" if f else "full_attention" for f in flags]
@@ -189,16 +229,16 @@ def _pre_attn_scalar(m):
 def hf_config_from(cfg):
     """A ``transformers`` config for a megazero config (the architecture :func:`arch_of` picks)."""
     import transformers
-    if getattr(cfg, "moe", None) is not None and cfg.moe.num_experts:
-        raise ConfigError("a mixture of experts (--num-experts) does not convert to transformers yet "
-                          "(Mixtral / Qwen2-MoE export is not implemented)")
-    m, t = cfg.model, arch_of(cfg.model)
+    m, moe = cfg.model, getattr(cfg, "moe", None)
+    t = arch_of(m, moe)
     if t == "gpt2":
         return _gpt2_config(m)
     cls = getattr(transformers, f"{CLASSES[t]}Config")
     max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
         max(m.max_position_embeddings, m.seq_length)
-    out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+    ffn = moe.moe_ffn_hidden_size if t in ("mixtral", "olmoe") else m.ffn_hidden_size
+    extra = _moe_config(moe, m, t) if t in MOE_ORDER else {}
+    out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=ffn, **extra,
               num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
               num_key_value_heads=m.num_query_groups, max_position_embeddings=max_pos,
               rms_norm_eps=m.norm_epsilon, rope_parameters=rope_parameters(m),
@@ -212,4 +252,26 @@ def hf_config_from(cfg):
     if t not in ("gemma", "gemma2"):
         out.hidden_act = "silu"
     out.architectures = [f"{CLASSES[t]}ForCausalLM"]
+    return out
+
+
+def _moe_config(moe, m, t: str) -> Dict[str, Any]:
+    """The MoE fields of architecture ``t`` (the inverse of :func:`models.hf_config.moe_settings`)."""
+    flags = moe_layer_pattern(moe.moe_layer_freq, m.num_layers)
+    coeff = moe.moe_aux_loss_coeff if moe.moe_router_load_balancing_type != "none" else 0.0
+    out: Dict[str, Any] = dict(num_experts_per_tok=moe.moe_router_topk, output_router_logits=bool(coeff))
+    if coeff:
+        out["router_aux_loss_coef"] = coeff
+    out["num_local_experts" if t in ("mixtral", "qwen3_moe") else "num_experts"] = moe.num_experts
+    if t == "mixtral":
+        return dict(out, router_jitter_noise=0.0)
+    out["norm_topk_prob"] = not moe.moe_router_pre_softmax
+    if t in ("qwen2_moe", "qwen3_moe"):
+        out.update(moe_intermediate_size=moe.moe_ffn_hidden_size, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i, f in enumerate(flags) if not f])
+    if t == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
+                   qkv_bias=m.add_qkv_bias)
+    if t == "olmoe":
+        out["clip_qkv"] = None
     return out

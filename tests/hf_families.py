@@ -1,6 +1,8 @@
 """Tiny random transformers models of every architecture megazero imports (built from configs, nothing
 downloaded), shared by tests/test_hf_models.py and the fine-tuning tests.  Sequences of SEQ tokens are
-longer than every window here (WINDOW positions), so each window hides keys."""
+longer than every window here (WINDOW positions), so each window hides keys.  The mixtures of experts
+have 8 experts, top-2: Mixtral (renormalised top-2, a window), Qwen2-MoE (weights not renormalised, a
+gated shared expert, a dense first layer), Qwen3-MoE (renormalised, q/k norms) and OLMoE."""
 import torch
 
 VOCAB, SEQ, WINDOW = 96, 48, 12
@@ -55,6 +57,24 @@ def _newer_families(t, name):
         return t.Olmo2Config(**SHAPE, tie_word_embeddings=False)
     if name == "smollm3":  # the second layer skips RoPE
         return t.SmolLM3Config(**SHAPE, no_rope_layer_interval=2, tie_word_embeddings=True)
+    return _moe_families(t, name)
+
+
+MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.02)
+
+
+def _moe_families(t, name):
+    if name == "mixtral":
+        return t.MixtralConfig(**SHAPE, num_local_experts=8, **MOE, sliding_window=WINDOW,
+                               tie_word_embeddings=False)
+    if name == "qwen2-moe":  # norm_topk_prob False: softmax over all experts, top-2, not renormalised
+        return t.Qwen2MoeConfig(**SHAPE, num_experts=8, **MOE, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=48, mlp_only_layers=[0], norm_topk_prob=False)
+    if name == "qwen3-moe":
+        return t.Qwen3MoeConfig(**SHAPE, num_experts=8, **MOE, moe_intermediate_size=16, head_dim=16,
+                                norm_topk_prob=True)
+    if name == "olmoe":
+        return t.OlmoeConfig(**dict(SHAPE, intermediate_size=16), num_experts=8, **MOE)
     raise KeyError(name)
 
 
@@ -65,10 +85,12 @@ def family_config(name):
 
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "phi3",
-            "olmo2", "smollm3"]
+            "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
-               "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3"}  # the others: LLaMA
+               "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
+               "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe"}  # the others: LLaMA
 
 
 def hf_model(name, **over):
@@ -79,7 +101,8 @@ def hf_model(name, **over):
     config = family_config(name)
     for k, v in over.items():
         setattr(config, k, v)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    eager = dict(experts_implementation="eager") if name in MOE_FAMILIES else {}  # its loop runs float64 too
+    model = transformers.AutoModelForCausalLM.from_config(config, **eager).eval()
     with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

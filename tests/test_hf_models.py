@@ -3,8 +3,10 @@ nothing downloaded): LLaMA with rope_scaling (llama3, linear, yarn, dynamic), Qw
 window on some layers), Mistral (with and without its window), Qwen3 (q/k norms, head_dim apart from
 hidden / heads), Gemma (1 + weight norms, embedding scale, GeGLU), Gemma 2 (sandwich norms, soft-caps,
 alternating windows, query_pre_attn_scalar), Phi-3 (fused weights, window), OLMo 2 (norms after the
-sublayers, q/k norms over all heads) and SmolLM3 (a layer without RoPE).  Sequences are longer than
-every window.  Import: logits and greedy generation (KV cache) equal transformers'; what each family
+sublayers, q/k norms over all heads), SmolLM3 (a layer without RoPE) and the mixtures of experts Mixtral,
+Qwen2-MoE (shared expert and its gate, a dense layer), Qwen3-MoE and OLMoE (their routing: renormalised
+top-k weights or not; logits within 1e-5 of transformers').  Sequences are longer than every window.
+Import: logits and greedy generation (KV cache) equal transformers'; what each family
 adds changes the logits measurably; export: transformers loads the same model back, as the same
 architecture; TP 2 equals transformers.  What megazero cannot represent is refused, naming the feature."""
 import pytest
@@ -15,7 +17,7 @@ from megazero.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from models.generate import generate
 from models.hf import config_from_hf, from_hf, to_hf
-from hf_families import EXPORTED_AS, FAMILIES, SEQ, VOCAB, family_config, hf_model
+from hf_families import EXPORTED_AS, FAMILIES, MOE_FAMILIES, SEQ, VOCAB, family_config, hf_model
 from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -31,10 +33,16 @@ WITHOUT = {"llama3-rope-scaling": dict(use_rope_scaling=False),
            "gemma": dict(scale_embedding=False),
            "gemma2": dict(attn_logit_softcapping=None),
            "phi3": dict(window_size=None),
-           "smollm3": dict(no_rope_freq=None)}
+           "smollm3": dict(no_rope_freq=None),
+           "mixtral": dict(moe_router_pre_softmax=True),  # top-2 weights not renormalised
+           "qwen2-moe": dict(moe_router_pre_softmax=False),  # renormalised
+           "qwen3-moe": dict(moe_router_pre_softmax=True),
+           "olmoe": dict(moe_router_pre_softmax=False)}
 MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
                            dict(window_size=None, window_attn_skip_freq=None), dict(softmax_scale=None)],
-                "gemma": [dict(activation="swiglu")]}
+                "gemma": [dict(activation="swiglu")],
+                "mixtral": [dict(window_size=None)],
+                "qwen2-moe": [dict(moe_shared_expert_gate=False), dict(moe_router_topk=1)]}
 
 
 def close_to_hf(got, ref):
@@ -71,6 +79,12 @@ def test_import_matches_transformers_logits(family):
         assert m.rope_scaling_original_max_position_embeddings == 16
     if name == "gemma2":
         assert m.window_size == [11, 0] and m.window_attn_skip_freq == 2 and m.norm_position == "sandwich"
+    if name in MOE_FAMILIES:  # the brief's bound, beside the scaled fp32 one
+        torch.testing.assert_close(_logits(model), ref, rtol=0, atol=1e-5)
+        moe = model.cfg.moe
+        assert (moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor) == (8, 2, None)
+    if name == "qwen2-moe":
+        assert moe.moe_layer_freq == "[0,1]" and moe.moe_shared_expert_intermediate_size == 48
     for plain in ([WITHOUT[name]] if name in WITHOUT else []) + MORE_WITHOUT.get(name, []):
         other = from_hf(hf, cfg_overrides=plain).eval()
         assert (_logits(other) - ref).abs().max() > 100 * fp32_bound(ref, C_FWD)["atol"], plain
@@ -131,6 +145,9 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
     ("qwen3", dict(attention_bias=True), "attention_bias=True; linear biases on all attention projections"),
     ("gemma2", dict(use_bidirectional_attention=True),
      "use_bidirectional_attention=True; attention is causal"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1; jitter on the router's input"),
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0; clamping the queries"),
+    ("qwen2-moe", dict(mlp_only_layers=[0, 1]), "num_experts=8; a qwen2_moe config without MoE layers"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
@@ -141,7 +158,9 @@ def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
 
 
 @pytest.mark.parametrize("kind,feature", [("olmo", "non-parametric layer norm"),
-                                          ("gemma3_text", "second RoPE base for its sliding-window layers")])
+                                          ("gemma3_text", "second RoPE base for its sliding-window layers"),
+                                          ("deepseek_v3", "multi-head latent attention"),
+                                          ("gpt_oss", "attention sinks")])
 def test_a_refused_architecture_names_the_missing_feature(kind, feature):
     cfg = transformers.AutoConfig.for_model(kind)
     with pytest.raises(ConfigError, match=f"model_type='{kind}' needs .*{feature}"):
@@ -159,4 +178,28 @@ def test_a_window_longer_than_the_sequence_changes_nothing():
 def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(hf_type, needle, tmp_path):
     model = from_hf(hf_model("mistral-window"), cfg_overrides=dict(hf_model_type=hf_type))
     with pytest.raises(ConfigError, match=f"--hf-model-type {hf_type} cannot hold this model: {needle}"):
+        to_hf(model, str(tmp_path))
+
+
+@pytest.mark.parametrize("family,over,hf_type,needle", [
+    ("mistral-window", {}, "mixtral", "mixture-of-experts layers \\(mixtral has them\\)"),
+    ("mixtral", {}, "qwen2", "mixture-of-experts layers \\(qwen2 has none\\)"),
+    ("mixtral", {}, "qwen2_moe", "no gated shared expert"),
+    ("mixtral", dict(moe_router_pre_softmax=True), "mixtral", "--moe-router-pre-softmax \\(Mixtral renorm"),
+    ("mixtral", dict(moe_router_score_function="sigmoid"), "mixtral",
+     "--moe-router-score-function sigmoid \\(mixtral: softmax\\)"),
+    ("qwen2-moe", {}, "qwen3_moe", "--qk-layernorm off"),
+])
+def test_moe_export_to_an_architecture_lacking_a_feature_is_refused(family, over, hf_type, needle, tmp_path):
+    model = from_hf(hf_model(family), cfg_overrides=dict(over, hf_model_type=hf_type))
+    with pytest.raises(ConfigError, match=f"--hf-model-type {hf_type} cannot hold this model: {needle}"):
+        to_hf(model, str(tmp_path))
+
+
+def test_moe_export_with_dense_layers_as_mixtral_is_refused(tmp_path):
+    """Qwen2-MoE without its QKV bias, renormalised: Mixtral holds all but its dense first layer."""
+    hf = hf_model("qwen2-moe", qkv_bias=False, norm_topk_prob=True)
+    model = from_hf(hf, cfg_overrides=dict(hf_model_type="mixtral"))
+    with pytest.raises(ConfigError, match="cannot hold this model: dense layers among the MoE layers, "
+                                          "--moe-layer-freq \\[0,1\\] \\(mixtral: every layer MoE\\)"):
         to_hf(model, str(tmp_path))

@@ -164,22 +164,28 @@ def _cfg(extra=(), world=1):
     return parse_args(base + list(extra), world_size=world)
 
 
-def _expert_loop(experts, x, swiglu=True):
+def _expert_loop(experts, x, activation="swiglu"):
     """Expert j of a GroupedExperts applied to rows x, one expert at a time."""
     def run(j, rows):
         h = rows @ experts.fc1_weight[j].t()
-        h = F.silu(rows @ experts.gate_weight[j].t()) * h if swiglu else F.gelu(h)
+        if activation == "swiglu":
+            h = F.silu(rows @ experts.gate_weight[j].t()) * h
+        elif activation == "geglu":  # Gemma's: the tanh GELU of the gate
+            h = F.gelu(rows @ experts.gate_weight[j].t(), approximate="tanh") * h
+        else:
+            h = F.gelu(h)
         return h @ experts.fc2_weight[j].t()
     return run
 
 
-@pytest.mark.parametrize("activation", [["--swiglu"], []])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu_exact"])
 def test_grouped_experts_against_a_loop(activation):
-    cfg = _cfg(activation)
+    cfg = _cfg(["--activation", activation])
     experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 1).double()
+    assert (experts.gate_weight is None) == (activation == "gelu_exact")
     counts = [2, 0, 3, 1, 0, 4, 1, 1]
     x = torch.randn(12, 16, dtype=torch.float64)
-    run = _expert_loop(experts, x, bool(activation))
+    run = _expert_loop(experts, x, activation)
     parts, start = [], 0
     for j, c in enumerate(counts):
         parts.append(run(j, x[start:start + c]))

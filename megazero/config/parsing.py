@@ -136,8 +136,9 @@ def _checkpoint_args(settings: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         saved = saved_config(settings["load"], settings.get("ckpt_step")) or {}
     except CheckpointError as err:
         raise ConfigError(f"--use-checkpoint-args: {err}") from None
-    model, data = saved.get("model", {}), saved.get("data", {})
-    out = {"model": {k: model[k] for k in CHECKPOINT_ARGS if k in model}, "data": {}}
+    model, moe, data = saved.get("model", {}), saved.get("moe", {}), saved.get("data", {})
+    out = {"model": {k: model[k] for k in CHECKPOINT_ARGS if k in model},
+           "moe": {k: moe[k] for k in CHECKPOINT_ARGS if k in moe}, "data": {}}
     if settings.get("no_use_tokenizer_model_from_checkpoint_args") or \
             any(settings.get(k) is not None for k in CHECKPOINT_TOKENIZER_ARGS):
         return out

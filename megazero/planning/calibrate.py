@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.errors import ConfigError
-from megazero.planning.hardware import host_cores
+from megazero.threads import host_cores, set_rank_threads
 
 SIZES = (16384, 131072, 524288)  # fp32 elements: 64 KB .. 2 MB
 HIDDEN, HEADS, SEQ = 256, 4, 256  # the timed layer; batches of 1, 2 and 4 sequences
@@ -110,9 +110,10 @@ def _time_allreduces(repeats: int) -> List[tuple]:
 
 def core_peak(repeats: int = 10) -> float:
     """FLOP/s of one core on a large fp32 matrix product: the best of ``repeats`` products on one
-    thread in this process (interference only slows a product down, so the best is the core's)."""
+    thread (a rank's, :func:`megazero.threads.set_rank_threads`) in this process (interference only
+    slows a product down, so the best is the core's)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    set_rank_threads()
     try:
         a, b = torch.randn(PEAK_N, PEAK_N), torch.randn(PEAK_N, PEAK_N)
         a @ b  # warm-up

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 from megazero.errors import ConfigError
+from megazero.threads import host_cores
 from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, Link
 
 GB = 1e9
@@ -111,11 +112,6 @@ class Hardware:
 
 
 # ---- this machine ----------------------------------------------------------------------------
-def host_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def host_memory_bytes() -> float:
     """This machine's physical memory."""
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from megazero.errors import EXIT_OK, EXIT_USAGE
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MODES = {"ds-z2": ("deepspeed", 2), "mz-z2": ("megazero", 2), "ds-z3": ("deepspeed", 3),
@@ -174,13 +176,13 @@ def main(argv=None) -> int:
         if HERE in sys.path:  # run as a file: this folder's modules must not shadow anything
             sys.path.remove(HERE)
         _train(a, *MODES[a.child])
-        return 0
+        return EXIT_OK
     if any(MODES[m][0] == "deepspeed" for m in a.modes):
         why = _check_ds_python(a.ds_python)
         if why:
             print(f"bench engine: --ds-python {why}; see docs/offload.md (\"Against DeepSpeed\") to install "
                   "it", file=sys.stderr)
-            return 2
+            return EXIT_USAGE
     out = {"load_average_before": os.getloadavg(), "modes": {}, "runs": {name: [] for name in a.modes}}
     for _ in range(a.repeats):
         for name in a.modes:
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
             sys.path.insert(0, os.path.dirname(HERE))
         from bench import write_json
         write_json(out, a.json)
-    return 0
+    return EXIT_OK
 
 
 def _merge(runs: list) -> dict:
