@@ -60,13 +60,16 @@ def test_the_decision_follows_the_measured_totals(small_products, tmp_path, name
 
 
 def test_measure_scales_each_product_to_its_rows_and_count(small_products):
-    timer, seen = _costs(lambda p, d: 0.5)
-    seconds = measure(small_products, timer)
+    timer, seen = _costs(lambda p, d: 0.5 if d == "forward" else 0.25)
+    detail = {}
+    seconds = measure(small_products, timer, detail=detail)
     # 16 rows fit the budget for the narrow product; the wide one would get 4, raised to MIN_ROWS
     assert {(p.out, rows) for _, p, _, rows in seen} == {(96, 16), (384, 8)}
     torch_s = sum(2 * 1e-9 * p.macs * p.count for p in small_products)  # forward + input gradient
     assert seconds["torch"] == pytest.approx(torch_s, rel=1e-12)
-    assert seconds["onednn"] == pytest.approx(torch_s / 2, rel=1e-12)
+    assert seconds["onednn"] == pytest.approx(torch_s * (0.5 + 0.25) / 2, rel=1e-12)
+    assert detail["torch", "forward"] == pytest.approx(torch_s / 2, rel=1e-12)
+    assert detail["onednn", "input grad"] == pytest.approx(torch_s / 2 * 0.25, rel=1e-12)
 
 
 def test_the_answer_is_cached_per_machine_torch_build_and_shapes(small_products, tmp_path, monkeypatch):

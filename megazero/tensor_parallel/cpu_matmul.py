@@ -118,8 +118,10 @@ def _calls(product: Product, rows: int) -> Dict[Tuple[str, str], Callable[[], ob
             ("torch", "input grad"): lambda: g.mm(w)}
 
 
-def measure(products: Sequence[Product], timer: Timer = wall_timer, reps: int = REPS) -> Dict[str, float]:
-    """Estimated seconds per step of each library over ``products`` (forward and input gradient)."""
+def measure(products: Sequence[Product], timer: Timer = wall_timer, reps: int = REPS,
+            detail: Optional[Dict[Tuple[str, str], float]] = None) -> Dict[str, float]:
+    """Estimated seconds per step of each library over ``products`` (forward and input gradient);
+    ``detail``, when given, gets the seconds of each (library, direction)."""
     total = {"onednn": 0.0, "torch": 0.0}
     for p in products:
         rows = min(p.rows, max(MIN_ROWS, ROW_BUDGET_MACS // (p.out * p.inp)))
@@ -131,8 +133,11 @@ def measure(products: Sequence[Product], timer: Timer = wall_timer, reps: int = 
                 seconds = timer(key[0], p, key[1], calls[key])
                 if rep:
                     best[key] = min(best.get(key, seconds), seconds)
-        for (library, _), seconds in best.items():
-            total[library] += seconds * p.count * p.rows / rows
+        for (library, direction), seconds in best.items():
+            per_step = seconds * p.count * p.rows / rows
+            total[library] += per_step
+            if detail is not None:
+                detail[library, direction] = detail.get((library, direction), 0.0) + per_step
     return total
 
 

@@ -8,8 +8,10 @@ Takes the trainer's model and layout flags (``--model``, ``--hidden-size``, ``--
 gradient of each through both libraries with the same measurement ``auto`` makes at start-up
 (fresh, not from the cache), on one intra-op thread, and prints each product's time per step
 (scaled to its row count and number of layers), the ratio oneDNN / BLAS (below 1: oneDNN faster),
-the totals and the choice.  Products under ``ONEDNN_MIN_MACS`` are listed too (``auto`` never sends
-them to oneDNN), so the threshold can be checked on a new CPU.  Run it at idle.
+the same ratio for the forward and for the transposed input-gradient product alone, the totals and
+the choice.  Products under ``ONEDNN_MIN_MACS`` are listed too (``auto`` never sends them to
+oneDNN), so the threshold can be checked on a new CPU (``--micro-batch-size`` and
+``--seq-length`` move the row count across it).  Run it at idle.
 
     python scripts/bench_matmul.py --hidden-size 1024 --seq-length 512
     python scripts/bench_matmul.py --model gpt2-small --micro-batch-size 4 --json out.json
@@ -57,16 +59,21 @@ def main(argv=None) -> int:
     products = cm.linear_products(cfg, par.tensor_model_parallel_size, par.context_parallel_size)
     rows, total = [], {"onednn": 0.0, "torch": 0.0}
     print(f"# {cm.machine_key()}")
-    print("rows x out x in (layers) | MACs | oneDNN ms | BLAS ms | oneDNN / BLAS | measured by auto")
+    print("rows x out x in (layers) | MACs | oneDNN ms | BLAS ms | oneDNN / BLAS: all, forward, input "
+          "grad | measured by auto")
     for prod in products:
-        s = cm.measure([prod], reps=args.reps)
+        detail: dict = {}
+        s = cm.measure([prod], reps=args.reps, detail=detail)
+        ratio = {d: detail["onednn", d] / detail["torch", d] for d in ("forward", "input grad")}
         big = prod.macs >= ONEDNN_MIN_MACS
         rows.append({"rows": prod.rows, "out": prod.out, "inp": prod.inp, "count": prod.count,
-                     "macs": prod.macs, "onednn_s": s["onednn"], "torch_s": s["torch"], "measured": big})
+                     "macs": prod.macs, "onednn_s": s["onednn"], "torch_s": s["torch"], "measured": big,
+                     "ratio_forward": ratio["forward"], "ratio_input_grad": ratio["input grad"]})
         if big:
             total = {k: total[k] + s[k] for k in total}
         print(f"{prod.rows} x {prod.out} x {prod.inp} ({prod.count}) | {prod.macs / 1e6:.1f}M | "
-              f"{s['onednn'] * 1e3:.2f} | {s['torch'] * 1e3:.2f} | {s['onednn'] / s['torch']:.3f} | "
+              f"{s['onednn'] * 1e3:.2f} | {s['torch'] * 1e3:.2f} | {s['onednn'] / s['torch']:.3f}, "
+              f"{ratio['forward']:.3f}, {ratio['input grad']:.3f} | "
               f"{'yes' if big else 'no (under ONEDNN_MIN_MACS)'}")
     if total["torch"]:
         choice = "onednn" if cm.decide(total) else "torch"
