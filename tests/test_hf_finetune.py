@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # 4-rank training runs of nine architectures
 SEQ, GBS, SEED = 32, 4, 1234
 ARCHITECTURES = ["mistral-window", "qwen2-window", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3",
-                 "llama-yarn"]
+                 "llama-yarn", "llama-dynamic"]
 TP_FRIENDLY = {"gemma": dict(num_key_value_heads=2)}  # tests/hf_families.py's Gemma has one key/value head
 
 

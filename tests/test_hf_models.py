@@ -71,6 +71,7 @@ def test_import_matches_transformers_logits(family):
     model = from_hf(hf).eval()
     ref = _logits(hf)
     close_to_hf(_logits(model), ref)
+    torch.testing.assert_close(_logits(model), ref, rtol=0, atol=1e-5)  # the bound too
     m = model.cfg.model
     if name.startswith("qwen2"):
         assert m.add_qkv_bias and not m.add_bias_linear
@@ -79,8 +80,7 @@ def test_import_matches_transformers_logits(family):
         assert m.rope_scaling_original_max_position_embeddings == 16
     if name == "gemma2":
         assert m.window_size == [11, 0] and m.window_attn_skip_freq == 2 and m.norm_position == "sandwich"
-    if name in MOE_FAMILIES:  # the brief's bound, beside the scaled fp32 one
-        torch.testing.assert_close(_logits(model), ref, rtol=0, atol=1e-5)
+    if name in MOE_FAMILIES:
         moe = model.cfg.moe
         assert (moe.num_experts, moe.moe_router_topk, moe.moe_expert_capacity_factor) == (8, 2, None)
     if name == "qwen2-moe":

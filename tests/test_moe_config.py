@@ -102,7 +102,9 @@ def test_bad_moe_flags_exit_2_with_one_line(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     for extra, needle in ((["--moe-router-topk", "9"], "--moe-router-topk 9"),
                           (["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3"),
-                          (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size 8")):
+                          (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size 8"),
+                          (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+                          (["--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn is not implemented")):
         assert pretrain_main(BASE + extra + ["--dry-run"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and needle in err[0], err
@@ -151,3 +153,5 @@ def test_console_line_reports_the_routers():
     line = format_line(row, 10)
     assert "moe aux loss 1.0123 tokens/expert 3-29 (imbalance 1.81) dropped 5" in line
     assert "z loss" not in line
+    line = format_line(dict(row, moe_z_loss=0.0456), 10)
+    assert "moe aux loss 1.0123 z loss 0.0456 tokens/expert 3-29" in line

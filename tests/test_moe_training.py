@@ -154,7 +154,8 @@ def test_nvme_offload_and_metrics_files(tmp_path):
                     tensorboard_dir=str(tmp_path / "tb")), 2)
     _same(got, _train(_cfg()))
     rows = [json.loads(line) for line in open(metrics)]
-    assert [r["moe_aux_loss"] for r in rows] == [m["moe_aux_loss"] for m in got]
+    for key in LOSSES[2:] + COUNTS:
+        assert [r[key] for r in rows] == [m[key] for m in got], key
     acc = tb.EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     for key in LOSSES[2:] + COUNTS:
