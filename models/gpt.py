@@ -19,9 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.compiling import compile_layers
 from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
+from megazero.tensor_parallel.cpu_matmul import linear_products
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
@@ -65,7 +67,9 @@ class GPTModel(nn.Module):
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
-        self.onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul)
+        cpu = mesh.device.type == "cpu"  # auto: this rank's products measured (once per machine)
+        products = linear_products(cfg, mesh.size("tp"), mesh.size("cp")) if cpu else None
+        self.onednn = resolve_cpu_matmul(cfg.precision.cpu_matmul, products)
         seed, std, h = cfg.training.seed, m.init_method_std, m.hidden_size
         tied = not m.untie_embeddings_and_output_weights
         if pre_process:
@@ -87,6 +91,8 @@ class GPTModel(nn.Module):
             str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
                                      mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
             for i in layers})
+        if cfg.precision.compile:  # --compile: each layer's forward through torch.compile
+            compile_layers(self.decoder.values())
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):

@@ -1,11 +1,17 @@
-"""Test set-up: one intra-op thread in the parent so forking ranks is safe and cheap, the fast
-tier (``-m "not slow"``), and the slow tier collected first."""
+"""Test set-up: one intra-op thread in the parent so forking ranks is safe and cheap, a private
+``$MEGAZERO_CACHE_DIR``, the fast tier (``-m "not slow"``), and the slow tier collected first."""
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+if "MEGAZERO_CACHE_DIR" not in os.environ:  # --cpu-matmul auto's measurements: not in the user's cache
+    os.environ["MEGAZERO_CACHE_DIR"] = tempfile.mkdtemp(prefix="megazero-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["MEGAZERO_CACHE_DIR"], True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

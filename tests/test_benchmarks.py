@@ -5,6 +5,7 @@ same run); what is checked is that the scripts run, select what they claim and t
 ``bench_peers.py`` compute what megazero computes (equal first-step losses).
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -118,3 +119,34 @@ def test_bench_moe_quick_runs_and_the_grouped_experts_equal_the_loop():
 def test_bench_moe_bad_sizes_exit_2():
     proc = _run([sys.executable, "scripts/bench_moe.py", "--ranks", "3"], PYTHONPATH=ROOT)
     assert proc.returncode == 2 and "--ranks" in proc.stderr
+
+
+def test_bench_peers_times_the_trainers_own_step(monkeypatch):
+    """megazero's side of bench_peers.py is megazero.training.loop._step, the step a user's run takes."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts"))
+    from bench import peers
+    import megazero.training.loop as loop
+    calls, real = [], loop._step
+    monkeypatch.setattr(loop, "_step", lambda *a, **k: (calls.append(a[5].iteration), real(*a, **k))[1])
+    step = peers._megazero(peers.LAYOUTS["one"], peers.QUICK_MODEL)[0]
+    first, second = step(), step()
+    assert calls == [0, 1]  # the trainer's position advances: the next samples, as in training
+    assert isinstance(first, float) and math.isfinite(first) and first != second
+
+
+@pytest.mark.slow
+def test_bench_matmul_times_the_models_products_and_says_what_auto_chooses():
+    from megazero.tensor_parallel.layers import onednn_linear_available
+    if not onednn_linear_available():
+        pytest.skip("no oneDNN linear in this torch build")
+    proc = _run([sys.executable, "scripts/bench_matmul.py", "--hidden-size", "128",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+                 "--num-layers", "2", "--vocab-size", "1024",
+                 "--reps", "1", "--json", "-"], PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{"):])
+    shapes = {(r["out"], r["inp"]) for r in out["rows"]}
+    assert shapes == {(384, 128), (128, 128), (512, 128), (128, 512), (1024, 128)}  # qkv proj fc1 fc2 head
+    measured = [r for r in out["rows"] if r["measured"]]
+    assert all(r["macs"] >= 1 << 23 for r in measured) and measured  # 128 rows x 1024 x 128 = 16.8M
+    assert out["auto"] == ("onednn" if out["total"]["onednn"] <= 0.97 * out["total"]["torch"] else "torch")

@@ -144,9 +144,7 @@ IGNORED: Dict[str, str] = {
             "--fused-residual-rmsnorm "
             "--no-gradient-reduce-div-fusion --use-te-activation-func --use-transformer-engine-op-fuser "
             "--use-grouped-gemm-for-dense-mlp --mlp-chunks-for-training"),
-    **_each(_PROFILE, "--profile --profile-step-start --profile-step-end --profile-ranks "
-                      "--use-pytorch-profiler "
-            "--record-memory-history --memory-snapshot-path --record-shapes --nvtx-ranges"),
+    **_each(_PROFILE, "--record-memory-history --memory-snapshot-path --record-shapes --nvtx-ranges"),
     **_each(_LOGGING, "--timing-log-level --timing-log-option --log-timers-to-tensorboard "
             "--log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --log-params-norm "
             "--log-num-zeros-in-grad --tensorboard-log-interval --tensorboard-queue-size "

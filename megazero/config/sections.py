@@ -301,8 +301,12 @@ class PrecisionConfig:
     grad_reduce_dtype: str = _f("fp32", "dtype gradients are accumulated and reduced in: fp32 or param.",
                                 choices=["fp32", "param"])
     cpu_matmul: str = _f("auto", "fp32 linear layers on the CPU: onednn (oneDNN's matrix product), torch "
-                         "(PyTorch's BLAS, MKL on x86) or auto (onednn where PyTorch has it on x86).",
+                         "(PyTorch's BLAS, MKL on x86) or auto (whichever runs the model's products faster "
+                         "on this machine: measured at start-up, cached in ~/.cache/megazero).",
                          choices=["auto", "onednn", "torch"])
+    compile: bool = _f(False, "Compile each transformer layer with torch.compile (Inductor: C++ kernels on "
+                       "the CPU, which need a C++ compiler; Triton on a GPU); the same numbers as eager "
+                       "within fp32 rounding, at a one-time compile cost at start-up.")
 
 
 @dataclass
@@ -398,6 +402,17 @@ class LoggingConfig:
     wandb_exp_name: Optional[str] = _f(None, "wandb run name.")
     wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
+    profile: bool = _f(False, "Profile the iterations from --profile-step-start + 1 to --profile-step-end on "
+                       "--profile-ranks (megazero/training/profile.py): a torch.profiler Chrome/Perfetto "
+                       "trace per rank in --profile-dir (on a GPU without --use-pytorch-profiler: a CUDA "
+                       "profiler capture range for nsys).")
+    use_pytorch_profiler: bool = _f(False, "With --profile: torch.profiler's trace also on a GPU (on the CPU "
+                                    "it is the only profiler).")
+    profile_step_start: int = _f(10, "With --profile: iterations done when profiling starts.")
+    profile_step_end: int = _f(12, "With --profile: iterations done when profiling stops.")
+    profile_ranks: List[int] = _f([0], "With --profile: the global ranks that profile.", nargs="+", type=int)
+    profile_dir: Optional[str] = _f(None, "With --profile: directory of the trace_rank<R>_iters<A>-<B>.json "
+                                    "files (default --tensorboard-dir, else ./profile).")
     dry_run: bool = _f(False, "Validate the flags for a job of $WORLD_SIZE ranks (default 1), print the "
                        "layout and exit 0 without training (--nvme-path, a directory of the training "
                        "machine, is not checked).", action="store_true")

@@ -51,7 +51,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     for check in (_check_model, _check_moe, _check_context_parallel, _check_sequence_parallel,
                   _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
-                  _check_checkpoint, *data, _check_resilience):
+                  _check_checkpoint, *data, _check_resilience, _check_profile):
         check(resolved)
     return resolved
 
@@ -393,6 +393,11 @@ def _check_precision(cfg: MegazeroConfig) -> None:
     from megazero.tensor_parallel.layers import resolve_cpu_matmul
     with _owned_rule():
         resolve_cpu_matmul(pre.cpu_matmul)
+    if pre.compile:
+        from megazero.compiling import check_compile
+        with _owned_rule():
+            import torch
+            check_compile("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _check_recompute(cfg: MegazeroConfig) -> None:
@@ -545,3 +550,16 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
     _check(res.exit_signal_handler or signals == ["SIGTERM"],
            f"--exit-signal {' '.join(signals)} needs --exit-signal-handler (which turns the signal into a "
            "save and a clean exit)")
+
+
+def _check_profile(cfg: MegazeroConfig) -> None:
+    """--profile's window and ranks (megazero/training/profile.py)."""
+    lg, world = cfg.logging, cfg.parallel.world_size
+    if not lg.profile:
+        return
+    _check(0 <= lg.profile_step_start < lg.profile_step_end,
+           f"--profile-step-start {lg.profile_step_start} --profile-step-end {lg.profile_step_end}: need "
+           "0 <= start < end (the iterations done when profiling starts and when it stops)")
+    ranks = list(lg.profile_ranks or [])
+    _check(bool(ranks) and all(isinstance(r, int) and 0 <= r < world for r in ranks),
+           f"--profile-ranks {' '.join(map(str, ranks))}: give global ranks from 0 to {world - 1}")

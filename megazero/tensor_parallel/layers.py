@@ -36,10 +36,11 @@ Every linear layer's product goes through :func:`linear`, which adds two things 
   slice: the same numbers as through ``.grad``, without the autograd accumulation, the hook's copy
   and the half-precision ``.grad`` living until it;
 - ``--cpu-matmul``: fp32 products on the CPU (forward and input gradient) by oneDNN rather than
-  PyTorch's BLAS (MKL on x86 builds), which on the AMD EPYC CPU measured here is 9-30 % faster
-  for the model's shapes (weight gradients: no faster, so they stay on ``torch.mm``); products
-  under ``ONEDNN_MIN_MACS`` multiply-adds stay on ``F.linear``.  ``auto`` (the default) uses
-  oneDNN wherever PyTorch has it on x86.
+  PyTorch's BLAS (MKL on x86 builds), which on an AVX-512 AMD EPYC was 9-30 % faster for the
+  model's shapes and on an AVX2 one up to 1.39x slower for some (weight gradients: no faster, so
+  they stay on ``torch.mm``); products under ``ONEDNN_MIN_MACS`` multiply-adds stay on
+  ``F.linear``.  ``auto`` (the default) measures both on the model's own products at start-up and
+  caches the answer per machine (:mod:`megazero.tensor_parallel.cpu_matmul`).
 """
 from __future__ import annotations
 
@@ -112,15 +113,22 @@ def onednn_linear_available() -> bool:
         return False
 
 
-def resolve_cpu_matmul(choice: str) -> bool:
-    """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``
-    (oneDNN where available)."""
+def resolve_cpu_matmul(choice: str, products=None, timer=None) -> bool:
+    """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``:
+    where oneDNN is available, whichever library multiplies ``products`` (the model's fp32 CPU
+    products, :func:`megazero.tensor_parallel.cpu_matmul.linear_products`) faster on this machine,
+    measured once and cached (:func:`megazero.tensor_parallel.cpu_matmul.choose_onednn`; ``timer``
+    replaces its clock).  Without ``products`` (checking the flag) ``auto`` says whether oneDNN is
+    available."""
     if choice == "torch":
         return False
     available = onednn_linear_available()
     if choice == "onednn" and not available:
         raise ValueError("--cpu-matmul onednn needs an x86 CPU build of PyTorch with oneDNN "
                          "(torch.backends.mkldnn); use --cpu-matmul torch or auto")
+    if choice == "auto" and available and products is not None:
+        from megazero.tensor_parallel.cpu_matmul import choose_onednn
+        return choose_onednn(products, timer)
     return available
 
 

@@ -43,6 +43,7 @@ from megazero.host_memory import limit_retention, peak_rss_bytes
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
+from megazero.training.profile import StepProfiler, startup_line as profile_startup_line
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.moe.step import finish_step
 from megazero.precision import apply_tf32, compute_dtype
@@ -314,6 +315,9 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
         logger.print(_no_checkpoint_line(ck))
     if loaded:
         logger.print(loaded)
+    profiling = profile_startup_line(cfg.logging, mesh.device, tr.train_iters)
+    if profiling:
+        logger.print(f"megazero: {profiling}")
     if logger.dropped_rows:
         logger.print(f"{cfg.logging.metrics_file}: dropped {logger.dropped_rows} rows after iteration "
                      f"{pos.iteration} (written by an earlier run); this run's rows follow")
@@ -379,12 +383,15 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
                          stage_keys(chunks), lambda consumed: batch_size_at(schedule, consumed))
     work = (model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg),
             device_peak_flops(mesh.device, "fp32" if compute_dtype(cfg) == torch.float32 else "bf16"))
+    profiler = StepProfiler(cfg.logging, mesh.rank, mesh.device)  # --profile
     try:
         for it in range(start_iter + 1, tr.train_iters + 1):
             guard.begin(it)
             batch = batch_size_at(schedule, pos.consumed)
+            profiler.before(it)
             m, stats, loss = _step(cfg, chunks, optimizer, loader, mesh, pos, batch, work,
                                    guard.skip_spike if guard.spike.skips else None)
+            profiler.after(it)
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
@@ -424,6 +431,7 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             saver.abandon()
         raise
     finally:
+        profiler.close()  # a run stopped inside the window writes what it profiled
         logger.close()
         optimizer.close()  # the NVMe swap file is scratch: removed at exit (a crash leaves it for reuse)
     return history

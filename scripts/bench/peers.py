@@ -3,9 +3,15 @@
 
 Every layout runs megazero and its peer in one set of forked gloo ranks (one intra-op thread
 each, :func:`megazero.local_ranks.run_ranks`).  After warm-up, each round times one training step of
-each (zero grad, forward and backward of every micro-batch, gradient sync, clipping to 1.0, AdamW
-with weight decay off norms, the local loss on the host), in an order that alternates between
+each, in an order that alternates between
 rounds, each step from a barrier to a barrier, so load changes on a shared machine hit both alike.
+megazero's step is the trainer's own (``megazero.training.loop._step``: the learning rate, zero grad,
+loading this rank's micro-batches of the next global batch, forward and backward of every
+micro-batch, gradient sync, clipping to 1.0, AdamW with weight decay off norms, the loss averaged
+over the world and the iteration's metrics row), so the ratios include everything a user pays; the
+peer's step is zero grad, forward and backward, its gradient sync, clipping, AdamW and the local loss
+on the host.  Both see the same samples in the first step; after it megazero reads the next samples
+of the stream, as in training, and the peer repeats its batch.
 The table shows the median step times, their ratio (megazero / peer; below 1 megazero is
 faster) and the model-state bytes per rank (parameters + gradients + optimizer state, held after a
 step) next to docs/design.md's ZeRO formula for megazero's stage.  Both sides start from the same
@@ -113,10 +119,11 @@ def _megazero(layout: Layout, model: dict):
     """Build megazero for ``layout`` on this rank: ``(step, memory, numel, full weights, cfg, mesh)``."""
     import megazero_models as models
     from megazero.config import config_from_dict, validate
-    from megazero.data import build_data, micro_batches
+    from megazero.data import build_data, stage_keys
+    from megazero.data.loader import StepBatches
     from megazero.mesh import ParallelMesh
-    from megazero.pipeline.executor import run_schedule
-    from megazero.pipeline.p2p import p2p_tensor_shape
+    from megazero.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
+    from megazero.training.loop import Position, _step
     from megazero.zero import build_optimizer
     from megazero_models.gpt import full_state_dict
     world = layout.world
@@ -135,18 +142,13 @@ def _megazero(layout: Layout, model: dict):
     for c in chunks:
         weights.update(full_state_dict(c))  # before ZeRO-3 shards them
     opt = build_optimizer(chunks, mesh, cfg)
-    tr = cfg.training
-    batches = micro_batches(build_data(cfg), 0, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
-                            mesh.size("dp"))
+    pos = Position()
+    data = StepBatches(build_data(cfg), cfg.training.micro_batch_size, mesh.coord("dp"), mesh.size("dp"),
+                       mesh.device, stage_keys(chunks))  # this stage's tensors, as the trainer reads them
+    work = (model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg), None)
 
-    def step() -> Optional[float]:
-        opt.zero_grad()
-        losses = run_schedule(chunks, mesh, batches, schedule=par.pipeline_schedule,
-                              num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg),
-                              grad_sync=opt, loss_scale=opt.loss_scale)
-        opt.finish_grad_sync()
-        opt.step(cfg.optimizer.lr)
-        return sum(float(x) for x in losses) / len(losses) if losses else None
+    def step() -> Optional[float]:  # the trainer's own step: everything a user pays, metrics included
+        return _step(cfg, chunks, opt, data, mesh, pos, cfg.training.global_batch_size, work)[2]
 
     return step, opt.memory_bytes, opt.num_parameters(), weights, cfg, mesh
 
