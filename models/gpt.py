@@ -25,9 +25,10 @@ from megazero.mesh import ParallelMesh
 from megazero.recompute import recompute
 from megazero.tensor_parallel.cpu_matmul import linear_products
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.cpu_matmul import resolve_cpu_matmul
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full, linear,
-                                             normal_init, pad_rows, resolve_cpu_matmul, shard)
+                                             normal_init, pad_rows, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 from megazero.checkpoint.names import expert_name
 from megazero.config.patterns import active_window, layer_window, uses_rope

@@ -286,7 +286,7 @@ class TransformerLayer(nn.Module):
     different part of the sequence, so it runs under the tracker's fork.
 
     ``onednn``: the linear layers' fp32 CPU products through oneDNN (``--cpu-matmul``, resolved
-    once by the model, :func:`megazero.tensor_parallel.layers.resolve_cpu_matmul`).  ``mlp``: the module
+    once by the model, :func:`megazero.tensor_parallel.cpu_matmul.resolve_cpu_matmul`).  ``mlp``: the module
     in the MLP's place (an MoE layer, :mod:`megazero_models.moe`); default the dense :class:`MLP`.
     """
 

@@ -105,16 +105,16 @@ def test_products_below_the_threshold_are_not_measured(tmp_path):
 
 def test_resolve_measures_only_for_auto_where_onednn_exists(small_products, monkeypatch, tmp_path):
     monkeypatch.setenv("MEGAZERO_CACHE_DIR", str(tmp_path))
-    assert tp_layers.resolve_cpu_matmul("torch", small_products, _never) is False
+    assert cm.resolve_cpu_matmul("torch", small_products, _never) is False
     if tp_layers.onednn_linear_available():
-        assert tp_layers.resolve_cpu_matmul("onednn", small_products, _never) is True
+        assert cm.resolve_cpu_matmul("onednn", small_products, _never) is True
         slow, _ = _costs(lambda p, d: 1.3)
-        assert tp_layers.resolve_cpu_matmul("auto", small_products, slow) is False
+        assert cm.resolve_cpu_matmul("auto", small_products, slow) is False
         assert (tmp_path / cm.CACHE_FILE).exists()
     monkeypatch.setattr(tp_layers, "onednn_linear_available", lambda: False)
-    assert tp_layers.resolve_cpu_matmul("auto", small_products, _never) is False
+    assert cm.resolve_cpu_matmul("auto", small_products, _never) is False
     with pytest.raises(ValueError, match="--cpu-matmul onednn"):
-        tp_layers.resolve_cpu_matmul("onednn", small_products, _never)
+        cm.resolve_cpu_matmul("onednn", small_products, _never)
 
 
 def test_a_real_measurement_runs_and_is_cached(small_products, tmp_path):

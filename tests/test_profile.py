@@ -7,7 +7,7 @@ import pytest
 
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.local_ranks import run_ranks
-from megazero.training.profile import StepProfiler, startup_line, trace_path
+from megazero.training.profiling import StepProfiler, startup_line, trace_path
 
 
 def _cfg(tmp_path, **extra):

@@ -9,7 +9,8 @@ from megazero.tensor_parallel import mappings as M
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              init_full, linear, normal_init, onednn_linear_available,
-                                             pad_rows, resolve_cpu_matmul)
+                                             pad_rows)
+from megazero.tensor_parallel.cpu_matmul import resolve_cpu_matmul
 from megazero.local_ranks import run_ranks
 from tolerance import U32
 

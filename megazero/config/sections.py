@@ -403,7 +403,7 @@ class LoggingConfig:
     wandb_entity: Optional[str] = _f(None, "wandb entity (team or user) that owns the project.")
     wandb_save_dir: Optional[str] = _f(None, "Directory for wandb files.")
     profile: bool = _f(False, "Profile the iterations from --profile-step-start + 1 to --profile-step-end on "
-                       "--profile-ranks (megazero/training/profile.py): a torch.profiler Chrome/Perfetto "
+                       "--profile-ranks (megazero/training/profiling.py): a torch.profiler Chrome/Perfetto "
                        "trace per rank in --profile-dir (on a GPU without --use-pytorch-profiler: a CUDA "
                        "profiler capture range for nsys).")
     use_pytorch_profiler: bool = _f(False, "With --profile: torch.profiler's trace also on a GPU (on the CPU "

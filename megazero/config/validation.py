@@ -390,7 +390,7 @@ def _check_precision(cfg: MegazeroConfig) -> None:
            f"--initial-loss-scale {pre.initial_loss_scale} is below --min-loss-scale {pre.min_loss_scale}")
     _check(pre.hysteresis >= 1, f"--hysteresis must be >= 1, got {pre.hysteresis}")
     _check(pre.loss_scale_window >= 1, f"--loss-scale-window must be >= 1, got {pre.loss_scale_window}")
-    from megazero.tensor_parallel.layers import resolve_cpu_matmul
+    from megazero.tensor_parallel.cpu_matmul import resolve_cpu_matmul
     with _owned_rule():
         resolve_cpu_matmul(pre.cpu_matmul)
     if pre.compile:
@@ -553,7 +553,7 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
 
 
 def _check_profile(cfg: MegazeroConfig) -> None:
-    """--profile's window and ranks (megazero/training/profile.py)."""
+    """--profile's window and ranks (megazero/training/profiling.py)."""
     lg, world = cfg.logging, cfg.parallel.world_size
     if not lg.profile:
         return

@@ -186,3 +186,22 @@ def choose_onednn(products: Sequence[Product], timer: Optional[Timer] = None,
     choice = decide(seconds)
     _write(path, key, {"onednn": choice, "onednn_s": seconds["onednn"], "torch_s": seconds["torch"]})
     return choice
+
+
+def resolve_cpu_matmul(choice: str, products=None, timer=None) -> bool:
+    """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``:
+    where oneDNN is available, whichever library multiplies ``products`` (the model's fp32 CPU
+    products, :func:`linear_products`) faster on this machine,
+    measured once and cached (:func:`choose_onednn`; ``timer``
+    replaces its clock).  Without ``products`` (checking the flag) ``auto`` says whether oneDNN is
+    available."""
+    if choice == "torch":
+        return False
+    from megazero.tensor_parallel import layers
+    available = layers.onednn_linear_available()
+    if choice == "onednn" and not available:
+        raise ValueError("--cpu-matmul onednn needs an x86 CPU build of PyTorch with oneDNN "
+                         "(torch.backends.mkldnn); use --cpu-matmul torch or auto")
+    if choice == "auto" and available and products is not None:
+        return choose_onednn(products, timer)
+    return available

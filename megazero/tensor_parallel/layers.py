@@ -40,7 +40,7 @@ Every linear layer's product goes through :func:`linear`, which adds two things 
   model's shapes and on an AVX2 one up to 1.39x slower for some (weight gradients: no faster, so
   they stay on ``torch.mm``); products under ``ONEDNN_MIN_MACS`` multiply-adds stay on
   ``F.linear``.  ``auto`` (the default) measures both on the model's own products at start-up and
-  caches the answer per machine (:mod:`megazero.tensor_parallel.cpu_matmul`).
+  caches the answer per machine (:func:`megazero.tensor_parallel.cpu_matmul.resolve_cpu_matmul`).
 """
 from __future__ import annotations
 
@@ -111,25 +111,6 @@ def onednn_linear_available() -> bool:
         return hasattr(torch.ops.mkldnn, "_linear_pointwise")
     except RuntimeError:
         return False
-
-
-def resolve_cpu_matmul(choice: str, products=None, timer=None) -> bool:
-    """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``:
-    where oneDNN is available, whichever library multiplies ``products`` (the model's fp32 CPU
-    products, :func:`megazero.tensor_parallel.cpu_matmul.linear_products`) faster on this machine,
-    measured once and cached (:func:`megazero.tensor_parallel.cpu_matmul.choose_onednn`; ``timer``
-    replaces its clock).  Without ``products`` (checking the flag) ``auto`` says whether oneDNN is
-    available."""
-    if choice == "torch":
-        return False
-    available = onednn_linear_available()
-    if choice == "onednn" and not available:
-        raise ValueError("--cpu-matmul onednn needs an x86 CPU build of PyTorch with oneDNN "
-                         "(torch.backends.mkldnn); use --cpu-matmul torch or auto")
-    if choice == "auto" and available and products is not None:
-        from megazero.tensor_parallel.cpu_matmul import choose_onednn
-        return choose_onednn(products, timer)
-    return available
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

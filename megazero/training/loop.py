@@ -43,7 +43,7 @@ from megazero.host_memory import limit_retention, peak_rss_bytes
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
-from megazero.training.profile import StepProfiler, startup_line as profile_startup_line
+from megazero.training.profiling import StepProfiler, startup_line as profile_startup_line
 from megazero.mesh import ParallelMesh, backend_for, default_device
 from megazero.moe.step import finish_step
 from megazero.precision import apply_tf32, compute_dtype
