@@ -79,3 +79,21 @@ def test_compile_is_a_flag(monkeypatch, capsys):
     from models.cli.pretrain import main
     assert main(["--mock-data", "--compile", "--train-iters", "1"], None, {}) == 2
     assert "--compile needs a C++ compiler" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_onednn_products_match_eager(monkeypatch):
+    """--cpu-matmul onednn (what auto picks where oneDNN is faster) with --compile: the compiled layers
+    leave the product to Inductor (its lowering rejects the direct oneDNN call), the rest stays on
+    oneDNN; the same numbers as eager on oneDNN."""
+    import megazero.tensor_parallel.layers as tp_layers
+    if not tp_layers.onednn_linear_available():
+        pytest.skip("no oneDNN linear in this torch build")
+    monkeypatch.setattr(tp_layers, "ONEDNN_MIN_MACS", 0)  # every product of the tiny GPT through oneDNN
+    calls, onednn = [], tp_layers._onednn
+    monkeypatch.setattr(tp_layers, "_onednn", lambda *args: (calls.append(1), onednn(*args))[1])
+    ref, _ = _train(_cfg(cpu_matmul="onednn"))
+    assert calls  # eager did use oneDNN
+    got, graphs = _train(_cfg(cpu_matmul="onednn", compile=True))
+    assert graphs >= 1
+    _close(got, ref)

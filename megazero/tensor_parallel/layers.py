@@ -171,7 +171,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
            onednn: bool = False) -> torch.Tensor:
     """``F.linear``; fp32 products on the CPU by oneDNN when ``onednn``, and the weight gradient
     written into the optimizer's buffer where it has set ``weight.write_grad`` (the module docstring)."""
-    onednn = onednn and _fits_onednn(x, weight)
+    # under torch.compile Inductor picks the CPU product itself (its lowering rejects this direct call)
+    onednn = onednn and _fits_onednn(x, weight) and not torch.compiler.is_compiling()
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     write_grad = getattr(weight, "write_grad", None) if training and weight.requires_grad else None
     if training and (onednn or write_grad is not None):
