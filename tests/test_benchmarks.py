@@ -91,7 +91,7 @@ def test_bench_gpu_quick_runs_on_cpu():
                     "pipelining peer lost a rank (README, Supported versions)")
 def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
     proc = _run([sys.executable, "scripts/bench_peers.py", "--quick", "--layouts", "one", "dp2-zero1",
-                 "tp2-sp", "pp2-interleaved", "--json", "-"])
+                 "tp2-sp", "pp2-interleaved", "--also-torch", "--json", "-"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout[proc.stdout.index("{"):])["rows"]
     assert [r["layout"] for r in rows] == ["one", "dp2-zero1", "tp2-sp", "pp2-interleaved"]
@@ -99,6 +99,9 @@ def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
         assert r["megazero_ms"] > 0 and r["peer_ms"] > 0
         # same initial weights and samples: the first step's loss agrees to fp32 rounding
         assert r["first_loss"]["megazero"] == pytest.approx(r["first_loss"]["peer"], rel=1e-5), r["layout"]
+        assert r["first_loss"]["megazero_torch"] == pytest.approx(r["first_loss"]["peer"], rel=1e-5)
+        assert r["megazero_torch_ms"] > 0
+        assert r["torch_ratio"] == pytest.approx(r["megazero_torch_ms"] / r["peer_ms"])
         assert r["megazero_mb"] <= r["formula_mb"] * 1.02  # padding only
 
 

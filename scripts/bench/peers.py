@@ -439,14 +439,18 @@ def _mean_over_ranks(value: Optional[float]) -> Optional[float]:
     return sum(got) / len(got) if got else None
 
 
-def _run_layout(layout: Layout, model: dict, rounds: int, warmup: int, how: str) -> dict:
-    """On every rank: build both sides, warm up, then time ``rounds`` rounds of one step each."""
+def _run_layout(layout: Layout, model: dict, rounds: int, warmup: int, how: str,
+                also_torch: bool = False) -> dict:
+    """On every rank: build both sides, warm up, then time ``rounds`` rounds of one step each;
+    ``also_torch``: a third side, megazero with ``--cpu-matmul torch``, in the same rounds."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.manual_seed(0)
     mz_step, mz_memory, numel, weights, cfg, mesh = _megazero(layout, model)
     peer_step, peer_memory = PEERS[layout.peer](layout, cfg, mesh, weights, how)
     del weights
     modes = {"megazero": mz_step, "peer": peer_step}
+    if also_torch:
+        modes["megazero_torch"] = _megazero(layout, dict(model, cpu_matmul="torch"))[0]
     first = {k: _mean_over_ranks(step()) for k, step in modes.items()}  # the first step, from equal weights
     for _ in range(warmup - 1):
         for step in modes.values():
@@ -472,7 +476,10 @@ def _summary(key: str, layout: Layout, per_rank: List[dict]) -> dict:
             "peer_min_ms": min(res["times"]["peer"]) * 1e3,
             "megazero_mb": sum(worst["megazero_bytes"].values()) / 2 ** 20,
             "peer_mb": sum(worst["peer_bytes"].values()) / 2 ** 20, "formula_mb": formula / 2 ** 20,
-            "first_loss": res["first_loss"], "rounds": len(res["times"]["megazero"])}
+            "first_loss": res["first_loss"], "rounds": len(res["times"]["megazero"]),
+            **({"megazero_torch_ms": statistics.median(res["times"]["megazero_torch"]) * 1e3,
+                "torch_ratio": statistics.median(res["times"]["megazero_torch"]) / peer}
+               if "megazero_torch" in res["times"] else {})}
 
 
 def _print_table(rows: List[dict], params: int, load0, load1, args) -> None:
@@ -481,12 +488,14 @@ def _print_table(rows: List[dict], params: int, load0, load1, args) -> None:
           f"megazero --cpu-matmul {args.cpu_matmul}")
     print(f"load average (1 min) {load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
     print(f"{'layout':30} {'peer':6} {'megazero ms':>11} {'peer ms':>8} {'ratio':>6} {'MB/rank':>8} "
-          f"{'peer MB':>8} {'formula MB':>10} {'first loss (mz / peer)':>23}")
+          f"{'peer MB':>8} {'formula MB':>10} {'first loss (mz / peer)':>23}"
+          + (f" {'torch ms':>8} {'torch ratio':>11}" if args.also_torch else ""))
     for r in rows:
         fl = r["first_loss"]
         loss = f"{fl['megazero']:.4f} / {fl['peer']:.4f}" if None not in fl.values() else "-"
         print(f"{r['name']:30} {r['peer']:6} {r['megazero_ms']:11.1f} {r['peer_ms']:8.1f} {r['ratio']:6.2f} "
-              f"{r['megazero_mb']:8.2f} {r['peer_mb']:8.2f} {r['formula_mb']:10.2f} {loss:>23}")
+              f"{r['megazero_mb']:8.2f} {r['peer_mb']:8.2f} {r['formula_mb']:10.2f} {loss:>23}"
+              + (f" {r['megazero_torch_ms']:8.1f} {r['torch_ratio']:11.2f}" if args.also_torch else ""))
 
 
 def main(argv=None) -> int:
@@ -497,6 +506,8 @@ def main(argv=None) -> int:
     p.add_argument("--peer-optimizer", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--cpu-matmul", choices=["auto", "onednn", "torch"], default="auto",
                    help="megazero's --cpu-matmul (torch: PyTorch's BLAS, as the peers)")
+    p.add_argument("--also-torch", action="store_true",
+                   help="also time megazero with --cpu-matmul torch, in the same interleaved rounds")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model and two rounds: checks that everything runs")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
@@ -520,7 +531,7 @@ def main(argv=None) -> int:
     for key in args.layouts:
         layout = LAYOUTS[key]
         per_rank = run_ranks(_run_layout, layout.world, layout, model, args.rounds, args.warmup,
-                             args.peer_optimizer, timeout=3600)
+                             args.peer_optimizer, args.also_torch, timeout=3600)
         rows.append(_summary(key, layout, per_rank))
         print(f"  {layout.name}: megazero {rows[-1]['megazero_ms']:.1f} ms, "
               f"peer {rows[-1]['peer_ms']:.1f} ms", file=sys.stderr, flush=True)
