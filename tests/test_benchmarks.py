@@ -153,3 +153,19 @@ def test_bench_matmul_times_the_models_products_and_says_what_auto_chooses():
     measured = [r for r in out["rows"] if r["measured"]]
     assert all(r["macs"] >= 1 << 23 for r in measured) and measured  # 128 rows x 1024 x 128 = 16.8M
     assert out["auto"] == ("onednn" if out["total"]["onednn"] <= 0.97 * out["total"]["torch"] else "torch")
+
+
+@pytest.mark.slow
+def test_bench_moe_deepspeed_times_megazeros_layer_and_names_a_missing_deepspeed(tmp_path):
+    """DeepSpeed is not installed here: its side is refused in one line (exit 2); megazero's own side,
+    both expert paths, runs as a child of the script."""
+    proc = _run([sys.executable, "scripts/bench_moe_deepspeed.py", "--ds-python", str(tmp_path / "none")],
+                PYTHONPATH=ROOT)
+    assert proc.returncode == 2 and "--ds-python" in proc.stderr
+    for side in ("megazero", "megazero_grouped"):
+        proc = _run([sys.executable, "scripts/bench_moe_deepspeed.py", "--child", side, "--tokens", "64",
+                     "--hidden", "32", "--ffn", "48", "--rounds", "1", "--warmup", "0"],
+                    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")]))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seconds = json.loads(proc.stdout.split("MOE_RESULT ", 1)[1])["seconds"]
+        assert seconds > 0

@@ -126,13 +126,14 @@ def test_capacity_against_a_loop(policy, pad):
 
 
 # ---- the grouped product and a rank's experts -----------------------------------------------------
+@pytest.mark.parametrize("backend", ["bmm", "loop"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [4, 4, 4, 4], [0, 0, 7, 0]])
-def test_grouped_product_against_a_loop(counts):
+def test_grouped_product_against_a_loop(counts, backend):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(sum(counts), 6, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(4, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(4, 5, dtype=torch.float64, generator=g, requires_grad=True)
-    y = grouped_product(x, w, counts, b, backend="bmm")
+    y = grouped_product(x, w, counts, b, backend=backend)
     parts, start = [], 0
     for j, c in enumerate(counts):
         parts.append(x[start:start + c] @ w[j].t() + b[j])
@@ -178,10 +179,13 @@ def _expert_loop(experts, x, activation="swiglu"):
     return run
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu_exact"])
-def test_grouped_experts_against_a_loop(activation):
-    cfg = _cfg(["--activation", activation])
+def test_grouped_experts_against_a_loop(activation, grouped):
+    """With --moe-grouped-gemm one grouped product (bmm here), without it one product per expert."""
+    cfg = _cfg(["--activation", activation] + (["--moe-grouped-gemm"] if grouped else []))
     experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 1).double()
+    assert experts.backend == ("auto" if grouped else "loop")
     assert (experts.gate_weight is None) == (activation == "gelu_exact")
     counts = [2, 0, 3, 1, 0, 4, 1, 1]
     x = torch.randn(12, 16, dtype=torch.float64)

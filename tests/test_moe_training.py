@@ -61,9 +61,10 @@ def one_process():
 
 @pytest.mark.slow
 def test_ep2_tp2_pp2_zero3_matches_one_process(one_process):
-    """EP 2 x TP 2 (sequence parallel, expert TP 2) x PP 2 with ZeRO-3 on 8 ranks (expert DP 1)."""
+    """EP 2 x TP 2 (sequence parallel, expert TP 2) x PP 2 with ZeRO-3 on 8 ranks (expert DP 1), the
+    experts as one grouped product (--moe-grouped-gemm) against the one process's product per expert."""
     got = _run(_cfg(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2,
-                    expert_model_parallel_size=2, zero_stage=3), 8)
+                    expert_model_parallel_size=2, zero_stage=3, moe_grouped_gemm=True), 8)
     _same(got, one_process)
     assert one_process[0]["moe_aux_loss"] > 0.9 and one_process[0]["moe_z_loss"] > 0  # the losses are on
 

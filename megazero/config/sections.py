@@ -514,9 +514,9 @@ class MoEConfig:
         False, "Give every expert exactly its capacity of tokens (tokens not routed to it fill the free "
         "places with routing weight 0); needs --moe-expert-capacity-factor.")
     moe_grouped_gemm: bool = _f(
-        True, "Run a rank's experts as one grouped product (always on: the experts' tokens are padded to one "
-        "batched matrix product, or torch's grouped_mm on a GPU); the flag is accepted for Megatron-LM "
-        "scripts.", action="store_true")
+        False, "Run a rank's experts as one grouped product (torch's grouped_mm on a GPU; elsewhere one "
+        "batched matrix product over the experts' tokens padded to the busiest expert's) instead of one "
+        "product per expert (Megatron-LM's default; on CPUs the faster of the two).", action="store_true")
     moe_shared_expert_intermediate_size: Optional[int] = _f(
         None, "Hidden size of the shared expert, a dense MLP every token goes through beside its routed "
         "experts (Qwen2-MoE, DeepSeek); none: no shared expert.")

@@ -1,10 +1,14 @@
 """A rank's routed experts and the grouped product that runs them all at once.
 
 :func:`grouped_product` multiplies rows grouped by expert (``x [N, in]``, ``counts[g]`` rows for group
-``g``, in group order) by each group's weight (``weight [G, out, in]``) in one call, never a Python
-loop over experts: on a GPU with torch's ``grouped_mm`` (``torch.nn.functional.grouped_mm``, half or
-fp32), elsewhere (and for float64) as one batched ``bmm`` over the groups padded to the longest (on
-this CPU build ``grouped_mm`` exists but takes longer than the padded ``bmm``).
+``g``, in group order) by each group's weight (``weight [G, out, in]``): with ``--moe-grouped-gemm``
+in one call, never a Python loop over experts, on a GPU with torch's ``grouped_mm``
+(``torch.nn.functional.grouped_mm``, half or fp32), elsewhere (and for float64) as one batched
+``bmm`` over the groups padded to the longest (on this CPU build ``grouped_mm`` exists but takes
+longer than the padded ``bmm``); without it (Megatron-LM's default, its ``SequentialMLP``) one
+product per expert on that expert's rows, which on a CPU is the faster of the two (each expert's
+product is a large GEMM there, and the padded ``bmm`` computes every expert at the longest group's
+rows: ``docs/performance.md``, mixture of experts).
 
 :class:`GroupedExperts` holds a rank's ``E_local = num_experts / EP`` experts, each an MLP split over
 the expert-tensor-parallel group like the dense MLP over TP (first product column-parallel, second
@@ -48,7 +52,8 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]
                     bias: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
     """``y[r] = x[r] @ weight[g(r)].T (+ bias[g(r)])`` for rows ``r`` of group ``g(r)`` (rows grouped
     in group order, ``counts`` rows each; a Python list).  ``backend``: ``bmm`` (padded), ``grouped_mm``
-    (torch's, where the build has it) or ``auto`` (``grouped_mm`` on a GPU, ``bmm`` elsewhere).
+    (torch's, where the build has it), ``auto`` (``grouped_mm`` on a GPU, ``bmm`` elsewhere) or
+    ``loop`` (one product per group).
     Every weight and ``x`` get a gradient (zero where no row used them) even without rows: a rank's
     backward must reach the token collectives behind ``x``, and ZeRO must see every expert gradient
     in every backward (reductions in the same order on every rank)."""
@@ -67,8 +72,10 @@ def grouped_product(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]
         y = F.grouped_mm(x, weight.transpose(1, 2), offs=offs)
     elif backend == "bmm":
         y = _padded_bmm(x, weight, counts)
+    elif backend == "loop":
+        y = torch.cat([F.linear(part, weight[g]) for g, part in enumerate(x.split(counts))])
     else:
-        raise ValueError(f"grouped_product backend must be auto, bmm or grouped_mm, got {backend!r}")
+        raise ValueError(f"grouped_product backend must be auto, bmm, grouped_mm or loop, got {backend!r}")
     if bias is not None:
         y = y + bias.index_select(0, _group_rows(counts, x.device))
     return y
@@ -91,12 +98,14 @@ class GroupedExperts(nn.Module):
     """This rank's experts (see the module docstring). ``forward(x [N, hidden], counts)``: rows grouped
     by local expert; returns ``[N, hidden]``, a partial sum over expert TP when it is > 1."""
 
-    def __init__(self, cfg, mesh, layer_idx: int, device=None, backend: str = "auto"):
+    def __init__(self, cfg, mesh, layer_idx: int, device=None, backend: Optional[str] = None):
         super().__init__()
         moe, m = cfg.moe, cfg.model
         ep, etp = mesh.size("ep"), mesh.size("etp")
         self.num_local = moe.num_experts // ep
         self.first = mesh.coord("ep") * self.num_local
+        # --moe-grouped-gemm: one grouped product; without it, one product per expert (grouped_product)
+        backend = backend or ("auto" if moe.moe_grouped_gemm else "loop")
         self.gated, self.silu, self.backend = m.activation in GATED, m.activation == "swiglu", backend
         self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
         ffn, hidden, seed = moe.moe_ffn_hidden_size, m.hidden_size, cfg.training.seed

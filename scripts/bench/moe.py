@@ -5,7 +5,7 @@ Two measurements, each a ratio against a baseline timed in the same run, in inte
 
 1. **Experts, one process.**  A rank's experts (:class:`megazero.moe.GroupedExperts`, gated or not)
    forward and backward on ``--tokens`` routed rows spread unevenly over ``--experts`` experts, as
-   megazero runs them (one padded ``bmm`` per matrix on CPU: :func:`megazero.moe.experts.grouped_product`)
+   megazero runs them with ``--moe-grouped-gemm`` (one padded ``bmm`` per matrix on CPU: :func:`megazero.moe.experts.grouped_product`)
    against the plain-PyTorch reference that transformers' Mixtral block uses: a Python loop over the
    experts, each taking its rows and running its own matrices.  Same weights and rows; the script
    checks that both give the same outputs and gradients before timing them.  Once with the rows
@@ -19,8 +19,8 @@ Two measurements, each a ratio against a baseline timed in the same run, in inte
    (``tokens x topk x hidden`` fp32 across the EP group), the collective an EP layer runs four times a
    micro-batch (tokens out and back, forward and backward).
 
-``--json -`` prints the results as JSON; ``--quick`` shrinks everything (the smoke test).  DeepSpeed-MoE
-is not compared: see docs/performance.md.
+``--json -`` prints the results as JSON; ``--quick`` shrinks everything (the smoke test).  DeepSpeed-MoE's
+layer: ``scripts/bench_moe_deepspeed.py``.
 
     python scripts/bench_moe.py                     # 8 experts, 2 ranks, 20 rounds each
     python scripts/bench_moe.py --experts 16 --tokens 8192 --rounds 30
@@ -86,7 +86,7 @@ def bench_experts(args, balanced: bool = False):
     from megazero.moe import GroupedExperts
     cfg = _expert_cfg(args)
     torch.manual_seed(0)
-    experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 0)
+    experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 0, backend="auto")  # grouped
     counts = _counts(args.tokens, args.experts, balanced=balanced)
     x = torch.randn(args.tokens, args.hidden, requires_grad=True)
     grad_out = torch.randn(args.tokens, args.hidden)
