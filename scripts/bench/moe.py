@@ -5,10 +5,11 @@ Two measurements, each a ratio against a baseline timed in the same run, in inte
 
 1. **Experts, one process.**  A rank's experts (:class:`megazero.moe.GroupedExperts`, gated or not)
    forward and backward on ``--tokens`` routed rows spread unevenly over ``--experts`` experts, as
-   megazero runs them with ``--moe-grouped-gemm`` (one padded ``bmm`` per matrix on CPU: :func:`megazero.moe.experts.grouped_product`)
-   against the plain-PyTorch reference that transformers' Mixtral block uses: a Python loop over the
-   experts, each taking its rows and running its own matrices.  Same weights and rows; the script
-   checks that both give the same outputs and gradients before timing them.  Once with the rows
+   megazero runs them with ``--moe-grouped-gemm`` (one padded ``bmm`` per matrix on CPU:
+   :func:`megazero.moe.experts.grouped_product`) against the plain-PyTorch reference that
+   transformers' Mixtral block uses: a Python loop over the experts, each taking its rows and
+   running its own matrices (megazero's default, without the flag).  Same weights and rows; the
+   script checks that both give the same outputs and gradients before timing them.  Once with the rows
    skewed over the experts (the padded ``bmm`` pads each to the longest) and once balanced (equal
    rows: no padding).
 2. **EP 2 against EP 1, through the trainer's pieces.**  A tiny MoE GPT (the oracle tests' model:
