@@ -13,7 +13,8 @@
 #
 # Exit status: that of the failing step; 2 for a bad argument; 3 when torch sees no GPU.
 # Uses .venv (scripts/setup_env.sh installs a CUDA build of torch when a GPU is present), or
-# $PYTHON when set.  Untested by its author: no GPU was available when it was written.
+# $PYTHON when set (megazero need not be installed there: the checkout is put on its path).  Run on
+# one H200 on 2026-12-04 (docs/performance.md, "The GPU path").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
@@ -39,6 +40,13 @@ if [ -z "$PY" ]; then
   PY="$root/.venv/bin/python"
 fi
 cd "$root"
+# a $PYTHON without megazero installed (a machine's own torch, no network to install into): the
+# checkout on the path, and models/ under its installed name megazero_models
+if [ "$dry" -eq 0 ] && ! "$PY" -c 'import megazero, megazero_models' 2>/dev/null; then
+  shim="$(mktemp -d)"
+  ln -s "$root/models" "$shim/megazero_models"
+  export PYTHONPATH="$root:$shim${PYTHONPATH:+:$PYTHONPATH}"
+fi
 run() { echo "+ $*"; if [ "$dry" -eq 0 ]; then "$@"; fi; }
 if [ "$dry" -eq 0 ]; then
   gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
