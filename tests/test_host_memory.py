@@ -106,5 +106,7 @@ def test_estimated_peak_rss_matches_two_ranks_with_both_nvme_tiers(tmp_path):
     rss = report["stages"][0]["components"]["peak_rss_bytes"]
     est, got, runtime = rss["estimate"], rss["measured"], report["runtime_bytes"]
     assert abs(est - got) <= 0.10 * got, (est, got)
-    assert est - runtime > 0.5 * got and got - runtime > 0.5 * got, (est, got, runtime)
+    # the model's part is most of each figure, so the 10 % above is not the runtime's agreement
+    # (each against its own figure: under load the measured peak grows with reductions in flight)
+    assert est - runtime > 0.5 * est and got - runtime > 0.5 * got, (est, got, runtime)
     assert os.listdir(swap) == []  # the swap files are scratch

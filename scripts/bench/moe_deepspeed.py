@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from megazero.errors import EXIT_OK
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = "MOE_RESULT "
 SIDES = ("megazero", "megazero_grouped", "deepspeed")
@@ -90,16 +92,17 @@ def _deepspeed(a) -> float:
 
 
 def _child(a) -> None:
-    import torch
-    torch.set_num_threads(1)
+    from megazero.threads import set_rank_threads
+    set_rank_threads()
     seconds = _deepspeed(a) if a.child == "deepspeed" else _megazero(a, a.child == "megazero_grouped")
     print(RESULT + json.dumps({"seconds": seconds}), flush=True)
 
 
 def _run(a, side: str, argv) -> float:
     python = a.ds_python if side == "deepspeed" else sys.executable
+    from megazero.threads import rank_thread_env
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env = dict(rank_thread_env(os.environ, force=True), PYTHONPATH=path)  # one thread a side
     proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--child", side], capture_output=True,
                           text=True, timeout=1800, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     if a.child:
         _child(a)
-        return 0
+        return EXIT_OK
     if a.experts < 2 or a.tokens < 1:
         _parser().error("--experts must be at least 2 (top-2) and --tokens at least 1")
     if not os.path.exists(a.ds_python):
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
         else:
             with open(a.json, "w") as f:
                 f.write(text + "\n")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
