@@ -29,7 +29,6 @@ layer: ``scripts/bench_moe_deepspeed.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 from bench.timing import interleaved_rounds
 from megazero.config import config_from_dict, validate
+from bench import write_json
 from megazero.errors import EXIT_OK
 from megazero.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
@@ -221,12 +221,7 @@ def main(argv=None) -> int:
            "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None}
     _print(args, out)
     if args.json:
-        text = json.dumps(out, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(out, args.json)
     return EXIT_OK
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from bench import write_json
 from megazero.errors import EXIT_OK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -157,12 +158,7 @@ def main(argv=None) -> int:
           f"DeepSpeed-MoE {med['deepspeed'] * 1e3:8.2f} ms")
     print(f"  megazero / DeepSpeed {out['ratio']:.2f}   with --moe-grouped-gemm {out['grouped_ratio']:.2f}")
     if a.json:
-        text = json.dumps(out, indent=1)
-        if a.json == "-":
-            print(text)
-        else:
-            with open(a.json, "w") as f:
-                f.write(text + "\n")
+        write_json(out, a.json)
     return EXIT_OK
 
 
