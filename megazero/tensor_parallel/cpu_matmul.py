@@ -191,10 +191,9 @@ def choose_onednn(products: Sequence[Product], timer: Optional[Timer] = None,
 def resolve_cpu_matmul(choice: str, products=None, timer=None) -> bool:
     """``--cpu-matmul`` to "use oneDNN": ``onednn`` (an error where unavailable), ``torch`` or ``auto``:
     where oneDNN is available, whichever library multiplies ``products`` (the model's fp32 CPU
-    products, :func:`linear_products`) faster on this machine,
-    measured once and cached (:func:`choose_onednn`; ``timer``
-    replaces its clock).  Without ``products`` (checking the flag) ``auto`` says whether oneDNN is
-    available."""
+    products, :func:`linear_products`) faster on this machine, measured once and cached
+    (:func:`choose_onednn`; ``timer`` replaces its clock).  Without ``products`` (checking the flag)
+    ``auto`` says whether oneDNN is available."""
     if choice == "torch":
         return False
     from megazero.tensor_parallel import layers

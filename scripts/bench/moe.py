@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench import write_json
 from bench.timing import interleaved_rounds
 from megazero.config import config_from_dict, validate
-from bench import write_json
 from megazero.errors import EXIT_OK
 from megazero.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh

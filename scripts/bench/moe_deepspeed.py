@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from bench import write_json
 from megazero.errors import EXIT_OK
@@ -38,14 +37,11 @@ SIDES = ("megazero", "megazero_grouped", "deepspeed")
 
 
 def _time(step, rounds: int, warmup: int) -> float:
+    """Median seconds of ``step`` over ``rounds`` calls after ``warmup``."""
+    from bench.timing import interleaved_rounds
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(interleaved_rounds({"step": step}, rounds)["step"])
 
 
 def _megazero(a, grouped: bool) -> float:

@@ -477,9 +477,15 @@ def _summary(key: str, layout: Layout, per_rank: List[dict]) -> dict:
             "megazero_mb": sum(worst["megazero_bytes"].values()) / 2 ** 20,
             "peer_mb": sum(worst["peer_bytes"].values()) / 2 ** 20, "formula_mb": formula / 2 ** 20,
             "first_loss": res["first_loss"], "rounds": len(res["times"]["megazero"]),
-            **({"megazero_torch_ms": statistics.median(res["times"]["megazero_torch"]) * 1e3,
-                "torch_ratio": statistics.median(res["times"]["megazero_torch"]) / peer}
-               if "megazero_torch" in res["times"] else {})}
+            **_torch_side(res["times"], peer)}
+
+
+def _torch_side(times: Dict[str, List[float]], peer: float) -> dict:
+    """``--also-torch``: megazero's median with ``--cpu-matmul torch`` and its ratio to the peer."""
+    if "megazero_torch" not in times:
+        return {}
+    median = statistics.median(times["megazero_torch"])
+    return {"megazero_torch_ms": median * 1e3, "torch_ratio": median / peer}
 
 
 def _print_table(rows: List[dict], params: int, load0, load1, args) -> None:
