@@ -1,6 +1,8 @@
 """--profile and its Megatron-LM companions: a parseable trace for the listed ranks and steps only."""
+import collections
 import io
 import json
+import math
 import os
 
 import pytest
@@ -8,6 +10,7 @@ import pytest
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.local_ranks import run_ranks
 from megazero.training.profiling import StepProfiler, startup_line, trace_path
+from megazero.training.trace_lanes import separate_crossing_slices
 
 
 def _cfg(tmp_path, **extra):
@@ -32,9 +35,35 @@ def _ops(path):
     return trace["traceEvents"]
 
 
+def _perfetto_ns(us):
+    """Perfetto's JSON importer: microseconds to integer nanoseconds, rounded half away from zero."""
+    scaled = us * 1000.0
+    return int(math.copysign(math.floor(abs(scaled) + 0.5), scaled))
+
+
+def _dropped_by_perfetto(events):
+    """The complete slices Perfetto's importer drops: on one (pid, tid) track, each slice must end
+    inside every slice it starts in (checked on the importer's nanoseconds)."""
+    tracks = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            start = _perfetto_ns(e["ts"])
+            tracks[e["pid"], e["tid"]].append((start, start + _perfetto_ns(e.get("dur", 0)), e["name"]))
+    dropped = []
+    for slices in tracks.values():
+        open_ = []
+        for start, end, name in sorted(slices, key=lambda s: (s[0], -s[1])):
+            open_ = [o for o in open_ if o[1] > start]
+            if any(end > o[1] for o in open_):
+                dropped.append(name)
+            else:
+                open_.append((start, end, name))
+    return dropped
+
+
 @pytest.mark.slow
 def test_profile_writes_a_trace_for_the_listed_ranks_and_steps_only(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, pipeline_model_parallel_size=2)  # gloo point-to-point work in the trace
     out = run_ranks(_train, 2, cfg)
     files = sorted(os.listdir(tmp_path / "traces"))
     assert files == ["trace_rank1_iters2-3.json"]  # rank 0 is not listed
@@ -45,6 +74,35 @@ def test_profile_writes_a_trace_for_the_listed_ranks_and_steps_only(tmp_path):
     assert any(n.startswith("aten::") for n in names)  # the step's operators are in it
     steps = sorted({e["name"] for e in events if e.get("name", "").startswith("iteration ")})
     assert steps == ["iteration 2", "iteration 3"]  # the window, marked step by step
+    assert "gloo:send" in names and "gloo:recv" in names
+    assert _dropped_by_perfetto(events) == []  # Perfetto shows every slice
+
+
+def test_crossing_slices_move_to_a_track_of_their_own():
+    """A gloo send launched inside c10d::send outlives it; Perfetto would drop it (and, after the
+    importer's rounding to nanoseconds, a slice that ends 0.2 ns before its parent in microseconds)."""
+    def x(name, ts, dur, tid=7):
+        return {"ph": "X", "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+    events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "main"}},
+              x("iteration 1", 0.0, 100.0), x("c10d::send", 1.0, 3.0), x("gloo:send", 3.5, 60.0),
+              x("aten::mm", 10.0, 5.0), x("aten::add", 20.0, 2.0004), x("inner", 21.0006, 0.9996),
+              x("other thread", 0.0, 1000.0, tid=9),
+              {"ph": "s", "name": "flow", "id": 3, "pid": 1, "tid": 7, "ts": 3.5},
+              {"ph": "f", "name": "flow", "id": 4, "pid": 1, "tid": 7, "ts": 10.0}]
+    trace = {"traceEvents": [dict(e) for e in events]}
+    assert sorted(_dropped_by_perfetto(trace["traceEvents"])) == ["gloo:send", "inner"]
+    assert separate_crossing_slices(trace) == 2
+    out = trace["traceEvents"]
+    assert _dropped_by_perfetto(out) == []
+    assert [e["name"] for e in out if e["ph"] == "X"] == [e["name"] for e in events if e["ph"] == "X"]
+    assert [(e["ts"], e["dur"]) for e in out if e["ph"] == "X"] == \
+        [(e["ts"], e["dur"]) for e in events if e["ph"] == "X"]  # no time changed
+    tid = {e["name"]: e["tid"] for e in out if e["ph"] in ("X", "s", "f")}
+    assert tid["gloo:send"] not in (7, 9) and tid["aten::mm"] == 7 and tid["other thread"] == 9
+    assert [e["tid"] for e in out if e["ph"] in ("s", "f")] == [tid["gloo:send"], 7]  # the arrow follows
+    lanes = {e["tid"]: e["args"]["name"] for e in out if e["ph"] == "M"}
+    assert lanes[tid["gloo:send"]] == "main (overlapping 1)"
+    assert tid["inner"] == tid["gloo:send"]  # packed onto the same extra track: it fits there
 
 
 def test_profiler_window_counts_as_megatron_does(tmp_path, monkeypatch):
@@ -65,7 +123,7 @@ def test_profiler_window_counts_as_megatron_does(tmp_path, monkeypatch):
 
         def export_chrome_trace(self, path):
             events.append("export")
-            open(path, "w").write("{}")
+            open(path, "w").write('{"traceEvents": []}')
 
     monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
     prof = StepProfiler(lg, 0, torch.device("cpu"))

@@ -5,16 +5,21 @@
 E`` (defaults 10 and 12: iterations 11 and 12).  Each rank of ``--profile-ranks`` (default 0)
 writes ``trace_rank<R>_iters<S+1>-<E>.json``, a Chrome/Perfetto trace of ``torch.profiler`` (CPU
 activity, plus CUDA kernels on a GPU), into ``--profile-dir`` (default ``--tensorboard-dir``, else
-``./profile``).  On a GPU without ``--use-pytorch-profiler`` it instead opens a CUDA profiler
-capture range for ``nsys profile --capture-range=cudaProfilerApi``, as Megatron-LM does.  A run
-that stops inside the window (a signal, ``--exit-interval``) writes what it profiled.
+``./profile``).  Slices that Perfetto would drop for crossing others on their thread's track (gloo's
+point-to-point work) go to a track of their own (:mod:`megazero.training.trace_lanes`).  On a GPU
+without ``--use-pytorch-profiler`` it instead opens a CUDA profiler capture range for ``nsys
+profile --capture-range=cudaProfilerApi``, as Megatron-LM does.  A run that stops inside the window
+(a signal, ``--exit-interval``) writes what it profiled.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Optional
 
 import torch
+
+from megazero.training.trace_lanes import separate_crossing_slices
 
 
 def profile_dir(logging_cfg) -> str:
@@ -108,4 +113,9 @@ class StepProfiler:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp"
         running.export_chrome_trace(tmp)
+        with open(tmp) as f:
+            trace = json.load(f)
+        separate_crossing_slices(trace)  # else Perfetto drops them (gloo's point-to-point work)
+        with open(tmp, "w") as f:
+            json.dump(trace, f)
         os.replace(tmp, self.path)  # a reader never sees half a trace
