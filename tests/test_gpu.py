@@ -170,3 +170,17 @@ print("INF", float(inf[1]))
     rel = float(next(line.split()[1] for line in out.splitlines() if line.startswith("REL")))
     assert rel < 1e-5
     assert "INF inf" in out
+
+
+def test_pytorch_profiler_trace_on_cuda_keeps_every_slice_in_perfetto(tmp):
+    """``--profile --use-pytorch-profiler`` on a GPU: the trace has the CUDA kernels, and none of its
+    slices is one Perfetto's importer would drop (crossing its parent on a track)."""
+    from test_profile import _dropped_by_perfetto
+    where = os.path.join(tmp, "traces")
+    _, out = _pretrain(tmp, "profile", ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                                        "--profile-step-end", "3", "--profile-dir", where])
+    assert f"{where}/trace_rank<R>_iters2-3.json" in out
+    with open(os.path.join(where, "trace_rank0_iters2-3.json")) as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # the GPU's own track
+    assert _dropped_by_perfetto(events) == []
