@@ -78,6 +78,14 @@ def test_profile_writes_a_trace_for_the_listed_ranks_and_steps_only(tmp_path):
     assert _dropped_by_perfetto(events) == []  # Perfetto shows every slice
 
 
+def test_rank_0_prints_the_path_of_the_trace_it_wrote(tmp_path):
+    out = run_ranks(_train, 1, _cfg(tmp_path, profile_ranks=[0]))[0]
+    path = trace_path(_cfg(tmp_path).logging, 0)
+    assert f"megazero: --profile: wrote {path} (open it in Perfetto" in out
+    assert out.index(f"wrote {path}") > out.index("iteration 3/4")  # once the window is over
+    assert os.path.exists(path)
+
+
 def test_crossing_slices_move_to_a_track_of_their_own():
     """A gloo send launched inside c10d::send outlives it; Perfetto would drop it (and, after the
     importer's rounding to nanoseconds, a slice that ends 0.2 ns before its parent in microseconds)."""

@@ -391,11 +391,13 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             profiler.before(it)
             m, stats, loss = _step(cfg, chunks, optimizer, loader, mesh, pos, batch, work,
                                    guard.skip_spike if guard.spike.skips else None)
-            profiler.after(it)
+            written = profiler.after(it)
             if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
+            if written:
+                logger.print(f"megazero: --profile: wrote {written} (open it in Perfetto, ui.perfetto.dev)")
             if keep_history:
                 history.append(m)
             try:  # NaN/inf or a spike: raises, nothing saved from it, the pending save set aside

@@ -89,27 +89,30 @@ class StepProfiler:
         self._label = torch.profiler.record_function(f"iteration {iteration}")
         self._label.__enter__()
 
-    def after(self, iteration: int) -> None:
-        """``iteration`` is done: stop and write the trace once ``end`` iterations are."""
+    def after(self, iteration: int) -> Optional[str]:
+        """``iteration`` is done: stop and write the trace once ``end`` iterations are; returns the
+        trace's path when this call wrote it."""
         self._close_label()
         if self._running is not None and iteration >= self.end:
-            self.close()
+            return self.close()
+        return None
 
     def _close_label(self) -> None:
         label, self._label = self._label, None
         if label is not None:
             label.__exit__(None, None, None)
 
-    def close(self) -> None:
-        """Stop the profiler if it runs and write its trace (nothing when it never started)."""
+    def close(self) -> Optional[str]:
+        """Stop the profiler if it runs and write its trace (nothing when it never started); returns
+        the trace's path when it wrote one."""
         self._close_label()
         running, self._running = self._running, None
         if running is None:
-            return
+            return None
         running.__exit__(None, None, None)
         if self.nsys:
             torch.cuda.profiler.stop()
-            return
+            return None
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = f"{self.path}.tmp"
         running.export_chrome_trace(tmp)
@@ -119,3 +122,4 @@ class StepProfiler:
         with open(tmp, "w") as f:
             json.dump(trace, f)
         os.replace(tmp, self.path)  # a reader never sees half a trace
+        return self.path
