@@ -53,8 +53,9 @@ def separate_crossing_slices(trace: dict) -> int:
     moved_to: Dict[tuple, int] = {}  # (pid, old tid, start ns) -> new tid, for the flow arrows
     added: List[dict] = []
     for (pid, tid), slices in tracks.items():
-        spans = sorted(((to_ns(e["ts"]), to_ns(e["ts"]) + to_ns(e.get("dur", 0)), i) for i, e in
-                        enumerate(slices)), key=lambda s: (s[0], -s[1]))
+        starts = [to_ns(e["ts"]) for e in slices]
+        spans = sorted(((start, start + to_ns(e.get("dur", 0)), i) for i, (start, e) in
+                        enumerate(zip(starts, slices))), key=lambda s: (s[0], -s[1]))
         lanes: List[Tuple[int, List[Tuple[int, int]]]] = [(tid, [])]
         for start, end, i in spans:
             lane = next((t for t, stack in lanes if _fits(stack, start, end)), None)
