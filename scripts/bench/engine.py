@@ -176,7 +176,12 @@ def main(argv=None) -> int:
         if HERE in sys.path:  # run as a file: this folder's modules must not shadow anything
             sys.path.remove(HERE)
         _train(a, *MODES[a.child])
-        return EXIT_OK
+        # the figures are out and the ranks have met at the last barrier: skip the interpreter's
+        # finalisation, where now and then a finished rank aborted in gloo's teardown (SIGABRT,
+        # "terminate called without an active exception"; with the group destroyed first too)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_OK)
     if any(MODES[m][0] == "deepspeed" for m in a.modes):
         why = _check_ds_python(a.ds_python)
         if why:
