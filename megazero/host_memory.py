@@ -1,17 +1,31 @@
 """Host memory the C allocator keeps after PyTorch frees it (glibc on Linux).
 
 PyTorch's CPU tensors come from ``malloc``.  glibc serves a request of at least its *mmap threshold*
-with a mapping of its own, returned to the system when freed, and smaller ones from its heaps,
-whose free space mostly stays with the process.  The threshold starts at 128 KiB but rises, up to
-32 MiB, to the size of every mapped block freed, so after the first large tensors of a run come and
-go the activations and gradient temporaries of a few MiB land in the heaps, and their fragments
-add to the resident memory of every rank whatever the data-parallel size (measured on a 4-layer
-GPT-2 XL-shaped model, ZeRO-3 at DP 2: 0.1-0.2 GiB more per rank at the peak).
+with a mapping of its own, returned to the system when freed, and smaller ones from its heaps, whose
+free space at the top goes back to the system once it exceeds the *trim threshold*.  Both move:
+the mmap threshold starts at 128 KiB and rises, up to 32 MiB, to the size of every mapped block
+freed, the trim threshold with it (twice as large).  What comes back to the system must be faulted
+in again, a page at a time, when the next step allocates its activations.
 
-:func:`limit_retention` fixes the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops it
-moving) and :func:`release_free` hands the heaps' free pages back (``malloc_trim``).  Both do
-nothing where the C library is not glibc, and :func:`limit_retention` leaves a threshold chosen
-in the environment (``MALLOC_MMAP_THRESHOLD_``) alone.
+:func:`set_host_malloc` fixes both for a run (``--host-malloc``, measured by
+``scripts/bench_host_malloc.py`` and ``scripts/estimate_memory.py --measure``; docs/performance.md):
+
+- ``keep``: blocks under 32 MiB from the heaps, and the heaps never trimmed on their own, so a step
+  reuses the memory the last one freed: no page faults for its activations, at the price of the
+  heaps' fragments in the resident memory.
+- ``release``: blocks of 1 MiB or more get mappings of their own, returned when freed: the least
+  resident memory, but every step faults its activations in again.
+- ``system``: left as the C library has them (glibc's moving thresholds, or whatever allocator is
+  preloaded).
+- ``auto`` (the default, :func:`host_malloc_policy`): ``keep`` on CPUs where every rank holds whole
+  model states (ZeRO 0-2, nothing offloaded), where activations are host memory and the speed is
+  the point; ``release`` under ZeRO-3 or offloading, which are there to save memory, and on
+  accelerators, whose host memory holds no activations.
+
+:func:`release_free` hands the heaps' free pages back (``malloc_trim``); the optimizer calls it
+before it allocates the gradient buffer.  Both do nothing where the C library is not glibc, and
+:func:`set_host_malloc` leaves thresholds chosen in the environment (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``) alone.
 
 :func:`rss_bytes`, :func:`peak_rss_bytes` and :func:`reset_peak_rss` read and reset this process's
 resident memory and its high-water mark (``/proc/self/status``, ``/proc/self/clear_refs``; Linux).
@@ -23,8 +37,12 @@ import os
 import sys
 from typing import Optional
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD = 1 << 20  #: blocks of at least this many bytes get a mapping of their own
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+HOST_MALLOC = ("auto", "keep", "release", "system")  #: the choices of ``--host-malloc``
+KEEP_MMAP_THRESHOLD = 32 << 20  #: ``keep``: the largest threshold glibc accepts on 64-bit systems
+RELEASE_MMAP_THRESHOLD = 1 << 20  #: ``release``: blocks of at least this many bytes are mapped alone
+DEFAULT_TRIM_THRESHOLD = 128 << 10  #: glibc's initial trim threshold
+_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -37,13 +55,33 @@ def _glibc() -> Optional[ctypes.CDLL]:
     return lib if hasattr(lib, "gnu_get_libc_version") and hasattr(lib, "mallopt") else None
 
 
-def limit_retention(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Serve allocations of ``threshold`` bytes or more from mappings of their own, whatever was
-    freed before (module docstring).  Returns whether the setting was applied."""
+def host_malloc_policy(cfg, device_type: str) -> str:
+    """The policy ``cfg.precision.host_malloc`` names for a run on ``device_type``: ``auto`` resolved
+    (module docstring), any other choice itself."""
+    choice, par = cfg.precision.host_malloc, cfg.parallel
+    if choice != "auto":
+        return choice
+    offloaded = any(d not in (None, "none") for d in (par.offload_optimizer_device, par.offload_param_device))
+    whole_states = par.zero_stage < 3 and not offloaded and not par.offload_optimizer
+    return "keep" if device_type == "cpu" and whole_states else "release"
+
+
+def set_host_malloc(policy: str) -> bool:
+    """Fix glibc's thresholds for ``policy`` (``keep`` or ``release``; ``system`` leaves them; the module
+    docstring).  Returns whether they were set: not where the C library is not glibc or the
+    environment sets one."""
+    if policy not in HOST_MALLOC[1:]:
+        raise ValueError(f"--host-malloc must be one of {', '.join(HOST_MALLOC)}, got {policy!r}"
+                         + (" (resolve auto with host_malloc_policy)" if policy == "auto" else ""))
     lib = _glibc()
-    if lib is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if policy == "system" or lib is None or any(name in os.environ for name in _ENVIRONMENT):
         return False
-    return bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(int(threshold))))
+    if policy == "release":  # and glibc's own trim threshold, which a fixed mmap threshold fixes too
+        return bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(RELEASE_MMAP_THRESHOLD))
+                    and lib.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(DEFAULT_TRIM_THRESHOLD)))
+    # -1: never trim on free (mallopt(3)); malloc_trim (release_free) still returns the free pages
+    return bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(KEEP_MMAP_THRESHOLD))
+                and lib.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(-1)))
 
 
 def release_free() -> None:

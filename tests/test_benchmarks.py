@@ -106,6 +106,18 @@ def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
 
 
 @pytest.mark.slow
+def test_bench_host_malloc_quick_runs_every_policy_in_its_own_process():
+    proc = _run([sys.executable, "scripts/bench_host_malloc.py", "--quick", "--json", "-"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert [r["policy"] for r in out["rows"]] == ["keep", "release", "system"]
+    for r in out["rows"]:
+        assert r["ms"] > 0 and r["peak_mb"] > 0 and r["faults"] >= 0
+        assert r["ratio"] == pytest.approx(r["ms"] / out["rows"][0]["ms"])
+    assert _run([sys.executable, "scripts/bench_host_malloc.py", "--rounds", "0"]).returncode == 2
+
+
+@pytest.mark.slow
 def test_bench_moe_quick_runs_and_the_grouped_experts_equal_the_loop():
     proc = _run([sys.executable, "scripts/bench_moe.py", "--quick", "--json", "-"], PYTHONPATH=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

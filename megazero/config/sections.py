@@ -304,6 +304,12 @@ class PrecisionConfig:
                          "(PyTorch's BLAS, MKL on x86) or auto (whichever runs the model's products faster "
                          "on this machine: measured at start-up, cached in ~/.cache/megazero).",
                          choices=["auto", "onednn", "torch"])
+    host_malloc: str = _f("auto", "Host memory that tensors free (glibc): keep (reused by the next step: no "
+                          "page faults for its activations, more resident memory), release (blocks of 1 MiB "
+                          "or more go back to the system when freed and are faulted in again at every "
+                          "step), system (the C library's own settings) or auto: keep on CPUs with ZeRO "
+                          "0-2 and nothing offloaded, release otherwise.",
+                          choices=["auto", "keep", "release", "system"])
     compile: bool = _f(False, "Compile each transformer layer with torch.compile (Inductor: C++ kernels on "
                        "the CPU, which need a C++ compiler; Triton on a GPU); the same numbers as eager "
                        "within fp32 rounding, at a one-time compile cost at start-up.")

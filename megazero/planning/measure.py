@@ -135,7 +135,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     """Train ``iters`` iterations of the validated ``cfg`` on this rank (inside an initialised
     process group, or alone) and return the measured components (module docstring)."""
     from megazero.data import build_data, micro_batches
-    from megazero.host_memory import limit_retention, peak_rss_bytes, reset_peak_rss
+    from megazero.host_memory import host_malloc_policy, peak_rss_bytes, reset_peak_rss, set_host_malloc
     from megazero.training.lr import lr_from_config
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
@@ -148,7 +148,7 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     reset_peak_rss()  # a forked rank starts from its parent's high-water mark
     mesh = build_mesh(cfg, device)
     tr, dtype = cfg.training, compute_dtype(cfg)
-    limit_retention()  # as the trainer does
+    set_host_malloc(host_malloc_policy(cfg, mesh.device.type))  # as the trainer does
     seed_default_generators(tr.seed, mesh)
     chunks = build_chunks(model_provider, cfg, mesh, dtype)  # as the trainer builds them
     for c in chunks:

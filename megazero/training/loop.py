@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches, stage_keys
 from megazero.data.loader import StepBatches
-from megazero.host_memory import limit_retention, peak_rss_bytes
+from megazero.host_memory import host_malloc_policy, peak_rss_bytes, set_host_malloc
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
@@ -278,7 +278,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
-    limit_retention()  # freed tensors of a few MiB go back to the system, not into glibc's heaps
+    set_host_malloc(host_malloc_policy(cfg, mesh.device.type))  # --host-malloc
     seed_default_generators(tr.seed, mesh)
     apply_tf32(cfg.precision, mesh.device)  # --tf32 (CUDA only)
     # built without memory where the model allows: the optimizer initialises it bucket by bucket

@@ -36,7 +36,9 @@ ZeRO-0 and on for ZeRO-3, as torchtitan.
 The peers' AdamW is PyTorch's default implementation (``--peer-optimizer`` picks foreach or fused).
 megazero runs with its default ``--cpu-matmul auto`` (oneDNN products on x86 CPUs; the peers use
 PyTorch's BLAS); ``--cpu-matmul torch`` gives megazero the peers' BLAS, for a like-for-like overhead
-comparison.
+comparison.  Each rank sets glibc's thresholds as the trainer does (``--host-malloc``, default
+``auto``: on CPUs, memory that tensors free is reused by the next step, except under ZeRO-3); both
+sides share the process, so the peer runs under the same setting.
 
     python scripts/bench_peers.py                       # every layout, 3.7M-parameter GPT, ~10 min on 2 cores
     python scripts/bench_peers.py --layouts one dp2-zero1 --rounds 40
@@ -121,6 +123,7 @@ def _megazero(layout: Layout, model: dict):
     from megazero.config import config_from_dict, validate
     from megazero.data import build_data, stage_keys
     from megazero.data.loader import StepBatches
+    from megazero.host_memory import host_malloc_policy, set_host_malloc
     from megazero.mesh import ParallelMesh
     from megazero.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
     from megazero.training.loop import Position, _step
@@ -133,6 +136,8 @@ def _megazero(layout: Layout, model: dict):
                       for axis in ("tensor_model", "pipeline_model", "context"))
         settings["micro_batch_size"] = settings["global_batch_size"] // (world // (tp * pp * cp))
     cfg = validate(config_from_dict(settings), world)
+    # as the trainer's start-up does; process-wide, so the peer (in this process) runs under it too
+    set_host_malloc(host_malloc_policy(cfg, "cpu"))
     par = cfg.parallel
     mesh = (ParallelMesh.build(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                device=torch.device("cpu"), cp=par.context_parallel_size)
@@ -491,7 +496,7 @@ def _torch_side(times: Dict[str, List[float]], peer: float) -> dict:
 def _print_table(rows: List[dict], params: int, load0, load1, args) -> None:
     print(f"{params / 1e6:.2f}M-parameter GPT ({args.model_desc}), global batch 8, fp32 AdamW; "
           f"{args.rounds} rounds after {args.warmup} warm-up steps; peer AdamW: {args.peer_optimizer}; "
-          f"megazero --cpu-matmul {args.cpu_matmul}")
+          f"megazero --cpu-matmul {args.cpu_matmul}, --host-malloc {args.host_malloc} (both sides)")
     print(f"load average (1 min) {load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
     print(f"{'layout':30} {'peer':6} {'megazero ms':>11} {'peer ms':>8} {'ratio':>6} {'MB/rank':>8} "
           f"{'peer MB':>8} {'formula MB':>10} {'first loss (mz / peer)':>23}"
@@ -512,6 +517,8 @@ def main(argv=None) -> int:
     p.add_argument("--peer-optimizer", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--cpu-matmul", choices=["auto", "onednn", "torch"], default="auto",
                    help="megazero's --cpu-matmul (torch: PyTorch's BLAS, as the peers)")
+    p.add_argument("--host-malloc", choices=["auto", "keep", "release", "system"], default="auto",
+                   help="the trainer's --host-malloc, set in every rank (both sides share the process)")
     p.add_argument("--also-torch", action="store_true",
                    help="also time megazero with --cpu-matmul torch, in the same interleaved rounds")
     p.add_argument("--quick", action="store_true",
@@ -519,7 +526,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': stdout)")
     p.add_argument("--seq-length", type=int, help="the model's sequence length (default 128; --quick 16)")
     args = p.parse_args(argv)
-    model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul)
+    model = dict(QUICK_MODEL if args.quick else MODEL, cpu_matmul=args.cpu_matmul,
+                 host_malloc=args.host_malloc)
     if args.seq_length:
         model["seq_length"] = args.seq_length
     if args.quick:
