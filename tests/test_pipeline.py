@@ -408,3 +408,83 @@ def test_gpt_pipeline_matches_oracle(tp, pp, dp, cases):
                 ref = want_grads["word_embeddings.weight" if (n == "output_layer.weight" and tied) else n]
                 torch.testing.assert_close(g, ref, **fp32_bound(ref, C_FWD_BWD),
                                            msg=lambda s: f"{rank} {settings} {n}: {s}")
+
+
+# ---- --delay-wgrad-compute: weight gradients after the input gradient's send ----------------
+def _delay_worker(pp, cases):
+    """Per case, with and without delayed weight gradients: this rank's gradient buffer after one
+    step's schedule and the order of backwards, deferrals, posted gradient sends and deferred
+    weight-gradient passes."""
+    from megazero.pipeline import executor
+    from megazero.pipeline.p2p import p2p_tensor_shape
+    from megazero.zero import build_optimizer
+    from models import build_chunks
+    mesh = ParallelMesh.build(tp=1, pp=pp)
+    events, out = [], []
+    exchange, backward = executor.StageComm.exchange, executor._Stage.backward
+
+    def logged_exchange(self, step, outgoing):
+        events.extend(("send", a.microbatch, a.chunk) for a in outgoing if a.kind == "send_bwd")
+        return exchange(self, step, outgoing)
+
+    def logged_backward(self, mb, v):
+        events.append(("bwd", mb, v))
+        return backward(self, mb, v)
+    executor.StageComm.exchange, executor._Stage.backward = logged_exchange, logged_backward
+    try:
+        for settings, m in cases:
+            res = {}
+            for delay in (False, True):
+                cfg = _gpt_cfg(dict(settings, delay_wgrad_compute=delay), m, pp=pp, dp=mesh.size("dp"))
+                chunks = build_chunks(cfg, mesh)
+                opt = build_optimizer(chunks, mesh, cfg)
+                defer, compute = opt.defer_weight_grads, opt.compute_deferred_weight_grads
+                opt.defer_weight_grads = lambda: (events.append(("defer",)), defer())[1]
+                opt.compute_deferred_weight_grads = lambda: (events.append(("wgrad",)), compute())[1]
+                events.clear()
+                opt.zero_grad()
+                run_schedule(chunks, mesh, _gpt_batches(cfg, m, seed=mesh.coord("dp")),
+                             schedule=cfg.parallel.pipeline_schedule, num_micro_batches=m,
+                             tensor_shape=p2p_tensor_shape(cfg), grad_sync=opt, delay_wgrad=delay)
+                opt.finish_grad_sync()
+                res[delay] = (opt.reducer.storage.grads.clone(), list(events))
+            out.append({"grads": (res[False][0], res[True][0]), "events": res[True][1],
+                        "plain_events": res[False][1], "stage": mesh.coord("pp")})
+    finally:
+        executor.StageComm.exchange, executor._Stage.backward = exchange, backward
+    return out
+
+
+@pytest.mark.parametrize("pp,dp,cases", [
+    (2, 1, [(dict(GPT, untie_embeddings_and_output_weights=True), 4),
+            (dict(LLAMA, num_layers_per_virtual_pipeline_stage=1), 4)]),
+    (2, 2, [(dict(GPT, zero_stage=1), 3), (dict(GPT, zero_stage=3), 2)]),
+])
+def test_delayed_weight_gradients_follow_the_send_and_change_no_bit(pp, dp, cases):
+    results = run_ranks(_delay_worker, pp * dp, pp, cases)
+    for rank, res in enumerate(results):
+        for k, (settings, m) in enumerate(cases):
+            got = res[k]
+            plain, delayed = got["grads"]
+            assert plain.numel() > 0 and torch.equal(plain, delayed), (rank, settings)  # same products, order
+            assert not any(e[0] in ("defer", "wgrad") for e in got["plain_events"])
+            events, last_bwd, queued = got["events"], None, False
+            sent_since = set()
+            for e in events:
+                if e[0] == "bwd":
+                    assert not queued, (rank, e)  # computed before the next backward
+                    last_bwd = e[1:]
+                elif e[0] == "defer":
+                    queued, sent_since = True, set()
+                elif e[0] == "send":
+                    sent_since.add(e[1:])
+                elif e[0] == "wgrad" and queued:
+                    queued = False
+                    interleaved = settings.get("num_layers_per_virtual_pipeline_stage")
+                    assert interleaved or last_bwd in sent_since, (rank, e, events)  # 1F1B: after the send
+            assert not queued
+            # deferred exactly where a backward has an input gradient to send: every backward of
+            # the second stage, and of the first stage's later chunk when interleaved
+            vp = 2 if settings.get("num_layers_per_virtual_pipeline_stage") else 1
+            deferring = m * vp if got["stage"] == 1 else m * (vp - 1)
+            assert sum(e[0] == "defer" for e in events) == deferring, (rank, settings)

@@ -32,6 +32,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--use-rotary-position-embeddings": ("position_embedding_type", "rope"),
     "--recompute-activations": ("recompute_granularity", "selective"),
     "--overlap-grad-reduce": ("overlap_grad_reduce", True),
+    "--delay-wgrad-compute": ("delay_wgrad_compute", True),
     "--optimizer-cpu-offload": ("offload_optimizer", True),
     "--override-opt_param-scheduler": ("override_opt_param_scheduler", True),
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),

@@ -161,7 +161,7 @@ IGNORED: Dict[str, str] = {
                     "--tp-comm-bootstrap-backend "
             "--no-overlap-p2p-communication --overlap-p2p-communication-warmup-flush "
             "--overlap-param-gather-with-optimizer-step --no-align-grad-reduce --disable-align-grad-reduce "
-            "--no-align-param-gather --defer-embedding-wgrad-compute --delay-wgrad-compute "
+            "--no-align-param-gather --defer-embedding-wgrad-compute "
             "--wgrad-deferral-limit --use-ring-exchange-p2p --pipeline-model-parallel-comm-backend "
             "--high-priority-stream-groups --use-sharp --sharp-enabled-group --nccl-communicator-config-path "
             "--create-all-gather-group --disable-gloo-process-groups --use-nccl-ub "

@@ -43,6 +43,12 @@ class ParallelConfig:
     pipeline_schedule: Optional[str] = _f(None, "Pipeline schedule: gpipe, 1f1b or interleaved (default: "
                                           "interleaved with virtual stages, else 1f1b).",
                                           choices=["gpipe", "1f1b", "interleaved"])
+    delay_wgrad_compute: bool = _f(
+        True, "Pipeline stages after the first compute each backward's linear weight gradients after its "
+        "input gradient is sent back, so the previous stage starts its backward that much earlier; the "
+        "same numbers.", flag="--no-delay-wgrad-compute", action="store_false",
+        flag_help="Compute each backward's weight gradients before its input gradient is sent back "
+        "(less activation memory held on stages after the first).")
     context_parallel_size: int = _f(
         1, "Ranks that split every sequence (context parallel): 2N chunks, rank i holds chunks i and "
         "2N-1-i; attention runs as ring attention (or Ulysses) over the CP group.", type=int)

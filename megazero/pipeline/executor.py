@@ -30,6 +30,15 @@ as the last op): the engine keeps its own reference to the storage, so nothing w
 Only outputs sent to a next chunk are deallocated; the last chunk's output is the loss.
 ``PipelineTimer`` reports the activation bytes held (``peak_*_bytes``).
 
+``delay_wgrad`` (``--delay-wgrad-compute``): a backward whose input gradient goes to a previous
+stage queues its linear layers' weight-gradient products (``grad_sync.defer_weight_grads``) and
+computes them (``compute_deferred_weight_grads``) only once that gradient is on its way: right
+after the exchange that posts its send, while the exchange's receives are in flight, or at the
+latest before the next compute action.  The previous stage, which waits for that gradient, starts
+its backward one weight-gradient pass earlier (the split of backward into B and W of zero-bubble
+pipelines, without changing the schedule).  The numbers do not change: the same products, in the
+same order of micro-batches, into the same buffers.
+
 Communication never blocks more than the schedule requires: a batch's receives are waited for
 just before the compute action that consumes them (in the interleaved steady state the backward's
 gradient arrives while the forward before it runs) and its sends at the next batch, so a stage
@@ -163,9 +172,11 @@ class _Stage:
     ``(micro-batch, chunk)``."""
 
     def __init__(self, chunks, mesh, mbs: List[dict], actions: Sequence[Action], grad_sync, loss_scale: float,
-                 forward_only: bool, deallocate_outputs: bool):
+                 forward_only: bool, deallocate_outputs: bool, delay_wgrad: bool = False):
         self.chunks, self.mbs, self.dev, self.pp_rank = chunks, mbs, mesh.device, mesh.coord("pp")
         self.grad_sync, self.loss_scale = grad_sync, loss_scale
+        self.delay_wgrad = delay_wgrad and hasattr(grad_sync, "defer_weight_grads")
+        self.wgrad_queued = False
         self.forward_only, self.deallocate_outputs = forward_only, deallocate_outputs
         self.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "bwd"}
         self.inputs: Dict[tuple, torch.Tensor] = {}
@@ -203,6 +214,9 @@ class _Stage:
             self.grad_sync.prepare_backward(v, mb == self.last_backward[v])
         out = self.outputs.pop(key)
         self.sent.discard(key)
+        if self.delay_wgrad and key in self.inputs:  # its input gradient is sent: weight gradients after
+            self.grad_sync.defer_weight_grads()
+            self.wgrad_queued = True
         if self.chunks[v].post_process:
             (out * self.loss_scale if self.loss_scale != 1.0 else out).backward()
         elif key in self.freed:
@@ -213,6 +227,12 @@ class _Stage:
         x = self.inputs.pop(key, None)
         if x is not None:  # not the model's first chunk: send the input's gradient back
             self.to_send[Action("send_bwd", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def compute_queued_wgrads(self) -> None:
+        """The weight gradients the last backward queued (``delay_wgrad``), if any."""
+        if self.wgrad_queued:
+            self.wgrad_queued = False
+            self.grad_sync.compute_deferred_weight_grads()
 
     def outgoing(self, step: Sequence[Action]) -> Dict[Action, torch.Tensor]:
         """The tensors the exchange of ``step`` sends (forward outputs added to the pending gradients)."""
@@ -289,7 +309,7 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
                  tensor_shape: Sequence[int], dtype: torch.dtype = torch.float32,
                  grad_sync: Optional[GradSync] = None, loss_scale: float = 1.0,
                  timer: Optional[PipelineTimer] = None, forward_only: bool = False,
-                 deallocate_outputs: bool = True) -> List[torch.Tensor]:
+                 deallocate_outputs: bool = True, delay_wgrad: bool = False) -> List[torch.Tensor]:
     """Run forward and backward of ``num_micro_batches`` micro-batches through the pipeline.
 
     ``chunks``: this rank's model chunks (one per virtual stage).  ``micro_batches``: dicts with
@@ -298,6 +318,7 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     ``grad_sync.prepare_backward(chunk_index, is_last_microbatch)`` is called before each backward
     (never ``finish_grad_sync``).  Gradients accumulate into ``.grad``.
     ``deallocate_outputs``: free each sent output's storage until its backward (module doc).
+    ``delay_wgrad``: weight gradients after the input gradient's send (module doc).
 
     Returns, on the last stage, each micro-batch's mean token loss ``(loss * mask).sum() /
     mask.sum()`` as a detached fp32 scalar (the step loss is their mean); ``[]`` elsewhere.
@@ -313,12 +334,14 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
         actions = list(schedule)
         stage_steps = tuple(steps(actions))
     stage = _Stage(chunks, mesh, _take(micro_batches, m), actions, grad_sync, loss_scale, forward_only,
-                   deallocate_outputs)
+                   deallocate_outputs, delay_wgrad)
     comm = StageComm(mesh, tensor_shape, dtype, vp)
     clock = _Clock(timer, mesh.device)
     for step in stage_steps:
         clock.measure(stage)
         if isinstance(step, Action):
+            with clock.timing("compute_s"):  # queued weight gradients whose send no exchange posted
+                stage.compute_queued_wgrads()
             with clock.timing("p2p_s"):  # this compute's input: received only now if still in flight
                 comm.wait_received(Action("recv_fwd" if step.kind == "fwd" else "recv_bwd", step.microbatch,
                                           step.chunk))
@@ -329,6 +352,10 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
             comm.complete_sends()  # the previous batch's sends, which had a compute step to complete
             received = comm.exchange(step, stage.outgoing(step))  # posted, not waited for
             stage.after_exchange(step, received)
+        with clock.timing("compute_s"):  # the gradient they waited for is on its way
+            stage.compute_queued_wgrads()
+    with clock.timing("compute_s"):
+        stage.compute_queued_wgrads()
     with clock.timing("p2p_s"):
         comm.close()
     clock.finish(stage)

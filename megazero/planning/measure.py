@@ -169,7 +169,8 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
         with tracker:
             run_schedule(chunks, mesh, batches, schedule=cfg.parallel.pipeline_schedule,
                          num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg), dtype=dtype,
-                         grad_sync=optimizer, loss_scale=float(optimizer.loss_scale), timer=timer)
+                         grad_sync=optimizer, loss_scale=float(optimizer.loss_scale), timer=timer,
+                         delay_wgrad=cfg.parallel.delay_wgrad_compute)
         optimizer.finish_grad_sync()
         optimizer.step(lr_from_config(cfg, it))
     out: Dict[str, object] = {k: int(v) for k, v in dict(optimizer.memory_bytes()).items()}

@@ -113,7 +113,7 @@ def _forward_backward(chunks, batches, mesh, cfg, optimizer=None, forward_only=F
     return run_schedule(chunks, mesh, batches, schedule=cfg.parallel.pipeline_schedule,
                         num_micro_batches=len(batches), tensor_shape=p2p_tensor_shape(cfg),
                         dtype=compute_dtype(cfg), grad_sync=optimizer, loss_scale=scale,
-                        forward_only=forward_only)
+                        forward_only=forward_only, delay_wgrad=cfg.parallel.delay_wgrad_compute)
 
 
 def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:

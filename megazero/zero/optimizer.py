@@ -114,8 +114,17 @@ class ZeroOptimizer:
         if self.stage3 is not None:
             self.stage3.free_all()  # nothing stays gathered from one backward to the next
 
+    def defer_weight_grads(self) -> None:
+        """``--delay-wgrad-compute``: queue linear layers' weight gradients until
+        :meth:`compute_deferred_weight_grads` (the pipeline executor calls both)."""
+        self.reducer.defer_weight_grads()
+
+    def compute_deferred_weight_grads(self) -> None:
+        self.reducer.compute_deferred_weight_grads()
+
     def finish_grad_sync(self) -> None:
         """Wait for every reduction and do the once-per-step TP / embedding-group sums."""
+        self.reducer.compute_deferred_weight_grads()  # none are left queued by the executor
         self.reducer.finish_grad_sync()
         if self.stage3 is not None:
             self.stage3.free_all()

@@ -56,6 +56,13 @@ class GradSync(Protocol):
     def finish_grad_sync(self) -> None:
         """After the schedule: every reduction done, gradients ready for the step."""
 
+    def defer_weight_grads(self) -> None:
+        """Until :meth:`compute_deferred_weight_grads`: linear layers' weight gradients are queued,
+        not computed (``--delay-wgrad-compute``)."""
+
+    def compute_deferred_weight_grads(self) -> None:
+        """Compute the queued weight gradients (before the next backward and the step)."""
+
     @property
     def loss_scale(self) -> float:
         """Multiply the loss by this before backward (1.0 without fp16)."""
@@ -135,6 +142,7 @@ class _Reducer:
         self.grad_bytes = GradBytes(storage.grads.untyped_storage().nbytes())
         self.in_flight = InFlight(self.grad_bytes)
         self.synced = True  # False from the first gradient until finish_grad_sync
+        self.deferred: Optional[List[Tuple[torch.nn.Parameter, Callable]]] = None  # --delay-wgrad-compute
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                       for b in self.buckets for p in b.params]
         # gradient parts per backward and bucket: one per parameter, except that a weight with
@@ -174,12 +182,29 @@ class _Reducer:
     def _write_grad(self, p: torch.nn.Parameter, write: Callable[[torch.Tensor, bool], None]) -> None:
         """``write(dst, accumulate)`` puts ``p``'s gradient of this backward into ``dst`` (its flat
         slice), added to what is there when ``accumulate`` (overwriting it otherwise); then the
-        bucket's bookkeeping as for a gradient arriving through ``.grad``."""
+        bucket's bookkeeping as for a gradient arriving through ``.grad``.  Between
+        :meth:`defer_weight_grads` and :meth:`compute_deferred_weight_grads` it is only queued."""
+        if self.deferred is not None:
+            self.deferred.append((p, write))
+            return
         b, start, i = self.location[id(p)]
         if not self._write_pieces(b, write):
             dst, accumulate = self._destination(b, start, i, p.numel())
             write(dst, accumulate)
         self._arrived(b)
+
+    def defer_weight_grads(self) -> None:
+        """Queue the weight gradients that linear layers hand to ``write_grad`` from now on."""
+        if self.deferred is None:
+            self.deferred = []
+
+    def compute_deferred_weight_grads(self) -> None:
+        """Compute the queued weight gradients, in the order their backward handed them over, and
+        stop queueing."""
+        queued, self.deferred = self.deferred or [], None
+        with torch.no_grad():  # outside the autograd engine: the saved inputs still require grad
+            for p, write in queued:
+                self._write_grad(p, write)
 
     def _write_pieces(self, b: Bucket, write) -> bool:
         """Stages 2/3: reduce the gradient ``write`` computes (all of bucket ``b``) a piece of rows at
