@@ -218,7 +218,10 @@ def peak_rss(row: Dict[str, object], runtime_bytes: int) -> int:
     the likely gradient communication buffers, ``settled_peak_grad_bytes``, for the upper bound)
     and the offload's host buffers (``host_bytes``).  The gradient buffers exist in backward, and
     under ZeRO-3 the root units are released once backward reaches the layers, so the two overlap
-    by at most the smaller of them."""
+    by at most the smaller of them.  It counts what tensors hold, as with ``--host-malloc
+    release``; under ``keep`` (``auto``'s choice on CPUs with ZeRO 0-2 and nothing offloaded) the C
+    heaps' fragments come on top (measured: 7 % more at DP 2 ZeRO-1, up to 17 % at PP 2;
+    docs/performance.md)."""
     likely = int(row["settled_peak_grad_bytes"]) - int(row["peak_grad_bytes"])
     comm = max(int(row["comm_bytes"]) + likely, 0)
     overlap = min(int(row.get("gathered_root_bytes", 0)), comm)
