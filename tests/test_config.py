@@ -30,6 +30,20 @@ def test_make_vocab_size_divisible_by():
     assert cfg.model.padded_vocab_size == 50432  # next multiple of 256
 
 
+def test_delay_wgrad_compute_is_on_by_default_and_megatrons_switch_agrees():
+    assert parse().parallel.delay_wgrad_compute is True
+    assert parse("--delay-wgrad-compute").parallel.delay_wgrad_compute is True
+    assert parse("--no-delay-wgrad-compute").parallel.delay_wgrad_compute is False
+
+
+def test_host_malloc_choices(capsys):
+    assert parse().precision.host_malloc == "auto"
+    assert parse("--host-malloc", "release").precision.host_malloc == "release"
+    with pytest.raises(SystemExit) as e:
+        parse("--host-malloc", "never")
+    assert e.value.code == 2 and "--host-malloc" in capsys.readouterr().err
+
+
 def test_use_distributed_optimizer_is_stage_1():
     assert parse("--use-distributed-optimizer").parallel.zero_stage == 1
     assert parse("--zero-stage", "3").parallel.zero_stage == 3

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from megazero.config.megatron_removed import REMOVED
 from megazero.config.megatron_table import DEFAULT_ONLY, IGNORED, REFUSED, classify, pinned_flags
+from megazero.config.sections import field_index, flag_of
 from megazero.errors import ConfigError
 
 PREFIX = "megatron__"  # argparse dest prefix of the flags defined here
@@ -117,9 +118,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "logging there (accepted, ignored, named at start-up). Flags that would change the math and are "
         "not implemented are refused by name.")
     for flag, (name, value) in SWITCHES.items():
-        shown = "" if value is True else f" {value}"
-        group.add_argument(flag, dest=_dest(flag), action="store_true",
-                           help=f"= --{name.replace('_', '-')}{shown}.")
+        field = field_index()[name][1]
+        if value is True and field.default is True:  # a store_false setting: the switch is the default
+            text = f"Megatron-LM's switch; on by default here ({flag_of(field)} turns it off)."
+        else:
+            text = f"= --{name.replace('_', '-')}{'' if value is True else f' {value}'}."
+        group.add_argument(flag, dest=_dest(flag), action="store_true", help=text)
     for flag, kw in SPECIAL.items():
         group.add_argument(flag, dest=_dest(flag), **kw)
     for flag, name in ALIASES.items():

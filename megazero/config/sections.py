@@ -48,7 +48,7 @@ class ParallelConfig:
         "input gradient is sent back, so the previous stage starts its backward that much earlier; the "
         "same numbers.", flag="--no-delay-wgrad-compute", action="store_false",
         flag_help="Compute each backward's weight gradients before its input gradient is sent back "
-        "(less activation memory held on stages after the first).")
+        "(Megatron-LM's default order).")
     context_parallel_size: int = _f(
         1, "Ranks that split every sequence (context parallel): 2N chunks, rank i holds chunks i and "
         "2N-1-i; attention runs as ring attention (or Ulysses) over the CP group.", type=int)
