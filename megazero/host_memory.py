@@ -42,7 +42,7 @@ HOST_MALLOC = ("auto", "keep", "release", "system")  #: the choices of ``--host-
 KEEP_MMAP_THRESHOLD = 32 << 20  #: ``keep``: the largest threshold glibc accepts on 64-bit systems
 RELEASE_MMAP_THRESHOLD = 1 << 20  #: ``release``: blocks of at least this many bytes are mapped alone
 DEFAULT_TRIM_THRESHOLD = 128 << 10  #: glibc's initial trim threshold
-_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  #: set there, they win
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
@@ -58,11 +58,11 @@ def _glibc() -> Optional[ctypes.CDLL]:
 def host_malloc_policy(cfg, device_type: str) -> str:
     """The policy ``cfg.precision.host_malloc`` names for a run on ``device_type``: ``auto`` resolved
     (module docstring), any other choice itself."""
+    from megazero.offload.settings import optimizer_device, param_device
     choice, par = cfg.precision.host_malloc, cfg.parallel
     if choice != "auto":
         return choice
-    offloaded = any(d not in (None, "none") for d in (par.offload_optimizer_device, par.offload_param_device))
-    whole_states = par.zero_stage < 3 and not offloaded and not par.offload_optimizer
+    whole_states = par.zero_stage < 3 and optimizer_device(par) == param_device(par) == "none"
     return "keep" if device_type == "cpu" and whole_states else "release"
 
 
@@ -74,7 +74,7 @@ def set_host_malloc(policy: str) -> bool:
         raise ValueError(f"--host-malloc must be one of {', '.join(HOST_MALLOC)}, got {policy!r}"
                          + (" (resolve auto with host_malloc_policy)" if policy == "auto" else ""))
     lib = _glibc()
-    if policy == "system" or lib is None or any(name in os.environ for name in _ENVIRONMENT):
+    if policy == "system" or lib is None or any(name in os.environ for name in ENVIRONMENT):
         return False
     if policy == "release":  # and glibc's own trim threshold, which a fixed mmap threshold fixes too
         return bool(lib.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(RELEASE_MMAP_THRESHOLD))

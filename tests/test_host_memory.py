@@ -114,11 +114,14 @@ def test_estimated_peak_rss_matches_two_ranks_with_both_nvme_tiers(tmp_path):
 
 # ---- --host-malloc: glibc keeps the memory that tensors free, or returns it ----------------------
 def test_host_malloc_auto_keeps_on_cpus_with_whole_model_states_and_releases_otherwise():
-    from megazero.host_memory import host_malloc_policy, set_host_malloc
+    from megazero.config.sections import field_index
+    from megazero.host_memory import HOST_MALLOC, host_malloc_policy, set_host_malloc
+    assert tuple(field_index()["host_malloc"][1].metadata["choices"]) == HOST_MALLOC  # the schema's own list
     assert host_malloc_policy(_cfg(), "cpu") == "keep"
     assert host_malloc_policy(_cfg(), "cuda") == "release"  # no activations in host memory
     assert host_malloc_policy(_cfg(zero_stage=3), "cpu") == "release"  # there to save memory
     assert host_malloc_policy(_cfg(zero_stage=1, offload_optimizer_device="cpu"), "cpu") == "release"
+    assert host_malloc_policy(_cfg(zero_stage=1, offload_optimizer=True), "cpu") == "release"
     for choice in ("keep", "release", "system"):
         assert host_malloc_policy(_cfg(host_malloc=choice, zero_stage=3), "cuda") == choice
     for bad in ("auto", "never"):

@@ -315,7 +315,7 @@ class PrecisionConfig:
                           "or more go back to the system when freed and are faulted in again at every "
                           "step), system (the C library's own settings) or auto: keep on CPUs with ZeRO "
                           "0-2 and nothing offloaded, release otherwise.",
-                          choices=["auto", "keep", "release", "system"])
+                          choices=["auto", "keep", "release", "system"])  # host_memory.HOST_MALLOC
     compile: bool = _f(False, "Compile each transformer layer with torch.compile (Inductor: C++ kernels on "
                        "the CPU, which need a C++ compiler; Triton on a GPU); the same numbers as eager "
                        "within fp32 rounding, at a one-time compile cost at start-up.")

@@ -27,6 +27,7 @@ from typing import Dict, List
 
 from bench import write_json
 from megazero.errors import EXIT_OK, EXIT_USAGE
+from megazero.host_memory import ENVIRONMENT
 from megazero.threads import rank_thread_env, set_rank_threads
 
 POLICIES = ("keep", "release", "system")  # auto is keep here (one CPU process, ZeRO-0)
@@ -58,7 +59,7 @@ def _run_child(policy: str, args) -> dict:
            "--warmup", str(args.warmup), "--model", json.dumps(args.model)]
     env = rank_thread_env(force=True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH")]))
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):  # would override the policy
+    for name in ENVIRONMENT:  # would override the policy
         env.pop(name, None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:

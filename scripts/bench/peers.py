@@ -65,6 +65,7 @@ from bench import write_json
 from bench.timing import interleaved_rounds
 from megazero.element_bytes import FP32
 from megazero.errors import EXIT_OK
+from megazero.host_memory import HOST_MALLOC
 from megazero.local_ranks import run_ranks
 from megazero.threads import set_rank_threads
 from megazero.zero import optimizer_bytes_per_param, zero_model_state_bytes
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
     p.add_argument("--peer-optimizer", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--cpu-matmul", choices=["auto", "onednn", "torch"], default="auto",
                    help="megazero's --cpu-matmul (torch: PyTorch's BLAS, as the peers)")
-    p.add_argument("--host-malloc", choices=["auto", "keep", "release", "system"], default="auto",
+    p.add_argument("--host-malloc", choices=list(HOST_MALLOC), default="auto",
                    help="the trainer's --host-malloc, set in every rank (both sides share the process)")
     p.add_argument("--also-torch", action="store_true",
                    help="also time megazero with --cpu-matmul torch, in the same interleaved rounds")
