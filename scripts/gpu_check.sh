@@ -4,7 +4,8 @@
 #      oracle, bf16, offload and recomputation on CUDA, and TP / PP / ZeRO over NCCL on as many
 #      GPUs as the machine has (layouts needing more are skipped);
 #   2. scripts/bench_gpu.py: one-GPU model TFLOP/s and MFU of a ~1.3B-parameter GPT in bf16, with
-#      and without recomputation, next to transformers' GPT-2 model of the same shape.
+#      and without recomputation and with --compile, next to transformers' GPT-2 model of the same
+#      shape.
 #
 #   bash scripts/gpu_check.sh                  # both
 #   bash scripts/gpu_check.sh --tests-only     # or --bench-only

@@ -8,13 +8,15 @@ optimizer steps of one micro-batch:
 
 - megazero, one process, bf16 parameters and activations, fp32 master weights and AdamW;
 - the same with full activation recomputation (its hardware FLOP/s include the extra forward);
+- the same with ``--compile`` (each layer through Inductor: Triton kernels on a GPU), on by default
+  on CUDA (``--no-compile`` leaves it out; the first steps pay the compile, so ``--warmup`` >= 2);
 - ``transformers``' ``GPT2LMHeadModel`` of the same shape (SDPA attention), fp32 parameters under
   ``torch.autocast(bf16)`` with fused AdamW: what a Hugging Face user runs.
 
 Model FLOPs per step follow Megatron-LM's formula (:mod:`megazero.planning.flops`); MFU divides model
 TFLOP/s by the device's bf16 dense peak (printed as "-" where unknown).  ``scripts/gpu_check.sh``
-runs this after the GPU tests.  The CUDA path has not been run by its author (no GPU was
-available); ``--device cpu --quick`` runs the same code on a tiny model (a smoke test).
+runs this after the GPU tests; docs/performance.md ("The GPU path") has its figures from one H200.
+``--device cpu --quick`` runs the same code on a tiny model (a smoke test).
 
     python scripts/bench_gpu.py                      # the 1.31B model on cuda:0
     python scripts/bench_gpu.py --layers 12 --hidden 768 --heads 12 --seq 1024 --micro-batch 8
@@ -34,16 +36,18 @@ from bench import write_json
 
 from megazero.errors import EXIT_OK
 
+HF = "transformers GPT2LMHeadModel"
 QUICK = dict(layers=2, hidden=64, heads=4, seq=64, vocab=512, micro_batch=2, steps=2, warmup=1)
 
 
-def _settings(args, recompute: bool) -> dict:
+def _settings(args, recompute: bool, compiled: bool = False) -> dict:
     s = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
              seq_length=args.seq, max_position_embeddings=args.seq, vocab_size=args.vocab,
              make_vocab_size_divisible_by=64, micro_batch_size=args.micro_batch,
              global_batch_size=args.micro_batch, mock_data=True, optimizer="adam", lr=1e-4,
              lr_decay_style="constant", clip_grad=1.0, bf16=args.dtype == "bf16",
-             hidden_dropout=0.0, attention_dropout=0.0, activation="gelu")  # the model measured before
+             hidden_dropout=0.0, attention_dropout=0.0, activation="gelu",  # the model measured before
+             compile=compiled)
     if recompute:
         s.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return s
@@ -54,7 +58,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _megazero(args, device: torch.device, recompute: bool):
+def _megazero(args, device: torch.device, recompute: bool, compiled: bool = False):
     """A megazero training step on ``device``: ``(step, cfg)``."""
     import megazero_models as models
     from megazero.config import config_from_dict, validate
@@ -64,7 +68,7 @@ def _megazero(args, device: torch.device, recompute: bool):
     from megazero.pipeline.p2p import p2p_tensor_shape
     from megazero.precision import compute_dtype
     from megazero.zero import build_optimizer
-    cfg = validate(config_from_dict(_settings(args, recompute)), 1)
+    cfg = validate(config_from_dict(_settings(args, recompute, compiled)), 1)
     mesh = ParallelMesh.single(device)
     dtype = compute_dtype(cfg)
     chunks = [c.to(device=device, dtype=dtype) for c in models.build_chunks(cfg, mesh)]
@@ -137,19 +141,21 @@ def run(args) -> Dict[str, dict]:
                                          model_flops_per_iteration)
     device = torch.device(args.device)
     results: Dict[str, dict] = {}
-    modes = ["megazero", "megazero + full recompute", "transformers GPT2LMHeadModel"]
+    modes = ["megazero", "megazero + full recompute", "megazero + --compile", HF]
+    if not args.compile:
+        modes.remove("megazero + --compile")
     peak: Optional[float] = device_peak_flops(device, "bf16" if args.dtype == "bf16" else "fp32")
     for name in modes:
-        if name == modes[2]:
+        if name == HF:
             step, cfg = _hf(args, device), _megazero_cfg(args)
         else:
-            step, cfg = _megazero(args, device, recompute=name == modes[1])
+            step, cfg = _megazero(args, device, recompute="recompute" in name, compiled="compile" in name)
         res = _time(step, device, args.warmup, args.steps)
         model_flops, hw_flops = model_flops_per_iteration(cfg), hardware_flops_per_iteration(cfg)
         res.update(tokens_per_s=args.micro_batch * args.seq / res["step_s"],
                    model_tflops=model_flops / res["step_s"] / 1e12, hw_tflops=hw_flops / res["step_s"] / 1e12,
                    mfu=model_flops / res["step_s"] / peak if peak else None)
-        if name == modes[2]:
+        if name == HF:
             res["hw_tflops"] = res["model_tflops"]
         results[name] = res
         del step
@@ -176,11 +182,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true",
                    help="a tiny model and two steps (a smoke test, e.g. on cpu)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time megazero with --compile (default: on CUDA only)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': stdout)")
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    if args.compile is None:
+        args.compile = torch.device(args.device).type == "cuda"
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no GPU; use --device cpu --quick for a smoke test")
     from bench.peer_models import gpt_params
