@@ -116,17 +116,27 @@ def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
     shared = Hardware(h.peak_flops, h.efficiency, h.memory_bytes, h.intra, h.inter, h.hbm_bytes_per_s, 8,
                       oversubscription=4.0)
 
-    def t(hardware, **kw):
+    def t(hardware, delay=True, **kw):
         x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
                                sequence_parallel=False, micro_batch_size=1), **kw))
-        return step_time(layout_config(cfg, x, 8), hardware)
+        c = layout_config(cfg, x, 8)
+        c.parallel.delay_wgrad_compute = delay
+        return step_time(c, hardware)
 
     deep = t(shared, pp=4, dp=2)
     assert deep["bubble_s"] == 0 < t(h, pp=4, dp=2)["bubble_s"]
     # with few micro-batches the critical path still shows: pp 8 and 2 micro-batches (of 32) take
     # 2 + 7 slots, at a quarter of the processor each
-    few = t(shared, pp=8, dp=1, micro_batch_size=32)
+    few = t(shared, delay=False, pp=8, dp=1, micro_batch_size=32)
     assert few["bubble_s"] == pytest.approx(few["compute_s"] * ((2 + 7) / 4 / 2 - 1))
+    # --delay-wgrad-compute, a core per rank: each of the 7 bubble slots passes the gradient on
+    # before the weight gradients, the forward's products with weights once more: over a quarter of
+    # a slot's forward + backward here (most forward FLOPs are such products), at most a third
+    whole, delayed = (t(h, delay=d, pp=8, dp=1, micro_batch_size=32) for d in (False, True))
+    assert whole["bubble_s"] == pytest.approx(whole["compute_s"] * 7 / 2)
+    saved = (whole["bubble_s"] - delayed["bubble_s"]) / (7 * whole["compute_s"] / 2)
+    assert 0.25 < saved <= 1 / 3 + 1e-12
+    assert delayed["compute_s"] == whole["compute_s"]
     # the whole reduction counts when nothing overlaps; at most all of it when it does
     assert t(shared, zero_stage=2)["dp_comm_s"] > t(h, zero_stage=2)["dp_comm_s"]
 

@@ -193,8 +193,9 @@ def mean_causal_keys(m) -> float:
 
 def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = "flash") -> Dict[str, float]:
     """Seconds of one micro-batch on the slowest stage: ``fwd`` (forward compute), ``compute``
-    (forward + backward + recomputation), ``tp_comm`` and ``cp_comm`` (exposed), for a validated
-    config, GPU type and attention kernel (``flash`` or ``unfused``)."""
+    (forward + backward + recomputation), ``wgrad`` (the weight gradients' products, part of
+    ``compute``), ``tp_comm`` and ``cp_comm`` (exposed), for a validated config, GPU type and
+    attention kernel (``flash`` or ``unfused``)."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     t, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     cp = par.context_parallel_size
@@ -226,9 +227,10 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     per_layer = layer_f + layer_b + recompute
     busiest, last = max(counts[:-1], default=0), counts[-1]
     if pp > 1 and busiest * per_layer >= last * per_layer + 3 * head:
-        layers, fwd, compute = busiest, busiest * layer_f, busiest * per_layer
+        layers, fwd, compute, wgrad = busiest, busiest * layer_f, busiest * per_layer, busiest * gemm
     else:
         layers, fwd, compute = last, last * layer_f + head, last * per_layer + 3 * head
+        wgrad = last * gemm + head
     act = tokens * h * elem
     link = Link(gpu.alpha_intra, 1.0 / (gpu.link_gbs * 1e9 * gpu.busbw))
     n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1
@@ -241,4 +243,4 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
         step = net.p2p(block)
         passes = 1 + 2 + (1 if m.recompute_granularity == "full" else 0)  # K/V fwd, K/V + dK/dV bwd
         cp_comm = layers * max(0.0, passes * (cp - 1) * step - (attn_f + attn_b))
-    return {"fwd": fwd, "compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm}
+    return {"fwd": fwd, "compute": compute, "wgrad": wgrad, "tp_comm": tp_comm, "cp_comm": cp_comm}

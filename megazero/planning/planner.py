@@ -15,7 +15,11 @@ files).  It ranks them by :func:`step_time`, a model of one optimizer step:
 
 - compute: the slowest stage's forward + backward (2x forward) + recomputation's extra forward
   (:mod:`megazero.planning.flops` counts) per micro-batch, at ``efficiency x`` peak FLOP/s, over
-  ``m + (pp - 1) / vp`` micro-batch slots (the 1F1B / interleaved bubble);
+  ``m + (pp - 1) / vp`` micro-batch slots (the 1F1B / interleaved bubble); with
+  ``--delay-wgrad-compute`` (the default) a stage sends its input gradient before its weight
+  gradients' products, so the bubble's slots last a micro-batch's compute less those products
+  (the linear layers' and the head's forward FLOPs once more; an MoE layer's experts, whose
+  products are not deferred, are counted too, which overstates the saving there);
 - tensor parallelism: per layer and micro-batch two all-reduces forward and two backward of the
   ``[s, b, h]`` activations (all-gather + reduce-scatter pairs under sequence parallelism, the
   same bytes), two more forward with full recomputation; ring costs ``2 (n-1) (alpha + beta
@@ -256,23 +260,26 @@ def _link(span: int, hw: Hardware) -> Link:
 
 
 def _stage_forward_flops(cfg, mean: bool = False) -> tuple:
-    """``(FLOPs, layers)`` of one micro-batch's forward on the slowest pipeline stage (whole TP
-    group): its layers, plus the output head on the last stage; ``mean``: averaged over the stages
-    instead."""
+    """``(FLOPs, layers, weight FLOPs)`` of one micro-batch's forward on the slowest pipeline stage
+    (whole TP group): its layers, plus the output head on the last stage; ``mean``: averaged over
+    the stages instead.  Weight FLOPs: the products with weights (the linear layers and the head,
+    not attention's scores), which the weight gradients repeat in backward."""
     m, par = cfg.model, cfg.parallel
     pp = par.pipeline_model_parallel_size
     tokens = cfg.training.micro_batch_size * m.seq_length // par.context_parallel_size
     layer = layer_forward_flops_per_token(cfg)
-    per_layer = (layer["dense"] + layer["attention"]) * tokens
+    dense = layer["dense"] * tokens
+    per_layer = dense + layer["attention"] * tokens
     head = 2 * m.hidden_size * m.padded_vocab_size * tokens
     if mean:
-        return m.num_layers / pp * per_layer + head / pp, m.num_layers / pp
+        layers = m.num_layers / pp
+        return layers * per_layer + head / pp, layers, layers * dense + head / pp
     counts = stage_layer_counts(m.num_layers, pp, par.decoder_first_pipeline_num_layers,
                                 par.decoder_last_pipeline_num_layers)
     busiest = max(counts[:-1], default=0)
     if busiest * per_layer > counts[-1] * per_layer + head:
-        return busiest * per_layer, busiest
-    return counts[-1] * per_layer + head, counts[-1]
+        return busiest * per_layer, busiest, busiest * dense
+    return counts[-1] * per_layer + head, counts[-1], counts[-1] * dense + head
 
 
 def _recompute_fraction(cfg) -> float:
@@ -292,11 +299,12 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     if hw.gpu is not None:  # by shape
         t = micro_batch_seconds(cfg, hw.gpu, hw.knee, hw.attention)
         fwd, compute, tp_comm = t["fwd"], t["compute"], t["tp_comm"] + t["cp_comm"]
+        wgrad = t["wgrad"]
     else:
         rate = hw.peak_flops * hw.efficiency * tp
         # ranks sharing processors progress together: the average stage sets the pace, not the slowest
-        flops, layers = _stage_forward_flops(cfg, mean=hw.oversubscription > 1)
-        fwd = flops / rate
+        flops, layers, weight_flops = _stage_forward_flops(cfg, mean=hw.oversubscription > 1)
+        fwd, wgrad = flops / rate, weight_flops / rate
         compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * layers
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
         tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)  # gloo's ring (calibrated CPU ranks)
@@ -304,12 +312,13 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
             kv = 2 * m.seq_length // cp * tr.micro_batch_size * m.num_query_groups // tp * m.kv_channels * E
             passes = 3 + (1 if m.recompute_granularity else 0)  # recomputation replays the forward ring
             tp_comm += layers * passes * (cp - 1) * _link(tp * cp, hw).p2p(kv)
-    slots = n_micro + (pp - 1) / vp
     # a rank's own work, or the critical path through the bubble when that is longer: with ranks
     # sharing processors, the work was measured at the shared rate and a rank waiting in the bubble
-    # hands its processor to the others, so the bubble costs 1/oversubscription of its length
+    # hands its processor to the others, so the bubble costs 1/oversubscription of its length.  A
+    # bubble slot passes the gradient on before the weight gradients when they are delayed.
     work = n_micro * (compute + tp_comm)
-    pipeline = max(work, slots * (compute + tp_comm) / hw.oversubscription)
+    bubble_slot = compute + tp_comm - (wgrad if par.delay_wgrad_compute and pp > 1 else 0.0)
+    pipeline = max(work, (work + (pp - 1) / vp * bubble_slot) / hw.oversubscription)
     p2p_bytes = act / (tp if par.sequence_parallel else 1)
     p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * cp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
     dp_comm = _dp_time(cfg, hw, fwd, compute)

@@ -124,7 +124,8 @@ def run_flags(run: Run) -> List[str]:
            "--vocab-size", str(run.vocab), "--make-vocab-size-divisible-by", "128",
            "--global-batch-size", str(run.batch), "--micro-batch-size", "1",
            "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
-           "--context-parallel-size", str(run.cp), "--bf16", *run.extra]
+           "--context-parallel-size", str(run.cp), "--bf16", *run.extra,
+           "--no-delay-wgrad-compute"]  # Megatron-LM's default, under which these ran
     if run.recompute != "none":
         out += ["--recompute-granularity", run.recompute]
     if run.sp:
