@@ -218,3 +218,41 @@ def test_a_sliding_window_shortens_flash_attention_time_by_the_keys_it_hides():
     assert attention(local) == pytest.approx(attention(full) * keys / (s / 2), rel=1e-9)
     assert attention(alternating) == pytest.approx(attention(full) * (keys + s / 2) / s, rel=1e-9)
     assert unfused(local) == pytest.approx(unfused(full), rel=1e-12)
+
+
+def _fenced_blocks(path: str):
+    """``(language, text)`` of each fenced block of a markdown file, in order."""
+    blocks, lang, lines = [], None, []
+    with open(path) as f:
+        for line in f.read().split("\n"):
+            if line.startswith("```"):
+                if lang is None:
+                    lang, lines = line[3:].strip(), []
+                else:
+                    blocks.append((lang, "\n".join(lines)))
+                    lang = None
+            elif lang is not None:
+                lines.append(line)
+    return blocks
+
+
+@pytest.mark.slow
+def test_the_plans_quoted_in_planning_md_are_what_plan_py_prints():
+    """Each bash block of plan.py commands followed by quoted output (plain blocks that begin
+    'N layouts fit' or 'nothing fits', one per command) is what those commands print today."""
+    blocks = _fenced_blocks(os.path.join(ROOT, "docs", "planning.md"))
+    checked = 0
+    for i, (lang, text) in enumerate(blocks):
+        commands = [c.split() for c in text.replace("\\\n", " ").split("\n") if c.strip()]
+        if lang != "bash" or not commands or any(c[:2] != ["python", "scripts/plan.py"] for c in commands):
+            continue
+        quoted = [t for lg, t in blocks[i + 1:i + 1 + len(commands)] if lg == ""]
+        heads = [t for t in "\n\n".join(quoted).split("\n")
+                 if " layouts fit " in t or t.startswith("nothing fits")]
+        if len(heads) != len(commands):
+            continue  # a command block whose output is not quoted verbatim
+        printed = [subprocess.run([sys.executable, *c[1:]], capture_output=True, text=True, cwd=ROOT,
+                                  timeout=300).stdout.rstrip("\n") for c in commands]
+        assert "\n\n".join(printed) == "\n\n".join(quoted).rstrip("\n"), " ".join(commands[0])
+        checked += len(commands)
+    assert checked >= 4
