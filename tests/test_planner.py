@@ -166,6 +166,41 @@ def test_calibration_fits_recover_the_constants():
         pytest.approx((4 * rate, 1.0, overhead / 4), rel=1e-12)
 
 
+def test_cpu_dropout_costs_its_masks_and_scores():
+    """On a CPU host each dropped activation and attention score costs its calibrated seconds: two
+    hidden dropouts of [s, b, h] per layer (split by SP) and b x heads x s x s scores (split by TP),
+    drawn again under full recomputation; nothing without dropout, nothing on GPUs."""
+    from megazero.planning.hardware import CPU_ATTENTION_DROPOUT_S, CPU_DROPOUT_S
+    cal = {"flops": 1e10, "intra": [1e-5, 1e-10], "inter": [1e-5, 1e-10], "layer_overhead_s": 0.0,
+           "oversubscription": 1.0, "cores": 8, "core_flops": 2e10, "dropout_s": 2e-9,
+           "attention_dropout_s": 3e-9}
+    cpu = Hardware.from_calibration(cal, 64 * GB, 8)
+    assert Hardware.cpu_host(16, 8, 64 * GB).dropout_s == 2 * CPU_DROPOUT_S  # assumed, 2 ranks a core
+    assert Hardware.cpu_host(8, 8, 64 * GB).attention_dropout_s == CPU_ATTENTION_DROPOUT_S
+
+    def compute(hardware, dropout, **kw):
+        cfg = base(seq=256, gbs=64)  # MODEL: 8 layers, hidden 96, 6 heads
+        cfg.model.hidden_dropout = cfg.model.attention_dropout = dropout
+        x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
+                               sequence_parallel=False, micro_batch_size=2), **kw))
+        c = layout_config(cfg, x, 8)
+        return step_time(c, hardware)["compute_s"], c
+    plain, c = compute(cpu, 0.0)
+    dropped, _ = compute(cpu, 0.1)
+    m, b, n_micro = c.model, 2, c.training.num_micro_batches
+    per_layer = 2 * b * 256 * m.hidden_size * 2e-9 + b * m.num_attention_heads * 256 * 256 * 3e-9
+    assert dropped - plain == pytest.approx(n_micro * m.num_layers * per_layer, rel=1e-9)
+    # TP 2 with SP: half the heads' scores and half the activations on a rank
+    sp_plain, _ = compute(cpu, 0.0, tp=2, dp=4, sequence_parallel=True)
+    sp_dropped, c2 = compute(cpu, 0.1, tp=2, dp=4, sequence_parallel=True)
+    n2 = c2.training.num_micro_batches
+    assert sp_dropped - sp_plain == pytest.approx(n2 * m.num_layers * per_layer / 2, rel=1e-9)
+    full_plain, _ = compute(cpu, 0.0, recompute="full")
+    full_dropped, _ = compute(cpu, 0.1, recompute="full")
+    assert full_dropped - full_plain == pytest.approx(1.5 * (dropped - plain), rel=1e-9)
+    assert compute(hw(), 0.1)[0] == compute(hw(), 0.0)[0]  # a GPU: element-wise work, not counted here
+
+
 def test_nothing_fits_gives_the_smallest_change():
     cfg = base(seq=512, gbs=64)
     least = min(x.memory_bytes for x in plan(cfg, 8, hw(80.0), margin=0.0, saved=SAVED))
@@ -232,6 +267,10 @@ def test_calibrate_measures_this_machine_and_bench_planner_repredicts(tmp_path):
     assert 1e6 < cal["disk_bytes_per_s"] < 1e12 and os.listdir(tmp_path) == []  # its swap file removed
     assert Hardware.from_calibration(cal, 1e9, 1).disk_bytes_per_s == cal["disk_bytes_per_s"]
     assert cal["cores"] >= 1 and cal["core_flops"] > 1e8
+    # a mask per element costs something, and well under a millisecond (seconds per element)
+    assert 1e-11 < cal["dropout_s"] < 1e-6 and 0 <= cal["attention_dropout_s"] < 1e-6
+    assert Hardware.from_calibration(cal, 1e9, 1).dropout_s == pytest.approx(
+        cal["dropout_s"] / max(1.0, cal["oversubscription"]), rel=1e-12)
     assert {n for n, _, _ in cal["allreduce_points"]} == {2}
     cal_path, measured = tmp_path / "cal.json", tmp_path / "measured.json"
     cal_path.write_text(json.dumps(cal))

@@ -11,7 +11,13 @@ the same measurement under torchrun with NCCL) that all work at once, as in trai
 - a GPT layer's forward and backward (layer norms, fused QKV, causal SDPA, output projection,
   4h GELU MLP) on 256, 512 and 1024 tokens: the least-squares line through the timings gives the
   FLOP/s a rank reaches on real layers (its slope) and the fixed cost of a layer (its intercept,
-  the planner's ``layer_overhead_s``.
+  the planner's ``layer_overhead_s``;
+- dropout: ``dropout_s``, seconds per element of a dropout's forward and backward on ``[tokens, h]``
+  activations (a random mask drawn per element, slow on CPUs), and ``attention_dropout_s``, the extra
+  seconds per attention score of causal SDPA with dropout over SDPA without (on a CPU the fused
+  kernel has no dropout: the math kernel materialises every score, the masked half too, and draws a
+  mask over them).  Both default to the assumed ``CPU_*_S`` of :mod:`megazero.planning.hardware`
+  for calibrations written before they were measured.
 
 ``disk_bytes_per_s``: the disk under ``--calibrate-dir`` (default: the temporary directory), as
 the NVMe offload tiers use it: 256 MiB written, then read back, in 1 MiB direct-I/O requests on 4
@@ -81,6 +87,24 @@ def _time_layers(repeats: int) -> Dict[int, float]:
     return out
 
 
+def _time_dropout(repeats: int) -> Dict[str, float]:
+    """``dropout_s`` and ``attention_dropout_s`` (module docstring), at rate 0.1."""
+    x = torch.randn(4 * SEQ, 4 * HIDDEN, requires_grad=True)
+    grad = torch.ones_like(x)
+    dropout = _timed(lambda: F.dropout(x, 0.1, training=True).backward(grad), repeats)
+    q, k, v = (torch.randn(2, HEADS, SEQ, HIDDEN // HEADS, requires_grad=True) for _ in range(3))
+    out = torch.ones(2, HEADS, SEQ, HIDDEN // HEADS)
+
+    def attention(p: float) -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).backward(out)
+    attention(0.1)
+    attention(0.0)  # warm-up
+    dist.barrier()
+    extra = _timed(lambda: attention(0.1), repeats) - _timed(lambda: attention(0.0), repeats)
+    return {"dropout_s": dropout / x.numel(),
+            "attention_dropout_s": max(extra, 0.0) / (2 * HEADS * SEQ * SEQ)}
+
+
 def _time_allreduces(repeats: int) -> List[tuple]:
     """``(group size, bytes, seconds)`` of an all-reduce between matrix products, every group of
     consecutive ranks at once, less the matrix products alone."""
@@ -125,7 +149,8 @@ def core_peak(repeats: int = 10) -> float:
 
 def _rank_measurements(repeats: int = 5) -> Dict[str, object]:
     """One rank's timings (every rank runs this together)."""
-    return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats)}
+    return {"allreduce": _time_allreduces(repeats), "layer": _time_layers(repeats),
+            "dropout": _time_dropout(repeats)}
 
 
 def fit_layer(timings: Dict[int, float]) -> tuple:
@@ -189,6 +214,8 @@ def calibrate(ranks: int = 8, disk_dir: str = None) -> Dict[str, object]:
     disk = measure_disk(disk_dir or tempfile.gettempdir())
     return {"ranks": ranks, "backend": "gloo", "intra": [alpha, beta], "inter": [alpha, beta], "flops": rate,
             "layer_overhead_s": overhead, "oversubscription": sharing, "cores": cores,
+            **{key: statistics.median(r["dropout"][key] for r in results)
+               for key in ("dropout_s", "attention_dropout_s")},
             "core_flops": core_peak(),
             "disk_bytes_per_s": disk, "allreduce_points": points}
 

@@ -46,6 +46,11 @@ CPU_CORE_FLOPS = 5e10          # fp32 FLOP/s of one core on a large matmul
 CPU_EFFICIENCY = 0.5           # a real GPT layer's rate over that
 CPU_MEMORY_BYTES_PER_S = 2e10  # the host's memory bandwidth (the optimizer step), shared by its ranks
 CPU_LINK = Link(50e-6, 1 / 2e9)  # gloo between processes of one host: alpha s, beta s/byte
+# dropout on one core, forward + backward: seconds per activation element, and extra seconds per
+# attention score of causal SDPA with dropout (the math kernel); both measured once on an AMD EPYC
+# (AVX-512) core alone, at hidden 256, head dim 64
+CPU_DROPOUT_S = 7.8e-9
+CPU_ATTENTION_DROPOUT_S = 9.3e-9
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class Hardware:
     device: str = "cuda"  # "cpu": memory_bytes is a host's, shared by its gpus_per_node ranks
     cores: Optional[int] = None  # a CPU host's cores
     disk_bytes: Optional[float] = None  # a CPU host's free disk for swap files (None: not checked)
+    # a CPU rank's dropout, seconds per activation element and per attention score (0 on GPUs,
+    # whose dropout is element-wise work at the memory's bandwidth, fused into flash attention)
+    dropout_s: float = 0.0
+    attention_dropout_s: float = 0.0
 
     @classmethod
     def for_gpu(cls, gpu: GpuType, gpus_per_node: int = 8, attention: str = "flash",
@@ -85,6 +94,7 @@ class Hardware:
         assumed ones (``CPU_*``)."""
         share = cores / ranks_per_host  # of the host's cores, per rank
         sharing = max(1.0, ranks_per_host / cores)
+        dropout = (CPU_DROPOUT_S * sharing, CPU_ATTENTION_DROPOUT_S * sharing)
         if calibration is None:
             core_peak, efficiency, overhead = CPU_CORE_FLOPS, CPU_EFFICIENCY, 0.0
             intra = inter = CPU_LINK
@@ -98,10 +108,13 @@ class Hardware:
             overhead = cal.get("layer_overhead_s", 0.0) / measured_sharing * sharing
             intra, inter = Link(*cal["intra"]), Link(*cal["inter"])
             disk_rate = cal.get("disk_bytes_per_s", DISK_BYTES_PER_S)
+            if "dropout_s" in cal:  # measured at the calibration's sharing
+                dropout = tuple(cal[k] / measured_sharing * sharing
+                                for k in ("dropout_s", "attention_dropout_s"))
         return cls(core_peak * share, efficiency, memory_bytes, intra, inter,
                    CPU_MEMORY_BYTES_PER_S / ranks_per_host, ranks_per_host, overhead, sharing,
                    attention=attention, disk_bytes_per_s=disk_rate, device="cpu", cores=cores,
-                   disk_bytes=disk_bytes)
+                   disk_bytes=disk_bytes, dropout_s=dropout[0], attention_dropout_s=dropout[1])
 
     @classmethod
     def from_calibration(cls, cal: Dict[str, object], memory_bytes: float, ranks_per_host: int,

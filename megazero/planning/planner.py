@@ -44,7 +44,10 @@ files).  It ranks them by :func:`step_time`, a model of one optimizer step:
 - NVMe offload tiers (:func:`nvme_time`): their bytes per step at the node's disk bandwidth
   (``plan.py --calibrate`` measures it; else an assumed 3 GB/s), shared by the node's ranks;
 - a fixed overhead per layer and micro-batch (0 on GPUs by default; ``--calibrate`` fits it, the
-  intercept of a real layer's time against its FLOPs, which matters for small models on CPUs).
+  intercept of a real layer's time against its FLOPs, which matters for small models on CPUs);
+- on CPUs, dropout (:func:`_dropout_s`): a mask drawn per element costs more than the element-wise
+  work around it, and attention dropout moves SDPA from its fused kernel to the math one, so each
+  hidden activation and attention score dropped costs its calibrated (or assumed) seconds.
 
 On a CPU host (:class:`megazero.planning.hardware.Hardware`) a rank computes at its share of the
 host's cores.  Ranks that share processors (``Hardware.oversubscription`` > 1: more CPU ranks than
@@ -282,6 +285,22 @@ def _stage_forward_flops(cfg, mean: bool = False) -> tuple:
     return counts[-1] * per_layer + head, counts[-1], counts[-1] * dense + head
 
 
+def _dropout_s(cfg, hw: Hardware) -> float:
+    """A CPU rank's seconds of dropout per layer and micro-batch, forward and backward: two hidden
+    dropouts of this rank's ``[s, b, h]`` activations (split by SP) and, with attention dropout,
+    the attention's scores (``b x heads x s x s`` on this rank; see
+    :mod:`megazero.planning.calibrate`); full recomputation draws the forward's masks again."""
+    m, par = cfg.model, cfg.parallel
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    b, s = cfg.training.micro_batch_size, m.seq_length
+    seconds = 0.0
+    if m.hidden_dropout > 0:
+        seconds += 2 * b * s // cp * m.hidden_size / (tp if par.sequence_parallel else 1) * hw.dropout_s
+    if m.attention_dropout > 0:
+        seconds += b * m.num_attention_heads // tp * (s // cp) * s * hw.attention_dropout_s
+    return seconds * (1.5 if m.recompute_granularity == "full" else 1.0)
+
+
 def _recompute_fraction(cfg) -> float:
     """Extra forward work of recomputation relative to the forward (hardware / model FLOPs)."""
     model = model_flops_per_iteration(cfg)
@@ -305,7 +324,8 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
         # ranks sharing processors progress together: the average stage sets the pace, not the slowest
         flops, layers, weight_flops = _stage_forward_flops(cfg, mean=hw.oversubscription > 1)
         fwd, wgrad = flops / rate, weight_flops / rate
-        compute = fwd * (3.0 + _recompute_fraction(cfg)) + hw.layer_overhead_s * layers
+        per_layer = hw.layer_overhead_s + _dropout_s(cfg, hw)
+        compute = fwd * (3.0 + _recompute_fraction(cfg)) + layers * per_layer
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
         tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)  # gloo's ring (calibrated CPU ranks)
         if cp > 1:  # ring attention: per layer cp - 1 K/V blocks forward, K/V and dK/dV backward

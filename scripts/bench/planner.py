@@ -116,7 +116,9 @@ def main(argv=None):
         cal = calibrate(a.nproc)
     print(f"calibration: alpha {cal['intra'][0] * 1e3:.3f} ms, beta {cal['intra'][1] * 1e9:.3f} s/GB, "
           f"{cal['flops'] / 1e9:.2f} GFLOP/s per rank, {cal['layer_overhead_s'] * 1e3:.3f} ms per layer, "
-          f"{cal.get('oversubscription', 1.0):g} ranks per core")
+          f"{cal.get('oversubscription', 1.0):g} ranks per core"
+          + (f", dropout {cal['dropout_s'] * 1e9:.1f} ns an element and "
+             f"{cal['attention_dropout_s'] * 1e9:.1f} ns an attention score" if "dropout_s" in cal else ""))
     if a.measured:
         with open(a.measured) as fh:
             earlier = json.load(fh)
