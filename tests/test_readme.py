@@ -97,11 +97,16 @@ def bash_blocks(text):
     return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
 
 
+def fenced_blocks(text):
+    """``(language, text)`` of every fenced block, in order (language "" for a plain one)."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+
+
 def command_lines_outside_bash_blocks(text):
     """Lines of other fenced blocks (not python) that start like a command: such a command would
     escape these checks (output lines start otherwise)."""
     found = []
-    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+    for lang, block in fenced_blocks(text):
         if lang not in ("bash", "python"):
             found += [line for line in block.splitlines() if COMMAND_START.match(line)]
     return found
@@ -374,3 +379,25 @@ def test_design_names_every_module_where_it_lives():
                 or has_flag(sections.get(parent + "/", ""), f"{sub}/{name}")):
             missing.append(path)
     assert files and missing == [], f"docs/design.md's 'Where things live' does not name {missing}"
+
+
+@pytest.mark.slow
+def test_the_plans_quoted_in_planning_md_are_what_plan_py_prints():
+    """Each bash block of plan.py commands followed by quoted output (plain blocks that begin
+    'N layouts fit' or 'nothing fits', one per command) is what those commands print today."""
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
+        blocks = fenced_blocks(f.read())
+    checked = 0
+    for i, (lang, text) in enumerate(blocks):
+        cmds = commands(text)
+        if lang != "bash" or not cmds or any(c[:2] != ["python", "scripts/plan.py"] for c in cmds):
+            continue
+        quoted = "\n".join(t for lg, t in blocks[i + 1:i + 1 + len(cmds)] if lg == "").rstrip("\n")
+        heads = [t for t in quoted.split("\n") if " layouts fit " in t or t.startswith("nothing fits")]
+        if len(heads) != len(cmds):
+            continue  # a command block whose output is not quoted verbatim
+        printed = [subprocess.run([sys.executable, *c[1:]], capture_output=True, text=True, cwd=ROOT,
+                                  timeout=300).stdout.rstrip("\n") for c in cmds]
+        assert "\n\n".join(printed) == quoted, " ".join(cmds[0])
+        checked += len(cmds)
+    assert checked >= 4
