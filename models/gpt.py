@@ -79,8 +79,11 @@ class GPTModel(nn.Module):
             self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
-                shape, key = (m.max_position_embeddings, h), "position_embeddings.weight"
-                weight = new_param(shape, lambda: init_full(shape, seed, -1, key, std), mesh.device)
+                # the deferred init is a closure over this method's locals, called later by the
+                # optimizer: each name it reads is bound once (a shared `key` rebound below by the
+                # untied head moved the positions' init in one process)
+                shape, pos_key = (m.max_position_embeddings, h), "position_embeddings.weight"
+                weight = new_param(shape, lambda: init_full(shape, seed, -1, pos_key, std), mesh.device)
                 # _weight: take ours, without drawing from the default generator (and keep our parameter)
                 self.position_embeddings = nn.Embedding(*shape, _weight=weight)
                 self.position_embeddings.weight = weight
@@ -96,10 +99,10 @@ class GPTModel(nn.Module):
         if post_process:
             self.final_norm = Norm(h, m.normalization, m.norm_epsilon, mesh.device, self.sequence_parallel)
             if not (tied and pre_process):
-                key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
+                head_key = EMBEDDING_KEY if tied else (-1, "output_layer.weight")
                 self.output_layer = ColumnParallelLinear(
                     h, m.padded_vocab_size, mesh, bias=False, sequence_parallel=self.sequence_parallel,
-                    init=lambda shape: pad_rows(init_full((m.vocab_size, h), seed, *key, std), shape[0]))
+                    init=lambda shape: pad_rows(init_full((m.vocab_size, h), seed, *head_key, std), shape[0]))
                 w = self.output_layer.weight
                 w.vocab_parallel = True
                 w.shared_embedding = w.tied_copy = tied
