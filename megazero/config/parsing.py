@@ -179,13 +179,24 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
         if key not in index:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
-        per_section[index[key][0]][key] = value
+        per_section[index[key][0]][key] = _float_text(index[key][1], value)
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
     notes = _no_tokenizer(per_section) if vocab is None else _vocab_replaced(settings, per_section, vocab)
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
                           model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _float_text(f, value):
+    """A float setting given as text in a config file (YAML 1.1 reads ``1e-3`` as a string) as its number;
+    text that is not a number is left for validation to name."""
+    if isinstance(value, str) and str(f.type) in ("float", "Optional[float]"):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _vocab_replaced(settings: Dict[str, Any], per_section: Dict[str, Dict[str, Any]],

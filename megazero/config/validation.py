@@ -11,11 +11,13 @@ needs no dataset.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from typing import Any, Dict, Optional
+from dataclasses import fields
+from typing import Any, Dict, Optional, Sequence
 
 from megazero.config.patterns import GATED, layer_flags, uses_rope
-from megazero.config.sections import Derived, MegazeroConfig, field_index
+from megazero.config.sections import SECTIONS, Derived, MegazeroConfig, field_index, flag_of
 from megazero.errors import ConfigError
 
 
@@ -43,6 +45,7 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     given = cfg.given()
+    _check_finite(given)
     _check_numbers(given)
     _check_batch_schedule(given)
     _check_world(given, world_size)
@@ -112,6 +115,22 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
 
 
 # ---- one check per section -------------------------------------------------------------------
+def _check_finite(cfg: MegazeroConfig) -> None:
+    """Every numeric setting of every section: a float field holds a number (None where optional), and no
+    setting holds NaN or an infinity (``v < 0`` is false for NaN, so the range checks below would let it
+    through)."""
+    for section, cls in SECTIONS.items():
+        values = getattr(cfg, section)
+        for f in fields(cls):
+            v, flag = getattr(values, f.name), flag_of(f)
+            if str(f.type) in ("float", "Optional[float]"):
+                _check(isinstance(v, (int, float)) and not isinstance(v, bool)
+                       or (v is None and str(f.type) != "float"), f"{flag} must be a number, got {v!r}")
+            for item in (v if isinstance(v, (list, tuple)) else [v]):
+                _check(not isinstance(item, float) or math.isfinite(item),
+                       f"{flag} must be a finite number, got {item}")
+
+
 def _check_numbers(cfg: MegazeroConfig) -> None:
     par, mod, tr, opt = cfg.parallel, cfg.model, cfg.training, cfg.optimizer
     for flag, v in (("--tensor-model-parallel-size", par.tensor_model_parallel_size),
@@ -241,6 +260,9 @@ def _check_model(cfg: MegazeroConfig) -> None:
            f"(--kv-channels), got {mod.kv_channels}")
     for flag, v in (("--hidden-dropout", mod.hidden_dropout), ("--attention-dropout", mod.attention_dropout)):
         _check(0.0 <= v < 1.0, f"{flag} must be in [0, 1), got {v}")
+    for flag, v in (("--init-method-std", mod.init_method_std), ("--norm-epsilon", mod.norm_epsilon),
+                    ("--rotary-base", mod.rotary_base)):
+        _check(v > 0, f"{flag} must be > 0, got {v}")
     _check_rope_scaling(mod)
     _check_attention(mod)
 
@@ -300,6 +322,8 @@ def _check_rope_scaling(mod) -> None:
     if mod.position_embedding_type == "yarn":
         _check(mod.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be > 0, got "
                                               f"{mod.rotary_scaling_factor}")
+        _check(mod.yarn_beta_fast > 0 and mod.yarn_beta_slow > 0,
+               f"--yarn-beta-fast {mod.yarn_beta_fast} and --yarn-beta-slow {mod.yarn_beta_slow} must be > 0")
         _check(isinstance(mod.yarn_original_max_position_embeddings, int)
                and mod.yarn_original_max_position_embeddings >= 1,
                "--yarn-original-max-position-embeddings must be a positive integer")
@@ -511,11 +535,36 @@ def _check_data(cfg: MegazeroConfig) -> None:
            "set)")
     _check(not (data.train_data_path and cfg.training.eval_interval and not data.valid_data_path),
            "--eval-interval with --train-data-path needs --valid-data-path (the set to evaluate on)")
+    for flag, items in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
+                        ("--valid-data-path", data.valid_data_path)):
+        _check_blend(flag, items)
+    parts = [p for p in str(data.split).replace("/", ",").split(",") if p.strip()]
+    _check(all(_number(p) is not None and math.isfinite(_number(p)) and _number(p) >= 0 for p in parts),
+           f"--split {data.split!r}: expected up to three finite non-negative numbers such as 969,30,1")
     has_tokenizer = data.tokenizer_model or data.vocab_file or data.tokenizer_type
     _check(not data.eod_mask_loss or has_tokenizer,
            "--eod-mask-loss needs --tokenizer-model (the end-of-document id comes from the tokenizer)")
     _check(not data.mock_data or cfg.model.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")
+
+
+def _number(text) -> Optional[float]:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_blend(flag: str, items: Sequence[str]) -> None:
+    """A weighted blend ``W1 P1 W2 P2 ...`` (the first item a number): every weight finite and > 0."""
+    items = list(items or [])
+    if len(items) < 2 or _number(items[0]) is None:
+        return
+    for w, prefix in zip(items[0::2], items[1::2]):
+        v = _number(w)
+        _check(v is not None and math.isfinite(v) and v > 0,
+               f"{flag}: the weight {w!r} before {prefix!r} must be a finite number > 0 (a blend is "
+               "'WEIGHT PREFIX' pairs; leave out a prefix to give it no share)")
 
 
 def _check_resilience(cfg: MegazeroConfig) -> None:
