@@ -14,9 +14,13 @@
 ``mlp.shared_experts.fc1.weight`` ...    the shared expert: a dense :class:`~megazero_models.layers.MLP`
 ``mlp.shared_gate_weight [1, hidden]``   its gate (replicated; ``sequence_parallel`` under SP)
 =======================================  ======================================================
+
+Every parameter comes from :func:`~megazero.tensor_parallel.deferred.new_param`, so the layer builds
+deferred on the meta device (:func:`megazero.tensor_parallel.deferred.build_chunks`) like a dense one.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -24,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.moe import GroupedExperts, MoEStats, TopKRouter, build_dispatcher
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import init_full
 from .layers import MLP
 
@@ -46,9 +51,10 @@ class MoELayer(nn.Module):
             self.shared_experts = MLP(cfg, mesh, layer_idx, onednn, ffn_hidden_size=shared,
                                       prefix="mlp.shared_experts")
             if moe.moe_shared_expert_gate:
-                full = init_full((1, m.hidden_size), cfg.training.seed, layer_idx, "mlp.shared_gate_weight",
-                                 m.init_method_std)
-                self.shared_gate_weight = nn.Parameter(full.to(mesh.device))
+                shape = (1, m.hidden_size)  # values bound now: the init may run later (deferred)
+                init = partial(init_full, shape, cfg.training.seed, layer_idx, "mlp.shared_gate_weight",
+                               m.init_method_std)
+                self.shared_gate_weight = new_param(shape, init, mesh.device)
                 self.shared_gate_weight.sequence_parallel = cfg.parallel.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

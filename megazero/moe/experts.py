@@ -25,11 +25,14 @@ Each is marked ``expert_parallel = True`` (reduced and sharded over expert DP, n
 for the split ones, ``tensor_model_parallel = True`` with ``partition_dim`` (the split over expert TP).
 Expert ``e``'s weights are initialised as the full ``[F, hidden]`` / ``[hidden, F]`` tensor from
 ``(seed, layer, "mlp.experts.<e>.<name>")`` and this rank keeps its expert-TP slice, so every EP and
-expert-TP layout starts from the same model.
+expert-TP layout starts from the same model.  Every parameter comes from
+:func:`~megazero.tensor_parallel.deferred.new_param`: built on the meta device, none is computed
+before the optimizer takes it.
 """
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import List, Optional, Sequence
 
 import torch
@@ -37,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.config.patterns import GATED
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import init_full
 
 EXPERT_PARAMS = ("fc1_weight", "gate_weight", "fc2_weight", "fc1_bias", "gate_bias", "fc2_bias")
@@ -94,6 +98,14 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, counts: List[int]) -> tor
     return y.reshape(groups * longest, -1).index_select(0, slot)
 
 
+def _stacked_init(full: Sequence[int], seed: int, layer_idx: int, name: str, std: float, experts: range,
+                  dim: int, start: int, length: int) -> torch.Tensor:
+    """Experts ``experts``' weights ``name`` stacked: each the ``[start, start + length)`` slice along
+    ``dim`` of the full ``full``-shaped tensor of key ``(seed, layer, "mlp.experts.<e>.<name>")``."""
+    return torch.stack([init_full(full, seed, layer_idx, f"mlp.experts.{e}.{name}", std)
+                        .narrow(dim, start, length) for e in experts])
+
+
 class GroupedExperts(nn.Module):
     """This rank's experts (see the module docstring). ``forward(x [N, hidden], counts)``: rows grouped
     by local expert; returns ``[N, hidden]``, a partial sum over expert TP when it is > 1."""
@@ -112,26 +124,30 @@ class GroupedExperts(nn.Module):
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         rank, local_ffn = mesh.coord("etp"), ffn // etp
         device = device if device is not None else mesh.device
+        n, first = self.num_local, self.first
 
-        def stack(name, shape, std, dim):
-            parts = [init_full(shape, seed, layer_idx, f"mlp.experts.{self.first + j}.{name}", std)
-                     .narrow(dim, rank * local_ffn, local_ffn) for j in range(self.num_local)]
-            return self._param(torch.stack(parts).to(device), dim + 1)
+        def stack(name, full, std, dim):  # every value the init reads is bound here (it may run later)
+            shape = (n, *(local_ffn if d == dim else s for d, s in enumerate(full)))
+            init = partial(_stacked_init, full, seed, layer_idx, name, std, range(first, first + n), dim,
+                           rank * local_ffn, local_ffn)
+            return self._param(new_param(shape, init, device), dim + 1)
         self.fc1_weight = stack("fc1_weight", (ffn, hidden), std, 0)
         self.gate_weight = stack("gate_weight", (ffn, hidden), std, 0) if self.gated else None
         self.fc2_weight = stack("fc2_weight", (hidden, ffn), out_std, 1)
         bias = m.add_bias_linear
-        zeros = lambda n: torch.zeros(self.num_local, n, device=device)  # noqa: E731
-        self.fc1_bias = self._param(zeros(local_ffn), 1) if bias else None
-        self.gate_bias = self._param(zeros(local_ffn), 1) if bias and self.gated else None
-        self.fc2_bias = self._param(zeros(hidden), None) if bias else None
+
+        def zeros(width, partition_dim):
+            return self._param(new_param((n, width), partial(torch.zeros, n, width, device="cpu"), device),
+                               partition_dim)
+        self.fc1_bias = zeros(local_ffn, 1) if bias else None
+        self.gate_bias = zeros(local_ffn, 1) if bias and self.gated else None
+        self.fc2_bias = zeros(hidden, None) if bias else None
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         return F.silu(h) if self.silu else F.gelu(h, approximate=self.gelu_approximation)
 
     @staticmethod
-    def _param(data: torch.Tensor, partition_dim: Optional[int]) -> nn.Parameter:
-        p = nn.Parameter(data)
+    def _param(p: nn.Parameter, partition_dim: Optional[int]) -> nn.Parameter:
         p.expert_parallel = True
         if partition_dim is not None:
             p.tensor_model_parallel, p.partition_dim = True, partition_dim

@@ -3,7 +3,8 @@
 ``TopKRouter(cfg, mesh, layer_idx, stats, device)`` holds ``weight [E, hidden]`` (replicated; marked
 ``sequence_parallel`` under sequence parallelism, where each tensor-parallel rank routes its own part of
 the sequence) and, with ``--moe-router-enable-expert-bias``, ``expert_bias [E]`` (fp32 whatever the
-model's dtype, no gradient: :func:`update_expert_bias` moves it after each step).
+model's dtype, no gradient: :func:`update_expert_bias` moves it after each step), both created by
+:func:`~megazero.tensor_parallel.deferred.new_param` (deferred when built on the meta device).
 
 ``forward(x [s, b, hidden]) -> (probs [T, E], routing_map [T, E])`` for the ``T = s * b`` tokens this
 rank holds, logits in fp32 (float64 for a float64 input).  Everything that needs more tokens than this
@@ -22,6 +23,8 @@ rank's share is multiplied by the CP size (the gradient reduction averages over 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,6 +35,7 @@ from megazero.distributed import all_gather_single
 from megazero.moe.routing import (apply_capacity, aux_loss_scores, expert_capacity, score_dtype,
                                   seq_aux_loss, switch_aux_loss, topk_routing, z_loss)
 from megazero.moe.stats import MoEStats, attach_loss
+from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import init_full
 
 
@@ -43,14 +47,16 @@ class TopKRouter(nn.Module):
         moe, m = cfg.moe, cfg.model
         self.cfg, self.mesh, self.layer_idx, self.stats = moe, mesh, layer_idx, stats
         self.sequence_parallel = cfg.parallel.sequence_parallel and mesh.size("tp") > 1
-        full = init_full((moe.num_experts, m.hidden_size), cfg.training.seed, layer_idx, "mlp.router.weight",
-                         m.init_method_std)
-        self.weight = nn.Parameter(full.to(device if device is not None else mesh.device))
+        device = device if device is not None else mesh.device
+        shape = (moe.num_experts, m.hidden_size)  # values bound now: the init may run later (deferred)
+        self.weight = new_param(shape, partial(init_full, shape, cfg.training.seed, layer_idx,
+                                               "mlp.router.weight", m.init_method_std), device)
         self.weight.sequence_parallel = self.sequence_parallel
         self.expert_bias = None
         if moe.moe_router_enable_expert_bias:
-            self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts, device=self.weight.device),
-                                            requires_grad=False)
+            zeros = partial(torch.zeros, moe.num_experts, device="cpu")
+            self.expert_bias = new_param((moe.num_experts,), zeros, device).requires_grad_(False)
+            self.expert_bias.fixed_dtype = torch.float32  # fp32 whatever the model's dtype (_apply)
 
     def _apply(self, fn, recurse=True):
         """Module conversions (``.to(bf16)``) keep the expert bias in fp32 (Megatron-LM does the same)."""
