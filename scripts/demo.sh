@@ -10,8 +10,8 @@
 # 3. prints text sampled from the trained checkpoint (scripts/generate.py);
 # 4. draws the loss curve and the rest of the metrics (scripts/plot_metrics.py).
 #
-# On CPUs (gloo, one thread per rank) the run the README shows took 324 s on 2 cores with other jobs
-# running.  On a node with a multiple of 4 GPUs it uses every GPU (NCCL; data parallel = GPUs / 4).
+# On CPUs (gloo, one thread per rank) it takes about two minutes on 2 cores (the README gives the time
+# and losses of its last fresh-clone run).  On a node with a multiple of 4 GPUs it uses every GPU (NCCL; data parallel = GPUs / 4).
 #
 #   bash scripts/demo.sh [extra pretrain_gpt.py flags, e.g. --train-iters 300 --wandb-project demo]
 #

@@ -87,8 +87,8 @@ def test_bench_gpu_quick_runs_on_cpu():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.__version__ < "2.13",
-                    reason="the torch-native peers are tested on torch 2.13; on 2.6 the interleaved "
-                    "pipelining peer lost a rank (README, Supported versions)")
+                    reason="the torch-native peers are run on torch 2.13 only (on 2.6 the interleaved "
+                    "pipelining peer lost a rank)")
 def test_bench_peers_quick_runs_and_peers_compute_what_megazero_computes():
     proc = _run([sys.executable, "scripts/bench_peers.py", "--quick", "--layouts", "one", "dp2-zero1",
                  "tp2-sp", "pp2-interleaved", "--also-torch", "--json", "-"])

@@ -44,8 +44,9 @@ def check_offload(par) -> None:
         raise ValueError(f"--offload-param-device {pdev} needs --zero-stage 3 (only stage 3 shards the "
                          f"parameters), got --zero-stage {par.zero_stage}")
     if pdev == "cpu":
-        raise ValueError("--offload-param-device cpu is not implemented: the parameter shards already live "
-                         "in host memory on a CPU run; use nvme, or none")
+        raise ValueError("--offload-param-device cpu is not implemented: ZeRO-3's parameter shards stay "
+                         "on the run's device or go to a disk; use --offload-param-device nvme (with "
+                         "--nvme-path), or none")
     if "nvme" in (dev, pdev) and not getattr(par, "nvme_path", None):
         flag = "--offload-optimizer-device nvme" if dev == "nvme" else "--offload-param-device nvme"
         raise ValueError(f"--nvme-path is required with {flag}: give a directory on a local disk with room "

@@ -316,7 +316,8 @@ def run_schedule(chunks: Sequence[torch.nn.Module], mesh, micro_batches: Iterabl
     ``"tokens"``, ``"labels"``, ``"loss_mask"`` (``[b, s]``; the first stage reads tokens, the last
     labels and mask).  ``schedule``: "gpipe", "1f1b", "interleaved" or this stage's action list.
     ``grad_sync.prepare_backward(chunk_index, is_last_microbatch)`` is called before each backward
-    (never ``finish_grad_sync``).  Gradients accumulate into ``.grad``.
+    (never ``finish_grad_sync``).  Gradients accumulate into ``.grad``, or, for a weight whose
+    ``write_grad`` the optimizer has set, straight into its flat gradient buffer.
     ``deallocate_outputs``: free each sent output's storage until its backward (module doc).
     ``delay_wgrad``: weight gradients after the input gradient's send (module doc).
 

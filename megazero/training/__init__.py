@@ -7,7 +7,7 @@
 - :mod:`.saver`: periodic, final and background checkpoint saves;
 - :mod:`.lr`: Megatron-LM's learning-rate schedule;
 - :mod:`.batch_schedule`: batch-size ramp-up and step schedules;
-- :mod:`.profile`: ``--profile``, a torch.profiler trace of chosen steps on chosen ranks.
+- :mod:`.profiling`: ``--profile``, a torch.profiler trace of chosen steps on chosen ranks.
 """
 from megazero.training.loop import (ModelProvider, Position, build_mesh, evaluate, init_distributed,
                                     peak_rss_bytes, train)
