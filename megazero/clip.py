@@ -73,9 +73,9 @@ def _foreach_square_sum(tensors: List[torch.Tensor], device) -> torch.Tensor:
     return torch.stack(norms).double().square().sum()
 
 
-def global_norm_and_overflow(sums: torch.Tensor, mesh, device=None) -> Tuple[float, bool]:
+def global_norm_and_overflow(sums: torch.Tensor, mesh) -> Tuple[float, bool]:
     """All-reduce local square sums over the world; return ``(norm, found_inf)`` (same on every rank)."""
-    sums = sums.to(device or mesh.device)
+    sums = mesh.collective_tensor(sums)
     if mesh.world_size > 1:
         dist.all_reduce(sums, group=mesh.world_group)
     counted, total = torch.stack([sums[0], sums[0] + sums[1]]).tolist()  # the step's one read of them

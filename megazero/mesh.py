@@ -224,6 +224,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def collective_device(device: torch.device, group=None) -> torch.device:
+    """The device whose tensors a collective over ``group`` (None: the default group) takes: ``device``
+    (NCCL takes only tensors on the rank's GPU), or the CPU where the group is gloo's (a gloo group
+    on a GPU machine: gloo takes CPU tensors everywhere) or there is no process group."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return torch.device(device)
+
+
 def _key(axes: Sequence[str]) -> Tuple[str, ...]:
     """The canonical name of a group: ``("embedding",)``, its axes in ``AXES`` order, or expert axes
     (any of ``etp``, ``ep``, ``edp``: the expert decomposition) in ``EXPERT_AXES`` order."""
@@ -376,6 +385,23 @@ class ParallelMesh:
     @property
     def backend(self) -> str:
         return backend_for(self.device)
+
+    @property
+    def collective_device(self) -> torch.device:
+        """The device of the tensors this mesh's collectives take (:func:`collective_device`): its own
+        device under NCCL (a GPU mesh) or in one process, the CPU under gloo."""
+        if not self.is_distributed:
+            return self.device
+        return collective_device(self.device, self.world_group)
+
+    def collective_tensor(self, data, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``data`` (a number, a list of numbers or a tensor) as a tensor on :attr:`collective_device`
+        (a tensor already there is returned as it is), for a scalar or metadata collective: every such
+        collective in megazero takes its tensor from here, so none hands NCCL a host tensor
+        (``tests/test_strict_device.py`` holds the collectives to this)."""
+        if isinstance(data, torch.Tensor):
+            return data.to(device=self.collective_device, dtype=dtype or data.dtype)
+        return torch.tensor(data, dtype=dtype, device=self.collective_device)
 
     def describe(self) -> str:
         shown = [a for a in ("tp", "cp", "pp", "dp", "ep", "etp") if a in ("tp", "pp", "dp")

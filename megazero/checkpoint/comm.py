@@ -16,8 +16,7 @@ def all_ok(ok: bool, mesh) -> bool:
     """True on every rank when ``ok`` is true on every rank (a collective; also a barrier)."""
     if not mesh.is_distributed:
         return ok
-    device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
-    failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+    failed = mesh.collective_tensor([0 if ok else 1], dtype=torch.int32)
     dist.all_reduce(failed, group=mesh.world_group)
     return int(failed.item()) == 0
 
@@ -61,8 +60,7 @@ def on_rank0(fn, mesh):
             message = str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     if mesh.is_distributed:
         box = [(result, message, kind)]
-        device = mesh.device if mesh.backend == "nccl" else None
-        dist.broadcast_object_list(box, src=0, group=mesh.world_group, device=device)
+        dist.broadcast_object_list(box, src=0, group=mesh.world_group, device=mesh.collective_device)
         result, message, kind = box[0]
     if error is not None:
         if isinstance(error, CheckpointError):

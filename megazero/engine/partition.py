@@ -33,6 +33,7 @@ import torch.nn.modules.module as module_hooks
 
 from megazero.distributed import all_gather_single
 from megazero.errors import ConfigError
+from megazero.mesh import collective_device
 
 
 def _dp() -> tuple:
@@ -44,9 +45,8 @@ def _dp() -> tuple:
 
 def _comm_device() -> torch.device:
     """Where collectives run: the current GPU under NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                             else torch.device("cpu"))
 
 
 def partition(p: torch.nn.Parameter) -> None:

@@ -89,7 +89,7 @@ def reduce_step(chunks, mesh, moe_layers: Sequence[int], num_experts: int, num_m
     if not moe_layers:
         return None
     row = {layer: i for i, layer in enumerate(moe_layers)}
-    table = torch.zeros(len(moe_layers), num_experts + 3, dtype=torch.float64, device=mesh.device)
+    table = torch.zeros(len(moe_layers), num_experts + 3, dtype=torch.float64, device=mesh.collective_device)
     for s in chunk_stats(chunks):
         for layer in s.layers:
             r = row[layer]

@@ -48,8 +48,7 @@ class StopConditions:
         (:attr:`failed` is then set)."""
         signalled, late, broken = self._local_flags(io_error)
         if self.needs_agreement and mesh.is_distributed:
-            device = mesh.device if mesh.backend == "nccl" else torch.device("cpu")
-            flags = torch.tensor([signalled, late, broken], dtype=torch.float32, device=device)
+            flags = mesh.collective_tensor([signalled, late, broken], dtype=torch.float32)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.world_group)
             signalled, late, broken = (float(v) for v in flags.tolist())
         if broken:

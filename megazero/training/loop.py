@@ -92,7 +92,7 @@ def _mean_loss(losses: Sequence, mesh: ParallelMesh) -> float:
     sequential float64 sum, as Python's) and is read once: one host sync for any number of
     micro-batches."""
     owner = mesh.is_last_stage and mesh.coord("tp") == 0 and mesh.coord("cp") == 0
-    on = mesh.device if not mesh.is_distributed or mesh.backend == "nccl" else torch.device("cpu")
+    on = mesh.collective_device
     if owner and losses:
         local = torch.stack([x.reshape(()) for x in losses]).double().cumsum(0)[-1] / len(losses)
         local = local.to(on)

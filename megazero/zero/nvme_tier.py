@@ -138,7 +138,7 @@ def _node_bytes(mine: int, mesh) -> Tuple[int, int]:
     ``LOCAL_WORLD_SIZE`` is unset (forked test ranks), else the world's scaled to the local share."""
     if not mesh.is_distributed:
         return mine, 1
-    t = torch.tensor([mine], dtype=torch.int64, device=mesh.device)
+    t = mesh.collective_tensor([mine], dtype=torch.int64)
     dist.all_reduce(t, group=mesh.world_group)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
     return -(-int(t.item()) * local // mesh.world_size), local
