@@ -21,23 +21,38 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 
+# pip, its output kept in a log and shown only when it fails: on success a newcomer sees none of
+# the warnings a machine's pip configuration or setuptools' editable install print along the way
+pip_install() {
+  local log
+  log="$(mktemp)"
+  if "$VPY" -m pip install -q "$@" >"$log" 2>&1; then
+    rm -f "$log"
+    return 0
+  fi
+  cat "$log" >&2
+  rm -f "$log"
+  return 1
+}
+
 has_gpu() {  # nvidia-smi -L prints one "GPU i: ..." line per GPU (none, or an error, without one)
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
 }
 
 install_cpu_torch() {
   if [ "$(uname -s)" != Linux ]; then  # macOS and Windows: pip's default index has only CPU builds
-    "$VPY" -m pip install -q "torch==$TORCH_CPU"
+    pip_install numpy "torch==$TORCH_CPU"
     return
   fi
   # On Linux the default index (PyPI) serves the CUDA build under the plain version number, so ask
   # for the "+cpu" build by name: from the sources pip is configured with (a local wheel
   # directory, a mirror), else from PyTorch's CPU index.  Neither can yield a CUDA build.
-  if "$VPY" -m pip install -q "torch==$TORCH_CPU+cpu"; then
+  # numpy with torch: torch warns at import ("Failed to initialize NumPy") while it is missing
+  if pip_install numpy "torch==$TORCH_CPU+cpu"; then
     return
   fi
   echo "setup_env.sh: no torch==$TORCH_CPU+cpu among pip's sources; trying $CPU_INDEX" >&2
-  if ! "$VPY" -m pip install -q "torch==$TORCH_CPU+cpu" --index-url "$CPU_INDEX"; then
+  if ! pip_install numpy "torch==$TORCH_CPU+cpu" --index-url "$CPU_INDEX"; then
     echo "setup_env.sh: could not install the CPU build torch==$TORCH_CPU+cpu (no NVIDIA GPU here, so" \
          "the CUDA build is not installed); install a CPU build of torch >= 2.6 into $VENV yourself" \
          "(pip install torch --index-url $CPU_INDEX) and run this script again" >&2
@@ -47,7 +62,7 @@ install_cpu_torch() {
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   if has_gpu; then
-    "$VPY" -m pip install -q "torch>=2.6"          # CUDA build from the index
+    pip_install numpy "torch>=2.6"                # CUDA build from the index
   else
     install_cpu_torch
   fi
@@ -59,5 +74,5 @@ if ! "$VPY" -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.s
        "$CPU_INDEX) or use a fresh venv" >&2
   exit 2
 fi
-"$VPY" -m pip install -q -e ".[test]"
+pip_install -e ".[test]"
 echo "$want" > "$stamp"

@@ -72,7 +72,7 @@ def _setup_env(tmp_path, gpus=None, sources="default", system="Linux", torch=Non
 def test_without_a_gpu_the_cpu_build_comes_from_the_local_sources(tmp_path, gpus):
     code, err, calls, torch = _setup_env(tmp_path, gpus=gpus)
     assert code == 0, err
-    assert calls == ["-q torch==2.13.0+cpu", "-q -e .[test]"] and torch == "2.13.0+cpu"
+    assert calls == ["-q numpy torch==2.13.0+cpu", "-q -e .[test]"] and torch == "2.13.0+cpu"
     assert (tmp_path / "venv" / ".megazero-installed").exists()
 
 
@@ -80,8 +80,8 @@ def test_without_a_gpu_and_without_local_wheels_pytorchs_cpu_index_serves_it(tmp
     """pip's default index would give the CUDA build: it is never asked for a plain torch."""
     code, err, calls, torch = _setup_env(tmp_path, sources="cpu-index")
     assert code == 0, err
-    assert calls == ["-q torch==2.13.0+cpu",
-                     "-q torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu",
+    assert calls == ["-q numpy torch==2.13.0+cpu",
+                     "-q numpy torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu",
                      "-q -e .[test]"] and torch == "2.13.0+cpu"
 
 
@@ -94,13 +94,13 @@ def test_when_no_source_has_the_cpu_build_it_stops_rather_than_install_the_cuda_
 def test_a_listed_gpu_gets_the_default_index_torch(tmp_path):
     code, err, calls, torch = _setup_env(tmp_path, gpus=["GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"])
     assert code == 0, err
-    assert calls == ["-q torch>=2.6", "-q -e .[test]"]
+    assert calls == ["-q numpy torch>=2.6", "-q -e .[test]"]
 
 
 def test_off_linux_the_default_index_is_cpu_only(tmp_path):
     code, err, calls, torch = _setup_env(tmp_path, system="Darwin")
     assert code == 0, err
-    assert calls == ["-q torch==2.13.0", "-q -e .[test]"]
+    assert calls == ["-q numpy torch==2.13.0", "-q -e .[test]"]
 
 
 def test_an_existing_torch_is_left_alone_and_an_old_one_stops_the_script(tmp_path):
