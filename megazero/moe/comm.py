@@ -8,8 +8,10 @@ from rank to rank.  Every one is the identity on a group of one rank.
 | ``gather_rows``      | every rank's rows, in group order          | reduce-scatter of the rows |
 | ``reduce_scatter_rows`` | sum over the group, keep this rank's rows | gather of the rows        |
 
-Row counts are Python lists known on every rank (exchanged first with :func:`exchange_counts` /
-:func:`gather_counts`).  Uneven gathers and reduce-scatters pad every rank's rows to the longest.
+Row counts are Python lists known on every rank: the dispatcher exchanges its device counts with
+:func:`exchange_counts` / :func:`gather_counts` (collectives of device tensors, as NCCL requires) and
+reads them on the host once, through a :class:`HostCopy`.  Uneven gathers and reduce-scatters pad
+every rank's rows to the longest.
 """
 from __future__ import annotations
 
@@ -21,12 +23,37 @@ import torch.distributed as dist
 from megazero.distributed import all_gather_single, reduce_scatter_single
 
 
+class HostCopy:
+    """A device tensor's copy to the host, started at once and read with :meth:`wait`: on CUDA a
+    non-blocking copy into pinned memory and an event recorded after it, so the device runs on and the
+    host waits only where it needs the values; on the CPU the tensor itself (nothing to copy).  The
+    one way the MoE layers bring values to the host (``tests/test_strict_device.py`` marks what
+    :meth:`wait` returns as host memory)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(tensor.device))
+        else:  # the CPU (no copy), or a device without pinned copies here (a blocking one)
+            self.host = tensor.to("cpu")
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy is done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
 def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
-    """``send [n, ...]`` int64 (row i for rank i) -> what every rank sent this one, ``[n, ...]``."""
+    """``send [n, ...]`` int64 (row i for rank i) -> what every rank sent this one, ``[n, ...]``, on
+    ``send``'s device."""
     if _size(group) == 1:
         return send.clone()
     recv = torch.empty_like(send)

@@ -13,19 +13,38 @@ expert outputs in the same order.
   then the reverse all-to-all.
 - ``allgather``: every rank of the expert-TP x EP group gathers all of the group's tokens and routing,
   computes its local experts' share and the shares are reduce-scattered back (simple, more traffic).
+
+Token counts stay on the device: counted from the routing map, exchanged by collectives of device
+tensors (NCCL takes no other) and brought to the host once per layer and forward, by one
+non-blocking copy (:class:`~megazero.moe.comm.HostCopy`) waited on where the split sizes are first
+needed (before the tokens' all-to-all, as Megatron-core).  The token-expert pairs and the regrouping
+order are found on the device from the counts (cumulative sums, no ``nonzero``), so nothing else in a
+layer's forward or backward waits for the device.
 """
 from __future__ import annotations
 
 import torch
 
-from megazero.moe.comm import (all_to_all_rows, exchange_counts, gather_counts, gather_rows,
+from megazero.moe.comm import (HostCopy, all_to_all_rows, exchange_counts, gather_counts, gather_rows,
                                reduce_scatter_rows)
 
 
-def _pairs(routing_map: torch.Tensor, probs: torch.Tensor):
-    """``(expert, token, weight)`` of every routed pair, sorted by expert, then token."""
-    expert, token = routing_map.t().nonzero(as_tuple=True)
-    return expert, token, probs.t()[expert, token]
+def _pair_order(routing_map: torch.Tensor) -> torch.Tensor:
+    """The entries of the expert-major map (``expert * T + token``), routed pairs first (by expert,
+    then token), found without reading the map on the host: each set entry goes to its rank among
+    them (a cumulative sum), the others after them."""
+    flat = routing_map.t().reshape(-1)
+    taken = torch.cumsum(flat, 0)
+    place = torch.where(flat, taken - 1, taken[-1:] + torch.cumsum(~flat, 0) - 1)
+    return torch.empty_like(place).scatter_(0, place, torch.arange(flat.numel(), device=flat.device))
+
+
+def _pairs(order: torch.Tensor, probs: torch.Tensor, total: int):
+    """``(expert, token, weight)`` of the ``total`` routed pairs (``routing_map.sum()``) of
+    :func:`_pair_order`'s ``order``, sorted by expert, then token."""
+    order = order[:total]
+    expert, token = order // probs.shape[0], order % probs.shape[0]
+    return expert, token, probs[token, expert]
 
 
 def _combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -34,16 +53,17 @@ def _combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, rows: i
     return out.index_add(0, token, y.to(weight.dtype) * weight.unsqueeze(1))
 
 
-def _block_order(counts: torch.Tensor, device) -> torch.Tensor:
-    """Row permutation that regroups rows laid out in blocks ``counts [a, b, E_local]`` (a-major) by
-    their last index first (expert-major, then a, then b)."""
-    flat = counts.reshape(-1).to(torch.int64)
+def _block_order(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """Row permutation that regroups the ``rows`` rows laid out in blocks ``counts [a, b, E_local]``
+    (a-major) by their last index first (expert-major, then a, then b), built on ``counts``' device."""
+    flat = counts.reshape(-1)
     starts = torch.cumsum(flat, 0) - flat
-    by_expert = torch.arange(flat.numel()).view(counts.shape).permute(2, 0, 1).reshape(-1)
+    by_expert = torch.arange(flat.numel(), device=flat.device).view(counts.shape).permute(2, 0, 1).reshape(-1)
     lengths, firsts = flat[by_expert], starts[by_expert]
     offsets = torch.cumsum(lengths, 0) - lengths  # each block's first row in the new order
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(offsets, lengths)
-    return (torch.repeat_interleave(firsts, lengths) + within).to(device)
+    within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(offsets, lengths,
+                                                                              output_size=rows)
+    return torch.repeat_interleave(firsts, lengths, output_size=rows) + within
 
 
 class AllToAllDispatcher:
@@ -56,20 +76,27 @@ class AllToAllDispatcher:
     def __call__(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  experts) -> torch.Tensor:
         mesh, ep, etp = self.mesh, self.mesh.size("ep"), self.mesh.size("etp")
-        expert, token, weight = _pairs(routing_map, probs)
-        counts = torch.bincount(expert, minlength=self.num_experts).view(ep, self.num_local).cpu()
-        recv = exchange_counts(counts, mesh.group("ep")) if ep > 1 else counts  # [ep src, E_local]
-        rows = x.index_select(0, token)
-        rows = all_to_all_rows(rows, mesh.group("ep"), recv.sum(1).tolist(), counts.sum(1).tolist())
+        counts = routing_map.sum(0).view(ep, self.num_local)  # [EP destination, E_local], on the device
+        recv = exchange_counts(counts, mesh.group("ep")) if ep > 1 else counts  # [EP source, E_local]
         # rows arrive in blocks (expert-TP peer, EP source, local expert)
         layout = gather_counts(recv, mesh.group("etp")) if etp > 1 else recv.unsqueeze(0)
-        sizes = layout.sum((1, 2)).tolist()
+        pending = HostCopy(torch.cat([counts.reshape(-1), layout.reshape(-1)]))
+        order = _pair_order(routing_map)  # queued while the counts travel
+        read = pending.wait().tolist()  # the layer's one host read, where the split sizes are first needed
+        send = [sum(read[r * self.num_local:(r + 1) * self.num_local]) for r in range(ep)]
+        peers = [[read[self.num_experts + (p * ep + r) * self.num_local:][:self.num_local] for r in range(ep)]
+                 for p in range(etp)]  # layout on the host
+        mine = [sum(row) for row in peers[mesh.coord("etp")]]  # rows from each EP source
+        sizes = [sum(sum(row) for row in peer) for peer in peers]
+        per_expert = [sum(peer[r][e] for peer in peers for r in range(ep)) for e in range(self.num_local)]
+        expert, token, weight = _pairs(order, probs, sum(send))
+        rows = all_to_all_rows(x.index_select(0, token), mesh.group("ep"), mine, send)
         rows = gather_rows(rows, mesh.group("etp"), sizes, mesh.coord("etp"))
-        order = _block_order(layout, x.device)
-        y = experts(rows.index_select(0, order), layout.sum((0, 1)).tolist())
+        order = _block_order(layout, sum(sizes))
+        y = experts(rows.index_select(0, order), per_expert)
         y = torch.empty_like(y).index_copy(0, order, y)  # back to (peer, source, expert) order
         y = reduce_scatter_rows(y, mesh.group("etp"), sizes, mesh.coord("etp"))
-        y = all_to_all_rows(y, mesh.group("ep"), counts.sum(1).tolist(), recv.sum(1).tolist())
+        y = all_to_all_rows(y, mesh.group("ep"), send, mine)
         return _combine(y, token, weight, x.shape[0])
 
 
@@ -93,8 +120,10 @@ class AllGatherDispatcher:
         if n > 1:
             ms = gather_counts(ms.to(torch.int64), group).reshape(xs.shape[0], -1) > 0
         ms = ms[:, local]
-        expert, token, weight = _pairs(ms, ps)
-        counts = torch.bincount(expert, minlength=self.num_local).tolist()
+        pending = HostCopy(ms.sum(0))
+        order = _pair_order(ms)  # queued while the counts travel
+        counts = pending.wait().tolist()  # the layer's one host read
+        expert, token, weight = _pairs(order, ps, sum(counts))
         y = experts(xs.index_select(0, token), counts)
         out = _combine(y, token, weight, xs.shape[0])
         return reduce_scatter_rows(out, group, rows, rank)
