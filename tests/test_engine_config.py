@@ -73,7 +73,7 @@ def test_accepted_keys_without_effect_are_named_in_the_notes():
 
 @pytest.mark.parametrize("extra, needle", [
     ({"train_batch_sise": 8}, "unknown key 'train_batch_sise'"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "unknown key 'zero_optimization.cpu_offload'"),
+    ({"zero_optimization": {"stage": 2, "cpu_offlaod": True}}, "unknown key 'zero_optimization.cpu_offlaod'"),
     ({"fp16": {"enabled": True, "fp16_scale": 1}}, "unknown key 'fp16.fp16_scale'"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be one of 0, 1, 2, 3, got 4"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
@@ -92,7 +92,7 @@ def test_accepted_keys_without_effect_are_named_in_the_notes():
      "offload_optimizer.device is nvme but zero_optimization.offload_optimizer.nvme_path is not given"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "needs zero_optimization.stage 1"),
-    ({"gradient_clipping": -1}, "gradient_clipping must be a number >= 0"),
+    ({"gradient_clipping": -1}, "gradient_clipping must be a finite number >= 0"),
     ({"train_batch_size": 7}, "train_batch_size 7 must equal train_micro_batch_size_per_gpu 2 x"),
     ({"steps_per_print": "often"}, "steps_per_print must be an integer >= 1"),
 ])

@@ -1,14 +1,17 @@
 """The ds_config keys, section by section: what each becomes in megazero's config, which are accepted
 without effect (named in the engine's notes) and which values are refused (one line naming the key).
-See :mod:`megazero.engine.config` for the whole and docs/engine.md for the table."""
+Every number must be finite and in its range.  DeepSpeed's keys that megazero only accepts are in
+:mod:`megazero.engine.ds_defaults`; see :mod:`megazero.engine.config` for the whole and docs/engine.md
+for the table."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+from megazero.engine.ds_defaults import (BF16, OFFLOAD_OPTIMIZER, ZERO, ZERO_ALIASES, json_value,
+                                         read_table)
 from megazero.errors import ConfigError
 
-# top-level keys accepted without effect, and why
-ACCEPTED = {"zero_allow_untested_optimizer": "the engine's optimizers are its own (Adam, AdamW, SGD)"}
 ADAM_TYPES = ("adam", "adamw")
 SCHEDULERS = {
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
@@ -41,7 +44,8 @@ class Reader:
                                   "the keys docs/engine.md lists (remove it, or see there what replaces it)")
 
     def section(self, k: str) -> "Reader":
-        value = self.tree.get(k, {})
+        value = self.tree.get(k)
+        value = {} if value is None else value  # DeepSpeed's null: the section's defaults
         if not isinstance(value, dict):
             raise ConfigError(f"ds_config {self.key(k)} must be an object, got {value!r}")
         return Reader(value, self.key(k) + ".", self.notes)
@@ -50,23 +54,31 @@ class Reader:
         return self.tree.get(k, default)
 
     def boolean(self, k: str, default: bool) -> bool:
-        value = self.tree.get(k, default)
+        value = self.tree.get(k)
+        value = default if value is None else value  # null: DeepSpeed's default (overlap_comm's is dynamic)
         if not isinstance(value, bool):
             raise ConfigError(f"ds_config {self.key(k)} must be true or false, got {value!r}")
         return value
 
-    def number(self, k: str, default, minimum: Optional[float] = None, integer: bool = False):
+    def number(self, k: str, default, minimum: Optional[float] = None, integer: bool = False,
+               above: Optional[float] = None, below: Optional[float] = None, maximum: Optional[float] = None):
+        """The finite number at ``k`` (``default`` when absent; None stays None) within ``minimum`` <=,
+        ``above`` <, < ``below``, <= ``maximum``; else one line naming the key and the range."""
         value = self.tree.get(k, default)
         if value is None:
             return None
-        bad = isinstance(value, bool) or not isinstance(value, (int, float))
+        bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
         if not bad and integer:
             bad = float(value) != int(value)
             value = int(value)
-        if bad or (minimum is not None and value < minimum):
-            what = "an integer" if integer else "a number"
-            low = f" >= {minimum:g}" if minimum is not None else ""
-            raise ConfigError(f"ds_config {self.key(k)} must be {what}{low}, got {self.tree.get(k)!r}")
+        bad = bad or (minimum is not None and value < minimum) or (above is not None and value <= above) \
+            or (below is not None and value >= below) or (maximum is not None and value > maximum)
+        if bad:
+            what = "an integer" if integer else "a finite number"
+            bounds = ((">=", minimum), (">", above), ("<", below), ("<=", maximum))
+            limits = [f"{op} {b:g}" for op, b in bounds if b is not None]
+            raise ConfigError(f"ds_config {self.key(k)} must be {what}{' ' if limits else ''}"
+                              f"{' and '.join(limits)}, got {json_value(self.tree.get(k))}")
         return value
 
     def pos_int(self, k: str, default) -> Optional[int]:
@@ -91,17 +103,12 @@ class Reader:
             self.notes.append(f"ds_config {self.key(k)}: accepted, {why}")
 
 
-def json_value(v) -> str:
-    return {True: "true", False: "false", None: "null"}.get(v, repr(v)) if isinstance(v, (bool, type(None))) \
-        else repr(v)
-
-
 def read_precision(r: Reader, pre) -> None:
     """``fp16`` / ``bf16`` (``bfloat16``) into the precision section."""
     fp, bf = r.section("fp16"), r.section("bf16" if "bf16" in r else "bfloat16")
     fp.only(("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"))
-    bf.only(("enabled", "immediate_grad_update", "check_grad_overflow"))
+    bf.only(("enabled", "immediate_grad_update", "check_grad_overflow") + tuple(BF16))
     pre.fp16, pre.bf16 = fp.boolean("enabled", False), bf.boolean("enabled", False)
     if pre.fp16 and pre.bf16:
         raise ConfigError("ds_config enables both fp16 and bf16; enable one")
@@ -110,9 +117,10 @@ def read_precision(r: Reader, pre) -> None:
     fp.fixed("fp16_master_weights_and_grads", False, "master weights are fp32")
     bf.accept("immediate_grad_update", "gradients go to their fp32 buffers as they arrive")
     bf.accept("check_grad_overflow", "megazero skips any step whose gradients hold inf or NaN")
+    read_table(bf, BF16)
     scale = fp.number("loss_scale", 0.0, minimum=0.0)
     pre.loss_scale = float(scale) if scale else None  # 0: dynamic
-    pre.initial_loss_scale = 2.0 ** fp.number("initial_scale_power", 16, minimum=0, integer=True)
+    pre.initial_loss_scale = 2.0 ** fp.number("initial_scale_power", 16, minimum=0, below=128, integer=True)
     pre.loss_scale_window = fp.pos_int("loss_scale_window", 1000)
     pre.hysteresis = fp.pos_int("hysteresis", 2)
     pre.min_loss_scale = float(fp.number("min_loss_scale", 1.0, minimum=0.0) or 1.0)
@@ -132,14 +140,16 @@ def _offload(r: Reader, stage: int) -> Tuple[str, Optional[str]]:
 
 def _read_offload(z: Reader, par, device_type: str) -> None:
     oo, op = z.section("offload_optimizer"), z.section("offload_param")
-    oo.only(("device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio"))
+    oo.only(("device", "nvme_path", "pin_memory", "buffer_count", "fast_init", "ratio")
+            + tuple(OFFLOAD_OPTIMIZER))
     op.only(("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu"))
     odev, opath = _offload(oo, par.zero_stage)
     pdev, ppath = _offload(op, par.zero_stage)
     par.offload_optimizer_device = odev
-    par.optimizer_offload_fraction = float(oo.number("ratio", 1.0, minimum=0.0))
+    par.optimizer_offload_fraction = float(oo.number("ratio", 1.0, minimum=0.0, maximum=1.0))
     par.nvme_buffer_count = oo.number("buffer_count", par.nvme_buffer_count, minimum=2, integer=True)
     oo.accept("fast_init", "the swap file is allocated at start-up")
+    read_table(oo, OFFLOAD_OPTIMIZER)
     if pdev != "none" and par.zero_stage != 3:
         raise ConfigError(f"ds_config zero_optimization.offload_param.device = {pdev} needs "
                           f"zero_optimization.stage 3 (got {par.zero_stage})")
@@ -156,14 +166,41 @@ def _read_offload(z: Reader, par, device_type: str) -> None:
     par.nvme_path = opath or ppath
 
 
+def _zero_spellings(z: Reader) -> Reader:
+    """``zero_optimization`` with DeepSpeed's other spellings in the ones read below: the field names of
+    the ``stage3_`` keys, and the deprecated ``cpu_offload`` / ``cpu_offload_param`` (true: the
+    optimizer / the parameters offloaded to the CPU)."""
+    tree = dict(z.tree)
+    for short, name in ZERO_ALIASES.items():
+        if short in tree:
+            if name in tree:
+                raise ConfigError(f"ds_config {z.key(short)} and {z.key(name)} are one setting; give one")
+            tree[name] = tree.pop(short)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if tree.get(old) is not None and z.boolean(old, False):  # null: DeepSpeed's default
+            if tree.get(new):
+                raise ConfigError(f"ds_config {z.key(old)} is DeepSpeed's deprecated spelling of "
+                                  f"{z.key(new)}.device cpu; give one of them")
+            if new == "offload_param" and tree.get("stage", 0) != 3:
+                raise ConfigError(f"ds_config {z.key(old)} = true (the parameters on the CPU) needs "
+                                  f"{z.key('stage')} 3, got {tree.get('stage', 0)}")
+            tree[new] = {"device": "cpu"}
+            z.notes.append(f"ds_config {z.key(old)} = true: accepted, DeepSpeed's deprecated spelling of "
+                           f"{z.key(new)}.device cpu")
+        tree.pop(old, None)
+    return Reader(tree, z.prefix, z.notes)
+
+
 def read_zero(z: Reader, par, out, device_type: str) -> None:
     """``zero_optimization`` into the parallel section (and the engine's ZeRO-3 gather settings)."""
+    z = _zero_spellings(z)
     z.only(("stage", "offload_optimizer", "offload_param", "overlap_comm", "contiguous_gradients",
             "reduce_bucket_size", "allgather_bucket_size", "reduce_scatter", "allgather_partitions",
             "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
             "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save", "sub_group_size"))
+            "stage3_gather_fp16_weights_on_model_save", "sub_group_size") + tuple(ZERO))
     par.zero_stage = z.choice("stage", 0, (0, 1, 2, 3))
+    read_table(z, ZERO)
     _read_offload(z, par, device_type)
     overlap = z.boolean("overlap_comm", par.zero_stage == 3)  # DeepSpeed's default
     par.overlap_grad_reduce = par.overlap_param_gather = overlap
@@ -212,12 +249,17 @@ def optimizer_section(r: Reader) -> Optional[Tuple[str, Dict[str, Any]]]:
     """The ``optimizer`` section as ``("adam" | "sgd", settings)``, or None when absent."""
     if not r.tree:
         return None
-    r.only(("type", "params"))
+    r.only(("type", "params", "legacy_fusion"))
+    r.accept("legacy_fusion", "megazero's optimizers have one implementation each")
     kind = str(r.get("type", "")).lower()
     p = r.section("params")
+    if "max_grad_norm" in p:
+        p.number("max_grad_norm", None, minimum=0.0)
+        p.notes.append("ds_config optimizer.params.max_grad_norm: ignored, as DeepSpeed ignores it; "
+                       "gradient_clipping clips the gradients")
     if kind in ADAM_TYPES:
         p.only(("lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "amsgrad",
-                "torch_adam"))
+                "torch_adam", "max_grad_norm"))
         p.fixed("bias_correction", True, "Adam is bias-corrected")
         p.fixed("amsgrad", False, "AMSGrad is not implemented")
         p.accept("torch_adam", "megazero's Adam follows torch.optim.AdamW's arithmetic")
@@ -228,10 +270,12 @@ def optimizer_section(r: Reader) -> Optional[Tuple[str, Dict[str, Any]]]:
         betas = p.get("betas", [0.9, 0.999])
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
             raise ConfigError(f"ds_config optimizer.params.betas must be [beta1, beta2], got {betas!r}")
-        return "adam", {"lr": float(p.number("lr", 1e-3, minimum=0.0)), "betas": [float(b) for b in betas],
-                        "eps": float(p.number("eps", 1e-8, minimum=0.0)), "weight_decay": wd}
+        pair = Reader({"betas[0]": betas[0], "betas[1]": betas[1]}, p.prefix)
+        betas = [float(pair.number(k, None, minimum=0.0, below=1.0)) for k in ("betas[0]", "betas[1]")]
+        return "adam", {"lr": float(p.number("lr", 1e-3, minimum=0.0)), "betas": betas,
+                        "eps": float(p.number("eps", 1e-8, above=0.0)), "weight_decay": wd}
     if kind == "sgd":
-        p.only(("lr", "momentum", "weight_decay", "dampening", "nesterov"))
+        p.only(("lr", "momentum", "weight_decay", "dampening", "nesterov", "max_grad_norm"))
         p.fixed("dampening", 0, "SGD's momentum has no dampening")
         p.fixed("nesterov", False, "Nesterov momentum is not implemented")
         if "lr" not in p:
@@ -258,4 +302,11 @@ def scheduler_section(r: Reader) -> Optional[Tuple[str, Dict[str, Any]]]:
         raise ConfigError(f"ds_config scheduler.params.total_num_steps is required for {kind}")
     if "warmup_type" in p:
         p.choice("warmup_type", "log", ("log", "linear"))
+    for k in ("warmup_min_lr", "warmup_max_lr"):
+        p.number(k, None, minimum=0.0)
+    for k in ("warmup_min_ratio", "cos_min_ratio"):
+        p.number(k, None, minimum=0.0, maximum=1.0)
+    p.number("warmup_num_steps", None, minimum=0, integer=True)
+    p.number("total_num_steps", None, minimum=1, integer=True)
+    p.number("last_batch_iteration", None, minimum=-1, integer=True)
     return kind, dict(p.tree)
