@@ -23,6 +23,16 @@ from megazero.config import config_from_dict
 from megazero.local_ranks import run_ranks
 
 READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
+# ops whose output's size depends on the values: on a GPU each waits for them (repeat_interleave only
+# with tensor repeats and no output_size)
+SIZED_BY_VALUES = ("nonzero", "bincount", "masked_select", "unique", "repeat_interleave")
+
+
+def _sized_by_values(name, args, kwargs) -> bool:
+    if name != "repeat_interleave":
+        return True
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+    return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and kwargs.get("output_size") is None
 
 
 class SyncCounter:
@@ -43,6 +53,15 @@ class SyncCounter:
     @contextlib.contextmanager
     def patched(self):
         originals = {name: getattr(torch.Tensor, name) for name in READS + ("to", "cpu", "copy_")}
+        sized = {(owner, name): getattr(owner, name) for owner in (torch, torch.Tensor)
+                 for name in SIZED_BY_VALUES if hasattr(owner, name)}
+
+        def sized_op(name, fn):
+            def counted(*args, **kwargs):
+                if _sized_by_values(name, args, kwargs):
+                    self._record(name)
+                return fn(*args, **kwargs)
+            return counted
 
         def read(name):
             def counted(t, *args, **kwargs):
@@ -70,11 +89,15 @@ class SyncCounter:
         for name in READS:
             setattr(torch.Tensor, name, read(name))
         torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_ = to, cpu, copy_
+        for (owner, name), fn in sized.items():
+            setattr(owner, name, sized_op(name, fn))
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
+            for (owner, name), fn in sized.items():
+                setattr(owner, name, fn)
 
 
 def _settings(grown: bool, **extra):
@@ -141,6 +164,19 @@ def test_the_counter_sees_each_kind_of_read():
     assert float(t[0]) == 1.5 and torch.Tensor.item is not SyncCounter  # restored
 
 
+def test_the_counter_sees_ops_sized_by_values():
+    counter = SyncCounter()
+    m, r = torch.tensor([True, False, True]), torch.tensor([1, 0, 2])
+    with counter.patched():
+        counter.on = True
+        m.nonzero(), torch.nonzero(m), torch.bincount(r), torch.masked_select(r, m), torch.unique(r)
+        torch.repeat_interleave(r, r), r.repeat_interleave(r)
+        torch.repeat_interleave(r, r, output_size=3), r.repeat_interleave(2)  # sizes known: no wait
+    assert _kinds(counter.events) == {"nonzero": 2, "bincount": 1, "masked_select": 1, "unique": 1,
+                                      "repeat_interleave": 2}
+    assert torch.nonzero is not None and m.nonzero().shape == (2, 1)
+
+
 def test_one_process_step_syncs_are_fixed(capsys):
     """Two reads, the gradient norm with the overflow flag and the loss, with 1 or ~30 buckets, 2 or
     8 micro-batches, 1 or 3 layers."""
@@ -176,3 +212,45 @@ def test_two_rank_step_syncs_are_fixed(layout):
         assert small_rows == 0 and big_rows == (4 if "dp2" in layout else 0), (small_rows, big_rows)
         assert len(small) == len(big) == expected, (small, big)
         assert sorted(w for _, w in small) == sorted(w for _, w in big)
+
+
+# ---- mixture of experts --------------------------------------------------------------------------
+def _moe(grown: bool, **extra):
+    """The tiny GPT with every layer an MoE layer (4 experts, top 2, auxiliary and z losses)."""
+    return _settings(grown, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=1,
+                     add_bias_linear=False, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **extra)
+
+
+def _check_moe(events, layers: int, micro_batches: int):
+    """The dense step's two reads, the MoE metrics' one and one per MoE layer and forward, all of
+    those at one line of the dispatcher (its token counts)."""
+    where = collections.Counter(w for _, w in events)
+    per_layer = [n for w, n in where.items() if w.startswith("moe/dispatcher.py")]
+    assert len(events) == 3 + layers * micro_batches, events
+    assert per_layer == [layers * micro_batches], where
+    assert _kinds(events) == {"tolist": 2 + layers * micro_batches, "item": 1}, events
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_one_process_moe_step_syncs(kind):
+    """One host read per MoE layer and forward (the token counts), one for the step's MoE metrics:
+    5 with 1 layer and 2 micro-batches, 27 with 3 layers and 8 micro-batches."""
+    small, _ = _count_iteration(_moe(False, moe_token_dispatcher_type=kind))
+    big, _ = _count_iteration(_moe(True, moe_token_dispatcher_type=kind))
+    _check_moe(small, 1, 2)
+    _check_moe(big, 3, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2-alltoall", "etp2-alltoall"])
+def test_two_rank_moe_step_syncs(layout):
+    """EP 2 (the counts' all-to-all) or expert TP 2 (their all-gather) on 2 ranks: still one read per
+    MoE layer and forward on every rank (1 or 4 micro-batches a rank)."""
+    extra = dict(expert_model_parallel_size=2) if layout.startswith("ep2") else \
+        dict(expert_tensor_parallel_size=2)
+    results = run_ranks(_ranks, 2, [_moe(False, moe_token_dispatcher_type="alltoall", **extra),
+                                    _moe(True, moe_token_dispatcher_type="alltoall", **extra)])
+    for (small, _), (big, _) in results:
+        _check_moe(small, 1, 1)
+        _check_moe(big, 3, 4)

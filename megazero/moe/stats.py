@@ -108,12 +108,11 @@ def reduce_step(chunks, mesh, moe_layers: Sequence[int], num_experts: int, num_m
 def step_metrics(reduced: Dict[str, torch.Tensor]) -> Dict[str, float]:
     """The metrics row's MoE entries from :func:`reduce_step`: the losses averaged over the MoE layers,
     tokens per expert (min, max over layers and experts; imbalance: the largest max / mean of a layer)
-    and the dropped token-expert pairs of the step (all layers)."""
+    and the dropped token-expert pairs of the step (all layers), read on the host at once."""
     tokens = reduced["tokens"]
     mean = tokens.mean(dim=1).clamp(min=1e-30)
-    return {"moe_aux_loss": float(reduced["aux_loss"].mean()),
-            "moe_z_loss": float(reduced["z_loss"].mean()),
-            "moe_tokens_per_expert_min": float(tokens.min()),
-            "moe_tokens_per_expert_max": float(tokens.max()),
-            "moe_imbalance": float((tokens.max(dim=1).values / mean).max()),
-            "moe_dropped_tokens": float(reduced["dropped"].sum())}
+    values = torch.stack([reduced["aux_loss"].mean(), reduced["z_loss"].mean(), tokens.min(), tokens.max(),
+                          (tokens.max(dim=1).values / mean).max(), reduced["dropped"].sum()])
+    names = ("moe_aux_loss", "moe_z_loss", "moe_tokens_per_expert_min", "moe_tokens_per_expert_max",
+             "moe_imbalance", "moe_dropped_tokens")
+    return dict(zip(names, values.tolist()))  # the step's one read of them
