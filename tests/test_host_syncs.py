@@ -1,16 +1,17 @@
 """Host syncs of one training iteration: a small, fixed number, whatever the buckets, micro-batches
-and layers.
+and layers (MoE models: one more per MoE layer and forward, and one for the MoE metrics).
 
 Every way a tensor's value reaches Python (``.item()``, ``float()``/``int()``/``bool()``/
-``operator.index`` of a tensor, ``.tolist()``) and every blocking copy between devices (``.to()``,
-``.cpu()``, ``.copy_()`` without ``non_blocking``) is counted by patching ``torch.Tensor`` while the
-trainer runs; the iteration counted is the whole loop body of iteration 2 (step, logging, checks,
-the stop agreement), from one ``RunGuard.begin`` to the next.  On a CPU the copies are never
-between devices (the counter would see them on an accelerator); the value reads are the syncs that
-stall a GPU's launch queue.  What remains, per docs/internals.md ("What a step waits for"): the
-gradient norm and overflow flag (one read: the skip decision and the logged norm), the loss (one
-read after its all-reduce) and, when a stop condition is configured over several ranks, the stop
-agreement.
+``operator.index`` of a tensor, ``.tolist()``), every blocking copy between devices (``.to()``,
+``.cpu()``, ``.copy_()`` without ``non_blocking``) and every op whose output size depends on values
+(``nonzero``, ``bincount``, ...) is counted by patching ``torch`` while the trainer runs; the
+iteration counted is the whole loop body of iteration 2 (step, logging, checks, the stop agreement),
+from one ``RunGuard.begin`` to the next.  On a CPU the copies are never between devices (the counter
+would see them on an accelerator); the value reads are the syncs that stall a GPU's launch queue.
+What remains, per docs/internals.md ("What a step waits for"): the gradient norm and overflow flag
+(one read: the skip decision and the logged norm), the loss (one read after its all-reduce), when a
+stop condition is configured over several ranks, the stop agreement, and with MoE layers each
+layer's token counts (one read per forward) and the step's MoE metrics (one read).
 """
 import collections
 import contextlib
