@@ -62,7 +62,7 @@ def test_deepspeeds_defaults_and_constant_loss_scale():
 
 def test_accepted_keys_without_effect_are_named_in_the_notes():
     c = _read({"zero_allow_untested_optimizer": True,
-               "zero_optimization": {"stage": 2, "contiguous_gradients": False, "reduce_scatter": True,
+               "zero_optimization": {"stage": 2, "contiguous_gradients": False, "reduce_scatter": False,
                                      "allgather_bucket_size": 10, "reduce_bucket_size": 20}})
     notes = "\n".join(c.notes)
     for key in ("zero_allow_untested_optimizer", "contiguous_gradients", "reduce_scatter",

@@ -136,7 +136,9 @@ def json_value(v) -> str:
     return f'"{v}"' if isinstance(v, str) else repr(v)
 
 
-def _same(value, default) -> bool:
+def same_value(value, default) -> bool:
+    """Whether ``value`` is ``default`` as DeepSpeed reads it (1 is 1.0; booleans are not numbers; case
+    is ignored in words)."""
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default
     if isinstance(value, str) and isinstance(default, str):
@@ -154,11 +156,11 @@ def read_table(r, table: Dict[str, Tuple[str, Any, str]]) -> None:
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             r.number(k, None)  # a number, and finite
         if kind == FIXED:
-            if not any(_same(value, ok) for ok in default):
+            if not any(same_value(value, ok) for ok in default):
                 supported = " or ".join(json_value(v) for v in default)
                 raise ConfigError(f"ds_config {r.key(k)} = {json_value(value)} is not supported ({what}); "
                                   f"remove it or give {supported}")
-        elif not _same(value, default):
+        elif not same_value(value, default):
             r.notes.append(f"ds_config {r.key(k)} = {json_value(value)}: accepted, {what}")
 
 

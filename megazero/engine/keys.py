@@ -9,7 +9,7 @@ import math
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from megazero.engine.ds_defaults import (BF16, OFFLOAD_OPTIMIZER, ZERO, ZERO_ALIASES, json_value,
-                                         read_table)
+                                         read_table, same_value)
 from megazero.errors import ConfigError
 
 ADAM_TYPES = ("adam", "adamw")
@@ -97,9 +97,10 @@ class Reader:
             raise ConfigError(f"ds_config {self.key(k)} = {self.tree[k]!r} is not supported ({why}); "
                               f"remove it or give {json_value(value)}")
 
-    def accept(self, k: str, why: str) -> None:
-        """A key that changes nothing in megazero: named in the notes when given."""
-        if k in self.tree:
+    def accept(self, k: str, why: str, default=None) -> None:
+        """A key that changes nothing in megazero: named in the notes when given, unless at DeepSpeed's
+        ``default``."""
+        if k in self.tree and (default is None or not same_value(self.tree[k], default)):
             self.notes.append(f"ds_config {self.key(k)}: accepted, {why}")
 
 
@@ -115,8 +116,8 @@ def read_precision(r: Reader, pre) -> None:
     fp.fixed("consecutive_hysteresis", False, "the hysteresis refills only when the scale grows")
     fp.fixed("auto_cast", False, "inputs are passed to the model as given")
     fp.fixed("fp16_master_weights_and_grads", False, "master weights are fp32")
-    bf.accept("immediate_grad_update", "gradients go to their fp32 buffers as they arrive")
-    bf.accept("check_grad_overflow", "megazero skips any step whose gradients hold inf or NaN")
+    bf.accept("immediate_grad_update", "gradients go to their fp32 buffers as they arrive", False)
+    bf.accept("check_grad_overflow", "megazero skips any step whose gradients hold inf or NaN", True)
     read_table(bf, BF16)
     scale = fp.number("loss_scale", 0.0, minimum=0.0)
     pre.loss_scale = float(scale) if scale else None  # 0: dynamic
@@ -134,7 +135,7 @@ def _offload(r: Reader, stage: int) -> Tuple[str, Optional[str]]:
                           "name a directory on a local disk")
     if device != "none" and stage == 0:
         raise ConfigError(f"ds_config {r.key('device')} = {device} needs zero_optimization.stage 1, 2 or 3")
-    r.accept("pin_memory", "megazero pins its host buffers whenever the model is on a GPU")
+    r.accept("pin_memory", "megazero pins its host buffers whenever the model is on a GPU", True)
     return device, (str(path) if path else None)
 
 
@@ -148,7 +149,7 @@ def _read_offload(z: Reader, par, device_type: str) -> None:
     par.offload_optimizer_device = odev
     par.optimizer_offload_fraction = float(oo.number("ratio", 1.0, minimum=0.0, maximum=1.0))
     par.nvme_buffer_count = oo.number("buffer_count", par.nvme_buffer_count, minimum=2, integer=True)
-    oo.accept("fast_init", "the swap file is allocated at start-up")
+    oo.accept("fast_init", "the swap file is allocated at start-up", False)
     read_table(oo, OFFLOAD_OPTIMIZER)
     if pdev != "none" and par.zero_stage != 3:
         raise ConfigError(f"ds_config zero_optimization.offload_param.device = {pdev} needs "
@@ -158,8 +159,9 @@ def _read_offload(z: Reader, par, device_type: str) -> None:
                        "live in host memory on a CPU run")
         pdev = "none"
     par.offload_param_device = pdev
-    for k in ("buffer_count", "buffer_size", "max_in_cpu"):
-        op.accept(k, "megazero reads each unit's shard from NVMe one unit ahead, into its own buffer")
+    for k, default in (("buffer_count", 5), ("buffer_size", 100_000_000), ("max_in_cpu", 1_000_000_000)):
+        op.accept(k, "megazero reads each unit's shard from NVMe one unit ahead, into its own buffer",
+                  default)
     if opath and ppath and opath != ppath:
         raise ConfigError("ds_config offload_optimizer.nvme_path and offload_param.nvme_path differ; "
                           "megazero keeps both swap files in one directory: give the same path")
@@ -213,10 +215,10 @@ def read_zero(z: Reader, par, out, device_type: str) -> None:
     if not z.boolean("contiguous_gradients", True):
         z.notes.append("ds_config zero_optimization.contiguous_gradients false: megazero always "
                        "keeps gradients in contiguous buffers")
-    z.accept("reduce_scatter", "ZeRO 1-3 reduce-scatter the gradients, stage 0 all-reduces them")
-    z.accept("allgather_partitions", "updated partitions are all-gathered per bucket")
+    z.accept("reduce_scatter", "ZeRO 1-3 reduce-scatter the gradients, stage 0 all-reduces them", True)
+    z.accept("allgather_partitions", "updated partitions are all-gathered per bucket", True)
     z.accept("stage3_max_reuse_distance", "a unit is freed after its forward and gathered again for its "
-             "backward")
+             "backward", 1_000_000_000)
     out.prefetch_numel = z.number("stage3_prefetch_bucket_size", 50_000_000, minimum=0, integer=True)
     out.max_live_numel = z.number("stage3_max_live_parameters", 1_000_000_000, minimum=0, integer=True)
     out.persistence_threshold = z.number("stage3_param_persistence_threshold", 100_000, minimum=0,
@@ -228,7 +230,7 @@ def read_zero(z: Reader, par, out, device_type: str) -> None:
     if groups is not None and "nvme" in (par.offload_optimizer_device,):
         # megazero's NVMe optimizer streams sub-groups that fill one buffer: fp32 master + two moments
         par.nvme_buffer_size = -(-groups * 12 // 4096) * 4096
-    elif groups is not None:
+    elif groups is not None and groups != 1_000_000_000:  # DeepSpeed's default: nothing to say
         z.notes.append("ds_config zero_optimization.sub_group_size: only used with the optimizer on NVMe")
 
 
@@ -239,9 +241,9 @@ def read_aio(a: Reader, par) -> None:
     par.nvme_block_size = a.number("block_size", par.nvme_block_size, minimum=4096, integer=True)
     par.nvme_io_threads = a.pos_int("queue_depth", par.nvme_io_threads)
     for k in ("thread_count", "intra_op_parallelism"):
-        a.accept(k, "megazero runs aio.queue_depth I/O threads, one request in flight each")
-    for k in ("single_submit", "overlap_events"):
-        a.accept(k, "megazero submits each request from its own I/O thread")
+        a.accept(k, "megazero runs aio.queue_depth I/O threads, one request in flight each", 1)
+    for k, default in (("single_submit", False), ("overlap_events", True)):
+        a.accept(k, "megazero submits each request from its own I/O thread", default)
     a.fixed("use_gds", False, "GPUDirect Storage is not implemented")
 
 
@@ -250,7 +252,7 @@ def optimizer_section(r: Reader) -> Optional[Tuple[str, Dict[str, Any]]]:
     if not r.tree:
         return None
     r.only(("type", "params", "legacy_fusion"))
-    r.accept("legacy_fusion", "megazero's optimizers have one implementation each")
+    r.accept("legacy_fusion", "megazero's optimizers have one implementation each", False)
     kind = str(r.get("type", "")).lower()
     p = r.section("params")
     if "max_grad_norm" in p:
@@ -262,7 +264,7 @@ def optimizer_section(r: Reader) -> Optional[Tuple[str, Dict[str, Any]]]:
                 "torch_adam", "max_grad_norm"))
         p.fixed("bias_correction", True, "Adam is bias-corrected")
         p.fixed("amsgrad", False, "AMSGrad is not implemented")
-        p.accept("torch_adam", "megazero's Adam follows torch.optim.AdamW's arithmetic")
+        p.accept("torch_adam", "megazero's Adam follows torch.optim.AdamW's arithmetic", False)
         wd = float(p.number("weight_decay", 0.0, minimum=0.0))
         if kind == "adam" and not p.boolean("adam_w_mode", True) and wd:
             raise ConfigError("ds_config optimizer.params.adam_w_mode false with weight_decay (L2 added to "
