@@ -13,7 +13,13 @@ writes, as :mod:`bench.nvme_io` measures them), and the peak RSS.
     python scripts/bench_offload.py --dir /tmp                      # GPT 8 x 512, ZeRO-3, ~2 minutes
     python scripts/bench_offload.py --dir /mnt/nvme --layers 12 --hidden 768 --iters 4 --json out.json
 
-The swap files live under ``--dir`` for the run and are removed after it.
+The swap files live under ``--dir`` for the run and are removed after it.  ``--ranks N`` trains at
+DP N (N forked ranks; the peak RSS is the largest rank's); ``--experts E --moe-ffn F`` makes every layer
+an MoE layer of ``E`` experts of hidden size ``F`` (``--ffn E x F``: a dense model with as many
+parameters, but the routers').  MoE against dense at ZeRO-3 DP 2, both NVMe tiers (docs/moe.md):
+
+    python scripts/bench_offload.py --modes nvme-optimizer+params --ranks 2 --experts 16 --moe-ffn 1024
+    python scripts/bench_offload.py --modes nvme-optimizer+params --ranks 2 --ffn 16384
 """
 from __future__ import annotations
 
@@ -43,7 +49,9 @@ def _cfg(a, swap: str, extra: dict):
 
 def _run_mode(a, swap: str, extra: dict) -> list:
     import megazero_models as models  # the installed models package (scripts/ is not beside it)
+    from megazero.host_memory import reset_peak_rss
     from megazero.training import train
+    reset_peak_rss()  # a forked rank starts from its parent's high-water mark
     return train(_cfg(a, swap, extra), models.build_chunks, stream=open(os.devnull, "w"))
 
 
@@ -84,6 +92,10 @@ def main(argv=None) -> int:
     p.add_argument("--io-threads", type=int, default=4, help="--nvme-io-threads")
     p.add_argument("--peak-mib", type=int, default=256, help="bytes of the disk's peak measurement")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (forked processes)")
+    p.add_argument("--ffn", type=int, help="--ffn-hidden-size (default 4 x --hidden)")
+    p.add_argument("--experts", type=int, default=0, help="--num-experts, every layer an MoE layer")
+    p.add_argument("--moe-ffn", type=int, help="--moe-ffn-hidden-size (default --ffn)")
     p.add_argument("--json", help="also write the figures as JSON to this path ('-': stdout)")
     a = p.parse_args(argv)
     from bench import write_json
@@ -96,14 +108,20 @@ def main(argv=None) -> int:
         peak = max(mixed_bandwidth(raw, a.peak_mib * MiB, MiB, a.io_threads, flip=f) for f in (False, True))
         os.unlink(raw)
         out = {"peak_disk_bytes_per_s": peak, "modes": {}}
+        shape = {"ffn_hidden_size": a.ffn} if a.ffn else {}
+        if a.experts:
+            shape.update(num_experts=a.experts, moe_ffn_hidden_size=a.moe_ffn)
         for name in a.modes:
-            (hist,) = run_ranks(_run_mode, 1, a, swap, MODES[name], timeout=3600)
-            out["modes"][name] = _summary(hist, peak)
+            ranks = run_ranks(_run_mode, a.ranks, a, swap, dict(MODES[name], **shape), timeout=3600)
+            out["modes"][name] = _summary(ranks[0], peak)
+            out["modes"][name]["peak_rss_bytes"] = max(max(m["peak_rss_bytes"] for m in h) for h in ranks)
     finally:
         for f in os.listdir(swap):
             os.unlink(os.path.join(swap, f))
         os.rmdir(swap)
-    print(f"GPT {a.layers} x {a.hidden}, seq {a.seq}, batch {a.batch}, ZeRO-3, one process; disk peak "
+    moe = f", {a.experts} experts of {a.moe_ffn or a.ffn or 4 * a.hidden}" if a.experts else ""
+    print(f"GPT {a.layers} x {a.hidden}{moe}, ffn {a.ffn or 4 * a.hidden}, seq {a.seq}, batch {a.batch}, "
+          f"ZeRO-3, {a.ranks} rank(s) (DP); disk peak "
           f"(direct reads + writes at once, 1 MiB x {a.io_threads} threads): {peak / 1e6:.0f} MB/s; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':>22} {'step s':>8} {'vs mem':>7} {'I/O wait':>9} {'read MB':>8} {'write MB':>9} "
