@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one command on a machine with one or more NVIDIA GPUs:
 #   1. the tests marked `gpu` (tests/test_gpu.py): the one-process model on CUDA against the CPU
-#      oracle, bf16, offload and recomputation on CUDA, and TP / PP / ZeRO over NCCL on as many
-#      GPUs as the machine has (layouts needing more are skipped);
+#      oracle, bf16, offload and recomputation on CUDA, TP / PP / ZeRO over NCCL and mixture of
+#      experts (one GPU; EP 2 all-to-all, expert TP 2, EP 2 allgather over NCCL) on as many GPUs as
+#      the machine has (layouts needing more are skipped);
 #   2. scripts/bench_gpu.py: one-GPU model TFLOP/s and MFU of a ~1.3B-parameter GPT in bf16, with
 #      and without recomputation and with --compile, next to transformers' GPT-2 model of the same
 #      shape.

@@ -1,6 +1,7 @@
 """The CUDA path against the CPU oracle (marked ``gpu``: run by ``scripts/gpu_check.sh``; skipped
 without CUDA).  The one-GPU tests ran on one H200 (docs/performance.md, "The GPU path"); the
-layouts of 2, 4 and 8 GPUs over NCCL have not run (no machine with several GPUs was lent).
+layouts of 2, 4 and 8 GPUs over NCCL have not run (no machine with several GPUs was lent), nor have
+the MoE layouts (one GPU; EP 2 all-to-all, expert TP 2 and EP 2 allgather over NCCL), added since.
 
 Every run is a subprocess (``python`` or ``torchrun`` on ``scripts/pretrain_gpt.py`` with
 ``--metrics-file``), so this pytest process never initialises CUDA and the forked CPU ranks of
@@ -55,8 +56,8 @@ def _pretrain(tmp, name: str, flags, nproc: int = 0, cpu: bool = False):
 
 
 @lru_cache(maxsize=None)
-def _oracle(tmp) -> tuple:
-    got, _ = _pretrain(tmp, "oracle-cpu", [], cpu=True)
+def _oracle(tmp, name: str = "oracle-cpu", flags: tuple = ()) -> tuple:
+    got, _ = _pretrain(tmp, name, list(flags), cpu=True)
     return tuple((m["loss"], m["grad_norm"]) for m in got)
 
 
@@ -121,6 +122,29 @@ def test_nccl_layouts_match_the_cpu_oracle(tmp, name, gpus, flags):
     got, out = _pretrain(tmp, name, flags, nproc=gpus)
     assert "on cuda:0" in out  # rank 0 prints; each rank takes cuda:LOCAL_RANK
     _matches(got, _oracle(tmp))
+
+
+# every layer an MoE layer (4 experts, top 2); the token counts stay on the GPU, exchanged over NCCL
+# and read on the host once per layer from pinned memory (docs/moe.md)
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--disable-bias-linear",
+       "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall")
+MOE_LAYOUTS = [  # (name, GPUs, flags)
+    ("moe-one-gpu", 1, []),
+    ("moe-one-gpu-grouped-gemm", 1, ["--moe-grouped-gemm"]),  # torch's grouped_mm
+    ("moe-ep2-alltoall", 2, ["--expert-model-parallel-size", "2"]),  # counts and tokens all-to-all
+    ("moe-etp2-alltoall", 2, ["--expert-tensor-parallel-size", "2"]),  # counts all-gathered
+    ("moe-ep2-allgather", 2, ["--expert-model-parallel-size", "2",
+                              "--moe-token-dispatcher-type", "allgather"]),
+]
+
+
+@pytest.mark.parametrize("name,gpus,flags", MOE_LAYOUTS, ids=[x[0] for x in MOE_LAYOUTS])
+def test_moe_layouts_on_cuda_match_the_cpu_oracle(tmp, name, gpus, flags):
+    if GPUS < gpus:
+        pytest.skip(f"needs {gpus} GPUs, torch sees {GPUS}")
+    got, out = _pretrain(tmp, name, [*MOE, *flags], nproc=gpus if gpus > 1 else 0)
+    assert "on cuda:0" in out
+    _matches(got, _oracle(tmp, "oracle-cpu-moe", MOE))
 
 
 def _python(code: str, nproc: int = 0) -> str:
