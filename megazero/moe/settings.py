@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 from typing import List, Optional
 
+from megazero.moe.list_expression import ListExpressionError, parse_list_expression
+
 DISPATCHERS = ("allgather", "alltoall")
 BALANCING = ("aux_loss", "seq_aux_loss", "none")
-_LIST_EXPRESSION = re.compile(r"^[\s\d\[\]\(\)\+\*,]+$")
 
 
 def is_moe(moe) -> bool:
@@ -20,26 +21,29 @@ def is_moe(moe) -> bool:
 
 def moe_layer_pattern(freq, num_layers: int) -> List[bool]:
     """``--moe-layer-freq`` as one flag per layer (True: an MoE layer), Megatron-LM's two forms: an
-    integer N (layers 0, N, 2N, ... are MoE) or a Python list expression of 0s and 1s, one per layer,
-    such as ``"([0]*1+[1]*1)*2"`` (only digits, brackets, ``+``, ``*`` and commas are read).
-    ValueError naming the flag otherwise."""
+    integer N (layers 0, N, 2N, ... are MoE) or a list expression of 0s and 1s, one per layer, such as
+    ``"([0]*1+[1]*1)*2"``, read by :mod:`megazero.moe.list_expression` (never ``eval``: digits,
+    brackets, parentheses, commas, ``+`` and ``*`` only, every size bounded).  ValueError naming the
+    flag otherwise."""
     text = str(freq).strip()
     if re.fullmatch(r"\d+", text):
+        if len(text) > 18:
+            raise ValueError(f"--moe-layer-freq {text[:20]}...: an integer frequency of {len(text)} digits; "
+                             "give at most --num-layers")
         n = int(text)
         if n < 1:
             raise ValueError(f"--moe-layer-freq {text}: an integer frequency must be at least 1")
         return [i % n == 0 for i in range(num_layers)]
-    if not _LIST_EXPRESSION.match(text):
-        raise ValueError(f"--moe-layer-freq {text!r}: give an integer N or a list expression of 0s and 1s "
-                         "such as '([0]*1+[1]*1)*2'")
     try:
-        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 - only digits and list operators pass
-    except Exception:  # noqa: BLE001 - any malformed expression is a usage error
-        pattern = None
+        pattern = parse_list_expression(text)
+    except ListExpressionError as err:
+        raise ValueError(f"--moe-layer-freq {text[:80]!r}: {err}; give an integer N or a list expression "
+                         "of 0s and 1s such as '([0]*1+[1]*1)*2'") from None
     if not isinstance(pattern, list) or any(v not in (0, 1) or isinstance(v, bool) for v in pattern):
-        raise ValueError(f"--moe-layer-freq {text!r} is not a list of 0s and 1s (e.g. '([0]*1+[1]*1)*2')")
+        raise ValueError(f"--moe-layer-freq {text[:80]!r} is not a list of 0s and 1s (e.g. "
+                         "'([0]*1+[1]*1)*2')")
     if len(pattern) != num_layers:
-        raise ValueError(f"--moe-layer-freq {text!r} gives {len(pattern)} layers but --num-layers is "
+        raise ValueError(f"--moe-layer-freq {text[:80]!r} gives {len(pattern)} layers but --num-layers is "
                          f"{num_layers}; give one 0 or 1 per layer")
     return [bool(v) for v in pattern]
 
