@@ -107,7 +107,8 @@ class HeadsRMSNorm(nn.Module):
         super().__init__()
         tp = mesh.size("tp")
         self.mesh, self.eps, self.total, self.heads = mesh, eps, heads * head_dim, heads // tp
-        self.weight = nn.Parameter(torch.ones(heads // tp * head_dim, device=mesh.device))
+        local = heads // tp * head_dim
+        self.weight = new_param((local,), lambda: torch.ones(local, device="cpu"), mesh.device)
         self.weight.tensor_model_parallel, self.weight.partition_dim = True, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Each family of tests/oracle_models.py is built on forked gloo ranks at each layout below as the
 trainer builds it (deferred on the meta device and initialised bucket by bucket by the ZeRO
-optimizer; or eagerly, where a layout says so), and its initial fp32 master weights are written as
+optimizer, every parameter deferred: a fallback to an eager build fails; or eagerly, where a layout
+says so), and its initial fp32 master weights are written as
 an iteration-0 checkpoint: the checkpoint joins TP, EP and expert-TP pieces, pipeline stages and
 data-parallel shards into full tensors under their global names, so one comparison covers every
 axis.  The reference is the one-process model built eagerly.  Initial values are pure functions of
@@ -10,6 +11,7 @@ axis.  The reference is the one-process model built eagerly.  Initial values are
 tied embedding must equal the embedding itself.
 """
 import os
+import warnings
 
 import pytest
 import torch
@@ -58,7 +60,7 @@ def _build_and_save(families, layout, directory, deferred):
     saved as iteration 0 under ``directory/<family>``; returns the tied copies seen below ZeRO-3."""
     import models
     from megazero.precision import compute_dtype
-    from megazero.tensor_parallel.deferred import build_chunks, realize_rest
+    from megazero.tensor_parallel.deferred import DeferredInitWarning, build_chunks, realize_rest
     from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training.loop import build_mesh
     from megazero.zero import build_optimizer
@@ -68,8 +70,10 @@ def _build_and_save(families, layout, directory, deferred):
     tied = {}
     for family, cfg in cfgs.items():
         seed_default_generators(cfg.training.seed, mesh)
-        chunks = (build_chunks(models.build_chunks, cfg, mesh, compute_dtype(cfg)) if deferred
-                  else models.build_chunks(cfg, mesh))
+        with warnings.catch_warnings():  # a deferred build that falls back to an eager one fails here
+            warnings.simplefilter("error", DeferredInitWarning)
+            chunks = (build_chunks(models.build_chunks, cfg, mesh, compute_dtype(cfg)) if deferred
+                      else models.build_chunks(cfg, mesh))
         optimizer = build_optimizer(chunks, mesh, cfg)
         realize_rest(chunks, mesh.device, compute_dtype(cfg))
         if cfg.parallel.zero_stage < 3:
