@@ -65,6 +65,10 @@ NORMS = {  # megazero's norms of a layer by --norm-position, and their transform
     "sandwich": [("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
                  ("post_attention_norm", "pre_feedforward_layernorm"),
                  ("mlp_output_norm", "post_feedforward_layernorm")]}
+EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1]}  # the token embeddings' HF names
+# buffers some exports carry that megazero recomputes: RoPE's inverse frequencies, GPT-2's causal masks
+UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
+                    "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
 OFFSET_NORMS = ("gemma", "gemma2")  # norms that scale by 1 + weight: megazero stores 1 + weight
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_weight")  # stacked or one expert
@@ -145,6 +149,12 @@ def _moe_get(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor
                 raise
             return get(name.replace(".block_sparse_moe.", ".mlp."))
     return found
+
+
+def unneeded_buffer(hf_name: str, arch: str) -> bool:
+    """Whether ``hf_name`` is a buffer that some exports of ``arch`` carry and megazero recomputes
+    (:data:`UNNEEDED_BUFFERS`), so an import need not use it."""
+    return bool(UNNEEDED_BUFFERS["gpt2" if arch == "gpt2" else "llama"].fullmatch(hf_name))
 
 
 def _global_map(arch: str) -> Dict[str, str]:

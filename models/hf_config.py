@@ -51,7 +51,16 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
     if kind in LLAMA_FAMILY + MOE_FAMILY:
         out = dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
         return dict(out, **moe_settings(hf_config, kind)) if kind in MOE_FAMILY else out
-    if kind in OTHER_ARCHITECTURES:
+    check_model_type(kind)
+    raise AssertionError(kind)  # check_model_type accepts only the kinds above
+
+
+def check_model_type(kind) -> None:
+    """:class:`ConfigError` unless ``kind`` (a config's ``model_type``) is an architecture megazero
+    imports, naming what another one would need."""
+    if kind == "gpt2" or kind in LLAMA_FAMILY + MOE_FAMILY:
+        return
+    if isinstance(kind, str) and kind in OTHER_ARCHITECTURES:
         raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r} needs "
                           f"{OTHER_ARCHITECTURES[kind]}, which megazero does not implement")
     raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports "

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megazero.config import config_from_dict, validate
+from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,15 +37,19 @@ def _whole_model_cfg(settings: dict):
     return validate(config_from_dict(whole), 1)
 
 
-def to_megazero(src: str, dst: str) -> str:
-    """Hugging Face directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only)."""
-    from transformers import AutoConfig
+def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
+    """Hugging Face directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only).
+
+    The source is checked before anything is written (a :class:`ConfigError` naming the file
+    otherwise): ``config.json`` (:func:`read_hf_config`), the weight files (inside ``src``, well-formed:
+    :mod:`models.safetensors_io`), and the tensors (:func:`check_weights`): each one the model needs
+    is there with the shape the config implies, and each one there is used, unless
+    ``allow_unused_weights`` (then the unused ones are dropped)."""
     from megazero.checkpoint import save_weights
     from . import build_model
-    from .hf import config_from_hf, megazero_names, megazero_tensor
+    from .hf import megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
-    hf_config = AutoConfig.from_pretrained(src)
-    cfg = _whole_model_cfg(config_from_hf(hf_config))
+    hf_config, cfg = read_hf_config(src)
     meta = ParallelMesh.single(torch.device("meta"))
     with torch.device("meta"):
         skeleton = build_model(cfg, meta)
@@ -55,6 +59,7 @@ def to_megazero(src: str, dst: str) -> str:
         raise RuntimeError(f"the Hugging Face mapping names {sorted(set(names) ^ set(built))} differently "
                            "from the model")
     weights = HFWeights(src)
+    check_weights(src, weights, cfg, skeleton, hf_config.model_type, allow_unused_weights)
     if _copy_hf_files(src, os.path.join(dst, ASSETS)):
         cfg.data.tokenizer_model, cfg.data.tokenizer_type = os.path.abspath(os.path.join(dst, ASSETS)), \
             "HuggingFaceTokenizer"
@@ -69,9 +74,168 @@ def to_megazero(src: str, dst: str) -> str:
                         extra={"converted_from": os.path.abspath(src)}, values=values)
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def read_hf_config(src: str):
+    """``(transformers config, whole-model megazero config)`` of ``src/config.json``; a
+    :class:`ConfigError` naming the file for JSON that does not parse, a missing or unknown
+    ``model_type``, a field of the wrong type or value, or a model megazero cannot build."""
+    from transformers import AutoConfig
+    from .hf_config import check_model_type, config_from_hf
+    from .safetensors_io import file_inside
+    path = file_inside(src, "config.json", os.path.join(src, "config.json"))
+    try:
+        with open(path, "rb") as fh:
+            raw = json.loads(fh.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found; a Hugging Face model directory has a config.json") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({_one_line(err)})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(f"{path}: no model_type (a Hugging Face config.json is an object naming its "
+                          "architecture in model_type)")
+    try:
+        check_model_type(raw["model_type"])
+        hf_config = AutoConfig.from_pretrained(src)
+        return hf_config, _whole_model_cfg(config_from_hf(hf_config))
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except _config_errors() as err:
+        raise ConfigError(f"{path}: a field is missing or has the wrong type or value "
+                          f"({type(err).__name__}: {_one_line(err)})") from None
+
+
+def _config_errors() -> tuple:
+    """What transformers and :func:`config_from_hf` raise for a config.json with bad fields."""
+    errors = [OSError, ValueError, TypeError, KeyError, AttributeError, ArithmeticError]
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5's typed config fields
+        errors.append(StrictDataclassError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+class _ShapeOf:
+    """A tensor's stand-in in the dry run of :func:`check_weights`: its shape, carried through the
+    operations the mapping applies (views of a meta tensor; ``torch.cat``, ``torch.stack`` and a norm's
+    ``+ 1`` on the shapes alone, because on the meta device those import ``torch._dynamo``: seconds)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.meta = t
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.meta.shape
+
+    def dim(self) -> int:
+        return self.meta.dim()
+
+    def float(self) -> "_ShapeOf":
+        return self
+
+    def __add__(self, _other) -> "_ShapeOf":
+        return self
+
+    def t(self) -> "_ShapeOf":
+        return _ShapeOf(self.meta.t())
+
+    def reshape(self, *shape) -> "_ShapeOf":
+        return _ShapeOf(self.meta.reshape(*shape))
+
+    def chunk(self, *args, **kwargs) -> list:
+        return [_ShapeOf(t) for t in self.meta.chunk(*args, **kwargs)]
+
+    def split(self, *args, **kwargs) -> list:
+        return [_ShapeOf(t) for t in self.meta.split(*args, **kwargs)]
+
+    def __getitem__(self, i) -> "_ShapeOf":
+        return _ShapeOf(self.meta[i])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in (torch.cat, torch.stack):
+            return NotImplemented
+        parts, dim = [list(p.shape) for p in args[0]], (args[1:] or [(kwargs or {}).get("dim", 0)])[0]
+        first = parts[0]
+        if func is torch.stack:
+            if any(p != first for p in parts):
+                raise RuntimeError(f"stack of tensors of unequal shapes {parts}")
+            return _ShapeOf(torch.empty(first[:dim % (len(first) + 1)] + [len(parts)] +
+                                        first[dim % (len(first) + 1):], device="meta"))
+        d = dim % len(first)
+        if any(len(p) != len(first) or p[:d] + p[d + 1:] != first[:d] + first[d + 1:] for p in parts):
+            raise RuntimeError(f"concatenation along dimension {d} of tensors of shapes {parts}")
+        return _ShapeOf(torch.empty(first[:d] + [sum(p[d] for p in parts)] + first[d + 1:], device="meta"))
+
+
+class _Recorder:
+    """``get(hf_name)`` for the dry run: the tensor's :class:`_ShapeOf`; the names asked, found and
+    missing."""
+
+    def __init__(self, weights, used: set):
+        self.weights, self.used, self.asked, self.missing = weights, used, [], []
+
+    def __call__(self, hf_name: str) -> _ShapeOf:
+        self.asked.append(hf_name)
+        try:
+            t = self.weights.meta(hf_name)
+        except KeyError:
+            self.missing.append(hf_name)
+            raise
+        self.used.add(hf_name)
+        return _ShapeOf(t)
+
+
+def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: bool = False) -> None:
+    """Map every parameter of ``skeleton`` from the shapes of ``weights`` (a dry run on shapes, nothing
+    read): a :class:`ConfigError` naming the tensor and its file for one that is missing, one of
+    another shape than ``src/config.json`` implies, or (unless ``allow_unused``) one no parameter
+    uses, apart from buffers megazero recomputes (:func:`models.hf.unneeded_buffer`) and an
+    ``lm_head.weight`` that equals the embeddings a tied config uses for the head."""
+    from .hf import EMBEDDINGS, megazero_tensor, unneeded_buffer
+    config, used = os.path.join(src, "config.json"), set()
+    for name, p in skeleton.named_parameters():
+        get = _Recorder(weights, used)
+        try:
+            t = megazero_tensor(name, cfg, get, arch)
+        except KeyError:
+            raise ConfigError(f"{src}: no tensor {get.missing[0]!r} (for megazero's {name}) in its weight "
+                              f"files; they do not hold the model {config} describes") from None
+        except (RuntimeError, ValueError, IndexError) as err:
+            shapes = {n: list(weights.meta(n).shape) for n in get.asked if n in weights}
+            raise ConfigError(f"{weights.where(get.asked[-1])}: tensors {shapes} do not fit megazero's "
+                              f"{name} of the model {config} describes ({_one_line(err)})") from None
+        want = list(p.shape)
+        if name in ("word_embeddings.weight", "output_layer.weight"):
+            want[0] = cfg.model.vocab_size  # the parameter is padded, the source is not
+        if list(t.shape) != want:
+            source = {n: list(weights.meta(n).shape) for n in get.asked if n in weights}
+            raise ConfigError(f"{weights.where(get.asked[-1])}: tensor shapes {source} give megazero's "
+                              f"{name} the shape {list(t.shape)}; the model {config} describes needs {want}")
+    unused = [n for n in weights.names() if n not in used and not unneeded_buffer(n, arch)]
+    embeddings = EMBEDDINGS["gpt2" if arch == "gpt2" else "llama"]
+    if "lm_head.weight" in unused and not cfg.model.untie_embeddings_and_output_weights \
+            and embeddings in used and weights.same("lm_head.weight", embeddings):
+        unused.remove("lm_head.weight")  # some exports of a tied model write the head too
+    if unused and not allow_unused:
+        why = " (config.json ties the head to the embeddings, and this head differs from them)" \
+            if unused[0] == "lm_head.weight" else ""
+        many = f"{len(unused)} unused tensors" if len(unused) > 1 else "the one unused tensor"
+        raise ConfigError(f"{weights.where(unused[0])}: tensor {unused[0]!r} is not used by the model "
+                          f"{config} describes{why} ({many}): the weights and the config disagree (more "
+                          "layers than num_hidden_layers?); fix config.json, or pass --allow-unused-weights "
+                          "to drop them")
+
+
 def _copy_hf_files(src: str, dst: str) -> bool:
     """Copy the tokenizer files and generation_config.json of ``src``; whether a tokenizer was there."""
+    from .safetensors_io import file_inside
     present = [f for f in HF_FILES if os.path.isfile(os.path.join(src, f))]
+    for f in present:  # a link out of the model directory would copy that file into the checkpoint
+        file_inside(src, f, os.path.join(src, f))
     if present:
         os.makedirs(dst, exist_ok=True)
     for f in present:

@@ -4,7 +4,11 @@ tensor in memory, never the model.
 - :class:`HFWeights`: the tensors of a Hugging Face directory (``model.safetensors``, or shards with
   ``model.safetensors.index.json``); :meth:`HFWeights.get` reads one tensor's bytes with ordinary file
   reads into fresh memory (no memory map: mapped pages would stay in the process's resident set);
-  ``pytorch_model.bin`` directories are read with ``torch.load(mmap=True)``.
+  ``pytorch_model.bin`` directories are read with ``torch.load(mmap=True)``.  The files come from
+  outside, so they are checked before anything is read from them: every file must lie inside the
+  directory (:func:`file_inside`: no ``..``, no absolute path, no link out of it), and every header
+  (:func:`read_header`) must be bounded by its file and describe tensors that lie inside it; anything
+  else is a :class:`~megazero.errors.ConfigError` naming the file.
 - :class:`ShardedWriter`: writes tensors into ``model-0000i-of-0000N.safetensors`` files of at most
   ``max_shard_bytes`` each, with ``model.safetensors.index.json`` (or one ``model.safetensors``),
   casting and copying in chunks. A safetensors file starts with its JSON header, which names every
@@ -14,11 +18,15 @@ tensor in memory, never the model.
 from __future__ import annotations
 
 import json
+import math
 import os
+import pickle
 import struct
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from megazero.errors import ConfigError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -27,13 +35,100 @@ NAMES = {v: k for k, v in DTYPES.items()}
 INDEX = "model.safetensors.index.json"
 HEADER_PER_TENSOR = 320  # bytes of header room reserved per tensor (a name, dtype, shape and offsets)
 CHUNK_BYTES = 16 << 20  # at most this many bytes are read, cast or copied at once
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own bound on a header
+WIDTHS = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+
+
+def file_inside(directory: str, name, where: str) -> str:
+    """The path of the file ``name`` that ``where`` names in ``directory``; :class:`ConfigError`
+    naming ``where`` and the entry unless it stays inside the directory: a relative name without
+    ``..`` whose real path (links followed) lies in the directory, or, in a Hugging Face hub cache
+    (``.../snapshots/<revision>/``), in the ``blobs`` folder its links point at."""
+    fix = "a model directory's files must be relative names inside it (no '..', no absolute path, " \
+        "no link out of it)"
+    if not isinstance(name, str) or not name or os.path.isabs(name) or \
+            ".." in name.replace("\\", "/").split("/"):
+        raise ConfigError(f"{where}: {name!r} is not a file inside {directory}: {fix}")
+    path = os.path.join(directory, name)
+    real, root = os.path.realpath(path), os.path.realpath(directory)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":  # the hub cache links files to ../../blobs
+        roots.append(os.path.realpath(os.path.join(root, "..", "..", "blobs")))
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise ConfigError(f"{where}: {name!r} resolves to {real}, outside {directory}: {fix}")
+    return path
 
 
 def read_header(path: str) -> Tuple[dict, int]:
-    """``(header, data_start)`` of a safetensors file."""
+    """``(header, data_start)`` of a safetensors file, checked: the header's length is bounded by the
+    file (and :data:`MAX_HEADER_BYTES`), it is a JSON object, and each tensor has a known dtype, a
+    shape and a byte range inside the file of exactly its size; :class:`ConfigError` naming the file
+    otherwise."""
+    size = os.path.getsize(path)
     with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(n)), 8 + n
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{path}: not a safetensors file ({size} bytes, no 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise ConfigError(f"{path}: not a safetensors file: its first 8 bytes announce a header of {n} "
+                              f"bytes in a file of {size}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ConfigError(f"{path}: not a safetensors file: its header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: not a safetensors file: its header is not a JSON object")
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_entry(path, name, entry, size - 8 - n)
+    return header, 8 + n
+
+
+def _check_entry(path: str, name: str, entry, data_bytes: int) -> None:
+    """One tensor's header entry: a dtype of :data:`DTYPES`, a shape of sizes >= 0 and a byte range
+    within the ``data_bytes`` after the header that holds exactly shape x dtype."""
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path}: tensor {name!r}: its header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise ConfigError(f"{path}: tensor {name!r} has dtype {dtype!r}; megazero reads {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(count(d) for d in shape):
+        raise ConfigError(f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(count(o) for o in offsets)
+            and offsets[0] <= offsets[1] <= data_bytes):
+        raise ConfigError(f"{path}: tensor {name!r} has data_offsets {offsets!r}, not a byte range within "
+                          f"the file's {data_bytes} data bytes")
+    need = math.prod(shape) * WIDTHS[dtype]
+    if offsets[1] - offsets[0] != need:
+        raise ConfigError(f"{path}: tensor {name!r} ({dtype}, shape {shape}) needs {need} bytes; its "
+                          f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")
+
+
+def _index_files(directory: str) -> List[str]:
+    """The shard files ``model.safetensors.index.json`` names, each checked to lie inside the directory
+    and to exist."""
+    index = file_inside(directory, INDEX, os.path.join(directory, INDEX))
+    try:
+        with open(index, "rb") as fh:
+            weight_map = json.loads(fh.read().decode("utf-8")).get("weight_map")
+    except (UnicodeDecodeError, ValueError, RecursionError, AttributeError) as err:
+        raise ConfigError(f"{index}: not a safetensors index (a JSON object with a weight_map): {err}") \
+            from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index}: its weight_map is {weight_map!r}, not an object naming each tensor's "
+                          "file")
+    files = {}
+    for tensor, f in weight_map.items():
+        if f not in files:
+            files[f] = file_inside(directory, f, f"{index}: weight_map entry {tensor!r}")
+            if not os.path.isfile(files[f]):
+                raise ConfigError(f"{index}: weight_map entry {tensor!r} names {f!r}, which is not in "
+                                  f"{directory} (an incomplete download?)")
+    return sorted(files)
 
 
 class HFWeights:
@@ -44,19 +139,20 @@ class HFWeights:
         self.entries: Dict[str, Tuple[str, dict, int]] = {}  # name -> (file, header entry, data start)
         self._bin = None
         if os.path.isfile(os.path.join(directory, INDEX)):
-            with open(os.path.join(directory, INDEX)) as fh:
-                files = sorted(set(json.load(fh)["weight_map"].values()))
+            files = _index_files(directory)
         elif os.path.isfile(os.path.join(directory, "model.safetensors")):
             files = ["model.safetensors"]
         elif os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
-            self._bin = torch.load(os.path.join(directory, "pytorch_model.bin"), map_location="cpu",
-                                   mmap=True, weights_only=True)
+            self._bin = _load_bin(directory)
             files = []
         else:
-            raise FileNotFoundError(f"{directory}: no model.safetensors, {INDEX} or pytorch_model.bin")
+            raise ConfigError(f"{directory}: no model.safetensors, {INDEX} or pytorch_model.bin")
         for f in files:
-            header, start = read_header(os.path.join(directory, f))
+            header, start = read_header(file_inside(directory, f, os.path.join(directory, f)))
             for name, entry in header.items():
+                if name in self.entries:
+                    raise ConfigError(f"{os.path.join(directory, f)}: tensor {name!r} is in "
+                                      f"{self.entries[name][0]} too; a tensor must be in one file")
                 if name != "__metadata__":
                     self.entries[name] = (f, entry, start)
 
@@ -65,6 +161,37 @@ class HFWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in (self._bin if self._bin is not None else self.entries)
+
+    def where(self, name: str) -> str:
+        """The path of the file that holds tensor ``name``."""
+        f = "pytorch_model.bin" if self._bin is not None else self.entries[name][0]
+        return os.path.join(self.directory, f)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` on the meta device: its shape and dtype, nothing read (KeyError if absent)."""
+        if self._bin is not None:
+            return torch.empty_like(self._bin[name], device="meta")
+        entry = self.entries[name][1]
+        return torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]], device="meta")
+
+    def same(self, a: str, b: str) -> bool:
+        """Whether tensors ``a`` and ``b`` hold the same dtype, shape and bytes (compared a chunk at a
+        time, neither held whole)."""
+        if self._bin is not None:
+            return self._bin[a].dtype == self._bin[b].dtype and torch.equal(self._bin[a], self._bin[b])
+        (fa, ea, sa), (fb, eb, sb) = self.entries[a], self.entries[b]
+        if (ea["dtype"], ea["shape"]) != (eb["dtype"], eb["shape"]):
+            return False
+        n = ea["data_offsets"][1] - ea["data_offsets"][0]
+        with open(os.path.join(self.directory, fa), "rb") as ha, \
+                open(os.path.join(self.directory, fb), "rb") as hb:
+            ha.seek(sa + ea["data_offsets"][0])
+            hb.seek(sb + eb["data_offsets"][0])
+            for lo in range(0, n, CHUNK_BYTES):
+                k = min(CHUNK_BYTES, n - lo)
+                if ha.read(k) != hb.read(k):
+                    return False
+        return True
 
     def get(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Tensor ``name`` in memory of its own, in ``dtype`` (default: as stored); a conversion goes a
@@ -87,6 +214,21 @@ class HFWeights:
                 if not raw.numel():
                     out[lo // width:(lo + n) // width] = buf.view(stored)
         return out.reshape(entry["shape"])
+
+
+def _load_bin(directory: str) -> Dict[str, torch.Tensor]:
+    """The tensors of ``pytorch_model.bin`` (memory-mapped, weights only); :class:`ConfigError` naming
+    the file when it is not a PyTorch file of named tensors."""
+    path = file_inside(directory, "pytorch_model.bin", os.path.join(directory, "pytorch_model.bin"))
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{path}: not a PyTorch weights file ({first})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise ConfigError(f"{path}: not a state dict (a mapping of names to tensors)")
+    return state
 
 
 def parse_size(text: str) -> int:

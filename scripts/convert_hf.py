@@ -13,6 +13,10 @@ to-hf: a --save directory of any run (any layout; the latest checkpoint, or --it
     in its config, or given here) it goes into HF_DIR too, with generation_config.json, so
     transformers.pipeline("text-generation", HF_DIR) works.  A converted checkpoint keeps the source's
     tokenizer files and generation_config.json in CKPT/hf_files, and names them as its tokenizer.
+    The source is checked first: its files must lie inside HF_DIR, config.json and the safetensors
+    headers must be well-formed, every tensor the model needs must be there in the shape config.json
+    implies, and every tensor there must be used (--allow-unused-weights drops the others); anything
+    else is one line naming the file, exit status 2.
 
 Examples:
   python scripts/convert_hf.py --direction to-megazero --input hf_gpt2/ --output ckpt_gpt2/
@@ -31,7 +35,7 @@ if ROOT not in sys.path:
 from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
 
 
-def to_megazero(src: str, dst: str) -> str:
+def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
     """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only), tensor by tensor."""
     from megazero.checkpoint import CheckpointError, latest_iteration
     from models.hf_convert import to_megazero as convert
@@ -43,7 +47,7 @@ def to_megazero(src: str, dst: str) -> str:
                               "export it with --direction to-hf")
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"--input {src}: no config.json, so not a Hugging Face model directory")
-    return convert(src, dst)
+    return convert(src, dst, allow_unused_weights)
 
 
 def to_hf(src: str, dst: str, iteration=None, tokenizer=None, dtype: str = "fp32",
@@ -78,6 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="to-hf: dtype of the exported weights (default fp32); to-megazero keeps fp32 master "
                    "weights whatever the source's")
+    p.add_argument("--allow-unused-weights", action="store_true",
+                   help="to-megazero: drop the tensors the model does not use (default: refuse them, "
+                   "naming the first: weights that disagree with config.json, e.g. more layers than "
+                   "num_hidden_layers)")
     p.add_argument("--max-shard-size", default="5GB", help="to-hf: largest safetensors file (e.g. 5GB, "
                    "500MB); a larger model is cut into model-0000i-of-0000N.safetensors with an index")
     args = p.parse_args(argv)
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
     _return_freed_memory()
     try:
         if args.direction == "to-megazero":
-            path = to_megazero(args.input, args.output)
+            path = to_megazero(args.input, args.output, args.allow_unused_weights)
             print(f"wrote {path}: train it with pretrain_gpt.py --load {args.output} --finetune "
                   "--use-checkpoint-args ...")
         else:
