@@ -315,8 +315,8 @@ class BlendedGPTData:
             return
         for (_, prefix), ds in zip(self.blend, self.datasets):
             indexed = ds.indexed
-            if np.iinfo(indexed.dtype).max < self.vocab_size:
-                continue  # the file's dtype cannot hold an id that large
+            if np.iinfo(indexed.dtype).max < self.vocab_size and np.iinfo(indexed.dtype).min == 0:
+                continue  # the file's dtype cannot hold an id that large (a signed one may hold one < 0)
             top = indexed.max_token_id()
             if top >= self.vocab_size:
                 raise ValueError(f"--data-path {prefix}: token id {top} is outside --vocab-size "

@@ -102,8 +102,8 @@ def _check_index(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.
             k = lo + int(bad[0])
             raise ValueError(f"{path}: corrupted index: sequence {k} points at byte {int(pointers[k])} "
                              f"of the .bin, but the lengths before it put it at byte {int(expect[bad[0]])} "
-                             "(pointers must be the running sum of the lengths; the lengths or the pointers "
-                             "are damaged)")
+                             "(pointers must be the running sum of the lengths times the dtype's size; the "
+                             "lengths, the pointers or the dtype code are damaged)")
         total += int(ends[-1]) if ends.size else 0
     n_doc = int(docs.shape[0])
     if n_doc == 0:
@@ -250,6 +250,9 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             raise ValueError(f"{path}: unknown dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind not in "iu":
+            raise ValueError(f"{path}: dtype code {code} ({self.dtype.name}) is not an integer type, and "
+                             "token ids are integers: the .idx is damaged or describes other data")
         need = HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
         if size < need:
             raise ValueError(f"{path}: truncated: {size} bytes, the header announces {need}")
@@ -265,8 +268,10 @@ class IndexedDataset:
                                 self.dtype.itemsize)
         bin_size = os.path.getsize(bin_path(prefix))
         if bin_size != n_tokens * self.dtype.itemsize:
-            raise ValueError(f"{bin_path(prefix)}: {bin_size} bytes, but the index describes {n_tokens} "
-                             f"{self.dtype.name} tokens ({n_tokens * self.dtype.itemsize} bytes)")
+            raise ValueError(f"{bin_path(prefix)}: {bin_size} bytes, but {path} describes {n_tokens} "
+                             f"{self.dtype.name} tokens ({n_tokens * self.dtype.itemsize} bytes): its dtype "
+                             f"code {code} ({self.dtype.name}) is not the dtype the .bin was written in, or "
+                             "a file is truncated or from another dataset")
         self.num_tokens = n_tokens
         self.tokens = (np.memmap(bin_path(prefix), dtype=self.dtype.newbyteorder("<"), mode="r")
                        if n_tokens else np.zeros(0, dtype=self.dtype))
@@ -293,7 +298,9 @@ class IndexedDataset:
 
     def max_token_id(self, budget: int = 1 << 31, chunk: int = 1 << 24) -> int:
         """The largest token id in the ``.bin`` (-1 when empty).  Up to ``budget`` tokens are all
-        scanned; beyond that, ``budget`` tokens in evenly spaced chunks (the rest is checked per batch)."""
+        scanned; beyond that, ``budget`` tokens in evenly spaced chunks (the rest is checked per batch).
+        A negative id (in a signed dtype) raises ``ValueError`` naming the files: the ``.idx``'s dtype
+        code is not the one the ``.bin`` was written in (uint16 ids labelled int16, say)."""
         n = self.num_tokens
         if n == 0:
             return -1
@@ -301,7 +308,16 @@ class IndexedDataset:
         if n > budget:
             k = max(1, budget // chunk)
             starts = sorted({int(i * (n - chunk) // max(1, k - 1)) for i in range(k)})
-        return max(int(self.tokens[s:s + chunk].max()) for s in starts)
+        top = -1
+        for s in starts:
+            part = self.tokens[s:s + chunk]
+            low = int(part.min()) if self.dtype.kind == "i" else 0
+            if low < 0:
+                raise ValueError(f"{bin_path(self.prefix)}: token id {low} (< 0) where "
+                                 f"{idx_path(self.prefix)} says the ids are {self.dtype.name}: its dtype "
+                                 "code is not the dtype the .bin was written in")
+            top = max(top, int(part.max()))
+        return top
 
     def document(self, k: int) -> np.ndarray:
         """All token ids of document ``k`` (its sequences concatenated)."""
