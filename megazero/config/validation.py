@@ -115,18 +115,28 @@ def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
 
 
 # ---- one check per section -------------------------------------------------------------------
+def _number_fields():
+    """(section, name, flag, type) of every setting, read once from the dataclasses."""
+    return tuple((section, f.name, flag_of(f), str(f.type)) for section, cls in SECTIONS.items()
+                 for f in fields(cls))
+
+
+_FIELDS = _number_fields()  # a tuple: the sections are fixed
+
+
 def _check_finite(cfg: MegazeroConfig) -> None:
     """Every numeric setting of every section: a float field holds a number (None where optional), and no
     setting holds NaN or an infinity (``v < 0`` is false for NaN, so the range checks below would let it
     through)."""
-    for section, cls in SECTIONS.items():
-        values = getattr(cfg, section)
-        for f in fields(cls):
-            v, flag = getattr(values, f.name), flag_of(f)
-            if str(f.type) in ("float", "Optional[float]"):
-                _check(isinstance(v, (int, float)) and not isinstance(v, bool)
-                       or (v is None and str(f.type) != "float"), f"{flag} must be a number, got {v!r}")
-            for item in (v if isinstance(v, (list, tuple)) else [v]):
+    for section, name, flag, kind in _FIELDS:
+        v = getattr(getattr(cfg, section), name)
+        if isinstance(v, float):
+            _check(math.isfinite(v), f"{flag} must be a finite number, got {v}")
+        elif kind in ("float", "Optional[float]"):
+            _check(isinstance(v, int) and not isinstance(v, bool) or (v is None and kind != "float"),
+                   f"{flag} must be a number, got {v!r}")
+        elif isinstance(v, (list, tuple)):
+            for item in v:
                 _check(not isinstance(item, float) or math.isfinite(item),
                        f"{flag} must be a finite number, got {item}")
 
