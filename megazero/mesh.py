@@ -397,8 +397,8 @@ class ParallelMesh:
     def collective_tensor(self, data, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``data`` (a number, a list of numbers or a tensor) as a tensor on :attr:`collective_device`
         (a tensor already there is returned as it is), for a scalar or metadata collective: every such
-        collective in megazero takes its tensor from here, so none hands NCCL a host tensor
-        (``tests/test_strict_device.py`` holds the collectives to this)."""
+        tensor megazero builds from host values (flags, counts, numbers) comes from here, so none hands
+        NCCL a host tensor (``tests/test_strict_device.py`` holds the collectives to this)."""
         if isinstance(data, torch.Tensor):
             return data.to(device=self.collective_device, dtype=dtype or data.dtype)
         return torch.tensor(data, dtype=dtype, device=self.collective_device)
