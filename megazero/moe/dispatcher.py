@@ -18,8 +18,8 @@ Token counts stay on the device: counted from the routing map, exchanged by coll
 tensors (NCCL takes no other) and brought to the host once per layer and forward, by one
 non-blocking copy (:class:`~megazero.moe.comm.HostCopy`) waited on where the split sizes are first
 needed (before the tokens' all-to-all, as Megatron-core).  The token-expert pairs and the regrouping
-order are found on the device from the counts (cumulative sums, no ``nonzero``), so nothing else in a
-layer's forward or backward waits for the device.
+order are found on the device from the counts (cumulative sums, no ``nonzero``), so nothing else in
+the dispatcher's forward or backward waits for the device.
 """
 from __future__ import annotations
 
