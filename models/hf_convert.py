@@ -5,7 +5,8 @@
   memory); each parameter is made from the Hugging Face tensors it needs, read from the safetensors
   files as it is written; the tokenizer files and ``generation_config.json`` go to ``DST/hf_files``,
   which the checkpoint's configuration names as its tokenizer, with the source's bos/eos/pad ids
-  (``megazero_token_ids.json``: an export writes them into its ``config.json``).
+  (``megazero_token_ids.json``: an export writes them into its ``config.json``).  The source is
+  checked first, by a dry run of the mapping on the tensors' shapes (:func:`check_weights`).
 - :func:`to_hf`: each parameter of the checkpoint is read alone (any saved layout), split into its
   Hugging Face tensors and streamed into ``model-0000i-of-0000N.safetensors`` shards of
   ``--max-shard-size`` (with ``model.safetensors.index.json``) in ``--dtype``; then ``config.json``,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -37,14 +38,15 @@ def _whole_model_cfg(settings: dict):
     return validate(config_from_dict(whole), 1)
 
 
-def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
+def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: Optional[list] = None) -> str:
     """Hugging Face directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only).
 
     The source is checked before anything is written (a :class:`ConfigError` naming the file
     otherwise): ``config.json`` (:func:`read_hf_config`), the weight files (inside ``src``, well-formed:
     :mod:`models.safetensors_io`), and the tensors (:func:`check_weights`): each one the model needs
     is there with the shape the config implies, and each one there is used, unless
-    ``allow_unused_weights`` (then the unused ones are dropped)."""
+    ``allow_unused_weights`` (then the unused ones are dropped, and ``notes``, when given, gets a line
+    saying how many and which first)."""
     from megazero.checkpoint import save_weights
     from . import build_model
     from .hf import megazero_names, megazero_tensor
@@ -59,7 +61,10 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
         raise RuntimeError(f"the Hugging Face mapping names {sorted(set(names) ^ set(built))} differently "
                            "from the model")
     weights = HFWeights(src)
-    check_weights(src, weights, cfg, skeleton, hf_config.model_type, allow_unused_weights)
+    unused = check_weights(src, weights, cfg, skeleton, hf_config.model_type, allow_unused_weights)
+    if unused and notes is not None:
+        plural = "s" if len(unused) > 1 else ""
+        notes.append(f"dropped {len(unused)} unused tensor{plural} (the first: {unused[0]})")
     if _copy_hf_files(src, os.path.join(dst, ASSETS)):
         cfg.data.tokenizer_model, cfg.data.tokenizer_type = os.path.abspath(os.path.join(dst, ASSETS)), \
             "HuggingFaceTokenizer"
@@ -189,7 +194,7 @@ class _Recorder:
         return _ShapeOf(t)
 
 
-def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: bool = False) -> None:
+def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: bool = False) -> List[str]:
     """Map every parameter of ``skeleton`` from the shapes of ``weights`` (a dry run on shapes, nothing
     read): a :class:`ConfigError` naming the tensor and its file for one that is missing, one of
     another shape than ``src/config.json`` implies, or (unless ``allow_unused``) one no parameter
@@ -228,6 +233,7 @@ def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: boo
                           f"{config} describes{why} ({many}): the weights and the config disagree (more "
                           "layers than num_hidden_layers?); fix config.json, or pass --allow-unused-weights "
                           "to drop them")
+    return unused
 
 
 def _copy_hf_files(src: str, dst: str) -> bool:

@@ -123,7 +123,7 @@ def _index_files(directory: str) -> List[str]:
                           "file")
     files = {}
     for tensor, f in weight_map.items():
-        if f not in files:
+        if not isinstance(f, str) or f not in files:
             files[f] = file_inside(directory, f, f"{index}: weight_map entry {tensor!r}")
             if not os.path.isfile(files[f]):
                 raise ConfigError(f"{index}: weight_map entry {tensor!r} names {f!r}, which is not in "

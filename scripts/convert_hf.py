@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 from megazero.errors import EXIT_OK, EXIT_USAGE  # noqa: E402 - after the path
 
 
-def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
+def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes=None) -> str:
     """HF directory ``src`` -> checkpoint directory ``dst`` (iteration 0, weights only), tensor by tensor."""
     from megazero.checkpoint import CheckpointError, latest_iteration
     from models.hf_convert import to_megazero as convert
@@ -47,7 +47,7 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False) -> str:
                               "export it with --direction to-hf")
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"--input {src}: no config.json, so not a Hugging Face model directory")
-    return convert(src, dst, allow_unused_weights)
+    return convert(src, dst, allow_unused_weights, notes)
 
 
 def to_hf(src: str, dst: str, iteration=None, tokenizer=None, dtype: str = "fp32",
@@ -103,9 +103,10 @@ def main(argv=None) -> int:
     _return_freed_memory()
     try:
         if args.direction == "to-megazero":
-            path = to_megazero(args.input, args.output, args.allow_unused_weights)
-            print(f"wrote {path}: train it with pretrain_gpt.py --load {args.output} --finetune "
-                  "--use-checkpoint-args ...")
+            notes: list = []
+            path = to_megazero(args.input, args.output, args.allow_unused_weights, notes)
+            print(f"wrote {path}{''.join('; ' + n for n in notes)}: train it with pretrain_gpt.py --load "
+                  f"{args.output} --finetune --use-checkpoint-args ...")
         else:
             print(to_hf(args.input, args.output, args.iteration, args.tokenizer_model, args.dtype or "fp32",
                         args.max_shard_size))
