@@ -89,7 +89,7 @@ def reduce_step(chunks, mesh, moe_layers: Sequence[int], num_experts: int, num_m
     if not moe_layers:
         return None
     row = {layer: i for i, layer in enumerate(moe_layers)}
-    table = torch.zeros(len(moe_layers), num_experts + 3, dtype=torch.float64, device=mesh.collective_device)
+    table = torch.zeros(len(moe_layers), num_experts + 3, dtype=torch.float64, device=mesh.device)
     for s in chunk_stats(chunks):
         for layer in s.layers:
             r = row[layer]
@@ -99,6 +99,7 @@ def reduce_step(chunks, mesh, moe_layers: Sequence[int], num_experts: int, num_m
             table[r, 3:] += s.tokens[layer]
         s.reset()
     if mesh.world_size > 1:
+        table = mesh.collective_tensor(table)
         dist.all_reduce(table, group=mesh.world_group)
     steps = max(1, num_micro_batches * data_parallel_size)
     return {"aux_loss": table[:, 0] / steps, "z_loss": table[:, 1] / steps, "dropped": table[:, 2],
