@@ -156,7 +156,7 @@ def read_config(config, dp: int, device_type: str = "cpu", args=None, model=None
     out.steps_per_print = r.pos_int("steps_per_print", 10)
     out.wall_clock_breakdown = r.boolean("wall_clock_breakdown", False)
     out.drop_last = r.boolean("dataloader_drop_last", False)
-    cfg.optimizer.clip_grad = r.number("gradient_clipping", 0.0, minimum=0.0)
+    cfg.optimizer.clip_grad = r.number("gradient_clipping", 1.0, minimum=0.0)  # DeepSpeed >= 0.18: 1.0
     read_zero(r.section("zero_optimization"), cfg.parallel, out, device_type)
     read_aio(r.section("aio"), cfg.parallel)
     out.optimizer = optimizer_section(r.section("optimizer"))
