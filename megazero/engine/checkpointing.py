@@ -8,12 +8,17 @@ engine's own rides in the checkpoint's metadata (``extra["engine"]``): the step 
 learning-rate schedule's state and the param groups' rates (restored on load, as DeepSpeed's optimizer
 state restores them), ``client_state``, the module's persistent buffers, which parameter
 names are tied to which, and the ds_config.  Values JSON cannot hold (tensors, in ``client_state`` or
-the buffers) are stored as ``torch.save`` bytes in base64.
+the buffers) are stored as ``torch.save`` bytes in base64; they must be plain data (tensors, dict,
+list, tuple, str, numbers, None), else ``save_checkpoint`` refuses them naming the key.
 
 ``load_checkpoint(DIR, tag=None)`` reads the tag ``DIR/latest`` names (none: ``(None, None)``, as
 DeepSpeed), at any data-parallel size and ZeRO stage (megazero reshards on load), and returns
 ``(path, client_state)``.  ``load_optimizer_states=False`` keeps a fresh optimizer; ``load_module_only``
-takes the weights alone.
+takes the weights alone.  The base64 values are read with ``torch.load(weights_only=True)`` and checked
+to be plain data; anything else (a pickle that would call code) is refused with one line naming the
+``metadata.json`` and the key, before the engine changes.  The micro-batch counter is derived from the
+optimizer step and this engine's ``gradient_accumulation_steps`` (not restored), so a resume at another
+data-parallel size starts a whole accumulation; the ``train_batch_size`` must be the saved one.
 """
 from __future__ import annotations
 
@@ -21,35 +26,87 @@ import base64
 import io
 import json
 import os
+import re
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.format import METADATA
 from megazero.errors import ConfigError
 
 LATEST = "latest"
 
 
-def encode(obj) -> Dict[str, Any]:
-    """``{"json": obj}`` when JSON holds it, else ``{"torch": base64 of torch.save(obj)}``."""
+def encode(obj, key: str) -> Dict[str, Any]:
+    """``{"json": obj}`` when JSON holds it, else ``{"torch": base64 of torch.save(obj)}``; ``obj`` must
+    be plain data (see :func:`decode`), else ConfigError naming ``key``."""
     try:
         json.dumps(obj)
         return {"json": obj}
     except (TypeError, ValueError):
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return {"torch": base64.b64encode(buf.getvalue()).decode("ascii")}
+        pass
+    bad = _not_plain(obj)
+    if bad is not None:
+        raise ConfigError(f"save_checkpoint: {key} holds a {bad}; a checkpoint holds tensors and plain "
+                          "Python values only (dict, list, tuple, str, int, float, bool, None), which is all "
+                          "load_checkpoint reads back")
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return {"torch": base64.b64encode(buf.getvalue()).decode("ascii")}
 
 
-def decode(blob: Optional[Dict[str, Any]], weights_only: bool = False):
+PLAIN = (str, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _not_plain(obj, depth: int = 0) -> Optional[str]:
+    """The type name of the first value in ``obj`` that is not plain data, else None: tensors
+    (``torch.Tensor`` and ``nn.Parameter`` themselves, no other subclass), dict, list, tuple and
+    :data:`PLAIN` values, nested at most 100 deep."""
+    if depth > 100:
+        return "structure nested deeper than 100"
+    if type(obj) in (torch.Tensor, torch.nn.Parameter) or type(obj) in PLAIN:
+        return None
+    if type(obj) in (dict, OrderedDict):
+        items = [v for kv in obj.items() for v in kv]
+    elif type(obj) in (list, tuple):
+        items = obj
+    else:
+        return type(obj).__module__ + "." + type(obj).__qualname__
+    for item in items:
+        bad = _not_plain(item, depth + 1)
+        if bad is not None:
+            return bad
+    return None
+
+
+def decode(blob: Optional[Dict[str, Any]], where: str, key: str):
+    """A value :func:`encode` wrote: JSON as it is; ``torch.save`` bytes read with ``weights_only=True``
+    (torch's unpickler of tensors and plain containers, which calls no other code) and then checked to
+    be plain data.  Anything else raises :class:`CheckpointError` naming ``where`` (the file) and
+    ``key``: no code runs from a checkpoint."""
+    from megazero.checkpoint.errors import CheckpointError
     if not blob:
         return None
+    if not isinstance(blob, dict) or len(blob) != 1 or not set(blob) <= {"json", "torch"}:
+        raise CheckpointError(f"{where}: {key} is not a value save_checkpoint writes ({{\"json\": ...}} or "
+                              "{\"torch\": base64}); the file was altered, or is not megazero's")
     if "json" in blob:
         return blob["json"]
-    data = io.BytesIO(base64.b64decode(blob["torch"]))
-    return torch.load(data, map_location="cpu", weights_only=weights_only)
+    try:
+        data = io.BytesIO(base64.b64decode(str(blob["torch"]), validate=True))
+        value = torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever the bytes are, one line naming the file and key
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        reason = f"it names {named.group(1)}" if named else f"{type(err).__name__}"
+        raise CheckpointError(f"{where}: {key} is refused: not plain data a weights-only load reads "
+                              f"({reason}); megazero runs no code from a checkpoint") from None
+    bad = _not_plain(value)
+    if bad is not None:
+        raise CheckpointError(f"{where}: {key} is refused: it holds a {bad}, not plain data")
+    return value
 
 
 def persistent_buffers(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -85,9 +142,12 @@ def _engine_state(engine, client_state) -> Dict[str, Any]:
     buffers = {k: v.detach().to("cpu").clone() for k, v in persistent_buffers(engine.module).items()}
     return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "lr_scheduler": encode(sched.state_dict()) if sched is not None else None,
+            "train_batch_size": engine.config.train_batch_size,
+            "lr_scheduler": encode(sched.state_dict(), "the lr_scheduler's state_dict") if sched is not None
+            else None,
             "lrs": [float(g["lr"]) for g in engine.optimizer.param_groups],
-            "client_state": encode(client_state), "buffers": encode(buffers) if buffers else None,
+            "client_state": encode(client_state, "client_state"),
+            "buffers": encode(buffers, "the module's buffers") if buffers else None,
             "tied": tied_names(engine.module), "order": [n for n, _ in engine.module.named_parameters()],
             "frozen": [n for n, p in engine.module.named_parameters() if not p.requires_grad],
             "dp": engine.dp_world_size, "ds_config": engine.config.raw}
@@ -145,7 +205,13 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     info = load(path, [engine.module], engine.zero, engine.mesh, replace(engine.cfg, checkpoint=ck))
     state = info["extra"].get("engine", {}) if not load_module_only else {}
     meta = saved_engine_state(info["path"]) if load_module_only else state
-    buffers = decode(meta.get("buffers"), weights_only=True) or {}
+    where = os.path.join(info["path"], METADATA)
+    # every value decoded (and refused, naming the file and key) before anything else changes
+    buffers = decode(meta.get("buffers"), where, "buffers") or {}
+    sched = decode(state.get("lr_scheduler"), where, "lr_scheduler")
+    client = decode(state.get("client_state"), where, "client_state")
+    if not load_module_only:
+        _check_batch(engine, state, where)
     live = persistent_buffers(engine.module)
     with torch.no_grad():
         for name, value in buffers.items():
@@ -154,15 +220,32 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     if not load_module_only:
         engine.global_steps = int(state.get("global_steps", info["iteration"]))
         engine.global_samples = int(state.get("global_samples", 0))
-        engine.micro_steps = int(state.get("micro_steps", 0))
+        # from the optimizer step and this run's accumulation, never the saved count: a checkpoint of
+        # another data-parallel size counted other micro-batches (the next one starts an accumulation)
+        engine.micro_steps = engine.global_steps * engine.config.gradient_accumulation_steps
         engine.skipped_steps = int(state.get("skipped_steps", 0))
-        sched = decode(state.get("lr_scheduler"))
         if load_lr_scheduler_states and sched is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(sched)
         if load_optimizer_states or load_lr_scheduler_states:
             _restore_rates(engine, state.get("lrs"))
         engine.zero.zero_grad()
-    return path, decode(state.get("client_state"))
+    return path, client
+
+
+def _check_batch(engine, state: Dict[str, Any], where: str) -> None:
+    """A resume continues the saved run's schedule of samples per optimizer step: ConfigError unless
+    this engine's ``train_batch_size`` is the saved one (any data-parallel size, micro-batch and
+    accumulation that multiply to it resume exactly)."""
+    saved = state.get("train_batch_size")
+    if saved is None and state.get("global_steps"):  # checkpoints before the key: samples per step
+        saved = int(state.get("global_samples", 0)) // int(state["global_steps"])
+    mine = engine.config.train_batch_size
+    if saved and int(saved) != mine:
+        raise ConfigError(f"{where}: saved with train_batch_size {saved}, this engine's is {mine} "
+                          f"(micro {engine.config.micro_batch_size} x accumulation "
+                          f"{engine.config.gradient_accumulation_steps} x DP {engine.dp_world_size}); a "
+                          f"resume keeps the samples per step: give ds_config train_batch_size {saved}, or "
+                          "load_module_only=True to start a new run from the weights")
 
 
 def _restore_rates(engine, rates) -> None:
@@ -178,7 +261,6 @@ def _restore_rates(engine, rates) -> None:
 
 def saved_engine_state(iteration_dir: str) -> Dict[str, Any]:
     """The engine's part of a checkpoint's metadata (``iteration_dir``: its ``iter_<N>`` directory)."""
-    from megazero.checkpoint.format import METADATA
     with open(os.path.join(iteration_dir, METADATA)) as fh:
         return json.load(fh).get("extra", {}).get("engine", {})
 

@@ -4,7 +4,9 @@
 The weights come from the fp32 master weights every rank saved (:func:`megazero.checkpoint.read_weights`:
 the slices joined, every block checked against its checksum); the persistent buffers and the names
 of tied parameters from the engine's metadata, so the result loads with ``model.load_state_dict``
-(strict).  One process, no model and no process group needed.
+(strict).  One process, no model and no process group needed.  Nothing in the checkpoint runs code:
+the weights are raw fp32 bytes, the buffers are read by :func:`megazero.engine.checkpointing.decode`
+(``torch.load(weights_only=True)``, plain data only, else one line naming the file and key).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megazero.checkpoint.format import METADATA
 from megazero.engine.checkpointing import LATEST, decode
 from megazero.errors import ConfigError
 
@@ -46,14 +49,15 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag=None,
     buffer, by the module's own names.  ``lazy_mode`` is accepted (the tensors are always loaded)."""
     from megazero.checkpoint import read_weights
     path = _checkpoint(checkpoint_dir, tag)
-    _, meta, _, weights = read_weights(path, flag="checkpoint_dir")
+    found, meta, _, weights = read_weights(path, flag="checkpoint_dir")
     engine = meta.get("extra", {}).get("engine", {})
     frozen = set(engine.get("frozen", []))
     out: Dict[str, torch.Tensor] = OrderedDict()
     for name in engine.get("order", sorted(weights)):
         if name in weights and not (exclude_frozen_parameters and name in frozen):
             out[name] = weights[name]
-    for name, value in (decode(engine.get("buffers"), weights_only=True) or {}).items():
+    buffers = decode(engine.get("buffers"), os.path.join(found, METADATA), "buffers") or {}
+    for name, value in buffers.items():
         out[name] = value
     for alias, name in engine.get("tied", {}).items():
         if name in out:
