@@ -3,14 +3,17 @@
 Forking a process that already has torch imported costs far less than spawning a fresh
 interpreter (which re-imports torch), so tests and CPU benchmarks use :func:`run_ranks`.
 Each rank runs with one intra-op thread, joins a gloo process group through a FileStore in
-a temporary directory (no ports), and sends back its return value (anything ``torch.save``
-can write) or its exception with the full traceback.  A run that exceeds ``timeout`` seconds
+a temporary directory (no ports), and sends back its return value or its exception with the full
+traceback.  The value travels as a ``torch.save`` file read back with ``torch.load(weights_only=True)``
+(no code runs from it): tensors, dict, list, tuple, str, numbers, None, torch dtypes, devices and
+sizes; a rank that returns anything else fails, naming the type.  A run that exceeds ``timeout`` seconds
 is killed and reported as a failure, never left hanging.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import tempfile
 import time
 import traceback
@@ -48,7 +51,8 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
     tmp = result_path + ".tmp"
     try:
         torch.save(payload, tmp)
-    except Exception:  # the value could not be saved: report that instead
+        _read(tmp)  # what the parent can read back: refused here, with the rank's traceback
+    except Exception:  # the value could not be saved or read: report that instead
         torch.save({"ok": False, "error": traceback.format_exc(), "time": time.time()}, tmp)
     os.replace(tmp, result_path)  # the parent never reads a half-written result
     if joined:  # after the result is out (gloo's tear-down can hang, seen with torch 2.4); no barrier:
@@ -57,6 +61,18 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
         except BaseException:  # noqa: BLE001
             pass
     os._exit(0)
+
+
+def _read(path: str) -> dict:
+    """A rank's result file, read by torch's weights-only unpickler (plain data, no code)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a refused type is named; anything else is re-raised
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if named is None:
+            raise
+        raise TypeError(f"a rank's return value holds {named.group(1)}, which torch.load(weights_only=True) "
+                        "does not read; return tensors and plain Python values") from None
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 180.0, **kwargs) -> List[Any]:
@@ -81,7 +97,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
                 for r, p in enumerate(procs):
                     if r not in done and (os.path.exists(paths[r]) or not p.is_alive()):
                         exists = os.path.exists(paths[r])
-                        done[r] = torch.load(paths[r], weights_only=False) if exists else None
+                        done[r] = _read(paths[r]) if exists else None
                         failed = failed or done[r] is None or not done[r]["ok"]
                 if failed:
                     break
@@ -106,7 +122,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         errors = []
         for r, path in enumerate(paths):
             if r not in done and os.path.exists(path):
-                done[r] = torch.load(path, weights_only=False)
+                done[r] = _read(path)
             res = done.get(r)
             if res is not None:
                 if not res["ok"]:
