@@ -119,8 +119,9 @@ def main(argv=None) -> int:
         for f in os.listdir(swap):
             os.unlink(os.path.join(swap, f))
         os.rmdir(swap)
-    moe = f", {a.experts} experts of {a.moe_ffn or a.ffn or 4 * a.hidden}" if a.experts else ""
-    print(f"GPT {a.layers} x {a.hidden}{moe}, ffn {a.ffn or 4 * a.hidden}, seq {a.seq}, batch {a.batch}, "
+    ffn = a.ffn or 4 * a.hidden
+    mlp = f"{a.experts} experts of {a.moe_ffn or ffn}" if a.experts else f"ffn {ffn}"
+    print(f"GPT {a.layers} x {a.hidden}, {mlp}, seq {a.seq}, batch {a.batch}, "
           f"ZeRO-3, {a.ranks} rank(s) (DP); disk peak "
           f"(direct reads + writes at once, 1 MiB x {a.io_threads} threads): {peak / 1e6:.0f} MB/s; "
           f"load average {os.getloadavg()[0]:.1f}")
