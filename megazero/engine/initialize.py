@@ -4,34 +4,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megazero.engine.process_exit import report_uncaught_errors, tear_down_at_exit
 from megazero.errors import ConfigError
-
-
-def _report_and_exit(kind, err, tb, previous=sys.excepthook):
-    """``sys.excepthook`` of a script using the engine: megazero's errors end it with one line (from rank
-    0 for a configuration error, status 2; docs/operations.md), anything else keeps its traceback."""
-    from megazero.errors import MegazeroError
-    if not isinstance(err, MegazeroError):
-        return previous(kind, err, tb)
-    import atexit
-    from megazero.resilience.errors import report_failure
-    code = report_failure(err, prog=os.path.basename(sys.argv[0] or "script"))
-    atexit._run_exitfuncs()
-    os._exit(code)
-
-
-def report_uncaught_errors() -> None:
-    """Make an uncaught megazero error end the script in one line, as megazero's own scripts do (only
-    what no ``except`` caught: code that handles the errors sees them as before)."""
-    if getattr(sys.excepthook, "__name__", "") != "_report_and_exit":
-        sys.excepthook = _report_and_exit
 
 
 def _free_port() -> int:
@@ -46,7 +26,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
                      world_size: int = -1) -> None:
     """Join the default process group from the launcher's environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``: torchrun or ``scripts/launch.py``); without one, a group of this
-    process alone.  The backend is NCCL with a GPU, gloo otherwise, unless ``dist_backend`` says."""
+    process alone.  The backend is NCCL with a GPU, gloo otherwise, unless ``dist_backend`` says.  The
+    groups are torn down at interpreter exit (:mod:`megazero.engine.process_exit`)."""
     report_uncaught_errors()
     if dist.is_initialized():
         return
@@ -62,6 +43,8 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     kwargs = {"timeout": timeout if isinstance(timeout, timedelta) else timedelta(minutes=timeout)} \
         if timeout is not None else {}
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    report_uncaught_errors()  # back in front of the excepthook torch installs there
+    tear_down_at_exit()
 
 
 def _config_source(args, config, config_params):
@@ -127,6 +110,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     if dist_init_required is not False and not dist.is_initialized() and \
             int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         init_distributed(distributed_port=distributed_port)
+    if dist.is_initialized():
+        report_uncaught_errors()
+        tear_down_at_exit()
     mesh = _mesh()
     from megazero.engine.config import read_config
     from megazero.engine.engine import Engine

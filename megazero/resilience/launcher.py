@@ -12,6 +12,8 @@
   after its shutdown timeout) and the launcher exits 128 + the signal number, again in one line.
   After a termination signal no rank is restarted (``--max-restarts``): ranks without
   ``--exit-signal-handler`` die of the forwarded signal, and that ends the job.
+
+A bad launcher argument is one line naming the flag, exit status 2 (:mod:`megazero.resilience.launch_args`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from typing import List, Optional, Sequence, TextIO, Tuple
 
 from megazero.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from megazero.resilience.launch_args import read_launch_args, usage_problem  # noqa: F401
 
 PROG = "launch.py"
 
@@ -135,34 +138,6 @@ def failure_line(err) -> str:
     return f"{lead}rank {rank} {what} first{more}; its messages are above{log}"
 
 
-def usage_problem(args) -> Optional[str]:
-    """What is wrong with torchrun's parsed ``args`` (a bad --rdzv-endpoint, --master-port, --nnodes,
-    --nproc-per-node, --rdzv-conf: torch raises on them deep inside the launch, with a traceback),
-    in one line naming the flag; None when they are usable."""
-    import copy
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    from torch.distributed.run import config_from_args, parse_min_max_nnodes
-    try:
-        low, high = parse_min_max_nnodes(str(args.nnodes))
-        if not 0 < low <= high:
-            raise ValueError
-    except (ValueError, RuntimeError):
-        return f"--nnodes {args.nnodes}: give a number of nodes, or MIN:MAX"
-    if args.rdzv_endpoint and not args.standalone:
-        try:
-            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
-        except ValueError as err:
-            return f"--rdzv-endpoint {args.rdzv_endpoint}: {err}"
-    if args.master_port is not None and not 0 <= args.master_port < 65536:
-        return f"--master-port {args.master_port}: a port number is between 0 and 65535"
-    try:
-        config_from_args(copy.copy(args))  # --nproc-per-node, --rdzv-conf, ...
-    except (ValueError, RuntimeError) as err:
-        flag = "--nproc-per-node" if "nproc_per_node" in str(err) else "launcher arguments"
-        return f"{flag}: {err}"
-    return None
-
-
 def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[TextIO] = None,
                  join_timeout: float = 600.0, join_interval: float = 30.0) -> int:
     """``torchrun ARGV`` (the same flags), reported in one line; returns the exit status.  On several
@@ -173,8 +148,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     stream = sys.stderr if stream is None else stream
     _quiet()
-    args = torchrun.parse_args(list(argv))
-    problem = usage_problem(args)
+    args, problem = read_launch_args(argv)
     if problem:
         stream.write(f"{PROG}: error: {problem}\n")
         stream.flush()
