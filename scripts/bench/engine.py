@@ -175,13 +175,12 @@ def main(argv=None) -> int:
     if a.child:
         if HERE in sys.path:  # run as a file: this folder's modules must not shadow anything
             sys.path.remove(HERE)
+        from megazero.engine.process_exit import tear_down_at_exit
         _train(a, *MODES[a.child])
-        # the figures are out and the ranks have met at the last barrier: skip the interpreter's
-        # finalisation, where now and then a finished rank aborted in gloo's teardown (SIGABRT,
-        # "terminate called without an active exception"; with the group destroyed first too)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_OK)
+        # DeepSpeed's ranks too: groups destroyed and gloo's workers drained before the interpreter
+        # finalises (a finished rank aborted there now and then; megazero.engine.process_exit)
+        tear_down_at_exit()
+        return EXIT_OK
     if any(MODES[m][0] == "deepspeed" for m in a.modes):
         why = _check_ds_python(a.ds_python)
         if why:
