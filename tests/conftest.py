@@ -107,6 +107,7 @@ SLOW_TIER = (
     "test_zero.py::test_stage_1_2_parameter_gather_waits_in_the_forward_per_layer",
     "test_zero.py::test_tp2_dp2_sequence_parallel_grads_and_norm_match_single_process",
     "test_zero.py::test_zero3_peak_param_bytes_are_the_shard_plus_root_and_two_layers_under_recomputation",
+    "test_deferred_init.py::test_moe_defers_under_expert_parallelism",
 )
 
 
