@@ -5,8 +5,9 @@ interpreter (which re-imports torch), so tests and CPU benchmarks use :func:`run
 Each rank runs with one intra-op thread, joins a gloo process group through a FileStore in
 a temporary directory (no ports), and sends back its return value or its exception with the full
 traceback.  The value travels as a ``torch.save`` file read back with ``torch.load(weights_only=True)``
-(no code runs from it): tensors, dict, list, tuple, str, numbers, None, torch dtypes, devices and
-sizes; a rank that returns anything else fails, naming the type.  A run that exceeds ``timeout`` seconds
+(no code runs from it): tensors, dict, list, tuple, set, str, numbers, None, torch dtypes, devices
+and sizes, and ``range``, ``slice``, ``frozenset`` (:data:`EXTRA_PLAIN`); a rank that returns
+anything else fails, naming the type.  A run that exceeds ``timeout`` seconds
 is killed and reported as a failure, never left hanging.
 """
 from __future__ import annotations
@@ -63,10 +64,14 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
     os._exit(0)
 
 
+EXTRA_PLAIN = (range, slice, frozenset)  # builtins of plain values, beside torch's weights-only list
+
+
 def _read(path: str) -> dict:
     """A rank's result file, read by torch's weights-only unpickler (plain data, no code)."""
     try:
-        return torch.load(path, weights_only=True)
+        with torch.serialization.safe_globals(list(EXTRA_PLAIN)):
+            return torch.load(path, weights_only=True)
     except Exception as err:  # noqa: BLE001 - a refused type is named; anything else is re-raised
         named = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         if named is None:

@@ -224,7 +224,7 @@ def test_moe_layer_freq_payload_ends_a_dry_run_with_one_line(capsys):
 
 # ---- run_ranks' results ------------------------------------------------------------------------------
 def _plain_result():
-    return {"t": torch.ones(2), "l": [1, 2.5, "s", None, (True,)], "dtype": torch.float16}
+    return {"t": torch.ones(2), "l": [1, 2.5, "s", None, (True,)], "dtype": torch.float16, "r": range(3)}
 
 
 def _planted_result(sentinel):
@@ -235,7 +235,7 @@ def test_run_ranks_reads_plain_results_and_refuses_others(tmp_path):
     from megazero.local_ranks import RankError, run_ranks
     (got,) = run_ranks(_plain_result, 1)
     assert torch.equal(got["t"], torch.ones(2)) and got["l"] == [1, 2.5, "s", None, (True,)]
-    assert got["dtype"] is torch.float16
+    assert got["dtype"] is torch.float16 and got["r"] == range(3)
     sentinel = str(tmp_path / "pwned")
     with pytest.raises(RankError, match="return value holds io.open"):
         run_ranks(_planted_result, 1, sentinel)
