@@ -35,14 +35,18 @@ def test_loss_spike_guard_and_its_flags():
                                              r"the median 4.2 of the last 3 losses"):
         guard.check(6, 13.0)  # median of the last 3 (4.0, 4.5, 4.2) is 4.2: 13 > 12.6
     LossSpikeGuard(None, 3).check(1, 1e30)  # off
-    for changes, needle in ((dict(loss_spike_factor=1.0), "--loss-spike-factor must be > 1"),
+    off = LossSpikeGuard(0.0, 3)  # --loss-spike-factor 0: off
+    for it, loss in enumerate([5.0, 1e30], 1):
+        off.check(it, loss)
+    off_too = r"--loss-spike-factor must be > 1 .* or 0 \(off\)"
+    for changes, needle in ((dict(loss_spike_factor=1.0), off_too),
                             (dict(loss_spike_window=0), "--loss-spike-window must be a positive integer"),
                             (dict(loss_spike_factor=3.0, loss_spike_action="retry"),
                              "--loss-spike-action must be stop or skip, got 'retry'"),
                             (dict(loss_spike_factor=3.0, loss_spike_max_skips=0),
                              "--loss-spike-max-skips must be a positive integer"),
-                            (dict(loss_spike_action="skip"),
-                             "--loss-spike-action skip needs --loss-spike-factor"),
+                            (dict(loss_spike_action="skip", loss_spike_factor=0.0),
+                             "--loss-spike-action skip needs --loss-spike-factor K > 1"),
                             (dict(ckpt_keep=0, save="x"), "--ckpt-keep must be a positive integer"),
                             (dict(ckpt_keep=2), "--ckpt-keep needs --save"),
                             (dict(async_save=True), "--async-save needs --save"),
@@ -59,7 +63,8 @@ def test_fp16_nan_forward_loss_exits_non_zero_and_the_tracker_names_the_last_goo
     d = str(tmp_path / "ckpt")
     flags = [f for f in TINY if f not in ("--lr", "0.1")]
     cmd = [sys.executable, SCRIPT, *flags, "--lr", "1000", "--lr-warmup-iters", "6", "--fp16",
-           "--initial-loss-scale", "64", "--train-iters", "8", "--save", d, "--save-interval", "1"]
+           "--initial-loss-scale", "64", "--train-iters", "8", "--save", d, "--save-interval", "1",
+           "--loss-spike-factor", "0"]  # the NaN guard alone (the spike guard would stop it sooner)
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr
@@ -85,6 +90,20 @@ def test_fp32_finite_spike_stops_and_the_tracker_names_the_last_good(tmp_path):
     ref = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6))
     resumed = _train(_settings(train_iters=3, lr=30.0, lr_warmup_iters=6, load=d))
     assert _losses(resumed) == pytest.approx(_losses(ref)[2:], rel=1e-6)  # iteration 3 replays, finite
+
+
+def test_the_guard_is_on_by_default_and_zero_turns_it_off(tmp_path):
+    """No flag: an fp32 run at --lr 50 explodes (4.6, 27, ..., 1470 at iteration 4) and stops at
+    iteration 4 under the default --loss-spike-factor 10 (1470 > 10 x the median 27), the save whose
+    weights gave it set aside; with --loss-spike-factor 0 the same run finishes and publishes its last
+    checkpoint (the old default: exploded weights saved, exit status 0)."""
+    d = str(tmp_path / "ckpt")
+    with pytest.raises(NumericalError, match=r"iteration 4: the loss [\d.]+ is over --loss-spike-factor 10 "):
+        _train(_settings(train_iters=6, lr=50.0, save=d, save_interval=1))
+    assert latest_iteration(d) == 2 and "iter_0000003.diverged" in os.listdir(d)
+    off = _train(_settings(train_iters=6, lr=50.0, loss_spike_factor=0.0, save=str(tmp_path / "off")))
+    assert len(off) == 6 and off[3]["loss"] > 100 * off[0]["loss"]  # it did explode
+    assert latest_iteration(str(tmp_path / "off")) == 6
 
 
 def _spikes_at(monkeypatch, iterations):

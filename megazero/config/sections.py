@@ -458,9 +458,12 @@ class ResilienceConfig:
     skip_nan_steps: int = _f(0, "Skip up to this many steps with a NaN or inf loss or gradient norm (in all) "
                              "before stopping.")
     # ---- operations II (issue 21): divergence guard and preemption grace ----
-    loss_spike_factor: Optional[float] = _f(
-        None, "A loss over this many times the median of the last --loss-spike-window losses is a spike (a "
-        "finite divergence): an error, nothing saved from that iteration (or see --loss-spike-action).",
+    loss_spike_factor: float = _f(
+        10.0, "A loss over this many times the median of the last --loss-spike-window losses is a spike (a "
+        "finite divergence): an error, nothing saved from that iteration (or see --loss-spike-action). "
+        "On by default at 10 (a pretraining loss never grows tenfold over its recent median unless it "
+        "diverges; Megatron-LM's --check-for-spiky-loss, off by default there, uses 10 times the largest "
+        "loss seen); 0 turns the check off.",
         type=float)
     loss_spike_window: int = _f(100, "How many recent losses --loss-spike-factor takes the median of.")
     loss_spike_action: str = _f(

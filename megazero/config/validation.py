@@ -589,16 +589,17 @@ def _check_resilience(cfg: MegazeroConfig) -> None:
            f"--exit-interval must be a positive integer, got {res.exit_interval!r}")
     _check(isinstance(res.skip_nan_steps, int) and res.skip_nan_steps >= 0,
            f"--skip-nan-steps must be >= 0, got {res.skip_nan_steps!r}")
-    _check(res.loss_spike_factor is None or res.loss_spike_factor > 1,
-           f"--loss-spike-factor must be > 1 (a multiple of the median loss), got {res.loss_spike_factor!r}")
+    _check(res.loss_spike_factor is None or res.loss_spike_factor == 0 or res.loss_spike_factor > 1,
+           f"--loss-spike-factor must be > 1 (a multiple of the median loss) or 0 (off), got "
+           f"{res.loss_spike_factor!r}")
     _check(isinstance(res.loss_spike_window, int) and res.loss_spike_window >= 1,
            f"--loss-spike-window must be a positive integer, got {res.loss_spike_window!r}")
     _check(res.loss_spike_action in ("stop", "skip"),
            f"--loss-spike-action must be stop or skip, got {res.loss_spike_action!r}")
     _check(isinstance(res.loss_spike_max_skips, int) and res.loss_spike_max_skips >= 1,
            f"--loss-spike-max-skips must be a positive integer, got {res.loss_spike_max_skips!r}")
-    _check(res.loss_spike_action == "stop" or res.loss_spike_factor is not None,
-           "--loss-spike-action skip needs --loss-spike-factor K (the spike threshold)")
+    _check(res.loss_spike_action == "stop" or bool(res.loss_spike_factor),
+           "--loss-spike-action skip needs --loss-spike-factor K > 1 (the spike threshold), not 0 (off)")
     _check(res.exit_signal_grace_secs >= 0,
            f"--exit-signal-grace-secs must be >= 0, got {res.exit_signal_grace_secs!r}")
     signals = list(res.exit_signal or [])

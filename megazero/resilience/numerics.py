@@ -79,7 +79,7 @@ class LossSpikeGuard:
     A spike's loss never enters the median."""
 
     def __init__(self, factor: Optional[float], window: int, action: str = "stop", max_skips: int = 10):
-        self.factor = None if factor is None else float(factor)
+        self.factor = float(factor) if factor else None  # None or 0: off
         self.history: deque = deque(maxlen=max(1, int(window)))
         self.skips = action == "skip" and self.factor is not None
         self.max_skips = int(max_skips)
