@@ -16,6 +16,7 @@ import glob
 import io
 import json
 import os
+import re
 import time
 
 import pytest
@@ -181,6 +182,21 @@ def test_plain_client_state_round_trips_and_other_objects_are_refused_at_save(tm
     with pytest.raises(ConfigError, match=r"client_state holds a .*Planted; a checkpoint holds tensors"):
         _engine().save_checkpoint(str(tmp_path / "other"),
                                   client_state={"p": Planted("x"), "t": torch.ones(1)})
+
+
+def test_a_latest_file_naming_a_path_outside_is_refused(tmp_path):
+    from megazero.engine import get_fp32_state_dict_from_zero_checkpoint
+    from megazero.errors import ConfigError
+    d = str(tmp_path / "ckpt")
+    _saved(d)
+    with open(os.path.join(d, "latest"), "w") as fh:
+        fh.write("../ckpt/global_step1")
+    latest = os.path.join(d, "latest")
+    needle = re.escape(f"'../ckpt/global_step1' (read from {latest}) must be a plain directory name")
+    with pytest.raises(ConfigError, match=needle):
+        _engine().load_checkpoint(d)
+    with pytest.raises(ConfigError, match=needle):
+        get_fp32_state_dict_from_zero_checkpoint(d)
 
 
 # ---- --moe-layer-freq ------------------------------------------------------------------------------

@@ -130,10 +130,13 @@ def tied_names(module: torch.nn.Module) -> Dict[str, str]:
     return out
 
 
-def _tag_dir(directory: str, tag) -> str:
+def tag_dir(directory: str, tag, where: str = "") -> str:
+    """``directory/tag``; ConfigError unless ``tag`` is a plain directory name (``where``: the file it
+    was read from, named in the error)."""
     tag = str(tag)
     if not tag or os.sep in tag or tag in (".", ".."):
-        raise ConfigError(f"checkpoint tag {tag!r} must be a plain directory name")
+        source = f" (read from {where})" if where else ""
+        raise ConfigError(f"checkpoint tag {tag!r}{source} must be a plain directory name inside {directory}")
     return os.path.join(directory, tag)
 
 
@@ -163,7 +166,7 @@ def save_checkpoint(engine, save_dir: str, tag=None, client_state: Optional[dict
     """See the module docstring (collective: every rank calls it)."""
     from megazero.checkpoint import save
     tag = f"global_step{engine.global_steps}" if tag is None else tag
-    path = _tag_dir(save_dir, tag)
+    path = tag_dir(save_dir, tag)
     if exclude_frozen_parameters and any(not p.requires_grad for p in engine.module.parameters()):
         raise ConfigError("save_checkpoint(exclude_frozen_parameters=True) is not supported: megazero's "
                           "checkpoints hold every parameter")
@@ -193,13 +196,14 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
                     load_module_only: bool = False) -> Tuple[Optional[str], Optional[dict]]:
     """See the module docstring (collective)."""
     from megazero.checkpoint import load
+    where = os.path.join(load_dir, LATEST) if tag is None else ""
     tag = _latest_tag(load_dir) if tag is None else tag
     if tag is None:
         if engine.global_rank == 0:
             print(f"[megazero] no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
                   flush=True)
         return None, None
-    path = _tag_dir(load_dir, tag)
+    path = tag_dir(load_dir, tag, where)
     ck = replace(engine.cfg.checkpoint, finetune=load_module_only, no_load_optim=not load_optimizer_states,
                  override_opt_param_scheduler=True)
     info = load(path, [engine.module], engine.zero, engine.mesh, replace(engine.cfg, checkpoint=ck))

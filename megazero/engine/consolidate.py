@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from megazero.checkpoint.format import METADATA
-from megazero.engine.checkpointing import LATEST, decode
+from megazero.engine.checkpointing import LATEST, decode, tag_dir
 from megazero.errors import ConfigError
 
 UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "KIB": 2 ** 10, "MIB": 2 ** 20,
@@ -32,6 +32,7 @@ def _checkpoint(checkpoint_dir: str, tag) -> str:
     from megazero.checkpoint.format import TRACKER
     if tag is None and os.path.isfile(os.path.join(checkpoint_dir, TRACKER)):
         return checkpoint_dir
+    latest = ""
     if tag is None:
         latest = os.path.join(checkpoint_dir, LATEST)
         if not os.path.isfile(latest):
@@ -39,7 +40,7 @@ def _checkpoint(checkpoint_dir: str, tag) -> str:
                               "(e.g. global_step10)")
         with open(latest) as fh:
             tag = fh.read().strip()
-    return os.path.join(checkpoint_dir, str(tag))
+    return tag_dir(checkpoint_dir, tag, latest)  # a plain directory name, as load_checkpoint takes it
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag=None,
