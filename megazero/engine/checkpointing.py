@@ -16,9 +16,11 @@ DeepSpeed), at any data-parallel size and ZeRO stage (megazero reshards on load)
 ``(path, client_state)``.  ``load_optimizer_states=False`` keeps a fresh optimizer; ``load_module_only``
 takes the weights alone.  The base64 values are read with ``torch.load(weights_only=True)`` and checked
 to be plain data; anything else (a pickle that would call code) is refused with one line naming the
-``metadata.json`` and the key, before the engine changes.  The micro-batch counter is derived from the
-optimizer step and this engine's ``gradient_accumulation_steps`` (not restored), so a resume at another
-data-parallel size starts a whole accumulation; the ``train_batch_size`` must be the saved one.
+``metadata.json`` and the key, before any of the engine's own state (counters, schedule, buffers) is
+restored (the weights and optimizer state are loaded by then: the engine is not to be used further).
+The micro-batch counter is derived from the optimizer step and this engine's
+``gradient_accumulation_steps`` (not restored), so a resume at another data-parallel size starts a
+whole accumulation; the ``train_batch_size`` must be the saved one.
 """
 from __future__ import annotations
 
@@ -210,7 +212,7 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
     state = info["extra"].get("engine", {}) if not load_module_only else {}
     meta = saved_engine_state(info["path"]) if load_module_only else state
     where = os.path.join(info["path"], METADATA)
-    # every value decoded (and refused, naming the file and key) before anything else changes
+    # every value decoded (and refused, naming the file and key) before the engine's own state changes
     buffers = decode(meta.get("buffers"), where, "buffers") or {}
     sched = decode(state.get("lr_scheduler"), where, "lr_scheduler")
     client = decode(state.get("client_state"), where, "client_state")
