@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megazero.training.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
+from megazero.config.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
                                               parse_step_schedule, rampup_schedule)
 from megazero.config import ConfigError, config_from_dict, parse_args
 from megazero.training.lr import lr_from_config, lrs_at

@@ -81,7 +81,7 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
 
 def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
     """The value each defaultable setting takes when left unset."""
-    from megazero.training.batch_schedule import iterations_for_samples, schedule_of
+    from megazero.config.batch_schedule import iterations_for_samples, schedule_of
     mod, tr = cfg.model, cfg.training
     heads, hidden = mod.num_attention_heads, mod.hidden_size
     swiglu_ffn = max(64, int((4 * hidden * 2 / 3) / 64) * 64)  # Megatron-LM's: 8/3 x hidden, down to 64s
@@ -169,7 +169,7 @@ def _check_numbers(cfg: MegazeroConfig) -> None:
 
 def _check_batch_schedule(cfg: MegazeroConfig) -> None:
     """``--step-batch-size-schedule`` / ``--rampup-batch-size`` well formed (before anything is derived)."""
-    from megazero.training.batch_schedule import schedule_of
+    from megazero.config.batch_schedule import schedule_of
     tr = cfg.training
     _check(not (tr.step_batch_size_schedule and tr.rampup_batch_size),
            "--step-batch-size-schedule and --rampup-batch-size both set the batch size; give one")
@@ -384,7 +384,7 @@ def _check_pipeline(cfg: MegazeroConfig) -> None:
 
 
 def _check_batch(cfg: MegazeroConfig) -> None:
-    from megazero.training.batch_schedule import schedule_of, sizes
+    from megazero.config.batch_schedule import schedule_of, sizes
     from megazero.pipeline.schedules import check_schedule
     par, tr = cfg.parallel, cfg.training
     dp, mbs = par.data_parallel_size, tr.micro_batch_size

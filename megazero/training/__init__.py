@@ -6,7 +6,6 @@
 - :mod:`.summary`: the start-up summary (parameters, settings, data, tokenizer);
 - :mod:`.saver`: periodic, final and background checkpoint saves;
 - :mod:`.lr`: Megatron-LM's learning-rate schedule;
-- :mod:`.batch_schedule`: batch-size ramp-up and step schedules;
 - :mod:`.profiling`: ``--profile``, a torch.profiler trace of chosen steps on chosen ranks.
 """
 from megazero.training.loop import (ModelProvider, Position, build_mesh, evaluate, init_distributed,

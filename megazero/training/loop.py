@@ -5,7 +5,7 @@ One iteration, on every rank:
 1. learning rate from the schedule (:mod:`megazero.training.lr`);
 2. ``optimizer.zero_grad()``; this data-parallel rank's micro-batches of the global batch, the next
    ``G`` samples of the one sample order (:func:`megazero.data.micro_batches`: the same samples at
-   every layout; ``G`` follows :mod:`megazero.training.batch_schedule` with a batch-size schedule);
+   every layout; ``G`` follows :mod:`megazero.config.batch_schedule` with a batch-size schedule);
 3. ``run_schedule``: forward and backward of every micro-batch through the pipeline, the
    optimizer acting as the gradient-sync hook and supplying the loss scale;
 4. ``optimizer.finish_grad_sync()`` and ``optimizer.step(lr)`` (clipping, loss-scale update,
@@ -166,7 +166,7 @@ def _resume(chunks, optimizer, mesh: ParallelMesh, cfg: MegazeroConfig, schedule
     """``--load``: returns (iteration, skipped iterations, samples consumed, samples the learning-rate
     schedule has counted, the checkpoint's ``extra`` (wandb run id, metrics rows not written), the
     line to print)."""
-    from megazero.training.batch_schedule import consumed_after
+    from megazero.config.batch_schedule import consumed_after
     from megazero.checkpoint import CheckpointError, load
     ck = cfg.checkpoint
     # --ckpt-step: exactly that iteration; else the newest usable one (a corrupt newest falls back)
@@ -274,7 +274,7 @@ class Position:
 
 def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream, guard):
     """Model, optimizer, data, the resumed position and the logger (with the start-up lines printed)."""
-    from megazero.training.batch_schedule import schedule_of
+    from megazero.config.batch_schedule import schedule_of
     from megazero.zero import build_optimizer
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
@@ -372,7 +372,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
 
 def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelMesh, stream,
                   guard, keep_history: bool = True) -> List[dict]:
-    from megazero.training.batch_schedule import batch_size_at
+    from megazero.config.batch_schedule import batch_size_at
     from megazero.resilience import NumericalError
     from megazero.training.saver import Saver
     tr, ck = cfg.training, cfg.checkpoint

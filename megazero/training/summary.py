@@ -73,7 +73,7 @@ def _value(v) -> str:
 
 
 def training_samples(cfg) -> int:
-    from megazero.training.batch_schedule import consumed_after, schedule_of
+    from megazero.config.batch_schedule import consumed_after, schedule_of
     tr = cfg.training
     return consumed_after(schedule_of(tr, cfg.model.seq_length, tr.global_batch_size), tr.train_iters)
 
