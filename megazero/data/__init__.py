@@ -5,7 +5,7 @@ global samples ``indices``.  :func:`micro_batches` is the only place that decide
 goes where, so every layout sees the same data:
 
 * the global batch of step ``t`` is samples ``[t * G, (t + 1) * G)`` (``G`` = global batch size);
-  with a batch-size schedule (:mod:`megazero.training.batch_schedule`) the batch of each step is the next
+  with a batch-size schedule (:mod:`megazero.config.batch_schedule`) the batch of each step is the next
   ``G_t`` samples after those consumed, ``[c_t, c_t + G_t)``;
 * data-parallel rank ``d`` of ``D`` takes the contiguous share ``[t*G + d*G/D, t*G + (d+1)*G/D)``;
 * it cuts the share, in order, into micro-batches of ``--micro-batch-size`` samples.
