@@ -157,6 +157,12 @@ def unneeded_buffer(hf_name: str, arch: str) -> bool:
     return bool(UNNEEDED_BUFFERS["gpt2" if arch == "gpt2" else "llama"].fullmatch(hf_name))
 
 
+def layers_present(hf_names, arch: str) -> set:
+    """The indices of the layers that have at least one tensor among ``hf_names`` (of ``arch``)."""
+    pattern = re.compile(re.escape(_prefix(arch)) + r"(\d+)\.")
+    return {int(m.group(1)) for m in map(pattern.match, hf_names) if m}
+
+
 def _global_map(arch: str) -> Dict[str, str]:
     return dict(GPT2_GLOBAL if arch == "gpt2" else LLAMA_GLOBAL)
 

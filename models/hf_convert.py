@@ -49,9 +49,16 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: O
     saying how many and which first)."""
     from megazero.checkpoint import save_weights
     from . import build_model
-    from .hf import megazero_names, megazero_tensor
+    from .hf import layers_present, megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
     hf_config, cfg = read_hf_config(src)
+    weights = HFWeights(src)
+    present = layers_present(weights.names(), hf_config.model_type)
+    absent = next((i for i in range(cfg.model.num_layers) if i not in present), None)
+    if absent is not None:  # before building the model, which takes time in proportion to the layers
+        raise ConfigError(f"{src}: config.json describes {cfg.model.num_layers} layers, but its weight files "
+                          f"hold no tensor of layer {absent} (they hold {len(present)} layer"
+                          f"{'s' if len(present) != 1 else ''})")
     meta = ParallelMesh.single(torch.device("meta"))
     with torch.device("meta"):
         skeleton = build_model(cfg, meta)
@@ -60,7 +67,6 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: O
     if sorted(names) != sorted(built):
         raise RuntimeError(f"the Hugging Face mapping names {sorted(set(names) ^ set(built))} differently "
                            "from the model")
-    weights = HFWeights(src)
     unused = check_weights(src, weights, cfg, skeleton, hf_config.model_type, allow_unused_weights)
     if unused and notes is not None:
         plural = "s" if len(unused) > 1 else ""

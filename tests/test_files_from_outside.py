@@ -276,6 +276,18 @@ def test_a_missing_shard_a_missing_tensor_and_a_wrong_shape_are_one_line(tmp_pat
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_config_of_more_layers_than_the_weights_is_refused_before_it_is_built(tmp_path, capsys):
+    """Building the model's skeleton takes time in proportion to its layers (about 2 ms a layer here):
+    5000 layers would take seconds, a million half an hour."""
+    import time
+    src = _model_dir(tmp_path / "model", num_hidden_layers=5000)
+    start = time.monotonic()
+    code, err = _convert(src, tmp_path / "ckpt", capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "config.json describes 5000 layers, but its weight files hold no tensor of layer 1" in err[0]
+    assert time.monotonic() - start < 5
+
+
 # ---- (e) an indexed dataset labelled with the wrong dtype --------------------------------------------
 def _relabelled(tmp_path, dtype, docs, code):
     """An indexed dataset written in ``dtype`` whose .idx then says dtype ``code``."""
