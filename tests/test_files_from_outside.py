@@ -276,6 +276,20 @@ def test_a_missing_shard_a_missing_tensor_and_a_wrong_shape_are_one_line(tmp_pat
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_pytorch_bin_is_read_and_one_that_is_not_a_state_dict_is_one_line(tmp_path, capsys):
+    src = tmp_path / "model"
+    _model_dir(src)
+    os.remove(src / "model.safetensors")
+    torch.save(_tensors(), str(src / "pytorch_model.bin"))
+    code, err = _convert(src, tmp_path / "ckpt", capsys)
+    assert code == 0, err
+    with open(src / "pytorch_model.bin", "wb") as fh:
+        fh.write(b"PK\x03\x04 not really a zip file" * 4)
+    code, err = _convert(src, tmp_path / "ckpt2", capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{src / 'pytorch_model.bin'}: not a PyTorch weights file" in err[0]
+
+
 def test_a_config_of_more_layers_than_the_weights_is_refused_before_it_is_built(tmp_path, capsys):
     """Building the model's skeleton takes time in proportion to its layers (about 2 ms a layer here):
     5000 layers would take seconds, a million half an hour."""
