@@ -112,6 +112,9 @@ def _index_files(directory: str) -> List[str]:
     """The shard files ``model.safetensors.index.json`` names, each checked to lie inside the directory
     and to exist."""
     index = file_inside(directory, INDEX, os.path.join(directory, INDEX))
+    if os.path.getsize(index) > MAX_HEADER_BYTES:
+        raise ConfigError(f"{index}: {os.path.getsize(index)} bytes, not a safetensors index (at most "
+                          f"{MAX_HEADER_BYTES})")
     try:
         with open(index, "rb") as fh:
             weight_map = json.loads(fh.read().decode("utf-8")).get("weight_map")
