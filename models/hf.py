@@ -286,11 +286,13 @@ def hf_state_from_megazero(state: Dict[str, torch.Tensor], cfg) -> Dict[str, tor
 
 def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
             cfg_overrides: Optional[Dict[str, Any]] = None) -> GPTModel:
-    """A megazero model (pp = 1) with the weights of a ``transformers`` GPT-2 or LLaMA model.
+    """A megazero model (pp = 1) with the weights of a ``transformers`` causal LM of a family megazero
+    imports (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2, SmolLM3, Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE: docs/usage.md).
 
-    ``model_or_dir``: a ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` or a directory ``from_pretrained``
-    reads. ``mesh``: this process's mesh (one process when None); the model holds this rank's TP
-    shard. ``cfg_overrides``: extra settings by field name (``seq_length``, dropout,
+    ``model_or_dir``: such a model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) or a directory
+    ``from_pretrained`` reads. ``mesh``: this process's mesh (one process when None); the model holds
+    this rank's TP shard. ``cfg_overrides``: extra settings by field name (``seq_length``, dropout,
     ``recompute_granularity``, ...). The returned model keeps its config as ``model.cfg``.
     """
     from . import build_model
