@@ -28,10 +28,16 @@ from megazero.zero.stage3 import Prefetch
 from megazero.zero.stages import shards_parameters
 
 
-class Engine:
-    """DeepSpeed's engine API over megazero's ZeRO optimizer; build it with :func:`megazero.initialize`."""
+class Engine(torch.nn.Module):
+    """DeepSpeed's engine API over megazero's ZeRO optimizer; build it with :func:`megazero.initialize`.
+
+    An ``nn.Module`` wrapping the user's as ``engine.module``, as DeepSpeed's engine is:
+    ``parameters()``, ``named_parameters()`` (``module.``-prefixed), ``state_dict()``, ``train()`` /
+    ``eval()`` and hooks behave as on any module, and an attribute the engine lacks is looked up on
+    the user's module (a name neither has is one line naming it)."""
 
     def __init__(self, module: torch.nn.Module, config, mesh, groups: List[dict], client=None):
+        super().__init__()
         self.module, self.config, self.mesh = module, config, mesh
         self.client_optimizer = client
         self.cfg = config.megazero
@@ -96,10 +102,22 @@ class Engine:
                 p.data = partition.gather_full(p).clone()
                 partition.release(p)
 
-    # ---- the loop -----------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+    def __getattr__(self, name: str):
+        """The user's module's attribute where the engine has none (DeepSpeed's pass-through)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None and not name.startswith("__"):
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"megazero's engine has no attribute {name!r}, nor has the model "
+                             f"({type(module).__name__}); docs/engine.md lists what the engine provides")
 
+    # ---- the loop -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         start = time.perf_counter()
         out = self.module(*args, **kwargs)
@@ -148,7 +166,7 @@ class Engine:
         self.skipped_steps += int(bool(stats["skipped"]))
         return stats
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients accumulated so far (the engine does this after every update)."""
         self.zero.zero_grad()
 
@@ -173,6 +191,24 @@ class Engine:
 
     def eval(self) -> "Engine":
         return self.train(False)
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.cfg.precision.fp16)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.cfg.precision.bf16)
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.cfg.parallel.zero_stage)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False):
+        """The user's module's ``state_dict`` (no ``module.`` prefix), as DeepSpeed's engine gives it."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+        return state
 
     def get_lr(self) -> List[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
