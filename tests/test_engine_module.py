@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megazero.deepspeed as deepspeed
+from megazero.errors import ConfigError
 from megazero.deepspeed.accelerator import get_accelerator
 
 
@@ -74,3 +75,30 @@ def test_the_examples_loop_trains(stage):
     assert losses[-1] < 0.5 * losses[0] and int(net.calls) == 20
     with torch.no_grad():  # cifar10's evaluation: the user's own module after training
         assert float(net(**batch)) < losses[0]
+
+
+def _two_groups(net):
+    return torch.optim.SGD([{"params": net.fc1.parameters()}, {"params": net.fc2.parameters()}], lr=0.1)
+
+
+@pytest.mark.parametrize("make, refused", [
+    (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.5 ** s]), "lr_lambdas"),
+    (lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=[0.0, 0.05]), "min_lrs"),
+    (lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2), None),
+])
+def test_a_scheduler_that_splits_the_groups_rates_is_refused_at_initialize(make, refused):
+    """Per-group schedules would give the groups different rates from the second step on; the engine
+    applies one rate, so initialize refuses them (it used to fail at that step); a shared one trains."""
+    net = Net()
+    opt = _two_groups(net)
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6}
+    if refused:
+        with pytest.raises(ConfigError, match=f"{refused} differs between groups.*one learning rate"):
+            deepspeed.initialize(model=net, optimizer=opt, lr_scheduler=make(opt), config=config)
+        return
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, lr_scheduler=make(opt), config=config)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for _ in range(4):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.get_lr() == [0.1 * 0.1 ** 2] * 2

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.engine import partition
-from megazero.engine.optim import EngineOptimizer, current_lr
+from megazero.engine.optim import EngineOptimizer, check_one_schedule, current_lr
 from megazero.engine.units import module_blocks
 from megazero.precision import compute_dtype
 from megazero.zero.stage3 import Prefetch
@@ -43,7 +43,7 @@ class Engine(torch.nn.Module):
         self.cfg = config.megazero
         self.dtype = compute_dtype(self.cfg.precision)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
-        self.lr_scheduler = None
+        self._lr_scheduler = None
         self._stats: Dict[str, object] = {}
         self._timers: Dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._applied = False
@@ -191,6 +191,17 @@ class Engine(torch.nn.Module):
 
     def eval(self) -> "Engine":
         return self.train(False)
+
+    @property
+    def lr_scheduler(self):
+        return self._lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler) -> None:
+        """A scheduler that would move the groups' rates apart is refused here, at ``initialize``,
+        not at the first update that reads them."""
+        check_one_schedule(scheduler, self.optimizer.param_groups)
+        self._lr_scheduler = scheduler
 
     def fp16_enabled(self) -> bool:
         return bool(self.cfg.precision.fp16)

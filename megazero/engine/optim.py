@@ -173,6 +173,37 @@ class EngineOptimizer(torch.optim.Optimizer):
         raise NotImplementedError("load the optimizer state with engine.load_checkpoint(dir)")
 
 
+def check_one_schedule(scheduler, groups: List[Dict[str, Any]]) -> None:
+    """Refuse, before training, a learning-rate scheduler that would move the parameter groups' rates
+    apart (the engine applies one rate to every group): per-group functions (``LambdaLR`` with a list),
+    a per-group list of settings (``max_lrs``, ``min_lrs``, ...) whose entries differ, or schedule keys
+    it wrote into the groups (``max_lr``, ``initial_lr``, ...) that differ."""
+    if scheduler is None or len(groups) < 2:
+        return
+    name = type(scheduler).__name__
+    for attr, value in vars(scheduler).items():
+        if attr == "optimizer" or not isinstance(value, (list, tuple)) or len(value) != len(groups):
+            continue
+        same = (all(v is value[0] for v in value) if callable(value[0])
+                else all(_comparable(v) == _comparable(value[0]) for v in value))
+        if not same:
+            raise ConfigError(f"lr_scheduler {name} gives the {len(groups)} parameter groups different "
+                              f"schedules ({attr} differs between groups); megazero's engine applies one "
+                              "learning rate to every group: give every group the same schedule")
+    for key in sorted({k for g in groups for k in g} - {"params", "weight_decay", "name"}):
+        values = [_comparable(g.get(key)) for g in groups]
+        if any(v != values[0] for v in values):
+            raise ConfigError(f"the parameter groups differ in {key!r} ({values}) under lr_scheduler {name}; "
+                              "megazero's engine applies one learning rate to every group")
+
+
+def _comparable(v):
+    try:
+        return _value(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
 def current_lr(groups: List[Dict[str, Any]]) -> float:
     """The learning rate of the next update: every group's must agree."""
     rates = {float(g["lr"]) for g in groups}
