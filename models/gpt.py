@@ -31,6 +31,7 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
 from megazero.tensor_parallel.mappings import copy_to_tp, gather_from_sp, gather_from_tp
 from megazero.checkpoint.names import expert_name
 from megazero.config.patterns import active_window, layer_window, uses_rope
+from megazero.data.documents import document_eod, document_ids, document_mask, document_positions
 from megazero.moe import MoEStats, moe_layers
 from .layers import KVCache, Norm, TransformerLayer, window_mask
 from .moe import moe_mlp
@@ -42,11 +43,16 @@ EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the wor
 class GPTModel(nn.Module):
     """One pipeline chunk; the whole model when ``layers = range(num_layers)`` and both flags are set.
 
-    ``forward(input, labels=None, loss_mask=None)``: ``input`` is token ids ``[b, s]`` when
+    ``forward(input, labels=None, loss_mask=None, tokens=None)``: ``input`` is token ids ``[b, s]`` when
     ``pre_process`` else the previous stage's hidden states ``[s (/tp), b, h]``. Returns the
     per-token fp32 loss ``[b, s]`` (``post_process`` with labels), logits ``[b, s, vocab]``
     gathered over TP and unpadded (``post_process`` without labels), or hidden states.
     ``loss_mask`` is accepted for the executor's convenience and not applied here.
+
+    Packed documents (``--reset-attention-mask``, ``--reset-position-ids``; ``needs_tokens`` is then
+    True): each token attends within its document only and/or its position restarts after each
+    end-of-document token (:mod:`megazero.data.documents`).  A chunk that does not embed takes the
+    micro-batch's token ids as ``tokens`` to find the documents.
     """
 
     def __init__(self, cfg, mesh: Optional[ParallelMesh], layers: range, pre_process: bool,
@@ -65,6 +71,10 @@ class GPTModel(nn.Module):
         # the lookups need no weights in backward (megazero.zero.stage3)
         self.zero3_free_root_in_backward = True
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
+        self.eod = document_eod(cfg)  # None unless documents reset attention or positions
+        self.reset_attention = self.eod is not None and cfg.data.reset_attention_mask
+        self.reset_positions = self.eod is not None and cfg.data.reset_position_ids
+        self.needs_tokens = self.reset_attention or self.reset_positions
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
         cpu = mesh.device.type == "cpu"  # auto: this rank's products measured (once per machine)
@@ -111,16 +121,22 @@ class GPTModel(nn.Module):
                 self.word_embeddings.weight.grad_arrivals = 2
 
     # ---- pieces of the forward pass -----------------------------------------------------
-    def embed(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Token ids ``[b, s]`` at positions ``offset ..`` -> hidden ``[s (/cp) (/tp), b, h]`` (with
-        dropout); under context parallelism this CP rank's chunks of the sequence, at their true
-        global positions."""
+    def embed(self, ids: torch.Tensor, offset: int = 0,
+              positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids ``[b, s]`` at positions ``offset ..`` (at ``positions [b, s]`` when given) -> hidden
+        ``[s (/cp) (/tp), b, h]`` (with dropout); under context parallelism this CP rank's chunks of the
+        sequence, at their true global positions."""
         if self.cp_size > 1:
             ids = split_for_cp(ids, 1, self.cp_size, self.cp_rank)
         x = self.word_embeddings(ids.t())
         if self.cfg.model.scale_embedding:  # Gemma: sqrt(h), rounded to the activations' dtype
             x = x * torch.tensor(self.cfg.model.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
-        if hasattr(self, "position_embeddings") and self.cp_size > 1:
+        if hasattr(self, "position_embeddings") and positions is not None:  # per token: [s, b, h]
+            pe = self.position_embeddings.weight[positions.t()]
+            if self.sequence_parallel:
+                pe = pe[self.mesh.coord("tp") * x.shape[0]:][:x.shape[0]]
+            x = x + pe.to(x.dtype)
+        elif hasattr(self, "position_embeddings") and self.cp_size > 1:
             pos = self.positions(ids.shape[1] * self.cp_size, ids.device)
             if self.sequence_parallel:
                 pos = pos[self.mesh.coord("tp") * x.shape[0]:][:x.shape[0]]
@@ -140,32 +156,52 @@ class GPTModel(nn.Module):
         """Global positions of the tokens this CP rank holds of a ``seq``-token sequence."""
         return cp_positions(seq, self.cp_size, self.cp_rank, device=device)
 
-    def _rope(self, x: torch.Tensor, offset: int = 0):
+    def _rope(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None):
+        """``cos, sin`` ``[s, d]`` of the positions ``offset ..`` (``[b, 1, s, d]`` of ``positions [b, s]``
+        when given), or None without RoPE."""
         m = self.cfg.model
         if not uses_rope(m):
             return None
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
         full = offset + seq * self.cp_size
         cos, sin = rope_cos_sin(full, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
+        if positions is not None:  # every position is below seq: the table covers them
+            return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         if self.cp_size > 1:  # the rotation of each token's true global position
             pos = self.positions(full, x.device)
             return cos[pos], sin[pos]
         return (cos[offset:], sin[offset:]) if offset else (cos, sin)
 
-    def window_masks(self, x: torch.Tensor) -> Dict[int, torch.Tensor]:
+    def window_masks(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
         """The additive masks of this chunk's sliding windows, one per window that hides keys of this
         sequence, built once per forward and shared by the layers (SDPA keeps one tensor for all of
-        them).  None where the kernel takes the window itself (context parallelism, soft-capping)."""
+        them).  None where the kernel takes the window itself (context parallelism, soft-capping).
+        With document ids ``docs [b, s]`` (``--reset-attention-mask``): one ``[b, 1, s, s]`` mask per
+        layer window (None included), causal within each document and the window."""
         m = self.cfg.model
+        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
+        if docs is not None:
+            windows = {layer_window(m, i) for i in self.layers}
+            return {w: document_mask(docs, active_window(w, seq), x.dtype) for w in windows}
         if self.cp_size > 1 or m.attn_logit_softcapping is not None:
             return {}
-        seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
         windows = {active_window(layer_window(m, i), seq) for i in self.layers} - {None}
         return {w: window_mask(seq, w, x.dtype, x.device) for w in sorted(windows)}
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def documents(self, tokens: Optional[torch.Tensor]):
+        """``(positions, document ids)`` ``[b, s]`` of packed documents, each None where not asked for."""
+        if not self.needs_tokens:
+            return None, None
+        if tokens is None:
+            raise ValueError("--reset-attention-mask / --reset-position-ids: this model chunk needs the "
+                             "micro-batch's token ids (forward(..., tokens=ids))")
+        return (document_positions(tokens, self.eod) if self.reset_positions else None,
+                document_ids(tokens, self.eod) if self.reset_attention else None)
+
+    def run_layers(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                   docs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The transformer layers, with full recomputation (uniform or block) when configured."""
-        m, rope, masks = self.cfg.model, self._rope(x), self.window_masks(x)
+        m, rope, masks = self.cfg.model, self._rope(x, positions=positions), self.window_masks(x, docs)
         layers = list(self.decoder.values())
 
         def segment(start, end):
@@ -216,9 +252,11 @@ class GPTModel(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(self, input: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed(input) if self.pre_process else input
-        x = self.run_layers(x)
+                loss_mask: Optional[torch.Tensor] = None,
+                tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        positions, docs = self.documents(input if self.pre_process else tokens)
+        x = self.embed(input, positions=positions) if self.pre_process else input
+        x = self.run_layers(x, positions, docs)
         if not self.post_process:
             return x
         x = self.final_norm(x)

@@ -255,3 +255,14 @@ def test_two_rank_moe_step_syncs(layout):
     for (small, _), (big, _) in results:
         _check_moe(small, 1, 1)
         _check_moe(big, 3, 4)
+
+
+def test_document_masks_add_no_host_sync():
+    """--reset-attention-mask, --reset-position-ids and --eod-mask-loss (packed documents): the masks and
+    positions are built on the device from the tokens, so the step still reads two values."""
+    plain, _ = _count_iteration(_settings(False))
+    docs = dict(tokenizer_type="NullTokenizer", reset_attention_mask=True, reset_position_ids=True,
+                eod_mask_loss=True, position_embedding_type="rope")
+    packed, _ = _count_iteration(_settings(True, **docs))
+    assert len(packed) == len(plain) == 2, (plain, packed)
+    assert sorted(w for _, w in packed) == sorted(w for _, w in plain)

@@ -219,9 +219,7 @@ def _scripts(tmp, bpe, sp):
                                      "--tokenizer-name-or-path: MindSpeed-LLM's "
                                      "flag: use --tokenizer-type HuggingFaceTokenizer",
                                      ("--tokenizer-name-or-path",)),
-        "swallow llama3.1 8b": (swallow_llama31_8b_flags(tmp), 4,
-                                "--reset-position-ids: positions are not reset",
-                                ("--reset-position-ids", "--reset-attention-mask")),
+        "swallow llama3.1 8b": (swallow_llama31_8b_flags(tmp), 4, None, ()),
     }
 
 
@@ -255,9 +253,8 @@ def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_mod
     ds = parse_args(_without(s["megatron-deepspeed llama2"][0], "--deepspeed", "--deepspeed_config",
                              "--num-key-value-heads") + FIXES["megatron-deepspeed llama2"], world_size=4)
     assert (ds.model.normalization, ds.model.num_query_groups, ds.parallel.zero_stage) == ("RMSNorm", 2, 0)
-    swallow = parse_args(_without(s["swallow llama3.1 8b"][0], "--reset-position-ids",
-                                  "--reset-attention-mask"),
-                         world_size=4)
+    swallow = parse_args(s["swallow llama3.1 8b"][0], world_size=4)  # packed documents, as Swallow trains
+    assert swallow.data.reset_position_ids and swallow.data.reset_attention_mask
     assert swallow.model.use_rope_scaling and swallow.model.rope_scaling_factor == 8.0
     assert swallow.model.rotary_base == 500000.0
     mixtral = parse_args(s["megatron-lm mixtral 8x7b"][0], world_size=4).moe

@@ -332,10 +332,8 @@ REFUSED: Dict[str, str] = {
     "--heterogeneous-layers-config-path": "heterogeneous layer stacks are not implemented",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer stacks are not implemented",
     "--experimental-attention-variant": "experimental attention variants are not implemented",
-    "--reset-attention-mask": "attention across document boundaries is kept (no per-document mask); drop it",
-    "--reset-position-ids": "positions are not reset at document boundaries; drop it",
-    "--dataloader-inter-document-masking": "attention across document boundaries is kept (no per-document "
-                                           "mask); drop it",
+    "--dataloader-inter-document-masking": "not implemented; megazero's per-document attention mask is "
+                                           "--reset-attention-mask (with --reset-position-ids)",
     "--start-weight-decay": "a weight-decay schedule is not implemented; use --weight-decay",
     "--end-weight-decay": "a weight-decay schedule is not implemented; use --weight-decay",
     "--no-weight-decay-cond-type": "megazero's rule only: no weight decay on biases and norm scales",

@@ -350,7 +350,16 @@ class DataConfig:
     merge_file: Optional[str] = _f(None, "GPT-2 BPE merges (merges.txt) for GPT2BPETokenizer.")
     num_workers: int = _f(0, "Data-loader worker processes (reserved; mock data needs none).")
     eod_mask_loss: bool = _f(False, "Leave the prediction after each end-of-document token out of the loss "
-                             "(the EOD id comes from --tokenizer-model).")
+                             "(the EOD id comes from the tokenizer: --tokenizer-model, or "
+                             "--tokenizer-type NullTokenizer's id --vocab-size).")
+    reset_attention_mask: bool = _f(
+        False, "Packed documents attend within themselves only: a token sees the earlier tokens of its own "
+        "document (the end-of-document token belongs to the document it ends), as in Megatron-LM. Not with "
+        "--context-parallel-size > 1.")
+    reset_position_ids: bool = _f(
+        False, "Positions (RoPE or learned) restart at 0 after each end-of-document token, as in "
+        "Megatron-LM. "
+        "Not with --context-parallel-size > 1.")
 
 
 @dataclass

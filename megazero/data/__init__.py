@@ -31,9 +31,13 @@ __all__ = ["MockGPTData", "build_data", "sample_range", "micro_batches", "stage_
 
 def build_data(cfg):
     """The token source that the (validated) config asks for."""
-    if cfg.data.mock_data:
-        return MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
     d = cfg.data
+    if d.mock_data:
+        data = MockGPTData(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.training.seed)
+        if d.eod_mask_loss:  # the tokenizer's EOD id (--tokenizer-type NullTokenizer: --vocab-size)
+            from megazero.data.tokenizer import tokenizer_from_config
+            data.masked_token = tokenizer_from_config(cfg).eod
+        return data
     if not (d.data_path or d.train_data_path):
         raise ConfigError("no training data: pass --mock-data or --data-path PREFIX")
     try:
@@ -97,8 +101,10 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask")
 
 def stage_keys(chunks) -> tuple:
     """The micro-batch tensors a pipeline stage reads: ``tokens`` where one of its chunks embeds the
-    input (the first stage), ``labels`` and ``loss_mask`` where one computes the loss (the last)."""
-    first = any(getattr(c, "pre_process", True) for c in chunks)
+    input (the first stage) or finds packed documents in them (``needs_tokens``: every stage with
+    ``--reset-attention-mask`` or ``--reset-position-ids``), ``labels`` and ``loss_mask`` where one
+    computes the loss (the last)."""
+    first = any(getattr(c, "pre_process", True) or getattr(c, "needs_tokens", False) for c in chunks)
     last = any(getattr(c, "post_process", True) for c in chunks)
     return (("tokens",) if first else ()) + (("labels", "loss_mask") if last else ())
 

@@ -8,7 +8,8 @@ trainer always goes through here.
 
 Chunks follow docs/internals.md: ``chunk(input, labels=None, loss_mask=None)``; the first stage's
 first chunk takes token ids, the last stage's last chunk returns the per-token loss when given
-labels.  The micro-batch loss is ``(loss * mask).sum() / mask.sum()``; backward runs on
+labels.  A later chunk whose ``needs_tokens`` is set (packed documents) also gets ``tokens=``.
+The micro-batch loss is ``(loss * mask).sum() / mask.sum()``; backward runs on
 ``loss / num_micro_batches * loss_scale``.  The auxiliary losses of MoE layers (on any stage) get the
 same factor as their gradient (``chunk.moe_stats.backward_scale``, :mod:`megazero.moe.stats`).
 
@@ -162,6 +163,12 @@ def _check_chunks(chunks, mesh) -> None:
                              "last stage's last chunk)")
 
 
+def needs_tokens(chunk) -> bool:
+    """Whether ``chunk`` takes the micro-batch's token ids beside its hidden-state input (a chunk
+    after the first, with ``--reset-attention-mask`` or ``--reset-position-ids``)."""
+    return not getattr(chunk, "pre_process", True) and bool(getattr(chunk, "needs_tokens", False))
+
+
 class _Stage:
     """What this rank holds while it runs a schedule, and the compute and bookkeeping of each action.
 
@@ -196,15 +203,17 @@ class _Stage:
     def forward(self, mb: int, v: int) -> None:
         chunk, batch, key = self.chunks[v], self.mbs[mb], (mb, v)
         x = batch["tokens"].to(self.dev) if chunk.pre_process else self.inputs[key]
+        # packed documents: a chunk after the first finds them in the token ids (megazero.data.documents)
+        kw = {"tokens": batch["tokens"].to(self.dev)} if needs_tokens(chunk) else {}
         if chunk.post_process:
             mask = batch["loss_mask"].to(self.dev, torch.float32)
-            per_token = chunk(x, labels=batch["labels"].to(self.dev), loss_mask=mask)
+            per_token = chunk(x, labels=batch["labels"].to(self.dev), loss_mask=mask, **kw)
             loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)  # all masked: 0, not NaN
             self.losses.append(loss.detach())
             if not self.forward_only:
                 self.outputs[key] = loss / len(self.mbs)
         else:
-            self.outputs[key] = chunk(x)
+            self.outputs[key] = chunk(x, **kw)
         if self.forward_only:
             self.inputs.pop(key, None)
 

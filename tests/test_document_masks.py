@@ -1,0 +1,151 @@
+"""Packed documents (Megatron-LM's --reset-attention-mask, --reset-position-ids, --eod-mask-loss): each
+document of a packed sequence trains exactly as it would alone, under every layout."""
+import pytest
+import torch
+
+from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.data import build_data, micro_batches
+from megazero.data.documents import document_ids, document_mask, document_positions
+from megazero.local_ranks import run_ranks
+from models import build_model
+from oracle_models import FAMILIES, family_cfg
+from tolerance import R_TRAIN
+
+FLAGS = dict(tokenizer_type="NullTokenizer", reset_attention_mask=True, reset_position_ids=True,
+             eod_mask_loss=True)
+
+
+def test_documents_follow_megatrons_rule():
+    """The EOD token ends its document; the next token is position 0 of the next one.  A row without
+    EOD (a document longer than the sequence) is one document at positions 0 .. s - 1."""
+    eod = 9
+    tokens = torch.tensor([[1, 2, eod, 3, eod, eod, 4, 5],
+                           [1, 2, 3, 4, 5, 6, 7, 8]])
+    assert document_ids(tokens, eod).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8]
+    assert document_positions(tokens, eod).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+    seen = document_mask(document_ids(tokens, eod), None, torch.float64)[0, 0] == 0
+    assert seen[3].tolist() == [False, False, False, True, False, False, False, False]
+    assert seen[7].tolist() == [False] * 6 + [True, True]
+    windowed = document_mask(document_ids(tokens, eod), 1, torch.float64)[1, 0] == 0
+    assert windowed[5].tolist() == [False] * 4 + [True, True, False, False]
+
+
+def _cfg(family, **extra):
+    return validate(family_cfg(family, **FLAGS, **extra), 1)
+
+
+# a 16-token packed sequence (17 ids: inputs and labels) of four documents, EODs at 4, 5 and 11: the
+# second is the EOD alone; the last runs to the end of the sequence
+ENDS = (4, 5, 11)
+
+
+def _packed(eod: int) -> torch.Tensor:
+    ids = (torch.arange(17) * 7 + 3) % eod  # never eod
+    ids[list(ENDS)] = eod
+    return ids
+
+
+def _per_token_and_grads(model, ids: torch.Tensor, mask=None):
+    model.zero_grad()
+    loss = model(ids[None, :-1], labels=ids[None, 1:])[0]
+    (loss * (mask if mask is not None else 1.0)).sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "gemma2"])
+def test_each_packed_document_trains_as_it_would_alone(family):
+    """float64: the packed sequence's per-token losses and parameter gradients equal those of its
+    documents run one by one (learned or rotary positions, windows, a layer without RoPE, soft-capped
+    scores), to 1e-12 of the largest value."""
+    extra = dict(attn_logit_softcapping=2.0) if family == "gemma2" else {}
+    cfg = _cfg(family, **extra)
+    eod = cfg.model.vocab_size - 1  # NullTokenizer's
+    model = build_model(cfg).double()
+    ids = _packed(eod)
+    mask = (ids[:-1] != eod).double()  # --eod-mask-loss: no prediction from an EOD input
+    packed, packed_grads = _per_token_and_grads(model, ids, mask)
+    starts = (0,) + tuple(e + 1 for e in ENDS)
+    ends = ENDS + (16,)
+    alone_grads = {n: torch.zeros_like(g) for n, g in packed_grads.items()}
+    for start, end in zip(starts, ends):
+        if end == start:  # the EOD alone predicts nothing of its own document
+            continue
+        loss, grads = _per_token_and_grads(model, ids[start:end + 1])
+        torch.testing.assert_close(packed[start:end], loss, rtol=0, atol=1e-12 * float(loss.abs().max()))
+        for n, g in grads.items():
+            alone_grads[n] += g
+    for n, g in packed_grads.items():
+        torch.testing.assert_close(g, alone_grads[n], rtol=0, atol=1e-12 * float(g.abs().max()) + 1e-300,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_without_the_flags_documents_see_each_other():
+    """The check above has teeth: without --reset-attention-mask the second document's losses move."""
+    cfg = validate(family_cfg("llama", tokenizer_type="NullTokenizer"), 1)
+    model = build_model(cfg).double()
+    ids = _packed(cfg.model.vocab_size - 1)
+    packed, _ = _per_token_and_grads(model, ids)
+    alone, _ = _per_token_and_grads(model, ids[6:12])
+    assert (packed[6:11] - alone).abs().max() > 1e-6
+
+
+def test_eod_mask_loss_with_mock_data_masks_the_eod_inputs():
+    """--eod-mask-loss on --mock-data with a NullTokenizer: the mask is 0 exactly where the input is the
+    EOD id (--vocab-size), with or without the reset flags."""
+    for flags in (dict(tokenizer_type="NullTokenizer", eod_mask_loss=True), FLAGS):
+        cfg = validate(config_from_dict(dict(mock_data=True, vocab_size=16, seq_length=32, **flags)), 1)
+        (mb,) = micro_batches(build_data(cfg), 0, 1, 1)
+        eod = cfg.model.vocab_size - 1
+        assert (mb["tokens"] == eod).any()
+        assert torch.equal(mb["loss_mask"], (mb["tokens"] != eod).float())
+
+
+@pytest.mark.parametrize("flag", ["--reset-attention-mask", "--reset-position-ids"])
+def test_flags_without_an_eod_id_or_with_context_parallelism_are_refused(flag):
+    with pytest.raises(ConfigError, match=f"{flag} needs an end-of-document id: give --tokenizer-model"):
+        parse_args(["--mock-data", flag])
+    with pytest.raises(ConfigError, match=f"{flag} with --context-parallel-size > 1 is not implemented"):
+        parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", flag,
+                    "--context-parallel-size", "2", "--attention-dropout", "0"], world_size=2)
+
+
+# ---- the trainer under TP 2 x PP 2 against one process ----------------------------------------------
+def _train_history(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _train_cfg(tp=1, pp=1, **extra):
+    """A tiny LLaMA on mock data of 16 ids whose last, 15, ends documents (about one token in 16)."""
+    settings = dict(mock_data=True, num_layers=4,
+                    hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                    vocab_size=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    global_batch_size=8, micro_batch_size=1, train_iters=3, eval_interval=2, eval_iters=1,
+                    optimizer="sgd", lr=0.1, log_interval=100, hidden_dropout=0.0, attention_dropout=0.0,
+                    position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+                    add_bias_linear=False, ffn_hidden_size=48, **FLAGS)
+    return config_from_dict(dict(settings, **extra))
+
+
+LAYOUT_MODELS = {
+    "window": dict(window_size=[5, 0], window_attn_skip_freq=2, untie_embeddings_and_output_weights=True),
+    "moe": dict(FAMILIES["moe"], num_layers=4, moe_layer_freq="([0]*1+[1]*1)*2", sequence_parallel=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUT_MODELS))
+def test_tp2_pp2_with_packed_documents_matches_one_process(name):
+    """TP 2 x PP 2 (sequence parallel with MoE): the middle of the pipeline finds the documents in
+    the micro-batch's tokens; losses, gradient norms and evaluation equal one process's."""
+    model = LAYOUT_MODELS[name]
+    single = {k: v for k, v in model.items() if k != "sequence_parallel"}
+    (ref,) = run_ranks(_train_history, 1, _train_cfg(**single))
+    got = run_ranks(_train_history, 4, _train_cfg(tp=2, pp=2, **model))[0]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = [m[key] for m in ref if key in m], [m[key] for m in got if key in m]
+        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
+    off = dict(reset_attention_mask=False, reset_position_ids=False)
+    (plain,) = run_ranks(_train_history, 1, _train_cfg(**single, **off))
+    assert [m["loss"] for m in plain] != pytest.approx([m["loss"] for m in ref], rel=1e-4)
