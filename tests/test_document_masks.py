@@ -128,24 +128,28 @@ def _train_cfg(tp=1, pp=1, **extra):
     return config_from_dict(dict(settings, **extra))
 
 
-LAYOUT_MODELS = {
-    "window": dict(window_size=[5, 0], window_attn_skip_freq=2, untie_embeddings_and_output_weights=True),
-    "moe": dict(FAMILIES["moe"], num_layers=4, moe_layer_freq="([0]*1+[1]*1)*2", sequence_parallel=True),
+WINDOW = dict(window_size=[5, 0], window_attn_skip_freq=2, untie_embeddings_and_output_weights=True)
+MOE = dict(FAMILIES["moe"], num_layers=4, moe_layer_freq="([0]*1+[1]*1)*2")
+LAYOUTS = {  # name: (model, layout) on 4 ranks
+    "tp2-pp2-window": (WINDOW, dict(tp=2, pp=2)),
+    "tp2-sp-pp2-moe": (MOE, dict(tp=2, pp=2, sequence_parallel=True)),
+    "pp2x2virtual-dp2-zero2-recompute-window": (WINDOW, dict(pp=2, zero_stage=2, recompute_granularity="full",
+                                                             num_layers_per_virtual_pipeline_stage=1)),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LAYOUT_MODELS))
-def test_tp2_pp2_with_packed_documents_matches_one_process(name):
-    """TP 2 x PP 2 (sequence parallel with MoE): the middle of the pipeline finds the documents in
-    the micro-batch's tokens; losses, gradient norms and evaluation equal one process's."""
-    model = LAYOUT_MODELS[name]
-    single = {k: v for k, v in model.items() if k != "sequence_parallel"}
-    (ref,) = run_ranks(_train_history, 1, _train_cfg(**single))
-    got = run_ranks(_train_history, 4, _train_cfg(tp=2, pp=2, **model))[0]
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_packed_documents_under_a_layout_match_one_process(name):
+    """TP 2 x PP 2 (sequence parallel with MoE), or PP 2 with virtual stages x DP 2 with ZeRO-2 and full
+    recomputation: the later pipeline chunks find the documents in the micro-batch's tokens; losses,
+    gradient norms and evaluation equal one process's."""
+    model, layout = LAYOUTS[name]
+    (ref,) = run_ranks(_train_history, 1, _train_cfg(**model))
+    got = run_ranks(_train_history, 4, _train_cfg(**model, **layout))[0]
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [m[key] for m in ref if key in m], [m[key] for m in got if key in m]
         assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
     off = dict(reset_attention_mask=False, reset_position_ids=False)
-    (plain,) = run_ranks(_train_history, 1, _train_cfg(**single, **off))
+    (plain,) = run_ranks(_train_history, 1, _train_cfg(**model, **off))
     assert [m["loss"] for m in plain] != pytest.approx([m["loss"] for m in ref], rel=1e-4)
