@@ -133,6 +133,8 @@ MOE = dict(FAMILIES["moe"], num_layers=4, moe_layer_freq="([0]*1+[1]*1)*2")
 LAYOUTS = {  # name: (model, layout) on 4 ranks
     "tp2-pp2-window": (WINDOW, dict(tp=2, pp=2)),
     "tp2-sp-pp2-moe": (MOE, dict(tp=2, pp=2, sequence_parallel=True)),
+    "tp2-sp-pp2-learned-positions": (dict(position_embedding_type="learned_absolute"),
+                                     dict(tp=2, pp=2, sequence_parallel=True)),
     "pp2x2virtual-dp2-zero2-recompute-window": (WINDOW, dict(pp=2, zero_stage=2, recompute_granularity="full",
                                                              num_layers_per_virtual_pipeline_stage=1)),
 }
@@ -141,9 +143,9 @@ LAYOUTS = {  # name: (model, layout) on 4 ranks
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_packed_documents_under_a_layout_match_one_process(name):
-    """TP 2 x PP 2 (sequence parallel with MoE), or PP 2 with virtual stages x DP 2 with ZeRO-2 and full
-    recomputation: the later pipeline chunks find the documents in the micro-batch's tokens; losses,
-    gradient norms and evaluation equal one process's."""
+    """TP 2 x PP 2 (sequence parallel with MoE or learned positions), or PP 2 with virtual stages x
+    DP 2 with ZeRO-2 and full recomputation: the later pipeline chunks find the documents in the
+    micro-batch's tokens; losses, gradient norms and evaluation equal one process's."""
     model, layout = LAYOUTS[name]
     (ref,) = run_ranks(_train_history, 1, _train_cfg(**model))
     got = run_ranks(_train_history, 4, _train_cfg(**model, **layout))[0]
