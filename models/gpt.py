@@ -177,11 +177,17 @@ class GPTModel(nn.Module):
         sequence, built once per forward and shared by the layers (SDPA keeps one tensor for all of
         them).  None where the kernel takes the window itself (context parallelism, soft-capping).
         With document ids ``docs [b, s]`` (``--reset-attention-mask``): one ``[b, 1, s, s]`` mask per
-        layer window (None included), causal within each document and the window."""
+        layer window (None included), causal within each document and the window; under context
+        parallelism every CP rank's document ids instead (a list, for the ring/Ulysses kernel)."""
         m = self.cfg.model
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
+        windows = {layer_window(m, i) for i in self.layers}
+        if docs is not None and self.cp_size > 1:  # the kernel compares every CP rank's document ids
+            s = docs.shape[1]
+            ranks = [docs[:, cp_positions(s, self.cp_size, r, device=docs.device)]
+                     for r in range(self.cp_size)]
+            return {w: ranks for w in windows}
         if docs is not None:
-            windows = {layer_window(m, i) for i in self.layers}
             return {w: document_mask(docs, active_window(w, seq), x.dtype) for w in windows}
         if self.cp_size > 1 or m.attn_logit_softcapping is not None:
             return {}
@@ -189,14 +195,18 @@ class GPTModel(nn.Module):
         return {w: window_mask(seq, w, x.dtype, x.device) for w in sorted(windows)}
 
     def documents(self, tokens: Optional[torch.Tensor]):
-        """``(positions, document ids)`` ``[b, s]`` of packed documents, each None where not asked for."""
+        """``(positions, document ids)`` of packed documents, each None where not asked for: the
+        positions of this CP rank's tokens ``[b, s (/cp)]``, the document ids of the whole sequence
+        ``[b, s]``."""
         if not self.needs_tokens:
             return None, None
         if tokens is None:
             raise ValueError("--reset-attention-mask / --reset-position-ids: this model chunk needs the "
                              "micro-batch's token ids (forward(..., tokens=ids))")
-        return (document_positions(tokens, self.eod) if self.reset_positions else None,
-                document_ids(tokens, self.eod) if self.reset_attention else None)
+        positions = document_positions(tokens, self.eod) if self.reset_positions else None
+        if positions is not None and self.cp_size > 1:
+            positions = positions[:, self.positions(tokens.shape[1], tokens.device)]
+        return positions, document_ids(tokens, self.eod) if self.reset_attention else None
 
     def run_layers(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
                    docs: Optional[torch.Tensor] = None) -> torch.Tensor:

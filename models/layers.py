@@ -182,10 +182,12 @@ class Attention(nn.Module):
         outside the window.  Soft-capped scores run in that kernel on one rank too (no s x s matrix
         either); a window otherwise goes to SDPA as the additive ``mask`` (shared by the layers).  Packed
         documents (``--reset-attention-mask``) come as a ``[b, 1, s, s]`` mask that holds the window
-        too: SDPA, or with soft-capping :meth:`capped_core`."""
-        if self.mesh.size("cp") > 1:
+        too: SDPA, or with soft-capping :meth:`capped_core`; under context parallelism as every CP
+        rank's document ids ``[b, s / cp]`` (a list), which the ring/Ulysses kernel compares."""
+        if self.mesh.size("cp") > 1:  # mask: None, or every CP rank's document ids (packed documents)
             return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type,
-                                  scale=self.scale, window=self.window, softcap=self.softcap)
+                                  scale=self.scale, window=self.window, softcap=self.softcap,
+                                  documents=mask)
         if self.softcap is not None and mask is not None:  # packed documents: the mask holds the window
             return self.capped_core(q, k, v, mask)
         if self.softcap is not None:

@@ -48,7 +48,7 @@ def _packed(eod: int) -> torch.Tensor:
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rel: float = 1e-12):
     """``|got - want| <= rel * max|want|`` everywhere (float64: the summation order alone differs)."""
     assert got.shape == want.shape, (what, got.shape, want.shape)
-    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    err, scale = float((got - want).detach().abs().max()), float(want.detach().abs().max())
     assert err <= rel * scale, f"{what}: off by {err:.3g}, {err / max(scale, 1e-300):.3g} of the largest"
 
 
@@ -107,12 +107,33 @@ def test_eod_mask_loss_with_mock_data_masks_the_eod_inputs():
 
 
 @pytest.mark.parametrize("flag", ["--reset-attention-mask", "--reset-position-ids"])
-def test_flags_without_an_eod_id_or_with_context_parallelism_are_refused(flag):
+def test_flags_without_an_eod_id_are_refused(flag):
     with pytest.raises(ConfigError, match=f"{flag} needs an end-of-document id: give --tokenizer-model"):
         parse_args(["--mock-data", flag])
-    with pytest.raises(ConfigError, match=f"{flag} with --context-parallel-size > 1 is not implemented"):
-        parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", flag,
-                    "--context-parallel-size", "2", "--attention-dropout", "0"], world_size=2)
+    cfg = parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", flag])
+    assert cfg.data.reset_attention_mask == (flag == "--reset-attention-mask")
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (3, 2.0)])
+def test_the_blockwise_kernel_keeps_documents_apart(window, softcap):
+    """The kernel of context parallelism (tiles of 4 over 23 tokens, grouped-query heads) with document
+    ids equals softmax over the dense document mask, output and gradients, in float64."""
+    from megazero.context_parallel import blockwise_attention
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 23, 8, dtype=torch.float64, generator=gen).requires_grad_()
+               for heads in (4, 2, 2))
+    docs = document_ids(torch.randint(0, 5, (2, 23), generator=gen), 4)
+    out, _ = blockwise_attention(q, k, v, block_size=4, window=window, softcap=softcap, q_documents=docs,
+                                 k_documents=docs)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    want = (scores + document_mask(docs, window, torch.float64)).softmax(-1) @ v.repeat_interleave(2, 1)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+    _assert_close(out, want, "output")
+    for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), grad),
+                          torch.autograd.grad(want, (q, k, v), grad)):
+        _assert_close(a, b, f"d{name}", rel=1e-13)
 
 
 # ---- the trainer under TP 2 x PP 2 against one process ----------------------------------------------
@@ -143,15 +164,20 @@ LAYOUTS = {  # name: (model, layout) on 4 ranks
                                      dict(tp=2, pp=2, sequence_parallel=True)),
     "pp2x2virtual-dp2-zero2-recompute-window": (WINDOW, dict(pp=2, zero_stage=2, recompute_granularity="full",
                                                              num_layers_per_virtual_pipeline_stage=1)),
+    # context parallelism: ring attention (p2p) and Ulysses (a2a) compare every CP rank's document ids
+    "cp2-tp2-sp-p2p-window": (WINDOW, dict(tp=2, context_parallel_size=2, sequence_parallel=True)),
+    "cp4-a2a-learned-positions": (dict(position_embedding_type="learned_absolute"),
+                                  dict(context_parallel_size=4, cp_comm_type="a2a")),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_packed_documents_under_a_layout_match_one_process(name):
-    """TP 2 x PP 2 (sequence parallel with MoE or learned positions), or PP 2 with virtual stages x
-    DP 2 with ZeRO-2 and full recomputation: the later pipeline chunks find the documents in the
-    micro-batch's tokens; losses, gradient norms and evaluation equal one process's."""
+    """TP 2 x PP 2 (sequence parallel with MoE or learned positions), PP 2 with virtual stages x DP 2
+    with ZeRO-2 and full recomputation, CP 2 x TP 2 (ring) or CP 4 (Ulysses): the later pipeline
+    chunks find the documents in the micro-batch's tokens, the CP ranks compare each other's
+    document ids; losses, gradient norms and evaluation equal one process's."""
     model, layout = LAYOUTS[name]
     (ref,) = run_ranks(_train_history, 1, _train_cfg(**model))
     got = run_ranks(_train_history, 4, _train_cfg(**model, **layout))[0]

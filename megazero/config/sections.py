@@ -354,12 +354,10 @@ class DataConfig:
                              "--tokenizer-type NullTokenizer's id --vocab-size).")
     reset_attention_mask: bool = _f(
         False, "Packed documents attend within themselves only: a token sees the earlier tokens of its own "
-        "document (the end-of-document token belongs to the document it ends), as in Megatron-LM. Not with "
-        "--context-parallel-size > 1.")
+        "document (the end-of-document token belongs to the document it ends), as in Megatron-LM.")
     reset_position_ids: bool = _f(
         False, "Positions (RoPE or learned) restart at 0 after each end-of-document token, as in "
-        "Megatron-LM. "
-        "Not with --context-parallel-size > 1.")
+        "Megatron-LM.")
 
 
 @dataclass

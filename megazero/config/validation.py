@@ -558,8 +558,6 @@ def _check_data(cfg: MegazeroConfig) -> None:
                      ("--reset-position-ids", data.reset_position_ids)):
         _check(not on or has_tokenizer, f"{flag} needs an end-of-document id: give --tokenizer-model (its "
                "EOS id), or --tokenizer-type NullTokenizer --vocab-size N (id N)")
-        _check(not on or cfg.parallel.context_parallel_size == 1,
-               f"{flag} with --context-parallel-size > 1 is not implemented yet; drop one of them")
     _check(not data.mock_data or cfg.model.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")
 

@@ -16,6 +16,10 @@ straddles two chunks of the load-balanced split); a tile pair is
 - computed without a mask when every query sees every key,
 - masked elementwise otherwise (the diagonal, the window's edge).
 
+Packed documents (``--reset-attention-mask``): with document ids ``[b, tokens]`` for the queries and
+the keys, a query also sees only keys of its own document.  They are compared on the device, tile
+by tile (no tile is skipped for them: that would need their values on the host).
+
 A ``softcap`` replaces each scaled score ``s`` by ``cap tanh(s / cap)`` (Gemma 2) before the softmax;
 backward multiplies the score gradient by ``1 - tanh^2``, recomputed from the capped score.
 
@@ -55,11 +59,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class Tiles:
     """A token set's global positions: on the device for masks, and on the host as tiles
-    ``(start, end, lowest position, highest position)`` of at most ``block`` consecutive tokens."""
+    ``(start, end, lowest position, highest position)`` of at most ``block`` consecutive tokens.
+    ``documents``: the tokens' document ids ``[b, tokens]`` on the device (packed documents), or None."""
 
-    def __init__(self, positions: torch.Tensor, block: int, device):
+    def __init__(self, positions: torch.Tensor, block: int, device,
+                 documents: Optional[torch.Tensor] = None):
         if positions.dim() != 1:
             raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
+        if documents is not None and (documents.dim() != 2 or documents.shape[1] != positions.numel()):
+            raise ValueError(f"document ids must be [batch, {positions.numel()}], got "
+                             f"{tuple(documents.shape)}")
+        self.documents = documents
         if block < 1:
             raise ValueError(f"block_size must be positive, got {block}")
         self.length = positions.numel()
@@ -97,12 +107,17 @@ def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n:
     s = qb @ k[:, :, j0:j1].transpose(-1, -2)
     if vis.softcap is not None:
         s = torch.tanh(s / vis.softcap) * vis.softcap
+    hidden = None
     if kind == PARTIAL:
         qpos = q_tiles.device_positions[q_tile[0]:q_tile[1]][:, None]
         kpos = k_tiles.device_positions[j0:j1][None, :]
         hidden = kpos > qpos  # [bq, bk]
         if vis.window is not None:
             hidden = hidden | (qpos - kpos > vis.window)
+    if q_tiles.documents is not None and k_tiles.documents is not None:  # [b, 1, 1, bq, bk]
+        other = q_tiles.documents[:, q_tile[0]:q_tile[1], None] != k_tiles.documents[:, None, j0:j1]
+        hidden = other[:, None, None] if hidden is None else other[:, None, None] | hidden
+    if hidden is not None:
         b, g, rows, bk = s.shape
         s = s.view(b, g, n, rows // n, bk).masked_fill(hidden, float("-inf")).view(b, g, rows, bk)
     return s
@@ -243,7 +258,8 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_positions: Optional[torch.Tensor] = None,
                         causal: bool = True, scale: Optional[float] = None,
                         block_size: int = 256, window: Optional[int] = None,
-                        softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        softcap: Optional[float] = None, q_documents: Optional[torch.Tensor] = None,
+                        k_documents: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``softmax(scale q k^T + mask) v`` without the ``sq x sk`` matrix; returns ``(out, lse)``.
 
     ``q [b, heads, sq, d]``, ``k, v [b, groups, sk, d]``; ``out`` has ``q``'s shape and dtype, ``lse
@@ -251,7 +267,8 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``arange``) define the causal mask: query ``i`` sees key ``j`` when ``k_positions[j] <=
     q_positions[i]`` (and, with ``window``, ``q_positions[i] - k_positions[j] <= window``).
     ``scale`` defaults to ``1 / sqrt(d)``; ``softcap`` caps the scaled scores at ``cap tanh(s / cap)``.
-    Both outputs are differentiable."""
+    ``q_documents [b, sq]``, ``k_documents [b, sk]``: document ids (packed documents); a query then sees
+    keys of its own document only.  Both outputs are differentiable."""
     check_shapes(q, k, v)
     if q_positions is None:
         q_positions = torch.arange(q.shape[2])
@@ -263,7 +280,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window is not None and not causal:
         raise ValueError("a sliding window needs causal attention")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q_tiles = Tiles(q_positions, block_size, q.device)
-    k_tiles = Tiles(k_positions, block_size, q.device)
+    q_tiles = Tiles(q_positions, block_size, q.device, q_documents)
+    k_tiles = Tiles(k_positions, block_size, q.device, k_documents)
     vis = Visibility(causal, window, softcap)
     return _BlockwiseAttention.apply(q, k, v, q_tiles, k_tiles, vis, scale)

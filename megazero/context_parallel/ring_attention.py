@@ -142,7 +142,8 @@ def _rank_positions(positions, cp_size: int, local_len: int):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                    positions: Optional[Sequence[torch.Tensor]] = None, *, comm_type: str = "p2p",
                    causal: bool = True, scale: Optional[float] = None, block_size: int = 256,
-                   window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                   window: Optional[int] = None, softcap: Optional[float] = None,
+                   documents: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
     """Causal (or full) self-attention of a sequence split over the CP ``group``; returns this rank's
     output ``[b, heads, s_local, d]``, differentiable in ``q, k, v``.
 
@@ -154,7 +155,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     (Ulysses). ``scale`` defaults to ``1 / sqrt(d)``; ``block_size`` is the kernel's tile length;
     ``window`` (keys before its own a query sees) and ``softcap`` as in
     :func:`~megazero.context_parallel.blockwise.blockwise_attention`: a K/V block wholly outside every
-    local query's window is skipped (it still travels the ring)."""
+    local query's window is skipped (it still travels the ring).  ``documents``: every CP rank's
+    document ids ``[b, s_r]`` (packed documents, in group rank order, on the device): a query sees keys
+    of its own document only."""
     check_comm_type(comm_type)
     check_shapes(q, k, v)
     if q.shape[2] != k.shape[2]:
@@ -167,11 +170,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise ValueError(f"CP rank {cp_rank} holds {q.shape[2]} tokens but {positions[cp_rank].numel()} "
                          f"positions")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    docs = list(documents) if documents is not None else [None] * cp_size
+    if len(docs) != cp_size:
+        raise ValueError(f"documents holds {len(docs)} tensors for a context-parallel group of {cp_size} "
+                         "ranks")
     if cp_size == 1:
         return blockwise_attention(q, k, v, positions[0], positions[0], causal, scale, block_size, window,
-                                   softcap)[0]
+                                   softcap, docs[0], docs[0])[0]
     vis = Visibility(causal, window, softcap)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, positions, vis, scale, block_size)
-    k_tiles = [Tiles(p, block_size, q.device) for p in positions]
+        return ulysses_attention(q, k, v, group, positions, vis, scale, block_size, documents)
+    k_tiles = [Tiles(p, block_size, q.device, d) for p, d in zip(positions, docs)]
     return _RingAttention.apply(q, k, v, _Ring(group), k_tiles[cp_rank], k_tiles, vis, scale)

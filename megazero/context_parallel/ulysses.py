@@ -62,7 +62,8 @@ class _AllToAll(torch.autograd.Function):
         return undo(grad.contiguous(), ctx.group, ctx.lengths), None, None, None
 
 
-def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: int) -> torch.Tensor:
+def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: int,
+                      documents=None) -> torch.Tensor:
     """Ulysses attention; arguments as :func:`megazero.context_parallel.ring_attention` (resolved; ``vis``
     the :class:`~megazero.context_parallel.blockwise.Visibility`)."""
     n = dist.get_world_size(group)
@@ -77,6 +78,7 @@ def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: 
     lengths = [int(p.numel()) for p in positions]
     everyone = torch.cat([p.reshape(-1).to("cpu", torch.long) for p in positions])
     qh, kh, vh = (_AllToAll.apply(t, group, lengths, True) for t in (q, k, v))
+    docs = torch.cat(list(documents), dim=1) if documents is not None else None  # in the same order
     out, _ = blockwise_attention(qh, kh, vh, everyone, everyone, vis.causal, scale, block_size, vis.window,
-                                 vis.softcap)
+                                 vis.softcap, docs, docs)
     return _AllToAll.apply(out, group, lengths, False)
