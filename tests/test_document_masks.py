@@ -149,7 +149,7 @@ def _train_history(cfg):
 
 
 def _train_cfg(tp=1, pp=1, **extra):
-    """A tiny LLaMA on mock data of 16 ids whose last, 15, ends documents (about one token in 16)."""
+    """A tiny LLaMA on mock data; NullTokenizer: ids 0 .. 16, of which 16 ends documents (about one in 9)."""
     settings = dict(mock_data=True, num_layers=4,
                     hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
                     vocab_size=16, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
