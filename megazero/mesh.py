@@ -75,6 +75,19 @@ def parse_rank_order(order: str, sizes: Optional[Dict[str, int]] = None) -> List
     return tokens
 
 
+def axis_sizes(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+               etp: Optional[int] = None) -> Dict[str, int]:
+    """The one derivation of the sizes that follow from the world: ``dp`` = world / (tp x cp x pp) and
+    the expert decomposition's ``etp`` (``tp`` unless given), ``ep`` and ``edp`` = world / (etp x ep x
+    pp), without checks (at least 1 each): :func:`rank_groups` and the mesh check divisibility first,
+    ``megazero.config.derive`` reads settings not yet validated."""
+    etp = tp if etp is None else etp
+    ones = [max(1, v) if isinstance(v, int) else 1 for v in (tp, pp, cp, ep, etp)]
+    tp, pp, cp, ep, etp = ones
+    return {"dp": max(1, world_size // (tp * pp * cp)), "etp": etp, "ep": ep,
+            "edp": max(1, world_size // (etp * ep * pp))}
+
+
 def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> Dict[str, int]:
     for name, value in (("world size", world_size), ("tensor-model-parallel size", tp),
                         ("pipeline-model-parallel size", pp), ("context-parallel size", cp)):
@@ -90,7 +103,7 @@ def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> Dict[str, int]:
             f"world size {world_size} is not divisible by tensor-model-parallel size {tp} x "
             f"context-parallel size {cp} x pipeline-model-parallel size {pp} = {tp * cp * pp}; choose "
             "sizes whose product divides the world size")
-    return {"tp": tp, "cp": cp, "ep": 1, "dp": world_size // (tp * pp * cp), "pp": pp}
+    return {"tp": tp, "cp": cp, "ep": 1, "dp": axis_sizes(world_size, tp, pp, cp)["dp"], "pp": pp}
 
 
 def expert_sizes(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> Dict[str, int]:
@@ -105,7 +118,8 @@ def expert_sizes(world_size: int, tp: int, pp: int, ep: int = 1, etp: Optional[i
             f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
             f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}; "
             "choose expert sizes whose product with the pipeline size divides the world size")
-    return {"etp": etp, "ep": ep, "edp": world_size // (etp * ep * pp)}
+    sizes = axis_sizes(world_size, tp, pp, ep=ep, etp=etp)
+    return {k: sizes[k] for k in ("etp", "ep", "edp")}
 
 
 def _generator_sizes(experts: Dict[str, int], pp: int) -> Dict[str, int]:

@@ -1,3 +1,4 @@
+import ast
 import json
 import os
 import sys
@@ -228,7 +229,7 @@ def test_config_is_a_schema_that_imports_no_other_subsystem():
             "print(sorted(m for m in sys.modules if m.startswith(('megazero', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
-    loaded = eval(out)
+    loaded = ast.literal_eval(out)
     assert loaded and all(m in ("megazero", "megazero.errors") or m.startswith("megazero.config")
                           for m in loaded), loaded
 

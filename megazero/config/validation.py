@@ -63,20 +63,21 @@ def derive(cfg: MegazeroConfig, world_size: int) -> Derived:
     """The derived values of settings ``cfg`` (as given) on ``world_size`` ranks; pure."""
     par, mod, tr = cfg.parallel, cfg.model, cfg.training
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    dp = world_size // (tp * pp * max(1, par.context_parallel_size))
+    from megazero.mesh import axis_sizes  # the mesh owns the world's decomposition
+    sizes = axis_sizes(world_size, tp, pp, par.context_parallel_size, cfg.moe.expert_model_parallel_size,
+                       cfg.moe.expert_tensor_parallel_size or None)
+    dp = sizes["dp"]
     index = field_index()
     filled = {name: value for name, value in _default_rules(cfg, dp).items()
               if getattr(getattr(cfg, index[name][0]), name) is None}
     vpl = par.num_layers_per_virtual_pipeline_stage or filled.get("num_layers_per_virtual_pipeline_stage")
     multiple = mod.make_vocab_size_divisible_by * tp
     global_batch = tr.global_batch_size or filled["global_batch_size"]
-    etp = cfg.moe.expert_tensor_parallel_size or tp
-    edp = max(1, world_size // (etp * max(1, cfg.moe.expert_model_parallel_size) * pp))
     return Derived(world_size=world_size, data_parallel_size=dp,
                    virtual_pipeline_model_parallel_size=mod.num_layers // (pp * vpl) if vpl else 1,
                    padded_vocab_size=-(-mod.vocab_size // multiple) * multiple,
                    num_micro_batches=global_batch // (tr.micro_batch_size * dp),
-                   expert_data_parallel_size=edp, filled=tuple(filled.items()))
+                   expert_data_parallel_size=sizes["edp"], filled=tuple(filled.items()))
 
 
 def _default_rules(cfg: MegazeroConfig, dp: int) -> Dict[str, Any]:
@@ -189,7 +190,7 @@ def _check_batch_schedule(cfg: MegazeroConfig) -> None:
 
 def _check_world(cfg: MegazeroConfig, world: int) -> None:
     par = cfg.parallel
-    from megazero.mesh import parse_rank_order
+    from megazero.mesh import axis_sizes, parse_rank_order
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     _check(isinstance(cp, int) and cp >= 1, f"--context-parallel-size must be a positive integer, got {cp}")
     _check(world % (tp * pp) == 0,
@@ -201,7 +202,8 @@ def _check_world(cfg: MegazeroConfig, world: int) -> None:
            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; launch a "
            f"multiple of {tp * cp * pp} processes or change the sizes")
     with _owned_rule("--rank-order: "):
-        parse_rank_order(par.rank_order, {"tp": tp, "cp": cp, "pp": pp, "dp": world // (tp * cp * pp)})
+        dp = axis_sizes(world, tp, pp, cp)["dp"]
+        parse_rank_order(par.rank_order, {"tp": tp, "cp": cp, "pp": pp, "dp": dp})
     moe = cfg.moe
     if moe.num_experts:  # the expert decomposition of the same world (megazero.mesh)
         from megazero.mesh import expert_layouts
