@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megazero.engine.process_exit import report_uncaught_errors, tear_down_at_exit
 from megazero.errors import ConfigError
+from megazero.resilience import init_distributed as join
 
 
 def _free_port() -> int:
@@ -37,12 +38,9 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port or _free_port()))
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0") or 0) % torch.cuda.device_count())
-    kwargs = {"timeout": timeout if isinstance(timeout, timedelta) else timedelta(minutes=timeout)} \
-        if timeout is not None else {}
-    dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    if timeout is not None and not isinstance(timeout, timedelta):
+        timeout = timedelta(minutes=timeout)
+    join(backend=dist_backend, timeout=timeout, init_method=init_method)  # the trainer's way to join
     report_uncaught_errors()  # back in front of the excepthook torch installs there
     tear_down_at_exit()
 

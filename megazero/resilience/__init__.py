@@ -19,7 +19,8 @@ from megazero.resilience.errors import (CollectiveError, DataError, FatalError, 
                                         exit_process, report_failure)
 from megazero.resilience.guard import RunGuard  # noqa: F401
 from megazero.resilience.signals import ExitSignals, exit_with_parent  # noqa: F401
-from megazero.resilience.watchdog import join_process_group, timeout_of  # noqa: F401
+from megazero.resilience.watchdog import init_distributed, join_process_group, timeout_of  # noqa: F401
 
 __all__ = ["CollectiveError", "DataError", "ExitSignals", "FatalError", "NumericalError", "RunGuard",
-           "exit_process", "exit_with_parent", "join_process_group", "report_failure", "timeout_of"]
+           "exit_process", "exit_with_parent", "init_distributed", "join_process_group", "report_failure",
+           "timeout_of"]

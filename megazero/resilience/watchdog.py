@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from megazero.mesh import backend_for, use_device
+
 FLIGHT_RECORDER_ENTRIES = "2000"
 GROUP_LABELS = {"tp": "tensor-parallel", "pp": "pipeline-parallel", "dp": "data-parallel",
                 "mp": "model-parallel", "embedding": "embedding", "world": "world", "cp": "context-parallel",
@@ -54,6 +56,26 @@ def prepare_environment(backend: str) -> None:
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+
+
+def init_distributed(device=None, timeout: Optional[timedelta] = None, backend: Optional[str] = None,
+                     init_method: Optional[str] = None):
+    """The one way megazero joins the default process group, for the trainer and the engine alike:
+    the device (None: this process's own, :func:`megazero.mesh.default_device`; a GPU becomes the
+    current one), the backend that suits it (NCCL on a GPU, gloo otherwise) unless ``backend`` says,
+    ``timeout`` (10 minutes by default) and, from the launcher's environment (``env://``), a store
+    prefix per torchrun restart.  Returns the device; nothing is done when a group exists already."""
+    device = use_device(device)
+    if dist.is_initialized():
+        return device
+    backend = backend or backend_for(device)
+    timeout = timeout or timedelta(minutes=10)
+    if init_method in (None, "env://"):
+        join_process_group(backend, timeout)
+    else:
+        prepare_environment(backend)
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+    return device
 
 
 def join_process_group(backend: str, timeout: timedelta) -> None:

@@ -44,7 +44,7 @@ from megazero.planning.flops import device_peak_flops, hardware_flops_per_iterat
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.training.profiling import StepProfiler, startup_line as profile_startup_line
-from megazero.mesh import ParallelMesh, backend_for, default_device
+from megazero.mesh import ParallelMesh
 from megazero.moe.step import finish_step
 from megazero.precision import apply_tf32, compute_dtype
 from megazero.training.summary import startup_summary
@@ -61,14 +61,12 @@ def init_distributed(device: Optional[torch.device] = None, timeout: Optional[ti
     torchrun restart (:func:`megazero.resilience.join_process_group`).
 
     Does nothing for one process or when a group already exists; returns True when it created
-    the group (the caller then destroys it)."""
-    from megazero.resilience import join_process_group
+    the group (the caller then destroys it).  The joining itself is
+    :func:`megazero.resilience.init_distributed`'s, as for the engine."""
+    from megazero.resilience import init_distributed as join
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    device = torch.device(device or default_device())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    join_process_group(backend_for(device), timeout or timedelta(minutes=10))
+    join(device, timeout)
     return True
 
 

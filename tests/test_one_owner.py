@@ -1,0 +1,58 @@
+"""Rules with one owner: the trainer and the engine join the process group through one function
+(store prefix, timeout, device and backend choice), and the world's decomposition (dp, expert DP)
+is the mesh's alone."""
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import megazero.resilience.watchdog as watchdog
+from megazero.config import config_from_dict, validate
+from megazero.mesh import axis_sizes, expert_sizes
+
+
+class Joined(Exception):
+    pass
+
+
+@pytest.fixture
+def joins(monkeypatch):
+    """Every join reaches watchdog.join_process_group, recorded here instead of joining."""
+    seen = []
+
+    def fake(backend, timeout):
+        seen.append((backend, timeout))
+        raise Joined()
+    monkeypatch.setattr(watchdog, "join_process_group", fake)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    return seen
+
+
+def test_trainer_and_engine_join_the_same_way(joins):
+    from megazero.engine import init_distributed as engine_join
+    from megazero.training import init_distributed as trainer_join
+    with pytest.raises(Joined):
+        trainer_join(timeout=timedelta(minutes=3))
+    with pytest.raises(Joined):
+        engine_join(timeout=3)  # DeepSpeed's minutes
+    assert joins == [("gloo", timedelta(minutes=3))] * 2
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, ep, etp", [
+    (8, 2, 2, 1, 1, None), (16, 2, 2, 2, 2, 1), (8, 1, 2, 1, 4, None), (12, 3, 1, 2, 2, 3)])
+def test_the_world_is_decomposed_by_the_mesh_alone(world, tp, pp, cp, ep, etp):
+    sizes = axis_sizes(world, tp, pp, cp, ep, etp)
+    assert sizes["dp"] * tp * pp * cp == world
+    assert expert_sizes(world, tp, pp, ep, etp) == {k: sizes[k] for k in ("etp", "ep", "edp")}
+    cfg = validate(config_from_dict(dict(
+        mock_data=True, num_layers=4, hidden_size=48, num_attention_heads=12, seq_length=48,
+        max_position_embeddings=48, vocab_size=100, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        sequence_parallel=tp > 1, num_experts=4, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp, add_bias_linear=False)), world)
+    assert cfg.parallel.data_parallel_size == sizes["dp"]
+    assert cfg.moe.expert_data_parallel_size == sizes["edp"]
