@@ -18,7 +18,8 @@ Kinds:
 Any other exception is a bug and keeps its traceback.
 
 The exit statuses themselves (:data:`EXIT_OK`, :data:`EXIT_FAILURE`, :data:`EXIT_USAGE`) live here
-too, the one source for every program; the shell launchers restate them in comments only.
+too, the one source for every program, and so does the rule that maps an error to its status
+(:func:`exit_status_of`); the shell launchers restate them in comments only.
 """
 
 CONFIG = "config"
@@ -33,12 +34,24 @@ EXIT_USAGE = 2  #: an invalid flag or setting, or a checkpoint that cannot be us
 
 class MegazeroError(Exception):
     """An expected failure that ends the run with one message and no traceback; ``kind`` (a class
-    attribute) says which rank reports it and with which exit status."""
+    attribute) says which rank reports it, and with it the exit status (:func:`exit_status_of`) unless
+    ``exit_status`` names another."""
 
     kind = EVERYWHERE
+    exit_status = None  # None: EXIT_USAGE for a "config" error, EXIT_FAILURE for the others
 
 
 class ConfigError(MegazeroError, ValueError):
     """An inconsistent or invalid setting; the message names the flag and how to fix it."""
 
     kind = CONFIG
+
+
+def exit_status_of(err: BaseException) -> int:
+    """The exit status ``err`` ends a program with, for every front end (the trainer, the engine, the
+    tools): the error's own ``exit_status``, else :data:`EXIT_USAGE` for a configuration error and
+    :data:`EXIT_FAILURE` for any other error, a bug included."""
+    status = getattr(err, "exit_status", None) if isinstance(err, MegazeroError) else None
+    if status is not None:
+        return int(status)
+    return EXIT_USAGE if isinstance(err, MegazeroError) and err.kind == CONFIG else EXIT_FAILURE

@@ -56,3 +56,20 @@ def test_the_world_is_decomposed_by_the_mesh_alone(world, tp, pp, cp, ep, etp):
         expert_tensor_parallel_size=etp, add_bias_linear=False)), world)
     assert cfg.parallel.data_parallel_size == sizes["dp"]
     assert cfg.moe.expert_data_parallel_size == sizes["edp"]
+
+
+def test_one_exit_status_rule():
+    """Every front end ends with megazero.errors.exit_status_of: an unusable checkpoint is a usage
+    error (2) under the trainer and the engine alike, a failed save a failure (1)."""
+    from megazero.checkpoint import CheckpointError
+    from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointSaveError
+    from megazero.errors import EXIT_FAILURE, EXIT_USAGE, ConfigError, exit_status_of
+    from megazero.resilience import NumericalError
+    from megazero.resilience.errors import report_failure
+    import io
+    cases = [(ConfigError("x"), EXIT_USAGE), (CheckpointError("x"), EXIT_USAGE),
+             (CheckpointCorrupt("x"), EXIT_USAGE), (CheckpointSaveError("x"), EXIT_FAILURE),
+             (NumericalError("x"), EXIT_FAILURE), (RuntimeError("a bug"), EXIT_FAILURE)]
+    for err, status in cases:
+        assert exit_status_of(err) == status, err
+        assert report_failure(err, rank=0, world_size=1, stream=io.StringIO(), wait=0) == status, err

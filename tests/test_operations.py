@@ -142,7 +142,8 @@ def test_one_report_per_failure(capsys):
     from megazero.checkpoint import CheckpointError
     assert report_failure(ConfigError("--foo is bad"), rank=0, world_size=2, wait=0) == 2
     assert report_failure(ConfigError("--foo is bad"), rank=1, world_size=2, wait=0) == 2  # rank 0 says it
-    assert report_failure(CheckpointError("--load x: missing"), rank=1, world_size=2, wait=0) == 1
+    # an unusable checkpoint is a usage error wherever it is reported (megazero.errors.exit_status_of)
+    assert report_failure(CheckpointError("--load x: missing"), rank=1, world_size=2, wait=0) == 2
     err = capsys.readouterr().err
     assert err == "pretrain_gpt.py: error: --foo is bad\n"
     assert report_failure(CollectiveError("all_reduce timed out"), rank=3, world_size=4, wait=0) == 1
@@ -200,7 +201,8 @@ def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(c
     from megazero.precision import LossScaleError
     from megazero.resilience import DataError
     assert report_failure(LossScaleError("diverged"), rank=0, world_size=1, wait=0) == 1
-    assert report_failure(CheckpointCorrupt("x.bin: checksum"), rank=0, world_size=1, wait=0) == 1
+    # (an unusable checkpoint is a usage error: exit status 2, megazero.errors.exit_status_of)
+    assert report_failure(CheckpointCorrupt("x.bin: checksum"), rank=0, world_size=1, wait=0) == 2
     assert report_failure(DataError("token 7 out of range"), rank=1, world_size=2, wait=0) == 1
     assert capsys.readouterr().err == ("pretrain_gpt.py: error: diverged\n"
                                        "pretrain_gpt.py: error: x.bin: checksum\n"

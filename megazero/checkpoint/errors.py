@@ -1,11 +1,15 @@
 """The checkpoint errors; every other checkpoint module may import them (this one imports only the
 shared base, :class:`megazero.errors.MegazeroError`)."""
-from megazero.errors import MegazeroError
+from megazero.errors import EXIT_FAILURE, EXIT_USAGE, MegazeroError
 
 
 class CheckpointError(MegazeroError, RuntimeError):
     """A checkpoint that cannot be written or loaded; the message names the path or parameter.
-    Raised alike on every rank (the collectives of :mod:`megazero.checkpoint.comm` see to it)."""
+    Raised alike on every rank (the collectives of :mod:`megazero.checkpoint.comm` see to it).  One
+    that cannot be *used* is a usage error, exit status 2, like an invalid flag (the trainer's and the
+    engine's alike); a failed save is not (:class:`CheckpointSaveError`)."""
+
+    exit_status = EXIT_USAGE
 
 
 class CheckpointCorrupt(CheckpointError):
@@ -17,3 +21,5 @@ class CheckpointSaveError(CheckpointError):
     another writer): the run fails, exit status 1.  A checkpoint that cannot be *used* (any other
     :class:`CheckpointError`: at load, or a ``--save`` directory refused at start-up) is a usage
     error, exit status 2."""
+
+    exit_status = EXIT_FAILURE

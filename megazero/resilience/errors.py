@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Optional, TextIO
 
-from megazero.errors import CONFIG, EVERYWHERE, EXIT_FAILURE, EXIT_USAGE, LOCAL, MegazeroError
+from megazero.errors import CONFIG, EVERYWHERE, LOCAL, MegazeroError, exit_status_of
 
 WAIT_FOR_RANK0 = 60.0  # seconds a silent rank waits for its launcher (torchrun ends it once rank 0 exits)
 
@@ -59,15 +59,16 @@ def rank_of_env() -> int:
 def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Optional[int] = None,
                    world_size: Optional[int] = None, stream: Optional[TextIO] = None,
                    wait: float = WAIT_FOR_RANK0) -> int:
-    """Print ``err`` the way its kind asks (see the module docstring) and return the exit status:
-    :data:`~megazero.errors.EXIT_USAGE` (2) for a configuration error, ``EXIT_FAILURE`` (1) otherwise.
+    """Print ``err`` the way its kind asks (see the module docstring) and return its exit status
+    (:func:`megazero.errors.exit_status_of`: 2 for a configuration error or an unusable checkpoint, 1
+    otherwise).
     A rank that stays silent first waits up to ``wait`` seconds when other ranks exist: its launcher
     ends it once rank 0 has printed and exited."""
     rank = rank_of_env() if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
     stream = sys.stderr if stream is None else stream
     kind = _kind(err)
-    code = EXIT_USAGE if kind == CONFIG else EXIT_FAILURE
+    code = exit_status_of(err)
     if kind == "bug":
         lines = traceback.format_exception(type(err), err, err.__traceback__)
         stream.write(f"[rank {rank}] " + "".join(lines))

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
 from megazero.data import build_data
-from megazero.errors import EXIT_OK, EXIT_USAGE
+from megazero.errors import EXIT_OK
 from megazero.training import ModelProvider, train
 
 
@@ -58,13 +58,8 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
         return EXIT_OK
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
-    from megazero.checkpoint import CheckpointError, CheckpointSaveError
     try:
         train(cfg, model_provider, keep_history=False)  # rows streamed, not kept
-    except Exception as err:  # noqa: BLE001 - reported once, with the exit status
-        code = report_failure(err)
-        # a checkpoint that cannot be used is a usage error, like an invalid flag; a save that failed
-        # (a full disk) is a failure
-        unusable = isinstance(err, CheckpointError) and not isinstance(err, CheckpointSaveError)
-        return EXIT_USAGE if unusable else code
+    except Exception as err:  # noqa: BLE001 - reported once, with its exit status (megazero.errors)
+        return report_failure(err)
     return EXIT_OK
