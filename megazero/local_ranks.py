@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import re
 import tempfile
 import time
@@ -60,6 +61,11 @@ def _child(fn, rank, world_size, store_path, result_path, args, kwargs):
         try:    # a failed rank must not wait for the others
             dist.destroy_process_group()
         except BaseException:  # noqa: BLE001
+            pass
+    for stream in (sys.stdout, sys.stderr):  # what the rank printed reaches the test's capture
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not turn a result into a failure
             pass
     os._exit(0)
 
