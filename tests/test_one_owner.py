@@ -73,3 +73,15 @@ def test_one_exit_status_rule():
     for err, status in cases:
         assert exit_status_of(err) == status, err
         assert report_failure(err, rank=0, world_size=1, stream=io.StringIO(), wait=0) == status, err
+
+
+def test_an_error_only_one_rank_raised_is_not_lost():
+    """A configuration error raised on rank 1 alone (an engine script's): rank 1 waits for the launcher
+    to end it as usual; still alive after the wait, it prints the line itself, with its rank."""
+    import io
+    from megazero.errors import ConfigError
+    from megazero.resilience.errors import report_failure
+    out = io.StringIO()
+    assert report_failure(ConfigError("--my-flag 7: give 1 or 2"), prog="s.py", rank=1, world_size=2,
+                          stream=out, wait=0.1) == 2
+    assert out.getvalue() == "s.py: error: rank 1: --my-flag 7: give 1 or 2\n"

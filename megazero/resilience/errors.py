@@ -6,7 +6,8 @@ the subsystems that raise them):
 
 * raised identically on every rank (``config``: a bad flag; ``everywhere``: a checkpoint problem,
   a diverged run): global rank 0 prints it; every other rank stays silent and waits (bounded) for
-  its launcher to end it, so that ``torchrun`` never kills rank 0 before rank 0 has printed;
+  its launcher to end it, so that ``torchrun`` never kills rank 0 before rank 0 has printed (a rank
+  still alive after the wait, whose error rank 0 did not share, prints it then, with its rank);
 * seen by one rank only (``local``: a collective that timed out, a peer that vanished, bad data in
   this rank's batch): that rank prints it, prefixed with its rank.
 
@@ -80,7 +81,11 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
     if kind != "bug":
         write_error_file(str(err))
     if kind in (CONFIG, EVERYWHERE) and rank != 0 and world > 1 and wait > 0:
-        _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0))
+        if _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0)):
+            # nobody ended this rank: rank 0 did not raise it (an engine script's error on one rank),
+            # so this rank says it rather than exit in silence
+            stream.write(f"{prog}: error: rank {rank}: {err}\n")
+            stream.flush()
     return code
 
 
@@ -122,9 +127,11 @@ def exit_process(code: int) -> None:
     os._exit(int(code))
 
 
-def _wait_for_launcher(seconds: float) -> None:
-    """Sleep until the launcher ends this process (it does once rank 0 exits), at most ``seconds``."""
+def _wait_for_launcher(seconds: float) -> bool:
+    """Sleep until the launcher ends this process (it does once rank 0 exits), at most ``seconds``;
+    True when the time ran out with the process still alive and its parent the same."""
     deadline = time.monotonic() + seconds
     parent = os.getppid()
     while time.monotonic() < deadline and os.getppid() == parent:
         time.sleep(0.05)
+    return os.getppid() == parent
