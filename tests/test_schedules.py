@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megazero.config.batch_schedule import (batch_size_at, consumed_after, iterations_for_samples,
-                                              parse_step_schedule, rampup_schedule)
+                                            parse_step_schedule, rampup_schedule)
 from megazero.config import ConfigError, config_from_dict, parse_args
 from megazero.training.lr import lr_from_config, lrs_at
 from megazero.local_ranks import run_ranks
