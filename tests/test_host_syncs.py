@@ -216,10 +216,10 @@ def test_two_rank_step_syncs_are_fixed(layout):
 
 
 # ---- mixture of experts --------------------------------------------------------------------------
-def _moe(grown: bool, **extra):
+def _moe(grown: bool, bias: bool = False, **extra):
     """The tiny GPT with every layer an MoE layer (4 experts, top 2, auxiliary and z losses)."""
     return _settings(grown, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=1,
-                     add_bias_linear=False, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **extra)
+                     add_bias_linear=bias, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, **extra)
 
 
 def _check_moe(events, layers: int, micro_batches: int):
@@ -241,6 +241,13 @@ def test_one_process_moe_step_syncs(kind):
     big, _ = _count_iteration(_moe(True, moe_token_dispatcher_type=kind))
     _check_moe(small, 1, 2)
     _check_moe(big, 3, 8)
+
+
+def test_expert_biases_add_no_host_sync():
+    """Experts with biases: each row's expert index is expanded with its output size given (the counts
+    are on the host already), so the step reads no more than without them."""
+    small, _ = _count_iteration(_moe(False, bias=True, moe_token_dispatcher_type="alltoall"))
+    _check_moe(small, 1, 2)
 
 
 @pytest.mark.slow

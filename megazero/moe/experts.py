@@ -47,9 +47,11 @@ EXPERT_PARAMS = ("fc1_weight", "gate_weight", "fc2_weight", "fc1_bias", "gate_bi
 
 
 def _group_rows(counts: Sequence[int], device) -> torch.Tensor:
-    """Each row's group index for rows grouped by ``counts``."""
+    """Each row's group index for rows grouped by ``counts`` (host integers: the output size is given,
+    so a GPU need not be waited on to learn it)."""
+    counts = [int(c) for c in counts]
     return torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                   torch.as_tensor(list(counts), device=device))
+                                   torch.as_tensor(counts, device=device), output_size=sum(counts))
 
 
 def grouped_product(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
