@@ -77,11 +77,31 @@ def test_one_exit_status_rule():
 
 def test_an_error_only_one_rank_raised_is_not_lost():
     """A configuration error raised on rank 1 alone (an engine script's): rank 1 waits for the launcher
-    to end it as usual; still alive after the wait, it prints the line itself, with its rank."""
+    to end it as usual; still alive after the wait, it prints the line itself, with its rank.  The
+    trainer's errors, raised on every rank alike, stay rank 0's one line."""
     import io
     from megazero.errors import ConfigError
     from megazero.resilience.errors import report_failure
     out = io.StringIO()
     assert report_failure(ConfigError("--my-flag 7: give 1 or 2"), prog="s.py", rank=1, world_size=2,
-                          stream=out, wait=0.1) == 2
+                          stream=out, wait=0.1, speak_after_wait=True) == 2
     assert out.getvalue() == "s.py: error: rank 1: --my-flag 7: give 1 or 2\n"
+    quiet = io.StringIO()
+    assert report_failure(ConfigError("--x"), rank=1, world_size=2, stream=quiet, wait=0.1) == 2
+    assert quiet.getvalue() == ""
+
+
+def test_the_engines_hook_lets_a_lone_rank_speak(monkeypatch):
+    """An engine script's uncaught error goes through report_failure with speak_after_wait."""
+    import megazero.resilience.errors as errors
+    from megazero.engine.process_exit import ReportUncaught
+    from megazero.errors import ConfigError
+    seen = {}
+
+    def fake(err, **kw):
+        seen.update(kw)
+        return 2
+    monkeypatch.setattr(errors, "report_failure", fake)
+    with pytest.raises(SystemExit) as ended:
+        ReportUncaught(lambda *a: None)(ConfigError, ConfigError("--x"), None)
+    assert ended.value.code == 2 and seen.get("speak_after_wait") is True

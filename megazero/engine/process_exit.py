@@ -43,7 +43,8 @@ class ReportUncaught:
         from megazero.resilience.errors import report_failure
         # called by another hook (torch's buffers sys.stderr meanwhile): write where the process writes
         stream = sys.stderr if sys.excepthook is self or sys.__stderr__ is None else sys.__stderr__
-        code = report_failure(err, prog=os.path.basename(sys.argv[0] or "script"), stream=stream)
+        code = report_failure(err, prog=os.path.basename(sys.argv[0] or "script"), stream=stream,
+                              speak_after_wait=True)  # a script's error may be one rank's alone
         raise SystemExit(code)
 
 

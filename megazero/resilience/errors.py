@@ -6,8 +6,9 @@ the subsystems that raise them):
 
 * raised identically on every rank (``config``: a bad flag; ``everywhere``: a checkpoint problem,
   a diverged run): global rank 0 prints it; every other rank stays silent and waits (bounded) for
-  its launcher to end it, so that ``torchrun`` never kills rank 0 before rank 0 has printed (a rank
-  still alive after the wait, whose error rank 0 did not share, prints it then, with its rank);
+  its launcher to end it, so that ``torchrun`` never kills rank 0 before rank 0 has printed (under the
+  engine, whose scripts may raise on one rank only, a rank still alive after the wait prints it then,
+  with its rank);
 * seen by one rank only (``local``: a collective that timed out, a peer that vanished, bad data in
   this rank's batch): that rank prints it, prefixed with its rank.
 
@@ -59,12 +60,15 @@ def rank_of_env() -> int:
 
 def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Optional[int] = None,
                    world_size: Optional[int] = None, stream: Optional[TextIO] = None,
-                   wait: float = WAIT_FOR_RANK0) -> int:
+                   wait: float = WAIT_FOR_RANK0, speak_after_wait: bool = False) -> int:
     """Print ``err`` the way its kind asks (see the module docstring) and return its exit status
     (:func:`megazero.errors.exit_status_of`: 2 for a configuration error or an unusable checkpoint, 1
     otherwise).
     A rank that stays silent first waits up to ``wait`` seconds when other ranks exist: its launcher
-    ends it once rank 0 has printed and exited."""
+    ends it once rank 0 has printed and exited; with ``speak_after_wait`` (the engine's scripts, whose
+    errors need not be raised on every rank) a rank still alive when the wait runs out prints its line
+    then, with its rank.  megazero's own programs raise such errors on every rank alike and keep one
+    line: under a launcher that ends no rank (``run_ranks``, srun) every rank would print it."""
     rank = rank_of_env() if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if world_size is None else world_size
     stream = sys.stderr if stream is None else stream
@@ -81,9 +85,10 @@ def report_failure(err: BaseException, prog: str = "pretrain_gpt.py", rank: Opti
     if kind != "bug":
         write_error_file(str(err))
     if kind in (CONFIG, EVERYWHERE) and rank != 0 and world > 1 and wait > 0:
-        if _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0)):
-            # nobody ended this rank: rank 0 did not raise it (an engine script's error on one rank),
-            # so this rank says it rather than exit in silence
+        alive = _wait_for_launcher(wait if "TORCHELASTIC_RUN_ID" in os.environ else min(wait, 5.0))
+        if alive and speak_after_wait:
+            # nobody ended this rank: rank 0 may not have raised it (an engine script's error on one
+            # rank), so this rank says it rather than exit in silence
             stream.write(f"{prog}: error: rank {rank}: {err}\n")
             stream.flush()
     return code
