@@ -276,7 +276,7 @@ def test_units_are_the_submodules_owning_parameters_tied_and_small_ones_go_to_th
 
 
 def test_zero_init_in_one_process_keeps_the_whole_slice_and_gathers_back():
-    from megazero.engine.partition import GatheredParameters, Init
+    from megazero.zero.partition import GatheredParameters, Init
     torch.manual_seed(3)
     ref = Tied()
     torch.manual_seed(3)

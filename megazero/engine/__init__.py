@@ -6,7 +6,7 @@ offload and checkpoint code (docs/engine.md).
   ds_config read into megazero's config sections, every key it does not support named;
 - :mod:`~megazero.engine.engine`: the :class:`Engine` (forward, backward, step, counters);
 - :mod:`~megazero.engine.units`: ZeRO-3 units for any module (per-submodule gathering);
-- :mod:`~megazero.engine.partition`: :class:`Init` and :class:`GatheredParameters`;
+- :mod:`~megazero.zero.partition`: :class:`Init` and :class:`GatheredParameters`;
 - :mod:`~megazero.engine.optim`, :mod:`~megazero.engine.schedulers`: the optimizer settings and
   DeepSpeed's learning-rate schedules;
 - :mod:`~megazero.engine.checkpointing`, :mod:`~megazero.engine.consolidate`: checkpoints in
@@ -20,7 +20,7 @@ from megazero.engine.consolidate import (convert_zero_checkpoint_to_fp32_state_d
                                          load_state_dict_from_zero_checkpoint)
 from megazero.engine.engine import Engine
 from megazero.engine.initialize import add_config_arguments, init_distributed, initialize
-from megazero.engine.partition import GatheredParameters, Init
+from megazero.zero.partition import GatheredParameters, Init
 from megazero.engine.units import register_external_parameter
 
 __all__ = ["Engine", "GatheredParameters", "Init", "add_config_arguments",

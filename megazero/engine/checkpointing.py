@@ -277,7 +277,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.
     with ``torch.save`` (collective); ``exclude_frozen_parameters`` leaves out the parameters that do not
     require a gradient.  Under ZeRO-3 only with ``stage3_gather_16bit_weights_on_model_save``
     (DeepSpeed's rule), else nothing is written and it returns False."""
-    from megazero.engine.partition import GatheredParameters
+    from megazero.zero.partition import GatheredParameters
     if engine.zero.stage3 is not None and not engine.config.gather_16bit_on_save:
         if engine.global_rank == 0:
             print("[megazero] save_16bit_model: nothing saved under ZeRO-3 without "

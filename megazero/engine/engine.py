@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.engine import partition
+from megazero.zero import partition
 from megazero.engine.optim import EngineOptimizer, check_one_schedule, current_lr
 from megazero.engine.units import module_blocks
 from megazero.precision import compute_dtype
@@ -61,7 +61,7 @@ class Engine(torch.nn.Module):
     # ---- start-up -----------------------------------------------------------------------
     def _sync_initial_state(self) -> None:
         """Every DP rank starts from rank 0's parameters and buffers (DeepSpeed's broadcast); those
-        :class:`~megazero.engine.partition.Init` partitioned were broadcast then."""
+        :class:`~megazero.zero.partition.Init` partitioned were broadcast then."""
         if self.mesh.size("dp") == 1:
             return
         group = self.mesh.group("dp")
