@@ -45,12 +45,12 @@ LAYOUTS = {  # name -> (world size, layout settings, families, deferred)
 }
 
 
-def _full_tied_copy(chunks, mesh):
+def _full_tied_copy(chunks):
     """The last stage's tied copy of the embedding as a full unpadded tensor (None where absent)."""
     import models
     for c in chunks:
-        if c.post_process and getattr(getattr(c, "output_layer", None), "weight", None) is not None \
-                and getattr(c.output_layer.weight, "tied_copy", False):
+        head = getattr(c, "output_layer", None)
+        if c.post_process and getattr(getattr(head, "weight", None), "tied_copy", False):
             return models.full_state_dict(c)["output_layer.weight"]
     return None
 
@@ -77,7 +77,7 @@ def _build_and_save(families, layout, directory, deferred):
         optimizer = build_optimizer(chunks, mesh, cfg)
         realize_rest(chunks, mesh.device, compute_dtype(cfg))
         if cfg.parallel.zero_stage < 3:
-            tied[family] = _full_tied_copy(chunks, mesh)
+            tied[family] = _full_tied_copy(chunks)
         save(os.path.join(directory, family), 0, chunks, optimizer, mesh, cfg)
     return tied
 
