@@ -72,8 +72,8 @@ class GPTModel(nn.Module):
         self.zero3_free_root_in_backward = True
         self.layers, self.pre_process, self.post_process = layers, pre_process, post_process
         self.eod = document_eod(cfg)  # None unless documents reset attention or positions
-        self.reset_attention = self.eod is not None and cfg.data.reset_attention_mask
-        self.reset_positions = self.eod is not None and cfg.data.reset_position_ids
+        self.reset_attention = cfg.data.reset_attention_mask
+        self.reset_positions = cfg.data.reset_position_ids
         self.needs_tokens = self.reset_attention or self.reset_positions
         self.sequence_parallel = cfg.parallel.sequence_parallel
         self.cp_size, self.cp_rank = mesh.size("cp"), mesh.coord("cp")
@@ -187,8 +187,9 @@ class GPTModel(nn.Module):
             ranks = [docs[:, cp_positions(s, self.cp_size, r, device=docs.device)]
                      for r in range(self.cp_size)]
             return {w: ranks for w in windows}
-        if docs is not None:
-            return {w: document_mask(docs, active_window(w, seq), x.dtype) for w in windows}
+        if docs is not None:  # one mask per window that differs on this sequence, shared by the layers
+            built = {a: document_mask(docs, a, x.dtype) for a in {active_window(w, seq) for w in windows}}
+            return {w: built[active_window(w, seq)] for w in windows}
         if self.cp_size > 1 or m.attn_logit_softcapping is not None:
             return {}
         windows = {active_window(layer_window(m, i), seq) for i in self.layers} - {None}

@@ -76,7 +76,8 @@ class AllToAllDispatcher:
     def __call__(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  experts) -> torch.Tensor:
         mesh, ep, etp = self.mesh, self.mesh.size("ep"), self.mesh.size("etp")
-        counts = routing_map.sum(0).view(ep, self.num_local)  # [EP destination, E_local], on the device
+        # [EP destination, E_local], on the device the mesh's collectives take (the routing's own)
+        counts = mesh.collective_tensor(routing_map.sum(0).view(ep, self.num_local))
         recv = exchange_counts(counts, mesh.group("ep")) if ep > 1 else counts  # [EP source, E_local]
         # rows arrive in blocks (expert-TP peer, EP source, local expert)
         layout = gather_counts(recv, mesh.group("etp")) if etp > 1 else recv.unsqueeze(0)
