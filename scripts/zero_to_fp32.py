@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.engine.consolidate import convert_zero_checkpoint_to_fp32_state_dict  # noqa: E402
-from megazero.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, MegazeroError  # noqa: E402
+from megazero.errors import EXIT_OK, MegazeroError, exit_status_of  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
                                                    args.exclude_frozen_parameters)
     except MegazeroError as err:
         print(f"zero_to_fp32.py: error: {err}", file=sys.stderr)
-        return EXIT_USAGE if err.kind == "config" else EXIT_FAILURE
+        return exit_status_of(err)
     print(f"zero_to_fp32.py: wrote the fp32 state_dict of {args.checkpoint_dir} to {args.output_dir}")
     return EXIT_OK
 

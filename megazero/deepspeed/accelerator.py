@@ -9,12 +9,12 @@ and this one does not is an ``AttributeError`` of one line naming it and what ex
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from megazero.mesh import backend_for, default_device
+from megazero.planning.hardware import host_memory_bytes
 
 
 class Accelerator:
@@ -111,7 +111,7 @@ class Accelerator:
     def total_memory(self, device_index: Optional[int] = None) -> int:
         if self._cuda:
             return torch.cuda.get_device_properties(device_index or 0).total_memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(host_memory_bytes())
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
         return tensor.pin_memory() if self._cuda else tensor

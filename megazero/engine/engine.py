@@ -184,14 +184,6 @@ class Engine(torch.nn.Module):
         self._timers = dict.fromkeys(self._timers, 0.0)
 
     # ---- modes and queries --------------------------------------------------------------
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        self.training = mode
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
     @property
     def lr_scheduler(self):
         return self._lr_scheduler

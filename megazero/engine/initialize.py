@@ -107,8 +107,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     source = _config_source(args, config, config_params)
     if dist_init_required is not False and not dist.is_initialized() and \
             int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        init_distributed(distributed_port=distributed_port)
-    if dist.is_initialized():
+        init_distributed(distributed_port=distributed_port)  # the hook and the tear-down with it
+    elif dist.is_initialized():  # the script's own group
         report_uncaught_errors()
         tear_down_at_exit()
     mesh = _mesh()

@@ -26,7 +26,7 @@ import time
 from typing import List, Optional, Sequence, TextIO, Tuple
 
 from megazero.errors import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from megazero.resilience.launch_args import read_launch_args, usage_problem  # noqa: F401
+from megazero.resilience.launch_args import read_launch_args
 
 PROG = "launch.py"
 
