@@ -177,8 +177,9 @@ class GPTModel(nn.Module):
         sequence, built once per forward and shared by the layers (SDPA keeps one tensor for all of
         them).  None where the kernel takes the window itself (context parallelism, soft-capping).
         With document ids ``docs [b, s]`` (``--reset-attention-mask``): one ``[b, 1, s, s]`` mask per
-        layer window (None included), causal within each document and the window; under context
-        parallelism every CP rank's document ids instead (a list, for the ring/Ulysses kernel)."""
+        layer window (None included), causal within each document and the window; where the blockwise
+        kernel runs (soft-capping) the document ids themselves, and under context parallelism every
+        CP rank's document ids (a list, for the ring/Ulysses kernel)."""
         m = self.cfg.model
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)
         windows = {layer_window(m, i) for i in self.layers}
@@ -187,6 +188,8 @@ class GPTModel(nn.Module):
             ranks = [docs[:, cp_positions(s, self.cp_size, r, device=docs.device)]
                      for r in range(self.cp_size)]
             return {w: ranks for w in windows}
+        if docs is not None and m.attn_logit_softcapping is not None:  # the kernel compares the ids
+            return {w: docs for w in windows}
         if docs is not None:  # one mask per window that differs on this sequence, shared by the layers
             built = {a: document_mask(docs, a, x.dtype) for a in {active_window(w, seq) for w in windows}}
             return {w: built[active_window(w, seq)] for w in windows}

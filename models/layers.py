@@ -182,16 +182,16 @@ class Attention(nn.Module):
         outside the window.  Soft-capped scores run in that kernel on one rank too (no s x s matrix
         either); a window otherwise goes to SDPA as the additive ``mask`` (shared by the layers).  Packed
         documents (``--reset-attention-mask``) come as a ``[b, 1, s, s]`` mask that holds the window
-        too: SDPA, or with soft-capping :meth:`capped_core`; under context parallelism as every CP
-        rank's document ids ``[b, s / cp]`` (a list), which the ring/Ulysses kernel compares."""
+        too for SDPA; with soft-capping as the document ids ``[b, s]``, which the blockwise kernel
+        compares tile by tile; under context parallelism as every CP rank's document ids ``[b, s / cp]``
+        (a list), which the ring/Ulysses kernel compares."""
         if self.mesh.size("cp") > 1:  # mask: None, or every CP rank's document ids (packed documents)
             return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type,
                                   scale=self.scale, window=self.window, softcap=self.softcap,
                                   documents=mask)
-        if self.softcap is not None and mask is not None:  # packed documents: the mask holds the window
-            return self.capped_core(q, k, v, mask)
-        if self.softcap is not None:
-            return blockwise_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap)[0]
+        if self.softcap is not None:  # mask: None, or the document ids (packed documents)
+            return blockwise_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap,
+                                       q_documents=mask, k_documents=mask)[0]
         kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=True)
         if self.q_per_group > 1 and native_gqa(q, mask):  # the kernel reads each K/V head per group
             kw["enable_gqa"] = True
@@ -202,20 +202,6 @@ class Attention(nn.Module):
             with self.tracker.fork():  # heads are split over TP: a different mask on each rank
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, scale=self.scale, **kw)
         return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kw)
-
-    def capped_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
-        """Soft-capped scores under an additive ``mask`` (packed documents, ``--reset-attention-mask``):
-        ``softmax(cap tanh(QK^T scale / cap) + mask) V`` with the softmax in fp32 (or wider)."""
-        k = k.repeat_interleave(self.q_per_group, dim=1)
-        v = v.repeat_interleave(self.q_per_group, dim=1)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / self.softcap) * self.softcap
-        probs = (scores + mask).softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        if self.training and self.dropout > 0:
-            with self.tracker.fork():
-                probs = F.dropout(probs, self.dropout)
-        return torch.matmul(probs, v)
 
     def split_qkv(self, qkv: torch.Tensor):
         """``[s, b, groups * (q_per_group + 2) * d]`` -> ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``:
