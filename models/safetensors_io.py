@@ -204,7 +204,7 @@ class HFWeights:
         f, entry, start = self.entries[name]
         stored = DTYPES[entry["dtype"]]
         begin, end = entry["data_offsets"]
-        width = torch.empty((), dtype=stored).element_size()
+        width = WIDTHS[entry["dtype"]]
         out = torch.empty((end - begin) // width, dtype=dtype or stored)
         raw = out.view(torch.uint8) if out.dtype == stored else torch.empty(0, dtype=torch.uint8)
         with open(os.path.join(self.directory, f), "rb", buffering=0) as fh:
