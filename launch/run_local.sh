@@ -39,7 +39,7 @@ fi
 RUN_DIR="${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$RUN_DIR/logs"
 echo "run_local.sh: $NPROC processes, up to $MAX_RESTARTS restarts; per-rank logs in $RUN_DIR/logs" >&2
-# one intra-op thread per rank unless set: the rule and its reasons live in megazero/threads.py
+# one intra-op thread per rank unless set: the rule and its reasons live in megazero/process/threads.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # --standalone: c10d rendezvous on a free local port, so restarted workers meet afresh
 exec "$PY" "$root/scripts/launch.py" --standalone --nnodes 1 --nproc-per-node "$NPROC" \

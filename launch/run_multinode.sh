@@ -58,7 +58,7 @@ fi
 RUN_DIR="${RUN_DIR:-runs/$RDZV_ID}"
 LOG_DIR="$RUN_DIR/logs/$(hostname)"
 mkdir -p "$LOG_DIR"
-# one intra-op thread per rank unless set: the rule and its reasons live in megazero/threads.py
+# one intra-op thread per rank unless set: the rule and its reasons live in megazero/process/threads.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" "$root/scripts/launch.py" --join-timeout "$JOIN_TIMEOUT" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazero.compiling import compile_layers
+from megazero.tensor_parallel.compiling import compile_layers
 from megazero.context_parallel import cp_positions, gather_cp_loss, split_for_cp
 from megazero.mesh import ParallelMesh
-from megazero.recompute import recompute
+from megazero.tensor_parallel.recompute import recompute
 from megazero.tensor_parallel.cpu_matmul import linear_products, resolve_cpu_matmul
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megazero.tensor_parallel.deferred import new_param

@@ -24,7 +24,7 @@ from einops import rearrange
 
 from megazero.config.patterns import GATED, layer_uses_rope, layer_window
 from megazero.context_parallel import blockwise_attention, ring_attention
-from megazero.recompute import recompute
+from megazero.tensor_parallel.recompute import recompute
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megazero.tensor_parallel.mappings import copy_to_tp, reduce_from_tp

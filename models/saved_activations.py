@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
-from megazero.element_bytes import FP32
+from megazero.offload.element_bytes import FP32
 from megazero.planning.activations import Dims, Segment
 
 

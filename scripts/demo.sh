@@ -51,7 +51,7 @@ else
   echo "demo: CPUs (gloo): 8 ranks = TP 2 x PP 2 x DP 2, one thread each"
 fi
 dp=$((nproc / 4))
-# one intra-op thread per rank unless set: the rule and its reasons live in megazero/threads.py
+# one intra-op thread per rank unless set: the rule and its reasons live in megazero/process/threads.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-disabled}"
 rm -rf "$out/ckpt"

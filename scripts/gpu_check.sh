@@ -58,7 +58,7 @@ if [ "$dry" -eq 0 ]; then
   fi
   echo "gpu_check.sh: $gpus GPU(s): $("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))')"
 fi
-# one intra-op thread per rank unless set: the rule and its reasons live in megazero/threads.py
+# one intra-op thread per rank unless set: the rule and its reasons live in megazero/process/threads.py
 export WANDB_MODE=disabled OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$tests" -eq 1 ]; then
   run "$PY" -m pytest -q -rs -m gpu tests/test_gpu.py ${pytest_args[@]+"${pytest_args[@]}"}

@@ -8,7 +8,7 @@ cd "$root"
 # byte-compile the sources once: every test that starts python reads them instead of compiling them
 # again (with PYTHONDONTWRITEBYTECODE set, as on CI machines, nothing else would keep them)
 "$root/.venv/bin/python" -m compileall -q megazero models scripts >/dev/null
-# one intra-op thread per test process (megazero/threads.py states the rule for ranks)
+# one intra-op thread per test process (megazero/process/threads.py states the rule for ranks)
 export WANDB_MODE=disabled OMP_NUM_THREADS=1
 # two pytest workers (pytest-xdist) where there are two cores or more: the multi-rank tests fork
 # their ranks either way; MEGAZERO_TEST_WORKERS=N sets the count, 0 (or -n 0) runs one process

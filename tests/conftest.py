@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from megazero.threads import set_rank_threads  # noqa: E402 - after the path
+from megazero.process.threads import set_rank_threads  # noqa: E402 - after the path
 
-set_rank_threads()  # one intra-op thread per rank, as megazero.threads states
+set_rank_threads()  # one intra-op thread per rank, as megazero.process.threads states
 
 # Tests of over ~0.5 s each (measured with --durations on 2 busy cores) that the fast tier leaves out,
 # beside those marked @pytest.mark.slow where they are defined (the end-to-end runs).  Every

@@ -10,7 +10,7 @@ import megazero.checkpoint.writer as ckpt_save
 from megazero.checkpoint import CheckpointError, checkpoint_path, latest_iteration, load, save
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.mesh import ParallelMesh
-from megazero.local_ranks import RankError, run_ranks
+from megazero.process.local_ranks import RankError, run_ranks
 from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 N, K = 4, 2  # iterations in all; the interrupted runs save after K and resume for N - K

@@ -14,7 +14,7 @@ from megazero.checkpoint import (CheckpointCorrupt, CheckpointError, SaveLock, c
                                  checkpoint_path, latest_iteration, load, save)
 from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from tolerance import R_TRAIN
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megazero.context_parallel import (blockwise_attention, check_comm_type, cp_chunk_bounds, cp_positions,
                                        gather_from_cp, ring_attention, split_for_cp)
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 B, D = 2, 8
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from models import build_model, full_state_dict
 from tolerance import C_FWD, C_FWD_BWD, R_TRAIN, fp32_bound

@@ -542,7 +542,7 @@ def _train_history(cfg):
 
 
 def test_training_on_preprocessed_text_one_process_and_dp2(corpus):
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     cfg = _data_cfg([corpus["txt"]], tokenizer_model=corpus["tok"], train_iters=8, eval_interval=8,
                     eval_iters=1, lr=1e-2)
     ref = _train_history(cfg)

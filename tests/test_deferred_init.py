@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from megazero.config import config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel.deferred import (DeferredInitWarning, build_chunks, building_deferred,
                                                initial_value, is_deferred, realize_rest)

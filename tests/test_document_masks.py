@@ -6,7 +6,7 @@ import torch
 from megazero.config import ConfigError, config_from_dict, parse_args, validate
 from megazero.data import build_data, micro_batches
 from megazero.data.documents import document_ids, document_mask, document_positions
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from models import build_model
 from oracle_models import FAMILIES, family_cfg
 from tolerance import R_TRAIN

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from megazero.local_ranks import RankError, run_ranks
+from megazero.process.local_ranks import RankError, run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,7 +21,7 @@ import torch
 
 import megazero.engine  # noqa: F401
 import torch._dynamo  # noqa: F401  (the first torch optimizer imports it, ~2 s: paid at collection)
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 SGD_TOL, ADAM_TOL = 1e-6, 1e-5
 MB, GA = 4, 2

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from test_ds_config_keys import cifar10_config
 from tolerance import R_TRAIN_ADAM
 

@@ -18,7 +18,7 @@ it and fails an update that uses half the batch.
 import pytest
 import torch
 
-from megazero.local_ranks import RankError, run_ranks
+from megazero.process.local_ranks import RankError, run_ranks
 from tolerance import R_TRAIN_ADAM
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 import models
 from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from models.generate import next_token
 from models.layers import KVCache
 

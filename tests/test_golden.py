@@ -35,7 +35,7 @@ def _train(cfg):
 
 def measure(family, world=1, **layout):
     """The family's first two losses and first gradient norm at ``layout`` (one process by default)."""
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     cfg = family_cfg(family, **layout)
     hist = _train(cfg) if world == 1 else run_ranks(_train, world, cfg, timeout=300)[0]
     return {"loss_1": hist[0]["loss"], "grad_norm_1": hist[0]["grad_norm"], "loss_2": hist[1]["loss"]}
@@ -75,7 +75,7 @@ def test_untied_uneven_pp4_1f1b_matches_one_process():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     sys.path.insert(0, os.path.dirname(HERE))
-    from megazero.threads import set_rank_threads
+    from megazero.process.threads import set_rank_threads
     set_rank_threads()
     values = {f: measure(f) for f in FAMILIES}
     with open(GOLDEN, "w") as f:

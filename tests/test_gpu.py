@@ -184,7 +184,7 @@ dist.destroy_process_group()
 def test_gradient_norm_on_cuda_uses_foreach_and_matches_the_cpu():
     out = _python("""
 import torch
-from megazero.clip import local_square_sums
+from megazero.optim.clip import local_square_sums
 g = torch.Generator().manual_seed(0)
 pieces = [(torch.randn(n, generator=g), i % 2 == 0) for i, n in enumerate((70000, 3, 1 << 20, 5))]
 cpu = local_square_sums(pieces)

@@ -8,7 +8,7 @@ import torch
 
 from megazero.config import ConfigError
 from megazero.mesh import ParallelMesh
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from models.hf import config_from_hf, from_hf, to_hf
 from tolerance import C_FWD, fp32_bound
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megazero.config import ConfigError
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from models.generate import generate
 from models.hf import config_from_hf, from_hf, to_hf

@@ -12,7 +12,7 @@ import torch
 
 from megazero.config import config_from_dict
 from megazero.data.mock import MockGPTData
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from hf_families import EXPORTED_AS, VOCAB, hf_model
 from tolerance import R_TRAIN
 

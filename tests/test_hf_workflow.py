@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megazero.data.mock import MockGPTData
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # end to end: 8-rank fine-tuning runs, subprocesses

@@ -115,7 +115,7 @@ def test_estimated_peak_rss_matches_two_ranks_with_both_nvme_tiers(tmp_path):
 # ---- --host-malloc: glibc keeps the memory that tensors free, or returns it ----------------------
 def test_host_malloc_auto_keeps_on_cpus_with_whole_model_states_and_releases_otherwise():
     from megazero.config.sections import field_index
-    from megazero.host_memory import HOST_MALLOC, host_malloc_policy, set_host_malloc
+    from megazero.offload.host_memory import HOST_MALLOC, host_malloc_policy, set_host_malloc
     assert tuple(field_index()["host_malloc"][1].metadata["choices"]) == HOST_MALLOC  # the schema's own list
     assert host_malloc_policy(_cfg(), "cpu") == "keep"
     assert host_malloc_policy(_cfg(), "cuda") == "release"  # no activations in host memory
@@ -134,7 +134,7 @@ def test_host_malloc_auto_keeps_on_cpus_with_whole_model_states_and_releases_oth
 # 64-byte-aligned request at once: the heap grows a few times before it holds both).
 _FAULTS = """
 import resource, sys, torch
-from megazero.host_memory import set_host_malloc
+from megazero.offload.host_memory import set_host_malloc
 applied = set_host_malloc(sys.argv[1]) if sys.argv[1] != "none" else None
 def rounds(n):
     for _ in range(n):
@@ -159,7 +159,7 @@ def _faults(policy: str, **env):
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc and /proc")
 def test_keep_reuses_freed_host_memory_and_release_faults_it_in_again():
-    from megazero.host_memory import _glibc
+    from megazero.offload.host_memory import _glibc
     if _glibc() is None:
         pytest.skip("the C library is not glibc")
     pages = 20 * (4 << 20) // 4096  # what 20 fresh 4 MiB blocks fault in

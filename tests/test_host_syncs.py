@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megazero.config import config_from_dict
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 READS = ("item", "__float__", "__int__", "__bool__", "__index__", "tolist")
 # ops whose output's size depends on the values: on a GPU each waits for them (repeat_interleave only

@@ -18,7 +18,7 @@ import torch
 
 from megazero.checkpoint import read_weights, save
 from megazero.config import validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from oracle_models import DENSE, FAMILIES, family_cfg
 
 LAYOUTS = {  # name -> (world size, layout settings, families, deferred)
@@ -59,7 +59,7 @@ def _build_and_save(families, layout, directory, deferred):
     """On each rank: every family built at this layout as the trainer builds it, its initial weights
     saved as iteration 0 under ``directory/<family>``; returns the tied copies seen below ZeRO-3."""
     import models
-    from megazero.precision import compute_dtype
+    from megazero.optim.precision import compute_dtype
     from megazero.tensor_parallel.deferred import DeferredInitWarning, build_chunks, realize_rest
     from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training.loop import build_mesh

@@ -104,10 +104,11 @@ def test_command_line_programs_live_outside_the_engine():
 
 
 def test_one_source_for_exit_statuses_and_thread_defaults():
-    """megazero.errors holds the exit statuses and megazero.threads the per-rank thread rule: no program
-    of megazero, models or scripts returns a literal status from its main() or sets one thread itself."""
+    """megazero.errors holds the exit statuses and megazero.process.threads the per-rank thread rule: no
+    program of megazero, models or scripts returns a literal status from its main() or sets one thread
+    itself."""
     import re
-    from megazero.threads import THREADS_PER_RANK, rank_thread_env
+    from megazero.process.threads import THREADS_PER_RANK, rank_thread_env
     assert rank_thread_env({})["OMP_NUM_THREADS"] == str(THREADS_PER_RANK) == "1"
     assert rank_thread_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
     assert rank_thread_env({"OMP_NUM_THREADS": "4"}, force=True)["OMP_NUM_THREADS"] == "1"

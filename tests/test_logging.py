@@ -176,7 +176,7 @@ def _train_tiny(cfg):
 def test_training_run_metrics_file_equals_wandb_offline_run(tmp_path, monkeypatch):
     """Two DP ranks train; rank 0 alone writes the metrics file and one offline wandb run, with the
     same values."""
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = MegazeroConfig()
     cfg.data.mock_data = True

@@ -9,7 +9,7 @@ import pytest
 from megazero.config import ConfigError, parse_args
 from megazero.config.megatron import IGNORED, REFUSED
 from megazero.training.lr import lr_from_config
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 
 def gpt3_175b_flags(tmp, vocab_file, merge_file):

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from megazero.config import ConfigError, parse_args
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from test_megatron import gpt2_bpe, gpt3_175b_flags, llama3_8b_flags  # noqa: F401 - fixture and flag lists
 
 DECOUPLED = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]

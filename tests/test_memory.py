@@ -1,7 +1,7 @@
 """The memory model: parameter counts, the exact model state, and estimate vs measurement.
 
 The six-layout test runs each configuration on forked gloo ranks with the trainer's pieces
-(megazero.planning.measure) and checks the estimate per component: model state exact, activations (bytes
+(megazero.training.measure) and checks the estimate per component: model state exact, activations (bytes
 autograd keeps for backward, peak over the schedule) within 10%."""
 import json
 import os
@@ -14,7 +14,7 @@ from megazero.planning.activations import Dims, dims
 from megazero.config import config_from_dict, validate
 from megazero.planning.estimate import estimate, estimate_rank, estimate_stages, stage_params, total_params
 from megazero.mesh import ParallelMesh
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from models import saved_activations
 from models.saved_activations import core_bytes, layer_bytes
 
@@ -115,7 +115,7 @@ def test_flash_attention_keeps_no_seq_squared_term():
 
 def _measure_one(settings):
     import models
-    from megazero.planning.measure import measure_rank
+    from megazero.training.measure import measure_rank
     return measure_rank(cfg_of(1, **settings), models.build_chunks, iters=1)["activation_bytes"]
 
 
@@ -223,7 +223,7 @@ LAYOUTS = {
 
 def _measure(settings):
     import models
-    from megazero.planning.measure import measure_rank
+    from megazero.training.measure import measure_rank
     return measure_rank(cfg_of(4, **settings), models.build_chunks, iters=1)
 
 

@@ -10,7 +10,7 @@ sequence parallelism the padding fillers go to the earliest tokens, so one TP ra
 than another.  The estimate is then an expectation: ``docs/planning.md``.)"""
 import pytest
 
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.planning.activations import dims, layer_dims
 from megazero.planning.estimate import estimate_stages, stage_params
 from test_memory import LLAMA, GPT2, SAVED, cfg_of
@@ -35,7 +35,7 @@ LAYOUTS = {
 
 def _measure(settings):
     import models
-    from megazero.planning.measure import measure_rank
+    from megazero.training.measure import measure_rank
     return measure_rank(cfg_of(4, **settings), models.build_chunks, iters=1)
 
 
@@ -108,7 +108,7 @@ def test_one_moe_layer_keeps_what_the_estimate_says(name):
     import torch
     from megazero.mesh import ParallelMesh
     from megazero.moe import MoEStats
-    from megazero.planning.measure import SavedTensorTracker
+    from megazero.training.measure import SavedTensorTracker
     from models.moe import MoELayer
     from models.saved_activations import moe_bytes
     settings = {k: v for k, v in dict(MOE, moe_layer_freq=1, **ROUTERS[name]).items() if v is not None}

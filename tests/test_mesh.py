@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from megazero.mesh import ParallelMesh, axis_groups, rank_groups
-from megazero.local_ranks import RankError, run_ranks
+from megazero.process.local_ranks import RankError, run_ranks
 
 
 def test_rank_groups_megatron_8_tp2_pp2():

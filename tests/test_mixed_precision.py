@@ -8,7 +8,7 @@ puts the single-process run from fp32.
 """
 import pytest
 
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from test_training import _cfg, _train_history
 
 STEPS = 12

@@ -96,7 +96,7 @@ def oracle():
 @pytest.mark.parametrize("style", ALL_PARAMS)
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_tensor_parallel_matches_one_process(oracle, style, tp, sp):
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     res = run_ranks(_tp_rank_run, tp, style, tp, sp)
     ref, got = oracle[style], res[0]
     assert got["weights"].keys() == ref["weights"].keys()
@@ -152,7 +152,7 @@ def _pipeline_rank(style):
 
 @pytest.mark.parametrize("style", ALL_PARAMS)
 def test_pipeline_chunks_and_tied_embedding(oracle, style):
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     first, last = run_ranks(_pipeline_rank, 2, style)
     ref = oracle[style]
     assert first["layers"] == range(0, 1) and last["layers"] == range(1, 2)
@@ -229,7 +229,7 @@ def test_recompute_modes_equal_no_recompute_with_dropout(style):
 
 
 def test_recompute_with_tensor_and_sequence_parallel():
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     for out, eval_loss in run_ranks(_recompute_runs, 2, "llama", 2, True):
         _check_recompute(out, eval_loss)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.config import parse_args
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from megazero.moe import GroupedExperts, MoEStats, build_dispatcher, grouped_product
 from megazero.moe.routing import (apply_capacity, aux_loss_scores, expert_capacity, seq_aux_loss,

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from megazero.config import config_from_dict
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 LOSSES = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")

@@ -8,7 +8,7 @@
   and the file is never created (``load_checkpoint`` and ``zero_to_fp32``);
 * ``--moe-layer-freq`` is read by a bounded grammar: ``[1]*9**9**9`` is refused at once, Megatron-LM's
   forms give the lists ``eval`` gave;
-* :func:`megazero.local_ranks.run_ranks` reads its ranks' results with ``weights_only=True``.
+* :func:`megazero.process.local_ranks.run_ranks` reads its ranks' results with ``weights_only=True``.
 """
 import ast
 import base64
@@ -253,7 +253,7 @@ def _planted_result(sentinel):
 
 
 def test_run_ranks_reads_plain_results_and_refuses_others(tmp_path):
-    from megazero.local_ranks import RankError, run_ranks
+    from megazero.process.local_ranks import RankError, run_ranks
     (got,) = run_ranks(_plain_result, 1)
     assert torch.equal(got["t"], torch.ones(2)) and got["l"] == [1, 2.5, "s", None, (True,)]
     assert got["dtype"] is torch.float16 and got["r"] == range(3)

@@ -360,7 +360,7 @@ def test_a_second_store_on_the_same_swap_file_is_refused_and_the_first_is_not_tr
     and leaves the file alone; a store of another name (another tier) shares the directory."""
     holder = subprocess.Popen(  # a store's lock and file (without importing torch: quick)
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from megazero.run_lock import RunLock; RunLock.acquire(sys.argv[2] + '/.rank0.swap.lock'); "
+         "from megazero.process.run_lock import RunLock; RunLock.acquire(sys.argv[2] + '/.rank0.swap.lock'); "
          "open(sys.argv[2] + '/rank0.swap', 'wb').write(b'state' * 4096); print('held', flush=True); "
          "time.sleep(120)", ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,7 +10,7 @@ import torch
 
 from megazero.checkpoint import read_weights
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 # 16 KiB x 3 keys per streaming buffer: sub-groups of 4096 elements, so the tiny GPT (~57k
 # parameters) streams about 14 sub-groups per rank and the read-ahead / write-back really overlap

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
 from megazero.resilience import CollectiveError, ExitSignals, NumericalError, report_failure
 from megazero.resilience.faults import FaultInjector, parse_faults
@@ -198,7 +198,7 @@ def test_every_expected_error_has_its_kind_and_resilience_imports_no_subsystem(c
     """The reporter goes by each class's ``kind`` (megazero.errors), so it needs none of the
     subsystems that raise them: megazero.resilience imports no config, checkpoint or precision."""
     from megazero.checkpoint import CheckpointCorrupt
-    from megazero.precision import LossScaleError
+    from megazero.optim.precision import LossScaleError
     from megazero.resilience import DataError
     assert report_failure(LossScaleError("diverged"), rank=0, world_size=1, wait=0) == 1
     # (an unusable checkpoint is a usage error: exit status 2, megazero.errors.exit_status_of)

@@ -15,7 +15,7 @@ import torch
 
 from megazero.checkpoint import latest_iteration
 from megazero.config import ConfigError, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.resilience import NumericalError
 from megazero.resilience.numerics import LossSpikeGuard
 from models.cli import pretrain_main

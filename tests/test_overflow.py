@@ -38,7 +38,7 @@ def _fp16(**layout):
                          ids=["tp1-first-stage", "last-stage-dp1", "zero3-last-stage-dp1"])
 def test_overflow_on_one_rank_skips_everywhere(target_rank, zero):
     """fp16 under TP 2 x PP 2 x DP 2 with ZeRO-2 and ZeRO-3 against the one-process oracle."""
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     micro = 8 // 2  # micro-batches per DP rank at DP 2 (global batch 8, micro batch 1)
     # one process: the overflow in step 2 (its backward passes 9..16; 8 micro-batches a step)
     (ref,) = run_ranks(_train, 1, _fp16(), 0, 8 + 1)

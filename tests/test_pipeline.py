@@ -14,7 +14,7 @@ from megazero.mesh import ParallelMesh
 from megazero.pipeline.executor import PipelineTimer, _can_deallocate, run_forward_only, run_schedule
 from megazero.pipeline.partition import stage_layers
 from megazero.pipeline.schedules import ScheduleError
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from tolerance import C_FWD, C_FWD_BWD, U32, fp32_bound
 
 V, H, S, B = 13, 8, 5, 2  # vocab, hidden, sequence, micro-batch
@@ -343,7 +343,7 @@ def _gpt_batches(cfg, m, seed):
 
 def _gpt_worker(tp, pp, dp, cases):
     from megazero.pipeline.p2p import p2p_tensor_shape
-    from megazero.precision import compute_dtype
+    from megazero.optim.precision import compute_dtype
     from models import build_chunks, full_state_dict
     mesh = ParallelMesh.build(tp=tp, pp=pp)
     out = []

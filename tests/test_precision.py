@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megazero.config import PrecisionConfig
-from megazero.precision import (ConstantLossScaler, DynamicLossScaler, LossScaleError, build_loss_scaler,
-                                compute_dtype)
+from megazero.optim.precision import (ConstantLossScaler, DynamicLossScaler, LossScaleError,
+                                      build_loss_scaler, compute_dtype)
 
 
 def test_scale_halves_only_after_hysteresis_overflows():

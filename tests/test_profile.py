@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.training.profiling import StepProfiler, startup_line, trace_path
 from megazero.training.trace_lanes import separate_crossing_slices
 

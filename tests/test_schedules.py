@@ -10,7 +10,7 @@ from megazero.config.batch_schedule import (batch_size_at, consumed_after, itera
                                             parse_step_schedule, rampup_schedule)
 from megazero.config import ConfigError, config_from_dict, parse_args
 from megazero.training.lr import lr_from_config, lrs_at
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from tolerance import R_TRAIN
 
 

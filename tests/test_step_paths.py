@@ -10,10 +10,10 @@ import torch
 from megazero.config import config_from_dict, validate
 from megazero.data import MockGPTData, micro_batches, stage_keys
 from megazero.data.loader import StepBatches
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.pipeline.schedules import build_schedule, stage_schedule, steps
 from megazero.planning.activations import dims
-from megazero.precision import apply_tf32
+from megazero.optim.precision import apply_tf32
 from megazero.tensor_parallel.layers import linear
 from megazero.zero.flat_optim import FlatAdamW
 from models.layers import native_gqa

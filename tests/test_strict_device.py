@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all",
                "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
@@ -90,7 +90,7 @@ def strict_devices(device: torch.device, seen: dict):
 # ---- the harness and the scalar collectives ------------------------------------------------------
 def _scalar_rank():
     from megazero.checkpoint.comm import all_ok, on_rank0
-    from megazero.clip import global_norm_and_overflow
+    from megazero.optim.clip import global_norm_and_overflow
     from megazero.config import parse_args
     from megazero.mesh import ParallelMesh
     from megazero.moe.stats import reduce_step

@@ -11,7 +11,7 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLi
                                              init_full, linear, normal_init, onednn_linear_available,
                                              pad_rows)
 from megazero.tensor_parallel.cpu_matmul import resolve_cpu_matmul
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from tolerance import U32
 
 # The mappings move float64 data; the only arithmetic is a sum over <= 4 ranks of values

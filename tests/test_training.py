@@ -11,7 +11,7 @@ import torch
 from megazero.config import MegazeroConfig, config_from_dict, validate
 from megazero.planning.flops import (device_peak_flops, hardware_flops_per_iteration,
                                      layer_forward_flops_per_token, model_flops_per_iteration, peak_flops)
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.training.lr import learning_rate
 from models.cli import pretrain_main
 from models.cli.pretrain import main

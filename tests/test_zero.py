@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from megazero.config import ConfigError, MegazeroConfig, validate
 from megazero.mesh import ParallelMesh
-from megazero.recompute import recompute
-from megazero.local_ranks import run_ranks
+from megazero.tensor_parallel.recompute import recompute
+from megazero.process.local_ranks import run_ranks
 from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
 from tolerance import C_FWD_BWD, R_TRAIN, R_TRAIN_ADAM, U32
 
@@ -549,7 +549,7 @@ def test_tied_embedding_bucket_reduces_the_head_and_the_lookup_parts_apart():
 def _gather_shards_cases():
     """gather_shards against all_gather_single: the world, a group of ranks 0 and 2 (global ranks
     differ from group ranks), the input already in place in the output, and the async handle."""
-    from megazero.distributed import all_gather_single, gather_shards
+    from megazero.process.distributed import all_gather_single, gather_shards
     rank = dist.get_rank()
     pair = dist.new_group([0, 2])  # every rank takes part in creating it
     out = []
@@ -846,9 +846,10 @@ def test_bf16_linear_weights_write_into_fp32_main_gradients():
     ("fp32", "adam", dict(offload_optimizer_device="cpu"), dict(P=4, G=4, master=4, state=8)),
 ])
 def test_bytes_per_element_have_one_source(dtype, optimizer, extra, want):
-    """megazero.element_bytes decides; ZeRO's K, the estimator's bytes per parameter and the model-state
-    figures all read it (the estimator used to miss the master copy of --offload-optimizer-device)."""
-    from megazero.element_bytes import bytes_per_element
+    """megazero.offload.element_bytes decides; ZeRO's K, the estimator's bytes per parameter and the
+    model-state figures all read it (the estimator used to miss the master copy of
+    --offload-optimizer-device)."""
+    from megazero.offload.element_bytes import bytes_per_element
     from megazero.planning.estimate import bytes_per_param
     cfg = _cfg(1, optimizer, dtype=dtype, **extra)
     assert bytes_per_element(cfg) == want

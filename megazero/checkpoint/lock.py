@@ -1,6 +1,6 @@
 """One writer per ``--save`` directory: ``DIR/.megazero.lock``.
 
-Global rank 0 of a run takes the directory's lock (:class:`megazero.run_lock.RunLock`: an exclusive
+Global rank 0 of a run takes the directory's lock (:class:`megazero.process.run_lock.RunLock`: an exclusive
 ``flock`` on the lock file, which names the holder) for as long as the run may save.  A second run
 that tries is refused at start-up with a message naming the holder.  The kernel drops the lock when
 the holder dies (``kill -9``, a crash), so a restarted job takes it again at once.  Every shard
@@ -14,7 +14,7 @@ import os
 from typing import Optional
 
 from megazero.checkpoint.errors import CheckpointError
-from megazero.run_lock import RunLock, describe_owner
+from megazero.process.run_lock import RunLock, describe_owner
 
 LOCK = ".megazero.lock"
 

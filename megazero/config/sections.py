@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from megazero.config.patterns import parse_pattern, parse_pattern_arg, parse_window
+from megazero.config.patterns import GATED, parse_pattern, parse_pattern_arg, parse_window
 
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -219,6 +219,11 @@ class ModelConfig:
                                              "or layers recomputed per stage (block).")
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
+
+    @property
+    def gated_mlp(self) -> bool:
+        """The MLP has a third weight, the gate (a :data:`~megazero.config.patterns.GATED` activation)."""
+        return self.activation in GATED
 
     def __post_init__(self):
         """Patterns and windows given as text (a config file, a saved config) in their parsed form;

@@ -430,7 +430,7 @@ def _check_precision(cfg: MegazeroConfig) -> None:
     with _owned_rule():
         resolve_cpu_matmul(pre.cpu_matmul)
     if pre.compile:
-        from megazero.compiling import check_compile
+        from megazero.tensor_parallel.compiling import check_compile
         with _owned_rule():
             import torch
             check_compile("cuda" if torch.cuda.is_available() else "cpu")

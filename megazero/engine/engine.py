@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megazero.zero import partition
 from megazero.engine.optim import EngineOptimizer, check_one_schedule, current_lr
 from megazero.engine.units import module_blocks
-from megazero.precision import compute_dtype
+from megazero.optim.precision import compute_dtype
 from megazero.zero.stage3 import Prefetch
 from megazero.zero.stages import shards_parameters
 

@@ -39,7 +39,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazero.config.patterns import GATED
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import init_full
 
@@ -120,7 +119,7 @@ class GroupedExperts(nn.Module):
         self.first = mesh.coord("ep") * self.num_local
         # --moe-grouped-gemm: one grouped product; without it, one product per expert (grouped_product)
         backend = backend or ("auto" if moe.moe_grouped_gemm else "loop")
-        self.gated, self.silu, self.backend = m.activation in GATED, m.activation == "swiglu", backend
+        self.gated, self.silu, self.backend = m.gated_mlp, m.activation == "swiglu", backend
         self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
         ffn, hidden, seed = moe.moe_ffn_hidden_size, m.hidden_size, cfg.training.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)

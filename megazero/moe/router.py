@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.context_parallel import cp_positions
-from megazero.distributed import all_gather_single
+from megazero.process.distributed import all_gather_single
 from megazero.moe.routing import (apply_capacity, aux_loss_scores, expert_capacity, score_dtype,
                                   seq_aux_loss, switch_aux_loss, topk_routing, z_loss)
 from megazero.moe.stats import MoEStats, attach_loss

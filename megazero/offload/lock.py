@@ -1,7 +1,7 @@
 """One run per swap file: each swap file under ``--nvme-path`` is locked before it is opened.
 
 A :class:`~megazero.offload.nvme.NvmeStore` takes the lock of its file (``.{file}.lock`` beside it,
-the mechanism of :mod:`megazero.run_lock`, as ``--save`` does) before it opens, truncates or
+the mechanism of :mod:`megazero.process.run_lock`, as ``--save`` does) before it opens, truncates or
 allocates anything, and drops it when the file is removed: a second run given the same
 ``--nvme-path`` is refused, naming the holder, instead of truncating the first run's swap files.
 Runs whose files differ (an optimizer tier and a parameter tier) may share a directory.
@@ -16,7 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megazero.errors import CONFIG, LOCAL, MegazeroError
-from megazero.run_lock import RunLock
+from megazero.process.run_lock import RunLock
 
 FLAG = "--nvme-path"
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional
 
-from megazero.element_bytes import compute_bytes
+from megazero.offload.element_bytes import compute_bytes
 from megazero.config.patterns import GATED, active_window, layer_uses_rope, layer_window, uses_rope
 from megazero.moe.routing import expert_capacity
 from megazero.moe.settings import moe_layers

@@ -1,7 +1,7 @@
 """Fit the planner's constants on the machine at hand: link alpha/beta, the compute rate, the
 per-layer overhead and how many ranks share a processor.
 
-:func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.local_ranks.run_ranks`; on a GPU cluster run
+:func:`calibrate` forks ``n`` gloo ranks (:func:`megazero.process.local_ranks.run_ranks`; on a GPU cluster run
 the same measurement under torchrun with NCCL) that all work at once, as in training:
 
 - all-reduces of fp32 buffers from 64 KB to 2 MB in groups of 2, 4 and all ranks (every group at
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.errors import ConfigError
-from megazero.threads import host_cores, set_rank_threads
+from megazero.process.threads import host_cores, set_rank_threads
 
 SIZES = (16384, 131072, 524288)  # fp32 elements: 64 KB .. 2 MB
 HIDDEN, HEADS, SEQ = 256, 4, 256  # the timed layer; batches of 1, 2 and 4 sequences
@@ -134,7 +134,7 @@ def _time_allreduces(repeats: int) -> List[tuple]:
 
 def core_peak(repeats: int = 10) -> float:
     """FLOP/s of one core on a large fp32 matrix product: the best of ``repeats`` products on one
-    thread (a rank's, :func:`megazero.threads.set_rank_threads`) in this process (interference only
+    thread (a rank's, :func:`megazero.process.threads.set_rank_threads`) in this process (interference only
     slows a product down, so the best is the core's)."""
     threads = torch.get_num_threads()
     set_rank_threads()
@@ -182,7 +182,7 @@ def fit_alpha_beta(points: List[tuple]) -> tuple:
 
 def measure_disk(directory: str, nbytes: int = 256 << 20) -> float:
     """Bytes per second a swap file under ``directory`` moves (module docstring)."""
-    from megazero.element_bytes import FP32
+    from megazero.offload.element_bytes import FP32
     from megazero.offload import NvmeStore
     from megazero.offload.aligned import aligned_empty, typed_view
     piece = 64 << 20
@@ -199,7 +199,7 @@ def measure_disk(directory: str, nbytes: int = 256 << 20) -> float:
 
 def calibrate(ranks: int = 8, disk_dir: str = None) -> Dict[str, object]:
     """Measure and fit (module docstring); returns the JSON-able constants."""
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     if ranks < 2:
         raise ValueError(f"--calibrate-ranks must be >= 2, got {ranks}")
     results = run_ranks(_rank_measurements, ranks, timeout=600.0)

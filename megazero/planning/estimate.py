@@ -28,7 +28,7 @@ component                   what it counts (where it comes from)
 
 Model state (``param/grad/optim``) is exact: :mod:`megazero.planning.model_state` replays the
 optimizer's bucket layout.  Activations are exact for what autograd saves (checked by
-``tests/test_memory.py`` against :mod:`megazero.planning.measure`).  ``comm_bytes`` is an upper bound of
+``tests/test_memory.py`` against :mod:`megazero.training.measure`).  ``comm_bytes`` is an upper bound of
 the measured high-water mark (a reduction that finishes early frees its buffers sooner), and the
 ZeRO-3 working set an estimate.  ``total_bytes`` is the device total; ``host_bytes`` the host
 memory of ``--offload-optimizer-device cpu`` (the optimizer state and one bucket's fp32 gradient
@@ -214,7 +214,7 @@ def peak_rss(row: Dict[str, object], runtime_bytes: int) -> int:
     """The peak resident memory of a rank on CPUs (where the device is the host), from its row of
     :func:`estimate_rank` for ``device="cpu"``: the runtime (interpreter, PyTorch and the program:
     ``runtime_bytes``, e.g. the estimating process's own resident memory,
-    :func:`megazero.host_memory.rss_bytes`), every component held in memory (``total_bytes``, with
+    :func:`megazero.offload.host_memory.rss_bytes`), every component held in memory (``total_bytes``, with
     the likely gradient communication buffers, ``settled_peak_grad_bytes``, for the upper bound)
     and the offload's host buffers (``host_bytes``).  The gradient buffers exist in backward, and
     under ZeRO-3 the root units are released once backward reaches the layers, so the two overlap

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from megazero.element_bytes import compute_bytes
+from megazero.offload.element_bytes import compute_bytes
 from megazero.config.patterns import GATED, active_window, layer_window
 from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import stage_layer_counts

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 from megazero.errors import ConfigError
-from megazero.threads import host_cores
+from megazero.process.threads import host_cores
 from megazero.planning.gpu_model import GPU_TYPES, KNEE, GpuType, Link
 
 GB = 1e9

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-from megazero.element_bytes import bytes_per_element
+from megazero.offload.element_bytes import bytes_per_element
 from megazero.config.patterns import GATED
 from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import chunk_layers

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import config_from_dict, validate
-from megazero.element_bytes import FP32, bytes_per_element, compute_bytes, grad_bytes
+from megazero.offload.element_bytes import FP32, bytes_per_element, compute_bytes, grad_bytes
 from megazero.offload.settings import optimizer_device, param_device
 from megazero.pipeline.partition import balanced_split, stage_layer_counts
 from megazero.planning.estimate import estimate_rank

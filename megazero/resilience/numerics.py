@@ -5,7 +5,7 @@
 The optimizer already skips a step whose gradients hold an inf/NaN (every rank agrees, since the
 gradient norm is global).  fp16 with the dynamic loss scaler expects such *gradient* overflows (they
 lower the scale) and stops by itself when the scale would fall below ``--min-loss-scale``
-(:class:`megazero.precision.LossScaleError)`, so those are left to it.  A non-finite *forward* loss
+(:class:`megazero.optim.precision.LossScaleError)`, so those are left to it.  A non-finite *forward* loss
 is never an overflow of the scaled backward pass: the weights or activations themselves diverged, so
 it counts with every scaler.  Everywhere else (fp32, bf16, a constant ``--loss-scale``) any
 non-finite step means divergence.  :class:`NanGuard` lets through up to ``--skip-nan-steps`` such

@@ -57,7 +57,7 @@ def linear_products(cfg, tp: int, cp: int = 1) -> List[Product]:
     """The fp32 products of one micro-batch through one rank's transformer layers and output head, at
     tensor-parallel size ``tp`` and context-parallel size ``cp`` (``cfg`` validated); empty when the
     model does not compute in fp32."""
-    from megazero.precision import compute_dtype
+    from megazero.optim.precision import compute_dtype
     if compute_dtype(cfg) != torch.float32:
         return []
     m = cfg.model

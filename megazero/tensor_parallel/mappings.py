@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_gather_single, reduce_scatter_single
+from megazero.process.distributed import all_gather_single, reduce_scatter_single
 
 
 def _all_reduce(x: torch.Tensor, mesh) -> torch.Tensor:

@@ -39,14 +39,14 @@ import torch.distributed as dist
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches, stage_keys
 from megazero.data.loader import StepBatches
-from megazero.host_memory import host_malloc_policy, peak_rss_bytes, set_host_malloc
+from megazero.offload.host_memory import host_malloc_policy, peak_rss_bytes, set_host_malloc
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
 from megazero.training.lr import lrs_at
 from megazero.training.profiling import StepProfiler, startup_line as profile_startup_line
 from megazero.mesh import ParallelMesh
 from megazero.moe.step import finish_step
-from megazero.precision import apply_tf32, compute_dtype
+from megazero.optim.precision import apply_tf32, compute_dtype
 from megazero.training.summary import startup_summary
 from megazero.tensor_parallel.deferred import build_chunks, realize_rest
 from megazero.tensor_parallel.rng import seed_default_generators

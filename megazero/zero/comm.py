@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megazero.distributed import all_gather_single, reduce_scatter_single
+from megazero.process.distributed import all_gather_single, reduce_scatter_single
 
 
 class Reduction:

@@ -20,7 +20,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megazero.element_bytes import FP32
+from megazero.offload.element_bytes import FP32
 from megazero.offload import Streamer, check_nvme_path, swap_bytes
 from megazero.offload.nvme import open_store
 from megazero.offload.aligned import ALIGN

@@ -20,9 +20,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
-from megazero.host_memory import release_free
-from megazero.precision import build_loss_scaler, compute_dtype
+from megazero.optim.clip import clip_coefficient, global_norm_and_overflow, local_square_sums
+from megazero.offload.host_memory import release_free
+from megazero.optim.precision import build_loss_scaler, compute_dtype
 from megazero.tensor_parallel.deferred import initial_value, is_deferred, realize
 from megazero.zero.buckets import (REDUCTION_GROUPS, Bucket, bucket_groups, default_blocks, plan_buckets,
                                    trainable_params)

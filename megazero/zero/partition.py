@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.modules.module as module_hooks
 
-from megazero.distributed import all_gather_single
+from megazero.process.distributed import all_gather_single
 from megazero.errors import ConfigError
 from megazero.mesh import collective_device
 

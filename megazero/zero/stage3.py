@@ -13,7 +13,8 @@ rank holds only its shard of every bucket; ``param.data`` is an empty tensor.
 - the order is the blocks' registration order until a chunk's first forward has run, then the
   order that forward used them in (:class:`Prefetch` sets how far ahead to gather: one unit by
   default, or units up to a number of elements, never past a limit on the elements gathered);
-- inside backward a forward is a recomputation replay (:mod:`megazero.recompute`): its pre-hook
+- inside backward a forward is a recomputation replay
+  (:mod:`megazero.tensor_parallel.recompute`): its pre-hook
   prefetches nothing (the unit needed next is the one *before* it, which the replay's own
   pre-backward hook fetches) and its post-hook keeps the unit for the backward that follows;
 - when every bucket of the unit has its gradients (:meth:`Stage3Params.bucket_done`, called by
@@ -46,7 +47,7 @@ from typing import Dict, List, Mapping, Optional
 
 import torch
 
-from megazero.distributed import gather_shards
+from megazero.process.distributed import gather_shards
 from megazero.zero.buckets import Bucket
 
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Dict
 
-from megazero.element_bytes import master_bytes, optimizer_state_bytes
+from megazero.offload.element_bytes import master_bytes, optimizer_state_bytes
 from megazero.zero.stages import check_stage, shards_gradients, shards_optimizer, shards_parameters
 
 
 def optimizer_bytes_per_param(optimizer: str = "adam", mixed_precision: bool = True, momentum: bool = False,
                               offload: bool = False) -> int:
     """K: bytes of fp32 master weights (when they are a separate copy) + optimizer state per parameter
-    (:mod:`megazero.element_bytes`)."""
+    (:mod:`megazero.offload.element_bytes`)."""
     return optimizer_state_bytes(optimizer, momentum) + master_bytes(mixed_precision, offload)
 
 

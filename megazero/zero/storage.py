@@ -19,7 +19,7 @@ from typing import List, Tuple
 
 import torch
 
-from megazero.distributed import gather_shards
+from megazero.process.distributed import gather_shards
 from megazero.zero.buckets import Bucket
 from megazero.zero.stages import shards_gradients, shards_optimizer, shards_parameters
 

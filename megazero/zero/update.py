@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megazero.clip import counts_in_norm
+from megazero.optim.clip import counts_in_norm
 from megazero.zero.buckets import Bucket
 from megazero.zero.flat_optim import build_flat_optimizer
 from megazero.zero.storage import FlatStorage

@@ -6,7 +6,7 @@
   ``total_bytes`` and the other components of :mod:`megazero.planning.estimate`; ``pipeline_stages``);
 - ``--measure``: runs the configuration for ``--iters`` iterations (one process; several forked
   gloo ranks with ``--world-size N``; or each process under torchrun) and prints each component's
-  estimate beside the measurement (:mod:`megazero.planning.measure`); with ``--json`` per pipeline stage
+  estimate beside the measurement (:mod:`megazero.training.measure`); with ``--json`` per pipeline stage
   ``{component: {"estimate": bytes, "measured": bytes}}``;
 - ``--plot FILE.png``: stacked bars per ZeRO stage (parameters, gradients, optimizer state,
   activations, the rest) for the most loaded rank.
@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from megazero.config import ConfigError, parse_args
 from megazero.errors import EXIT_OK, EXIT_USAGE
-from megazero.host_memory import rss_bytes
+from megazero.offload.host_memory import rss_bytes
 from megazero.planning.estimate import estimate, estimate_stages, peak_rss, total_params
 
 from .. import saved_activations
@@ -152,7 +152,7 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
 
 # ---- --measure ---------------------------------------------------------------------------------
 def _measure_one(cfg, model_provider, iters: int):
-    from megazero.planning.measure import measure_rank
+    from megazero.training.measure import measure_rank
     return measure_rank(cfg, model_provider, iters=iters)
 
 
@@ -171,7 +171,7 @@ def _run_measure(cfg, world: int, env_world: int, model_provider, iters: int) ->
             if created:
                 dist.destroy_process_group()
     if world > 1:
-        from megazero.local_ranks import run_ranks
+        from megazero.process.local_ranks import run_ranks
         return run_ranks(_measure_one, world, cfg, model_provider, iters, timeout=1800.0)
     return [_measure_one(cfg, model_provider, iters)]
 

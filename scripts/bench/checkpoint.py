@@ -153,12 +153,12 @@ def _run_rank(args, directory):
 def main():
     args = parse()
     sys.path.insert(0, args.repo)
-    from megazero.threads import rank_thread_env
+    from megazero.process.threads import rank_thread_env
     os.environ.update(rank_thread_env())  # for the ranks it forks
     if args.async_steps:
         from bench.async_save import async_steps
         return async_steps(args)
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     directory = args.dir or tempfile.mkdtemp(prefix="megazero-bench-ckpt-")
     try:
         ranks = run_ranks(_run_rank, args.ranks, args, directory, timeout=args.timeout)

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         print(f"bench_compile.py: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     from megazero.planning.flops import model_flops_per_iteration
-    from megazero.threads import set_rank_threads
+    from megazero.process.threads import set_rank_threads
     set_rank_threads()
     gemm = best_gemm_flops()
     steps = {"eager": _stepper(cfg, False), "compiled": _stepper(cfg, True)}

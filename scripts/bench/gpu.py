@@ -66,7 +66,7 @@ def _megazero(args, device: torch.device, recompute: bool, compiled: bool = Fals
     from megazero.mesh import ParallelMesh
     from megazero.pipeline.executor import run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
-    from megazero.precision import compute_dtype
+    from megazero.optim.precision import compute_dtype
     from megazero.zero import build_optimizer
     cfg = validate(config_from_dict(_settings(args, recompute, compiled)), 1)
     mesh = ParallelMesh.single(device)

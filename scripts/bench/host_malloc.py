@@ -1,6 +1,6 @@
 """The trainer's step under each ``--host-malloc`` policy: time, page faults, kernel time, peak memory.
 
-``--host-malloc`` sets glibc's thresholds for the whole process (:mod:`megazero.host_memory`), so
+``--host-malloc`` sets glibc's thresholds for the whole process (:mod:`megazero.offload.host_memory`), so
 the policies cannot share a process: each run is a child process of its own (one rank, one
 thread) that builds the one-process layout of ``bench_peers.py`` with that policy, warms up, then
 times ``--steps`` steps of the trainer's own step (``megazero.training.loop._step``).  The
@@ -27,8 +27,8 @@ from typing import Dict, List
 
 from bench import write_json
 from megazero.errors import EXIT_OK, EXIT_USAGE
-from megazero.host_memory import ENVIRONMENT
-from megazero.threads import rank_thread_env, set_rank_threads
+from megazero.offload.host_memory import ENVIRONMENT
+from megazero.process.threads import rank_thread_env, set_rank_threads
 
 POLICIES = ("keep", "release", "system")  # auto is keep here (one CPU process, ZeRO-0)
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _child(policy: str, model: dict, steps: int, warmup: int) -> dict:
     """In this process: the trainer's step under ``policy``; one JSON-able row."""
     from bench import peers
-    from megazero.host_memory import peak_rss_bytes
+    from megazero.offload.host_memory import peak_rss_bytes
     set_rank_threads()
     step = peers._megazero(peers.LAYOUTS["one"], dict(model, host_malloc=policy))[0]
     for _ in range(warmup):

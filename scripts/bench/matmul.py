@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         return EXIT_OK
     from megazero.tensor_parallel import cpu_matmul as cm
     from megazero.tensor_parallel.layers import ONEDNN_MIN_MACS, onednn_linear_available
-    from megazero.threads import set_rank_threads
+    from megazero.process.threads import set_rank_threads
     try:
         cfg = parse_args(rest + ["--mock-data"], PRESETS, validate_now=False)
         par = cfg.parallel

@@ -41,9 +41,9 @@ from bench import write_json
 from bench.timing import interleaved_rounds
 from megazero.config import config_from_dict, validate
 from megazero.errors import EXIT_OK
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.mesh import ParallelMesh
-from megazero.threads import set_rank_threads
+from megazero.process.threads import set_rank_threads
 
 
 # ---- 1. the grouped product against a loop over experts --------------------------------------------

@@ -89,7 +89,7 @@ def _deepspeed(a) -> float:
 
 
 def _child(a) -> None:
-    from megazero.threads import set_rank_threads
+    from megazero.process.threads import set_rank_threads
     set_rank_threads()
     seconds = _deepspeed(a) if a.child == "deepspeed" else _megazero(a, a.child == "megazero_grouped")
     print(RESULT + json.dumps({"seconds": seconds}), flush=True)
@@ -97,7 +97,7 @@ def _child(a) -> None:
 
 def _run(a, side: str, argv) -> float:
     python = a.ds_python if side == "deepspeed" else sys.executable
-    from megazero.threads import rank_thread_env
+    from megazero.process.threads import rank_thread_env
     path = os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")])
     env = dict(rank_thread_env(os.environ, force=True), PYTHONPATH=path)  # one thread a side
     proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--child", side], capture_output=True,

@@ -38,7 +38,7 @@ import torch
 from megazero.errors import EXIT_OK
 from megazero.offload import IOCounts, NvmeStore, Streamer, aligned_empty
 from megazero.offload.aligned import byte_view
-from megazero.threads import set_rank_threads
+from megazero.process.threads import set_rank_threads
 from bench.timing import interleaved_rounds
 
 MiB = 1 << 20

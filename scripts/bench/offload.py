@@ -49,7 +49,7 @@ def _cfg(a, swap: str, extra: dict):
 
 def _run_mode(a, swap: str, extra: dict) -> list:
     import megazero_models as models  # the installed models package (scripts/ is not beside it)
-    from megazero.host_memory import reset_peak_rss
+    from megazero.offload.host_memory import reset_peak_rss
     from megazero.training import train
     reset_peak_rss()  # a forked rank starts from its parent's high-water mark
     return train(_cfg(a, swap, extra), models.build_chunks, stream=open(os.devnull, "w"))
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from bench import write_json
     from bench.nvme_io import make_file, mixed_bandwidth
-    from megazero.local_ranks import run_ranks
+    from megazero.process.local_ranks import run_ranks
     swap = tempfile.mkdtemp(prefix="bench_offload_", dir=a.dir)
     raw = os.path.join(swap, "peak.bin")
     try:

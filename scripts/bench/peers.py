@@ -2,7 +2,7 @@
 """megazero against its torch-native peer, layout by layout, on the same model, ranks and batch.
 
 Every layout runs megazero and its peer in one set of forked gloo ranks (one intra-op thread
-each, :func:`megazero.local_ranks.run_ranks`).  After warm-up, each round times one training step of
+each, :func:`megazero.process.local_ranks.run_ranks`).  After warm-up, each round times one training step of
 each, in an order that alternates between
 rounds, each step from a barrier to a barrier, so load changes on a shared machine hit both alike.
 megazero's step is the trainer's own (``megazero.training.loop._step``: the learning rate, zero grad,
@@ -63,11 +63,11 @@ import torch.nn.functional as F
 
 from bench import write_json
 from bench.timing import interleaved_rounds
-from megazero.element_bytes import FP32
+from megazero.offload.element_bytes import FP32
 from megazero.errors import EXIT_OK
-from megazero.host_memory import HOST_MALLOC
-from megazero.local_ranks import run_ranks
-from megazero.threads import set_rank_threads
+from megazero.offload.host_memory import HOST_MALLOC
+from megazero.process.local_ranks import run_ranks
+from megazero.process.threads import set_rank_threads
 from megazero.zero import optimizer_bytes_per_param, zero_model_state_bytes
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1024)
@@ -124,7 +124,7 @@ def _megazero(layout: Layout, model: dict):
     from megazero.config import config_from_dict, validate
     from megazero.data import build_data, stage_keys
     from megazero.data.loader import StepBatches
-    from megazero.host_memory import host_malloc_policy, set_host_malloc
+    from megazero.offload.host_memory import host_malloc_policy, set_host_malloc
     from megazero.mesh import ParallelMesh
     from megazero.planning.flops import hardware_flops_per_iteration, model_flops_per_iteration
     from megazero.training.loop import Position, _step

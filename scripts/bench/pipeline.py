@@ -1,4 +1,5 @@
-"""Measured vs theoretical pipeline bubble on CPU ranks (gloo, forked with megazero.local_ranks.run_ranks).
+"""Measured vs theoretical pipeline bubble on CPU ranks (gloo, forked with
+megazero.process.local_ranks.run_ranks).
 
 Each stage's compute is emulated by sleeping (forward ``--fwd-ms``, backward twice that, split over
 the virtual chunks) so the measurement is not distorted by ranks sharing a few CPU cores; ``--matmul``
@@ -108,8 +109,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed runs per setting; the median is shown")
     p.add_argument("--matmul", action="store_true", help="real matmuls instead of sleeping")
     args = p.parse_args(argv)
-    from megazero.local_ranks import run_ranks
-    from megazero.threads import set_rank_threads
+    from megazero.process.local_ranks import run_ranks
+    from megazero.process.threads import set_rank_threads
     set_rank_threads()
     print(f"{'pp':>3} {'m':>3} {'schedule':>14} {'theory':>7} {'simulated':>9} {'sim+comm':>8} "
           f"{'measured':>8} {'p2p wait':>8}")

@@ -66,7 +66,7 @@ def measure(flags, nproc, iters):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *MODEL, *flags, "--mock-data",
                "--train-iters", str(iters), "--metrics-file", metrics, "--log-interval", "1000"]
-        from megazero.threads import rank_thread_env
+        from megazero.process.threads import rank_thread_env
         env = dict(rank_thread_env(force=True), WANDB_MODE="disabled")
         subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=900)
         with open(metrics) as fh:

@@ -15,7 +15,7 @@ import torch
 
 from megazero.config import config_from_dict, validate
 from megazero.planning.estimate import activation_bytes
-from megazero.threads import set_rank_threads
+from megazero.process.threads import set_rank_threads
 import megazero_models as models
 
 MODES = {"none": {}, "selective": {"recompute_granularity": "selective"},

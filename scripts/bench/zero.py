@@ -4,7 +4,7 @@ A focused tool (a stack of MLP blocks, every stage at once, and the gloo collect
 sizes).  The GPT model against every torch-native peer, layout by layout, is
 ``scripts/bench_peers.py``; its figures are the ones in the README.
 
-Runs on CPU gloo ranks forked by :func:`megazero.local_ranks.run_ranks` and prints, side by side, the
+Runs on CPU gloo ranks forked by :func:`megazero.process.local_ranks.run_ranks` and prints, side by side, the
 step time (median and minimum over rounds, each as a ratio to DDP) and the model-state bytes per
 rank next to the formula in docs/design.md (fp32 Adam: 4 + 4 + 8 bytes per parameter, the fp32 parameters
 being their own master copy), then the gloo collectives on the bucket sizes.  Every round runs
@@ -53,11 +53,11 @@ import torch.nn as nn
 
 
 from megazero.config import MegazeroConfig
-from megazero.element_bytes import FP32
-from megazero.distributed import all_gather_single, reduce_scatter_single
+from megazero.offload.element_bytes import FP32
+from megazero.process.distributed import all_gather_single, reduce_scatter_single
 from megazero.mesh import ParallelMesh
 from bench.timing import interleaved_rounds
-from megazero.local_ranks import run_ranks
+from megazero.process.local_ranks import run_ranks
 from megazero.errors import EXIT_OK
 from megazero.zero import build_optimizer, optimizer_bytes_per_param, zero_model_state_bytes
 

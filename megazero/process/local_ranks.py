@@ -24,7 +24,7 @@ from typing import Any, Callable, List
 import torch
 import torch.distributed as dist
 
-from megazero.threads import set_rank_threads
+from megazero.process.threads import set_rank_threads
 
 
 class RankError(RuntimeError):

@@ -135,11 +135,12 @@ def measure_rank(cfg, model_provider: Callable, iters: int = 2, device: Optional
     """Train ``iters`` iterations of the validated ``cfg`` on this rank (inside an initialised
     process group, or alone) and return the measured components (module docstring)."""
     from megazero.data import build_data, micro_batches
-    from megazero.host_memory import host_malloc_policy, peak_rss_bytes, reset_peak_rss, set_host_malloc
+    from megazero.offload.host_memory import (host_malloc_policy, peak_rss_bytes, reset_peak_rss,
+                                              set_host_malloc)
     from megazero.training.lr import lr_from_config
     from megazero.pipeline.executor import PipelineTimer, run_schedule
     from megazero.pipeline.p2p import p2p_tensor_shape
-    from megazero.precision import compute_dtype
+    from megazero.optim.precision import compute_dtype
     from megazero.tensor_parallel.deferred import build_chunks, realize_rest
     from megazero.tensor_parallel.rng import seed_default_generators
     from megazero.training import build_mesh

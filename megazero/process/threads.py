@@ -2,7 +2,7 @@
 
 Ranks that share a host's cores each use :data:`THREADS_PER_RANK` intra-op thread (torch's
 default, one per core in every rank, oversubscribes the cores and slows every collective), unless
-``OMP_NUM_THREADS`` says otherwise.  Forked test ranks (:func:`megazero.local_ranks.run_ranks`)
+``OMP_NUM_THREADS`` says otherwise.  Forked test ranks (:func:`megazero.process.local_ranks.run_ranks`)
 and the benchmarks that measure one rank's work call :func:`set_rank_threads`; code that starts
 ranks or launchers as processes passes :func:`rank_thread_env`.  The shell launchers
 (``launch/run_local.sh``, ``launch/run_multinode.sh``, ``scripts/demo.sh``, ...) cannot import
