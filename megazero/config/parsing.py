@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence
 
-from megazero.config.megatron import add_flags, required_notes, translate, unrecognized_message
+from megazero.config.megatron import add_flags, extra_words, required_notes, translate
 from megazero.errors import ConfigError
 from megazero.config.sections import SECTIONS, MegazeroConfig, field_index, flag_of
 from megazero.config.validation import validate
@@ -180,7 +180,11 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = _float_text(index[key][1], value)
+    from megazero.config.vocab import checkpoint_vocab
+    saved_vocab = checkpoint_vocab(settings, per_section)
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
+    if saved_vocab is not None and vocab is not None:  # the checkpoint's (padded) vocabulary wins
+        vocab = saved_vocab.check_fits(vocab)
     notes = _no_tokenizer(per_section) if vocab is None else _vocab_replaced(settings, per_section, vocab)
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
@@ -241,17 +245,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, presets: Optional[Dict[str,
     that parses many command lines (building one takes longer than parsing)."""
     parser = build_parser(presets) if parser is None else parser
     parsed, extras = parser.parse_known_args(argv)
-    if extras:
-        message = unrecognized_message(extras, parser)
-        if not message.startswith("unrecognized"):
-            raise ConfigError(message)
-        parser.error(message)
+    refused, unknown = extra_words(extras)  # every refused flag is named in one error, unknown words too
     ns = vars(parsed)
     settings: Dict[str, Any] = {}
     if "config" in ns:
         settings.update(_load_file(ns.pop("config")))
     settings.update(ns)
-    settings, notes = translate(settings, set(ns))
+    try:
+        settings, notes = translate(settings, set(ns), refused)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; and {unknown}" if unknown else str(err)) from None
+    if unknown:  # nothing refused: argparse's usage error
+        parser.error(unknown)
     cfg = config_from_dict(settings, presets)
     cfg.notes = tuple(notes) + cfg.notes + tuple(required_notes(settings, presets))
     return validate(cfg, world_size, check_data) if validate_now else cfg
