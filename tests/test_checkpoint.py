@@ -440,8 +440,9 @@ def test_mismatch_under_many_ranks_raises_everywhere(one_process_checkpoint):
 
 
 def test_checkpoint_flags_validated():
-    with pytest.raises(ConfigError, match="--save-interval 3 needs --save DIR"):
-        validate(_cfg(save_interval=3), 1)
+    with pytest.raises(ConfigError, match="--ckpt-keep needs --save DIR"):
+        validate(_cfg(ckpt_keep=3), 1)
+    validate(_cfg(save_interval=3, no_load_optim=True), 1)  # accepted (no effect), as in Megatron-LM
 
 
 # ---- --finetune, --no-load-optim, --no-load-rng, --use-checkpoint-args, foreign directories ----

@@ -143,24 +143,40 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=_dest(flag), nargs="*", help=argparse.SUPPRESS)
 
 
-def unrecognized_message(extras: List[str], parser: argparse.ArgumentParser) -> str:
-    """The error for command-line words no flag took: a flag that a prefix rule of
-    :mod:`megazero.config.megatron_table` refuses is named with the reason (a Megatron-LM flag newer than
-    the pinned list); any other is said to be unknown to Megatron-LM too."""
+def extra_words(extras: List[str]) -> Tuple[List[str], str]:
+    """Command-line words no flag took: ``(refusals, unknown)``.  ``refusals``: ``"--flag: why"`` for each
+    flag a prefix rule of :mod:`megazero.config.megatron_table` refuses (a Megatron-LM flag newer than
+    the pinned list); ``unknown``: the argparse message for the other words ('' when none)."""
     from megazero.config.megatron_table import pinned_origin
     flags = [w.split("=", 1)[0] for w in extras if w.startswith("--")]
-    refused = [(f, classify(f)[1]) for f in flags if classify(f)[0] in ("refused", "removed")]
-    if refused:
-        return "; ".join(f"{f}: {why}" for f, why in refused)
-    words = " ".join(extras)
-    if not flags:
-        return f"unrecognized arguments: {words} (values without a flag)"
-    return (f"unrecognized arguments: {words} (not megazero flags, and not among Megatron-LM's flags either, "
-            f"as of {pinned_origin()}; see --help)")
+    refused = [f"{f}: {classify(f)[1]}" for f in flags if classify(f)[0] in ("refused", "removed")]
+    refused_flags = {r.split(":", 1)[0] for r in refused}
+    rest, skipping = [], False
+    for w in extras:  # the words left once the refused flags and their values are taken out
+        if w.startswith("--"):
+            skipping = w.split("=", 1)[0] in refused_flags
+        if not skipping:
+            rest.append(w)
+    if not rest:
+        return refused, ""
+    words = " ".join(rest)
+    if not any(w.startswith("--") for w in rest):
+        return refused, f"unrecognized arguments: {words} (values without a flag)"
+    return refused, (f"unrecognized arguments: {words} (not megazero flags, and not among Megatron-LM's "
+                     f"flags either, as of {pinned_origin()}; see --help)")
 
 
-def _default_only(given: Dict[str, Any], ignored: List[str]) -> None:
-    """:data:`DEFAULT_ONLY` flags: named as ignored with Megatron-LM's default, refused with another value."""
+def refusal(problems: List[str]) -> ConfigError:
+    """One error naming every refused flag of the command line (each ``"--flag ...: why"``): a user
+    fixes them all in one round."""
+    if len(problems) == 1:
+        return ConfigError(problems[0])
+    return ConfigError(f"{len(problems)} flags refused: " + " | ".join(problems))
+
+
+def _default_only(given: Dict[str, Any], ignored: List[str], problems: List[str]) -> None:
+    """:data:`DEFAULT_ONLY` flags: named as ignored with Megatron-LM's default, refused (added to
+    ``problems``) with another value."""
     def same(value: str, accepted: str) -> bool:
         try:
             return float(value) == float(accepted)
@@ -172,41 +188,59 @@ def _default_only(given: Dict[str, Any], ignored: List[str]) -> None:
         values = given[flag] if isinstance(given[flag], list) else [given[flag]]
         if len(values) != 1 or not any(same(str(values[0]), a) for a in accepted):
             shown = " ".join(str(v) for v in values)
-            raise ConfigError(f"{flag} {shown}: {why}; use {' or '.join(accepted)} (Megatron-LM's default) "
-                              "or "
-                              "drop the flag")
+            problems.append(f"{flag} {shown}: {why}; use {' or '.join(accepted)} (Megatron-LM's default) or "
+                            "drop the flag")
+            continue
         ignored.append(f"{flag} {values[0]} ({why})")
 
 
-def translate(settings: Dict[str, Any], command_line: Set[str]) -> Tuple[Dict[str, Any], List[str]]:
+def translate(settings: Dict[str, Any], command_line: Set[str],
+              problems: Optional[List[str]] = None) -> Tuple[Dict[str, Any], List[str]]:
     """Megatron-LM flags in ``settings`` (parsed flags over a ``--config`` file) to megazero settings.
 
     ``command_line``: the setting names given as flags (Megatron-LM's ``--num-query-groups`` rule
-    applies to them).  Returns the settings and the start-up remarks; raises :class:`ConfigError`
-    for a refused flag or a value megazero cannot honour."""
+    applies to them).  Returns the settings and the start-up remarks.  Every flag refused here (the
+    tables, a value other than Megatron-LM's default, a rule of :data:`SPECIAL`), with ``problems``
+    found before (words no flag took), is named in one :class:`ConfigError`."""
+    problems = list(problems or [])
     given = {"--" + k[len(PREFIX):]: v for k, v in settings.items() if k.startswith(PREFIX)}
     out = {k: v for k, v in settings.items() if not k.startswith(PREFIX)}
-    refused = [f for f in given if classify(f)[0] in ("refused", "removed")]
-    if refused:
-        raise ConfigError("; ".join(f"{f}: {classify(f)[1]}" for f in refused))
+    problems += [f"{f}: {classify(f)[1]}" for f in given if classify(f)[0] in ("refused", "removed")]
     for flag, (name, value) in SWITCHES.items():
         if given.get(flag):
             if name in out and out[name] != value:
-                raise ConfigError(f"{flag} means --{name.replace('_', '-')} {value}, but "
-                                  f"{out[name]!r} is given too; drop one")
+                problems.append(f"{flag} means --{name.replace('_', '-')} {value}, but {out[name]!r} is "
+                                "given too; drop one")
             out[name] = value
     ignored = [f"{f} ({classify(f)[1]})" for f in given if classify(f)[0] == "ignored"]
-    _default_only(given, ignored)
-    notes = _special(given, out, command_line, ignored)
+    _default_only(given, ignored, problems)
+    notes = _special(given, out, command_line, ignored, problems) + _without_effect(out)
+    if problems:  # in command-line order (a flag's refusal starts with the flag)
+        order = {flag: i for i, flag in enumerate(given)}
+        raise refusal(sorted(problems, key=lambda p: order.get(p.split(":")[0].split(" ")[0], -1)))
     if ignored:
         notes.insert(0, "ignored Megatron-LM flags (no effect here): " + "; ".join(ignored))
     return out, notes
 
 
+def _without_effect(out: Dict[str, Any]) -> List[str]:
+    """Settings Megatron-LM accepts where they do nothing (so its scripts run unchanged), named."""
+    notes = []
+    if out.get("eval_iters") == 0 and out.get("eval_interval"):
+        notes.append(f"--eval-iters 0: no validation (Megatron-LM's meaning); --eval-interval "
+                     f"{out['eval_interval']} has no effect")
+    if out.get("save_interval") and not out.get("save"):
+        notes.append(f"--save-interval {out['save_interval']} without --save: nothing is saved")
+    for name in ("no_load_optim", "no_load_rng"):
+        if out.get(name) and not out.get("load"):
+            notes.append(f"--{name.replace('_', '-')} without --load: nothing is loaded, so it has no effect")
+    return notes
+
+
 def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
-             ignored: List[str]) -> List[str]:
+             ignored: List[str], problems: List[str]) -> List[str]:
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
-    flags accepted without effect to ``ignored``)."""
+    flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
     if given.get("--use-distributed-optimizer"):
         out["zero_stage"] = max(1, out.get("zero_stage", 1))
@@ -216,17 +250,17 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
                      "attention")
     if given.get("--grad-reduce-in-bf16"):
         if not out.get("bf16"):
-            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 "
-                              "parameter dtype); add --bf16 or drop the flag")
+            problems.append("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 "
+                            "parameter dtype); add --bf16 or drop the flag")
         out["grad_reduce_dtype"] = "param"
     rp = given.get("--rotary-percent")
     if rp is not None and rp != 1.0:
-        raise ConfigError(f"--rotary-percent {rp}: partial rotary embeddings are not implemented; use 1.0")
+        problems.append(f"--rotary-percent {rp}: partial rotary embeddings are not implemented; use 1.0")
     if rp == 1.0:
         ignored.append("--rotary-percent 1.0 (rotary embeddings always cover the whole head)")
     if given.get("--calculate-per-token-loss") and out.get("eod_mask_loss"):
-        raise ConfigError("--calculate-per-token-loss with --eod-mask-loss is not implemented "
-                          "(micro-batches then hold different token counts); drop one of them")
+        problems.append("--calculate-per-token-loss with --eod-mask-loss is not implemented "
+                        "(micro-batches then hold different token counts); drop one of them")
     if given.get("--calculate-per-token-loss"):
         ignored.append("--calculate-per-token-loss (every micro-batch holds the same number of tokens, "
                        "so the per-token mean is the mean of the micro-batch means)")
@@ -235,15 +269,15 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
                        "as is and, as in Megatron-LM, get no weight decay; in bf16 the compute copy of a "
                        "scale near 1 is coarser than Megatron-LM's zero-centred one, the fp32 master is not)")
     if given.get("--no-position-embedding") and out.get("position_embedding_type") not in ("rope", "yarn"):
-        raise ConfigError("--no-position-embedding is deprecated (Megatron-LM accepts it only with rotary "
-                          "embeddings): for a model without position embeddings use "
-                          "--position-embedding-type none")
+        problems.append("--no-position-embedding is deprecated (Megatron-LM accepts it only with rotary "
+                        "embeddings): for a model without position embeddings use "
+                        "--position-embedding-type none")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
     if given.get("--rope-type") == "yarn":
-        raise ConfigError("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
-                          "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
-                          "--position-embedding-type yarn")
+        problems.append("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
+                        "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
+                        "--position-embedding-type yarn")
     if given.get("--rope-type"):
         ignored.append("--rope-type rope (ordinary attention's RoPE, which --position-embedding-type "
                        "chooses)")

@@ -163,8 +163,8 @@ def _check_numbers(cfg: MegazeroConfig) -> None:
         _check(v is None or (isinstance(v, int) and v >= 0), f"{flag} must be an integer >= 0, got {v!r}")
     _check(tr.seed >= 0, f"--seed must be >= 0, got {tr.seed}")
     _check(tr.eval_interval >= 0, f"--eval-interval must be >= 0 (0: never), got {tr.eval_interval}")
-    _check(tr.eval_interval == 0 or tr.eval_iters >= 1,
-           f"--eval-iters must be >= 1 when --eval-interval is set, got {tr.eval_iters}")
+    _check(isinstance(tr.eval_iters, int) and tr.eval_iters >= 0,
+           f"--eval-iters must be >= 0 (0: no validation, as in Megatron-LM), got {tr.eval_iters!r}")
     _check(cfg.logging.log_interval >= 1, f"--log-interval must be >= 1, got {cfg.logging.log_interval}")
 
 
@@ -509,12 +509,9 @@ def _check_checkpoint(cfg: MegazeroConfig) -> None:
     ck = cfg.checkpoint
     _check(isinstance(ck.save_interval, int) and ck.save_interval >= 0,
            f"--save-interval must be >= 0 (0: save only at the end), got {ck.save_interval!r}")
-    _check(not ck.save_interval or ck.save,
-           f"--save-interval {ck.save_interval} needs --save DIR (the directory to write checkpoints to)")
     for flag, v in (("--save", ck.save), ("--load", ck.load)):
         _check(v is None or (isinstance(v, str) and v.strip() != ""), f"{flag} needs a directory, got {v!r}")
-    for flag, on in (("--finetune", ck.finetune), ("--no-load-optim", ck.no_load_optim),
-                     ("--no-load-rng", ck.no_load_rng), ("--use-checkpoint-args", ck.use_checkpoint_args),
+    for flag, on in (("--finetune", ck.finetune), ("--use-checkpoint-args", ck.use_checkpoint_args),
                      ("--ckpt-step", ck.ckpt_step is not None),
                      ("--exit-on-missing-checkpoint", ck.exit_on_missing_checkpoint)):
         _check(not on or ck.load, f"{flag} needs --load DIR (the checkpoint to start from)")
@@ -545,7 +542,8 @@ def _check_data(cfg: MegazeroConfig) -> None:
     _check(not data.valid_data_path or data.train_data_path,
            "--valid-data-path goes with --train-data-path (with --data-path, --split makes the validation "
            "set)")
-    _check(not (data.train_data_path and cfg.training.eval_interval and not data.valid_data_path),
+    _check(not (data.train_data_path and cfg.training.eval_interval and cfg.training.eval_iters
+                and not data.valid_data_path),
            "--eval-interval with --train-data-path needs --valid-data-path (the set to evaluate on)")
     for flag, items in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
                         ("--valid-data-path", data.valid_data_path)):

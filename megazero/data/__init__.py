@@ -69,7 +69,7 @@ class SeparateSplits:
 def _real_data(cfg):
     from megazero.data.gpt_dataset import BlendedGPTData
     d, seq, seed, vocab = cfg.data, cfg.model.seq_length, cfg.training.seed, cfg.model.vocab_size
-    splits = ("train", "valid") if cfg.training.eval_interval else ("train",)
+    splits = ("train", "valid") if cfg.training.eval_interval and cfg.training.eval_iters else ("train",)
     if d.data_path:
         data = BlendedGPTData(d.data_path, seq, d.split, seed, vocab_size=vocab)
         data.check(splits)

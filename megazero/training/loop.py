@@ -390,7 +390,7 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             m, stats, loss = _step(cfg, chunks, optimizer, loader, mesh, pos, batch, work,
                                    guard.skip_spike if guard.spike.skips else None)
             written = profiler.after(it)
-            if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
+            if tr.eval_interval and tr.eval_iters and (it % tr.eval_interval == 0 or it == tr.train_iters):
                 m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
                 m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
             logger.log(m)
