@@ -149,7 +149,8 @@ class TopKRouter(nn.Module):
             logits = self._z_loss(logits)
         probs, routing_map = topk_routing(logits, moe.moe_router_topk, moe.moe_router_score_function,
                                           moe.moe_router_pre_softmax, moe.moe_router_topk_scaling_factor,
-                                          self.expert_bias)
+                                          self.expert_bias, moe.moe_router_num_groups,
+                                          moe.moe_router_group_topk, moe.moe_router_group_score_topk)
         kept = routing_map
         if moe.moe_expert_capacity_factor is not None:
             probs, kept, routing_map = self._capacity(probs, routing_map, s, b)

@@ -7,7 +7,8 @@ Scores are computed in fp32 (float64 for float64 logits).
 
 - :func:`topk_routing`: softmax (after or, with ``pre_softmax``, before the top-k) or sigmoid scores
   (normalised over the top-k when k > 1), times the scaling factor; an expert bias moves only the
-  choice (aux-loss-free balancing), never the weights.
+  choice (aux-loss-free balancing), never the weights; optionally group-limited
+  (:func:`group_limited_topk`: the top-k among the experts of the best ``group_topk`` groups).
 - :func:`aux_loss_scores`: the scores the load-balancing loss sees (softmax over all experts; sigmoid
   normalised over all) and their own top-k map.
 - :func:`switch_aux_loss`: ``E / (k T^2) * sum_e count_e * sum_t score_te`` (Switch/GShard), where
@@ -32,25 +33,57 @@ def score_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def group_score_topk(topk: int, group_topk: int, override: Optional[int] = None) -> int:
+    """Experts whose scores add up to a group's score: ``topk // group_topk`` (Megatron-core's rule; 2 for
+    DeepSeek-V3's 8 of 4 groups) unless ``override`` (``--moe-router-group-score-topk``) names it."""
+    return override if override else topk // group_topk
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int,
+                       per_group: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices) [T, topk]`` of the top-k of ``scores [T, E]`` among the experts of the
+    ``group_topk`` best of ``num_groups`` equal, consecutive groups of experts; a group's score is the
+    sum of its ``per_group`` best scores (:func:`group_score_topk`).  DeepSeek-V2/V3's device- or
+    node-limited routing when the groups are the experts of one EP rank or node."""
+    t, e = scores.shape
+    per_group = per_group or group_score_topk(topk, group_topk)
+    grouped = scores.view(t, num_groups, e // num_groups)
+    group_scores = torch.topk(grouped, per_group, dim=-1).values.sum(dim=-1)  # [T, groups]
+    chosen = torch.topk(group_scores, group_topk, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    keep = keep.repeat_interleave(e // num_groups, dim=1)
+    return torch.topk(scores.masked_fill(~keep, float("-inf")), topk, dim=1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
                  scaling_factor: Optional[float] = None,
-                 expert_bias: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(probs [T, E], routing_map [T, E])`` of ``logits [T, E]`` (Megatron-core's top-k routing)."""
+                 expert_bias: Optional[torch.Tensor] = None, num_groups: Optional[int] = None,
+                 group_topk: Optional[int] = None,
+                 group_score_experts: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(probs [T, E], routing_map [T, E])`` of ``logits [T, E]`` (Megatron-core's top-k routing); with
+    ``num_groups`` and ``group_topk`` the choice is group-limited (:func:`group_limited_topk`, on what
+    the plain top-k would rank: the logits, the softmax scores, or the sigmoid scores plus the bias)."""
     dt = score_dtype(logits)
     logits = logits.to(dt)
+
+    def choose(x):
+        if num_groups and group_topk:
+            return group_limited_topk(x, topk, num_groups, group_topk, group_score_experts)
+        return torch.topk(x, topk, dim=1)
+
     if score_function == "softmax":
         if pre_softmax:
-            probs, top = torch.topk(torch.softmax(logits, dim=-1), topk, dim=1)
+            probs, top = choose(torch.softmax(logits, dim=-1))
         else:
-            chosen, top = torch.topk(logits, topk, dim=1)
+            chosen, top = choose(logits)
             probs = torch.softmax(chosen, dim=-1)
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits)
         if expert_bias is not None:  # the bias moves the choice only
-            top = torch.topk(scores + expert_bias.to(dt), topk, dim=1).indices
+            top = choose(scores + expert_bias.to(dt)).indices
             probs = torch.gather(scores, 1, top)
         else:
-            probs, top = torch.topk(scores, topk, dim=1)
+            probs, top = choose(scores)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:

@@ -65,7 +65,9 @@ def check_moe(cfg) -> None:
                                        ("--moe-shared-expert-intermediate-size",
                                         moe.moe_shared_expert_intermediate_size is not None),
                                        ("--moe-expert-capacity-factor",
-                                        moe.moe_expert_capacity_factor is not None)) if on]
+                                        moe.moe_expert_capacity_factor is not None),
+                                       ("--moe-router-num-groups", moe.moe_router_num_groups is not None))
+                 if on]
         if given:
             raise ValueError(f"{given[0]} needs --num-experts (a mixture-of-experts model)")
         return
@@ -117,6 +119,35 @@ def _check_router(moe) -> None:
     scale = moe.moe_router_topk_scaling_factor
     if scale is not None and scale <= 0:
         raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got {scale}")
+    _check_groups(moe)
+
+
+def _check_groups(moe) -> None:
+    """Group-limited routing: groups divide the experts, the chosen groups hold the top-k."""
+    groups, gk, per = moe.moe_router_num_groups, moe.moe_router_group_topk, moe.moe_router_group_score_topk
+    if groups is None and gk is None:
+        if per is not None:
+            raise ValueError("--moe-router-group-score-topk needs --moe-router-num-groups and "
+                             "--moe-router-group-topk")
+        return
+    if groups is None or gk is None:
+        raise ValueError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited "
+                         "routing); give both or neither")
+    e, k = moe.num_experts, moe.moe_router_topk
+    if groups < 1 or e % groups:
+        raise ValueError(f"--moe-router-num-groups {groups} must divide --num-experts {e}")
+    if not 1 <= gk <= groups:
+        raise ValueError(f"--moe-router-group-topk {gk} must be between 1 and --moe-router-num-groups "
+                         f"{groups}")
+    if gk * (e // groups) < k:
+        raise ValueError(f"--moe-router-group-topk {gk} groups of {e // groups} experts hold fewer than "
+                         f"--moe-router-topk {k}; choose more groups")
+    size = e // groups
+    per = per if per is not None else k // gk
+    if not 1 <= per <= size:
+        raise ValueError(f"a group's score sums its best --moe-router-topk / --moe-router-group-topk = {per} "
+                         f"experts, which must be between 1 and the {size} experts of a group; set "
+                         "--moe-router-group-score-topk")
 
 
 def _check_dispatch(moe, mod, par, etp: int) -> None:
