@@ -1,0 +1,162 @@
+"""Gated DeltaNet (models/deltanet.py, models/delta_rule.py) against its sequential float64
+recurrence written here, forward and gradients, at lengths that are not multiples of the chunk; and
+tensor-parallel (TP 2, with and without sequence parallelism) against one process.
+
+Tolerances: both sides in float64.  The chunked form solves a unit-triangular system per chunk
+(entries |beta k.k exp(..)| <= 1 with normalised keys, so it is well conditioned: its error is a few
+U64 times L) and sums the same products in another order; outputs are O(1), so errors are ~1e-14 of
+the magnitude.  1e-10 of the largest entry still fails any real slip (a dropped chunk state moves
+outputs by O(0.1)).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megazero_models.delta_rule as rule
+from megazero.mesh import ParallelMesh
+from megazero.process.local_ranks import run_ranks
+from megazero_models.deltanet import DeltaNetShape, GatedDeltaNet
+from megazero_models.delta_rule import gated_delta_chunked
+
+SHAPE = DeltaNetShape(hidden_size=16, num_key_heads=2, num_value_heads=4, key_head_dim=4, value_head_dim=3,
+                      chunk_size=4, init_std=0.3, out_std=0.3)
+
+
+def close(got, ref, rel=1e-10):
+    torch.testing.assert_close(got, ref, rtol=0.0, atol=rel * float(ref.abs().max()) + 1e-300)
+
+
+def rule_loop(q, k, v, g, beta, state=None):
+    """S <- exp(g_t) S; S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t, one position at a time."""
+    b, s, h, dk = q.shape
+    S = state if state is not None else q.new_zeros(b, h, dk, v.shape[-1])
+    outs = []
+    for t in range(s):
+        S = torch.exp(g[:, t])[..., None, None] * S
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, 1), S
+
+
+def _rule_inputs(s, seed=0, h=3, dk=4, dv=5, b=2):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    k = F.normalize(r(b, s, h, dk), dim=-1)  # the mixer normalises keys (the rule is stable for |k| <= 1)
+    return dict(q=r(b, s, h, dk) * 0.5, k=k, v=r(b, s, h, dv), g=-F.softplus(r(b, s, h)),
+                beta=torch.sigmoid(r(b, s, h)), state=r(b, h, dk, dv))
+
+
+def _run_rule(fn, inputs, with_state, seed=1):
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+    o, final = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), leaves["state"] if with_state else None)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() \
+        + (final * torch.randn(final.shape, generator=gen, dtype=o.dtype)).sum()
+    loss.backward()
+    grads = {n: t.grad for n, t in leaves.items() if n != "state" or with_state}
+    return o.detach(), final.detach(), grads
+
+
+@pytest.mark.parametrize("s", [1, 6, 9, 12])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_rule_matches_recurrence(s, with_state):
+    inputs = _rule_inputs(s)
+    ref = _run_rule(rule_loop, inputs, with_state)
+    chunked = lambda *a: gated_delta_chunked(*a[:5], chunk_size=4, initial_state=a[5])  # noqa: E731
+    got = _run_rule(chunked, inputs, with_state)
+    close(got[0], ref[0])
+    close(got[1], ref[1])
+    for n in ref[2]:
+        close(got[2][n], ref[2][n])
+
+
+def test_rule_fails_when_chunk_states_are_not_passed(monkeypatch):
+    """The comparison above catches a broken inter-chunk recurrence (each chunk starting from zero)."""
+    inputs = _rule_inputs(9)
+    ref = _run_rule(rule_loop, inputs, False)
+    real = rule.chunk_step
+    monkeypatch.setattr(rule, "chunk_step", lambda S, *a: real(torch.zeros_like(S), *a))
+    got = _run_rule(lambda *a: gated_delta_chunked(*a[:5], chunk_size=4), inputs, False)
+    close(got[0][:, :4], ref[0][:, :4])  # the first chunk starts from zero anyway
+    with pytest.raises(AssertionError):
+        close(got[0], ref[0])
+
+
+def reference_mixer(m, hidden):
+    """The mixer of one process, written out in float64 with :func:`rule_loop` (``hidden [s, b, H]``)."""
+    sh = m.shape
+    kh, r, dk, dv = sh.num_key_heads, sh.heads_per_key, sh.key_head_dim, sh.value_head_dim
+    s, b, _ = hidden.shape
+    proj = (hidden @ m.in_proj.weight.T).transpose(0, 1).reshape(b, s, kh, -1)
+    edges = torch.tensor([0, dk, dk, r * dv, r * dv, r, r]).cumsum(0).tolist()
+    q, k, v, z, bb, a = (proj[..., edges[i]:edges[i + 1]] for i in range(6))
+    qkv = torch.cat([q, k, v], -1).reshape(b, s, -1)
+    w, width = m.conv1d.weight[:, 0], sh.conv_kernel
+    padded = torch.cat([qkv.new_zeros(b, width - 1, qkv.shape[-1]), qkv], 1)
+    qkv = F.silu(torch.stack([sum(w[:, j] * padded[:, t + j] for j in range(width)) for t in range(s)], 1))
+    qkv = qkv.reshape(b, s, kh, -1)
+    q, k, v = qkv[..., :dk], qkv[..., dk:2 * dk], qkv[..., 2 * dk:].reshape(b, s, kh * r, dv)
+    q = (q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(r, 2) / dk ** 0.5
+    k = (k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(r, 2)
+    g = -torch.exp(m.A_log) * F.softplus(a.reshape(b, s, -1) + m.dt_bias)
+    o, _ = rule_loop(q, k, v, g, torch.sigmoid(bb.reshape(b, s, -1)))
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + sh.norm_eps) * m.norm.weight
+    o = o * F.silu(z.reshape(b, s, kh * r, dv))
+    return (o.reshape(b, s, -1) @ m.out_proj.weight.T).transpose(0, 1)
+
+
+def _mixer_grads(m, hidden, seq_part=None, fn=None, seed=3):
+    """Output, input gradient and parameter gradients for a fixed random upstream gradient of the
+    whole sequence (``seq_part = (rank, parts)``: this part of it, under sequence parallelism)."""
+    hidden = hidden.clone().requires_grad_()
+    out = (fn or (lambda mod, x: mod(x)))(m, hidden)
+    gen = torch.Generator().manual_seed(seed)
+    parts = seq_part[1] if seq_part else 1
+    upstream = torch.randn(out.shape[0] * parts, *out.shape[1:], generator=gen, dtype=out.dtype)
+    (out * upstream.chunk(parts, 0)[seq_part[0] if seq_part else 0]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    return out.detach(), hidden.grad, grads
+
+
+def _hidden(s, b=2, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(s, b, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("s", [7, 10])
+def test_mixer_matches_reference(s):
+    m = GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double()
+    ref = _mixer_grads(m, _hidden(s), fn=reference_mixer)
+    got = _mixer_grads(m, _hidden(s))
+    close(got[0], ref[0])
+    close(got[1], ref[1])
+    assert set(got[2]) == {"in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
+                           "out_proj.weight"}
+    for n in ref[2]:
+        close(got[2][n], ref[2][n])
+
+
+def _tp_rank(s, sp):
+    mesh = ParallelMesh.build(tp=2)
+    m = GatedDeltaNet(SHAPE, mesh, layer_idx=2, sequence_parallel=sp).double()
+    hidden = _hidden(s).chunk(2, 0)[mesh.coord("tp")] if sp else _hidden(s)
+    return _mixer_grads(m, hidden, (mesh.coord("tp"), 2) if sp else None)
+
+
+SPLIT_DIM = {"in_proj.weight": 0, "conv1d.weight": 0, "A_log": 0, "dt_bias": 0, "out_proj.weight": 1}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_mixer_tensor_parallel(sp):
+    s = 10
+    ref = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
+    out = run_ranks(_tp_rank, 2, s, sp)
+    for rank, (y, grad_in, grads) in enumerate(out):
+        close(y, ref[0].chunk(2, 0)[rank] if sp else ref[0])
+        close(grad_in, ref[1].chunk(2, 0)[rank] if sp else ref[1])
+        for n, dim in SPLIT_DIM.items():
+            close(grads[n], ref[2][n].chunk(2, dim)[rank])
+    # the shared norm scale is replicated: each rank holds the part of its gradient from its heads
+    close(out[0][2]["norm.weight"] + out[1][2]["norm.weight"], ref[2]["norm.weight"])
