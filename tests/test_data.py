@@ -329,7 +329,11 @@ def test_preprocess_worker_pool_matches_one_process(corpus, tmp_path, monkeypatc
     for ext in (".bin", ".idx"):
         with open(str(tmp_path / "w2_text_document") + ext, "rb") as a, open(corpus["txt"] + ext, "rb") as b:
             assert a.read() == b.read()
-    assert len(list(preprocess.batches(({"text": "x" * 300} for _ in range(20)), 1000, 3))) == 7
+    assert len(list(preprocess.batches(((0, {"text": "x" * 300}) for _ in range(20)), 1000, 3))) == 7
+    # two partitions: each keeps its own lists, in its documents' order
+    docs = preprocess.partitioned(({"text": str(i)} for i in range(7)), 2)
+    got = [(p, [d["text"] for d in b]) for p, b in preprocess.batches(docs, 1000, 3)]
+    assert got == [(0, ["0", "2", "4"]), (1, ["1", "3", "5"]), (0, ["6"])]
 
 
 def test_preprocess_script_runs_standalone(corpus, tmp_path):

@@ -158,7 +158,17 @@ class NullTokenizer:
         return self.eos_id
 
     def encode(self, text: str) -> List[int]:
-        raise ValueError("--tokenizer-type NullTokenizer cannot encode text; give token ids instead")
+        """Text that already holds token ids, separated by whitespace (Megatron-LM's NullTokenizer)."""
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError(f"--tokenizer-type NullTokenizer reads token ids separated by spaces, found "
+                             f"{text[:40]!r}") from None
+        bad = [i for i in ids if not 0 <= i < self.eos_id]
+        if bad:
+            raise ValueError(f"--tokenizer-type NullTokenizer: token id {bad[0]} is outside "
+                             f"[0, {self.eos_id}) (--vocab-size {self.eos_id})")
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
