@@ -6,7 +6,7 @@ loads the checkpoint's master weights into it (in fp32, in eval mode).
 """
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Dict, Optional, Tuple
 
 from megazero.config import ModelConfig, MoEConfig, config_from_dict, validate
@@ -41,7 +41,13 @@ def load_model(directory: str, iteration: Optional[int] = None, mesh: Optional[P
     path, meta, saved, weights = read_weights(directory, iteration, flag, notes)
     settings = dict(model_settings(saved), tensor_model_parallel_size=mesh.size("tp"),
                     pipeline_model_parallel_size=1, seed=saved.get("training", {}).get("seed", 1234))
+    moe_tp = bool(settings.get("num_experts")) and mesh.size("tp") > 1
+    if moe_tp:  # the mesh's expert layout; validated as training would run it (MoE under TP: with SP)
+        settings.update(expert_model_parallel_size=mesh.size("ep"),
+                        expert_tensor_parallel_size=mesh.size("etp"), sequence_parallel=True)
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)
+    if moe_tp:  # generation runs forward only, the whole sequence on every TP rank (models/moe.py)
+        cfg = replace(cfg, parallel=replace(cfg.parallel, sequence_parallel=False))
     model = build_model(cfg, mesh)
     load_full_state_dict(model, weights)
     model.eval()

@@ -39,8 +39,10 @@ class MoELayer(nn.Module):
     def __init__(self, cfg, mesh, layer_idx: int, stats: MoEStats, onednn: bool = False):
         super().__init__()
         moe, m = cfg.moe, cfg.model
-        if mesh.size("tp") > 1 and not cfg.parallel.sequence_parallel:
-            raise ValueError("MoE layers under --tensor-model-parallel-size > 1 need --sequence-parallel")
+        # under TP without SP every TP rank holds every token: the forward is exact (generation), but
+        # the experts' gradients would count each token once per TP rank: training needs SP (Megatron-LM's
+        # rule)
+        self.forward_only = mesh.size("tp") > 1 and not cfg.parallel.sequence_parallel
         self.router = TopKRouter(cfg, mesh, layer_idx, stats)
         self.experts = GroupedExperts(cfg, mesh, layer_idx)
         self.dispatcher = build_dispatcher(moe.moe_token_dispatcher_type, mesh, moe.num_experts)
@@ -58,6 +60,9 @@ class MoELayer(nn.Module):
                 self.shared_gate_weight.sequence_parallel = cfg.parallel.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forward_only and torch.is_grad_enabled():
+            raise ValueError("MoE layers under --tensor-model-parallel-size > 1 train only with "
+                             "--sequence-parallel (without it they run forward only, for generation)")
         probs, routing_map = self.router(x)
         out = self.dispatcher(x.reshape(-1, x.shape[-1]), probs, routing_map, self.experts)
         out = out.to(x.dtype).view_as(x)

@@ -8,7 +8,8 @@
 Greedy by default (--temperature 0); --temperature T with --top-k K and --top-p P samples, from
 --seed.  The tokenizer is the training run's --tokenizer-model unless --tokenizer-model is given.
 --json prints {"ids": [prompt and generated ids], "prompt_ids": [...], "text": ...} (text null
-without a tokenizer).  Under torchrun every rank holds a tensor-parallel shard; rank 0 prints.
+without a tokenizer).  Under torchrun every rank holds a tensor-parallel shard; rank 0 prints.  A
+mixture-of-experts checkpoint's experts are split over the ranks when their number allows.
 """
 from __future__ import annotations
 
@@ -76,6 +77,17 @@ def _prompt_ids(args, tokenizer, vocab_size: int):
     return ids
 
 
+def _expert_layout(args, tp: int) -> dict:
+    """The expert layout of a mixture-of-experts checkpoint under ``tp`` ranks: the experts split over
+    them (expert parallelism) when their number allows, each expert whole (expert TP 1, which biased
+    experts need); none for a dense one."""
+    from megazero.checkpoint.resolve import saved_config
+    experts = (saved_config(args.load, args.iteration) or {}).get("moe", {}).get("num_experts")
+    if not experts:
+        return {}
+    return {"ep": tp if experts % tp == 0 else 1, "etp": 1}
+
+
 def run(args) -> dict:
     """Load, generate, and return the result (rank 0 prints it)."""
     import torch
@@ -85,7 +97,9 @@ def run(args) -> dict:
     from models.checkpoint import load_model
     created = init_distributed()
     try:
-        mesh = ParallelMesh.build(tp=torch.distributed.get_world_size()) if created else ParallelMesh.single()
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        mesh = ParallelMesh.build(tp=world, **_expert_layout(args, world)) if world > 1 else \
+            ParallelMesh.single()
         model, info = load_model(args.load, args.iteration, mesh)
         tokenizer = _tokenizer(args, info["config"])
         ids = _prompt_ids(args, tokenizer, model.cfg.model.vocab_size)
