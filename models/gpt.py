@@ -35,6 +35,7 @@ from megazero.data.documents import document_eod, document_ids, document_mask, d
 from megazero.moe import MoEStats, moe_layers
 from .layers import KVCache, Norm, TransformerLayer, window_mask
 from .moe import moe_mlp
+from .mtp import MultiTokenPrediction
 from .rope import rope_cos_sin, rope_scaling_of
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
@@ -86,7 +87,9 @@ class GPTModel(nn.Module):
             self.word_embeddings = VocabParallelEmbedding(
                 m.vocab_size, m.padded_vocab_size, h, mesh, reduce_scatter=self.sequence_parallel,
                 init=normal_init(seed, *EMBEDDING_KEY, std))
-            self.word_embeddings.weight.shared_embedding = tied and mesh.size("pp") > 1
+            # tied, or untied with multi-token prediction on the last stage (its copy: models/mtp.py)
+            shared = (tied or bool(m.mtp_num_layers)) and mesh.size("pp") > 1
+            self.word_embeddings.weight.shared_embedding = shared
             self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if m.position_embedding_type == "learned_absolute":
                 # the deferred init is a closure over this method's locals, called later by the
@@ -119,6 +122,7 @@ class GPTModel(nn.Module):
                 w.is_embedding_or_output_parameter = True  # --decoupled-lr, as Megatron-LM marks it
             else:  # tied in this chunk: the head's product delivers its part of the gradient itself
                 self.word_embeddings.weight.grad_arrivals = 2
+            self.mtp = MultiTokenPrediction(cfg, mesh, rng_tracker, self) if m.mtp_num_layers else None
 
     # ---- pieces of the forward pass -----------------------------------------------------
     def embed(self, ids: torch.Tensor, offset: int = 0,
@@ -274,6 +278,8 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
+        if labels is not None and self.mtp is not None:  # multi-token prediction: models/mtp.py
+            return self.mtp.loss(self, x, labels, loss_mask)
         x = gather_from_sp(x, self.mesh) if self.sequence_parallel else copy_to_tp(x, self.mesh)
         # [s, b, padded_vocab / tp]
         logits = self.softcap(linear(x, self.output_weight(), onednn=self.onednn))

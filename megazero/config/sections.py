@@ -194,6 +194,14 @@ class ModelConfig:
     softmax_scale: Optional[float] = _f(
         None, "Scale of the attention scores (default 1 / sqrt(--kv-channels); Gemma 2: "
         "query_pre_attn_scalar^-0.5).", type=float)
+    mtp_num_layers: Optional[int] = _f(
+        None, "Multi-token prediction (DeepSeek-V3, Megatron-core's MTP block): this many extra depths on the "
+        "last pipeline stage, depth k predicting token t+k+1 from the previous depth's hidden state and the "
+        "embedding of token t+k, each its own norms, 2h->h projection and transformer layer, sharing the "
+        "embedding and output head (docs/moe.md).", type=int)
+    mtp_loss_scaling_factor: float = _f(
+        0.1, "Multi-token prediction: the depths' losses, averaged over the depths, times this are added to "
+        "the objective (reported apart as mtp loss).", type=float)
     scale_embedding: bool = _f(False, "Multiply the word embeddings by sqrt(--hidden-size) (Gemma).")
     activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
                          "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA) or "

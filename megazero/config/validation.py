@@ -213,9 +213,11 @@ def _check_world(cfg: MegazeroConfig, world: int) -> None:
 
 
 def _check_moe(cfg: MegazeroConfig) -> None:
+    from megazero.config.mtp_rules import check_mtp
     from megazero.moe.settings import check_moe
     with _owned_rule():
         check_moe(cfg)
+        check_mtp(cfg)  # multi-token prediction (not MoE, but a DeepSeek-V3 piece too)
 
 
 def _check_context_parallel(cfg: MegazeroConfig) -> None:

@@ -77,6 +77,10 @@ def set_backward_scale(chunks, scale: float) -> None:
     """Before a schedule: the auxiliary losses' gradient is ``scale`` (loss scale / micro-batches)."""
     for s in chunk_stats(chunks):
         s.backward_scale = scale
+    for c in chunks:  # multi-token prediction's losses (models/mtp.py) take the same scale
+        mtp = getattr(c, "mtp", None)
+        if mtp is not None:
+            mtp.stats.backward_scale = scale
 
 
 def reduce_step(chunks, mesh, moe_layers: Sequence[int], num_experts: int, num_micro_batches: int,

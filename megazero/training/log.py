@@ -51,6 +51,8 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
     parts = [f"iteration {m['iteration']:>{width}}/{train_iters}"]
     if m.get("loss") is not None:
         parts.append(f"loss {m['loss']:.4f}")
+    if m.get("mtp_loss") is not None:  # multi-token prediction: its depths' mean loss, apart
+        parts.append(f"mtp loss {m['mtp_loss']:.4f}")
     if "eval_loss" in m:
         parts.append(f"eval loss {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})")
     parts.append(f"lr {m['lr']:.3e}")

@@ -42,6 +42,7 @@ from megazero.data.loader import StepBatches
 from megazero.offload.host_memory import host_malloc_policy, peak_rss_bytes, set_host_malloc
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
 from megazero.training.log import TrainingLogger
+from megazero.training.mtp import mtp_step_metrics
 from megazero.training.lr import lrs_at
 from megazero.training.profiling import StepProfiler, startup_line as profile_startup_line
 from megazero.mesh import ParallelMesh
@@ -340,6 +341,7 @@ def _step(cfg: MegazeroConfig, chunks, optimizer, data, mesh: ParallelMesh, pos:
         data.ahead(pos.consumed + batch)
     optimizer.finish_grad_sync()
     moe = finish_step(chunks, mesh, cfg, len(batches))  # MoE routers: records reduced, expert biases moved
+    moe.update(mtp_step_metrics(chunks, mesh, cfg, len(batches)))  # multi-token prediction's losses
     if skip_if is not None:  # the loss first (a collective): every rank decides alike
         loss = _mean_loss(losses, mesh)
         stats = optimizer.step(lr, decoupled_lr, skip=bool(skip_if(loss)))
