@@ -371,10 +371,6 @@ REFUSED: Dict[str, str] = {
     "--yaml-cfg": "use --config FILE (megazero's YAML or JSON settings)",
     "--pipeline-model-parallel-layout": "use --decoder-first-pipeline-num-layers / "
                                         "--decoder-last-pipeline-num-layers for an uneven split",
-    "--sft": "supervised fine-tuning data is not implemented; fine-tune on pretraining-format data with "
-             "--load "
-             "DIR --finetune",
-    "--sft-tokenizer-prompt-format": "supervised fine-tuning data is not implemented",
     "--use-mup": "muP is not implemented", "--langrl-env-config": _RL, "--perform-rl-step": _RL,
     "--refit-method": _RL,
     "--hybrid-context-parallel": _CP, "--hierarchical-context-parallel-sizes": _CP,

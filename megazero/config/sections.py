@@ -371,6 +371,15 @@ class DataConfig:
     reset_position_ids: bool = _f(
         False, "Positions (RoPE or learned) restart at 0 after each end-of-document token, as in "
         "Megatron-LM.")
+    sft: bool = _f(
+        False, "Supervised fine-tuning (Megatron-LM's --sft): --data-path (or --train-data-path / "
+        "--valid-data-path) names JSON-lines files of conversations ({\"messages\": [{\"role\", "
+        "\"content\"}]} or {\"prompt\", \"response\"}), the loss is on the assistant's tokens only, and with "
+        "--reset-attention-mask several conversations are packed to a sequence (docs/sft.md).")
+    sft_tokenizer_prompt_format: Optional[str] = _f(
+        None, "With --sft: how turns become tokens: default (the Hugging Face tokenizer's chat template) or "
+        "identity (each turn's text as it is). Default: the chat template when the tokenizer has one, else "
+        "identity.")
 
 
 @dataclass

@@ -562,6 +562,8 @@ def _check_data(cfg: MegazeroConfig) -> None:
                "EOS id), or --tokenizer-type NullTokenizer --vocab-size N (id N)")
     _check(not data.mock_data or cfg.model.vocab_size >= 2,
            f"--vocab-size must be at least 2 for --mock-data, got {cfg.model.vocab_size}")
+    from megazero.config.sft import check_sft
+    check_sft(cfg)
 
 
 def _number(text) -> Optional[float]:

@@ -41,7 +41,11 @@ def build_data(cfg):
     if not (d.data_path or d.train_data_path):
         raise ConfigError("no training data: pass --mock-data or --data-path PREFIX")
     try:
-        data = _real_data(cfg)
+        if d.sft:  # conversations, the loss on the responses (megazero.data.sft)
+            from megazero.data.sft import build_sft_data
+            data = build_sft_data(cfg)
+        else:
+            data = _real_data(cfg)
         if d.eod_mask_loss:
             from megazero.data.tokenizer import tokenizer_from_config
             data.masked_token = tokenizer_from_config(cfg).eod
@@ -129,12 +133,16 @@ def micro_batches(source, step: Optional[int], global_batch_size: int, micro_bat
     if not keys:
         return [{} for _ in range(len(indices) // micro_batch_size)]
     ids = source.get_tokens(list(indices), split)
+    trained = source.get_loss_mask(list(indices), split) \
+        if "loss_mask" in keys and hasattr(source, "get_loss_mask") else None
     out = []
     for start in range(0, len(indices), micro_batch_size):
         chunk = ids[start:start + micro_batch_size]
         tokens, labels = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
         masked = getattr(source, "masked_token", None)
         mask = (tokens != masked).float() if masked is not None else torch.ones(labels.shape)
+        if trained is not None:  # a source that trains some labels only (--sft: the responses)
+            mask = mask * trained[start:start + micro_batch_size]
         batch = {"tokens": tokens, "labels": labels, "loss_mask": mask}
         out.append(to_device({k: batch[k] for k in keys}, device))
     return out
