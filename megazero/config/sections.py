@@ -528,6 +528,17 @@ class MoEConfig:
                                       "top-k (default: softmax over the top-k logits only).")
     moe_router_topk_scaling_factor: Optional[float] = _f(
         None, "Multiply the top-k routing weights by this.", type=float)
+    moe_router_num_groups: Optional[int] = _f(
+        None, "Group-limited routing (DeepSeek-V3): the experts split into this many equal groups of "
+        "consecutive experts; each token chooses its top-k among the experts of its best "
+        "--moe-router-group-topk groups. Groups = expert-parallel size: device-limited routing.", type=int)
+    moe_router_group_topk: Optional[int] = _f(
+        None, "Groups each token may route to (with --moe-router-num-groups); a group's score is the sum of "
+        "its best top-k / group-topk expert scores.", type=int)
+    moe_router_group_score_topk: Optional[int] = _f(
+        None, "megazero: experts whose scores add up to a group's score (default --moe-router-topk / "
+        "--moe-router-group-topk, Megatron-core's rule; Hugging Face's DeepSeek-V3 always takes 2).",
+        type=int)
     moe_router_enable_expert_bias: bool = _f(
         False, "Aux-loss-free balancing: a per-expert bias, added to the scores for the top-k choice only, "
         "moved by --moe-router-bias-update-rate after every step towards balance (no gradient; sigmoid "
@@ -546,17 +557,6 @@ class MoEConfig:
     moe_token_dispatcher_type: str = _f(
         "allgather", "How tokens reach their experts: allgather (every rank of the expert-TP x EP group sees "
         "all tokens and computes its experts' share) or alltoall (tokens travel by all-to-all over the EP "
-    moe_router_num_groups: Optional[int] = _f(
-        None, "Group-limited routing (DeepSeek-V3): the experts split into this many equal groups of "
-        "consecutive experts; each token chooses its top-k among the experts of its best "
-        "--moe-router-group-topk groups. Groups = expert-parallel size: device-limited routing.", type=int)
-    moe_router_group_topk: Optional[int] = _f(
-        None, "Groups each token may route to (with --moe-router-num-groups); a group's score is the sum of "
-        "its best top-k / group-topk expert scores.", type=int)
-    moe_router_group_score_topk: Optional[int] = _f(
-        None, "megazero: experts whose scores add up to a group's score (default --moe-router-topk / "
-        "--moe-router-group-topk, Megatron-core's rule; Hugging Face's DeepSeek-V3 always takes 2).",
-        type=int)
         "group, then gathered over expert TP).", choices=["allgather", "alltoall", "flex"])
     moe_expert_capacity_factor: Optional[float] = _f(
         None, "Expert capacity as a multiple of the even share: each expert takes at most ceil(factor x "
