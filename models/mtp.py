@@ -18,18 +18,18 @@ Parameter names (global, the same at every pipeline layout), ``i = --num-layers 
 checkpoints (``model.layers.{i}.*``):
 
 =====================================  ==================================================
-``mtp.<i>.enorm.weight``                ``model.layers.<i>.enorm.weight``
-``mtp.<i>.hnorm.weight``                ``model.layers.<i>.hnorm.weight``
-``mtp.<i>.eh_proj.weight [h, 2h]``      ``model.layers.<i>.eh_proj.weight``
-``mtp.<i>.layer.<name>``                ``model.layers.<i>.<name>`` (the transformer layer's own names)
-``mtp.<i>.final_norm.weight``           ``model.layers.<i>.shared_head.norm.weight``
-(the shared head and embedding)         ``shared_head.head`` / ``embed_tokens``: copies of the model's
+``mtp.depths.<i>.enorm.weight``         ``model.layers.<i>.enorm.weight``
+``mtp.depths.<i>.hnorm.weight``         ``model.layers.<i>.hnorm.weight``
+``mtp.depths.<i>.eh_proj.weight``       ``model.layers.<i>.eh_proj.weight``
+``mtp.depths.<i>.layer.<name>``         ``model.layers.<i>.<name>`` (the transformer layer's own names)
+``mtp.depths.<i>.final_norm.weight``    ``model.layers.<i>.shared_head.norm.weight``
+(the shared head and embedding)         ``shared_head.head`` / ``embed_tokens``: the model's own
 =====================================  ==================================================
 
 The embedding is shared: in a chunk that embeds, the word embedding itself; on a last stage under
 pipeline parallelism with tied embeddings, the head's weight (the embedding's tied copy, its lookup
 gradient arriving through ``.grad`` beside the head's product, ``grad_arrivals = 2``); with untied
-embeddings, ``mtp_embedding.weight``, a copy of the word embedding marked ``shared_embedding`` and
+embeddings, ``mtp.word_embeddings.weight``, a copy of the word embedding marked ``shared_embedding`` and
 ``tied_copy`` (gradients summed with the first stage's over the embedding group, checkpointed once).
 The MTP transformer layer has a dense MLP.
 """
@@ -187,8 +187,9 @@ class MultiTokenPrediction(nn.Module):
         ``[b, s]`` each, ``labels_mask [b, s]`` the main loss mask."""
         total = None
         for k, t in enumerate(per_token):
-            mask = roll_left(labels_mask, k + 1).to(torch.float32)
-            mean = (t.float() * mask).sum() / mask.sum().clamp(min=1.0)
+            dt = torch.promote_types(t.dtype, torch.float32)  # fp32 (float64 in the float64 check)
+            mask = roll_left(labels_mask, k + 1).to(dt)
+            mean = (t.to(dt) * mask).sum() / mask.sum().clamp(min=1.0)
             if record:
                 self.stats.record(k, mean)
             total = mean if total is None else total + mean

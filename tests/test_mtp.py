@@ -1,0 +1,121 @@
+"""Multi-token prediction (``--mtp-num-layers``, models/mtp.py): the loss math against a float64 reference
+written here, and training under PP 2 (tied and untied embeddings) and TP 2 with sequence parallelism
+against one process.
+
+Tolerances: the reference check is float64 on both sides (1e-10); the training runs are fp32 SGD under
+another layout (tests/tolerance.py R_TRAIN) for the loss, the MTP loss and the gradient norm."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megazero.config import ConfigError, config_from_dict, validate
+from megazero.process.local_ranks import run_ranks
+from tolerance import R_TRAIN
+
+BASE = dict(mock_data=True, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+            vocab_size=100, global_batch_size=4, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
+            optimizer="sgd", lr=0.1, sgd_momentum=0.0, log_interval=100, hidden_dropout=0.0,
+            attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm",
+            mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+
+
+def _rms(x, w, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _ce64(logits, labels, mesh, vocab):
+    """The vocabulary-parallel cross-entropy of one rank in the logits' own dtype (megazero's runs in fp32
+    whatever the dtype): the float64 check is then float64 throughout."""
+    return F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), labels.reshape(-1),
+                           reduction="none").view(labels.shape)
+
+
+def test_mtp_loss_and_gradients_match_a_float64_reference(monkeypatch):
+    """Depth k sees the embedding of token t+k+1 beside the previous depth's state and predicts token
+    t+k+2; its loss is the mean over the rolled mask; factor / N times their sum is what backward adds."""
+    import models
+    import models.mtp
+    monkeypatch.setattr(models.mtp, "vocab_parallel_cross_entropy", _ce64)
+    cfg = validate(config_from_dict(dict(BASE, untie_embeddings_and_output_weights=True)), world_size=1,
+                   check_data=False)
+    model = models.build_model(cfg).double().train()
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 100, (2, 17), generator=gen)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    mask = torch.ones(2, 16, dtype=torch.float64)
+    mask[0, 5] = mask[1, 12] = 0.0
+    model.mtp.stats.backward_scale = 1.0
+    per_token = model(ids, labels=labels, loss_mask=mask)
+    main = (per_token * mask).sum() / mask.sum()
+    main.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    recorded = model.mtp.stats.losses.clone()
+
+    model.zero_grad()
+    eps, emb, head = cfg.model.norm_epsilon, model.word_embeddings.weight, model.output_layer.weight
+    x = model.final_norm(model.run_layers(model.embed(ids)))
+    ref_main = F.cross_entropy((x @ head.t()).transpose(0, 1)[..., :100].reshape(-1, 100), labels.reshape(-1),
+                               reduction="none").view(2, 16)
+    torch.testing.assert_close(per_token, ref_main, rtol=1e-10, atol=1e-10)
+    h, total, s = x, 0.0, 16
+    for k, depth in enumerate(model.mtp.depths.values()):
+        nxt = torch.zeros_like(labels)  # token t+k+1 at position t (labels are tokens shifted by one)
+        nxt[:, :s - k] = labels[:, k:]
+        e = emb[nxt.t()]
+        cat = torch.cat([_rms(e, depth.enorm.weight, eps), _rms(h, depth.hnorm.weight, eps)], dim=-1)
+        h = _rms(depth.layer(cat @ depth.eh_proj.weight.t(), model._rope(cat)), depth.final_norm.weight, eps)
+        target = torch.zeros_like(labels)
+        target[:, :s - k - 1] = labels[:, k + 1:]
+        m = torch.zeros_like(mask)
+        m[:, :s - k - 1] = mask[:, k + 1:]
+        ce = F.cross_entropy((h @ head.t()).transpose(0, 1)[..., :100].reshape(-1, 100), target.reshape(-1),
+                             reduction="none").view(2, 16)
+        depth_loss = (ce * m).sum() / m.sum()
+        assert float(recorded[k]) == pytest.approx(float(depth_loss.detach()), rel=1e-10)
+        total = total + depth_loss
+    ((ref_main * mask).sum() / mask.sum() + 0.3 / 2 * total).backward()
+    ref = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(ref) == set(got) and any("mtp." in n for n in got)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-10, atol=1e-12, msg=n)
+    assert float(got["mtp.depths.3.eh_proj.weight"].abs().max()) > 1e-4  # the MTP loss reaches its weights
+
+
+def _train(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+KEYS = ("loss", "grad_norm", "mtp_loss", "mtp_1_loss", "mtp_2_loss")
+LAYOUTS = {  # name: (settings of both runs, world, layout)
+    "pp2-untied": (dict(untie_embeddings_and_output_weights=True), 2, dict(pipeline_model_parallel_size=2)),
+    "pp2-tied": (dict(), 2, dict(pipeline_model_parallel_size=2)),
+    "tp2-sp": (dict(untie_embeddings_and_output_weights=True), 2,
+               dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "tp2-tied-zero1": (dict(), 2, dict(tensor_model_parallel_size=2, zero_stage=1)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_mtp_under_a_layout_matches_one_process(name):
+    both, world, layout = LAYOUTS[name]
+    one = _train(config_from_dict(dict(BASE, **both)))
+    ranks = run_ranks(_train, world, config_from_dict(dict(BASE, **both, **layout)), timeout=300)
+    for hist in ranks:
+        for key in KEYS:
+            assert [m[key] for m in hist] == pytest.approx([m[key] for m in one], rel=R_TRAIN), key
+    off = _train(config_from_dict(dict(BASE, **both, mtp_loss_scaling_factor=0.0)))
+    assert off[0]["loss"] == one[0]["loss"]  # the first step's loss is the main model's alone
+    assert off[1]["loss"] != pytest.approx(one[1]["loss"], rel=1e-6)  # the MTP loss trained the model
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(mtp_num_layers=0), "--mtp-num-layers must be a positive integer"),
+    (dict(position_embedding_type="learned_absolute"), "--mtp-num-layers with --position-embedding-type"),
+    (dict(mtp_loss_scaling_factor=-1.0), "--mtp-loss-scaling-factor must be >= 0"),
+])
+def test_bad_mtp_settings_are_refused_by_name(bad, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(config_from_dict(dict(BASE, **bad)), world_size=1)
