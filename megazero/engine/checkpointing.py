@@ -206,6 +206,9 @@ def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool
                   flush=True)
         return None, None
     path = tag_dir(load_dir, tag, where)
+    from megazero.engine.ds_checkpoint import is_deepspeed_checkpoint, load_deepspeed
+    if is_deepspeed_checkpoint(path):  # written by DeepSpeed itself (docs/migration.md)
+        return load_deepspeed(engine, path, load_optimizer_states, load_lr_scheduler_states, load_module_only)
     ck = replace(engine.cfg.checkpoint, finetune=load_module_only, no_load_optim=not load_optimizer_states,
                  override_opt_param_scheduler=True)
     info = load(path, [engine.module], engine.zero, engine.mesh, replace(engine.cfg, checkpoint=ck))

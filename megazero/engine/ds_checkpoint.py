@@ -1,0 +1,349 @@
+"""DeepSpeed's own checkpoints into megazero's engine: ``engine.load_checkpoint(DIR, tag=None)`` on a
+directory DeepSpeed wrote (docs/migration.md).
+
+DeepSpeed's layout (0.19.x; ``DIR/latest`` names the tag, ``global_step<N>`` by default)::
+
+    DIR/<tag>/mp_rank_00_model_states.pt                ZeRO 1-2: the module's weights, the counters,
+                                                         the scheduler, param_shapes, client_state
+    DIR/<tag>/zero_pp_rank_<r>_mp_rank_00_model_states.pt     ZeRO-3: the same, one per rank
+    DIR/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt     every rank's fp32 partition and Adam state
+    DIR/<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt  the same under bf16 at ZeRO-1
+
+From the optimizer files each parameter's fp32 master weight, ``exp_avg`` and ``exp_avg_sq`` are put
+back together whole (ZeRO 1-2: the ranks' flat partitions of each group joined, parameters in
+``param_shapes`` order; ZeRO-3: every parameter split over the ranks on its own, padded to a multiple
+of the rank count), then copied into this engine's own slices at its data-parallel size and ZeRO
+stage.  Restored too: Adam's step, the groups' learning rates, the loss scale of a dynamic fp16 scaler,
+the learning-rate schedule (``last_batch_iteration``), the step and sample counters, persistent
+buffers and frozen parameters (from the module's weights).  ``client_state`` is returned as DeepSpeed
+returns it: the keys of the model-states file that are not DeepSpeed's own.
+
+Nothing in the files runs code: each is read with ``torch.load(weights_only=True)``.  DeepSpeed pickles
+a few objects of its own (its loss scaler, the ZeRO stage enum, fragment addresses); those names, and
+only those, are read into inert records (:data:`STORED`), never into DeepSpeed's classes.  Any other
+global is refused with one line naming it.  A missing or truncated file, a checkpoint of another model
+shape, or a layout megazero does not map (tensor-parallel ``mp_rank_01``, DeepSpeed's pipeline-engine
+``layer_*-model_states.pt``, no ZeRO) raises :class:`CheckpointError` (exit status 2).  Every rank reads
+every optimizer file (memory-mapped), so a rank briefly holds the whole fp32 state once.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megazero.checkpoint.errors import CheckpointError
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+OPTIM_NAME = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+# the model-states keys DeepSpeed writes itself; the rest is the client_state a script saved
+DS_KEYS = frozenset((
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions"))
+
+
+class StoredRecord:
+    """What an allowed DeepSpeed object in a checkpoint becomes: its saved attributes, no behaviour."""
+
+
+def stored_enum(value):
+    """An allowed DeepSpeed enum member in a checkpoint becomes its plain value."""
+    return value
+
+
+_LS = "deepspeed.runtime.fp16.loss_scaler."
+STORED = {_LS + "LossScaler": StoredRecord, _LS + "DynamicLossScaler": StoredRecord,
+          _LS + "LossScaleProfile": stored_enum,
+          "deepspeed.runtime.zero.config.ZeroStageEnum": stored_enum,
+          "deepspeed.utils.tensor_fragment.fragment_address": StoredRecord}
+
+
+def is_deepspeed_checkpoint(path: str) -> bool:
+    """Whether ``path`` (a tag's directory) holds DeepSpeed's files rather than megazero's."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return any(n.endswith("model_states.pt") or OPTIM_NAME.match(n) for n in names)
+
+
+def read_file(path: str):
+    """``torch.load(weights_only=True)`` of one DeepSpeed file, :data:`STORED` read as records; every
+    failure is one :class:`CheckpointError` naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint is incomplete (every rank that "
+                              "saved it writes its own file); copy the whole tag directory")
+    try:
+        with torch.serialization.safe_globals([(obj, name) for name, obj in STORED.items()]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - whatever the bytes are: one line naming the file
+        text = str(err)
+        named = re.search(r"GLOBAL (\S+)", text) or re.search(r"unrecognized function (\S+)", text)
+        if named:
+            raise CheckpointError(f"{path} is refused: it names {named.group(1)}, not one of the plain "
+                                  "types a DeepSpeed checkpoint holds; megazero runs no code from a "
+                                  "checkpoint") from None
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        raise CheckpointError(f"{path} cannot be read ({first[:160]}): truncated or not a torch.save file; "
+                              "copy it again from the run that saved it") from None
+
+
+def _refuse_layout(path: str, names: List[str]) -> None:
+    pipeline = sorted(n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+", n))
+    if pipeline:
+        raise CheckpointError(f"{path} is a DeepSpeed pipeline-engine (PipelineModule) checkpoint "
+                              f"({pipeline[0]}, ...); megazero's engine trains one module and cannot map its "
+                              "layers: convert it with DeepSpeed's zero_to_fp32.py and load the weights")
+    other_mp = sorted(n for n in names if re.search(r"mp_rank_(?!00_)\d+", n))
+    if other_mp:
+        raise CheckpointError(f"{path} was saved with DeepSpeed tensor parallelism ({other_mp[0]}); "
+                              "megazero's engine loads mp_rank_00 checkpoints (no model parallelism) only")
+
+
+def _param_shapes(model_states: dict, path: str) -> Dict[str, Tuple[int, ...]]:
+    shapes = model_states.get("param_shapes")
+    if isinstance(shapes, dict):
+        shapes = [shapes]
+    if not isinstance(shapes, list):
+        raise CheckpointError(f"{path}: no param_shapes: not a DeepSpeed ZeRO checkpoint megazero can map "
+                              "(load_module_only=True reads the module's weights alone)")
+    return [{name: tuple(int(d) for d in shape) for name, shape in group.items()} for group in shapes]
+
+
+def _optim_files(path: str, names: List[str], world: int) -> List[str]:
+    found = {int(m.group(2)): n for n, m in ((n, OPTIM_NAME.match(n)) for n in names) if m}
+    if not found:
+        raise CheckpointError(f"{path} holds no zero_pp_rank_*_mp_rank_00_optim_states.pt: a DeepSpeed "
+                              "checkpoint without ZeRO; load_module_only=True reads the weights alone")
+    prefix = next(iter(found.values())).split("zero_pp_rank_")[0]
+    for r in range(world):
+        if r not in found:
+            name = f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+            raise CheckpointError(f"{os.path.join(path, name)} is missing: the checkpoint was saved by "
+                                  f"{world} data-parallel ranks (dp_world_size) and each wrote its own "
+                                  "file; copy the whole tag directory")
+    return [os.path.join(path, found[r]) for r in range(world)]
+
+
+def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.reshape(-1).float() for p in parts])
+
+
+def _zero12(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
+    """ZeRO 1-2: per group, the ranks' flat partitions joined; parameters in order, with DeepSpeed's
+    per-parameter alignment padding."""
+    out = {k: {} for k in KEYS}
+    for g, shapes in enumerate(groups):
+        flats = {"master": _cat([s["single_partition_of_fp32_groups"][g] for s in shards])}
+        for k in KEYS[1:]:
+            flats[k] = _cat([_base_state(s, path)[g][k] for s in shards])
+        pads = shards[0].get("param_alignment_paddings")
+        pads = pads[g] if pads is not None else [0] * len(shapes)
+        offset = 0
+        for (name, shape), pad in zip(shapes.items(), pads):
+            n = math.prod(shape)
+            if offset + n > flats["master"].numel():
+                raise CheckpointError(f"{path}: group {g} holds {flats['master'].numel()} values, fewer than "
+                                      "its param_shapes name: the optimizer files do not belong together")
+            for k in KEYS:
+                out[k][name] = flats[k][offset:offset + n]
+            offset += n + int(pad)
+    return out
+
+
+def _base_state(shard: dict, path: str) -> Dict[int, dict]:
+    base = shard.get("base_optimizer_state")
+    state = base.get("state") if isinstance(base, dict) else None
+    if not isinstance(state, dict) or not all("exp_avg" in v for v in state.values()):
+        raise CheckpointError(f"{path}: the optimizer state is not Adam's (exp_avg, exp_avg_sq per group); "
+                              "load_optimizer_states=False loads the weights with a fresh optimizer")
+    return state
+
+
+def _zero3(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
+    """ZeRO-3: each parameter split over the W ranks on its own (ceil(numel / W) values each, the
+    last padded), the ranks' sub-groups concatenated in parameter order."""
+    world, out = len(shards), {k: {} for k in KEYS}
+    flats = {k: [] for k in KEYS}
+    for s in shards:
+        flats["master"].append(_cat(s["fp32_flat_groups"]))
+        state = s.get("optimizer_state_dict", {}).get("state", {})
+        if not all("exp_avg" in state.get(i, {}) for i in range(len(s["fp32_flat_groups"]))):
+            raise CheckpointError(f"{path}: the optimizer state is not Adam's (exp_avg, exp_avg_sq per "
+                                  "sub-group); load_optimizer_states=False loads the weights with a fresh "
+                                  "optimizer")
+        for k in KEYS[1:]:
+            flats[k].append(_cat([state[i][k] for i in range(len(s["fp32_flat_groups"]))]))
+    offset = 0
+    for shapes in groups:
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            part = -(-n // world)
+            if offset + part > flats["master"][0].numel():
+                raise CheckpointError(f"{path}: the ranks' partitions hold fewer values than param_shapes "
+                                      "names: the optimizer files do not belong together")
+            for k in KEYS:
+                out[k][name] = torch.cat([f[offset:offset + part] for f in flats[k]])[:n]
+            offset += part
+    return out
+
+
+def _optimizer_meta(shards: List[dict], stage: int, path: str) -> Tuple[Optional[int], List[float], dict]:
+    """(Adam's step, the groups' learning rates, the loss scaler's attributes) of rank 0's file."""
+    osd = shards[0]
+    inner = osd.get("optimizer_state_dict", {}) if stage == 3 else osd.get("base_optimizer_state", {})
+    steps = {float(v["step"]) for v in inner.get("state", {}).values() if "step" in v}
+    if len(steps) > 1:
+        raise CheckpointError(f"{path}: the parameter groups were stepped {sorted(steps)} times; megazero's "
+                              "Adam keeps one step count")
+    lrs = [float(g["lr"]) for g in inner.get("param_groups", [])]
+    scaler = getattr(osd.get("loss_scaler"), "__dict__", {}) or {}
+    return (int(steps.pop()) if steps else None), lrs, scaler
+
+
+def _check_shapes(engine, shapes: Dict[str, Tuple[int, ...]], frozen: Dict[str, Tuple[int, ...]],
+                  path: str) -> None:
+    mine = engine.zero.param_shapes()
+    live = {}
+    for name, p in engine.module.named_parameters():
+        live[name] = tuple(mine.get(p, p.shape))
+    saved = {**shapes, **frozen}
+    for name, shape in live.items():
+        if name not in saved:
+            raise CheckpointError(f"{path}: parameter {name} is not in the DeepSpeed checkpoint: it was "
+                                  "saved from another model; build the model that saved it")
+        if tuple(saved[name]) != shape:
+            raise CheckpointError(f"{path}: parameter {name} has shape {list(saved[name])} in the DeepSpeed "
+                                  f"checkpoint but {list(shape)} in this model; build the model that saved "
+                                  "it")
+    extra = sorted(set(saved) - set(live))
+    if extra:
+        raise CheckpointError(f"{path}: the DeepSpeed checkpoint holds parameter {extra[0]}, which this "
+                              "model lacks: it was saved from another model; build the model that saved it")
+
+
+def read_checkpoint(engine, path: str, with_optimizer: bool) -> dict:
+    """Everything the engine takes from the DeepSpeed checkpoint in ``path``, read and checked, nothing
+    applied: ``values`` (key -> name -> whole flat fp32), ``model_states``, ``step``, ``lrs``, ``scaler``,
+    ``frozen`` (name -> tensor), ``buffers``."""
+    names = sorted(os.listdir(path))
+    _refuse_layout(path, names)
+    zero3 = any(re.match(r"^zero_pp_rank_\d+_mp_rank_00_model_states\.pt$", n) for n in names)
+    first = os.path.join(path, ("zero_pp_rank_0_" if zero3 else "") + MODEL_STATES)
+    ms = read_file(first)
+    world = int(ms.get("dp_world_size", 1))
+    groups = _param_shapes(ms, first)
+    shapes = {n: s for g in groups for n, s in g.items()}
+    frozen_shapes = {n: tuple(s) for n, s in (ms.get("frozen_param_shapes") or {}).items()}
+    _check_shapes(engine, shapes, frozen_shapes, first)
+    shards = [read_file(f)["optimizer_state_dict"] for f in _optim_files(path, names, world)]
+    stage = 3 if zero3 else 2
+    values = (_zero3 if zero3 else _zero12)(shards, groups, path)
+    step, lrs, scaler = _optimizer_meta(shards, stage, path)
+    module = ms.get("module") or {}
+    frozen = {}
+    for name, shape in frozen_shapes.items():
+        if zero3:
+            files = [os.path.join(path, f"zero_pp_rank_{r}_{MODEL_STATES}") for r in range(world)]
+            parts = [read_file(f)["frozen_param_fragments"][name] for f in files]
+            frozen[name] = _cat(parts)[:math.prod(shape)].view(shape)
+        else:
+            frozen[name] = module[name].float().view(shape)
+    buffers = {n: module[n] for n in ms.get("buffer_names") or [] if n in module}
+    if not with_optimizer:
+        values = {"master": values["master"]}
+    return {"values": values, "model_states": ms, "step": step, "lrs": lrs, "scaler": scaler,
+            "frozen": frozen, "buffers": buffers, "files": first}
+
+
+def scaler_state(scaler: dict) -> Optional[dict]:
+    """DeepSpeed's dynamic loss scaler as megazero's scaler state (None for a static one): the scale,
+    the hysteresis left, and the clean steps since the last overflow within its window."""
+    if not scaler.get("dynamic"):
+        return None
+    window = int(scaler.get("scale_window", 1000)) or 1
+    clean = int(scaler.get("cur_iter", 0)) - int(scaler.get("last_overflow_iter", -1)) - 1
+    return {"scale": float(scaler["cur_scale"]), "growth_tracker": clean % window,
+            "hysteresis_tracker": int(scaler.get("cur_hysteresis", 1)), "dynamic": True}
+
+
+def _fill(engine, values: Dict[str, Dict[str, torch.Tensor]]) -> None:
+    """Copy the whole per-parameter values into this rank's slices of the engine's optimizer, bucket
+    by bucket, and republish the parameters (collective over data parallelism)."""
+    opt, keys = engine.zero, list(values)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    update = opt.update
+    for b in opt.buckets:
+        lo = opt.storage.updated_range(b)[0]
+        starts = {id(p): s for p, s in zip(b.params, b.starts)}
+        opt.storage.begin_update(b)
+        for j, (a, e) in enumerate(update.pieces(b)):
+            tensors = update.piece_tensors(b, j, keys, read=False)
+            with torch.no_grad():
+                for k in keys:
+                    flat = tensors[k].view(-1)
+                    flat.zero_()
+                    for p, pa, pe in b.segments(lo + a, lo + e):
+                        s = starts[id(p)]
+                        src = values[k][names[id(p)]][pa - s:pe - s]
+                        flat[pa - lo - a:pe - lo - a].copy_(src.to(flat.device, flat.dtype))
+                update.commit_piece(b, j, tensors)
+        opt.publish_params(b)
+        opt.storage.end_update(b)
+
+
+def load_deepspeed(engine, path: str, load_optimizer_states: bool = True,
+                   load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                   ) -> Tuple[str, Optional[dict]]:
+    """``engine.load_checkpoint`` of the DeepSpeed tag directory ``path`` (collective): returns
+    ``(path, client_state)``.  Every rank reads and checks first; one rank's error is every rank's."""
+    from megazero.checkpoint.comm import agree
+    from megazero.engine.checkpointing import _check_batch, _restore_rates, persistent_buffers
+    with_optim = load_optimizer_states and not load_module_only
+    error, got = None, None
+    try:
+        got = read_checkpoint(engine, path, with_optim)
+        if not load_module_only:
+            ms = got["model_states"]
+            _check_batch(engine, {"train_batch_size": (ms.get("ds_config") or {}).get("train_batch_size"),
+                                  "global_steps": ms.get("global_steps")}, got["files"])
+    except Exception as err:  # noqa: BLE001 - every rank stops before the collectives below
+        error = err
+    agree(error, engine.mesh, "")
+    ms = got["model_states"]
+    if not with_optim:
+        engine.zero.update.zero_state()
+        engine.zero.step_count = 0
+    _fill(engine, got["values"])
+    live = persistent_buffers(engine.module)
+    params = dict(engine.module.named_parameters())
+    with torch.no_grad():
+        for name, value in got["frozen"].items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+        for name, value in got["buffers"].items():
+            if name in live:
+                live[name].copy_(value.to(live[name].device, live[name].dtype))
+    if with_optim:
+        if got["step"] is not None:
+            engine.zero.step_count = got["step"]
+        scaler = scaler_state(got["scaler"])
+        if scaler is not None:
+            engine.zero.scaler.load_state_dict(scaler)
+    if not load_module_only:
+        engine.global_steps = int(ms.get("global_steps", 0))
+        engine.global_samples = int(ms.get("global_samples", 0))
+        engine.micro_steps = engine.global_steps * engine.config.gradient_accumulation_steps
+        engine.skipped_steps = int(ms.get("skipped_steps", 0))
+        sched = ms.get("lr_scheduler")
+        if load_lr_scheduler_states and isinstance(sched, dict) and sched and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(sched)
+        if with_optim or load_lr_scheduler_states:
+            _restore_rates(engine, got["lrs"] or None)
+    engine.zero.zero_grad()
+    client = {k: v for k, v in ms.items() if k not in DS_KEYS}
+    return path, client
