@@ -103,9 +103,12 @@ class GPTModel(nn.Module):
                 weight.sequence_parallel = self.sequence_parallel
         here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
         self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
+        layer_type = TransformerLayer
+        if m.hybrid_layer_pattern:  # a hybrid stack: one mixer per layer, by the pattern (models/hybrid.py)
+            from .hybrid import HybridLayer as layer_type
         self.decoder = nn.ModuleDict({
-            str(i): TransformerLayer(cfg, mesh, i, rng_tracker, self.onednn,
-                                     mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
+            str(i): layer_type(cfg, mesh, i, rng_tracker, self.onednn,
+                               mlp=moe_mlp(cfg, mesh, i, self.moe_stats, self.onednn))
             for i in layers})
         if cfg.precision.compile:  # --compile: each layer's forward through torch.compile
             compile_layers(self.decoder.values())

@@ -45,6 +45,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
 
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
     "--persistent-save-interval": "save_interval",
+    "--hybrid-override-pattern": "hybrid_layer_pattern",
 }
 
 # flags with a rule of their own (see translate); value kinds for argparse

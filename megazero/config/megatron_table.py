@@ -133,6 +133,8 @@ IGNORED: Dict[str, str] = {
     "--test-data-path": "megazero evaluates on the validation set only",
     "--start-eval-at-iter": "evaluation runs every --eval-interval iterations from the start",
     "--enable-experimental": "turns nothing on by itself",
+    "--is-hybrid-model": "the layer stack is hybrid exactly when --hybrid-layer-pattern is given",
+    "--disable-mamba-mem-eff-path": "kernel fusion only (Mamba's fused path): the same numbers either way",
     "--onnx-safe": "export detail only", "--test-mode": "Megatron-LM's own tests only",
     "--data-impl": "older Megatron-LM's flag: the indexed (mmap) format is the only one",
     "--no-query-key-layer-scaling": "megazero never scales queries and keys by the layer number",
@@ -378,8 +380,8 @@ REFUSED: Dict[str, str] = {
     "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
     "--v-head-dim": _MLA, "--qk-pos-emb-head-dim": _MLA, "--cache-mla-latents": _MLA,
     "--mla-down-proj-fusion": _MLA,
-    "--is-hybrid-model": _HYBRID, "--hybrid-layer-pattern": _HYBRID, "--hybrid-override-pattern": _HYBRID,
-    "--disable-mamba-mem-eff-path": _HYBRID, "--linear-attention-freq": _HYBRID,
+    "--linear-attention-freq": "interleaving by frequency is not implemented: give every layer's kind with "
+                               "--hybrid-layer-pattern (G: Gated DeltaNet, *: attention; docs/hybrid.md)",
     "--enable-mhc-connections": "hyper-connections are not implemented",
     "--indexer-batch-size": "DeepSeek sparse attention is not implemented",
     "--indexer-log-interval": "DeepSeek sparse attention is not implemented",
@@ -407,7 +409,8 @@ REFUSED: Dict[str, str] = {
 REFUSED_PREFIXES: Dict[str, str] = {
     "--moe-": _MOE, "--fp8-": _FP8, "--fp4-": _FP8, "--kitchen-": _FP8,
     "--megatron-fsdp-": _FSDP, "--fsdp-": _FSDP, "--rl-": _RL, "--no-rl-": _RL, "--grpo-": _RL,
-    "--mamba-": _HYBRID, "--linear-": _HYBRID, "--gdp-": _HYBRID,
+    **_each("this Mamba / linear-attention setting is not implemented (hybrid stacks: "
+            "--hybrid-layer-pattern, docs/hybrid.md)", "--mamba- --linear- --gdp-"),
     "--mtp-": "multi-token prediction is not implemented",
     "--dsa-": "DeepSeek sparse attention is not implemented",
     "--no-dsa-": "DeepSeek sparse attention is not implemented",

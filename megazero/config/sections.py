@@ -225,6 +225,24 @@ class ModelConfig:
     recompute_method: Optional[str] = _f(None, "With full: uniform or block.", choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = _f(None, "With full: layers per recomputed group (uniform) "
                                              "or layers recomputed per stage (block).")
+    hybrid_layer_pattern: Optional[str] = _f(
+        None, "A hybrid layer stack (Megatron-LM's; also --hybrid-override-pattern): one symbol per layer, M "
+        "Mamba-2, * attention, - MLP, E mixture of experts, G Gated DeltaNet (megazero's), e.g. M*M-M*M-; "
+        "its length is --num-layers (docs/hybrid.md).")
+    mamba_num_heads: Optional[int] = _f(None, "Mamba-2 heads (default 2 x --hidden-size / --mamba-head-dim).",
+                                        type=int)
+    mamba_head_dim: int = _f(64, "Mamba-2 channels per head.")
+    mamba_state_dim: int = _f(128, "Mamba-2 state size per head.")
+    mamba_num_groups: int = _f(8, "Mamba-2 groups: the heads of a group share B and C; tensor parallelism "
+                               "splits whole groups.")
+    mamba_chunk_size: int = _f(128, "Positions per chunk of Mamba-2's chunked (SSD) scan: the same numbers "
+                               "at any size, up to rounding.")
+    linear_num_key_heads: int = _f(16, "Gated DeltaNet query/key heads; tensor parallelism splits them.")
+    linear_num_value_heads: int = _f(32, "Gated DeltaNet value heads (a multiple of the key heads).")
+    linear_key_head_dim: int = _f(128, "Gated DeltaNet channels per query/key head.")
+    linear_value_head_dim: int = _f(128, "Gated DeltaNet channels per value head.")
+    linear_conv_kernel_dim: int = _f(4, "Width of the short causal convolutions of Gated DeltaNet.")
+    linear_chunk_size: int = _f(64, "Positions per chunk of Gated DeltaNet's chunked delta rule.")
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
 

@@ -51,12 +51,17 @@ def validate(cfg: MegazeroConfig, world_size: Optional[int] = None,
     _check_world(given, world_size)
     resolved = given._fill(derive(given, world_size))  # given is this call's own copy
     data = (_check_data,) if check_data else ()
-    for check in (_check_model, _check_moe, _check_context_parallel, _check_sequence_parallel,
+    for check in (_check_model, _check_hybrid, _check_moe, _check_context_parallel, _check_sequence_parallel,
                   _check_pipeline,
                   _check_batch, _check_zero, _check_precision, _check_recompute, _check_optimizer,
                   _check_checkpoint, *data, _check_resilience, _check_profile):
         check(resolved)
     return resolved
+
+
+def _check_hybrid(cfg: MegazeroConfig) -> None:
+    from megazero.config.hybrid import check_hybrid  # the hybrid stack's rules live with its symbols
+    check_hybrid(cfg)
 
 
 def derive(cfg: MegazeroConfig, world_size: int) -> Derived:

@@ -52,6 +52,9 @@ def moe_layers(cfg) -> List[int]:
     """Global indices of the MoE layers (none for a dense model)."""
     if not is_moe(cfg.moe):
         return []
+    hybrid = getattr(cfg.model, "hybrid_layer_pattern", None)
+    if hybrid:  # a hybrid stack: its E layers (megazero.config.hybrid)
+        return [i for i, kind in enumerate(hybrid) if kind == "E"]
     return [i for i, on in enumerate(moe_layer_pattern(cfg.moe.moe_layer_freq, cfg.model.num_layers)) if on]
 
 

@@ -1,0 +1,101 @@
+"""Hybrid layer stacks (``--hybrid-layer-pattern``): which kind of layer each global layer index is,
+and the rules of the settings, each a one-line :class:`ConfigError` naming the flag and the fix.
+
+One symbol per layer, Megatron-LM's: ``M`` a Mamba-2 layer, ``*`` an attention layer, ``-`` an MLP
+layer, ``E`` a mixture-of-experts layer; and megazero's ``G``, a Gated DeltaNet layer (Qwen3-Next's
+linear attention).  Each layer is one pre-norm residual block around its one mixer
+(``x + f(norm(x))``), as in Megatron-core's hybrid stack.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from megazero.errors import ConfigError
+
+MAMBA, ATTENTION, MLP, MOE, DELTANET = "M", "*", "-", "E", "G"
+SYMBOLS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts",
+           DELTANET: "Gated DeltaNet"}
+RECURRENT = (MAMBA, DELTANET)  # layers whose state runs along the sequence
+
+
+def layer_kinds(mod) -> Optional[List[str]]:
+    """The kind symbol of every layer of ``mod`` (a ModelConfig), or None for a plain transformer."""
+    pattern = getattr(mod, "hybrid_layer_pattern", None)
+    return list(pattern) if pattern else None
+
+
+def layer_kind(mod, layer_idx: int) -> Optional[str]:
+    kinds = layer_kinds(mod)
+    return None if kinds is None else kinds[layer_idx]
+
+
+def has_recurrent_layers(mod) -> bool:
+    return any(k in RECURRENT for k in layer_kinds(mod) or ())
+
+
+def mamba_num_heads(mod) -> int:
+    """``--mamba-num-heads``, or Megatron-LM's default: ``2 x --hidden-size / --mamba-head-dim``."""
+    return mod.mamba_num_heads or max(1, 2 * mod.hidden_size // mod.mamba_head_dim)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def check_hybrid(cfg) -> None:
+    """The hybrid settings of a resolved config (nothing to check without a pattern)."""
+    mod, par = cfg.model, cfg.parallel
+    pattern = getattr(mod, "hybrid_layer_pattern", None)
+    if not pattern:
+        return
+    _check("/" not in pattern, f"--hybrid-layer-pattern {pattern!r}: multi-token prediction layers (after "
+           "'/') are not implemented; drop the part from '/'")
+    _check("|" not in pattern, f"--hybrid-layer-pattern {pattern!r}: pipeline stage marks '|' are not read; "
+           "drop them and split stages with --decoder-first-pipeline-num-layers / "
+           "--decoder-last-pipeline-num-layers")
+    bad = sorted(set(pattern) - set(SYMBOLS))
+    _check(not bad, f"--hybrid-layer-pattern {pattern!r}: {(bad or [''])[0]!r} is not a layer symbol; use "
+           + ", ".join(f"{s} ({name})" for s, name in SYMBOLS.items()))
+    _check(len(pattern) == mod.num_layers, f"--hybrid-layer-pattern {pattern!r} has {len(pattern)} layers "
+           f"but --num-layers is {mod.num_layers}; set --num-layers {len(pattern)}")
+    _check(mod.norm_position == "pre", f"--norm-position {mod.norm_position} with --hybrid-layer-pattern: "
+           "hybrid layers are pre-norm blocks; drop --norm-position")
+    tp, kinds = par.tensor_model_parallel_size, set(pattern)
+    experts = bool(getattr(cfg.moe, "num_experts", None))
+    _check(experts or MOE not in kinds, f"--hybrid-layer-pattern {pattern!r} has E (mixture-of-experts) "
+           "layers: add --num-experts")
+    _check(not experts or MOE in kinds, "--num-experts with --hybrid-layer-pattern: the pattern's E layers "
+           "are the MoE layers, and it has none; add E to the pattern or drop --num-experts")
+    _check(not experts or cfg.moe.moe_layer_freq in ("1", 1), "--moe-layer-freq with --hybrid-layer-pattern: "
+           "the pattern's E layers are the MoE layers; drop --moe-layer-freq")
+    recurrent = sorted(SYMBOLS[k] for k in kinds & set(RECURRENT))
+    _check(par.context_parallel_size == 1 or not recurrent,
+           f"--context-parallel-size {par.context_parallel_size} with {' and '.join(recurrent)} layers in "
+           "--hybrid-layer-pattern: passing the recurrent state between context-parallel ranks is not "
+           "implemented; use --context-parallel-size 1")
+    if MAMBA in kinds:
+        heads = mamba_num_heads(mod)
+        for flag, v in (("--mamba-num-heads", heads), ("--mamba-head-dim", mod.mamba_head_dim),
+                        ("--mamba-state-dim", mod.mamba_state_dim),
+                        ("--mamba-num-groups", mod.mamba_num_groups),
+                        ("--mamba-chunk-size", mod.mamba_chunk_size)):
+            _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v}")
+        _check(heads % mod.mamba_num_groups == 0, f"--mamba-num-heads {heads} is not divisible by "
+               f"--mamba-num-groups {mod.mamba_num_groups}; each group must serve a whole number of heads")
+        _check(mod.mamba_num_groups % tp == 0, f"--mamba-num-groups {mod.mamba_num_groups} is not divisible "
+               f"by --tensor-model-parallel-size {tp}; tensor parallelism splits whole groups")
+    if DELTANET in kinds:
+        for flag, v in (("--linear-num-key-heads", mod.linear_num_key_heads),
+                        ("--linear-num-value-heads", mod.linear_num_value_heads),
+                        ("--linear-key-head-dim", mod.linear_key_head_dim),
+                        ("--linear-value-head-dim", mod.linear_value_head_dim),
+                        ("--linear-conv-kernel-dim", mod.linear_conv_kernel_dim),
+                        ("--linear-chunk-size", mod.linear_chunk_size)):
+            _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v}")
+        _check(mod.linear_num_value_heads % mod.linear_num_key_heads == 0,
+               f"--linear-num-value-heads {mod.linear_num_value_heads} is not divisible by "
+               f"--linear-num-key-heads {mod.linear_num_key_heads}")
+        _check(mod.linear_num_key_heads % tp == 0, f"--linear-num-key-heads {mod.linear_num_key_heads} is "
+               f"not divisible by --tensor-model-parallel-size {tp}; tensor parallelism splits whole key "
+               "heads")
