@@ -228,6 +228,12 @@ def _dataset(prefix: str, vocab: int) -> None:
             w.add_document(rng.integers(0, vocab, size=600).tolist())
 
 
+def _conversations(path: str) -> None:
+    """The repo's example conversations (scripts/examples/sft_shakespeare.jsonl) at ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "examples", "sft_shakespeare.jsonl"), path)
+
+
 def _checkpoint(directory: str, args: List[str]) -> None:
     """A weights-only checkpoint of a small LLaMA (4 layers, 8 heads, 4 query groups: fits TP, PP and
     CP up to 4) whose vocabulary is the command's tokenizer's."""
@@ -269,7 +275,11 @@ def make_stand_ins(args: List[str]) -> List[str]:
                     prefixes.append(args[i])
                 i += 1
     for prefix in prefixes:
-        if not os.path.exists(prefix + ".idx"):
+        if "--sft" in args:  # JSON-lines conversations (docs/sft.md)
+            if not os.path.exists(prefix):
+                _conversations(prefix)
+                made.append(prefix)
+        elif not os.path.exists(prefix + ".idx"):
             _dataset(prefix, vocab)
             made.append(prefix)
     load = _option(args, "--load")
