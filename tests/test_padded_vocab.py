@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megazero.data.mock import MockGPTData
-from tiny_tokenizer import tiny_tokenizer
+from tiny_tokenizer import tiny_qwen3, tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,22 +34,6 @@ def _pretrain(argv):
     return pretrain_main(argv)
 
 
-def _qwen3(directory, vocab, tok):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   vocab_size=vocab,
-                                   max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id)
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # norms start at ones: perturb everything so that every mapping matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(str(directory))
-    return model.eval()
-
-
 def _finetune_argv(ckpt, *more):
     return ["--load", str(ckpt), "--finetune", "--use-checkpoint-args", "--mock-data",
             "--seq-length", str(SEQ),
@@ -63,7 +47,7 @@ def padded(tmp_path_factory):
     """Qwen3 (512 rows, 400-id tokenizer) -> checkpoint -> 3 fine-tuning steps -> HF directory."""
     d = tmp_path_factory.mktemp("padded")
     tok = tiny_tokenizer(d / "hf", TOKENS)
-    hf = _qwen3(d / "hf", VOCAB, tok)
+    hf = tiny_qwen3(d / "hf", VOCAB, tok)
     assert _convert(["--direction", "to-megazero", "--input", str(d / "hf"),
                      "--output", str(d / "ckpt")]) == 0
     assert _pretrain(_finetune_argv(d / "ckpt", "--save", str(d / "run"),
@@ -107,7 +91,7 @@ def test_the_export_keeps_the_rows_and_the_special_ids(padded):
 
 def test_a_tokenizer_larger_than_the_checkpoint_is_one_line(tmp_path, capfd):
     tok = tiny_tokenizer(tmp_path / "hf", TOKENS)
-    _qwen3(tmp_path / "hf", 384, tok)  # 384 rows for 400 ids: a mismatched tokenizer and vocabulary
+    tiny_qwen3(tmp_path / "hf", 384, tok)  # 384 rows for 400 ids: a mismatched tokenizer and vocabulary
     assert _convert(["--direction", "to-megazero", "--input", str(tmp_path / "hf"),
                      "--output", str(tmp_path / "ckpt")]) == 0
     capfd.readouterr()

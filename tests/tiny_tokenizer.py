@@ -1,7 +1,8 @@
 """A small Hugging Face tokenizer built here (nothing downloaded): byte-level BPE trained to exactly
 ``size`` entries on seeded random words and a few English lines, with ``<|endoftext|>`` (eos, the end of
 a document), ``<|im_start|>`` (bos) and ``<|im_end|>`` (pad, and the end of a chat turn), and optionally
-a ChatML-style chat template whose assistant turns are marked with ``{% generation %}``."""
+a ChatML-style chat template whose assistant turns are marked with ``{% generation %}``; and a tiny
+random Qwen3 whose vocabulary may be padded beyond it (:func:`tiny_qwen3`)."""
 import random
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -33,3 +34,22 @@ def tiny_tokenizer(directory, size=400, chat_template=None):
         fast.chat_template = chat_template
     fast.save_pretrained(str(directory))
     return fast
+
+
+def tiny_qwen3(directory, vocab, tok):
+    """A random two-layer Qwen3 of ``vocab`` rows (untied head) with ``tok``'s special ids, saved to
+    ``directory``; every weight perturbed so that every mapping matters."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=vocab, max_position_embeddings=128, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms start at ones
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(directory))
+    return model.eval()
