@@ -18,11 +18,11 @@ Parameter names (global, the same at every pipeline layout), ``i = --num-layers 
 checkpoints (``model.layers.{i}.*``):
 
 =====================================  ==================================================
-``mtp.depths.<i>.enorm.weight``         ``model.layers.<i>.enorm.weight``
-``mtp.depths.<i>.hnorm.weight``         ``model.layers.<i>.hnorm.weight``
-``mtp.depths.<i>.eh_proj.weight``       ``model.layers.<i>.eh_proj.weight``
-``mtp.depths.<i>.layer.<name>``         ``model.layers.<i>.<name>`` (the transformer layer's own names)
-``mtp.depths.<i>.final_norm.weight``    ``model.layers.<i>.shared_head.norm.weight``
+``mtp.<i>.enorm.weight``                ``model.layers.<i>.enorm.weight``
+``mtp.<i>.hnorm.weight``                ``model.layers.<i>.hnorm.weight``
+``mtp.<i>.eh_proj.weight``              ``model.layers.<i>.eh_proj.weight``
+``mtp.<i>.layer.<name>``                ``model.layers.<i>.<name>`` (the transformer layer's own names)
+``mtp.<i>.final_norm.weight``           ``model.layers.<i>.shared_head.norm.weight``
 (the shared head and embedding)         ``shared_head.head`` / ``embed_tokens``: the model's own
 =====================================  ==================================================
 
@@ -105,9 +105,11 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         m = cfg.model
         self.cfg, self.mesh, self.n = cfg, mesh, m.mtp_num_layers
-        self.depths = nn.ModuleDict({
-            str(i): MTPDepth(cfg, mesh, i, rng_tracker, model.onednn)
-            for i in range(m.num_layers, m.num_layers + self.n)})
+        # each depth a child named by its global index, not an nn.ModuleDict: ZeRO-3 takes the largest
+        # ModuleDict's blocks (the decoder's layers) for its units, and the depths stay in the root unit,
+        # whose backward comes before the layers' (megazero.zero.buckets.find_units)
+        for i in range(m.num_layers, m.num_layers + self.n):
+            self.add_module(str(i), MTPDepth(cfg, mesh, i, rng_tracker, model.onednn))
         self.stats = MTPStats(self.n, mesh.device)
         self.word_embeddings = None
         if model.pre_process:
@@ -123,6 +125,9 @@ class MultiTokenPrediction(nn.Module):
         w = self.word_embeddings.weight
         w.shared_embedding = w.tied_copy = True
         w.is_embedding_or_output_parameter = True
+
+    def depths(self) -> List[MTPDepth]:
+        return [getattr(self, str(self.cfg.model.num_layers + k)) for k in range(self.n)]
 
     def embedding_weight(self, model) -> torch.Tensor:
         """The shared word embedding as this chunk holds it (module docstring)."""
@@ -176,7 +181,7 @@ class MultiTokenPrediction(nn.Module):
                       masks) -> List[torch.Tensor]:
         """Each depth's output ``[s (/cp) (/tp), b, h]`` from the main model's normed hidden state ``h``."""
         out = []
-        for k, depth in enumerate(self.depths.values()):
+        for k, depth in enumerate(self.depths()):
             h = depth(h, self.embed(roll_left(labels, k), weight, model).to(h.dtype), rope, masks)
             out.append(h)
         return out

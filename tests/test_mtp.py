@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.process.local_ranks import run_ranks
-from tolerance import R_TRAIN
+from tolerance import R_TRAIN, R_TRAIN_ADAM
 
 BASE = dict(mock_data=True, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
             vocab_size=100, global_batch_size=4, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
@@ -58,7 +58,7 @@ def test_mtp_loss_and_gradients_match_a_float64_reference(monkeypatch):
                                reduction="none").view(2, 16)
     torch.testing.assert_close(per_token, ref_main, rtol=1e-10, atol=1e-10)
     h, total, s = x, 0.0, 16
-    for k, depth in enumerate(model.mtp.depths.values()):
+    for k, depth in enumerate(model.mtp.depths()):
         nxt = torch.zeros_like(labels)  # token t+k+1 at position t (labels are tokens shifted by one)
         nxt[:, :s - k] = labels[:, k:]
         e = emb[nxt.t()]
@@ -78,7 +78,7 @@ def test_mtp_loss_and_gradients_match_a_float64_reference(monkeypatch):
     assert set(ref) == set(got) and any("mtp." in n for n in got)
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-10, atol=1e-12, msg=n)
-    assert float(got["mtp.depths.3.eh_proj.weight"].abs().max()) > 1e-4  # the MTP loss reaches its weights
+    assert float(got["mtp.3.eh_proj.weight"].abs().max()) > 1e-4  # the MTP loss reaches its weights
 
 
 def _train(cfg):
@@ -88,12 +88,20 @@ def _train(cfg):
 
 
 KEYS = ("loss", "grad_norm", "mtp_loss", "mtp_1_loss", "mtp_2_loss")
+UNTIED = dict(untie_embeddings_and_output_weights=True)
 LAYOUTS = {  # name: (settings of both runs, world, layout)
-    "pp2-untied": (dict(untie_embeddings_and_output_weights=True), 2, dict(pipeline_model_parallel_size=2)),
+    # the last stage's own copy of the word embedding, summed with the first stage's
+    "pp2-untied": (UNTIED, 2, dict(pipeline_model_parallel_size=2)),
+    # the head's weight (the embedding's tied copy) looked up too
     "pp2-tied": (dict(), 2, dict(pipeline_model_parallel_size=2)),
-    "tp2-sp": (dict(untie_embeddings_and_output_weights=True), 2,
-               dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "tp2-sp": (UNTIED, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "tp2-tied-zero1": (dict(), 2, dict(tensor_model_parallel_size=2, zero_stage=1)),
+    # the rolled tokens split like the sequence; the depths in ZeRO-3's root unit
+    "cp2-dp2-zero3": (dict(UNTIED, global_batch_size=8), 4, dict(context_parallel_size=2, zero_stage=3)),
+    "pp2-dp2-zero3-tied-recompute": (dict(global_batch_size=8), 4,
+                                     dict(pipeline_model_parallel_size=2, zero_stage=3,
+                                          recompute_granularity="full", recompute_method="uniform",
+                                          recompute_num_layers=1)),
 }
 
 
@@ -119,3 +127,22 @@ def test_mtp_under_a_layout_matches_one_process(name):
 def test_bad_mtp_settings_are_refused_by_name(bad, words):
     with pytest.raises(ConfigError, match=words):
         validate(config_from_dict(dict(BASE, **bad)), world_size=1)
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_pp2_resumes_in_one_process(tmp_path):
+    """Saved under PP 2 (untied: the last stage's embedding copy is not stored; Adam), resumed in one
+    process: equal to the uninterrupted one-process run; the depths' names are DeepSeek-V3's indices."""
+    import json
+    adam = dict(UNTIED, optimizer="adam", lr=3e-3, train_iters=4)
+    ref = _train(config_from_dict(dict(BASE, **adam)))
+    first = run_ranks(_train, 2, config_from_dict(dict(BASE, **dict(adam, train_iters=2), save=str(tmp_path),
+                                                       pipeline_model_parallel_size=2)), timeout=300)[0]
+    names = json.load(open(tmp_path / "iter_0000002" / "metadata.json"))["params"]
+    assert {"mtp.2.eh_proj.weight", "mtp.3.layer.attention.qkv.weight",
+            "mtp.3.final_norm.weight"} <= set(names)
+    assert not any(n.startswith("mtp.word_embeddings") for n in names)
+    second = _train(config_from_dict(dict(BASE, **adam, load=str(tmp_path))))
+    assert [m["iteration"] for m in second] == [3, 4]
+    for key in KEYS:
+        assert [m[key] for m in first + second] == pytest.approx([m[key] for m in ref], rel=R_TRAIN_ADAM), key
