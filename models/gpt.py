@@ -34,6 +34,7 @@ from megazero.config.patterns import active_window, layer_window, uses_rope
 from megazero.data.documents import document_eod, document_ids, document_mask, document_positions
 from megazero.moe import MoEStats, moe_layers
 from .layers import KVCache, Norm, TransformerLayer, window_mask
+from .mla import mla_rope_model
 from .moe import moe_mlp
 from .mtp import MultiTokenPrediction
 from .rope import rope_cos_sin, rope_scaling_of
@@ -67,6 +68,8 @@ class GPTModel(nn.Module):
             raise ValueError(f"mesh tp size {mesh.size('tp')} != --tensor-model-parallel-size "
                              f"{cfg.parallel.tensor_model_parallel_size}")
         self.cfg, self.mesh, self.rng_tracker = cfg, mesh, rng_tracker
+        # the settings of the rotary tables: the model's, or MLA's rotary part (always rotated)
+        self.rope_model = mla_rope_model(m) if m.multi_latent_attention else m
         # ZeRO-3 may release this chunk's own weights (embeddings, final norm, head) once backward
         # reaches the layers: the head's and the final norm's backward come before the layers', and
         # the lookups need no weights in backward (megazero.zero.stage3)
@@ -166,7 +169,7 @@ class GPTModel(nn.Module):
     def _rope(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None):
         """``cos, sin`` ``[s, d]`` of the positions ``offset ..`` (``[b, 1, s, d]`` of ``positions [b, s]``
         when given), or None without RoPE."""
-        m = self.cfg.model
+        m = self.rope_model
         if not uses_rope(m):
             return None
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens

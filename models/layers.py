@@ -307,7 +307,10 @@ class TransformerLayer(nn.Module):
                             cfg.parallel.sequence_parallel)
         pre, post = m.norm_position in ("pre", "sandwich"), m.norm_position in ("post", "sandwich")
         self.input_norm = norm() if pre else None
-        self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
+        attention = Attention
+        if m.multi_latent_attention:  # DeepSeek's multi-latent attention (models/mla.py, which imports this)
+            from .mla import MLAttention as attention
+        self.attention = attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
                                    onednn)
         self.attention_output_norm = norm() if post else None
         self.post_attention_norm = norm() if pre else None

@@ -27,8 +27,16 @@ FAMILIES = {
                 moe_token_dispatcher_type="alltoall"),
 }
 DENSE = [f for f in FAMILIES if f != "moe"]
+# families outside the golden values (tests/golden.json pins FAMILIES), checked by their own tests
+EXTRA_FAMILIES = {
+    # multi-latent attention (DeepSeek-V3): both latents, value heads narrower than query heads, YaRN
+    "mla": dict(LLAMA, num_query_groups=None, multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8,
+                qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5, qk_layernorm=True,
+                rotary_scaling_factor=4.0, mscale=0.707, mscale_all_dim=0.707,
+                yarn_original_max_position_embeddings=8),
+}
 
 
 def family_cfg(family: str, **layout):
     """The family's configuration (not validated) with ``layout`` (any config field by name)."""
-    return config_from_dict(dict(BASE, **FAMILIES[family], **layout))
+    return config_from_dict(dict(BASE, **{**FAMILIES, **EXTRA_FAMILIES}[family], **layout))

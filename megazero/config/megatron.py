@@ -65,9 +65,6 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
                                     "no learned table); Megatron-LM's deprecated flag: for no position "
                                     "embedding at all use --position-embedding-type none."),
-    "--rope-type": dict(choices=["rope", "yarn"], help="Megatron-LM's RoPE type: rope is ordinary "
-                        "attention's (accepted); yarn is multi-latent attention's (not implemented; YaRN for "
-                        "ordinary attention: --position-embedding-type yarn)."),
 }
 
 
@@ -275,11 +272,7 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
                         "--position-embedding-type none")
     if given.get("--no-position-embedding"):
         ignored.append("--no-position-embedding (rotary embeddings have no learned table)")
-    if given.get("--rope-type") == "yarn":
-        problems.append("--rope-type yarn: Megatron-LM's ordinary attention takes --rope-type rope only "
-                        "(yarn is multi-latent attention's, not implemented); for YaRN RoPE use "
-                        "--position-embedding-type yarn")
-    if given.get("--rope-type"):
+    if out.get("rope_type") == "rope" and not out.get("multi_latent_attention"):
         ignored.append("--rope-type rope (ordinary attention's RoPE, which --position-embedding-type "
                        "chooses)")
     if out.get("sequence_parallel") and out.get("tensor_model_parallel_size", 1) == 1:

@@ -46,8 +46,6 @@ _MOE = "this mixture-of-experts option is not implemented (see --help for the Mo
 _FSDP = "Megatron-FSDP / torch FSDP2 is not implemented; megazero shards parameters, gradients and " \
         "optimizer state over the data-parallel ranks with --zero-stage 3"
 _RL = "reinforcement learning (GRPO) is not implemented"
-_MLA = "multi-latent attention is not implemented (YaRN for ordinary attention: --position-embedding-type " \
-       "yarn)"
 _HYBRID = "Mamba, linear-attention and hybrid layer stacks are not implemented (transformer layers only)"
 _CP = "only plain context parallelism is implemented: use --context-parallel-size N with --cp-comm-type " \
       "p2p or a2a"
@@ -138,6 +136,9 @@ IGNORED: Dict[str, str] = {
     "--onnx-safe": "export detail only", "--test-mode": "Megatron-LM's own tests only",
     "--data-impl": "older Megatron-LM's flag: the indexed (mmap) format is the only one",
     "--no-query-key-layer-scaling": "megazero never scales queries and keys by the layer number",
+    "--cache-mla-latents": "generation with multi-latent attention always caches the latents "
+                           "(scripts/generate.py)",
+    "--mla-down-proj-fusion": _FUSION,
     "--use-fused-rmsnorm": _FUSION, "--use-fused-swiglu": _FUSION, "--use-fused-rotary-pos-emb": _FUSION,
     **_each(_FUSION, "--cross-entropy-loss-fusion --no-gradient-accumulation-fusion "
                      "--no-masked-softmax-fusion "
@@ -377,9 +378,6 @@ REFUSED: Dict[str, str] = {
     "--refit-method": _RL,
     "--hybrid-context-parallel": _CP, "--hierarchical-context-parallel-sizes": _CP,
     "--max-seqlen-per-dp-cp-rank": _CP,
-    "--multi-latent-attention": _MLA, "--q-lora-rank": _MLA, "--kv-lora-rank": _MLA, "--qk-head-dim": _MLA,
-    "--v-head-dim": _MLA, "--qk-pos-emb-head-dim": _MLA, "--cache-mla-latents": _MLA,
-    "--mla-down-proj-fusion": _MLA,
     "--linear-attention-freq": "interleaving by frequency is not implemented: give every layer's kind with "
                                "--hybrid-layer-pattern (G: Gated DeltaNet, *: attention; docs/hybrid.md)",
     "--enable-mhc-connections": "hyper-connections are not implemented",

@@ -174,10 +174,28 @@ class ModelConfig:
         "outputs, before the residual add: OLMo 2) or sandwich (both: Gemma 2).",
         choices=["pre", "post", "sandwich"])
     qk_layernorm: bool = _f(False, "Normalise queries and keys (with --normalization) before RoPE (Qwen3, "
-                            "OLMo 2).")
+                            "OLMo 2); with --multi-latent-attention the query and key/value latents.")
     qk_layernorm_scope: str = _f("head", "With --qk-layernorm: over each head's channels (head: Qwen3, "
                                  "Megatron-LM's) or over all heads of a token (all: OLMo 2).",
                                  choices=["head", "all"])
+    multi_latent_attention: bool = _f(
+        False, "Multi-latent attention (DeepSeek-V2/V3, Megatron-LM's MLA): queries and keys/values through "
+        "low-rank latents (--q-lora-rank, --kv-lora-rank) and a rotary key part shared by the heads "
+        "(--qk-pos-emb-head-dim); with --qk-layernorm the latents are normalised (docs/mla.md).")
+    q_lora_rank: Optional[int] = _f(None, "MLA: rank of the query latent (default: none, one query "
+                                    "projection).", type=int)
+    kv_lora_rank: int = _f(32, "MLA: rank of the key/value latent (what generation caches, with the "
+                           "rotary part).")
+    qk_head_dim: int = _f(128, "MLA: query/key channels per head without position (a head's query is this "
+                          "+ --qk-pos-emb-head-dim).")
+    qk_pos_emb_head_dim: int = _f(64, "MLA: rotary query/key channels per head (one rotary key part shared "
+                                  "by the heads).")
+    v_head_dim: int = _f(128, "MLA: value channels per head.")
+    rope_type: Optional[str] = _f(
+        None, "RoPE of multi-latent attention: yarn (its default: --rotary-scaling-factor, --mscale, "
+        "--mscale-all-dim and the --yarn-* settings) or rope (plain, --rotary-base). Ordinary attention "
+        "takes rope only (Megatron-LM's rule; YaRN there: --position-embedding-type yarn).",
+        choices=["rope", "yarn"])
     window_size: Optional[List[int]] = _f(
         None, "Sliding-window attention, Megatron-LM's LEFT,RIGHT: a query sees itself and the LEFT keys "
         "before it (RIGHT must be 0: attention is causal; LEFT -1: no window). A Hugging Face sliding_window "

@@ -63,6 +63,19 @@ def _mlp_params(m, f: int) -> int:
     return 2 * h * f + ((f + h) if bias else 0)
 
 
+def mla_params(m) -> int:
+    """Parameters of one multi-latent attention (``models/mla.py``; unsharded): the query's down- and
+    up-projection with the latent's norm (or its one projection), the key/value latent's
+    down-projection (with the rotary part), norm and up-projection, the output projection."""
+    h, n, rq, rkv = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
+    dr = m.qk_pos_emb_head_dim
+    norm = (2 if m.normalization == "LayerNorm" else 1) if m.qk_layernorm else 0
+    q = n * (m.qk_head_dim + dr)
+    query = h * rq + norm * rq + rq * q if rq else h * q
+    kv = h * (rkv + dr) + norm * rkv + rkv * n * (m.qk_head_dim + m.v_head_dim)
+    return query + kv + n * m.v_head_dim * h + (h if m.add_bias_linear else 0)
+
+
 def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     """Parameters of transformer layer ``layer`` (unsharded; default a dense layer).  An MoE layer has
     the router, ``--num-experts`` experts (``active``: only the ``--moe-router-topk`` a token uses) and
@@ -76,6 +89,8 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     if m.qk_layernorm:
         attn += q + kv if m.qk_layernorm_scope == "all" else 2 * d * per_norm
+    if m.multi_latent_attention:
+        attn = mla_params(m)
     mlp = _mlp_params(m, m.ffn_hidden_size)
     if layer is not None and layer in moe_layers(cfg):
         moe = cfg.moe

@@ -74,7 +74,22 @@ def layer_forward_flops_per_token(cfg) -> dict:
     windows = [layer_window(m, i) for i in range(m.num_layers)]
     keys = sum(s if w is None else min(s, w + 1) for w in windows) / m.num_layers  # keys per query
     attention = 2 * keys * q + 2 * keys * q
+    if m.multi_latent_attention:
+        projections, attention = mla_forward_flops(m, keys)
+        dense = projections + mlp
     return {"dense": dense, "attention": attention}
+
+
+def mla_forward_flops(m, keys: float):
+    """Multi-latent attention's forward FLOPs per token (``models/mla.py``): ``(projections, attention)``.
+    Projections: the query's down- and up-projection (or its one projection), the key/value latent's
+    down-projection (with the rotary part) and up-projection, the output; attention: scores over
+    ``n (dn + dr)`` channels and weighted values over ``n dv``, for ``keys`` keys a query."""
+    h, n, rq, rkv = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
+    dq, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    query = 2 * h * rq + 2 * rq * n * dq if rq else 2 * h * n * dq
+    kv = 2 * h * (rkv + m.qk_pos_emb_head_dim) + 2 * rkv * n * (m.qk_head_dim + dv)
+    return query + kv + 2 * n * dv * h, 2 * keys * n * dq + 2 * keys * n * dv
 
 
 def _moe_layer_count(cfg) -> int:

@@ -89,12 +89,31 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
                       ParamSpec(m.num_query_groups * d // tp, PLAIN, idx)]
     elif m.qk_layernorm:  # replicated, gradients summed over TP
         attention += norm(d, SP) + norm(d, SP)
+    if m.multi_latent_attention:
+        attention = _mla_specs(cfg, idx, norm, row)
     specs = (norm() if pre else []) + attention + (norm() if post else []) + (norm() if pre else [])
     if idx in moe_layers(cfg):
         return specs + _moe_specs(cfg, idx, column, row, rep) + (norm() if post else [])
     if m.activation in GATED:
         specs += column(f)
     return specs + column(f) + row(f) + (norm() if post else [])
+
+
+def _mla_specs(cfg, idx: int, norm, row) -> List[ParamSpec]:
+    """Multi-latent attention's parameters in registration order (``models/mla.py``): the replicated
+    down-projections and latent norms (kind ``sp`` under sequence parallelism, as the layer norms),
+    the column-parallel up-projections, the output projection."""
+    m, tp, sp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel
+    h, n, rq, rkv = m.hidden_size, m.num_attention_heads // tp, m.q_lora_rank, m.kv_lora_rank
+    rep, q = SP if sp else PLAIN, n * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+
+    def latent_norm(size):
+        return norm(size) if m.qk_layernorm else []
+    specs = ([ParamSpec(h * rq, rep, idx)] + latent_norm(rq) + [ParamSpec(q * rq, PLAIN, idx)] if rq
+             else [ParamSpec(q * h, PLAIN, idx)])
+    specs += [ParamSpec(h * (rkv + m.qk_pos_emb_head_dim), rep, idx)] + latent_norm(rkv)
+    specs.append(ParamSpec(n * (m.qk_head_dim + m.v_head_dim) * rkv, PLAIN, idx))
+    return specs + row(n * m.v_head_dim)
 
 
 def _moe_specs(cfg, idx: int, column, row, rep) -> List[ParamSpec]:

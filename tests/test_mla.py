@@ -1,0 +1,361 @@
+"""Multi-latent attention (models/mla.py): the layer against Hugging Face's DeepSeek-V3 attention, every
+parallel layout against one process, the estimator's parameter and FLOP counts against the model, the
+latent cache of generation, and the flags.
+
+Tolerances (tests/tolerance.py): the layer and every layout run in fp32 (the rotary tables and the
+rotation are fp32 whatever the dtype), so comparisons use the scaled fp32 bounds: outputs, logits and
+losses ``C_FWD * U32 * max|ref|``, gradients ``C_FWD_BWD * U32 * max|grad|`` per tensor, trainer
+losses and gradient norms ``R_TRAIN`` relative."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.mesh import ParallelMesh
+from megazero.process.local_ranks import run_ranks
+from tolerance import C_FWD, C_FWD_BWD, R_TRAIN, fp32_bound
+
+# a DeepSeek-V3-shaped attention at toy size: both latents, value heads narrower than query heads,
+# YaRN (factor 4 over an 8-token original context) with DeepSeek's mscale on the 16-token sequences
+MLA = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+           make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0, mock_data=True,
+           position_embedding_type="rope", normalization="RMSNorm", norm_epsilon=1e-6, activation="swiglu",
+           add_bias_linear=False, ffn_hidden_size=48, untie_embeddings_and_output_weights=True,
+           multi_latent_attention=True, q_lora_rank=12, kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4,
+           v_head_dim=5, qk_layernorm=True, rotary_scaling_factor=4.0, mscale=0.707, mscale_all_dim=0.707,
+           yarn_original_max_position_embeddings=8, seed=5)
+STYLES = {"both-ranks": MLA, "no-q-rank": dict(MLA, q_lora_rank=None)}
+
+
+def make_cfg(style, world=1, **over):
+    return validate(config_from_dict(dict(STYLES[style], **over)), world)
+
+
+# ---- the layer against Hugging Face's DeepSeek-V3 ------------------------------------------------
+def _hf_attention(cfg, interleave=True):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,
+                                                                      DeepseekV3RotaryEmbedding)
+    m = cfg.model
+    hf = DeepseekV3Config(
+        hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_attention_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+        max_position_embeddings=32, rms_norm_eps=m.norm_epsilon, attention_bias=False,
+        rope_interleave=interleave,
+        rope_parameters={"rope_type": "yarn", "rope_theta": m.rotary_base, "factor": m.rotary_scaling_factor,
+                         "original_max_position_embeddings": m.yarn_original_max_position_embeddings,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": m.mscale,
+                         "mscale_all_dim": m.mscale_all_dim})
+    hf._attn_implementation = "eager"
+    return DeepseekV3Attention(hf, 0).double(), DeepseekV3RotaryEmbedding(hf)
+
+
+def _copy_to_hf(ours, hf):
+    pairs = {"kv_a_proj_with_mqa": ours.kv_down, "kv_a_layernorm": ours.kv_norm, "kv_b_proj": ours.kv_up,
+             "o_proj": ours.proj}
+    if ours.rq:
+        pairs.update(q_a_proj=ours.q_down, q_a_layernorm=ours.q_norm, q_b_proj=ours.q_up)
+    else:
+        pairs.update(q_proj=ours.q_proj)
+    with torch.no_grad():
+        for name, module in pairs.items():
+            getattr(hf, name).weight.copy_(module.weight)
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_layer_equals_hugging_face_deepseek_v3(style):
+    """One MLA layer in float64 equals transformers' DeepseekV3Attention holding its weights (YaRN with
+    mscale, interleaved rotary pairs, latent norms, the mscale^2 score scale); the same comparison with
+    HF's rope_interleave off fails, so the rotary layout is checked too."""
+    import models
+    cfg = make_cfg(style, init_method_std=0.3)  # scores of order 1: positions matter
+    model = models.build_model(cfg)
+    ours = model.decoder["0"].attention.double()
+    s, b, h = cfg.model.seq_length, 2, cfg.model.hidden_size
+    x = torch.randn(s, b, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cos, sin = model._rope(x)
+    got = ours(x, (cos.double(), sin.double())).transpose(0, 1)
+    causal = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    outs = {}
+    for interleave in (True, False):
+        hf, rotary = _hf_attention(cfg, interleave)
+        _copy_to_hf(ours, hf)
+        xs = x.transpose(0, 1).contiguous()
+        emb = rotary(xs, torch.arange(s)[None].expand(b, s))
+        outs[interleave] = hf(xs, emb, causal)[0].detach()
+    ref = outs[True]
+    torch.testing.assert_close(got.detach(), ref, **fp32_bound(ref, C_FWD))
+    assert (outs[False] - ref).abs().max() > 1e3 * fp32_bound(ref, C_FWD)["atol"]
+
+
+def test_layer_shapes_and_scale():
+    import models
+    from models.mla import mla_softmax_scale
+    cfg = make_cfg("both-ranks")
+    att = models.build_model(cfg).decoder["0"].attention
+    m = cfg.model
+    mscale = 0.1 * m.mscale_all_dim * math.log(m.rotary_scaling_factor) + 1
+    assert att.scale == mla_softmax_scale(m) == pytest.approx(mscale ** 2 / math.sqrt(6 + 4), rel=1e-15)
+    assert tuple(att.kv_down.weight.shape) == (8 + 4, 32)
+    assert tuple(att.kv_up.weight.shape) == (4 * (6 + 5), 8)
+    assert tuple(att.q_up.weight.shape) == (4 * 10, 12) and tuple(att.proj.weight.shape) == (32, 4 * 5)
+    assert make_cfg("both-ranks", rope_type="rope") and not hasattr(
+        models.build_model(make_cfg("no-q-rank")).decoder["0"].attention, "q_down")
+
+
+# ---- tensor parallelism against one process, tensor by tensor --------------------------------------
+def _batch(cfg, b=2):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _step(model, cfg):
+    ids, labels = _batch(cfg)
+    logits = model(ids).detach()
+    loss = model(ids, labels)
+    loss.mean().backward()
+    for p in model.parameters():  # what the optimizer does for replicated parameters with partial grads
+        if getattr(p, "sequence_parallel", False) and p.grad is not None and model.mesh.size("tp") > 1:
+            dist.all_reduce(p.grad, group=model.mesh.group("tp"))
+    return logits, loss.detach()
+
+
+def _tp_run(style, tp, sp, break_latent_sync=False):
+    import models
+    import models.mla
+    if break_latent_sync:  # the latents' gradient left partial: the check below must catch it
+        models.mla.copy_to_tp = lambda x, mesh: x
+    cfg = make_cfg(style, tp, tensor_model_parallel_size=tp, sequence_parallel=sp)
+    model = models.build_model(cfg, ParallelMesh.build(tp=tp) if tp > 1 else None)
+    weights = models.full_state_dict(model)
+    logits, loss = _step(model, cfg)
+    return dict(weights=weights, logits=logits, loss=loss, grads=models.full_state_dict(model, grads=True))
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return {style: _tp_run(style, 1, False) for style in STYLES}
+
+
+def _compare(got, ref):
+    for name, w in ref["weights"].items():  # the same initial weights at every layout
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(got["logits"], ref["logits"], **fp32_bound(ref["logits"], C_FWD))
+    torch.testing.assert_close(got["loss"], ref["loss"], **fp32_bound(ref["loss"], C_FWD))
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_matches_one_process(oracle, style, sp):
+    for got in run_ranks(_tp_run, 2, style, 2, sp):
+        _compare(got, oracle[style])
+
+
+def test_tensor_parallel_check_catches_partial_latent_gradients(oracle):
+    """Without the all-reduce of the latents' gradient, the replicated down-projections' gradients are
+    one rank's share: the comparison above fails."""
+    got = run_ranks(_tp_run, 2, "both-ranks", 2, False, True)[0]
+    with pytest.raises(AssertionError):
+        _compare(got, oracle["both-ranks"])
+
+
+# ---- the trainer at every layout against one process -----------------------------------------------
+def _train(cfg):
+    import models
+    from megazero.training import train
+    return [(h["loss"], h["grad_norm"]) for h in train(cfg, models.build_chunks)]
+
+
+TRAIN = dict(global_batch_size=4, micro_batch_size=1, train_iters=2, lr_decay_iters=4, optimizer="sgd",
+             lr=0.1, sgd_momentum=0.0, log_interval=100)
+LAYOUTS = {
+    "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "dp2-zero3": (2, dict(zero_stage=3)),
+    "cp2-ring": (2, dict(context_parallel_size=2)),  # values padded to the query head size in the kernel
+    "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
+    "dp2-zero1-recompute-full": (2, dict(zero_stage=1, recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=1)),
+    "tp2-recompute-selective": (2, dict(tensor_model_parallel_size=2, recompute_granularity="selective")),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return {style: _train(make_cfg(style, **TRAIN)) for style in STYLES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_at_each_layout_matches_one_process(one_process, style, layout):
+    """Losses of two SGD steps and the first gradient norm (over every parameter, each counted once)."""
+    world, over = LAYOUTS[layout]
+    cfg = config_from_dict(dict(STYLES[style], **TRAIN, **over))
+    got = run_ranks(_train, world, cfg, timeout=300)[0]
+    ref = one_process[style]
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, ref):
+        assert loss == pytest.approx(ref_loss, rel=R_TRAIN) and norm == pytest.approx(ref_norm, rel=R_TRAIN)
+
+
+# ---- initial values at every layout (tests/test_init_equality.py's check, the "mla" family) ---------
+INIT_LAYOUTS = {
+    "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2-virtual": (2, dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
+    "cp2-zero3": (2, dict(context_parallel_size=2, zero_stage=3)),
+    "dp2-zero2": (2, dict(zero_stage=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+def test_initial_values_equal_one_process_bitwise(tmp_path, layout):
+    from megazero.checkpoint import read_weights
+    from test_init_equality import _build_and_save, mismatches, one_process_init
+    world, settings = INIT_LAYOUTS[layout]
+    run_ranks(_build_and_save, world, ["mla"], settings, str(tmp_path), True, timeout=300)
+    want, got = one_process_init("mla"), read_weights(str(tmp_path / "mla"))[3]
+    assert any(".attention.kv_down." in n for n in want) and not mismatches(want, got), mismatches(want, got)
+
+
+# ---- soft-capped scores: the blockwise kernel with padded values ------------------------------------
+def test_soft_capped_scores_through_the_padded_kernel():
+    """With --attn-logit-softcapping the core runs in the blockwise kernel, whose keys and values share a
+    head size: values are padded to the query's and cut after; equal to the eager float64 formula."""
+    import models
+    cfg = make_cfg("both-ranks", attn_logit_softcapping=2.0, init_method_std=0.3)
+    att = models.build_model(cfg).decoder["0"].attention
+    g = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, 4, 16, 10, generator=g) for _ in range(2))
+    v = torch.randn(2, 4, 16, 5, generator=g)
+    got = att.mla_core(q, k, v)
+    scores = torch.tanh(q.double() @ k.double().transpose(-1, -2) * att.scale / 2.0) * 2.0
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    want = scores.softmax(-1) @ v.double()
+    torch.testing.assert_close(got.double(), want, **fp32_bound(want, C_FWD))
+
+
+# ---- the estimator -----------------------------------------------------------------------------------
+def _shard_params(cfg, tp):
+    """Parameters of TP rank 0's shard of the whole model, built on the meta device in one process."""
+    import models
+    mesh = ParallelMesh.single()
+    mesh.size = lambda axis: tp if axis == "tp" else 1  # the shard shapes; no collective runs here
+    with torch.device("meta"):
+        return sum(p.numel() for p in models.GPTModel(cfg, mesh, range(cfg.model.num_layers), True, True,
+                                                      None).parameters())
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_estimator_counts_the_parameters_as_built(style):
+    """The estimator's parameter counts are the model's: the whole model (megazero/planning/estimate.py)
+    and one TP rank's shard at TP 2 with SP (the per-rank figure of estimate_memory.py --json)."""
+    import json
+    import contextlib
+    import io
+    from megazero.planning.estimate import total_params
+    from models.cli import estimate_memory_main
+    assert total_params(make_cfg(style), padded=True) == _shard_params(make_cfg(style), 1)
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--vocab-size", "100", "--make-vocab-size-divisible-by", "8", "--swiglu",
+             "--disable-bias-linear",
+             "--ffn-hidden-size", "48", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--kv-lora-rank", "8",
+             "--qk-head-dim", "6", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--qk-layernorm",
+             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    flags += ["--q-lora-rank", "12"] if STYLES[style]["q_lora_rank"] else []
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert estimate_memory_main(["--world-size", "2", "--json"] + flags) == 0
+    stage = json.loads(out.getvalue())["stages"][0]
+    cfg = make_cfg(style, 2, tensor_model_parallel_size=2, sequence_parallel=True)
+    assert stage["params_per_rank"] == _shard_params(cfg, 2)
+
+
+def test_flops_count_the_layer_products():
+    """Model FLOPs of an MLA layer equal what torch's FLOP counter sees in its forward (matmuls and
+    attention, causal mask not discounted, Megatron-LM's rule)."""
+    import models
+    from torch.utils.flop_counter import FlopCounterMode
+    from megazero.planning.flops import layer_forward_flops_per_token
+    for style in STYLES:
+        cfg = make_cfg(style, activation="gelu", ffn_hidden_size=40)
+        layer = models.build_model(cfg).decoder["0"]
+        x = torch.randn(cfg.model.seq_length, 2, cfg.model.hidden_size)
+        rope = models.build_model(cfg)._rope(x)
+        with FlopCounterMode(display=False) as counter:
+            layer(x, rope)
+        per_token = layer_forward_flops_per_token(cfg)
+        want = (per_token["dense"] + per_token["attention"]) * x.shape[0] * x.shape[1]
+        assert counter.get_total_flops() == want, style
+
+
+# ---- generation: the latent cache ----------------------------------------------------------------------
+@pytest.mark.parametrize("style", list(STYLES))
+def test_generation_caches_the_latent_and_matches_uncached(style):
+    """The cache holds kv_lora_rank + qk_pos_emb_head_dim values a token and layer; decoding through it
+    (absorbed up-projections) gives the full forward's logits within the fp32 bound, and greedy
+    generation equals argmax over the full forward at every step."""
+    import models
+    from models.generate import generate
+    from models.layers import KVCache
+    cfg = make_cfg(style)
+    model = models.build_model(cfg).eval()
+    prompt = torch.randint(0, cfg.model.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = KVCache()
+    with torch.no_grad():
+        first = model.decode(prompt, cache)
+        full = model(prompt)
+    torch.testing.assert_close(first, full, **fp32_bound(full, C_FWD))
+    m = cfg.model
+    for layer in range(m.num_layers):
+        assert cache.keys[layer].shape == (2, 1, 5, m.kv_lora_rank)
+        assert cache.values[layer].shape == (2, 1, 5, m.qk_pos_emb_head_dim)
+    out = generate(model, prompt, max_new_tokens=8)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ids)
+
+
+# ---- flags ------------------------------------------------------------------------------------------
+def test_megatron_flags_build_the_model():
+    cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                      "--seq-length", "16", "--position-embedding-type", "rope", "--multi-latent-attention",
+                      "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "6",
+                      "--qk-pos-emb-head-dim", "4", "--v-head-dim", "5", "--qk-layernorm",
+                      "--rotary-scaling-factor", "40", "--mscale", "0.707", "--mscale-all-dim", "0.707",
+                      "--rope-type", "yarn", "--cache-mla-latents", "--normalization", "RMSNorm"],
+                     world_size=1)
+    m = cfg.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim, m.rope_type, m.mscale_all_dim) == (True, 12, 8, 6, 4, 5, "yarn", 0.707)
+    assert any("--cache-mla-latents" in n for n in cfg.notes)
+    defaults = parse_args(["--mock-data", "--multi-latent-attention"], world_size=1).model
+    assert (defaults.q_lora_rank, defaults.kv_lora_rank, defaults.qk_head_dim, defaults.qk_pos_emb_head_dim,
+            defaults.v_head_dim) == (None, 32, 128, 64, 128)  # Megatron-LM's defaults
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--kv-lora-rank", "0"], "--kv-lora-rank must be a positive integer"),
+    (["--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim 3: RoPE rotates pairs"),
+    (["--group-query-attention", "--num-query-groups", "2"], "--num-query-groups 2 with --multi-latent"),
+    (["--softmax-scale", "0.5"], "--softmax-scale does not apply to --multi-latent-attention"),
+    (["--add-qkv-bias"], "--add-qkv-bias does not apply"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling"], "--use-rope-scaling does not apply"),
+])
+def test_refused_combinations_name_the_flag(flags, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_args(["--mock-data", "--multi-latent-attention"] + flags, world_size=1)
+
+
+def test_rope_type_yarn_needs_mla():
+    with pytest.raises(ConfigError, match="--rope-type yarn: .*--multi-latent-attention"):
+        parse_args(["--mock-data", "--rope-type", "yarn"], world_size=1)
