@@ -149,6 +149,7 @@ def test_packing_never_lets_a_response_see_another_conversation(tmp_path):
             assert worst > 1e-3  # the control: without the masks the conversations see each other
 
 
+@pytest.mark.slow  # trains a tokenizer
 def test_the_chat_template_trains_the_answer_and_not_the_header(tmp_path):
     from megazero.data.tokenizer import HFTokenizer
     from tiny_tokenizer import CHATML, tiny_tokenizer
@@ -229,3 +230,43 @@ def test_bad_sft_input_is_one_line_and_exit_2(tmp_path, capfd, why, argv, words)
     assert _pretrain(base + argv) == 2, why
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words.replace("BAD_FILE", str(bad)) in err[0], err
+
+
+@pytest.mark.slow  # trains a tokenizer
+def test_megatrons_sft_tokenizer_type_is_a_hugging_face_directory(tmp_path):
+    """Megatron-LM's SFT scripts pass --tokenizer-type SFTTokenizer: a Hugging Face directory here, whose
+    chat template --sft uses by default."""
+    from megazero.config import parse_args
+    from megazero.data import build_data
+    from tiny_tokenizer import CHATML, tiny_tokenizer
+    tiny_tokenizer(tmp_path / "tok", chat_template=CHATML)
+    cfg = parse_args(["--sft", "--data-path", EXAMPLE, "--tokenizer-type", "SFTTokenizer",
+                      "--tokenizer-model", str(tmp_path / "tok"), "--split", "100,0,0", "--seq-length", "256",
+                      "--reset-attention-mask", "--num-layers", "1", "--hidden-size", "16",
+                      "--num-attention-heads", "2"], world_size=1)
+    data = build_data(cfg)
+    assert cfg.model.vocab_size == 400 and data.prompt_format == "default"
+    assert len(data.splits["train"].bins) < 60 / 2
+
+
+def _train_losses(argv):
+    from megazero.config import parse_args
+    from megazero.training import train
+    import models
+    return [m["loss"] for m in train(parse_args(argv), models.build_chunks)]
+
+
+@pytest.mark.slow  # 1 and 4 ranks
+def test_sft_under_dp2_pp2_equals_one_process(tmp_path):
+    """The loss mask reaches the last pipeline stage and each data-parallel rank's share: DP 2 x PP 2
+    gives one process's losses (fp32 SGD: R_TRAIN)."""
+    from megazero.process.local_ranks import run_ranks
+    from tolerance import R_TRAIN
+    tok = _sp_tokenizer(tmp_path)
+    argv = ["--sft", "--data-path", EXAMPLE, "--tokenizer-model", tok, "--reset-attention-mask",
+            "--reset-position-ids", "--train-iters", "4", "--optimizer", "sgd", "--lr", "0.1", *SMALL]
+    argv[argv.index("--num-layers") + 1] = "4"
+    (one,) = run_ranks(_train_losses, 1, argv)
+    four = run_ranks(_train_losses, 4, argv + ["--pipeline-model-parallel-size", "2"])
+    assert len(one) == 4 and four[-1] == pytest.approx(one, rel=R_TRAIN)
+    assert one[-1] < one[0]

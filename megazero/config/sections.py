@@ -16,7 +16,7 @@ from megazero.config.patterns import GATED, parse_pattern, parse_pattern_arg, pa
 
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "SFTTokenizer")
 
 
 def _f(default, help: str, **meta):  # noqa: A002 - mirrors argparse
@@ -390,7 +390,8 @@ class DataConfig:
     tokenizer_type: Optional[str] = _f(
         None, "Megatron-LM's tokenizer types that megazero has: a sentencepiece model "
         "(SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer) or a "
-        "Hugging Face directory (HuggingFaceTokenizer) in --tokenizer-model; "
+        "Hugging Face directory (HuggingFaceTokenizer, or SFTTokenizer: the same with --sft) in "
+        "--tokenizer-model; "
         "GPT2BPETokenizer from --vocab-file and --merge-file; NullTokenizer (no "
         "tokenizer: ids below --vocab-size, plus one end-of-document id). Default: "
         "from the files given.",

@@ -193,13 +193,14 @@ def tokenizer_from_settings(tokenizer_type, tokenizer_model, vocab_file, merge_f
             raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and "
                              "--merge-file merges.txt")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    hf_types = ("HuggingFaceTokenizer", "SFTTokenizer")  # Megatron-LM's SFTTokenizer: a HF directory too
     if not tokenizer_model:
-        what = ("a Hugging Face tokenizer directory" if tokenizer_type == "HuggingFaceTokenizer"
+        what = ("a Hugging Face tokenizer directory" if tokenizer_type in hf_types
                 else "a sentencepiece .model file")
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model ({what})")
-    if tokenizer_type == "HuggingFaceTokenizer":
+    if tokenizer_type in hf_types:
         if not os.path.isdir(tokenizer_model):
-            raise ValueError(f"--tokenizer-type HuggingFaceTokenizer: --tokenizer-model {tokenizer_model} "
+            raise ValueError(f"--tokenizer-type {tokenizer_type}: --tokenizer-model {tokenizer_model} "
                              "is not a directory (save the tokenizer with save_pretrained)")
         return HFTokenizer(tokenizer_model)
     if os.path.isdir(tokenizer_model):
