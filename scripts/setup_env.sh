@@ -16,10 +16,6 @@ fi
 VPY="$VENV/bin/python"
 stamp="$VENV/.megazero-installed"
 want="$(cat setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
-"$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 
 # pip, its output kept in a log and shown only when it fails: on success a newcomer sees none of
 # the warnings a machine's pip configuration or setuptools' editable install print along the way
@@ -33,6 +29,42 @@ pip_install() {
   cat "$log" >&2
   rm -f "$log"
   return 1
+}
+
+# DeepSpeed itself, a peer the tests compare the engine with (tests/test_deepspeed_peer.py,
+# tests/test_ds_migration.py), in a virtualenv of its own, $VENV/deepspeed: the project venv must not
+# import deepspeed (a script changes `import deepspeed` to `import megazero.deepspeed as deepspeed`, and
+# the DeepSpeed benchmarks' tests check that a python without it is refused).  It sees this venv's
+# packages (torch, transformers) through a .pth line, after its own; DeepSpeed's sdist is built against
+# that torch (no build isolation, no ops compiled ahead: DS_BUILD_OPS=0, DS_ACCELERATOR=cpu) with
+# --no-deps and its pure-Python dependencies pinned, so pip never resolves a torch.  The one op
+# DeepSpeed compiles on first use on CPU (its shared-memory all-reduce) is built here, into the venv.
+# Best effort: a failure prints one line and the peer tests skip.  MEGAZERO_DEEPSPEED=0 skips it.
+DS_VERSION=0.19.8
+DS_DEPS=(hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2 py-cpuinfo==9.0.0)
+install_deepspeed() {
+  local dsv="$VENV/deepspeed" dsstamp="$VENV/deepspeed/.megazero-deepspeed" log purelib
+  if [ "${MEGAZERO_DEEPSPEED:-1}" = 0 ] || { [ -f "$dsstamp" ] && [ "$(cat "$dsstamp")" = "$DS_VERSION" ]; }; then
+    return 0
+  fi
+  [ -x "$dsv/bin/python" ] || "$VPY" -m venv --without-pip "$dsv" >/dev/null 2>&1 || true
+  if [ ! -x "$dsv/bin/python" ]; then
+    echo "setup_env.sh: DeepSpeed (a test peer) not installed: could not create $dsv; its tests skip" >&2
+    return 0
+  fi
+  purelib="$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+  "$dsv/bin/python" -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/megazero-venv.pth', 'w').write(sys.argv[1] + '\n')" "$purelib"
+  log="$(mktemp)"
+  if DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$dsv/bin/python" -m pip install -q --no-deps --no-build-isolation \
+       "deepspeed==$DS_VERSION" "${DS_DEPS[@]}" >"$log" 2>&1 &&
+     DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$dsv/torch_extensions" "$dsv/bin/python" -c \
+       "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >>"$log" 2>&1; then
+    echo "$DS_VERSION" > "$dsstamp"
+  else
+    echo "setup_env.sh: DeepSpeed $DS_VERSION (a test peer) not installed into $dsv ($(grep -v '^ *$' "$log" |
+         tail -n 1 | cut -c1-200)); its tests skip" >&2
+  fi
+  rm -f "$log"
 }
 
 has_gpu() {  # nvidia-smi -L prints one "GPU i: ..." line per GPU (none, or an error, without one)
@@ -60,6 +92,12 @@ install_cpu_torch() {
   fi
 }
 
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  install_deepspeed
+  exit 0
+fi
+"$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   if has_gpu; then
     pip_install numpy "torch>=2.6"                # CUDA build from the index
@@ -76,3 +114,4 @@ if ! "$VPY" -c "import sys, torch; v = tuple(int(x) for x in torch.__version__.s
 fi
 pip_install -e ".[test]"
 echo "$want" > "$stamp"
+install_deepspeed

@@ -1,0 +1,203 @@
+"""Real DeepSpeed as a peer: one training program, run under DeepSpeed 0.19.8 itself and under megazero's
+engine with only its import changed (``import deepspeed`` / ``import megazero.deepspeed as deepspeed``),
+2 gloo ranks on 127.0.0.1, CPU, fp32.  The program (:data:`PROGRAM`) trains a small Hugging Face GPT-2
+(2 layers, width 32, tied head, dropout 0) with AdamW (torch's arithmetic: ``torch_adam``), DeepSpeed's
+WarmupDecayLR, clipping 1.0, 8 sequences a step as 2 ranks x 2 micro-batches x 2 accumulation steps (at
+DP 1: 4 accumulation steps over the same 8), the batch of step t drawn from seed t whatever the ranks.
+
+DeepSpeed runs under its own interpreter, ``.venv/deepspeed/bin/python`` that ``scripts/setup_env.sh``
+installs (``MEGAZERO_DS_PYTHON`` names another); without it these tests skip, saying so.  Each DeepSpeed
+run is made once per session (cached under pytest's temporary root, shared by xdist workers) and also
+saves its checkpoint after step 3, which tests/test_ds_migration.py loads.
+
+Tolerance: both sides fp32, the same products; only the order of a few sums differs (DeepSpeed's bucketed
+all-reduce against megazero's reduce-scatter, the accumulation at DP 1), which moves a loss near 4 by a few
+U32 (2.4e-7 each).  Losses must agree within 1e-5 (about 40 U32 of the loss, the bound issue 45 sets),
+learning rates exactly; each comparison is shown to fail on a change well below a real bug (a lost
+optimizer state moves the losses by > 1e-3)."""
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DS_VENV = ROOT / ".venv" / "deepspeed"
+STEPS, SAVE_AFTER, LOSS_BOUND = 6, 3, 1e-5
+
+PROGRAM = '''\
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel
+
+{import_line}
+
+VOCAB, SEQ = 64, 16
+p = argparse.ArgumentParser()
+p.add_argument("--config")
+p.add_argument("--steps", type=int)
+p.add_argument("--width", type=int, default=32)
+p.add_argument("--save")
+p.add_argument("--save-after", type=int, default=-1)
+p.add_argument("--load")
+p.add_argument("--fresh-optimizer", action="store_true")
+p.add_argument("--out")
+a = p.parse_args()
+deepspeed.init_distributed(dist_backend="gloo")
+with open(a.config) as fh:
+    cfg = json.load(fh)
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=a.width, n_layer=2, n_head=2,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                   bos_token_id=0, eos_token_id=0))
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+start, client = 0, {{}}
+if a.load:
+    _, client = engine.load_checkpoint(a.load, load_optimizer_states=not a.fresh_optimizer)
+    start = client["next_step"]
+rank, dp = dist.get_rank(), dist.get_world_size()
+micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+losses, lrs = [], []
+for step in range(start, start + a.steps):
+    g = torch.Generator().manual_seed(step)
+    batch = torch.randint(0, VOCAB, (cfg["train_batch_size"], SEQ), generator=g)
+    mine = batch[rank * micro * gas:(rank + 1) * micro * gas]
+    total = torch.zeros(())
+    for m in range(gas):
+        x = mine[m * micro:(m + 1) * micro]
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    dist.all_reduce(total)
+    losses.append(float(total) / (gas * dp))
+    lrs.append(engine.get_lr()[0])
+    if a.save and step + 1 - start == a.save_after:
+        engine.save_checkpoint(a.save, client_state={{"next_step": step + 1, "note": "peer"}})
+if rank == 0 and a.out:
+    with open(a.out, "w") as fh:
+        json.dump({{"losses": losses, "lrs": lrs, "client": {{k: client[k] for k in ("next_step", "note")
+                                                             if k in client}},
+                   "global_steps": engine.global_steps}}, fh)
+'''
+IMPORTS = {"deepspeed": "import deepspeed", "megazero": "import megazero.deepspeed as deepspeed"}
+
+
+def ds_config(stage: int) -> dict:
+    """The run's ds_config (the same file for both frameworks)."""
+    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                      "weight_decay": 0.01, "torch_adam": True}},
+            "scheduler": {"type": "WarmupDecayLR",
+                          "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 3,
+                                     "total_num_steps": 20, "warmup_type": "linear"}},
+            "zero_optimization": {"stage": stage}}
+
+
+def deepspeed_python():
+    """(python, None) for an interpreter with DeepSpeed, else (None, the reason to skip)."""
+    given = os.environ.get("MEGAZERO_DS_PYTHON")
+    if given:
+        ok = subprocess.run([given, "-c", "import deepspeed"], capture_output=True).returncode == 0
+        return (given, None) if ok else (None, f"MEGAZERO_DS_PYTHON={given} cannot import deepspeed")
+    if not (DS_VENV / ".megazero-deepspeed").is_file():
+        return None, (f"DeepSpeed is not installed in {DS_VENV} (scripts/setup_env.sh installs it; "
+                      "MEGAZERO_DS_PYTHON names another interpreter)")
+    return str(DS_VENV / "bin" / "python"), None
+
+
+def need_deepspeed() -> str:
+    python, why = deepspeed_python()
+    if python is None:
+        pytest.skip(why)
+    return python
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(python: str, framework: str, nproc: int, workdir: Path, args, timeout: float = 240.0):
+    """Run :data:`PROGRAM` with ``framework``'s import on ``nproc`` ranks (one process each, env://);
+    returns ``(exit statuses, [(stdout, stderr)] per rank, parsed --out or None)``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    prog = workdir / f"train_{framework}.py"
+    prog.write_text(PROGRAM.format(import_line=IMPORTS[framework]))
+    out = workdir / f"out_{framework}_{time.monotonic_ns()}.json"
+    port = _free_port()
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", WANDB_MODE="disabled", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+                   TORCH_EXTENSIONS_DIR=str(DS_VENV / "torch_extensions"))
+        procs.append(subprocess.Popen([python, str(prog), *map(str, args), "--out", str(out)], cwd=workdir,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline, outputs = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outputs.append(p.communicate())
+    codes = [p.returncode for p in procs]
+    return codes, outputs, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+def run_ok(python: str, framework: str, nproc: int, workdir: Path, args) -> dict:
+    codes, outputs, result = launch(python, framework, nproc, workdir, args)
+    assert codes == [0] * nproc and result is not None, (codes, outputs[0][1][-3000:])
+    return result
+
+
+def write_config(workdir: Path, stage: int) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"ds_config_zero{stage}.json"
+    path.write_text(json.dumps(ds_config(stage)))
+    return path
+
+
+def deepspeed_reference(tmp_path_factory, stage: int) -> dict:
+    """DeepSpeed's own run at ZeRO ``stage``, 2 ranks, :data:`STEPS` steps, checkpoint saved after
+    :data:`SAVE_AFTER` (``ckpt``): made once per session and shared by the pytest workers."""
+    python = need_deepspeed()
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    work = root / f"deepspeed_zero{stage}"
+    done = work / "reference.json"
+    with open(root / f"deepspeed_zero{stage}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            cfg = write_config(work, stage)
+            args = ["--config", cfg, "--steps", STEPS, "--save", work / "ckpt", "--save-after", SAVE_AFTER]
+            result = run_ok(python, "deepspeed", 2, work, args)
+            done.write_text(json.dumps(result))
+    return dict(json.loads(done.read_text()), ckpt=work / "ckpt", config=work / f"ds_config_zero{stage}.json")
+
+
+def worst(a, b) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_one_program_under_deepspeed_and_megazero_gives_the_same_losses(tmp_path_factory, tmp_path, stage):
+    ds = deepspeed_reference(tmp_path_factory, stage)
+    mz = run_ok(sys.executable, "megazero", 2, tmp_path, ["--config", ds["config"], "--steps", STEPS])
+    assert worst(mz["losses"], ds["losses"]) <= LOSS_BOUND, (mz["losses"], ds["losses"])
+    assert mz["lrs"] == ds["lrs"]
+    assert ds["lrs"][0] == 0.0 and ds["lrs"][3] == 0.01 and ds["lrs"][-1] < 0.01  # warm-up, then decay
+    # the losses move step to step far beyond the bound (new batches, then training)
+    assert min(abs(x - y) for x, y in zip(ds["losses"], ds["losses"][1:])) > 100 * LOSS_BOUND
