@@ -33,6 +33,7 @@ from megazero.checkpoint.names import expert_name
 from megazero.config.patterns import active_window, layer_window, uses_rope
 from megazero.data.documents import document_eod, document_ids, document_mask, document_positions
 from megazero.moe import MoEStats, moe_layers
+from megazero.moe.settings import mtp_moe_layers
 from .layers import KVCache, Norm, TransformerLayer, window_mask
 from .mla import mla_rope_model
 from .moe import moe_mlp
@@ -105,6 +106,7 @@ class GPTModel(nn.Module):
                 self.position_embeddings.weight = weight
                 weight.sequence_parallel = self.sequence_parallel
         here = [i for i in moe_layers(cfg) if i in layers]  # this chunk's MoE layers
+        here += mtp_moe_layers(cfg) if post_process else []  # and its multi-token prediction's
         self.moe_stats = MoEStats(here, cfg.moe.num_experts, mesh.device) if here else None
         layer_type = TransformerLayer
         if m.hybrid_layer_pattern:  # a hybrid stack: one mixer per layer, by the pattern (models/hybrid.py)

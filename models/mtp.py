@@ -31,7 +31,9 @@ pipeline parallelism with tied embeddings, the head's weight (the embedding's ti
 gradient arriving through ``.grad`` beside the head's product, ``grad_arrivals = 2``); with untied
 embeddings, ``mtp.word_embeddings.weight``, a copy of the word embedding marked ``shared_embedding`` and
 ``tied_copy`` (gradients summed with the first stage's over the embedding group, checkpointed once).
-The MTP transformer layer has a dense MLP.
+The MTP transformer layers are MoE layers when the last decoder layer is one (Megatron-core builds them
+with its spec; :func:`megazero.moe.settings.mtp_moe_layers`), their routers' records and expert biases
+with the decoder's; otherwise they have the dense MLP.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from megazero.tensor_parallel.layers import (ColumnParallelLinear, VocabParallel
 from megazero.tensor_parallel.mappings import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp,
                                                reduce_scatter_to_sp, scatter_to_sp)
 from .layers import Norm, TransformerLayer
+from .moe import moe_mlp
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # the word embedding's init key (models/gpt.py's)
 
@@ -58,7 +61,7 @@ EMBEDDING_KEY = (-1, "word_embeddings.weight")  # the word embedding's init key 
 class MTPDepth(nn.Module):
     """One depth: its two input norms, the 2h -> h projection, a transformer layer and its final norm."""
 
-    def __init__(self, cfg, mesh, index: int, rng_tracker, onednn: bool = False):
+    def __init__(self, cfg, mesh, index: int, rng_tracker, onednn: bool = False, moe_stats=None):
         super().__init__()
         m, sp = cfg.model, cfg.parallel.sequence_parallel
         self.mesh, self.sequence_parallel = mesh, sp
@@ -70,7 +73,8 @@ class MTPDepth(nn.Module):
                                                                          std))
         # the layer sees a model of num_layers + N layers (its index exists in every per-layer rule)
         wide = dataclasses.replace(cfg.model, num_layers=m.num_layers + m.mtp_num_layers)
-        self.layer = TransformerLayer(_with_model(cfg, wide), mesh, index, rng_tracker, onednn)
+        self.layer = TransformerLayer(_with_model(cfg, wide), mesh, index, rng_tracker, onednn,
+                                      mlp=moe_mlp(cfg, mesh, index, moe_stats, onednn))
         self.final_norm = norm()
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, rope, masks) -> torch.Tensor:
@@ -109,7 +113,7 @@ class MultiTokenPrediction(nn.Module):
         # ModuleDict's blocks (the decoder's layers) for its units, and the depths stay in the root unit,
         # whose backward comes before the layers' (megazero.zero.buckets.find_units)
         for i in range(m.num_layers, m.num_layers + self.n):
-            self.add_module(str(i), MTPDepth(cfg, mesh, i, rng_tracker, model.onednn))
+            self.add_module(str(i), MTPDepth(cfg, mesh, i, rng_tracker, model.onednn, model.moe_stats))
         self.stats = MTPStats(self.n, mesh.device)
         self.word_embeddings = None
         if model.pre_process:

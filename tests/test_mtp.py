@@ -146,3 +146,55 @@ def test_checkpoint_saved_under_pp2_resumes_in_one_process(tmp_path):
     assert [m["iteration"] for m in second] == [3, 4]
     for key in KEYS:
         assert [m[key] for m in first + second] == pytest.approx([m[key] for m in ref], rel=R_TRAIN_ADAM), key
+
+
+DEEPSEEK = dict(BASE, untie_embeddings_and_output_weights=True, global_batch_size=8, mtp_num_layers=1,
+                add_bias_linear=False, activation="swiglu", num_experts=8, moe_router_topk=2,
+                moe_layer_freq="[0,1]", moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16,
+                moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2,
+                moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2,
+                moe_router_group_score_topk=2)
+DEEPSEEK_KEYS = ("loss", "grad_norm", "mtp_loss", "moe_aux_loss")
+DEEPSEEK_COUNTS = ("moe_tokens_per_expert_min", "moe_tokens_per_expert_max", "moe_imbalance")
+DEEPSEEK_LAYOUTS = {
+    "ep2-tp2-sp-pp2-distributed-optimizer": (8, dict(expert_model_parallel_size=2,
+                                                     tensor_model_parallel_size=2, sequence_parallel=True,
+                                                     pipeline_model_parallel_size=2, zero_stage=1)),
+    "cp2-dp2-zero3-ep2": (4, dict(context_parallel_size=2, zero_stage=3, expert_model_parallel_size=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_one_process():
+    return _train(config_from_dict(DEEPSEEK))
+
+
+def test_mtp_layer_after_an_moe_layer_is_an_moe_layer():
+    """The MTP layer takes the last decoder layer's kind (Megatron-core's spec): an MoE layer here, its
+    router beside the decoder's (the expert bias moves with them)."""
+    import models
+    cfg = validate(config_from_dict(DEEPSEEK), world_size=1)
+    names = dict(models.build_model(cfg).named_parameters())
+    assert "mtp.2.layer.mlp.experts.fc1_weight" in names and "mtp.2.layer.mlp.router.expert_bias" in names
+    assert "mtp.2.layer.mlp.shared_experts.fc1.weight" in names
+    dense = validate(config_from_dict(dict(DEEPSEEK, moe_layer_freq="[1,0]")), world_size=1)
+    assert not any(n.startswith("mtp.2.layer.mlp.experts") for n, _ in
+                   models.build_model(dense).named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_LAYOUTS))
+def test_deepseek_v3_shaped_model_matches_one_process(name, deepseek_one_process):
+    """A tiny DeepSeek-V3-shaped model (a dense first layer, 8 experts of which top-2 within 2 of 4 groups,
+    sigmoid scores with the expert bias, a shared expert, the sequence aux loss, MTP depth 1 with an MoE
+    layer) under expert, tensor, pipeline, context and data parallelism against one process."""
+    world, layout = DEEPSEEK_LAYOUTS[name]
+    ranks = run_ranks(_train, world, config_from_dict(dict(DEEPSEEK, **layout)), timeout=300)
+    for hist in ranks:
+        for key in DEEPSEEK_KEYS:
+            assert [m[key] for m in hist] == pytest.approx([m[key] for m in deepseek_one_process],
+                                                           rel=R_TRAIN), key
+        for key in DEEPSEEK_COUNTS:
+            assert [m[key] for m in hist] == [m[key] for m in deepseek_one_process], key

@@ -58,6 +58,15 @@ def moe_layers(cfg) -> List[int]:
     return [i for i, on in enumerate(moe_layer_pattern(cfg.moe.moe_layer_freq, cfg.model.num_layers)) if on]
 
 
+def mtp_moe_layers(cfg) -> List[int]:
+    """Global indices (``--num-layers + k``) of the multi-token prediction layers that are MoE layers: all
+    of them when the last decoder layer is one (Megatron-core builds them with the last layer's spec)."""
+    n, layers = cfg.model.mtp_num_layers, moe_layers(cfg)
+    if not n or not layers or layers[-1] != cfg.model.num_layers - 1:
+        return []
+    return list(range(cfg.model.num_layers, cfg.model.num_layers + n))
+
+
 def check_moe(cfg) -> None:
     """Raise ValueError naming the flags unless the MoE settings are a valid combination (a resolved
     config: sizes derived)."""

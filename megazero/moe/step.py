@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Dict
 
 from megazero.moe.router import TopKRouter, update_expert_bias
-from megazero.moe.settings import moe_layers
+from megazero.moe.settings import moe_layers, mtp_moe_layers
 from megazero.moe.stats import reduce_step, step_metrics
 
 
@@ -16,7 +16,7 @@ def finish_step(chunks, mesh, cfg, num_micro_batches: int) -> Dict[str, float]:
     when its coefficient is set),
     ``moe_tokens_per_expert_min``/``_max``, ``moe_imbalance`` and ``moe_dropped_tokens``
     (:func:`megazero.moe.stats.step_metrics`)."""
-    layers = moe_layers(cfg)
+    layers = moe_layers(cfg) + mtp_moe_layers(cfg)  # the multi-token prediction layers last
     reduced = reduce_step(chunks, mesh, layers, cfg.moe.num_experts or 0, num_micro_batches,
                           cfg.parallel.data_parallel_size)
     if reduced is None:
