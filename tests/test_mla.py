@@ -205,6 +205,45 @@ def test_training_at_each_layout_matches_one_process(one_process, style, layout)
         assert loss == pytest.approx(ref_loss, rel=R_TRAIN) and norm == pytest.approx(ref_norm, rel=R_TRAIN)
 
 
+# ---- a tiny DeepSeek-V3: MLA with both latents, grouped routing, a shared expert, MTP ------------------
+DEEPSEEK = dict(MLA, num_layers=2, global_batch_size=8, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
+                optimizer="sgd", lr=0.1, sgd_momentum=0.0, log_interval=100, mtp_num_layers=1,
+                mtp_loss_scaling_factor=0.3, num_experts=8, moe_router_topk=2, moe_layer_freq="[0,1]",
+                moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16,
+                moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05,
+                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2,
+                moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2)
+DEEPSEEK_LAYOUTS = {
+    "ep2-tp2-sp-pp2-distributed-optimizer": (8, dict(expert_model_parallel_size=2,
+                                                     tensor_model_parallel_size=2, sequence_parallel=True,
+                                                     pipeline_model_parallel_size=2, zero_stage=1)),
+    "cp2-dp2-zero3-ep2": (4, dict(context_parallel_size=2, zero_stage=3, expert_model_parallel_size=2)),
+}
+
+
+def _train_metrics(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_LAYOUTS))
+def test_deepseek_v3_shaped_model_with_mla_matches_one_process(name):
+    """A dense first layer and an MoE layer (8 experts, top-2 within 2 of 4 groups, sigmoid scores with the
+    expert bias, a shared expert, the sequence aux loss), MTP depth 1, every attention MLA with both
+    latents: losses, MTP loss, aux loss and gradient norms of three SGD steps within R_TRAIN of one
+    process, the tokens per expert equal."""
+    one = _train_metrics(config_from_dict(DEEPSEEK))
+    world, layout = DEEPSEEK_LAYOUTS[name]
+    for hist in run_ranks(_train_metrics, world, config_from_dict(dict(DEEPSEEK, **layout)), timeout=300):
+        for key in ("loss", "grad_norm", "mtp_loss", "moe_aux_loss"):
+            assert [m[key] for m in hist] == pytest.approx([m[key] for m in one], rel=R_TRAIN), key
+        for key in ("moe_tokens_per_expert_min", "moe_tokens_per_expert_max"):
+            assert [m[key] for m in hist] == [m[key] for m in one], key
+
+
 # ---- initial values at every layout (tests/test_init_equality.py's check, the "mla" family) ---------
 INIT_LAYOUTS = {
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
