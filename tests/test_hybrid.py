@@ -16,6 +16,8 @@ HYBRID = dict(hybrid_layer_pattern="M*M-M*M-", num_layers=8, mamba_num_heads=8, 
               mamba_num_groups=2, mamba_state_dim=8, mamba_chunk_size=8, position_embedding_type="none",
               normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
               activation="swiglu", num_query_groups=2)
+NEMOTRON_H_MOE_LIKE = dict(HYBRID, hybrid_layer_pattern="ME*E", num_layers=4, num_experts=4,
+                           moe_router_topk=2, moe_ffn_hidden_size=16)
 QWEN3_NEXT_LIKE = dict(hybrid_layer_pattern="G-G-*-", num_layers=6, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                        linear_chunk_size=8, position_embedding_type="rope", normalization="RMSNorm",
@@ -47,6 +49,9 @@ def test_megatron_flags_build_the_pattern():
     kinds = [type(getattr(layer, "mixer", getattr(layer, "attention", getattr(layer, "mlp", None)))).__name__
              for layer in model.decoder.values()]
     assert kinds == ["MambaMixer", "Attention", "MambaMixer", "MLP"]
+    moe = models.build_model(validate(_cfg(NEMOTRON_H_MOE_LIKE), 1))  # the E layers are the MoE layers
+    mlps = [type(layer.mlp).__name__ for layer in moe.decoder.values() if hasattr(layer, "mlp")]
+    assert mlps == ["MoELayer"] * 2
     # Megatron-LM's default head count: 2 x hidden / head dim
     assert models.build_model(parse_args(["--mock-data", "--hybrid-layer-pattern", "M", "--num-layers", "1",
                                           "--mamba-head-dim", "16", "--mamba-num-groups", "2"],
@@ -77,7 +82,8 @@ def test_bad_settings_get_one_line_naming_the_flag(flags, world, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("model", [HYBRID, QWEN3_NEXT_LIKE], ids=["M*M-M*M-", "G-G-*-"])
+@pytest.mark.parametrize("model", [HYBRID, QWEN3_NEXT_LIKE, NEMOTRON_H_MOE_LIKE],
+                         ids=["M*M-M*M-", "G-G-*-", "ME*E"])
 def test_tp2_sequence_parallel_full_recompute_matches_one_process(model):
     (ref,) = run_ranks(_train_history, 1, _cfg(model))
     layout = dict(tp=2, sequence_parallel=True, recompute_granularity="full")
@@ -115,3 +121,61 @@ def test_generation_carries_recurrent_state(model):
     got = torch.cat(steps, dim=1)
     torch.testing.assert_close(got, full, rtol=0.0, atol=200 * U32 * float(full.abs().max()))
     assert sorted(cache.recurrent) == [i for i, k in enumerate(cfg.model.hybrid_layer_pattern) if k in "MG"]
+
+
+# every kind of layer: M, G, attention, MLP, MoE
+ALL_KINDS = dict(HYBRID, hybrid_layer_pattern="MG*-E-", num_layers=6, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_chunk_size=8, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+
+
+def _build_and_save(settings, directory):
+    """As the trainer builds it (deferred on the meta device, valued bucket by bucket by the ZeRO
+    optimizer; an eager fallback fails), saved as iteration 0."""
+    import warnings
+    from megazero.checkpoint import save
+    from megazero.optim.precision import compute_dtype
+    from megazero.tensor_parallel.deferred import DeferredInitWarning, build_chunks, realize_rest
+    from megazero.tensor_parallel.rng import seed_default_generators
+    from megazero.training.loop import build_mesh
+    from megazero.zero import build_optimizer
+    cfg = validate(_cfg(ALL_KINDS, **settings), torch.distributed.get_world_size())
+    mesh = build_mesh(cfg)
+    seed_default_generators(cfg.training.seed, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeferredInitWarning)
+        chunks = build_chunks(models.build_chunks, cfg, mesh, compute_dtype(cfg))
+    optimizer = build_optimizer(chunks, mesh, cfg)
+    realize_rest(chunks, mesh.device, compute_dtype(cfg))
+    save(directory, 0, chunks, optimizer, mesh, cfg)
+
+
+@pytest.mark.parametrize("world,settings", [
+    (2, dict(tp=2, sequence_parallel=True, zero=1)), (2, dict(pp=2, zero=2)), (2, dict(zero=3))],
+    ids=["tp2-sp-zero1", "pp2-zero2", "dp2-zero3"])
+def test_initial_values_equal_one_process_bitwise(tmp_path, world, settings):
+    """Every parameter of every kind of layer, built deferred at another layout and joined by the
+    checkpoint into full tensors, equals the one-process eager build bitwise."""
+    from megazero.checkpoint import read_weights
+    want = models.full_state_dict(models.build_chunks(validate(_cfg(ALL_KINDS), 1))[0])
+    run_ranks(_build_and_save, world, settings, str(tmp_path))
+    got = read_weights(str(tmp_path))[3]
+    assert sorted(got) == sorted(want)
+    assert any(".mixer.A_log" in n for n in want) and any(".mixer.conv1d.weight" in n for n in want)
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+
+
+@pytest.mark.slow
+def test_bench_ssm_quick_runs():
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "scripts/bench_ssm.py", "--quick", "--json", "-"], cwd=root,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    assert {r["kind"] for r in rows} == {"Mamba-2", "Gated DeltaNet", "attention"}
+    assert all(r["seconds"] > 0 and r["saved_bytes"] > 0 for r in rows)
