@@ -293,7 +293,8 @@ def to_hf(src: str, dst: str, iteration: Optional[int] = None, tokenizer: Option
     why = f"; not the newest: {'; '.join(notes)}" if notes else ""
     line = (f"wrote {dst} ({len(files)} safetensors file{plural}, {dtype}) from {path} "
             f"(iteration {meta['iteration']}{why})")
-    return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"))
+    return line + _tokenizer_and_generation(dst, tokenizer or saved.get("data", {}).get("tokenizer_model"),
+                                            saved)
 
 
 def _write_weights(dst: str, saved: dict, get, dtype: str, max_shard_size: str):
@@ -317,14 +318,37 @@ def _write_weights(dst: str, saved: dict, get, dtype: str, max_shard_size: str):
         raise
 
 
-def _tokenizer_and_generation(dst: str, tokenizer: Optional[str]) -> str:
+def _recorded_ids(saved: Optional[dict]) -> dict:
+    """The bos/eos/pad ids that a converted checkpoint recorded (``ASSETS/TOKEN_IDS``), when the run
+    started from one (its ``--load`` or ``--pretrained-checkpoint``), with ``"from"``: that directory;
+    {} otherwise."""
+    ck = (saved or {}).get("checkpoint", {})
+    for directory in (ck.get("load"), ck.get("pretrained_checkpoint")):
+        path = os.path.join(directory, ASSETS, TOKEN_IDS) if directory else ""
+        if path and os.path.isfile(path):
+            with open(path) as fh:
+                return {"from": directory, **json.load(fh)}
+    return {}
+
+
+def _tokenizer_and_generation(dst: str, tokenizer: Optional[str], saved: Optional[dict] = None) -> str:
     """Export the tokenizer (its special ids into config.json) and write generation_config.json (the
-    tokenizer directory's own when it has one); returns what to add to the report line."""
+    tokenizer directory's own when it has one); returns what to add to the report line.  Without a
+    tokenizer, the special ids of the converted checkpoint the run started from (``saved``: the run's
+    configuration) still go into config.json."""
     from transformers import AutoConfig, GenerationConfig
     from .hf import export_tokenizer
     note = ""
     if not tokenizer:
         note = "; no tokenizer (the run had none: pass --tokenizer-model to add one)"
+        ids = _recorded_ids(saved)
+        if ids:  # e.g. --no-use-tokenizer-model-from-checkpoint-args: the source's ids all the same
+            source = ids.pop("from")
+            config = AutoConfig.from_pretrained(dst)
+            for k, v in ids.items():
+                setattr(config, k, v)
+            config.save_pretrained(dst)
+            note += f"; the special ids recorded in {source}"
     elif not os.path.exists(tokenizer):
         note = f"; tokenizer {tokenizer} not found from here (pass --tokenizer-model PATH)"
     else:

@@ -99,3 +99,19 @@ def test_a_tokenizer_larger_than_the_checkpoint_is_one_line(tmp_path, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--use-checkpoint-args" in err[0]
     assert "400 ids" in err[0] and "384 rows" in err[0]
+
+
+def test_without_the_checkpoints_tokenizer_the_export_still_keeps_the_special_ids(padded, tmp_path):
+    """--no-use-tokenizer-model-from-checkpoint-args: a run without a tokenizer; its export takes the
+    bos/eos/pad ids the converted checkpoint recorded (they were null before)."""
+    d, tok, hf, rows = padded
+    argv = _finetune_argv(d / "ckpt", "--no-use-tokenizer-model-from-checkpoint-args", "--save",
+                          str(tmp_path / "run"))
+    argv[argv.index("--train-iters") + 1] = "1"
+    assert _pretrain(argv) == 0
+    assert _convert(["--direction", "to-hf", "--input", str(tmp_path / "run"), "--output",
+                     str(tmp_path / "exported")]) == 0
+    config = json.load(open(tmp_path / "exported" / "config.json"))
+    assert config["vocab_size"] == VOCAB
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert config[key] == getattr(hf.config, key) is not None, key
