@@ -198,13 +198,13 @@ def test_flags_megatron_lm_removed_say_what_became_of_them(flags, needle):
 
 def test_named_no_ops_of_the_issue_parse_with_a_note():
     cfg = parse_args(["--mock-data", "--log-progress", "--logging-level", "20",
-                      "--no-log-loss-scale-to-tensorboard", "--num-dataset-builder-threads", "4",
+                      "--no-log-loss-scale-to-tensorboard",
                       "--dataloader-type", "single", "--main-grads-dtype", "fp32",
                       "--use-precision-aware-optimizer", "--persistent-save-interval", "7", "--save", "/x"],
                      world_size=1)
     (note,) = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
     for flag in ("--log-progress", "--logging-level", "--no-log-loss-scale-to-tensorboard",
-                 "--num-dataset-builder-threads", "--dataloader-type single", "--main-grads-dtype fp32",
+                 "--dataloader-type single", "--main-grads-dtype fp32",
                  "--use-precision-aware-optimizer"):
         assert flag in note, flag
     assert cfg.checkpoint.save_interval == 7  # --persistent-save-interval is --save-interval
@@ -265,16 +265,17 @@ def test_every_refused_flag_is_named_in_one_message(capsys):
     """Three refused flags of three kinds (a refused table entry, a value other than Megatron-LM's
     default, a rule of their own) and a removed one: one error names them all (a script needs one rerun,
     not four); an unknown word on the same line is named in that error too."""
-    argv = ["--mock-data", "--fp8-format", "hybrid", "--dataloader-type", "cyclic", "--rotary-percent", "0.5",
+    argv = ["--mock-data", "--fp8-format", "hybrid", "--dataloader-type", "cyclic", "--grad-reduce-in-bf16",
             "--layernorm-epsilon", "1e-5"]
     with pytest.raises(ConfigError) as err:
         parse_args(argv, world_size=1)
     text = str(err.value)
     assert text.startswith("4 flags refused: ") and "\n" not in text
     parts = text[len("4 flags refused: "):].split(" | ")
-    assert [p.split(":")[0] for p in parts] == ["--fp8-format", "--dataloader-type cyclic",
-                                                "--rotary-percent 0.5", "--layernorm-epsilon"]
-    assert "use --bf16" in parts[0] and "renamed: use --norm-epsilon" in parts[3]
+    assert [p.split(" ")[0].rstrip(":") for p in parts] == ["--fp8-format", "--dataloader-type",
+                                                            "--grad-reduce-in-bf16", "--layernorm-epsilon"]
+    assert "use --bf16" in parts[0] and "cyclic" in parts[1] and "needs --bf16" in parts[2]
+    assert "renamed: use --norm-epsilon" in parts[3]
     with pytest.raises(ConfigError) as err:
         parse_args(argv + ["--not-a-megatron-flag", "3", "--moe-a-future-flag", "2"], world_size=1)
     text = str(err.value)
@@ -289,7 +290,7 @@ def test_every_refused_flag_is_named_in_one_message(capsys):
 def test_refusals_from_the_cli_exit_2_with_one_line(monkeypatch, capsys):
     from models.cli.pretrain import main
     monkeypatch.setenv("WORLD_SIZE", "1")
-    code = main(["--mock-data", "--fp8-format", "hybrid", "--dataloader-type", "cyclic", "--rotary-percent",
-                 "0.5"], lambda cfg, mesh: None)
+    code = main(["--mock-data", "--fp8-format", "hybrid", "--dataloader-type", "cyclic",
+                 "--grad-reduce-in-bf16"], lambda cfg, mesh: None)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: 3 flags refused: --fp8")

@@ -41,6 +41,8 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),
     "--no-yarn-correction-range-round-to-int": ("yarn_correction_range_round_to_int", False),
+    "--mmap-bin-files": ("mmap_bin_files", True),  # Megatron-LM's default, spelled out
+    "--create-attention-mask-in-dataloader": ("create_attention_mask_in_dataloader", True),
 }
 
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
@@ -232,6 +234,14 @@ def _without_effect(out: Dict[str, Any]) -> List[str]:
     for name in ("no_load_optim", "no_load_rng"):
         if out.get(name) and not out.get("load"):
             notes.append(f"--{name.replace('_', '-')} without --load: nothing is loaded, so it has no effect")
+    if out.get("data_cache_path"):
+        notes.append(f"--data-cache-path {out['data_cache_path']}: no effect; dataset indices are built in "
+                     "memory, an epoch at a time, and nothing is cached on disk")
+    if out.get("create_attention_mask_in_dataloader") is False:
+        kept = (" (--reset-attention-mask's document mask is built on the device from the tokens, and kept)"
+                if out.get("reset_attention_mask") else "")
+        notes.append("--no-create-attention-mask-in-dataloader: no effect; megazero builds no attention mask "
+                     "in the data loader either way" + kept)
     return notes
 
 

@@ -40,7 +40,7 @@ REMOVED: Dict[str, Tuple[str, str]] = {
     "--intermediate-size": ("2020-03", "renamed: use --ffn-hidden-size"),
     "--train-data": ("2020-03", "renamed: use --train-data-path (or --data-path with --split)"),
     "--valid-data": ("2020-03", "renamed: use --valid-data-path"),
-    "--test-data": ("2020-03", "megazero evaluates on the validation set only: drop it"),
+    "--test-data": ("2020-03", "renamed: use --test-data-path"),
     **_each("2020-04", _GENERATE, "--genfile --greedy --num-samples --out-seq-length --recompute "
                                   "--sample-input-file --sample-output-file --temperature --top_k --top_p"),
     **_each("2020-04", _OLD, "--data-loader --input-data-sizes-file --hash-data-path"),

@@ -180,6 +180,7 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"unknown setting {key!r} (flag {flag}); see --help for the list")
         per_section[index[key][0]][key] = _float_text(index[key][1], value)
+    _data_args_files(per_section["data"])
     from megazero.config.vocab import checkpoint_vocab
     saved_vocab = checkpoint_vocab(settings, per_section)
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
@@ -190,6 +191,51 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},
                           model_preset=preset if isinstance(preset, str) else None, notes=tuple(notes))
+
+
+def _read_args_file(flag: str, path: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError as err:
+        raise ConfigError(f"{flag} {path}: cannot read it ({err.strerror})") from None
+
+
+def _data_args_files(data: Dict[str, Any]) -> None:
+    """``--data-args-path FILE`` (the ``--data-path`` items, whitespace-separated) and
+    ``--per-split-data-args-path FILE`` (JSON: ``train``/``valid``/``test`` items, each a list or a
+    whitespace-separated string), read into the settings they stand for, as Megatron-LM reads them."""
+    path = data.get("data_args_path")
+    if path:
+        if data.get("data_path"):
+            raise ConfigError("--data-args-path and --data-path both name the data; give one")
+        data["data_path"] = _read_args_file("--data-args-path", path).split()
+        if not data["data_path"]:
+            raise ConfigError(f"--data-args-path {path}: the file names no dataset prefix")
+    path = data.get("per_split_data_args_path")
+    if not path:
+        return
+    given = [f"--{k.replace('_', '-')}" for k in ("train_data_path", "valid_data_path", "test_data_path")
+             if data.get(k)]
+    if given:
+        raise ConfigError(f"--per-split-data-args-path and {given[0]} both name the data; give one")
+    text = _read_args_file("--per-split-data-args-path", path)
+    try:
+        splits = json.loads(text)
+    except ValueError as err:
+        raise ConfigError(f"--per-split-data-args-path {path}: not JSON ({err})") from None
+    if not (isinstance(splits, dict) and set(splits) <= {"train", "valid", "test"} and splits.get("train")):
+        raise ConfigError(f"--per-split-data-args-path {path}: expected a JSON object with a \"train\" list "
+                          "and optional \"valid\" and \"test\" lists of prefixes (or WEIGHT PREFIX pairs)")
+    for split, items in splits.items():
+        if isinstance(items, str):
+            items = items.split()
+        if items is None:
+            items = []
+        if not isinstance(items, list) or not all(isinstance(x, (str, int, float)) for x in items):
+            raise ConfigError(f"--per-split-data-args-path {path}: \"{split}\" must be a list of prefixes "
+                              "(or WEIGHT PREFIX pairs) or one whitespace-separated string")
+        data[f"{split}_data_path"] = [str(x) for x in items]
 
 
 def _float_text(f, value):

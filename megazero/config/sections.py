@@ -299,7 +299,16 @@ class TrainingConfig:
         nargs=3, type=int)
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
     eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
-    eval_iters: int = _f(100, "Batches per evaluation.")
+    eval_iters: int = _f(100, "Batches per evaluation (0: no validation, as in Megatron-LM).")
+    full_validation: bool = _f(
+        False, "Each evaluation reads the whole validation set once (its whole global batches) instead of "
+        "--eval-iters batches (Megatron-LM's; docs/data.md).")
+    multiple_validation_sets: bool = _f(
+        False, "Evaluate each prefix of --valid-data-path on its own (no weights) and report each loss under "
+        "its name: eval_loss-NAME (Megatron-LM's; docs/data.md).")
+    validation_set_names: List[str] = _f(
+        [], "With --multiple-validation-sets: a name per validation set, in order (default: 0, 1, ...).",
+        nargs="+")
     # derived (see Derived)
     num_micro_batches: int = _f(1, "global batch / (micro batch x DP) (derived).", derived=True)
 
@@ -383,6 +392,30 @@ class DataConfig:
     valid_data_path: List[str] = _f([], "Megatron-format prefix(es) of the validation set (with "
                                     "--train-data-path).", nargs="+")
     split: str = _f("969,30,1", "Train,valid,test split of the documents (with --data-path).")
+    test_data_path: List[str] = _f(
+        [], "Megatron-format prefix(es) of the test set (with --train-data-path), evaluated once at the end "
+        "of training (test_loss), as in Megatron-LM.", nargs="+")
+    data_args_path: Optional[str] = _f(
+        None, "A file holding the --data-path items (whitespace-separated: prefixes, or WEIGHT PREFIX "
+        "pairs), for blends too long for a command line (Megatron-LM's).")
+    per_split_data_args_path: Optional[str] = _f(
+        None, "A JSON file {\"train\": [...], \"valid\": [...], \"test\": [...]} of the "
+        "--train/--valid/--test-data-path items (lists, or whitespace-separated strings), as in Megatron-LM.")
+    mmap_bin_files: bool = _f(
+        True, "Read the .bin files through memory maps; off: plain file reads (the same tokens).",
+        flag="--no-mmap-bin-files", action="store_false",
+        flag_help="Read the .bin files with plain file reads instead of memory maps (the same tokens).")
+    num_dataset_builder_threads: int = _f(
+        1, "Threads that open and index the datasets of a blend (the same samples whatever the number).")
+    data_cache_path: Optional[str] = _f(
+        None, "Megatron-LM's directory for cached dataset indices; megazero builds them in memory, an epoch "
+        "at a time, and writes nothing there (named at start-up).")
+    create_attention_mask_in_dataloader: bool = _f(
+        True, "Megatron-LM's data loader builds a dense attention mask; megazero never does (causal "
+        "attention, and --reset-attention-mask's document mask, are built on the device from the tokens): "
+        "the same model either way, named at start-up.", flag="--no-create-attention-mask-in-dataloader",
+        action="store_false", flag_help="Megatron-LM's switch; megazero builds no mask in the data loader "
+        "either way (named at start-up).")
     mock_data: bool = _f(False, "Deterministic synthetic tokens (same global sample at every layout).")
     tokenizer_model: Optional[str] = _f(
         None, "sentencepiece .model file or Hugging Face tokenizer directory; "

@@ -551,12 +551,15 @@ def _check_data(cfg: MegazeroConfig) -> None:
     _check(not data.valid_data_path or data.train_data_path,
            "--valid-data-path goes with --train-data-path (with --data-path, --split makes the validation "
            "set)")
-    _check(not (data.train_data_path and cfg.training.eval_interval and cfg.training.eval_iters
-                and not data.valid_data_path),
+    from megazero.data.eval_sets import check as check_sets, evaluates
+    _check(not (data.train_data_path and evaluates(cfg) and not data.valid_data_path),
            "--eval-interval with --train-data-path needs --valid-data-path (the set to evaluate on)")
     for flag, items in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
-                        ("--valid-data-path", data.valid_data_path)):
+                        ("--valid-data-path", data.valid_data_path),
+                        ("--test-data-path", data.test_data_path)):
         _check_blend(flag, items)
+    with _owned_rule():
+        check_sets(cfg)
     parts = [p for p in str(data.split).replace("/", ",").split(",") if p.strip()]
     _check(all(_number(p) is not None and math.isfinite(_number(p)) and _number(p) >= 0 for p in parts),
            f"--split {data.split!r}: expected up to three finite non-negative numbers such as 969,30,1")

@@ -57,36 +57,27 @@ def build_data(cfg):
         raise ConfigError(msg if msg.startswith("--") else f"--data-path: {msg}") from None
 
 
-class SeparateSplits:
-    """``--train-data-path`` / ``--valid-data-path``: one source per split (Megatron-LM's separate
-    sets instead of ``--split``)."""
-
-    def __init__(self, sources: Dict[str, object]):
-        self.sources, self.masked_token = sources, None
-
-    def get_tokens(self, indices, split: str = "train"):
-        if split not in self.sources:
-            raise ValueError(f"no {split} data: give --{split}-data-path")
-        return self.sources[split].get_tokens(indices, split)
-
-
 def _real_data(cfg):
+    """``--data-path`` cut by ``--split``, or the sets of ``--train/--valid/--test-data-path``
+    (:mod:`megazero.data.eval_sets`: several validation sets, the test set, --full-validation)."""
+    from megazero.data.eval_sets import SeparateSplits, evaluates, plan_of, separate_sources
     from megazero.data.gpt_dataset import BlendedGPTData
     d, seq, seed, vocab = cfg.data, cfg.model.seq_length, cfg.training.seed, cfg.model.vocab_size
-    splits = ("train", "valid") if cfg.training.eval_interval and cfg.training.eval_iters else ("train",)
+    options = dict(vocab_size=vocab, mmap=d.mmap_bin_files, threads=d.num_dataset_builder_threads)
     if d.data_path:
-        data = BlendedGPTData(d.data_path, seq, d.split, seed, vocab_size=vocab)
-        data.check(splits)
+        data = BlendedGPTData(d.data_path, seq, d.split, seed, **options)
+        data.check(("train", "valid") if evaluates(cfg) else ("train",))
         data.check_vocab()
+        data.eval_sets = plan_of(data, cfg)
         return data
-    sources = {"train": BlendedGPTData(d.train_data_path, seq, "1,0,0", seed, vocab_size=vocab)}
-    sources["train"].check(("train",))
-    sources["train"].check_vocab()
-    if d.valid_data_path:
-        sources["valid"] = BlendedGPTData(d.valid_data_path, seq, "0,1,0", seed, vocab_size=vocab)
-        sources["valid"].check(("valid",))
-        sources["valid"].check_vocab()
-    return SeparateSplits(sources)
+    whole = {"train": "1,0,0", "valid": "0,1,0", "test": "0,0,1"}
+
+    def make(items, split):
+        source = BlendedGPTData(items, seq, whole[split], seed, flag=f"--{split}-data-path", **options)
+        source.check((split,))
+        source.check_vocab()
+        return source
+    return SeparateSplits(separate_sources(cfg, make), cfg)
 
 
 def sample_range(step: Optional[int], global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,

@@ -62,11 +62,12 @@ def split_bounds(num_documents: int, weights: Sequence[float]) -> List[int]:
     return [0] + [max(0, b - excess) for b in bounds[1:]]
 
 
-def parse_data_path(data_path: Sequence[str]) -> List[Tuple[float, str]]:
-    """``[p]`` / ``[w1, p1, w2, p2, ...]`` / ``[p1, p2, ...]`` -> ``[(weight, prefix)]``, weights sum to 1."""
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> List[Tuple[float, str]]:
+    """``[p]`` / ``[w1, p1, w2, p2, ...]`` / ``[p1, p2, ...]`` -> ``[(weight, prefix)]``, weights sum to 1.
+    A weight must be a finite number > 0 (a prefix without a share is left out, not weighted 0)."""
     items = list(data_path)
     if not items:
-        raise ValueError("--data-path: no dataset prefix given")
+        raise ValueError(f"{flag}: no dataset prefix given")
 
     def number(s: str) -> Optional[float]:
         try:
@@ -76,18 +77,17 @@ def parse_data_path(data_path: Sequence[str]) -> List[Tuple[float, str]]:
 
     if len(items) > 1 and number(items[0]) is not None:
         if len(items) % 2:
-            raise ValueError(f"--data-path {' '.join(items)}: weighted prefixes come in pairs "
-                             "'WEIGHT PREFIX'")
+            raise ValueError(f"{flag} {' '.join(items)}: weighted prefixes come in pairs 'WEIGHT PREFIX'")
         pairs = []
         for w, p in zip(items[0::2], items[1::2]):
-            if number(w) is None or number(w) < 0:
-                raise ValueError(f"--data-path: {w!r} is not a non-negative weight (before prefix {p!r})")
-            pairs.append((float(w), p))
+            v = number(w)
+            if v is None or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{flag}: the weight {w!r} before {p!r} must be a finite number > 0 (a "
+                                 "blend is 'WEIGHT PREFIX' pairs; leave out a prefix to give it no share)")
+            pairs.append((v, p))
     else:
         pairs = [(1.0, p) for p in items]
     total = sum(w for w, _ in pairs)
-    if total <= 0:
-        raise ValueError("--data-path: the weights add up to 0")
     return [(w / total, p) for w, p in pairs]
 
 
@@ -145,9 +145,10 @@ class _SplitStream:
 class GPTDataset:
     """One indexed dataset cut into train/valid/test by documents, each an endless sample stream."""
 
-    def __init__(self, prefix: str, seq_length: int, split: str = "969,30,1", seed: int = 1234):
-        self.prefix, self.seq_length, self.seed = prefix, seq_length, seed
-        self.indexed = IndexedDataset(prefix)
+    def __init__(self, prefix: str, seq_length: int, split: str = "969,30,1", seed: int = 1234,
+                 mmap: bool = True, flag: str = "--data-path"):
+        self.prefix, self.seq_length, self.seed, self.flag = prefix, seq_length, seed, flag
+        self.indexed = IndexedDataset(prefix, mmap=mmap)
         self.bounds = split_bounds(self.indexed.num_documents, parse_split(split))
         self.split = split
         self._streams: Dict[str, _SplitStream] = {}
@@ -163,6 +164,11 @@ class GPTDataset:
             docs = self.documents(split)
             stream = _SplitStream(self.indexed, self.indexed.document_indices[docs.start:docs.stop + 1],
                                   self.seq_length, self.seed, SPLIT_NAMES.index(split))
+            if stream.samples_per_epoch == 0 and self.flag != "--data-path":  # a whole set
+                raise ValueError(
+                    f"{self.flag} {self.prefix}: the {split} set holds {stream.tokens_per_epoch} tokens "
+                    f"({self.indexed.num_documents} documents), fewer than one sample of --seq-length "
+                    f"{self.seq_length} + 1; use more data or a shorter --seq-length")
             if stream.samples_per_epoch == 0:
                 raise ValueError(
                     f"--data-path {self.prefix}: the {split} split (documents {docs.start}..{docs.stop - 1} "
@@ -291,22 +297,42 @@ class BlendedGPTData:
         split: ``--split``, e.g. ``"969,30,1"``.
         seed: shuffles documents and samples.
         vocab_size: if given, a token id at or above it raises a clear error.
+        mmap: read the ``.bin`` files through memory maps (``--no-mmap-bin-files``: plain reads).
+        threads: ``--num-dataset-builder-threads``: the datasets are opened and indexed by this many
+            threads (:meth:`check` too); the samples do not depend on it.
+        flag: the flag the prefixes came from, for the errors (``--valid-data-path`` ...).
     """
 
     def __init__(self, data_path: Sequence[str], seq_length: int, split: str = "969,30,1", seed: int = 1234,
-                 vocab_size: Optional[int] = None):
-        self.blend = parse_data_path(data_path)
+                 vocab_size: Optional[int] = None, mmap: bool = True, threads: int = 1,
+                 flag: str = "--data-path"):
+        self.blend = parse_data_path(data_path, flag)
         self.weights = [w for w, _ in self.blend]
-        self.datasets = [GPTDataset(p, seq_length, split, seed) for _, p in self.blend]
+        self.threads, self.flag = max(1, int(threads)), flag
+        self.datasets = self._each(lambda p: GPTDataset(p, seq_length, split, seed, mmap, flag),
+                                   [p for _, p in self.blend])
         self.seq_length, self.vocab_size = seq_length, vocab_size
         self._assign: Dict[str, _BlendIndex] = {}
+        self.eval_sets = None  # the evaluation plan (megazero.data.eval_sets), set by build_data
+
+    def _each(self, fn, items: Sequence) -> list:
+        """``[fn(x) for x in items]``, by ``threads`` threads (results in order; the first error raised)."""
+        if self.threads == 1 or len(items) < 2:
+            return [fn(x) for x in items]
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=min(self.threads, len(items))) as pool:
+            return list(pool.map(fn, items))
 
     def check(self, splits: Sequence[str] = ("train",)) -> None:
         """Raise now (not mid-training) if a split of a dataset with weight > 0 holds no sample."""
-        for (w, _), ds in zip(self.blend, self.datasets):
-            for split in splits:
-                if w > 0:
-                    ds.stream(split)
+        self._each(lambda ds: [ds.stream(split) for split in splits], self.datasets)
+
+    def samples_per_epoch(self, split: str) -> int:
+        """Samples in one epoch of ``split`` (one dataset: a blend has no single epoch)."""
+        if len(self.datasets) != 1:
+            raise ValueError(f"{self.flag}: a blend of {len(self.datasets)} datasets has no single epoch to "
+                             "read whole; give one prefix")
+        return self.datasets[0].num_samples_per_epoch(split)
 
     def check_vocab(self) -> None:
         """Raise now (not at the first batch that holds one) if a dataset holds a token id at or above
@@ -319,7 +345,7 @@ class BlendedGPTData:
                 continue  # the file's dtype cannot hold an id that large (a signed one may hold one < 0)
             top = indexed.max_token_id()
             if top >= self.vocab_size:
-                raise ValueError(f"--data-path {prefix}: token id {top} is outside --vocab-size "
+                raise ValueError(f"{self.flag} {prefix}: token id {top} is outside --vocab-size "
                                  f"{self.vocab_size}; the data was tokenized with a larger vocabulary: "
                                  "pass its --tokenizer-model (which sets the vocabulary size) or raise "
                                  "--vocab-size")
@@ -346,7 +372,7 @@ class BlendedGPTData:
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             bad = int(out.max())
             from megazero.resilience.errors import DataError
-            raise DataError(f"--data-path: token id {bad} is outside --vocab-size {self.vocab_size}; the "
+            raise DataError(f"{self.flag}: token id {bad} is outside --vocab-size {self.vocab_size}; the "
                             "data was tokenized with a larger vocabulary: pass its --tokenizer-model (which "
                             "sets the vocabulary size) or raise --vocab-size")
         return torch.from_numpy(out)

@@ -232,8 +232,8 @@ class IndexedDataset:
     file that is not in this format.
     """
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, mmap: bool = True):
+        self.prefix = prefix  # mmap False: the .bin is read with plain file reads (--no-mmap-bin-files)
         for path in (idx_path(prefix), bin_path(prefix)):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"indexed dataset file not found: {path} (the prefix {prefix!r} "
@@ -273,8 +273,13 @@ class IndexedDataset:
                              f"code {code} ({self.dtype.name}) is not the dtype the .bin was written in, or "
                              "a file is truncated or from another dataset")
         self.num_tokens = n_tokens
-        self.tokens = (np.memmap(bin_path(prefix), dtype=self.dtype.newbyteorder("<"), mode="r")
-                       if n_tokens else np.zeros(0, dtype=self.dtype))
+        if not n_tokens:
+            self.tokens = np.zeros(0, dtype=self.dtype)
+        elif mmap:
+            self.tokens = np.memmap(bin_path(prefix), dtype=self.dtype.newbyteorder("<"), mode="r")
+        else:
+            from megazero.data.file_tokens import FileTokens
+            self.tokens = FileTokens(bin_path(prefix), self.dtype, n_tokens)
 
     def __len__(self) -> int:
         return int(self.sequence_lengths.shape[0])

@@ -55,6 +55,11 @@ def format_line(m: Dict[str, Any], train_iters: int) -> str:
         parts.append(f"mtp loss {m['mtp_loss']:.4f}")
     if "eval_loss" in m:
         parts.append(f"eval loss {m['eval_loss']:.4f} (ppl {m['eval_ppl']:.2f})")
+    for key in [k for k in m if k.startswith("eval_loss-")]:  # --multiple-validation-sets, by name
+        name = key[len("eval_loss-"):]
+        parts.append(f"eval loss {name} {m[key]:.4f} (ppl {m['eval_ppl-' + name]:.2f})")
+    if "test_loss" in m:  # --test-data-path, after the last iteration
+        parts.append(f"test loss {m['test_loss']:.4f} (ppl {m['test_ppl']:.2f})")
     parts.append(f"lr {m['lr']:.3e}")
     if m.get("grad_norm") is not None:
         parts.append(f"grad norm {m['grad_norm']:.3f}")
@@ -261,7 +266,8 @@ class TrainingLogger:
         if self.wandb_run is not None:
             values = {k: v for k, v in metrics.items() if k != "iteration" and v is not None}
             self.wandb_run.log(values, step=it)
-        if it == 1 or it % self.interval == 0 or it == self.total or "eval_loss" in metrics:
+        if it == 1 or it % self.interval == 0 or it == self.total or \
+                any(k.startswith("eval_loss") for k in metrics):
             self.print(format_line(metrics, self.total))
         if self.tty:
             self.stream.write("\r\033[K" + progress_bar(it, self.total, self.started, metrics.get("loss")))

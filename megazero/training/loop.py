@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megazero.config import MegazeroConfig, validate
 from megazero.data import build_data, micro_batches, stage_keys
+from megazero.data.eval_sets import eval_plan, final_test
 from megazero.data.loader import StepBatches
 from megazero.offload.host_memory import host_malloc_policy, peak_rss_bytes, set_host_malloc
 from megazero.planning.flops import device_peak_flops, hardware_flops_per_iteration, model_flops_per_iteration
@@ -115,16 +116,18 @@ def _forward_backward(chunks, batches, mesh, cfg, optimizer=None, forward_only=F
                         forward_only=forward_only, delay_wgrad=cfg.parallel.delay_wgrad_compute)
 
 
-def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig) -> float:
-    """Mean loss over ``--eval-iters`` held-out batches (forward only, dropout off)."""
+def evaluate(chunks, data, mesh: ParallelMesh, cfg: MegazeroConfig, split: str = "valid",
+             iters: Optional[int] = None) -> float:
+    """Mean loss over ``iters`` (default ``--eval-iters``) held-out batches of ``split`` (forward only,
+    dropout off)."""
     tr = cfg.training
     for c in chunks:
         c.eval()
     losses, keys = [], stage_keys(chunks)  # the first stage reads tokens, the last labels and mask
     with torch.no_grad():
-        for k in range(tr.eval_iters):
+        for k in range(tr.eval_iters if iters is None else iters):
             batches = micro_batches(data, k, tr.global_batch_size, tr.micro_batch_size, mesh.coord("dp"),
-                                    mesh.size("dp"), split="valid", device=mesh.device, keys=keys)
+                                    mesh.size("dp"), split=split, device=mesh.device, keys=keys)
             losses.append(_mean_loss(_forward_backward(chunks, batches, mesh, cfg, forward_only=True), mesh))
     for c in chunks:
         c.train()
@@ -392,9 +395,13 @@ def _guarded_loop(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: Para
             m, stats, loss = _step(cfg, chunks, optimizer, loader, mesh, pos, batch, work,
                                    guard.skip_spike if guard.spike.skips else None)
             written = profiler.after(it)
-            if tr.eval_interval and tr.eval_iters and (it % tr.eval_interval == 0 or it == tr.train_iters):
-                m["eval_loss"] = evaluate(chunks, data, mesh, cfg)
-                m["eval_ppl"] = math.exp(min(m["eval_loss"], 50.0))
+            if tr.eval_interval and (it % tr.eval_interval == 0 or it == tr.train_iters):
+                for suffix, split, iters in eval_plan(data, cfg):  # megazero.data.eval_sets
+                    m["eval_loss" + suffix] = evaluate(chunks, data, mesh, cfg, split, iters)
+                    m["eval_ppl" + suffix] = math.exp(min(m["eval_loss" + suffix], 50.0))
+            if it == tr.train_iters and final_test(data, cfg):  # --test-data-path: once, at the end
+                m["test_loss"] = evaluate(chunks, data, mesh, cfg, *final_test(data, cfg))
+                m["test_ppl"] = math.exp(min(m["test_loss"], 50.0))
             logger.log(m)
             if written:
                 logger.print(f"megazero: --profile: wrote {written} (open it in Perfetto, ui.perfetto.dev)")
