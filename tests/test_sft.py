@@ -83,6 +83,9 @@ def test_prompt_tokens_never_carry_loss(tmp_path, pack):
     assert len(split.bins) == (len(records) if not pack else len(split.bins))
     if pack:
         assert len(split.bins) < len(records) / 2 and data.packing() > 0.8
+    line = data.summary_lines("train", 2 * len(split.bins))[0]  # the start-up summary's
+    assert f"{len(records)} conversations" in line and f"{len(split.bins)} sequences of {SEQ + 1}" in line
+    assert "2 epochs" in line and ("packed" if pack else "one per sequence") in line
     for epoch in range(2):
         seen = []
         indices = list(range(epoch * len(split.bins), (epoch + 1) * len(split.bins)))

@@ -97,6 +97,7 @@ class SFTData:
         self.tokenizer = tokenizer
         self.prompt_format = resolve_format(prompt_format, tokenizer)
         self.splits: Dict[str, _Split] = {}
+        self.pack, self.files = pack, {}
         for files, split_text, flag in sets:
             records = [(f"{path}:{line}", m) for path in files for line, m in read_conversations(path)]
             bounds = split_bounds(len(records), parse_split(split_text))
@@ -104,6 +105,7 @@ class SFTData:
                 part = records[bounds[s]:bounds[s + 1]]
                 if part and name not in self.splits:
                     encoded = [self._encode(where, m, pack, vocab_size, flag) for where, m in part]
+                    self.files[name] = list(files)
                     self.splits[name] = _Split([e[0] for e in encoded], [e[1] for e in encoded],
                                                seq_length + 1, pack, seed, s)
 
@@ -136,6 +138,17 @@ class SFTData:
         """The fraction of the split's sequence slots that hold conversation tokens (1: no filler)."""
         s = self.splits[split]
         return s.tokens / (len(s.bins) * s.capacity)
+
+    def summary_lines(self, split: str, samples: int) -> List[str]:
+        """The start-up summary's lines (megazero.training.summary): the split's conversations, how they
+        are packed, and the epochs ``samples`` take."""
+        s = self.splits[split]
+        how = "packed" if self.pack else "one per sequence (no --reset-attention-mask)"
+        files = " ".join(self.files[split])
+        return [f"  {files} (--sft, prompt format {self.prompt_format}): {split} split: "
+                f"{len(s.offsets) - 1:,} conversations, {s.tokens:,} tokens in {len(s.bins):,} sequences of "
+                f"{s.capacity} ({how}, {100 * self.packing(split):.1f}% of the slots hold conversation "
+                f"tokens); {samples / len(s.bins):.3g} epochs at this schedule"]
 
     def _rows(self, indices: Sequence[int], split: str):
         if split not in self.splits:

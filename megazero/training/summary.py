@@ -87,6 +87,9 @@ def data_lines(cfg, data) -> List[str]:
         return [f"{head} of mock data (synthetic ids below --vocab-size {cfg.model.vocab_size})"]
     lines = [head + ":"]
     for source, split in _sources(data):
+        if hasattr(source, "summary_lines"):  # --sft: conversations and their packing (data/sft.py)
+            lines += source.summary_lines(split, samples)
+            continue
         weights = getattr(source, "weights", [1.0])
         total = sum(weights) or 1.0
         for weight, ds in zip(weights, getattr(source, "datasets", [])):
