@@ -77,6 +77,8 @@ def moe_missing(moe, m, t: str) -> Optional[str]:
         return f"--moe-router-enable-expert-bias ({t} has no expert bias)"
     if moe.moe_router_topk_scaling_factor not in (None, 1.0):
         return f"--moe-router-topk-scaling-factor {moe.moe_router_topk_scaling_factor} ({t} has none)"
+    if moe.moe_router_num_groups:
+        return f"group-limited routing, --moe-router-num-groups ({t} has none)"
     if t == "mixtral" and moe.moe_router_pre_softmax:
         return "--moe-router-pre-softmax (Mixtral renormalises the top-k weights)"
     if t in ("mixtral", "olmoe") and not all(moe_layer_pattern(moe.moe_layer_freq, m.num_layers)):
@@ -95,6 +97,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` with MoEConfig ``moe``
     (None: it holds it)."""
     experts = bool(moe is not None and moe.num_experts)
+    if m.mtp_num_layers:
+        return f"multi-token prediction, --mtp-num-layers ({t} has none)"
     if experts != (t in MOE_ORDER):
         return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
     if experts:

@@ -150,3 +150,15 @@ def test_flags_parse():
     cfg = parse_args([a.replace("_", "-") if a.startswith("--") else a for a in argv] + ["--mock-data"])
     assert (cfg.moe.moe_router_num_groups, cfg.moe.moe_router_group_topk,
             cfg.moe.moe_router_group_score_topk) == (4, 2, 2)
+
+
+def test_export_to_an_architecture_without_groups_is_refused_by_name():
+    from models.hf_export import arch_of
+    mixtral = dict(BASE, moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                   moe_router_topk_scaling_factor=None, moe_shared_expert_intermediate_size=None,
+                   moe_layer_freq="[1,1]", position_embedding_type="rope", normalization="RMSNorm",
+                   activation="swiglu", hf_model_type="mixtral")
+    cfg = validate(config_from_dict(mixtral), world_size=1)
+    with pytest.raises(ConfigError, match=r"mixtral cannot hold this model: group-limited routing, "
+                                          r"--moe-router-num-groups \(mixtral has none\)"):
+        arch_of(cfg.model, cfg.moe)

@@ -198,3 +198,14 @@ def test_deepseek_v3_shaped_model_matches_one_process(name, deepseek_one_process
                                                            rel=R_TRAIN), key
         for key in DEEPSEEK_COUNTS:
             assert [m[key] for m in hist] == [m[key] for m in deepseek_one_process], key
+
+
+def test_export_to_an_architecture_without_mtp_is_refused_by_name():
+    """No transformers architecture megazero exports to has MTP layers: the export names the flag."""
+    from models.hf_export import arch_of
+    cfg = validate(config_from_dict(dict(BASE, hf_model_type="llama")), world_size=1)
+    with pytest.raises(ConfigError, match=r"--hf-model-type llama cannot hold this model: multi-token "
+                                          r"prediction, --mtp-num-layers \(llama has none\)"):
+        arch_of(cfg.model, cfg.moe)
+    with pytest.raises(ConfigError, match="multi-token prediction"):
+        arch_of(validate(config_from_dict(BASE), world_size=1).model)
