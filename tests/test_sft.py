@@ -259,10 +259,17 @@ def _train_losses(argv):
     return [m["loss"] for m in train(parse_args(argv), models.build_chunks)]
 
 
+LAYOUTS = {"dp2-pp2": ["--pipeline-model-parallel-size", "2"],
+           "cp2-tp2": ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"]}
+
+
 @pytest.mark.slow  # 1 and 4 ranks
-def test_sft_under_dp2_pp2_equals_one_process(tmp_path):
-    """The loss mask reaches the last pipeline stage and each data-parallel rank's share: DP 2 x PP 2
-    gives one process's losses (fp32 SGD: R_TRAIN)."""
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sft_under_a_layout_equals_one_process(tmp_path, layout):
+    """The loss mask reaches the last pipeline stage, each data-parallel rank's share and each context-
+    parallel rank's chunk (packed conversations crossing the chunk boundary): 4 ranks give one process's
+    losses (fp32 SGD: R_TRAIN)."""
     from megazero.process.local_ranks import run_ranks
     from tolerance import R_TRAIN
     tok = _sp_tokenizer(tmp_path)
@@ -270,6 +277,6 @@ def test_sft_under_dp2_pp2_equals_one_process(tmp_path):
             "--reset-position-ids", "--train-iters", "4", "--optimizer", "sgd", "--lr", "0.1", *SMALL]
     argv[argv.index("--num-layers") + 1] = "4"
     (one,) = run_ranks(_train_losses, 1, argv)
-    four = run_ranks(_train_losses, 4, argv + ["--pipeline-model-parallel-size", "2"])
+    four = run_ranks(_train_losses, 4, argv + LAYOUTS[layout])
     assert len(one) == 4 and four[-1] == pytest.approx(one, rel=R_TRAIN)
     assert one[-1] < one[0]
