@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -274,6 +275,20 @@ def make_stand_ins(args: List[str]) -> List[str]:
                 if not re.fullmatch(r"[0-9.eE+-]+", args[i]):
                     prefixes.append(args[i])
                 i += 1
+    listed = _option(args, "--data-args-path")  # docs/data.md: the items from files
+    if listed and not os.path.exists(listed):
+        with open(listed, "w") as fh:
+            fh.write("0.7 stand_in_a_text_document 0.3 stand_in_b_text_document\n")
+        prefixes += ["stand_in_a_text_document", "stand_in_b_text_document"]
+        made.append(listed)
+    splits = _option(args, "--per-split-data-args-path")
+    if splits and not os.path.exists(splits):
+        sets = {"train": ["stand_in_a_text_document"], "test": ["stand_in_b_text_document"],
+                "valid": [f"stand_in_v{i}_text_document" for i in range(2)]}
+        with open(splits, "w") as fh:
+            json.dump(sets, fh)
+        prefixes += [p for items in sets.values() for p in items]
+        made.append(splits)
     for prefix in prefixes:
         if "--sft" in args:  # JSON-lines conversations (docs/sft.md)
             if not os.path.exists(prefix):
