@@ -38,7 +38,7 @@ from .layers import KVCache, Norm, TransformerLayer, window_mask
 from .mla import mla_rope_model
 from .moe import moe_mlp
 from .mtp import MultiTokenPrediction
-from .rope import rope_cos_sin, rope_scaling_of
+from .rope import rope_tables
 
 EMBEDDING_KEY = (-1, "word_embeddings.weight")  # (layer index, name) of the word-embedding init
 
@@ -176,13 +176,13 @@ class GPTModel(nn.Module):
             return None
         seq = x.shape[0] * (self.mesh.size("tp") if self.sequence_parallel else 1)  # this CP rank's tokens
         full = offset + seq * self.cp_size
-        cos, sin = rope_cos_sin(full, m.kv_channels, m.rotary_base, x.device, rope_scaling_of(m))
         if positions is not None:  # every position is below seq: the table covers them
-            return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+            return rope_tables(m, full, x.device, lambda t: t[positions].unsqueeze(1), positions)
         if self.cp_size > 1:  # the rotation of each token's true global position
             pos = self.positions(full, x.device)
-            return cos[pos], sin[pos]
-        return (cos[offset:], sin[offset:]) if offset else (cos, sin)
+            return rope_tables(m, full, x.device, lambda t: t[pos], pos)
+        return rope_tables(m, full, x.device, lambda t: t[offset:] if offset else t,
+                           lambda: torch.arange(offset, full, device=x.device))
 
     def window_masks(self, x: torch.Tensor, docs: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
         """The additive masks of this chunk's sliding windows, one per window that hides keys of this

@@ -26,8 +26,11 @@ from megazero.config.patterns import GATED, layer_uses_rope, layer_window
 from megazero.context_parallel import blockwise_attention, ring_attention
 from megazero.tensor_parallel.recompute import recompute
 from megazero.tensor_parallel.deferred import new_param
-from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megazero.tensor_parallel.activations import Activation
+from megazero.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_tensor_parallel,
+                                             normal_init, shard)
 from megazero.tensor_parallel.mappings import copy_to_tp, reduce_from_tp
+from .attention_ops import eager_attention, l2_norm, sink_sdpa, temperature_scales, with_chunks
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq, rope_scaling_of  # noqa: F401 - public names
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -147,8 +150,11 @@ class Attention(nn.Module):
     row-parallel output projection). ``recompute_core`` recomputes softmax(QK^T)V in backward.
 
     Per layer (:mod:`megazero.config.patterns`): a sliding window (``self.window``: keys before its
-    own a query sees), RoPE or not (``--no-rope-freq``); per model: q/k norms before RoPE, the score
-    scale and the soft-cap of the scores."""
+    own a query sees), RoPE or not (``--no-rope-freq``), Gemma 3's local RoPE base on windowed layers,
+    Llama 4's chunked attention (``self.chunk``, on RoPE layers), L2 q/k norm and attention temperature
+    (on NoPE layers); per model: q/k norms before RoPE, the score scale, the soft-cap of the scores and
+    attention sinks (``--softmax-type``: ``self.sinks [heads / tp]``, split over TP with the heads;
+    :mod:`models.attention_ops`)."""
 
     def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False,
                  onednn: bool = False):
@@ -172,6 +178,23 @@ class Attention(nn.Module):
                                       bias=m.add_bias_linear, sequence_parallel=sp, onednn=onednn,
                                       init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
         self.q_norm, self.k_norm = _qk_norms(m, mesh, m.num_attention_heads, m.num_query_groups)
+        self.chunk = m.attention_chunk_size if self.rotary else None
+        self.local_rope = m.rotary_base_local is not None and self.window is not None
+        l2 = m.qk_l2_norm and (m.qk_l2_norm_scope == "all" or self.rotary)
+        self.l2_eps = m.norm_epsilon if l2 else None
+        self.temperature = ((m.attn_temperature_floor_scale, m.attn_temperature_scale)
+                            if m.attn_temperature_tuning and not self.rotary else None)
+        self.softmax_type, self.sinks = m.softmax_type, None
+        if m.softmax_type == "learnable":  # one logit per head, this rank's heads
+            heads, init = m.num_attention_heads, normal_init(seed, layer_idx, "attention.sinks", std)
+            self.sinks = mark_tensor_parallel(new_param(
+                (heads // mesh.size("tp"),), lambda: shard(init((heads,)), mesh, 0), mesh.device), 0)
+
+    def sink_logits(self, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's heads' sink logits ``[heads / tp]`` (zeros for off-by-one), or None."""
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+        return self.sinks
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -185,13 +208,18 @@ class Attention(nn.Module):
         too for SDPA; with soft-capping as the document ids ``[b, s]``, which the blockwise kernel
         compares tile by tile; under context parallelism as every CP rank's document ids ``[b, s / cp]``
         (a list), which the ring/Ulysses kernel compares."""
+        sinks = self.sink_logits(q)
         if self.mesh.size("cp") > 1:  # mask: None, or every CP rank's document ids (packed documents)
             return ring_attention(q, k, v, self.mesh.group("cp"), comm_type=self.cp_comm_type,
                                   scale=self.scale, window=self.window, softcap=self.softcap,
-                                  documents=mask)
+                                  documents=mask, chunk=self.chunk, sinks=sinks)
         if self.softcap is not None:  # mask: None, or the document ids (packed documents)
             return blockwise_attention(q, k, v, scale=self.scale, window=self.window, softcap=self.softcap,
-                                       q_documents=mask, k_documents=mask)[0]
+                                       q_documents=mask, k_documents=mask, chunk=self.chunk, sinks=sinks)[0]
+        if self.chunk is not None and self.chunk < q.shape[2]:  # keys outside the query's chunk hidden too
+            mask = with_chunks(mask, q.shape[2], self.chunk, q.dtype, q.device)
+        if sinks is not None:
+            return self._sink_core(q, k, v, sinks, mask)
         kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=True)
         if self.q_per_group > 1 and native_gqa(q, mask):  # the kernel reads each K/V head per group
             kw["enable_gqa"] = True
@@ -202,6 +230,15 @@ class Attention(nn.Module):
             with self.tracker.fork():  # heads are split over TP: a different mask on each rank
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, scale=self.scale, **kw)
         return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kw)
+
+    def _sink_core(self, q, k, v, sinks, mask):
+        """SDPA with the sink logits as one more key (:func:`models.attention_ops.sink_sdpa`)."""
+        k = k.repeat_interleave(self.q_per_group, dim=1)
+        v = v.repeat_interleave(self.q_per_group, dim=1)
+        if self.training and self.dropout > 0:
+            with self.tracker.fork():  # heads are split over TP: a different mask on each rank
+                return sink_sdpa(q, k, v, sinks, mask, self.scale, self.dropout)
+        return sink_sdpa(q, k, v, sinks, mask, self.scale)
 
     def split_qkv(self, qkv: torch.Tensor):
         """``[s, b, groups * (q_per_group + 2) * d]`` -> ``q [b, heads, s, d]``, ``k, v [b, groups, s, d]``:
@@ -222,20 +259,25 @@ class Attention(nn.Module):
         seen = kpos <= qpos
         if self.window is not None:
             seen = seen & (qpos - kpos <= self.window)
-        if self.softcap is None:
+        if self.chunk is not None:
+            seen = seen & (qpos // self.chunk == kpos // self.chunk)
+        sinks = self.sink_logits(q)
+        if self.softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=self.scale)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        scores = (torch.tanh(scores / self.softcap) * self.softcap).masked_fill(~seen, float("-inf"))
-        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+        return eager_attention(q, k, v, seen, self.scale, self.softcap, sinks)
 
     def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = self.split_qkv(self.qkv(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.l2_eps is not None:  # before RoPE, as Megatron-LM (RoPE keeps the RMS: Llama 4's order alike)
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
         if rope is not None and self.rotary:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            cos, sin = rope.local if self.local_rope else rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.temperature is not None and rope is not None:
+            q = (q * temperature_scales(rope.positions, *self.temperature)).to(q.dtype)
         if kv_cache is not None:
             past = kv_cache.length
             out = self.cached_core(q, *kv_cache.extend(self.layer_idx, k, v), past)
@@ -259,8 +301,7 @@ class MLP(nn.Module):
         m, seed, sp = cfg.model, cfg.training.seed, cfg.parallel.sequence_parallel
         ffn = ffn_hidden_size or m.ffn_hidden_size
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.gated, self.silu = m.activation in GATED, m.activation == "swiglu"
-        self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
+        self.gated, self.act = m.activation in GATED, Activation(m)
 
         def column(name):
             init = normal_init(seed, layer_idx, f"{prefix}.{name}.weight", std)
@@ -272,12 +313,9 @@ class MLP(nn.Module):
                                      sequence_parallel=sp, onednn=onednn,
                                      init=normal_init(seed, layer_idx, f"{prefix}.fc2.weight", out_std))
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        return F.silu(h) if self.silu else F.gelu(h, approximate=self.gelu_approximation)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
-        h = self.activation(self.gate(x)) * h if self.gated else self.activation(h)
+        h = self.act(h, self.gate(x)) if self.gated else self.act(h)
         return self.fc2(h)
 
 

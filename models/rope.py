@@ -15,13 +15,52 @@ the fp32 ``cos, sin [seq, dim]`` tables (half-split ``rotate_half`` layout) for 
 - dynamic NTK (``dynamic``): a table of ``L > max_position_embeddings`` positions uses the base
   ``base (f L / max - f + 1)^(d / (d - 2))``, computed from ``L`` alone (Hugging Face keeps the
   largest ``L`` seen in its module; for growing lengths, as in generation, the two agree).
+
+Partial rotary (``--rotary-percent p``, GLM-4.5): the tables cover the first ``int(p d)`` channels of a
+head, which :func:`apply_rope` rotates (halves of that part, as Hugging Face and Megatron-LM do), the
+rest pass through.  Gemma 3 (``--rotary-base-local``): windowed layers use plain RoPE of that base,
+the others the model's base and scaling; :func:`rope_tables` returns both, and the token positions
+when attention temperature tuning needs them (:class:`RopeTables`).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+
+Select = Callable[[torch.Tensor], torch.Tensor]  # a full [L, dim] table -> the rows of the tokens
+
+
+class RopeTables(tuple):
+    """``(cos, sin)`` of the model's RoPE for the tokens, carrying ``local`` (Gemma 3's windowed layers'
+    ``(cos, sin)``, or None) and ``positions`` (the tokens' positions ``[s]`` or ``[b, s]``, or None)."""
+    local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    positions: Optional[torch.Tensor] = None
+
+
+def rotary_dim(m) -> int:
+    """The channels of a head that RoPE rotates (``--rotary-percent`` of ``--kv-channels``)."""
+    return int(m.kv_channels * getattr(m, "rotary_percent", 1.0))
+
+
+def rope_tables(m, length: int, device, select: Select, positions=None):
+    """The tokens' ``(cos, sin)`` of a ModelConfig's RoPE: the tables of positions ``0 .. length - 1``
+    through ``select``; ``positions``: the tokens' positions (a tensor, or a function giving it).  A plain
+    tuple unless the model has a local base (Gemma 3) or attention temperature tuning (Llama 4), which
+    need :class:`RopeTables`' ``local`` and ``positions``."""
+    dim = rotary_dim(m)
+    cos, sin = rope_cos_sin(length, dim, m.rotary_base, device, rope_scaling_of(m))
+    tables = (select(cos), select(sin))
+    local_base = getattr(m, "rotary_base_local", None)
+    if local_base is None and not getattr(m, "attn_temperature_tuning", False):
+        return tables
+    out = RopeTables(tables)
+    if local_base is not None:
+        lcos, lsin = rope_cos_sin(length, dim, local_base, device)
+        out.local = (select(lcos), select(lsin))
+    out.positions = positions() if callable(positions) else positions
+    return out
 
 
 def rope_scaling_of(m) -> Dict[str, Any]:
@@ -116,7 +155,11 @@ def rope_cos_sin(seq: int, dim: int, base: float, device,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [b, heads, s, d]`` (HF ``rotate_half``: pairs are ``(i, i + d/2)``), in fp32."""
+    """Rotate ``x [b, heads, s, d]`` (HF ``rotate_half``: pairs are ``(i, i + r/2)``), in fp32; tables
+    ``[.., r]`` narrower than ``d`` rotate the first ``r`` channels and pass the rest (partial rotary)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)

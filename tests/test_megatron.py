@@ -145,7 +145,8 @@ def test_first_iterations_follow_megatrons_scheduler(tmp_path):
 @pytest.mark.parametrize("flags,needle", [
     (["--context-parallel-size", "2"], "world size 1 is not divisible by --tensor-model-parallel-size 1 x "
      "--context-parallel-size 2"),
-    (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5 rotates part of each head: it needs "
+     "--position-embedding-type rope"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--train-samples", "64", "--train-iters", "4"], "--train-iters cannot be used with --train-samples"),
     (["--lr-decay-samples", "64"], "--lr-decay-samples needs --train-samples"),

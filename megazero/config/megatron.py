@@ -38,6 +38,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--override-opt_param-scheduler": ("override_opt_param_scheduler", True),
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
     "--openai-gelu": ("activation", "gelu"),
+    "--quick-geglu": ("activation", "quick_geglu"),
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),
     "--no-yarn-correction-range-round-to-int": ("yarn_correction_range_round_to_int", False),
@@ -58,7 +59,6 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                                     "--num-query-groups applies only with this flag (Megatron-LM's rule)."),
     "--grad-reduce-in-bf16": dict(action="store_true", help="Reduce gradients in bf16 "
                                   "(= --grad-reduce-dtype param with --bf16)."),
-    "--rotary-percent": dict(type=float, help="Only 1.0 (rotary embeddings on the whole head)."),
     "--calculate-per-token-loss": dict(action="store_true", help="Average the loss over tokens: the "
                                        "same number here unless --eod-mask-loss, which it is refused with."),
     "--apply-layernorm-1p": dict(action="store_true", help="Megatron-LM stores norm scales minus one; "
@@ -261,11 +261,6 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
             problems.append("--grad-reduce-in-bf16 needs --bf16 (gradients are reduced in the bf16 "
                             "parameter dtype); add --bf16 or drop the flag")
         out["grad_reduce_dtype"] = "param"
-    rp = given.get("--rotary-percent")
-    if rp is not None and rp != 1.0:
-        problems.append(f"--rotary-percent {rp}: partial rotary embeddings are not implemented; use 1.0")
-    if rp == 1.0:
-        ignored.append("--rotary-percent 1.0 (rotary embeddings always cover the whole head)")
     if given.get("--calculate-per-token-loss") and out.get("eod_mask_loss"):
         problems.append("--calculate-per-token-loss with --eod-mask-loss is not implemented "
                         "(micro-batches then hold different token counts); drop one of them")

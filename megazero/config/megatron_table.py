@@ -281,7 +281,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--exp-avg-sq-dtype": (("fp32",), "Adam's moments are fp32"),
     "--weight-decay-incr-style": (("constant",), "weight decay is constant (--weight-decay); a weight-decay "
                                                  "schedule is not implemented"),
-    "--softmax-type": (("vanilla",), "attention uses the plain softmax"),
     "--recompute-modules": (("core_attn",), "--recompute-granularity selective recomputes the attention core "
                                             "(core_attn) only"),
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),
@@ -308,16 +307,12 @@ REFUSED: Dict[str, str] = {
                                 "--recompute-granularity and --recompute-method",
     "--encoder-num-layers": "use --num-layers (GPT models have decoder layers only)",
     "--encoder-seq-length": "use --seq-length",
-    "--activation-func-clamp-value": "clamping the MLP activation is not implemented",
     "--attention-output-gate": "gated attention output is not implemented",
-    "--qk-l2-norm": "normalising queries and keys is not implemented",
     "--qk-clip": "QK-clip is not implemented", "--qk-clip-alpha": "QK-clip is not implemented",
     "--qk-clip-threshold": "QK-clip is not implemented",
     "--mrope-section": "multimodal RoPE is not implemented",
     "--relative-attention-num-buckets": "relative position attention (T5) is not implemented",
     "--relative-attention-max-distance": "relative position attention (T5) is not implemented",
-    "--glu-linear-offset": "a GLU offset is not implemented",
-    "--quick-geglu": "the quick-GeGLU activation is not implemented (gelu or --swiglu)",
     "--use-fused-weighted-squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
     "--init-method-xavier-uniform": "Xavier initialisation is not implemented: weights are normal with "
                                     "--init-method-std",

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Union
 
 Pattern = Union[int, List[int], None]
 ROPE_TYPES = ("rope", "yarn")  # position embedding types that rotate queries and keys
-GATED = ("swiglu", "geglu")  # gated MLP activations: a third weight, the gate
+GATED = ("swiglu", "geglu", "quick_geglu")  # gated MLP activations: a third weight, the gate
 
 
 def uses_rope(m) -> bool:

@@ -129,6 +129,11 @@ class ModelConfig:
         "attention factor: --rotary-scaling-factor and the --yarn-* flags) or none (no position embedding: "
         "NoPE).", choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: float = _f(10000.0, "RoPE base.", type=float)
+    rotary_percent: float = _f(1.0, "Fraction of each head's channels that RoPE rotates (the first ones; "
+                               "GLM-4.5: 0.5), the rest pass through.", type=float)
+    rotary_base_local: Optional[float] = _f(
+        None, "Gemma 3: the RoPE base of the sliding-window layers (10000), which take no RoPE scaling; "
+        "the full-attention layers keep --rotary-base and its scaling.", type=float)
     no_rope_freq: Optional[Any] = _f(
         None, "Layers without RoPE (NoPE layers, SmolLM3): N skips it on every N-th layer (counting from 1), "
         "or a per-layer list expression such as '([0]*3+[1])*2' (1: no RoPE).", type=parse_pattern_arg)
@@ -212,6 +217,25 @@ class ModelConfig:
     softmax_scale: Optional[float] = _f(
         None, "Scale of the attention scores (default 1 / sqrt(--kv-channels); Gemma 2: "
         "query_pre_attn_scalar^-0.5).", type=float)
+    softmax_type: str = _f(
+        "vanilla", "Attention softmax: vanilla, off-by-one (a zero logit joins every softmax denominator) or "
+        "learnable (attention sinks, gpt-oss: one learned logit per head, TP-split with the heads).",
+        choices=["vanilla", "off-by-one", "learnable"])
+    attention_chunk_size: Optional[int] = _f(
+        None, "Chunked local attention (Llama 4's attention_chunk_size): on the layers that use RoPE a query "
+        "sees only the keys of its own chunk of this many positions.", type=int)
+    qk_l2_norm: bool = _f(False, "Llama 4's q/k norm: each head's query and key divided by its RMS (no "
+                          "scale; epsilon --norm-epsilon).")
+    qk_l2_norm_scope: str = _f("all", "With --qk-l2-norm: the layers it acts on, all (Megatron-LM's) or rope "
+                               "(those that use RoPE: Llama 4).", choices=["all", "rope"])
+    attn_temperature_tuning: bool = _f(
+        False, "Llama 4's attention temperature on the layers without RoPE (--no-rope-freq): queries at "
+        "position p are multiplied by 1 + --attn-temperature-scale x log(1 + floor((p + 1) / "
+        "--attn-temperature-floor-scale)).")
+    attn_temperature_floor_scale: float = _f(8192.0, "Llama 4's floor_scale (see --attn-temperature-tuning).",
+                                             type=float)
+    attn_temperature_scale: float = _f(0.1, "Llama 4's attn_scale (see --attn-temperature-tuning).",
+                                       type=float)
     mtp_num_layers: Optional[int] = _f(
         None, "Multi-token prediction (DeepSeek-V3, Megatron-core's MTP block): this many extra depths on the "
         "last pipeline stage, depth k predicting token t+k+1 from the previous depth's hidden state and the "
@@ -222,9 +246,15 @@ class ModelConfig:
         "the objective (reported apart as mtp loss).", type=float)
     scale_embedding: bool = _f(False, "Multiply the word embeddings by sqrt(--hidden-size) (Gemma).")
     activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
-                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA) or "
-                         "geglu (gated, tanh-approximated GELU: Gemma).",
-                         choices=["gelu_exact", "gelu", "swiglu", "geglu"])
+                         "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA), "
+                         "geglu (gated, tanh-approximated GELU: Gemma) or quick_geglu (gated x sigmoid(1.702 "
+                         "x): gpt-oss, Megatron-LM's --quick-geglu).",
+                         choices=["gelu_exact", "gelu", "swiglu", "geglu", "quick_geglu"])
+    glu_linear_offset: float = _f(0.0, "Gated activations: act(gate) x (linear + this) (gpt-oss: 1.0).",
+                                  type=float)
+    activation_func_clamp_value: Optional[float] = _f(
+        None, "Gated activations: the gate clamped to at most this and the linear part to [-this, this] "
+        "before the activation (gpt-oss: 7.0).", type=float)
     add_bias_linear: bool = _f(True, "Biases in the linear layers (GPT-2); off for LLaMA.",
                                flag="--disable-bias-linear", action="store_false",
                                flag_help="Linear layers without biases (LLaMA style).")

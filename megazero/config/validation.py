@@ -16,6 +16,7 @@ import os
 from dataclasses import fields
 from typing import Any, Dict, Optional, Sequence
 
+from megazero.config.attention_variants import check_attention_variants
 from megazero.config.mla import check_mla
 from megazero.config.patterns import GATED, layer_flags, uses_rope
 from megazero.config.sections import SECTIONS, Derived, MegazeroConfig, field_index, flag_of
@@ -286,6 +287,7 @@ def _check_model(cfg: MegazeroConfig) -> None:
     _check_rope_scaling(mod)
     _check_attention(mod)
     check_mla(mod)
+    check_attention_variants(mod)
 
 
 def _check_pattern(flag: str, value, num_layers: int, counts: bool = True) -> None:

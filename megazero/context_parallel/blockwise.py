@@ -23,6 +23,15 @@ by tile (no tile is skipped for them: that would need their values on the host).
 A ``softcap`` replaces each scaled score ``s`` by ``cap tanh(s / cap)`` (Gemma 2) before the softmax;
 backward multiplies the score gradient by ``1 - tanh^2``, recomputed from the capped score.
 
+Chunked attention (Llama 4's ``attention_chunk_size`` ``C``): a query also sees only keys of its own
+chunk of positions, ``k_pos // C == q_pos // C``; tile pairs in different chunks are skipped.
+
+Attention sinks (gpt-oss; Megatron-LM's ``--softmax-type learnable``): a logit ``sink_h`` per head
+joins each softmax denominator without a value, ``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^sink)``.
+With ``lse`` over the keys, that is ``out_keys sigmoid(lse - sink)`` and the row's log-sum-exp becomes
+``logaddexp(lse, sink)`` (:func:`add_sinks`), applied once to the finished rows: differentiable
+through the kernel's ``lse`` output, so the tile loops are untouched.
+
 Forward keeps, per query row, the running maximum ``m``, the running sum ``l`` of ``exp(s - m)``
 and the unnormalised output ``acc``; a new key tile with scores ``s`` updates them as
 ``m' = max(m, max s)``, ``l' = l e^(m - m') + sum e^(s - m')``, ``acc' = acc e^(m - m') + e^(s - m') V``.
@@ -46,10 +55,12 @@ SKIP, FULL, PARTIAL = 0, 1, 2
 
 class Visibility(NamedTuple):
     """Which keys a query sees, and the score transform: causal (``k_pos <= q_pos``), within
-    ``window`` positions before it (None: no limit), scores soft-capped at ``softcap`` (None: not)."""
+    ``window`` positions before it (None: no limit), scores soft-capped at ``softcap`` (None: not),
+    within its own ``chunk`` of positions (``k_pos // chunk == q_pos // chunk``; None: no chunks)."""
     causal: bool = True
     window: Optional[int] = None
     softcap: Optional[float] = None
+    chunk: Optional[int] = None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,7 +102,11 @@ def _visibility(q_tile, k_tile, vis: Visibility) -> int:
         return SKIP
     if vis.window is not None and q_tile[2] - k_tile[3] > vis.window:  # every key too far back
         return SKIP
-    if k_tile[3] <= q_tile[2] and (vis.window is None or q_tile[3] - k_tile[2] <= vis.window):
+    if vis.chunk is not None and k_tile[3] // vis.chunk < q_tile[2] // vis.chunk:  # keys in earlier chunks
+        return SKIP
+    one_chunk = vis.chunk is None or min(q_tile[2], k_tile[2]) // vis.chunk == max(q_tile[3], k_tile[3]) \
+        // vis.chunk
+    if k_tile[3] <= q_tile[2] and (vis.window is None or q_tile[3] - k_tile[2] <= vis.window) and one_chunk:
         return FULL
     return PARTIAL
 
@@ -114,6 +129,8 @@ def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n:
         hidden = kpos > qpos  # [bq, bk]
         if vis.window is not None:
             hidden = hidden | (qpos - kpos > vis.window)
+        if vis.chunk is not None:
+            hidden = hidden | (qpos // vis.chunk != kpos // vis.chunk)
     if q_tiles.documents is not None and k_tiles.documents is not None:  # [b, 1, 1, bq, bk]
         other = q_tiles.documents[:, q_tile[0]:q_tile[1], None] != k_tiles.documents[:, None, j0:j1]
         hidden = other[:, None, None] if hidden is None else other[:, None, None] | hidden
@@ -218,6 +235,18 @@ def merge(out, lse, part_out, part_lse):
     return out, new
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the keys ``(out [b, h, s, d], lse [b, h, s])`` -> attention whose softmax also holds
+    one logit ``sinks [h]`` per head without a value: ``(out sigmoid(lse - sink), logaddexp(lse, sink))``.
+    A row that saw no key keeps ``out = 0``; differentiable in all three (in ``lse``'s precision)."""
+    if sinks.dim() != 1 or sinks.numel() != out.shape[1]:
+        raise ValueError(f"attention sinks must be one logit per head [{out.shape[1]}], got "
+                         f"{tuple(sinks.shape)}")
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    keep = torch.sigmoid(lse - sink)  # e^lse / (e^lse + e^sink): 0 where lse = -inf
+    return (out.to(lse.dtype) * keep[..., None]).to(out.dtype), torch.logaddexp(lse, sink)
+
+
 def check_shapes(q, k, v) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"expected q [b, heads, sq, d] and k, v [b, groups, sk, d]; got {tuple(q.shape)}, "
@@ -259,7 +288,8 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         causal: bool = True, scale: Optional[float] = None,
                         block_size: int = 256, window: Optional[int] = None,
                         softcap: Optional[float] = None, q_documents: Optional[torch.Tensor] = None,
-                        k_documents: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        k_documents: Optional[torch.Tensor] = None, chunk: Optional[int] = None,
+                        sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``softmax(scale q k^T + mask) v`` without the ``sq x sk`` matrix; returns ``(out, lse)``.
 
     ``q [b, heads, sq, d]``, ``k, v [b, groups, sk, d]``; ``out`` has ``q``'s shape and dtype, ``lse
@@ -268,7 +298,10 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_positions[i]`` (and, with ``window``, ``q_positions[i] - k_positions[j] <= window``).
     ``scale`` defaults to ``1 / sqrt(d)``; ``softcap`` caps the scaled scores at ``cap tanh(s / cap)``.
     ``q_documents [b, sq]``, ``k_documents [b, sk]``: document ids (packed documents); a query then sees
-    keys of its own document only.  Both outputs are differentiable."""
+    keys of its own document only.  ``chunk``: a query sees keys of its own chunk of positions only
+    (``k_pos // chunk == q_pos // chunk``, Llama 4).  ``sinks [heads]``: one more logit per head in every
+    softmax (attention sinks, :func:`add_sinks`; ``lse`` then includes it).  Both outputs are
+    differentiable."""
     check_shapes(q, k, v)
     if q_positions is None:
         q_positions = torch.arange(q.shape[2])
@@ -277,10 +310,17 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q_positions.numel() != q.shape[2] or k_positions.numel() != k.shape[2]:
         raise ValueError(f"{q_positions.numel()} query and {k_positions.numel()} key positions for "
                          f"{q.shape[2]} queries and {k.shape[2]} keys")
-    if window is not None and not causal:
-        raise ValueError("a sliding window needs causal attention")
+    check_variants(causal, window, chunk)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q_tiles = Tiles(q_positions, block_size, q.device, q_documents)
     k_tiles = Tiles(k_positions, block_size, q.device, k_documents)
-    vis = Visibility(causal, window, softcap)
-    return _BlockwiseAttention.apply(q, k, v, q_tiles, k_tiles, vis, scale)
+    vis = Visibility(causal, window, softcap, chunk)
+    out, lse = _BlockwiseAttention.apply(q, k, v, q_tiles, k_tiles, vis, scale)
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
+
+
+def check_variants(causal: bool, window: Optional[int], chunk: Optional[int]) -> None:
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal attention")
+    if chunk is not None and (not causal or chunk < 1):
+        raise ValueError(f"chunked attention needs causal attention and a positive chunk size, got {chunk}")

@@ -21,6 +21,10 @@ the late K/V chunk or the early Q chunk drops out entirely; at t = 0 the diagona
 
 ``comm_type="a2a"`` is Ulysses (DeepSpeed): see :mod:`megazero.context_parallel.ulysses`.
 
+Attention sinks join once the ring is done: the kernel returns the global ``lse`` with the output, and
+:func:`~megazero.context_parallel.blockwise.add_sinks` rescales this rank's rows; its gradient in
+``lse`` enters the backward's ``delta`` (``rowsum(dO O) - dlse``), as in the one-rank kernel.
+
 Communication uses only ``torch.distributed`` point-to-point (``batch_isend_irecv``) and
 all-to-all on the given group, whatever its backend (gloo on CPUs, NCCL on GPUs).
 """
@@ -32,8 +36,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.context_parallel.blockwise import (Tiles, Visibility, backward_pair, blockwise_attention,
-                                                 check_shapes, compute_dtype, forward_pair, merge)
+from megazero.context_parallel.blockwise import (Tiles, Visibility, add_sinks, backward_pair,
+                                                 blockwise_attention, check_shapes, check_variants,
+                                                 compute_dtype, forward_pair, merge)
 from megazero.context_parallel.split import cp_positions
 from megazero.context_parallel.ulysses import ulysses_attention
 
@@ -95,16 +100,18 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.q_tiles, ctx.k_tiles, ctx.vis, ctx.scale = ring, q_tiles, k_tiles, vis, scale
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         ring, k_tiles = ctx.ring, ctx.k_tiles
         n, r = ring.size, ring.rank
         cd = compute_dtype(q.dtype)
         qc, dout = q.to(cd), dout.to(cd)
         delta = (dout * out.to(cd)).sum(-1)  # rowsum(dO * O) with the final, global O
+        if dlse is not None:  # attention sinks: lse feeds the output too
+            delta = delta - dlse.to(cd)
         dq = torch.zeros(q.shape, dtype=cd, device=q.device)
         kv = torch.stack([k, v])
         dkv_requests, dkv_sent, dkv_in = [], None, None
@@ -143,7 +150,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    positions: Optional[Sequence[torch.Tensor]] = None, *, comm_type: str = "p2p",
                    causal: bool = True, scale: Optional[float] = None, block_size: int = 256,
                    window: Optional[int] = None, softcap: Optional[float] = None,
-                   documents: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+                   documents: Optional[Sequence[torch.Tensor]] = None, chunk: Optional[int] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (or full) self-attention of a sequence split over the CP ``group``; returns this rank's
     output ``[b, heads, s_local, d]``, differentiable in ``q, k, v``.
 
@@ -157,7 +165,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     :func:`~megazero.context_parallel.blockwise.blockwise_attention`: a K/V block wholly outside every
     local query's window is skipped (it still travels the ring).  ``documents``: every CP rank's
     document ids ``[b, s_r]`` (packed documents, in group rank order, on the device): a query sees keys
-    of its own document only."""
+    of its own document only.  ``chunk`` (chunked attention, by global position) and ``sinks [heads]``
+    (this rank's heads' sink logits) as in the one-rank kernel."""
     check_comm_type(comm_type)
     check_shapes(q, k, v)
     if q.shape[2] != k.shape[2]:
@@ -174,11 +183,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if len(docs) != cp_size:
         raise ValueError(f"documents holds {len(docs)} tensors for a context-parallel group of {cp_size} "
                          "ranks")
+    check_variants(causal, window, chunk)
     if cp_size == 1:
         return blockwise_attention(q, k, v, positions[0], positions[0], causal, scale, block_size, window,
-                                   softcap, docs[0], docs[0])[0]
-    vis = Visibility(causal, window, softcap)
+                                   softcap, docs[0], docs[0], chunk, sinks)[0]
+    vis = Visibility(causal, window, softcap, chunk)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, positions, vis, scale, block_size, documents)
+        return ulysses_attention(q, k, v, group, positions, vis, scale, block_size, documents, sinks)
     k_tiles = [Tiles(p, block_size, q.device, d) for p, d in zip(positions, docs)]
-    return _RingAttention.apply(q, k, v, _Ring(group), k_tiles[cp_rank], k_tiles, vis, scale)
+    out, lse = _RingAttention.apply(q, k, v, _Ring(group), k_tiles[cp_rank], k_tiles, vis, scale)
+    return out if sinks is None else add_sinks(out, lse, sinks)[0]

@@ -63,9 +63,10 @@ class _AllToAll(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: int,
-                      documents=None) -> torch.Tensor:
+                      documents=None, sinks=None) -> torch.Tensor:
     """Ulysses attention; arguments as :func:`megazero.context_parallel.ring_attention` (resolved; ``vis``
-    the :class:`~megazero.context_parallel.blockwise.Visibility`)."""
+    the :class:`~megazero.context_parallel.blockwise.Visibility`).  ``sinks [heads]``: the local heads'
+    sink logits; each rank applies those of the heads it holds between the two all-to-alls."""
     n = dist.get_world_size(group)
     heads, groups = q.shape[1], k.shape[1]
     if heads % n:
@@ -79,6 +80,9 @@ def ulysses_attention(q, k, v, group, positions, vis, scale: float, block_size: 
     everyone = torch.cat([p.reshape(-1).to("cpu", torch.long) for p in positions])
     qh, kh, vh = (_AllToAll.apply(t, group, lengths, True) for t in (q, k, v))
     docs = torch.cat(list(documents), dim=1) if documents is not None else None  # in the same order
+    if sinks is not None:  # the heads this rank attends for: slice j of the local heads
+        hn = heads // n
+        sinks = sinks[dist.get_rank(group) * hn:][:hn]
     out, _ = blockwise_attention(qh, kh, vh, everyone, everyone, vis.causal, scale, block_size, vis.window,
-                                 vis.softcap, docs, docs)
+                                 vis.softcap, docs, docs, vis.chunk, sinks)
     return _AllToAll.apply(out, group, lengths, False)

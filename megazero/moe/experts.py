@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megazero.tensor_parallel.activations import Activation
 from megazero.tensor_parallel.deferred import new_param
 from megazero.tensor_parallel.layers import init_full
 
@@ -119,8 +120,7 @@ class GroupedExperts(nn.Module):
         self.first = mesh.coord("ep") * self.num_local
         # --moe-grouped-gemm: one grouped product; without it, one product per expert (grouped_product)
         backend = backend or ("auto" if moe.moe_grouped_gemm else "loop")
-        self.gated, self.silu, self.backend = m.gated_mlp, m.activation == "swiglu", backend
-        self.gelu_approximation = "none" if m.activation == "gelu_exact" else "tanh"
+        self.gated, self.backend, self.act = m.gated_mlp, backend, Activation(m)
         ffn, hidden, seed = moe.moe_ffn_hidden_size, m.hidden_size, cfg.training.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         rank, local_ffn = mesh.coord("etp"), ffn // etp
@@ -144,9 +144,6 @@ class GroupedExperts(nn.Module):
         self.gate_bias = zeros(local_ffn, 1) if bias and self.gated else None
         self.fc2_bias = zeros(hidden, None) if bias else None
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        return F.silu(h) if self.silu else F.gelu(h, approximate=self.gelu_approximation)
-
     @staticmethod
     def _param(p: nn.Parameter, partition_dim: Optional[int]) -> nn.Parameter:
         p.expert_parallel = True
@@ -158,7 +155,7 @@ class GroupedExperts(nn.Module):
         h = grouped_product(x, self.fc1_weight, counts, self.fc1_bias, self.backend)
         if self.gated:
             gate = grouped_product(x, self.gate_weight, counts, self.gate_bias, self.backend)
-            h = self.activation(gate) * h
+            h = self.act(h, gate)
         else:
-            h = self.activation(h)
+            h = self.act(h)
         return grouped_product(h, self.fc2_weight, counts, self.fc2_bias, self.backend)

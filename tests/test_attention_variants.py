@@ -1,0 +1,373 @@
+"""Attention and activation variants of gpt-oss, Llama 4, Gemma 3 and GLM-4.5 (docs/attention.md).
+
+- Attention sinks (``--softmax-type learnable`` / ``off-by-one``) and chunked attention
+  (``--attention-chunk-size``), with windows, soft-caps, packed documents and GQA, in every kernel: the
+  blockwise kernel, SDPA (the sink as one more key), the eager kernel of generation, ring (p2p) and
+  Ulysses (a2a) context parallelism; each against a float64 softmax written here (and that reference
+  against transformers' gpt-oss attention), forward and gradients (the sink logits' included).
+- The clamped SwiGLU of gpt-oss (``--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7``)
+  against transformers' gpt-oss experts, in float64.
+- Llama 4's L2 q/k norm and attention temperature, Gemma 3's local RoPE base on windowed layers, partial
+  rotary (``--rotary-percent``) against transformers' GLM-4.5 rotation.
+- A model holding all of them at once: TP 2 with sequence parallelism, CP 2 (ring and Ulysses) and
+  selective recomputation against one process; generation with the KV cache against the full forward.
+
+Float64 comparisons allow 1e-10 relative to the largest entry (sums of <= 32 terms move by ~1e-15); the
+fp32 model comparisons use tolerance.py's bounds.  Checked by hand that these fail when the math is
+broken: the sink's sigmoid dropped from the ring kernel (forward), ``delta`` without ``dlse`` (sink and
+q/k/v gradients), the chunk test of the tile loop removed (kernel and CP tests), Ulysses slicing the
+sinks of rank 0 on every rank, the temperature from local instead of global positions (CP test), the
+clamp of the linear part dropped (activation test).
+"""
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megazero.config import ConfigError, config_from_dict, parse_args, validate
+from megazero.config.patterns import windowed_layers
+from megazero.context_parallel import blockwise_attention, cp_positions, ring_attention
+from megazero.context_parallel.blockwise import Tiles, Visibility, tile_pairs
+from megazero.mesh import ParallelMesh
+from megazero.process.local_ranks import run_ranks
+from megazero.tensor_parallel.activations import Activation
+from models import build_model, full_state_dict
+from models.attention_ops import causal_mask, eager_attention, l2_norm, sink_sdpa, temperature_scales
+from models.layers import KVCache
+from models.rope import RopeTables, apply_rope, rope_cos_sin, rope_tables
+from tolerance import C_FWD, C_FWD_BWD, fp32_bound
+from test_model import STYLES, batch, step, sum_sequence_parallel_grads
+
+
+def reference(q, k, v, scale=None, window=None, chunk=None, softcap=None, sinks=None, docs=None,
+              qpos=None, kpos=None):
+    """softmax over explicit float64 scores (and one sink column per head), GQA by repetition."""
+    b, h, s, d = q.shape
+    n = h // k.shape[1]
+    k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+    scores = q @ k.transpose(-1, -2) * (d ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    qp = torch.arange(s) if qpos is None else qpos
+    kp = torch.arange(k.shape[2]) if kpos is None else kpos
+    hidden = kp[None, :] > qp[:, None]
+    if window is not None:
+        hidden = hidden | (qp[:, None] - kp[None, :] > window)
+    if chunk is not None:
+        hidden = hidden | (qp[:, None] // chunk != kp[None, :] // chunk)
+    hidden = hidden.expand(b, 1, s, k.shape[2])
+    if docs is not None:
+        hidden = hidden | (docs[:, None, :, None] != docs[:, None, None, :])
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(b, h, s, 1)], dim=-1)
+        return scores.softmax(-1)[..., :-1] @ v
+    return scores.softmax(-1) @ v
+
+
+def _inputs(b=2, h=4, g=2, s=23, d=8, seed=0, sinks=True):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen, dtype=torch.float64) for n in (h, g, g))
+    sink = torch.randn(h, generator=gen, dtype=torch.float64) if sinks else None
+    dout = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
+    return q, k, v, sink, dout
+
+
+def _grads(fn, tensors, dout):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in tensors]
+    out = fn(*leaves)
+    out.backward(dout)
+    return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def _close64(got, want, what=""):
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-10 * float(want.abs().max()), msg=what)
+
+
+def test_reference_sinks_equal_transformers_gpt_oss():
+    """The float64 reference with sinks is transformers' gpt-oss eager attention."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    q, k, v, sinks, _ = _inputs(s=9)
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=2, training=False)
+    mask = causal_mask(9, torch.float64, "cpu", window=3)
+    theirs, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.3)
+    _close64(reference(q, k, v, scale=0.3, window=3, sinks=sinks), theirs.transpose(1, 2))
+
+
+CASES = {"sinks": dict(sinks=True), "chunk": dict(chunk=5), "sinks-chunk-window": dict(sinks=True, chunk=7,
+         window=4), "sinks-softcap-chunk": dict(sinks=True, softcap=1.5, chunk=6), "sinks-documents":
+         dict(sinks=True, docs=True)}
+
+
+def _case(name):
+    c = dict(CASES[name])
+    q, k, v, sinks, dout = _inputs(sinks=c.pop("sinks", False))
+    docs = None
+    if c.pop("docs", False):
+        docs = torch.zeros(2, 23, dtype=torch.long)
+        docs[0, 9:], docs[0, 15:], docs[1, 4:] = 1, 2, 1
+    return q, k, v, sinks, dout, docs, c
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_blockwise_kernel_matches_float64(name):
+    q, k, v, sinks, dout, docs, kw = _case(name)
+    want, wgrads = _grads(lambda q, k, v, s: reference(q, k, v, sinks=s, docs=docs, **kw),
+                          (q, k, v, sinks), dout)
+    got, ggrads = _grads(lambda q, k, v, s: blockwise_attention(
+        q, k, v, block_size=4, sinks=s, q_documents=docs, k_documents=docs, **kw)[0], (q, k, v, sinks), dout)
+    _close64(got, want, "out")
+    for what, g, w in zip("qkvs", ggrads, wgrads):
+        if w is not None:
+            _close64(g, w, what)
+
+
+def test_chunks_skip_tile_pairs():
+    """32 tokens in tiles of 4 and chunks of 8: 3 causal tile pairs per chunk, 12 of the 36."""
+    tiles = Tiles(torch.arange(32), 4, "cpu")
+    assert tile_pairs(tiles, tiles, Visibility()) == 36
+    assert tile_pairs(tiles, tiles, Visibility(chunk=8)) == 12
+    # chunks of 6: a tile straddling a chunk edge still meets the previous tile (worked out by hand)
+    assert tile_pairs(tiles, tiles, Visibility(chunk=6)) == 13
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sdpa_with_sinks_matches_float64(name):
+    """The one-rank path: SDPA with the sink as an extra key and the additive window/chunk/document mask."""
+    q, k, v, sinks, dout, docs, kw = _case(name)
+    if kw.get("softcap") is not None:
+        pytest.skip("soft-capped scores go to the blockwise kernel")
+    if sinks is None:
+        sinks = torch.zeros(4, dtype=torch.float64)  # off-by-one
+    mask = causal_mask(23, torch.float64, "cpu", kw.get("window"), kw.get("chunk"))
+    if docs is not None:  # the model's [b, 1, s, s] mask of packed documents
+        other = docs[:, None, :, None] != docs[:, None, None, :]
+        mask = mask + torch.zeros(other.shape, dtype=torch.float64).masked_fill(other, float("-inf"))
+    want, wgrads = _grads(lambda q, k, v, s: reference(q, k, v, sinks=s, docs=docs, **kw),
+                          (q, k, v, sinks), dout)
+    got, ggrads = _grads(lambda q, k, v, s: sink_sdpa(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), s, mask, None), (q, k, v, sinks), dout)
+    _close64(got, want, "out")
+    for what, g, w in zip("qkvs", ggrads, wgrads):
+        _close64(g, w, what)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_eager_kernel_of_generation_matches_float64(softcap):
+    """Generation's explicit-score kernel: the last 5 queries over all 23 keys, chunked and windowed."""
+    q, k, v, sinks, _, _, _ = _case("sinks")
+    seen = (causal_mask(23, torch.float64, "cpu", window=6, chunk=8) == 0)[-5:]
+    got = eager_attention(q[:, :, -5:], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), seen, 0.4,
+                          softcap, sinks)
+    want = reference(q, k, v, scale=0.4, window=6, chunk=8, softcap=softcap, sinks=sinks)[:, :, -5:]
+    _close64(got, want)
+
+
+def _cp_kernel_rank(comm, kw, q, k, v, sinks, dout, docs):
+    cp, r = dist.get_world_size(), dist.get_rank()
+    s = q.shape[2]
+    pos = [cp_positions(s, cp, i) for i in range(cp)]
+    mine = pos[r]
+    ql, kl, vl = (t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v))
+    sl = sinks.clone().requires_grad_(True) if sinks is not None else None
+    documents = [docs[:, p] for p in pos] if docs is not None else None
+    out = ring_attention(ql, kl, vl, None, pos, comm_type=comm, block_size=3, sinks=sl, documents=documents,
+                         **kw)
+    out.backward(dout[:, :, mine])
+    if sl is not None:
+        dist.all_reduce(sl.grad)
+    return dict(pos=mine, out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+                ds=sl.grad if sl is not None else None)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("name", ["sinks-chunk-window", "sinks-softcap-chunk", "sinks-documents"])
+def test_ring_and_ulysses_match_float64(comm, name):
+    q, k, v, sinks, dout, docs, kw = _case(name)
+    q, k, v, dout = (t[:, :, :20] for t in (q, k, v, dout))  # CP 2 splits 20 tokens into 4 chunks of 5
+    docs = docs[:, :20] if docs is not None else None
+    want, (dq, dk, dv, ds) = _grads(lambda q, k, v, s: reference(q, k, v, sinks=s, docs=docs, **kw),
+                                    (q, k, v, sinks), dout)
+    res = run_ranks(_cp_kernel_rank, 2, comm, kw, q, k, v, sinks, dout, docs)
+    for r in res:
+        p = r["pos"]
+        _close64(r["out"], want[:, :, p], "out")
+        _close64(r["dq"], dq[:, :, p], "dq")
+        _close64(r["dk"], dk[:, :, p], "dk")
+        _close64(r["dv"], dv[:, :, p], "dv")
+        _close64(r["ds"], ds, "dsinks")
+
+
+# ---- activation, norms, temperature, RoPE --------------------------------------------------------------
+def test_clamped_swiglu_matches_transformers_gpt_oss():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    gen = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(64, 16, generator=gen, dtype=torch.float64) * 6 for _ in range(2))  # past +-7
+    assert (gate > 7).any() and (up < -7).any()
+    interleaved = torch.stack([gate, up], dim=-1).flatten(-2)  # gpt-oss's gate_up layout
+    want = GptOssExperts._apply_gate(types.SimpleNamespace(limit=7.0, alpha=1.702), interleaved)
+    m = types.SimpleNamespace(activation="quick_geglu", glu_linear_offset=1.0,
+                              activation_func_clamp_value=7.0)
+    torch.testing.assert_close(Activation(m)(up, gate), want, rtol=1e-15, atol=0)
+    # the defaults stay what they were, bit for bit
+    swiglu = types.SimpleNamespace(activation="swiglu", glu_linear_offset=0.0,
+                                   activation_func_clamp_value=None)
+    assert torch.equal(Activation(swiglu)(up, gate), F.silu(gate) * up)
+
+
+def test_l2_norm_and_temperature_match_transformers_llama4():
+    from transformers.models.llama4.modeling_llama4 import Llama4TextL2Norm
+    x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    torch.testing.assert_close(l2_norm(x, 1e-5), Llama4TextL2Norm(1e-5)(x), rtol=1e-15, atol=0)
+    pos = torch.arange(40)
+    want = torch.tensor([1 + 0.1 * __import__("math").log(1 + (p + 1) // 8) for p in range(40)])
+    torch.testing.assert_close(temperature_scales(pos, 8.0, 0.1).flatten(), want.float())
+    assert temperature_scales(pos[None].expand(3, -1), 8.0, 0.1).shape == (3, 1, 40, 1)
+
+
+def test_partial_rotary_matches_transformers_glm4_moe():
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+    q, k = torch.randn(2, 4, 11, 16), torch.randn(2, 2, 11, 16)  # fp32: RoPE is computed in fp32
+    cos, sin = rope_cos_sin(11, 8, 10000.0, "cpu")
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    torch.testing.assert_close(apply_rope(q, cos, sin), want_q, **fp32_bound(want_q, 2))
+    torch.testing.assert_close(apply_rope(k, cos, sin), want_k, **fp32_bound(want_k, 2))
+    assert torch.equal(apply_rope(q, cos, sin)[..., 8:], q[..., 8:])
+
+
+def _cfg(tp=1, cp=1, sp=False, comm="p2p", **over):
+    settings = dict(VARIANTS, tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=comm,
+                    sequence_parallel=sp, mock_data=True, seed=7)
+    settings.update(over)
+    return validate(config_from_dict(settings), tp * cp)
+
+
+# every variant at once, on 4 layers of 16 tokens: sinks; chunks of 6 on the RoPE layers (0-2), layer 3
+# without RoPE and with the temperature (floor scale 4: it changes every 4 positions); L2 q/k norm on the
+# RoPE layers; windows of 5 on layers 0 and 2 with a local RoPE base; RoPE on half of each head; gpt-oss's
+# activation, clamped at 0.05 so that the clamp acts on these small activations
+VARIANTS = dict(STYLES["llama"], num_layers=4, kv_channels=8, softmax_type="learnable",
+                attention_chunk_size=6, no_rope_freq=4, attn_temperature_tuning=True,
+                attn_temperature_floor_scale=4.0, attn_temperature_scale=0.5, qk_l2_norm=True,
+                qk_l2_norm_scope="rope", window_size=[4, 0], window_attn_skip_freq=2, rotary_base_local=100.0,
+                rotary_percent=0.5, activation="quick_geglu", glu_linear_offset=1.0,
+                activation_func_clamp_value=0.05, add_bias_linear=True)
+
+
+def test_gemma3_local_base_on_windowed_layers():
+    """The 5:1 pattern (--window-attn-skip-freq 6) and the local base: a windowed layer rotates with the
+    local tables, a full one with the global (scaled) tables."""
+    m = _cfg(num_layers=6, window_attn_skip_freq=6, no_rope_freq=None, attn_temperature_tuning=False,
+             attention_chunk_size=None, use_rope_scaling=True).model
+    assert windowed_layers(m) == [True] * 5 + [False]
+    tables = rope_tables(m, 16, "cpu", lambda t: t)
+    assert isinstance(tables, RopeTables)
+    plain = rope_cos_sin(16, 4, 100.0, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(tables.local, plain))
+    scaled = rope_cos_sin(16, 4, m.rotary_base, "cpu", dict(llama3=8.0, low=1.0, high=4.0, original=8192))
+    assert all(torch.equal(a, b) for a, b in zip(tables, scaled))
+    model = build_model(_cfg(num_layers=6, window_attn_skip_freq=6, no_rope_freq=None,
+                             attn_temperature_tuning=False))
+    x = torch.randn(16, 2, 32)
+    local, full = model.decoder["0"].attention, model.decoder["5"].attention
+    assert local.local_rope and not full.local_rope
+    out = local(x, tables)
+    local.local_rope = False
+    assert torch.equal(out, local(x, tables.local)) and not torch.equal(out, local(x, tables))
+    assert torch.equal(full(x, tables), full(x, tuple(tables)))
+
+
+# ---- the model: layouts against one process -------------------------------------------------------------
+def _model_rank(tp, cp, sp, comm, recompute=None):
+    over = dict(recompute_granularity=recompute) if recompute else {}
+    cfg = _cfg(tp, cp, sp, comm, **over)
+    mesh = ParallelMesh.build(tp=tp, cp=cp) if tp * cp > 1 else None
+    model = build_model(cfg, mesh)
+    logits, loss = step(model, *batch(cfg))
+    if tp * cp > 1:
+        sum_sequence_parallel_grads(model)
+        for p in model.parameters():  # the optimizer's dp x cp average (dp = 1)
+            dist.all_reduce(p.grad, group=model.mesh.group("cp"))
+            p.grad.div_(cp)
+    grads = full_state_dict(model, grads=True)
+    return dict(logits=logits, loss=loss, grads=grads)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return _model_rank(1, 1, False, "p2p")
+
+
+def _check_model(got, ref):
+    torch.testing.assert_close(got["logits"], ref["logits"], **fp32_bound(ref["logits"], C_FWD))
+    torch.testing.assert_close(got["loss"], ref["loss"], **fp32_bound(ref["loss"], C_FWD))
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
+
+
+def test_one_process_model_has_every_variant(oracle):
+    model = build_model(_cfg())
+    names = dict(model.named_parameters())
+    assert names["decoder.0.attention.sinks"].shape == (8,)
+    assert oracle["grads"]["decoder.3.attention.sinks"].abs().sum() > 0
+    att = [model.decoder[str(i)].attention for i in range(4)]
+    assert [a.chunk for a in att] == [6, 6, 6, None]
+    assert [a.temperature is not None for a in att] == [False, False, False, True]
+    assert [a.local_rope for a in att] == [True, False, True, False]
+    assert [a.l2_eps is not None for a in att] == [True, True, True, False]
+    from megazero.planning.estimate import total_params
+    assert total_params(model.cfg, padded=True) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp,cp,sp,comm", [(2, 1, True, "p2p"), (1, 2, False, "p2p"), (1, 2, False, "a2a")])
+def test_layouts_match_one_process(oracle, tp, cp, sp, comm):
+    for got in run_ranks(_model_rank, tp * cp, tp, cp, sp, comm):
+        _check_model(got, oracle)
+
+
+def test_selective_recompute_matches(oracle):
+    _check_model(_model_rank(1, 1, False, "p2p", recompute="selective"), oracle)
+
+
+def test_generation_cache_matches_full_forward():
+    """Token-by-token decoding through the eager kernel equals the full forward's logits (sinks, chunks,
+    windows, the temperature from the cache's positions)."""
+    model = build_model(_cfg()).eval()
+    ids = batch(model.cfg)[0]
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache()
+        steps = [model.decode(ids[:, :5], cache)]
+        steps += [model.decode(ids[:, i:i + 1], cache) for i in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **fp32_bound(full, C_FWD))
+
+
+# ---- flags ------------------------------------------------------------------------------------------------
+def test_megatron_flags_reach_the_config():
+    cfg = parse_args(["--mock-data", "--position-embedding-type", "rope", "--softmax-type", "learnable",
+                      "--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0",
+                      "--qk-l2-norm", "--rotary-percent", "0.5", "--attention-chunk-size", "8"], world_size=1)
+    m = cfg.model
+    assert (m.softmax_type, m.activation, m.glu_linear_offset, m.activation_func_clamp_value) == \
+        ("learnable", "quick_geglu", 1.0, 7.0)
+    assert m.qk_l2_norm and m.rotary_percent == 0.5 and m.attention_chunk_size == 8
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(position_embedding_type="learned_absolute", no_rope_freq=None, rotary_base_local=None,
+          rotary_percent=1.0), "--attention-chunk-size acts on"),
+    (dict(no_rope_freq=None), "--attn-temperature-tuning acts on the layers without RoPE"),
+    (dict(activation="gelu"), "--glu-linear-offset and --activation-func-clamp-value act on gated"),
+    (dict(rotary_percent=0.4), "--rotary-percent 0.4 of --kv-channels 8 gives 3"),
+    (dict(rotary_percent=0.1), "gives 0 rotary channels"),
+    (dict(window_size=None, window_attn_skip_freq=None), "--rotary-base-local is the RoPE base of"),
+    (dict(qk_layernorm=True), "--qk-l2-norm and --qk-layernorm are two query/key norms"),
+    (dict(attention_chunk_size=0), "--attention-chunk-size must be a positive integer"),
+])
+def test_bad_settings_are_refused_in_one_line(over, needle):
+    with pytest.raises(ConfigError) as err:
+        _cfg(**over)
+    assert needle in str(err.value) and "\n" not in str(err.value)
