@@ -280,3 +280,20 @@ def test_sft_under_a_layout_equals_one_process(tmp_path, layout):
     four = run_ranks(_train_losses, 4, argv + LAYOUTS[layout])
     assert len(one) == 4 and four[-1] == pytest.approx(one, rel=R_TRAIN)
     assert one[-1] < one[0]
+
+
+def test_separate_train_and_valid_files(tmp_path):
+    """--train-data-path / --valid-data-path: each file is its split, whole."""
+    from megazero.config import parse_args
+    from megazero.data import build_data
+    records, _ = _conversations(9)
+    valid = _write(tmp_path / "valid.jsonl", records[:4])
+    cfg = parse_args(["--sft", "--train-data-path", EXAMPLE, "--valid-data-path", valid, "--tokenizer-model",
+                      _sp_tokenizer(tmp_path), "--eval-interval", "2", "--eval-iters", "1",
+                      "--seq-length", "128", "--num-layers", "1", "--hidden-size", "16",
+                      "--num-attention-heads", "2"], world_size=1)
+    data = build_data(cfg)
+    counts = {k: len(s.offsets) - 1 for k, s in data.splits.items()}
+    assert counts == {"train": 60, "valid": 4} and data.files["valid"] == [valid]
+    assert data.get_tokens([0], "valid").shape == (1, 129)
+    assert float(data.get_loss_mask([0], "valid").sum()) > 0
