@@ -232,3 +232,28 @@ def test_bad_data_gets_one_line_and_exit_2(sets, monkeypatch, capsys):
         assert main(model + ["--train-iters", "1"] + flags, lambda cfg, mesh: None) == 2, flags
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], (err, needle)
+
+
+def test_set_flags_with_sft_are_refused_by_name(sets):
+    with pytest.raises(ConfigError, match="^--multiple-validation-sets with --sft is not implemented"):
+        _cfg("--sft", "--train-data-path", sets["a"], "--valid-data-path", sets["v1"], sets["v2"],
+             "--multiple-validation-sets", "--tokenizer-type", "NullTokenizer")
+
+
+def _train_dp(flags):
+    return _train(parse_args(MODEL + flags, world_size=2))
+
+
+def test_validation_and_test_sets_under_data_parallelism_match_one_process(sets):
+    """DP 2 (each rank half of every global batch) reports the one-process losses of every set."""
+    from megazero.process.local_ranks import run_ranks
+    from tolerance import R_TRAIN_ADAM
+    flags = ["--train-iters", "2", "--eval-interval", "1", "--eval-iters", "1", "--train-data-path",
+             sets["a"], "--valid-data-path", sets["v1"], sets["v2"], "--multiple-validation-sets",
+             "--test-data-path", sets["c"]]
+    ref = _train(parse_args(MODEL + flags, world_size=1))
+    keys = ("loss", "eval_loss-0", "eval_loss-1")
+    for history in run_ranks(_train_dp, 2, flags):
+        for got, want in zip(history, ref):  # fp32 Adam, DP 2 vs one process (tolerance.py)
+            assert [got[k] for k in keys] == pytest.approx([want[k] for k in keys], rel=R_TRAIN_ADAM)
+        assert history[-1]["test_loss"] == pytest.approx(ref[-1]["test_loss"], rel=R_TRAIN_ADAM)

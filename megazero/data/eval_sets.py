@@ -65,6 +65,12 @@ def check(cfg) -> None:
             raise ValueError(f"--full-validation with a blended validation set ({flag} {' '.join(items)}) "
                              "has no one epoch to read: give one prefix, or one per set with "
                              "--valid-data-path P1 P2 ... --multiple-validation-sets")
+    sets = [f for f, on in (("--multiple-validation-sets", tr.multiple_validation_sets),
+                            ("--full-validation", tr.full_validation), ("--test-data-path", d.test_data_path))
+            if on]
+    if getattr(d, "sft", False) and sets:
+        raise ValueError(f"{sets[0]} with --sft is not implemented (conversations are evaluated on "
+                         "--eval-iters batches of --valid-data-path as one set); drop it")
     threads = d.num_dataset_builder_threads
     if not (isinstance(threads, int) and threads >= 1):
         raise ValueError(f"--num-dataset-builder-threads must be a positive integer, got {threads!r}")
