@@ -371,3 +371,11 @@ def test_bad_settings_are_refused_in_one_line(over, needle):
     with pytest.raises(ConfigError) as err:
         _cfg(**over)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_flops_count_the_keys_a_chunk_lets_a_query_see():
+    """Keys per query of VARIANTS' layers (16 tokens): window 4 and chunk 6 -> 5, chunk 6 -> 6, window
+    4 and chunk 6 -> 5, no RoPE -> 16; mean 8, times 4 q (scores and values, q = 8 heads x 8)."""
+    from megazero.planning.flops import layer_forward_flops_per_token
+    assert layer_forward_flops_per_token(_cfg())["attention"] == 4 * 8 * 64
+    assert layer_forward_flops_per_token(_cfg(attention_chunk_size=None))["attention"] == 4 * 10.5 * 64
