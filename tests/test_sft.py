@@ -219,12 +219,15 @@ def test_sft_on_the_shipped_example_lowers_the_response_loss(tmp_path):
     ("empty valid split", ["--data-path", EXAMPLE, "--split", "100,0,0", "--eval-interval", "2", "TOK"],
      "the valid split holds no conversation"),
     ("bad line", ["--data-path", "BAD", "TOK"], "BAD_FILE:2: a conversation is"),
+    ("not UTF-8", ["--data-path", "LATIN", "TOK"], "LATIN_FILE:1: not UTF-8 text"),
 ])
 def test_bad_sft_input_is_one_line_and_exit_2(tmp_path, capfd, why, argv, words):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"question": "a"}\n')
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "café", "response": "b"}\n'.encode("latin-1"))
     tok = _sp_tokenizer(tmp_path) if "TOK" in argv else None
-    argv = [{"TOK": "--tokenizer-model", "BAD": str(bad)}.get(a, a) for a in argv]
+    argv = [{"TOK": "--tokenizer-model", "BAD": str(bad), "LATIN": str(latin)}.get(a, a) for a in argv]
     if tok:
         argv.append(tok)
     base = ["--sft", "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
@@ -232,7 +235,8 @@ def test_bad_sft_input_is_one_line_and_exit_2(tmp_path, capfd, why, argv, words)
     capfd.readouterr()
     assert _pretrain(base + argv) == 2, why
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words.replace("BAD_FILE", str(bad)) in err[0], err
+    words = words.replace("BAD_FILE", str(bad)).replace("LATIN_FILE", str(latin))
+    assert len(err) == 1 and words in err[0], err
 
 
 @pytest.mark.slow  # trains a tokenizer

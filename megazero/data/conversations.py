@@ -33,8 +33,12 @@ def read_conversations(path: str) -> List[Tuple[int, list]]:
     """``[(line number, messages)]`` of a JSON-lines file; a ValueError naming ``path:line`` for a line
     that is not one of the two shapes."""
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{number}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:

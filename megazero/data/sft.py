@@ -64,9 +64,16 @@ class _Split:
         self.bins = best_fit_decreasing(lengths, capacity) if pack else [[i] for i in range(len(ids))]
         self.capacity, self.seed, self.split = capacity, seed, split
         self.tokens = int(sum(lengths))
+        self._orders: Dict[int, np.ndarray] = {}  # the epochs in use (a batch spans at most two)
 
     def order(self, epoch: int) -> np.ndarray:
-        return np.random.RandomState((self.seed, self.split, epoch)).permutation(len(self.bins))
+        """The order of the sequences in ``epoch``, shuffled by ``(seed, split, epoch)``."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                self._orders.pop(min(self._orders))
+            rng = np.random.RandomState((self.seed, self.split, epoch))
+            self._orders[epoch] = rng.permutation(len(self.bins))
+        return self._orders[epoch]
 
     def sample(self, index: int, eod: int):
         """``(ids, trained)`` of sample ``index`` (``capacity`` tokens each)."""
