@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megazero.tensor_parallel.recompute import recompute
 from .delta_rule import gated_delta_chunked
 from .ssm_common import CausalConv1d, GatedRMSNorm, a_log_init, constant_init, sharded_param
 
@@ -66,14 +67,16 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(nn.Module):
-    """The mixer of the module docstring on this rank's heads."""
+    """The mixer of the module docstring on this rank's heads.  ``recompute_core``: keep only the
+    in-projection's output for backward and replay the conv, the delta rule and the norm there."""
 
     def __init__(self, shape: DeltaNetShape, mesh, layer_idx: int, *, seed: int = 0,
-                 sequence_parallel: bool = False, onednn: bool = False, prefix: str = "mixer"):
+                 sequence_parallel: bool = False, onednn: bool = False, prefix: str = "mixer",
+                 recompute_core: bool = False):
         super().__init__()
         tp = mesh.size("tp")
         shape.check(tp)
-        self.shape, self.mesh = shape, mesh
+        self.shape, self.mesh, self.recompute_core = shape, mesh, recompute_core
         self.key_heads = shape.num_key_heads // tp
         r, dk, dv = shape.heads_per_key, shape.key_head_dim, shape.value_head_dim
         self.split = [dk, dk, r * dv, r * dv, r, r]  # q, k, v, z, b, a per key head
@@ -124,4 +127,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, state: Optional[dict] = None) -> torch.Tensor:
         """``hidden [s, b, hidden_size]`` (``[s / tp, ...]`` under sequence parallelism) -> the same shape."""
         proj = self.in_proj(hidden).transpose(0, 1)
+        if self.recompute_core and state is None and torch.is_grad_enabled():  # keeps proj only
+            return self.out_proj(recompute(self.mix, proj).transpose(0, 1))
         return self.out_proj(self.mix(proj, state).transpose(0, 1))

@@ -53,7 +53,10 @@ class HybridLayer(nn.Module):
         self.kind, self.layer_idx = layer_kind(m, layer_idx), layer_idx
         self.sequence_parallel, self.tracker, self.dropout = sp, tracker, m.hidden_dropout
         self.input_norm = Norm(m.hidden_size, m.normalization, m.norm_epsilon, mesh.device, sp)
-        kw = dict(seed=cfg.training.seed, sequence_parallel=sp, onednn=onednn)
+        # selective recomputation: the mixers keep their in-projection's output only (conv, scan and
+        # norm replayed in backward), as attention keeps q, k, v and replays its core
+        kw = dict(seed=cfg.training.seed, sequence_parallel=sp, onednn=onednn,
+                  recompute_core=m.recompute_granularity == "selective")
         if self.kind == MAMBA:
             self.mixer = MambaMixer(mamba_shape(cfg), mesh, layer_idx, **kw)
         elif self.kind == DELTANET:

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
+from megazero.tensor_parallel.recompute import recompute
 from .ssd import ssd_chunked
 from .ssm_common import CausalConv1d, GatedRMSNorm, a_log_init, constant_init, dt_bias_init, sharded_param
 
@@ -69,14 +70,16 @@ class MambaShape:
 
 
 class MambaMixer(nn.Module):
-    """A Mamba-2 mixer on this rank's heads and groups (the module docstring)."""
+    """A Mamba-2 mixer on this rank's heads and groups (the module docstring).  ``recompute_core``:
+    keep only the in-projection's output for backward and replay the conv, scan and norm there."""
 
     def __init__(self, shape: MambaShape, mesh, layer_idx: int, *, seed: int = 0,
-                 sequence_parallel: bool = False, onednn: bool = False, prefix: str = "mixer"):
+                 sequence_parallel: bool = False, onednn: bool = False, prefix: str = "mixer",
+                 recompute_core: bool = False):
         super().__init__()
         tp = mesh.size("tp")
         shape.check(tp)
-        self.shape, self.mesh = shape, mesh
+        self.shape, self.mesh, self.recompute_core = shape, mesh, recompute_core
         self.groups = shape.num_groups // tp
         self.heads = shape.num_heads // tp
         r, p, n = shape.heads_per_group, shape.head_dim, shape.state_dim
@@ -128,6 +131,8 @@ class MambaMixer(nn.Module):
     def forward(self, hidden: torch.Tensor, state: Optional[dict] = None) -> torch.Tensor:
         """``hidden [s, b, hidden_size]`` (``[s / tp, ...]`` under sequence parallelism) -> the same shape."""
         proj = self.in_proj(hidden).transpose(0, 1)
+        if self.recompute_core and state is None and torch.is_grad_enabled():  # keeps proj only
+            return self.out_proj(recompute(self.mix, proj).transpose(0, 1))
         return self.out_proj(self.mix(proj, state).transpose(0, 1))
 
 

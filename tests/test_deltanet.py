@@ -160,3 +160,34 @@ def test_mixer_tensor_parallel(sp):
             close(grads[n], ref[2][n].chunk(2, dim)[rank])
     # the shared norm scale is replicated: each rank holds the part of its gradient from its heads
     close(out[0][2]["norm.weight"] + out[1][2]["norm.weight"], ref[2]["norm.weight"])
+
+
+def test_recompute_core_gives_the_same_numbers():
+    """Selective recomputation replays the conv, the rule and the norm in backward: the same outputs
+    and gradients, bitwise (the same operations on the same data)."""
+    plain = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2), _hidden(9).float())
+    replay = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=True),
+                          _hidden(9).float())
+    for a, b in zip(plain[:2], replay[:2]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for n in plain[2]:
+        torch.testing.assert_close(replay[2][n], plain[2][n], rtol=0, atol=0)
+
+
+def _saved_bytes(rc):
+    """Bytes of the non-parameter tensors autograd keeps for backward in one forward."""
+    m, seen = GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=rc), {}
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(_hidden(16).float().requires_grad_())
+    return sum(seen.values())
+
+
+def test_recompute_core_keeps_the_in_projection_output_only():
+    plain, replay = _saved_bytes(False), _saved_bytes(True)
+    assert replay < plain / 3, (plain, replay)

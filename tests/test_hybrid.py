@@ -82,11 +82,14 @@ def test_bad_settings_get_one_line_naming_the_flag(flags, world, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("model", [HYBRID, QWEN3_NEXT_LIKE, NEMOTRON_H_MOE_LIKE],
-                         ids=["M*M-M*M-", "G-G-*-", "ME*E"])
-def test_tp2_sequence_parallel_full_recompute_matches_one_process(model):
+@pytest.mark.parametrize("model,recompute", [(HYBRID, "full"), (HYBRID, "selective"),
+                                             (QWEN3_NEXT_LIKE, "full"), (QWEN3_NEXT_LIKE, "selective"),
+                                             (NEMOTRON_H_MOE_LIKE, "full")],
+                         ids=["M*M-M*M-", "M*M-M*M--selective", "G-G-*-", "G-G-*--selective", "ME*E"])
+def test_tp2_sequence_parallel_recompute_matches_one_process(model, recompute):
+    """TP 2 with SP and full recomputation, or selective (the mixers replay conv, scan and norm)."""
     (ref,) = run_ranks(_train_history, 1, _cfg(model))
-    layout = dict(tp=2, sequence_parallel=True, recompute_granularity="full")
+    layout = dict(tp=2, sequence_parallel=True, recompute_granularity=recompute)
     got = run_ranks(_train_history, 2, _cfg(model, **layout))
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [m[key] for m in ref if key in m], [m[key] for m in got[0] if key in m]
