@@ -89,6 +89,14 @@ def test_the_export_keeps_the_rows_and_the_special_ids(padded):
     assert info["iteration"] == 3 and moved > 1e-4  # the exported weights are the fine-tuned ones
 
 
+def test_the_start_up_names_the_padded_vocabulary(padded):
+    from megazero.config import parse_args
+    d = padded[0]
+    cfg = parse_args(_finetune_argv(d / "ckpt"), world_size=1)
+    assert cfg.model.vocab_size == VOCAB
+    assert any("the checkpoint's 512 rows, padding the tokenizer's 400 ids" in n for n in cfg.notes)
+
+
 def test_a_tokenizer_larger_than_the_checkpoint_is_one_line(tmp_path, capfd):
     tok = tiny_tokenizer(tmp_path / "hf", TOKENS)
     tiny_qwen3(tmp_path / "hf", 384, tok)  # 384 rows for 400 ids: a mismatched tokenizer and vocabulary

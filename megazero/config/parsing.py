@@ -184,9 +184,11 @@ def config_from_dict(settings: Dict[str, Any], presets: Optional[Dict[str, dict]
     from megazero.config.vocab import checkpoint_vocab
     saved_vocab = checkpoint_vocab(settings, per_section)
     vocab = _tokenizer_vocab_size(per_section["data"], per_section["model"].get("vocab_size"))
+    padded: List[str] = []
     if saved_vocab is not None and vocab is not None:  # the checkpoint's (padded) vocabulary wins
-        vocab = saved_vocab.check_fits(vocab)
+        vocab, padded = saved_vocab.check_fits(vocab), saved_vocab.notes(vocab)
     notes = _no_tokenizer(per_section) if vocab is None else _vocab_replaced(settings, per_section, vocab)
+    notes = list(notes) + padded
     if vocab is not None:
         per_section["model"]["vocab_size"] = vocab
     return MegazeroConfig(**{s: cls(**per_section[s]) for s, cls in SECTIONS.items()},

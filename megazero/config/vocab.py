@@ -9,7 +9,7 @@ Without ``--use-checkpoint-args`` the tokenizer sets the vocabulary, as before.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from megazero.errors import ConfigError
 
@@ -29,6 +29,13 @@ class SavedVocab:
                           f"but the checkpoint's vocabulary has {self.size:,} rows: its ids would not fit; "
                           "use the tokenizer the checkpoint was trained with (drop --tokenizer-model to take "
                           "the checkpoint's)")
+
+    def notes(self, tokenizer_ids: int) -> List[str]:
+        """The start-up note when the checkpoint's rows outnumber the tokenizer's ids."""
+        if self.null_tokenizer or tokenizer_ids >= self.size:
+            return []
+        return [f"vocabulary: the checkpoint's {self.size:,} rows, padding the tokenizer's {tokenizer_ids:,} "
+                "ids (--use-checkpoint-args keeps the checkpoint's vocabulary size, as Megatron-LM does)"]
 
 
 def checkpoint_vocab(settings: Dict[str, Any],
