@@ -209,3 +209,27 @@ def test_export_to_an_architecture_without_mtp_is_refused_by_name():
         arch_of(cfg.model, cfg.moe)
     with pytest.raises(ConfigError, match="multi-token prediction"):
         arch_of(validate(config_from_dict(BASE), world_size=1).model)
+
+
+@pytest.mark.parametrize("settings", ["dense", "deepseek"])
+def test_parameter_and_flop_counts_include_the_depths(settings):
+    """The start-up summary's parameter count (planning.estimate.total_params) is the model's own, and the
+    FLOPs the depths add to a forward (their matmuls, counted by torch's FlopCounterMode, which does not
+    count the CPU attention kernel) are the formula's with attention left out."""
+    import models
+    from torch.utils.flop_counter import FlopCounterMode
+    from megazero.planning.estimate import total_params
+    from megazero.planning.flops import mtp_forward_flops_per_token
+    base = dict(BASE, untie_embeddings_and_output_weights=True) if settings == "dense" else DEEPSEEK
+    cfg = validate(config_from_dict(base), world_size=1)
+    model = models.build_model(cfg)
+    assert total_params(cfg, padded=True) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ids, labels = torch.randint(0, 100, (1, 16)), torch.randint(0, 100, (1, 16))
+    counts = []
+    for kw in (dict(labels=labels, loss_mask=torch.ones(1, 16)), {}):  # without labels: no MTP
+        with FlopCounterMode(display=False) as fc:
+            model(ids, **kw)
+        counts.append(fc.get_total_flops())
+    m = cfg.model
+    attention = 4 * m.seq_length * m.num_attention_heads * m.kv_channels * m.mtp_num_layers
+    assert (counts[0] - counts[1]) / 16 == mtp_forward_flops_per_token(cfg) - attention > 0

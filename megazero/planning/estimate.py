@@ -80,7 +80,7 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     """Parameters of transformer layer ``layer`` (unsharded; default a dense layer).  An MoE layer has
     the router, ``--num-experts`` experts (``active``: only the ``--moe-router-topk`` a token uses) and
     the shared expert with its gate in place of the MLP."""
-    from megazero.moe.settings import moe_layers
+    from megazero.moe.settings import moe_layers, mtp_moe_layers
     m = cfg.model
     h, d = m.hidden_size, m.kv_channels
     q, kv = m.num_attention_heads * d, m.num_query_groups * d
@@ -89,12 +89,10 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     if m.qk_layernorm:
         attn += q + kv if m.qk_layernorm_scope == "all" else 2 * d * per_norm
-    if m.softmax_type == "learnable":  # attention sinks: one logit per head
-        attn += m.num_attention_heads
     if m.multi_latent_attention:
         attn = mla_params(m)
     mlp = _mlp_params(m, m.ffn_hidden_size)
-    if layer is not None and layer in moe_layers(cfg):
+    if layer is not None and (layer in moe_layers(cfg) or layer in mtp_moe_layers(cfg)):
         moe = cfg.moe
         experts = moe.moe_router_topk if active else moe.num_experts
         shared = moe.moe_shared_expert_intermediate_size
@@ -124,6 +122,8 @@ def total_params(cfg, padded: bool = False, active: bool = False) -> int:
         n += m.max_position_embeddings * h
     if m.untie_embeddings_and_output_weights:
         n += vocab * h
+    for i in range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0)):  # multi-token prediction
+        n += layer_params(cfg, i, active) + 2 * h * h + 3 * h * (2 if m.normalization == "LayerNorm" else 1)
     return n
 
 

@@ -8,13 +8,13 @@ gradients), so 3x the forward in all.  Per token and layer the forward matmuls a
   where ``q = heads x kv_channels`` and ``kv = query_groups x kv_channels``;
 * attention itself: ``2 s q`` for scores and ``2 s q`` for the weighted values (the causal
   mask is not discounted, as in Megatron-LM); a layer with a sliding window counts the keys a
-  query can see, ``min(s, window + 1)`` instead of ``s``, and a chunked one (``--attention-chunk-size C``)
-  ``min(s, C)`` (averaged over the layers);
+  query can see, ``min(s, window + 1)`` instead of ``s`` (averaged over the layers);
 * MLP: ``2 x 2 h ffn`` (``x 3/2`` with SwiGLU's or GeGLU's third matrix); an MoE layer counts what a
   token runs through, its *active* parameters: the router ``2 h E``, ``topk`` experts of
   ``--moe-ffn-hidden-size`` and the shared expert with its gate (``2 h``);
 
-plus ``2 h V`` per token for the output logits.  *Hardware* FLOPs add the forward work that
+plus ``2 h V`` per token for the output logits, and each multi-token prediction depth's layer, ``2h -> h``
+projection and logits.  *Hardware* FLOPs add the forward work that
 activation recomputation repeats: the recomputed layers' forward (full), or the attention
 scores and weighted values (selective).  MFU uses model FLOPs.
 """
@@ -24,7 +24,7 @@ import re
 
 from typing import Optional
 
-from megazero.config.patterns import GATED, layer_uses_rope, layer_window
+from megazero.config.patterns import GATED, layer_window
 
 # Dense peak TFLOP/s per device: (16-bit tensor cores, fp32 without TF32).  Names are matched as
 # whole words of torch.cuda.get_device_name() ("L4" does not match "L40"), most specific first.
@@ -60,22 +60,13 @@ def layer_forward_flops_per_token(cfg) -> dict:
     kv_ch = m.kv_channels or h // m.num_attention_heads
     q = m.num_attention_heads * kv_ch
     kv = (m.num_query_groups or m.num_attention_heads) * kv_ch
-    ffn = m.ffn_hidden_size or 4 * h
-    glu = 1.5 if m.activation in GATED else 1.0
-    mlp = 2 * 2 * h * ffn * glu
+    mlp = _mlp_flops(cfg, False)
     moe = _moe_layer_count(cfg)
     if moe:  # the layers' mean: MoE layers count the experts a token goes through
-        c = cfg.moe
-        routed = 2 * h * c.num_experts + c.moe_router_topk * 2 * 2 * h * (c.moe_ffn_hidden_size or ffn) * glu
-        shared = c.moe_shared_expert_intermediate_size
-        if shared:
-            routed += 2 * 2 * h * shared * glu + (2 * h if c.moe_shared_expert_gate else 0)
-        mlp = (mlp * (m.num_layers - moe) + routed * moe) / m.num_layers
+        mlp = (mlp * (m.num_layers - moe) + _mlp_flops(cfg, True) * moe) / m.num_layers
     dense = 2 * h * (q + 2 * kv) + 2 * q * h + mlp
     windows = [layer_window(m, i) for i in range(m.num_layers)]
-    chunks = [m.attention_chunk_size if layer_uses_rope(m, i) else None for i in range(m.num_layers)]
-    keys = sum(min(s, s if w is None else w + 1, c or s)  # keys per query: window, chunk (Llama 4)
-               for w, c in zip(windows, chunks)) / m.num_layers
+    keys = sum(s if w is None else min(s, w + 1) for w in windows) / m.num_layers  # keys per query
     attention = 2 * keys * q + 2 * keys * q
     if m.multi_latent_attention:
         projections, attention = mla_forward_flops(m, keys)
@@ -95,6 +86,45 @@ def mla_forward_flops(m, keys: float):
     return query + kv + 2 * n * dv * h, 2 * keys * n * dq + 2 * keys * n * dv
 
 
+def _mlp_flops(cfg, moe_layer: bool) -> float:
+    """Forward FLOPs per token of a layer's MLP: dense, or an MoE layer's router, ``topk`` experts and
+    shared expert with its gate."""
+    m = cfg.model
+    h = m.hidden_size
+    ffn = m.ffn_hidden_size or 4 * h
+    glu = 1.5 if m.activation in GATED else 1.0
+    if not moe_layer:
+        return 2 * 2 * h * ffn * glu
+    c = cfg.moe
+    routed = 2 * h * c.num_experts + c.moe_router_topk * 2 * 2 * h * (c.moe_ffn_hidden_size or ffn) * glu
+    shared = c.moe_shared_expert_intermediate_size
+    if shared:
+        routed += 2 * 2 * h * shared * glu + (2 * h if c.moe_shared_expert_gate else 0)
+    return routed
+
+
+def mtp_forward_flops_per_token(cfg) -> float:
+    """Forward FLOPs per token of the multi-token prediction depths (``--mtp-num-layers``, as Megatron-LM
+    counts them): each a transformer layer over the whole causal sequence (an MoE layer when the last
+    decoder layer is one), the ``2h -> h`` projection and the head's logits."""
+    m = cfg.model
+    n = m.mtp_num_layers or 0
+    if not n:
+        return 0.0
+    from megazero.moe.settings import mtp_moe_layers
+    layer = layer_forward_flops_per_token(cfg)
+    mean_mlp = _mlp_flops(cfg, False)
+    if _moe_layer_count(cfg):
+        moe = _moe_layer_count(cfg)
+        mean_mlp = (mean_mlp * (m.num_layers - moe) + _mlp_flops(cfg, True) * moe) / m.num_layers
+    h, s = m.hidden_size, m.seq_length
+    q = m.num_attention_heads * (m.kv_channels or h // m.num_attention_heads)
+    attention = mla_forward_flops(m, s)[1] if m.multi_latent_attention else 4 * s * q
+    mlp = _mlp_flops(cfg, bool(mtp_moe_layers(cfg)))
+    vocab = m.padded_vocab_size or m.vocab_size
+    return n * (layer["dense"] - mean_mlp + mlp + attention + 2 * 2 * h * h + 2 * h * vocab)
+
+
 def _moe_layer_count(cfg) -> int:
     """How many layers are MoE layers (0 for a dense model)."""
     moe = getattr(cfg, "moe", None)
@@ -111,6 +141,7 @@ def model_flops_per_iteration(cfg) -> float:
     layer = layer_forward_flops_per_token(cfg)
     vocab = m.padded_vocab_size or m.vocab_size
     forward = m.num_layers * (layer["dense"] + layer["attention"]) + 2 * m.hidden_size * vocab
+    forward += mtp_forward_flops_per_token(cfg)  # multi-token prediction (0 without it)
     return 3.0 * forward * tokens
 
 
