@@ -294,3 +294,20 @@ def test_refusals_from_the_cli_exit_2_with_one_line(monkeypatch, capsys):
                  "--grad-reduce-in-bf16"], lambda cfg, mesh: None)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: 3 flags refused: --fp8")
+
+
+def test_modelopt_qwen3_config_parses_as_megatron_lm_takes_it():
+    """Megatron-LM's examples/post_training/modelopt/conf/Qwen/Qwen3-0.6B.sh (d98e8a6) MODEL_ARGS as
+    written (its --save-interval without --save was refused before), the tokenizer a NullTokenizer."""
+    model_args = ("--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion "
+                  "--disable-bias-linear --position-embedding-type rope --no-rope-fusion "
+                  "--normalization RMSNorm --swiglu --num-layers 28 --hidden-size 1024 "
+                  "--ffn-hidden-size 3072 --num-attention-heads 16 "
+                  "--group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm "
+                  "--seq-length 4096 --max-position-embeddings 40960 --tokenizer-type NullTokenizer "
+                  "--vocab-size 1000 --make-vocab-size-divisible-by 1187 --use-mcore-models "
+                  "--rotary-percent 1.0 --rotary-base 1000000 --no-bias-swiglu-fusion").split()
+    cfg = parse_args(["--mock-data"] + model_args, world_size=1)
+    assert cfg.checkpoint.save_interval == 100000 and cfg.checkpoint.save is None
+    assert cfg.model.num_query_groups == 8 and cfg.model.padded_vocab_size == 1187
+    assert any(n == "--save-interval 100000 without --save: nothing is saved" for n in cfg.notes)
