@@ -169,6 +169,9 @@ def test_the_chat_template_trains_the_answer_and_not_the_header(tmp_path):
     tok.tok.chat_template = "{% for m in messages[-1:] %}{{ m['content'] }}{% endfor %}"  # not prefixes
     with pytest.raises(ValueError, match="renders earlier turns differently"):
         encode(messages, tok, "default", tok.eod)
+    tok.tok.chat_template = "{{ raise_exception('System role not supported') }}"  # Gemma's, say
+    with pytest.raises(ValueError, match="template refused the conversation .*System role not supported"):
+        encode(messages, tok, "default", tok.eod)
 
 
 def test_the_shipped_example_reads(tmp_path):

@@ -104,7 +104,12 @@ def _chat_template(messages: Sequence[dict], tok) -> Tuple[List[int], List[bool]
     """Render the whole conversation with ``tok``'s chat template, tokenize it once, and mark the tokens
     whose text lies in an assistant turn's answer (after its generation prompt)."""
     def render(upto: int, prompt: bool = False) -> str:
-        return tok.apply_chat_template(list(messages[:upto]), tokenize=False, add_generation_prompt=prompt)
+        try:
+            return tok.apply_chat_template(list(messages[:upto]), tokenize=False,
+                                           add_generation_prompt=prompt)
+        except Exception as err:  # noqa: BLE001 - a template raises what it likes (jinja's raise_exception)
+            raise ValueError(f"the tokenizer's chat template refused the conversation ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())})") from None
     text = render(len(messages))
     spans = []
     for k, m in enumerate(messages):
