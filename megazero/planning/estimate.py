@@ -89,6 +89,8 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     per_norm = 2 if m.normalization == "LayerNorm" else 1
     if m.qk_layernorm:
         attn += q + kv if m.qk_layernorm_scope == "all" else 2 * d * per_norm
+    if m.softmax_type == "learnable":  # attention sinks: one logit per head
+        attn += m.num_attention_heads
     if m.multi_latent_attention:
         attn = mla_params(m)
     mlp = _mlp_params(m, m.ffn_hidden_size)

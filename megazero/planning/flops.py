@@ -8,7 +8,8 @@ gradients), so 3x the forward in all.  Per token and layer the forward matmuls a
   where ``q = heads x kv_channels`` and ``kv = query_groups x kv_channels``;
 * attention itself: ``2 s q`` for scores and ``2 s q`` for the weighted values (the causal
   mask is not discounted, as in Megatron-LM); a layer with a sliding window counts the keys a
-  query can see, ``min(s, window + 1)`` instead of ``s`` (averaged over the layers);
+  query can see, ``min(s, window + 1)`` instead of ``s``, and a chunked one (``--attention-chunk-size C``)
+  ``min(s, C)`` (averaged over the layers);
 * MLP: ``2 x 2 h ffn`` (``x 3/2`` with SwiGLU's or GeGLU's third matrix); an MoE layer counts what a
   token runs through, its *active* parameters: the router ``2 h E``, ``topk`` experts of
   ``--moe-ffn-hidden-size`` and the shared expert with its gate (``2 h``);
@@ -24,7 +25,7 @@ import re
 
 from typing import Optional
 
-from megazero.config.patterns import GATED, layer_window
+from megazero.config.patterns import GATED, layer_uses_rope, layer_window
 
 # Dense peak TFLOP/s per device: (16-bit tensor cores, fp32 without TF32).  Names are matched as
 # whole words of torch.cuda.get_device_name() ("L4" does not match "L40"), most specific first.
@@ -66,7 +67,9 @@ def layer_forward_flops_per_token(cfg) -> dict:
         mlp = (mlp * (m.num_layers - moe) + _mlp_flops(cfg, True) * moe) / m.num_layers
     dense = 2 * h * (q + 2 * kv) + 2 * q * h + mlp
     windows = [layer_window(m, i) for i in range(m.num_layers)]
-    keys = sum(s if w is None else min(s, w + 1) for w in windows) / m.num_layers  # keys per query
+    chunks = [m.attention_chunk_size if layer_uses_rope(m, i) else None for i in range(m.num_layers)]
+    keys = sum(min(s, s if w is None else w + 1, c or s)  # keys per query: window, chunk (Llama 4)
+               for w, c in zip(windows, chunks)) / m.num_layers
     attention = 2 * keys * q + 2 * keys * q
     if m.multi_latent_attention:
         projections, attention = mla_forward_flops(m, keys)
