@@ -88,7 +88,7 @@ def read_file(path: str):
             raise CheckpointError(f"{path} is refused: it names {named.group(1)}, not one of the plain "
                                   "types a DeepSpeed checkpoint holds; megazero runs no code from a "
                                   "checkpoint") from None
-        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+        first = text.strip().splitlines()[0].split(". ")[0] if text.strip() else type(err).__name__
         raise CheckpointError(f"{path} cannot be read ({first[:160]}): truncated or not a torch.save file; "
                               "copy it again from the run that saved it") from None
 

@@ -1,0 +1,149 @@
+"""A run started under DeepSpeed continues under megazero's engine (issue 45, DeepSpeed -> megazero).
+
+DeepSpeed 0.19.8 itself trains tests/test_deepspeed_peer.py's program (GPT-2, AdamW, WarmupDecayLR, 2
+gloo ranks, fp32) at ZeRO-2 and ZeRO-3 for 6 steps and saves its checkpoint after step 3, in its own
+layout; DeepSpeed's losses for steps 4-6 are what it gets continuing itself.  The same program with only
+the import changed loads that checkpoint (``engine.load_checkpoint(dir)``) at DP 2 and at DP 1 and trains
+steps 4-6: its losses must equal DeepSpeed's within 1e-5 (test_deepspeed_peer's bound), its learning
+rates exactly, and ``client_state`` comes back.  The bound is shown to matter: without the Adam moments
+(``load_optimizer_states=False``) the first continued loss still agrees (the weights) and the later ones
+move by far more than the bound; the model before loading is far from the loaded one.
+
+Bad input gets one line and exit status 2: a truncated shard, a missing rank file, a model of another
+shape, a pickle that would run code (never run)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from test_deepspeed_peer import (IMPORTS, LOSS_BOUND, PROGRAM, ROOT, SAVE_AFTER, STEPS, deepspeed_reference,
+                                 run_ok, worst)
+
+OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dp", [(2, 2), (2, 1), (3, 2), (3, 1)])
+def test_megazero_continues_a_deepspeed_run_as_deepspeed_does(tmp_path_factory, tmp_path, stage, dp):
+    ds = deepspeed_reference(tmp_path_factory, stage)
+    args = ["--config", ds["config"], "--steps", STEPS - SAVE_AFTER, "--load", ds["ckpt"]]
+    mz = run_ok(sys.executable, "megazero", dp, tmp_path, args)
+    want = ds["losses"][SAVE_AFTER:]
+    assert worst(mz["losses"], want) <= LOSS_BOUND, (mz["losses"], want)
+    assert mz["lrs"] == ds["lrs"][SAVE_AFTER:]
+    assert mz["client"] == {"next_step": SAVE_AFTER, "note": "peer"} and mz["global_steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_without_the_adam_moments_the_continued_losses_move_far_apart(tmp_path_factory, tmp_path):
+    ds = deepspeed_reference(tmp_path_factory, 2)
+    args = ["--config", ds["config"], "--steps", STEPS - SAVE_AFTER, "--load", ds["ckpt"],
+            "--fresh-optimizer"]
+    mz = run_ok(sys.executable, "megazero", 2, tmp_path, args)
+    want = ds["losses"][SAVE_AFTER:]
+    assert abs(mz["losses"][0] - want[0]) <= LOSS_BOUND  # the weights were loaded
+    assert min(abs(a - b) for a, b in zip(mz["losses"][1:], want[1:])) > 100 * LOSS_BOUND, (mz, want)
+
+
+def _engine(width: int, config: dict):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import megazero.deepspeed as deepspeed
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=width, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                       eos_token_id=0))
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+
+def _loss(engine, step: int) -> float:
+    import torch
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(step))
+    with torch.no_grad():
+        return float(engine(input_ids=x, labels=x).loss)
+
+
+class _Payload:
+    """Pickles as a call of os.system: loading it with pickle would create ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _bad_inputs(ckpt: str, config: dict, work: str):
+    """One rank: the weights load (the loss on step 3's batch before and after), then each broken copy
+    of the checkpoint gives its one-line error."""
+    import torch
+
+    from megazero.checkpoint.errors import CheckpointError
+    engine = _engine(32, config)
+    before = _loss(engine, SAVE_AFTER)
+    engine.load_checkpoint(ckpt)
+    after = _loss(engine, SAVE_AFTER)
+    tag = open(os.path.join(ckpt, "latest")).read().strip()
+
+    def broken(name, change, width=32):
+        d = os.path.join(work, name)
+        shutil.copytree(ckpt, d)
+        change(os.path.join(d, tag))
+        try:
+            (engine if width == 32 else _engine(width, config)).load_checkpoint(d)
+        except CheckpointError as err:
+            return str(err)
+        return None
+
+    def truncate(t):
+        path = os.path.join(t, OPTIM1)
+        os.truncate(path, os.path.getsize(path) // 2)
+
+    def payload(t):
+        torch.save({"module": {}, "step": _Payload(os.path.join(work, "ran"))},
+                   os.path.join(t, "mp_rank_00_model_states.pt"))
+
+    errors = {"truncated": broken("truncated", truncate),
+              "missing": broken("missing", lambda t: os.remove(os.path.join(t, OPTIM1))),
+              "shape": broken("shape", lambda t: None, width=48),
+              "payload": broken("payload", payload)}
+    return before, after, errors, os.path.exists(os.path.join(work, "ran"))
+
+
+@pytest.mark.slow
+def test_the_weights_load_and_bad_input_is_refused_in_one_line(tmp_path_factory, tmp_path):
+    from megazero.process.local_ranks import run_ranks
+    from test_deepspeed_peer import ds_config
+    ds = deepspeed_reference(tmp_path_factory, 2)
+    before, after, errors, ran = run_ranks(_bad_inputs, 1, str(ds["ckpt"]), ds_config(2), str(tmp_path),
+                                           timeout=300)[0]
+    assert abs(after - ds["losses"][SAVE_AFTER]) <= LOSS_BOUND < abs(before - after) / 100
+    assert f"{OPTIM1} cannot be read (" in errors["truncated"] and "truncated" in errors["truncated"]
+    assert f"{OPTIM1} is missing: the checkpoint was saved by 2 data-parallel ranks" in errors["missing"]
+    assert ("parameter transformer.wte.weight has shape [64, 32] in the DeepSpeed checkpoint but [64, 48] in "
+            "this model") in errors["shape"]
+    assert "is refused: it names posix.system" in errors["payload"] and not ran
+    assert all("\n" not in e for e in errors.values()), errors
+
+
+@pytest.mark.slow
+def test_a_broken_checkpoint_ends_the_program_with_one_line_and_status_2(tmp_path_factory, tmp_path):
+    ds = deepspeed_reference(tmp_path_factory, 3)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ds["ckpt"], ckpt)
+    shard = ckpt / "global_step3" / OPTIM1
+    os.truncate(shard, shard.stat().st_size // 2)
+    prog = tmp_path / "train.py"
+    prog.write_text(PROGRAM.format(import_line=IMPORTS["megazero"]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc-per-node", "2",
+           str(prog), "--config", str(ds["config"]), "--steps", "1", "--load", str(ckpt)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    text = proc.stdout + proc.stderr
+    lines = [line for line in text.splitlines() if f"{OPTIM1} cannot be read" in line]
+    assert proc.returncode == 2, (proc.returncode, text[-3000:])
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert "failed finding central directory): truncated or not a torch.save file" in lines[0]
