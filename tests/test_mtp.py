@@ -96,6 +96,11 @@ LAYOUTS = {  # name: (settings of both runs, world, layout)
     "pp2-tied": (dict(), 2, dict(pipeline_model_parallel_size=2)),
     "tp2-sp": (UNTIED, 2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "tp2-tied-zero1": (dict(), 2, dict(tensor_model_parallel_size=2, zero_stage=1)),
+    # uneven stages: the last holds one layer besides the depths; interleaved with virtual stages
+    "pp2-uneven": (dict(UNTIED, num_layers=3), 2, dict(pipeline_model_parallel_size=2,
+                                                       decoder_first_pipeline_num_layers=2)),
+    "pp2-vpp2-tied": (dict(num_layers=4, global_batch_size=8), 2,
+                      dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
     # the rolled tokens split like the sequence; the depths in ZeRO-3's root unit
     "cp2-dp2-zero3": (dict(UNTIED, global_batch_size=8), 4, dict(context_parallel_size=2, zero_stage=3)),
     "pp2-dp2-zero3-tied-recompute": (dict(global_batch_size=8), 4,
@@ -233,3 +238,14 @@ def test_parameter_and_flop_counts_include_the_depths(settings):
     m = cfg.model
     attention = 4 * m.seq_length * m.num_attention_heads * m.kv_channels * m.mtp_num_layers
     assert (counts[0] - counts[1]) / 16 == mtp_forward_flops_per_token(cfg) - attention > 0
+
+
+def test_other_mtp_flags_are_refused_with_what_megazero_has():
+    from megazero.config import parse_args
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--vocab-size", "100", "--micro-batch-size", "1",
+            "--train-iters", "1", "--mock-data", "--position-embedding-type", "rope", "--mtp-num-layers", "1"]
+    assert parse_args(argv).model.mtp_num_layers == 1
+    with pytest.raises(ConfigError, match="--mtp-standalone: this multi-token prediction option is not "
+                                          "implemented"):
+        parse_args(argv + ["--mtp-standalone"])

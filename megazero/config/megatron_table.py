@@ -245,7 +245,8 @@ MODELOPT_REFUSED: Dict[str, str] = {
     **_each(_DISTILL, "--export-kd-teacher-load --export-kd-teacher-model-config "
                       "--export-kd-teacher-ckpt-format --export-kd-cfg"),
     "--qad-train-target": "quantization-aware distillation (ModelOpt) is not implemented",
-    "--freeze-base-for-mtp": "multi-token prediction is not implemented",
+    "--freeze-base-for-mtp": "training the multi-token prediction depths alone (the base frozen) is not "
+                             "implemented; --mtp-num-layers trains them with the model",
     "--modelopt-enabled": "ModelOpt (quantized or distilled) models and checkpoints are not implemented",
     "--export-qk-l2-norm": "normalising queries and keys (Llama 4's L2 norm) is not implemented",
     "--export-moe-apply-probs-on-input": _MOE,
@@ -392,7 +393,8 @@ REFUSED_PREFIXES: Dict[str, str] = {
     "--megatron-fsdp-": _FSDP, "--fsdp-": _FSDP, "--rl-": _RL, "--no-rl-": _RL, "--grpo-": _RL,
     **_each("this Mamba / linear-attention setting is not implemented (hybrid stacks: "
             "--hybrid-layer-pattern, docs/hybrid.md)", "--mamba- --linear- --gdp-"),
-    "--mtp-": "multi-token prediction is not implemented",
+    "--mtp-": "this multi-token prediction option is not implemented (megazero has --mtp-num-layers and "
+              "--mtp-loss-scaling-factor)",
     "--dsa-": "DeepSeek sparse attention is not implemented",
     "--no-dsa-": "DeepSeek sparse attention is not implemented",
     "--disable-dsa-": "DeepSeek sparse attention is not implemented",
