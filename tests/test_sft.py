@@ -174,6 +174,18 @@ def test_the_chat_template_trains_the_answer_and_not_the_header(tmp_path):
         encode(messages, tok, "default", tok.eod)
 
 
+def test_both_shapes_read_as_turns(tmp_path):
+    path = _write(tmp_path / "c.jsonl", [
+        {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        {"system": "s", "prompt": "p", "response": "r"}])
+    (one, first), (two, second) = read_conversations(path)
+    assert (one, two) == (1, 2) and [m["role"] for m in first] == ["user", "assistant"]
+    assert second == [{"role": "system", "content": "s"}, {"role": "user", "content": "p"},
+                      {"role": "assistant", "content": "r"}]
+    ids, trained = encode(second, ByteTokenizer(), "identity", ByteTokenizer.eod)
+    assert ids == list(b"spr") + [256] and trained == [False, False, True, True]
+
+
 def test_the_shipped_example_reads(tmp_path):
     conversations = read_conversations(EXAMPLE)
     assert len(conversations) >= 50
