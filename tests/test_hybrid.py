@@ -15,7 +15,7 @@ from tolerance import R_TRAIN, U32
 HYBRID = dict(hybrid_layer_pattern="M*M-M*M-", num_layers=8, mamba_num_heads=8, mamba_head_dim=8,
               mamba_num_groups=2, mamba_state_dim=8, mamba_chunk_size=8, position_embedding_type="none",
               normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
-              activation="swiglu", num_query_groups=2)
+              activation="squared_relu", num_query_groups=2)  # Nemotron-H's MLP: relu(x)^2
 NEMOTRON_H_MOE_LIKE = dict(HYBRID, hybrid_layer_pattern="ME*E", num_layers=4, num_experts=4,
                            moe_router_topk=2, moe_ffn_hidden_size=16)
 QWEN3_NEXT_LIKE = dict(hybrid_layer_pattern="G-G-*-", num_layers=6, linear_num_key_heads=2,
@@ -204,3 +204,14 @@ def test_greedy_generation_equals_argmax_of_the_whole_forward_and_tp2(model):
         for t in range(7, out.shape[1]):
             assert int(whole(out[:, :t])[0, -1].argmax()) == int(out[0, t])
     assert all(torch.equal(o, out) for o in run_ranks(_greedy, 2, model, 2))
+
+
+def test_squared_relu_mlp():
+    """--squared-relu (Megatron-LM's flag): the MLP is fc2(relu(fc1 x)^2), checked in float64."""
+    cfg = parse_args(["--mock-data", "--squared-relu", "--num-layers", "1", "--hidden-size", "16",
+                      "--ffn-hidden-size", "24"], world_size=1)
+    assert cfg.model.activation == "squared_relu" and not cfg.model.gated_mlp
+    mlp = models.build_model(cfg).decoder["0"].mlp.double()
+    x = torch.randn(5, 2, 16, dtype=torch.float64)
+    want = torch.relu(x @ mlp.fc1.weight.T + mlp.fc1.bias).square() @ mlp.fc2.weight.T + mlp.fc2.bias
+    torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)

@@ -39,6 +39,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
     "--openai-gelu": ("activation", "gelu"),
     "--quick-geglu": ("activation", "quick_geglu"),
+    "--squared-relu": ("activation", "squared_relu"),
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),
     "--no-yarn-correction-range-round-to-int": ("yarn_correction_range_round_to_int", False),

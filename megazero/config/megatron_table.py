@@ -128,6 +128,8 @@ IGNORED: Dict[str, str] = {
     "--enable-experimental": "turns nothing on by itself",
     "--is-hybrid-model": "the layer stack is hybrid exactly when --hybrid-layer-pattern is given",
     "--disable-mamba-mem-eff-path": "kernel fusion only (Mamba's fused path): the same numbers either way",
+    "--use-fused-weighted-squared-relu": "kernel fusion only (the experts' squared ReLU times routing "
+                                         "weights): the same numbers either way",
     "--onnx-safe": "export detail only", "--test-mode": "Megatron-LM's own tests only",
     "--data-impl": "older Megatron-LM's flag: the indexed (mmap) format is the only one",
     "--no-query-key-layer-scaling": "megazero never scales queries and keys by the layer number",
@@ -298,7 +300,6 @@ REFUSED: Dict[str, str] = {
     "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
     "--rotary-interleaved": "interleaved rotary pairs are not implemented (megazero rotates halves, as "
                             "Hugging Face LLaMA does)",
-    "--squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
     "--fp32-residual-connection": "fp32 residuals are not implemented",
     "--apply-residual-connection-post-layernorm": "post-norm residuals are not implemented",
     "--batch-size": "no longer a Megatron-LM flag either: use --micro-batch-size",
@@ -314,7 +315,6 @@ REFUSED: Dict[str, str] = {
     "--mrope-section": "multimodal RoPE is not implemented",
     "--relative-attention-num-buckets": "relative position attention (T5) is not implemented",
     "--relative-attention-max-distance": "relative position attention (T5) is not implemented",
-    "--use-fused-weighted-squared-relu": "the squared-ReLU MLP is not implemented (gelu or --swiglu)",
     "--init-method-xavier-uniform": "Xavier initialisation is not implemented: weights are normal with "
                                     "--init-method-std",
     "--embedding-init-method-std": "a separate embedding initialisation is not implemented; use "

@@ -248,8 +248,9 @@ class ModelConfig:
     activation: str = _f("gelu_exact", "MLP activation: gelu_exact (the erf GELU, Megatron-LM's default), "
                          "gelu (tanh approximation: GPT-2, Megatron-LM's --openai-gelu), swiglu (LLaMA), "
                          "geglu (gated, tanh-approximated GELU: Gemma) or quick_geglu (gated x sigmoid(1.702 "
-                         "x): gpt-oss, Megatron-LM's --quick-geglu).",
-                         choices=["gelu_exact", "gelu", "swiglu", "geglu", "quick_geglu"])
+                         "x): gpt-oss, Megatron-LM's --quick-geglu), or squared_relu (relu(x)^2: "
+                         "Nemotron-H, Megatron-LM's --squared-relu).",
+                         choices=["gelu_exact", "gelu", "swiglu", "geglu", "quick_geglu", "squared_relu"])
     glu_linear_offset: float = _f(0.0, "Gated activations: act(gate) x (linear + this) (gpt-oss: 1.0).",
                                   type=float)
     activation_func_clamp_value: Optional[float] = _f(

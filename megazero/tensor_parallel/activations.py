@@ -1,7 +1,8 @@
 """The MLP activations, shared by the dense MLP and the experts (elementwise: any TP split of the hidden
 features computes them alike).
 
-Plain: ``gelu_exact`` (erf), ``gelu`` (tanh approximation).  Gated, ``act(gate) * linear``: ``swiglu``
+Plain: ``gelu_exact`` (erf), ``gelu`` (tanh approximation), ``squared_relu`` (``relu(x)^2``: Nemotron-H,
+Megatron-LM's ``--squared-relu``).  Gated, ``act(gate) * linear``: ``swiglu``
 (SiLU), ``geglu`` (tanh GELU), ``quick_geglu`` (``x sigmoid(1.702 x)``, Megatron-LM's ``--quick-geglu``).
 gpt-oss's clamped SwiGLU is ``quick_geglu`` with ``--activation-func-clamp-value 7`` (the gate clamped
 to at most 7, the linear part to [-7, 7]) and ``--glu-linear-offset 1`` (``linear + 1``), as
@@ -37,6 +38,8 @@ class Activation:
             return F.silu(x)
         if self.kind == "quick_geglu":
             return quick_gelu(x)
+        if self.kind == "squared_relu":
+            return F.relu(x).square()
         return F.gelu(x, approximate=self.approximate)
 
     def __call__(self, h: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:

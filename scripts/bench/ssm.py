@@ -37,7 +37,10 @@ def layer_cfg(args, seq: int):
 
 
 def measure(kind: str, seq: int, args) -> dict:
-    cfg = validate(config_from_dict(dict(layer_cfg(args, seq), hybrid_layer_pattern=kind)), world_size=1)
+    settings = dict(layer_cfg(args, seq), hybrid_layer_pattern=kind)
+    if args.selective:  # attention replays its core, the mixers their conv, scan and norm
+        settings["recompute_granularity"] = "selective"
+    cfg = validate(config_from_dict(settings), world_size=1)
     mesh = ParallelMesh.single()
     torch.manual_seed(0)
     layer = HybridLayer(cfg, mesh, 0, RNGTracker(0, 0, mesh.device))
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--kinds", nargs="+", default=["M", "G", "*"], choices=sorted(KINDS))
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--selective", action="store_true", help="--recompute-granularity selective")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="hidden 64, sequences 64 and 128, one repeat")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON ('-': stdout)")
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     rows = [measure(kind, seq, args) for seq in args.seq_lengths for kind in args.kinds]
     print(f"hidden {args.hidden_size}, batch 1, fp32, {torch.get_num_threads()} thread(s): forward + "
-          "backward of one layer (norm, mixer, residual)")
+          "backward of one layer (norm, mixer, residual)"
+          + (", selective recompute" if args.selective else ""))
     print(f"{'layer':<16}{'seq':>7}{'fwd+bwd s':>11}{'saved MiB':>11}")
     for r in rows:
         print(f"{r['kind']:<16}{r['seq']:>7}{r['seconds']:>11.3f}{r['saved_bytes'] / 2 ** 20:>11.1f}")
