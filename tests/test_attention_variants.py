@@ -280,8 +280,9 @@ def test_gemma3_local_base_on_windowed_layers():
 
 
 # ---- the model: layouts against one process -------------------------------------------------------------
-def _model_rank(tp, cp, sp, comm, recompute=None):
-    over = dict(recompute_granularity=recompute) if recompute else {}
+def _model_rank(tp, cp, sp, comm, recompute=None, **over):
+    if recompute:
+        over["recompute_granularity"] = recompute
     cfg = _cfg(tp, cp, sp, comm, **over)
     mesh = ParallelMesh.build(tp=tp, cp=cp) if tp * cp > 1 else None
     model = build_model(cfg, mesh)
@@ -330,6 +331,25 @@ def test_layouts_match_one_process(oracle, tp, cp, sp, comm):
 
 def test_selective_recompute_matches(oracle):
     _check_model(_model_rank(1, 1, False, "p2p", recompute="selective"), oracle)
+
+
+# gpt-oss's mixture of experts on layers 1 and 3: biased experts (--add-bias-linear) with the clamped
+# SwiGLU, and a router bias
+GPT_OSS_MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq="[0,1,0,1]",
+                   moe_router_bias=True)
+
+
+def test_gpt_oss_experts_and_router_biases_under_tp2_sp_ep2_match_one_process():
+    ref = _model_rank(1, 1, False, "p2p", **GPT_OSS_MOE)
+    for name in ("decoder.1.mlp.router.bias", "decoder.3.mlp.experts.1.fc1_bias"):
+        assert ref["grads"][name].abs().sum() > 0, name
+    # biased experts take expert TP 1 (Megatron-LM's rule): EP 2 across the two TP ranks
+    for got in run_ranks(_model_rank, 2, 2, 1, True, "p2p", expert_tensor_parallel_size=1,
+                         expert_model_parallel_size=2, **GPT_OSS_MOE):
+        _check_model(got, ref)
+    model = build_model(_cfg(**GPT_OSS_MOE))
+    from megazero.planning.estimate import total_params
+    assert total_params(model.cfg, padded=True) == sum(p.numel() for p in model.parameters())
 
 
 def test_generation_cache_matches_full_forward():

@@ -640,6 +640,9 @@ class MoEConfig:
         None, "megazero: experts whose scores add up to a group's score (default --moe-router-topk / "
         "--moe-router-group-topk, Megatron-core's rule; Hugging Face's DeepSeek-V3 always takes 2).",
         type=int)
+    moe_router_bias: bool = _f(
+        False, "A learned bias on the router's logits (gpt-oss), zero-initialised; megazero's switch "
+        "(Megatron-LM adds one whenever --add-bias-linear, which here gives the experts their biases only).")
     moe_router_enable_expert_bias: bool = _f(
         False, "Aux-loss-free balancing: a per-expert bias, added to the scores for the top-k choice only, "
         "moved by --moe-router-bias-update-rate after every step towards balance (no gradient; sigmoid "

@@ -1,6 +1,7 @@
 """The top-k router of an MoE layer: its weight, the routing, capacity, and the auxiliary losses.
 
-``TopKRouter(cfg, mesh, layer_idx, stats, device)`` holds ``weight [E, hidden]`` (replicated; marked
+``TopKRouter(cfg, mesh, layer_idx, stats, device)`` holds ``weight [E, hidden]`` (with
+``--moe-router-bias`` also ``bias [E]``, gpt-oss's; replicated; marked
 ``sequence_parallel`` under sequence parallelism, where each tensor-parallel rank routes its own part of
 the sequence) and, with ``--moe-router-enable-expert-bias``, ``expert_bias [E]`` (fp32 whatever the
 model's dtype, no gradient: :func:`update_expert_bias` moves it after each step), both created by
@@ -52,6 +53,11 @@ class TopKRouter(nn.Module):
         self.weight = new_param(shape, partial(init_full, shape, cfg.training.seed, layer_idx,
                                                "mlp.router.weight", m.init_method_std), device)
         self.weight.sequence_parallel = self.sequence_parallel
+        self.bias = None
+        if moe.moe_router_bias:  # gpt-oss: a learned bias on the logits, replicated like the weight
+            zeros = partial(torch.zeros, moe.num_experts, device="cpu")
+            self.bias = new_param((moe.num_experts,), zeros, device)
+            self.bias.sequence_parallel = self.sequence_parallel
         self.expert_bias = None
         if moe.moe_router_enable_expert_bias:
             zeros = partial(torch.zeros, moe.num_experts, device="cpu")
@@ -143,7 +149,8 @@ class TopKRouter(nn.Module):
         moe = self.cfg
         s, b, _ = x.shape
         dt = score_dtype(x)
-        logits = F.linear(x.to(dt), self.weight.to(dt)).reshape(s * b, -1)
+        bias = self.bias.to(dt) if self.bias is not None else None
+        logits = F.linear(x.to(dt), self.weight.to(dt), bias).reshape(s * b, -1)
         training = self.training and torch.is_grad_enabled()
         if training and moe.moe_z_loss_coeff:
             logits = self._z_loss(logits)

@@ -98,7 +98,8 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
         moe = cfg.moe
         experts = moe.moe_router_topk if active else moe.num_experts
         shared = moe.moe_shared_expert_intermediate_size
-        mlp = moe.num_experts * h + experts * _mlp_params(m, moe.moe_ffn_hidden_size)
+        mlp = moe.num_experts * (h + (1 if moe.moe_router_bias else 0)) + experts * _mlp_params(
+            m, moe.moe_ffn_hidden_size)
         if shared:
             mlp += _mlp_params(m, shared) + (h if moe.moe_shared_expert_gate else 0)
     norms = (4 if m.norm_position == "sandwich" else 2) * h * per_norm
