@@ -249,3 +249,11 @@ def test_other_mtp_flags_are_refused_with_what_megazero_has():
     with pytest.raises(ConfigError, match="--mtp-standalone: this multi-token prediction option is not "
                                           "implemented"):
         parse_args(argv + ["--mtp-standalone"])
+
+
+def test_iteration_line_reports_the_mtp_loss_apart():
+    from megazero.training.log import format_line
+    m = dict(iteration=3, loss=4.5, mtp_loss=4.61234, lr=1e-3, grad_norm=1.0, loss_scale=1.0, skipped=0,
+             iteration_time=0.01, tokens_per_sec=100.0)
+    assert "| loss 4.5000 | mtp loss 4.6123 | lr" in format_line(m, 10)
+    assert "mtp loss" not in format_line(dict(m, mtp_loss=None), 10)
