@@ -24,7 +24,8 @@ class StepBatches:
                  keys: Sequence[str], batch_size_at: Callable[[int], int] = lambda consumed: 0,
                  prefetch: Optional[bool] = None):
         self.source, self.micro_batch_size = source, micro_batch_size
-        self.dp_rank, self.dp_size, self.device, self.keys = dp_rank, dp_size, torch.device(device), tuple(keys)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.device, self.keys = torch.device(device), tuple(keys)
         self.batch_size_at = batch_size_at  # samples consumed -> the next step's global batch size
         self.prefetch = self.device.type != "cpu" if prefetch is None else prefetch
         self.pending: Optional[Tuple[Tuple[int, int], List[Dict[str, torch.Tensor]]]] = None
