@@ -82,10 +82,15 @@ def test_bad_settings_get_one_line_naming_the_flag(flags, world, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("model,recompute", [(HYBRID, "full"), (HYBRID, "selective"),
-                                             (QWEN3_NEXT_LIKE, "full"), (QWEN3_NEXT_LIKE, "selective"),
-                                             (NEMOTRON_H_MOE_LIKE, "full")],
-                         ids=["M*M-M*M-", "M*M-M*M--selective", "G-G-*-", "G-G-*--selective", "ME*E"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model,recompute", [
+    pytest.param(HYBRID, "full", id="M*M-M*M-"),
+    pytest.param(HYBRID, "selective", id="M*M-M*M--selective", marks=SLOW),
+    pytest.param(QWEN3_NEXT_LIKE, "full", id="G-G-*-", marks=SLOW),
+    pytest.param(QWEN3_NEXT_LIKE, "selective", id="G-G-*--selective"),
+    pytest.param(NEMOTRON_H_MOE_LIKE, "full", id="ME*E", marks=SLOW)])
 def test_tp2_sequence_parallel_recompute_matches_one_process(model, recompute):
     """TP 2 with SP and full recomputation, or selective (the mixers replay conv, scan and norm)."""
     (ref,) = run_ranks(_train_history, 1, _cfg(model))
