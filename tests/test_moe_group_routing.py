@@ -162,3 +162,13 @@ def test_export_to_an_architecture_without_groups_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"mixtral cannot hold this model: group-limited routing, "
                                           r"--moe-router-num-groups \(mixtral has none\)"):
         arch_of(cfg.model, cfg.moe)
+
+
+def test_device_limited_flag_of_older_megatron_is_refused_with_the_groups():
+    from megazero.config import parse_args
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--vocab-size", "100", "--micro-batch-size", "1",
+            "--train-iters", "1", "--mock-data", "--num-experts", "8"]
+    with pytest.raises(ConfigError, match="--moe-router-topk-limited-devices: device-limited routing .* "
+                                          "--moe-router-num-groups <EP size> --moe-router-group-topk N"):
+        parse_args(argv + ["--moe-router-topk-limited-devices", "2"])

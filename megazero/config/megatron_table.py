@@ -295,6 +295,10 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
 }
 
 REFUSED: Dict[str, str] = {
+    "--moe-router-topk-limited-devices": "device-limited routing by the expert-parallel size (older "
+                                         "Megatron-core) would route differently at each EP size; give the "
+                                         "groups, Megatron-core's replacement: --moe-router-num-groups <EP "
+                                         "size> --moe-router-group-topk N (the same routing at every layout)",
     "--apply-wd-to-qk-layernorm": "weight decay on the --qk-layernorm scales is not implemented (they get "
                                   "none, as every norm scale here and in Megatron-LM by default); drop it",
     "--apply-query-key-layer-scaling": "query-key layer scaling is not implemented",
