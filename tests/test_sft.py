@@ -174,6 +174,19 @@ def test_the_chat_template_trains_the_answer_and_not_the_header(tmp_path):
         encode(messages, tok, "default", tok.eod)
 
 
+def test_an_eod_inside_a_conversation_is_refused_where_documents_are_found(tmp_path):
+    class HashEnds(ByteTokenizer):
+        eod = ord("#")
+    path = _write(tmp_path / "c.jsonl", [{"prompt": "p", "response": "r"},
+                                         {"prompt": "a # b", "response": "c"}])
+    with pytest.raises(ValueError, match=r"c.jsonl:2: the end-of-document id 35 occurs inside the conv"):
+        SFTData([([path], "1,0,0", "--data-path")], HashEnds(), SEQ)
+    with pytest.raises(ValueError, match="occurs inside"):  # --reset-position-ids alone finds documents too
+        SFTData([([path], "1,0,0", "--data-path")], HashEnds(), SEQ, pack=False, documents=True)
+    data = SFTData([([path], "1,0,0", "--data-path")], HashEnds(), SEQ, pack=False)  # causal only: fine
+    assert len(data.splits["train"].bins) == 2
+
+
 def test_both_shapes_read_as_turns(tmp_path):
     path = _write(tmp_path / "c.jsonl", [
         {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},

@@ -96,27 +96,31 @@ class SFTData:
     conversations (``"1,0,0"`` for a training-only set) and the flag that named them (for errors); a split
     is taken from the first set that has it.  ``tokenizer``: encodes text (:mod:`megazero.data.tokenizer`);
     ``prompt_format``: ``--sft-tokenizer-prompt-format`` (None: the tokenizer's chat template when it has
-    one)."""
+    one).  ``pack``: several conversations to a sequence; ``documents``: whether the model finds documents
+    at the EOD ids (``--reset-attention-mask`` or ``--reset-position-ids``; default ``pack``), so that an
+    EOD inside a conversation is refused."""
 
     def __init__(self, sets: Sequence[tuple], tokenizer, seq_length: int, seed: int = 1234,
-                 prompt_format: Optional[str] = None, pack: bool = True, vocab_size: Optional[int] = None):
+                 prompt_format: Optional[str] = None, pack: bool = True, vocab_size: Optional[int] = None,
+                 documents: Optional[bool] = None):
         self.seq_length, self.eod, self.masked_token = seq_length, int(tokenizer.eod), None
         self.tokenizer = tokenizer
         self.prompt_format = resolve_format(prompt_format, tokenizer)
         self.splits: Dict[str, _Split] = {}
         self.pack, self.files = pack, {}
+        self.documents = pack if documents is None else documents
         for files, split_text, flag in sets:
             records = [(f"{path}:{line}", m) for path in files for line, m in read_conversations(path)]
             bounds = split_bounds(len(records), parse_split(split_text))
             for s, name in enumerate(SPLIT_NAMES):
                 part = records[bounds[s]:bounds[s + 1]]
                 if part and name not in self.splits:
-                    encoded = [self._encode(where, m, pack, vocab_size, flag) for where, m in part]
+                    encoded = [self._encode(where, m, vocab_size, flag) for where, m in part]
                     self.files[name] = list(files)
                     self.splits[name] = _Split([e[0] for e in encoded], [e[1] for e in encoded],
                                                seq_length + 1, pack, seed, s)
 
-    def _encode(self, where: str, messages, pack: bool, vocab_size: Optional[int], flag: str):
+    def _encode(self, where: str, messages, vocab_size: Optional[int], flag: str):
         try:
             ids, trained = encode(messages, self.tokenizer, self.prompt_format, self.eod)
         except ValueError as err:
@@ -124,11 +128,11 @@ class SFTData:
         if len(ids) > self.seq_length + 1:
             raise ValueError(f"{flag} {where}: the conversation is {len(ids)} tokens, longer than a sequence "
                              f"({self.seq_length} + 1): raise --seq-length or shorten it")
-        if pack and self.eod in ids[:-1]:
+        if self.documents and self.eod in ids[:-1]:
             raise ValueError(f"{flag} {where}: the end-of-document id {self.eod} occurs inside the "
-                             "conversation (its text or template holds the tokenizer's EOS), which would cut "
-                             "it in two where conversations are packed; remove it, or use a tokenizer whose "
-                             "EOS is not a turn end")
+                             "conversation (its text or template holds the tokenizer's EOS), which would "
+                             "cut it in two for --reset-attention-mask / --reset-position-ids; remove it, or "
+                             "use a tokenizer whose EOS is not a turn end")
         if vocab_size is not None and max(ids) >= vocab_size:
             raise ValueError(f"{flag} {where}: token id {max(ids)} is outside the model's vocabulary of "
                              f"{vocab_size}")
@@ -187,7 +191,8 @@ def build_sft_data(cfg):
             sets.append((list(d.valid_data_path), "0,1,0", "--valid-data-path"))
     data = SFTData(sets, tokenizer_from_config(cfg), cfg.model.seq_length, cfg.training.seed,
                    d.sft_tokenizer_prompt_format, pack=d.reset_attention_mask,
-                   vocab_size=cfg.model.vocab_size)
+                   vocab_size=cfg.model.vocab_size,
+                   documents=d.reset_attention_mask or d.reset_position_ids)
     splits = ("train", "valid") if cfg.training.eval_interval and cfg.training.eval_iters else ("train",)
     data.check(splits)
     return data
