@@ -128,6 +128,8 @@ def test_mtp_under_a_layout_matches_one_process(name):
     (dict(mtp_num_layers=0), "--mtp-num-layers must be a positive integer"),
     (dict(position_embedding_type="learned_absolute"), "--mtp-num-layers with --position-embedding-type"),
     (dict(mtp_loss_scaling_factor=-1.0), "--mtp-loss-scaling-factor must be >= 0"),
+    (dict(hybrid_layer_pattern="M*", mamba_num_groups=1, mamba_head_dim=16, mamba_state_dim=8),
+     "--mtp-num-layers with --hybrid-layer-pattern"),
 ])
 def test_bad_mtp_settings_are_refused_by_name(bad, words):
     with pytest.raises(ConfigError, match=words):

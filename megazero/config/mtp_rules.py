@@ -18,6 +18,7 @@ def check_mtp(cfg) -> None:
                      ("--window-size", bool(m.window_size) and m.window_size[0] >= 0),
                      ("--no-rope-freq", m.no_rope_freq is not None),
                      ("--reset-attention-mask", cfg.data.reset_attention_mask),
-                     ("--reset-position-ids", cfg.data.reset_position_ids)):
+                     ("--reset-position-ids", cfg.data.reset_position_ids),
+                     ("--hybrid-layer-pattern", bool(getattr(m, "hybrid_layer_pattern", None)))):
         if on:
             raise ValueError(f"--mtp-num-layers with {flag} is not implemented; leave one of them out")
