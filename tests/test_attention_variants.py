@@ -399,3 +399,34 @@ def test_flops_count_the_keys_a_chunk_lets_a_query_see():
     from megazero.planning.flops import layer_forward_flops_per_token
     assert layer_forward_flops_per_token(_cfg())["attention"] == 4 * 8 * 64
     assert layer_forward_flops_per_token(_cfg(attention_chunk_size=None))["attention"] == 4 * 10.5 * 64
+
+
+def gpt_oss_flags():
+    """The model and MoE flags of Megatron-LM's examples/gptoss/02_train.sh, sizes scaled down."""
+    return ["--no-masked-softmax-fusion", "--transformer-impl", "transformer_engine", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--no-rope-fusion", "--normalization", "RMSNorm",
+            "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads",
+            "8", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--use-mcore-models", "--rotary-percent", "1.0", "--rope-type",
+            "rope", "--position-embedding-type", "rope", "--rotary-base", "10000", "--no-bias-gelu-fusion",
+            "--export-force-local-attention", "--no-bias-dropout-fusion", "--quick-geglu",
+            "--glu-linear-offset", "1.0", "--softmax-type", "learnable", "--window-attn-skip-freq", "2",
+            "--activation-func-clamp-value", "7.0", "--window-size", "7,0", "--enable-gpt-oss",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", "1e-3", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+            "--moe-ffn-hidden-size", "64", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--micro-batch-size",
+            "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+
+
+def test_megatrons_gpt_oss_example_flags_build_gpt_oss():
+    cfg = parse_args(gpt_oss_flags(), world_size=1)
+    m = cfg.model
+    assert (m.softmax_type, m.activation, m.glu_linear_offset, m.activation_func_clamp_value) == \
+        ("learnable", "quick_geglu", 1.0, 7.0)
+    assert (m.position_embedding_type, m.rotary_scaling_factor, m.yarn_correction_range_round_to_int) == \
+        ("yarn", 32.0, False)
+    assert windowed_layers(m) == [True, False] and m.window_size == [7, 0]
+    model = build_model(cfg)
+    logits, loss = step(model, *batch(cfg))
+    assert torch.isfinite(loss).all() and model.decoder["0"].attention.sinks.grad.abs().sum() > 0

@@ -172,9 +172,11 @@ def test_megatron_lms_own_modelopt_flags_get_true_reasons():
                      world_size=1)
     (note,) = [n for n in cfg.notes if n.startswith("ignored Megatron-LM flags")]
     assert "--export-force-local-attention (ModelOpt's choice of layer implementation" in note
-    with pytest.raises(ConfigError, match=r"^--enable-gpt-oss: GPT-OSS mode \(ModelOpt: fills in GPT-OSS's "
-                                          r"YaRN RoPE constants\) is not implemented"):
-        parse_args(["--mock-data", "--enable-gpt-oss"], world_size=1)
+    m = parse_args(["--mock-data", "--enable-gpt-oss"], world_size=1).model  # gpt-oss's YaRN, as ModelOpt
+    assert (m.position_embedding_type, m.rotary_scaling_factor, m.yarn_original_max_position_embeddings,
+            m.yarn_correction_range_round_to_int) == ("yarn", 32.0, 131072, False)
+    with pytest.raises(ConfigError, match=r"^--modelopt-enabled: ModelOpt"):
+        parse_args(["--mock-data", "--modelopt-enabled"], world_size=1)
     with pytest.raises(ConfigError, match="--export-kv-cache-quant fp8: quantization"):
         parse_args(["--mock-data", "--export-kv-cache-quant", "fp8"], world_size=1)
 

@@ -39,6 +39,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--use-tp-pp-dp-mapping": ("rank_order", "tp-pp-dp"),
     "--openai-gelu": ("activation", "gelu"),
     "--quick-geglu": ("activation", "quick_geglu"),
+    "--export-qk-l2-norm": ("qk_l2_norm", True),  # ModelOpt's name of Llama 4's q/k norm
     "--squared-relu": ("activation", "squared_relu"),
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),
@@ -65,10 +66,21 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
     "--apply-layernorm-1p": dict(action="store_true", help="Megatron-LM stores norm scales minus one; "
                                  "the same model in exact arithmetic here, where norm scales get no weight "
                                  "decay."),
+    "--enable-gpt-oss": dict(action="store_true", help="ModelOpt's GPT-OSS mode: YaRN RoPE with gpt-oss's "
+                             "constants (--rotary-scaling-factor 32, --yarn-original-max-position-embeddings "
+                             "131072, --yarn-beta-fast 32, --yarn-beta-slow 1, --mscale 1, --mscale-all-dim "
+                             "0, --no-yarn-correction-range-round-to-int), over the RoPE flags given."),
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
                                     "no learned table); Megatron-LM's deprecated flag: for no position "
                                     "embedding at all use --position-embedding-type none."),
 }
+
+
+# ModelOpt's --enable-gpt-oss (megatron/post_training/model_builder.py): gpt-oss's YaRN RoPE
+GPT_OSS_YARN: Dict[str, Any] = dict(
+    position_embedding_type="yarn", rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=131072,
+    yarn_beta_fast=32.0, yarn_beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0,
+    yarn_correction_range_round_to_int=False)
 
 
 def _dest(flag: str) -> str:
@@ -251,6 +263,10 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
     flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
+    if given.get("--enable-gpt-oss"):  # as ModelOpt's model builder sets them, whatever was given
+        out.update(GPT_OSS_YARN)
+        notes.append("--enable-gpt-oss: --position-embedding-type yarn with gpt-oss's constants (ModelOpt's "
+                     "GPT-OSS mode)")
     if given.get("--use-distributed-optimizer"):
         out["zero_stage"] = max(1, out.get("zero_stage", 1))
     if "num_query_groups" in command_line and not given.get("--group-query-attention"):

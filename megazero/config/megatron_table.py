@@ -241,8 +241,6 @@ MODELOPT_IGNORED: Dict[str, str] = {
                                 "Face weights: scripts/convert_hf.py --direction to-megazero)",
 }
 MODELOPT_REFUSED: Dict[str, str] = {
-    "--enable-gpt-oss": "GPT-OSS mode (ModelOpt: fills in GPT-OSS's YaRN RoPE constants) is not implemented; "
-                        "give the model's own flags instead",
     "--export-quant-cfg": _QUANT,
     **_each(_DISTILL, "--export-kd-teacher-load --export-kd-teacher-model-config "
                       "--export-kd-teacher-ckpt-format --export-kd-cfg"),
@@ -250,7 +248,6 @@ MODELOPT_REFUSED: Dict[str, str] = {
     "--freeze-base-for-mtp": "training the multi-token prediction depths alone (the base frozen) is not "
                              "implemented; --mtp-num-layers trains them with the model",
     "--modelopt-enabled": "ModelOpt (quantized or distilled) models and checkpoints are not implemented",
-    "--export-qk-l2-norm": "normalising queries and keys (Llama 4's L2 norm) is not implemented",
     "--export-moe-apply-probs-on-input": _MOE,
     "--export-offline-model": "ModelOpt's offline speculative-decoding model (embedding and output layer "
                               "only) is not implemented",
