@@ -2,10 +2,17 @@
 # Train on several nodes with torchrun and c10d rendezvous: run this once on every node.
 #   launch/run_multinode.sh --nnodes 2 --master-addr node0 [--master-port 29500] [--nproc-per-node 8] \
 #       [--max-restarts 3] [--rdzv-id my-job] [--run-dir DIR] [--node-rank R] [--join-timeout SECS] \
-#       -- [pretrain_gpt.py flags...]
+#       [--rdzv-conf K=V,...] [--local-addr ADDR] -- [pretrain_gpt.py flags...]
 # The same settings can come from the environment: NNODES, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE
 # (default: the node's GPU count, or 1), MAX_RESTARTS (default 0), RDZV_ID (default megazero), RUN_DIR,
-# NODE_RANK, JOIN_TIMEOUT (default 600).
+# NODE_RANK, JOIN_TIMEOUT (default 600), RDZV_CONF (torchrun's --rdzv-conf: join_timeout,
+# last_call_timeout, keep_alive_interval, keep_alive_max_attempt), LOCAL_ADDR (this node's address,
+# where the workers' store listens when this node is torchrun's group rank 0).
+#
+# A node that dies: with --max-restarts N the other nodes stop their ranks and wait (the rendezvous'
+# join_timeout, 600 s) for it in a new rendezvous round; start it again with the same command and the
+# job goes on from the last checkpoint (--save DIR --load DIR).  Node rank 0 (the rendezvous host)
+# serves the rendezvous store: if it dies, every node exits 1 and the job is started again.
 #
 # --nnodes may be a range MIN:MAX (elastic): after a node is lost the others restart and, once
 # MIN nodes are back, go on with fewer data-parallel ranks; with --save DIR --load DIR every
@@ -23,7 +30,7 @@ PY="${PYTHON:-$root/.venv/bin/python}"
 NNODES="${NNODES:-}" MASTER_ADDR="${MASTER_ADDR:-}"
 MASTER_PORT="${MASTER_PORT:-29500}" NPROC_PER_NODE="${NPROC_PER_NODE:-}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}" RDZV_ID="${RDZV_ID:-megazero}" RUN_DIR="${RUN_DIR:-}"
-JOIN_TIMEOUT="${JOIN_TIMEOUT:-600}"
+JOIN_TIMEOUT="${JOIN_TIMEOUT:-600}" RDZV_CONF="${RDZV_CONF:-}" LOCAL_ADDR="${LOCAL_ADDR:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --nnodes) NNODES="$2"; shift 2 ;;
@@ -35,6 +42,8 @@ while [ $# -gt 0 ]; do
     --rdzv-id) RDZV_ID="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --join-timeout) JOIN_TIMEOUT="$2"; shift 2 ;;
+    --rdzv-conf) RDZV_CONF="$2"; shift 2 ;;
+    --local-addr) LOCAL_ADDR="$2"; shift 2 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -60,7 +69,10 @@ LOG_DIR="$RUN_DIR/logs/$(hostname)"
 mkdir -p "$LOG_DIR"
 # one intra-op thread per rank unless set: the rule and its reasons live in megazero/process/threads.py
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+extra=()
+[ -z "$RDZV_CONF" ] || extra+=(--rdzv-conf "$RDZV_CONF")
+[ -z "$LOCAL_ADDR" ] || extra+=(--local-addr "$LOCAL_ADDR")
 exec "$PY" "$root/scripts/launch.py" --join-timeout "$JOIN_TIMEOUT" --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" \
-  --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3 \
+  --max-restarts "$MAX_RESTARTS" --log-dir "$LOG_DIR" --tee 3 ${extra[@]+"${extra[@]}"} \
   "$root/scripts/pretrain_gpt.py" "$@"

@@ -9,6 +9,11 @@ hostnames from SLURM's node list where known) and the launcher exits 1.  A node 
 when one is given (torchrun's ``--node-rank``, or ``NODE_RANK`` / ``SLURM_NODEID``), else the order
 of arrival (then the nodes that joined are named by hostname).  Skipped for ``--standalone``, one
 node, and an elastic range MIN:MAX.
+
+The store is hosted by node rank 0 (or, without node ranks, by the first launcher on the rendezvous
+host) and stays up for as long as that launcher runs: once every node has joined it records that the
+job formed, and a node started again later (after a node failure) goes straight on to torchrun's
+rendezvous, which adds it in its next round, instead of waiting for peers that moved on.
 """
 from __future__ import annotations
 
@@ -61,12 +66,12 @@ def _names(ranks: List[int], limit: int = 8) -> str:
     return shown + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
 
 
-def _connect(host: str, port: int, deadline: float, interval: float, say):
-    """The store: hosted here when ``host`` is this machine and the port is free, else a client
-    (retried until ``deadline``, with a line every ``interval`` seconds)."""
+def _connect(host: str, port: int, deadline: float, interval: float, say, may_host: bool = True):
+    """The store: hosted here when ``may_host`` (node rank 0, or no node rank), ``host`` is this machine
+    and the port is free, else a client (retried until ``deadline``, a line every ``interval`` s)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
-    if _matches_machine_hostname(host):
+    if may_host and _matches_machine_hostname(host):
         try:
             store = TCPStore(host, port, is_master=True, wait_for_workers=False,
                              timeout=timedelta(seconds=60))
@@ -86,9 +91,12 @@ def _connect(host: str, port: int, deadline: float, interval: float, say):
 
 
 def join_nodes(host: str, port: int, nnodes: int, node_rank: Optional[int], timeout: float,
-               interval: float = 30.0, stream: Optional[TextIO] = None, prog: str = "launch.py") -> bool:
+               interval: float = 30.0, stream: Optional[TextIO] = None, prog: str = "launch.py",
+               keep: Optional[list] = None) -> bool:
     """Wait until ``nnodes`` launchers joined at ``host:port`` (see the module docstring); False after
-    ``timeout`` seconds, with one line naming the missing nodes, or when this node rank is taken."""
+    ``timeout`` seconds, with one line naming the missing nodes, or when this node rank is taken.  The
+    store this node hosts is appended to ``keep`` (the caller holds it, and so keeps it serving, for
+    the rest of the launch); without ``keep`` it closes when every node has read the outcome."""
     import sys
     stream = sys.stderr if stream is None else stream
 
@@ -101,14 +109,23 @@ def join_nodes(host: str, port: int, nnodes: int, node_rank: Optional[int], time
     start = time.monotonic()
     deadline = start + timeout
     where = f"{host}:{port}"
-    store, hosting = _connect(host, port, deadline, interval, say)
+    store, hosting = _connect(host, port, deadline, interval, say, node_rank in (None, 0))
     if store is None:
         say(f"no node hosts the join at {where} after {timeout:g} s (--join-timeout): the launcher on the "
             "rendezvous host never started, or the address is wrong")
         return False
     line = None
     try:
+        if store.check([f"{KEY}/formed"]):  # started again after the job formed (a node that was lost)
+            say(f"the job formed at {where} before this node started: joining it in torchrun's next "
+                "rendezvous round")
+            return True
         line = _wait(store, where, nnodes, node_rank, start, timeout, interval, say)
+        if not line:
+            store.set(f"{KEY}/formed", "1")
+        if hosting and keep is not None and not line:
+            keep.append(store)  # serving for the rest of the launch: a node started again reads "formed"
+            return True
         counted = store.add(f"{KEY}/count", 0) if hosting else 0
         store.add(f"{KEY}/left", 1)  # a joined node's last word: after it the host may close the store
         while hosting and store.add(f"{KEY}/left", 0) < counted and time.monotonic() < deadline + 30:
@@ -165,7 +182,7 @@ def _wait(store, where: str, nnodes: int, node_rank: Optional[int], start: float
 
 
 def join_before_torchrun(args, argv: Sequence[str], timeout: float, interval: float = 30.0,
-                         stream: Optional[TextIO] = None) -> bool:
+                         stream: Optional[TextIO] = None, keep: Optional[list] = None) -> bool:
     """:func:`join_nodes` for torchrun's parsed ``args`` (its rendezvous endpoint, or --master-addr
     and --master-port); True at once for --standalone, one node, an elastic range or ``timeout`` 0."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -178,4 +195,5 @@ def join_before_torchrun(args, argv: Sequence[str], timeout: float, interval: fl
         host, port = args.master_addr, int(args.master_port or 29500)
     argv = list(argv)
     own = argv[:argv.index(args.training_script)] if args.training_script in argv else argv
-    return join_nodes(host, join_port(port), int(nnodes[0]), node_rank_of(own), timeout, interval, stream)
+    return join_nodes(host, join_port(port), int(nnodes[0]), node_rank_of(own), timeout, interval, stream,
+                      keep=keep)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import List, Optional, Sequence, TextIO, Tuple
 
@@ -153,17 +155,26 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         stream.write(f"{PROG}: error: {problem}\n")
         stream.flush()
         return EXIT_USAGE
-    from megazero.resilience.loopback import serve_on_loopback, single_host
-    if single_host(args):  # the agent's stores listen on 127.0.0.1, not on every interface
-        serve_on_loopback(args)
-    from megazero.resilience.join import join_before_torchrun
-    if not join_before_torchrun(args, argv, join_timeout, join_interval, stream):
+    from megazero.resilience import rounds
+    from megazero.resilience.join import join_before_torchrun, node_rank_of
+    from megazero.resilience.loopback import serve_on_given_address
+
+    def say(text: str) -> None:
+        stream.write(f"{PROG}: {text}\n")
+        stream.flush()
+    serve_on_given_address(args, warn=say)  # the stores listen on the address given, not on every interface
+    own = list(argv)[:list(argv).index(args.training_script)] if args.training_script in argv else list(argv)
+    rounds.host_on_node_zero(args, node_rank_of(own))
+    keep: List[object] = []  # the join store this launcher serves, for as long as it runs
+    if not join_before_torchrun(args, argv, join_timeout, join_interval, stream, keep=keep):
         return EXIT_FAILURE
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
     handler = ForwardOnce(grace)
     mp_api._terminate_process_handler = handler  # installed by torchrun for each attempt's workers
     _no_restart_after(handler)
     entry = os.path.basename(str(args.training_script))
+    notes = tempfile.mkdtemp(prefix="megazero-stop-notes-")
+    seen = rounds.install(notes)
     try:
         torchrun.run(args)
     except ChildFailedError as err:
@@ -171,8 +182,11 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         code = int(failure.exitcode)
         if any(int(f.exitcode) == EXIT_USAGE for f in err.failures.values()):  # rank 0 printed it
             return EXIT_USAGE  # (the other ranks, waiting for the launcher, may be recorded as failing first)
-        stream.write(f"{PROG}: {entry}: {failure_line(err)}\n")
-        stream.flush()
+        if getattr(failure, "megazero_interrupted", False):
+            say(f"{entry}: {seen.describe()}; no restart left (--max-restarts {args.max_restarts}): start "
+                "every node again with the same --load to resume from the last checkpoint")
+            return EXIT_FAILURE
+        say(f"{entry}: {failure_line(err)}")
         return code if 0 < code < 256 else EXIT_FAILURE
     except mp_api.SignalException as err:
         name = signal.Signals(err.sigval).name
@@ -184,6 +198,15 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
                          "without waiting for their save\n")
         stream.flush()
         return 128 + int(err.sigval)
+    except Exception as err:  # noqa: BLE001 - a rendezvous or store error is one line; others re-raised
+        line = rounds.rendezvous_failure_line(err, args)
+        if line is None:
+            raise
+        say(line)
+        return EXIT_FAILURE
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
+        del keep[:]
     if handler.signum is not None:
         stream.write(f"{PROG}: {signal.Signals(handler.signum).name} received: every rank stopped cleanly "
                      "(a checkpoint was saved where --save was given)\n")

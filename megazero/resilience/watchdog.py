@@ -2,8 +2,9 @@
 is explained (which operation, which group, which ranks went silent).
 
 * :func:`join_process_group` joins the group torchrun (or SLURM + torchrun) describes, with the
-  timeout, under a store prefix of its own per torchrun restart (``TORCHELASTIC_RESTART_COUNT``),
-  so a restarted job never reads the previous attempt's keys (the addresses of dead workers);
+  timeout, under a store prefix of its own per attempt (the rendezvous round that
+  ``scripts/launch.py`` exports, else ``TORCHELASTIC_RESTART_COUNT``), so a restarted job never
+  reads the previous attempt's keys (the addresses of dead workers);
 * :func:`prepare_environment` turns on the flight recorder (the last collectives of every group,
   gloo and NCCL) and, on NCCL, the watchdog settings that make a stuck collective fail the process
   instead of hanging it: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (abort the communicators and end
@@ -80,10 +81,11 @@ def init_distributed(device=None, timeout: Optional[timedelta] = None, backend: 
 
 def join_process_group(backend: str, timeout: timedelta) -> None:
     """``init_process_group`` from the environment (env://), with ``timeout`` and a store prefix per
-    torchrun restart."""
+    attempt: the rendezvous round under ``scripts/launch.py`` (``MEGAZERO_RDZV_ROUND``, the same on every
+    node, also on one started again after a node was lost), else torchrun's restart count."""
     prepare_environment(backend)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get("MEGAZERO_RDZV_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"megazero/attempt_{attempt}/", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
