@@ -178,6 +178,11 @@ class Attention(nn.Module):
                                       bias=m.add_bias_linear, sequence_parallel=sp, onednn=onednn,
                                       init=normal_init(seed, layer_idx, "attention.proj.weight", out_std))
         self.q_norm, self.k_norm = _qk_norms(m, mesh, m.num_attention_heads, m.num_query_groups)
+        self.gate = None  # Qwen3-Next's gated attention: the output times sigmoid(x W_gate), per channel
+        if m.attention_output_gate:  # column-parallel: each rank gates its own heads
+            self.gate = ColumnParallelLinear(m.hidden_size, m.num_attention_heads * m.kv_channels, mesh,
+                                             bias=qkv_bias, sequence_parallel=sp, onednn=onednn,
+                                             init=normal_init(seed, layer_idx, "attention.gate.weight", std))
         self.chunk = m.attention_chunk_size if self.rotary else None
         self.local_rope = m.rotary_base_local is not None and self.window is not None
         l2 = m.qk_l2_norm and (m.qk_l2_norm_scope == "all" or self.rotary)
@@ -285,7 +290,10 @@ class Attention(nn.Module):
             out = recompute(self.core, q, k, v, mask, tracker=self.tracker, device=x.device)
         else:
             out = self.core(q, k, v, mask)
-        return self.proj(rearrange(out, "b n s d -> s b (n d)"))
+        out = rearrange(out, "b n s d -> s b (n d)")
+        if self.gate is not None:  # --attention-output-gate
+            out = out * torch.sigmoid(self.gate(x))
+        return self.proj(out)
 
 
 class MLP(nn.Module):

@@ -21,7 +21,8 @@ NEMOTRON_H_MOE_LIKE = dict(HYBRID, hybrid_layer_pattern="ME*E", num_layers=4, nu
 QWEN3_NEXT_LIKE = dict(hybrid_layer_pattern="G-G-*-", num_layers=6, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                        linear_chunk_size=8, position_embedding_type="rope", normalization="RMSNorm",
-                       add_bias_linear=False, activation="swiglu", num_query_groups=2)
+                       add_bias_linear=False, activation="swiglu", num_query_groups=2,
+                       attention_output_gate=True, qk_layernorm=True)  # Qwen3-Next's gated attention
 
 
 def _cfg(model, tp=1, pp=1, zero=0, iters=3, **extra):
@@ -220,3 +221,29 @@ def test_squared_relu_mlp():
     x = torch.randn(5, 2, 16, dtype=torch.float64)
     want = torch.relu(x @ mlp.fc1.weight.T + mlp.fc1.bias).square() @ mlp.fc2.weight.T + mlp.fc2.bias
     torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_hugging_face_export_refuses_a_hybrid_stack_by_name():
+    from megazero_models.hf_export import arch_of
+    cfg = validate(_cfg(QWEN3_NEXT_LIKE), 1)
+    with pytest.raises(ConfigError, match="hybrid layer stack, --hybrid-layer-pattern"):
+        arch_of(cfg.model, cfg.moe)
+
+
+def test_attention_output_gate():
+    """--attention-output-gate (Qwen3-Next): what reaches the output projection is attention's output
+    times sigmoid(x W_gate), checked in float64 against the same layer without the gate."""
+    cfg = parse_args(["--mock-data", "--attention-output-gate", "--num-layers", "1", "--hidden-size", "16",
+                      "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2"],
+                     world_size=1)
+    att = models.build_model(cfg).decoder["0"].attention.double().eval()  # no attention dropout
+    seen = []
+    att.proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    x = torch.randn(6, 2, 16, dtype=torch.float64)
+    att(x)
+    gate, att.gate = att.gate, None
+    att(x)
+    torch.testing.assert_close(seen[0], seen[1] * torch.sigmoid(x @ gate.weight.T + gate.bias),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ConfigError, match="--attention-output-gate with --multi-latent-attention"):
+        parse_args(["--mock-data", "--attention-output-gate", "--multi-latent-attention"], world_size=1)

@@ -44,8 +44,11 @@ def _check(cond: bool, message: str) -> None:
 
 
 def check_hybrid(cfg) -> None:
-    """The hybrid settings of a resolved config (nothing to check without a pattern)."""
+    """The hybrid settings of a resolved config (nothing to check without a pattern), and Qwen3-Next's
+    attention output gate."""
     mod, par = cfg.model, cfg.parallel
+    _check(not (getattr(mod, "attention_output_gate", False) and mod.multi_latent_attention),
+           "--attention-output-gate with --multi-latent-attention is not implemented; drop one of them")
     pattern = getattr(mod, "hybrid_layer_pattern", None)
     if not pattern:
         return

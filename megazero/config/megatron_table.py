@@ -310,7 +310,6 @@ REFUSED: Dict[str, str] = {
                                 "--recompute-granularity and --recompute-method",
     "--encoder-num-layers": "use --num-layers (GPT models have decoder layers only)",
     "--encoder-seq-length": "use --seq-length",
-    "--attention-output-gate": "gated attention output is not implemented",
     "--qk-clip": "QK-clip is not implemented", "--qk-clip-alpha": "QK-clip is not implemented",
     "--qk-clip-threshold": "QK-clip is not implemented",
     "--mrope-section": "multimodal RoPE is not implemented",

@@ -292,6 +292,8 @@ class ModelConfig:
     linear_value_head_dim: int = _f(128, "Gated DeltaNet channels per value head.")
     linear_conv_kernel_dim: int = _f(4, "Width of the short causal convolutions of Gated DeltaNet.")
     linear_chunk_size: int = _f(64, "Positions per chunk of Gated DeltaNet's chunked delta rule.")
+    attention_output_gate: bool = _f(False, "Gated attention (Qwen3-Next): each attention output channel "
+                                     "times sigmoid(x W_gate), a gate projection of its own.")
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
 
