@@ -430,3 +430,33 @@ def test_megatrons_gpt_oss_example_flags_build_gpt_oss():
     model = build_model(cfg)
     logits, loss = step(model, *batch(cfg))
     assert torch.isfinite(loss).all() and model.decoder["0"].attention.sinks.grad.abs().sum() > 0
+
+
+# ---- the trainer ---------------------------------------------------------------------------------------
+def _train_history(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _train_cfg(**layout):
+    settings = dict(VARIANTS, mock_data=True, global_batch_size=8, micro_batch_size=1, train_iters=3,
+                    optimizer="sgd", lr=0.1, log_interval=100, seed=7, **GPT_OSS_MOE)
+    return config_from_dict(dict(settings, **layout))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, sequence_parallel=True, zero_stage=1,
+         expert_tensor_parallel_size=1),
+    dict(pipeline_model_parallel_size=2, context_parallel_size=2, zero_stage=3, cp_comm_type="a2a"),
+], ids=["tp2-sp-pp2-zero1", "pp2-cp2-a2a-zero3"])
+def test_trainer_under_a_layout_matches_one_process(layout):
+    """Every variant with gpt-oss's MoE: loss and gradient norm of 3 SGD steps at TP 2 (SP) x PP 2 with
+    the distributed optimizer and at PP 2 x CP 2 (Ulysses) with ZeRO-3, against one process."""
+    from tolerance import R_TRAIN
+    (ref,) = run_ranks(_train_history, 1, _train_cfg())
+    got = run_ranks(_train_history, 4, _train_cfg(**layout))[0]
+    for key in ("loss", "grad_norm"):
+        a, b = [m[key] for m in ref], [m[key] for m in got]
+        assert len(a) == len(b) == 3 and b == pytest.approx(a, rel=R_TRAIN), key
