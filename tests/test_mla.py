@@ -65,6 +65,60 @@ def _copy_to_hf(ours, hf):
             getattr(hf, name).weight.copy_(module.weight)
 
 
+def _reference_mla(att, x, base):
+    """MLA in float64 written out from DeepSeek-V2's equations: latents, norms, up-projections, RoPE on
+    interleaved pairs at angles ``p base^(-2i/dr)`` computed here, causal softmax, output projection."""
+    w = {n: p.detach().double() for n, p in att.named_parameters()}
+    s, b, _ = x.shape
+    n, dn, dr, dv = att.heads, att.dn, att.dr, att.dv
+
+    def rms(t, g):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+
+    def rot(t):  # [..., s, dr]: pairs (2i, 2i+1), output halves [x1', x2']
+        angle = torch.arange(s, dtype=torch.float64)[:, None] * base ** (
+            -torch.arange(0, dr, 2, dtype=torch.float64) / dr)
+        x1, x2 = t[..., 0::2], t[..., 1::2]
+        return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+    if att.rq:
+        q = rms(x @ w["q_down.weight"].t(), w["q_norm.weight"]) @ w["q_up.weight"].t()
+    else:
+        q = x @ w["q_proj.weight"].t()
+    q = q.view(s, b, n, dn + dr).permute(1, 2, 0, 3)
+    c, k_pe = (x @ w["kv_down.weight"].t()).split([att.rkv, dr], -1)
+    kv = (rms(c, w["kv_norm.weight"]) @ w["kv_up.weight"].t()).view(s, b, n, dn + dv).permute(1, 2, 0, 3)
+    k_pe = rot(k_pe.permute(1, 0, 2))[:, None]  # [b, 1, s, dr]: one for every head
+    scores = q[..., :dn] @ kv[..., :dn].transpose(-1, -2) + rot(q[..., dn:]) @ k_pe.transpose(-1, -2)
+    scores = (scores * att.scale).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out = scores.softmax(-1) @ kv[..., dn:]
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * dv) @ w["proj.weight"].t()
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_layer_equals_a_float64_reference(style):
+    """One layer (plain RoPE, DeepSeek's mscale^2 score scale of --rotary-scaling-factor 40 and
+    --mscale-all-dim 0.707) against the float64 equations above; a layer without the interleave (RoPE
+    on halves) fails the same comparison."""
+    import models
+    import models.mla
+    cfg = make_cfg(style, init_method_std=0.3, rope_type="rope", rotary_scaling_factor=40.0)
+    model = models.build_model(cfg)
+    att = model.decoder["0"].attention.double()
+    x = torch.randn(16, 2, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cos, sin = model._rope(x)
+    want = _reference_mla(att, x, cfg.model.rotary_base)
+    got = att(x, (cos.double(), sin.double())).detach()
+    torch.testing.assert_close(got, want, **fp32_bound(want, C_FWD))
+    halves = models.mla.rope_interleaved
+    try:
+        models.mla.rope_interleaved = models.mla.apply_rope
+        broken = att(x, (cos.double(), sin.double())).detach()
+    finally:
+        models.mla.rope_interleaved = halves
+    assert (broken - want).abs().max() > 1e3 * fp32_bound(want, C_FWD)["atol"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("style", list(STYLES))
 def test_layer_equals_hugging_face_deepseek_v3(style):
     """One MLA layer in float64 equals transformers' DeepseekV3Attention holding its weights (YaRN with
@@ -179,6 +233,8 @@ LAYOUTS = {
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
     "dp2-zero3": (2, dict(zero_stage=3)),
+    "dp2-zero0": (2, dict(zero_stage=0)),
+    "dp2-zero2": (2, dict(zero_stage=2)),
     "cp2-ring": (2, dict(context_parallel_size=2)),  # values padded to the query head size in the kernel
     "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
     "dp2-zero1-recompute-full": (2, dict(zero_stage=1, recompute_granularity="full",
@@ -317,21 +373,72 @@ def test_estimator_counts_the_parameters_as_built(style):
     assert stage["params_per_rank"] == _shard_params(cfg, 2)
 
 
-def test_flops_count_the_layer_products():
-    """Model FLOPs of an MLA layer equal what torch's FLOP counter sees in its forward (matmuls and
-    attention, causal mask not discounted, Megatron-LM's rule)."""
+ACTIVATION_CASES = {  # name: (settings, world)
+    "fp32": ({}, 1),
+    "no-q-rank": (dict(q_lora_rank=None), 1),
+    "no-latent-norms": (dict(qk_layernorm=False), 1),
+    "selective": (dict(recompute_granularity="selective"), 1),
+    "tp2-sp": (dict(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+    "values-as-wide": (dict(v_head_dim=10), 1),
+    "values-wider": (dict(v_head_dim=12), 1),
+    "attention-dropout-math": (dict(attention_dropout=0.1), 1),
+    "soft-capped": (dict(attn_logit_softcapping=5.0), 1),
+    "selective-values-wider": (dict(recompute_granularity="selective", v_head_dim=12), 1),
+    "full-recompute": (dict(recompute_granularity="full"), 1),
+    "bf16": (dict(bf16=True), 1),
+    "layernorm": (dict(normalization="LayerNorm"), 1),
+    "tp2": (dict(tensor_model_parallel_size=2), 2),
+    "tp2-sp-no-q-rank": (dict(tensor_model_parallel_size=2, sequence_parallel=True, q_lora_rank=None), 2),
+    "cp2-ring": (dict(context_parallel_size=2), 2),
+    "cp2-a2a": (dict(context_parallel_size=2, cp_comm_type="a2a"), 2),
+}
+FAST_ACTIVATIONS = ("fp32", "no-q-rank", "selective", "tp2-sp")
+
+
+def _measured_activations(settings, world):
     import models
+    from megazero.training.measure import measure_rank
+    return measure_rank(validate(config_from_dict(settings), world), models.build_chunks,
+                        iters=1)["activation_bytes"]
+
+
+@pytest.mark.parametrize("name", [n if n in FAST_ACTIVATIONS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ACTIVATION_CASES])
+def test_activation_estimate_equals_measurement(name):
+    """The estimator's activation bytes (models/mla_saved.py, what each MLA layer keeps for backward)
+    equal what autograd keeps in a training step, byte for byte: latent norms, the gathered latents,
+    the padded values, each kernel, recomputation, sequence and context parallelism, bf16."""
+    from megazero.planning.estimate import estimate_stages
+    from models import saved_activations
+    over, world = ACTIVATION_CASES[name]
+    settings = dict(MLA, micro_batch_size=2, global_batch_size=2, train_iters=1, **over)
+    cfg = validate(config_from_dict(settings), world)
+    est = estimate_stages(cfg, device="cpu", backend="gloo", saved=saved_activations)[0]["activation_bytes"]
+    got = (_measured_activations(settings, 1) if world == 1
+           else run_ranks(_measured_activations, world, settings, world)[0])
+    assert est == got
+
+
+@pytest.mark.parametrize("v_head_dim", [10, 5], ids=["values-as-wide", "padded-values"])
+def test_flops_count_the_layer_products(v_head_dim):
+    """Model FLOPs of an MLA layer equal what torch's FLOP counter sees in its forward (SDPA's math
+    kernel, whose products it counts: causal mask not discounted, Megatron-LM's rule).  Model FLOPs
+    count the values' own ``dv`` channels; with values zero-padded to the query's width the kernel
+    computes ``2 s n (dn + dr - dv)`` more a token, which the counter sees and the count leaves out."""
+    import models
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from megazero.planning.flops import layer_forward_flops_per_token
     for style in STYLES:
-        cfg = make_cfg(style, activation="gelu", ffn_hidden_size=40)
-        layer = models.build_model(cfg).decoder["0"]
+        cfg = make_cfg(style, activation="gelu", ffn_hidden_size=40, v_head_dim=v_head_dim)
+        model = models.build_model(cfg)
         x = torch.randn(cfg.model.seq_length, 2, cfg.model.hidden_size)
-        rope = models.build_model(cfg)._rope(x)
-        with FlopCounterMode(display=False) as counter:
-            layer(x, rope)
-        per_token = layer_forward_flops_per_token(cfg)
-        want = (per_token["dense"] + per_token["attention"]) * x.shape[0] * x.shape[1]
+        with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+            model.decoder["0"](x, model._rope(x))
+        m, per_token = cfg.model, layer_forward_flops_per_token(cfg)
+        padding = 2 * m.seq_length * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim
+                                                              - v_head_dim)
+        want = (per_token["dense"] + per_token["attention"] + padding) * x.shape[0] * x.shape[1]
         assert counter.get_total_flops() == want, style
 
 
@@ -362,6 +469,28 @@ def test_generation_caches_the_latent_and_matches_uncached(style):
         for _ in range(8):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ids)
+
+
+def _tp_generate(style, tp):
+    import models
+    from models.generate import generate
+    from models.layers import KVCache
+    cfg = make_cfg(style, tp, tensor_model_parallel_size=tp)
+    model = models.build_model(cfg, ParallelMesh.build(tp=tp) if tp > 1 else None).eval()
+    prompt = torch.randint(0, cfg.model.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model.decode(prompt, KVCache())
+    return generate(model, prompt, max_new_tokens=6), logits
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_generation_under_tensor_parallelism_matches_one_process(style):
+    """TP 2 (heads split, latents on every rank): the prompt's logits within the fp32 bound and the
+    greedy tokens equal to one process's."""
+    ids, logits = _tp_generate(style, 1)
+    for got_ids, got_logits in run_ranks(_tp_generate, 2, style, 2):
+        torch.testing.assert_close(got_logits, logits, **fp32_bound(logits, C_FWD))
+        assert torch.equal(got_ids, ids)
 
 
 # ---- flags ------------------------------------------------------------------------------------------
@@ -398,3 +527,24 @@ def test_refused_combinations_name_the_flag(flags, needle):
 def test_rope_type_yarn_needs_mla():
     with pytest.raises(ConfigError, match="--rope-type yarn: .*--multi-latent-attention"):
         parse_args(["--mock-data", "--rope-type", "yarn"], world_size=1)
+
+
+@pytest.mark.slow
+def test_bench_mla_quick_runs_and_the_cache_holds_the_latent():
+    """scripts/bench_mla.py --quick: both attentions timed; the cache it reads holds, per token and
+    layer, kv_lora_rank + qk_pos_emb_head_dim fp32 values for MLA (16 + 8) and 2 x heads x head
+    width for standard attention (2 x 4 x 24)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "scripts/bench_mla.py", "--quick", "--json", "-"], cwd=root,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout[proc.stdout.index("["):])
+    assert {r["kind"] for r in rows} == {"MLA", "standard"}
+    assert all(r["us_per_token"] > 0 and r["saved_bytes_per_token"] > 0 for r in rows)
+    cache = {r["kind"]: r["cache_bytes_per_token"] for r in rows}
+    assert cache == {"MLA": 4 * (16 + 8), "standard": 4 * 2 * 4 * (16 + 8)}
