@@ -28,8 +28,9 @@ the replicated weights get complete gradients without sequence parallelism and p
 (marked ``sequence_parallel``, summed over TP) with it, as the layer norms do.
 
 Attention itself runs in :meth:`Attention.core` (SDPA, the blockwise kernel, ring or Ulysses
-context parallelism, windows, soft-capping, packed documents); the kernels that need one head size
-for keys and values get values padded with zeros to ``dn + dr`` (and the padding cut off after).
+context parallelism, windows, soft-capping, packed documents), with values zero-padded to the
+query's ``dn + dr`` channels when ``dv`` differs (and the padding cut off after): every kernel then
+sees one head size (SDPA's flash kernels need it; CPU's would fall back to its math kernel).
 
 Generation caches the latent, not the keys and values: ``c`` and ``rope(k_pe)``, ``rkv + dr``
 values a token and layer (:class:`models.layers.KVCache` holds them as its keys and values), and
@@ -165,13 +166,14 @@ class MLAttention(Attention):
 
     # ---- attention ---------------------------------------------------------------------------
     def mla_core(self, q, k, v, mask=None):
-        """:meth:`Attention.core`; values padded to the query's head size for the kernels that take
-        one head size (context parallelism, soft-capped scores)."""
-        pad = self.dv != self.head_dim and (self.mesh.size("cp") > 1 or self.softcap is not None)
-        if not pad:
+        """:meth:`Attention.core` with the values zero-padded to the query's head size (and cut after)
+        when the two differ: the kernels of context parallelism and soft-capping take one head size,
+        and so do SDPA's flash kernels (with values narrower than queries CPU's SDPA falls back to its
+        math kernel, which keeps the ``s x s`` probabilities)."""
+        if self.dv == self.head_dim:
             return self.core(q, k, v, mask)
         width = max(self.dv, self.head_dim)
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
         return self.core(q, k, v, mask)[..., :self.dv]
 
     def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None,
@@ -197,7 +199,8 @@ class MLAttention(Attention):
         and values: ``q_nope W_uk`` is scored against the latents ``c``, the weighted latents go
         through ``W_uv`` (the absorbed up-projection; no gradient)."""
         past = kv_cache.length
-        c, k_pe = kv_cache.extend(self.layer_idx, c, k_pe)  # [b, 1, t, rkv], [b, 1, t, dr]
+        # [b, 1, t, rkv], [b, 1, t, dr]; copies: the prompt's latent is a slice of all latents
+        c, k_pe = kv_cache.extend(self.layer_idx, c.contiguous(), k_pe.contiguous())
         w = self.kv_up.weight.view(self.heads, self.dn + self.dv, self.rkv)
         w_uk, w_uv = w[:, :self.dn], w[:, self.dn:]
         q_latent = torch.einsum("bnsd,ndr->bnsr", q_nope, w_uk)

@@ -63,6 +63,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from megazero.offload.element_bytes import FP32
 from megazero.planning.activations import Dims, Segment
+from . import mla_saved
 
 
 def norm_bytes(D: Dims) -> int:
@@ -197,7 +198,10 @@ def _ulysses(D: Dims) -> int:
 def core_bytes(D: Dims) -> int:
     """What the attention core (``split_qkv``, the q/k norms, RoPE, the kernel) and the output
     projection's input keep: the union of :func:`_qk_path`'s and :func:`_kernel`'s storages, each
-    once (the QKV output, say, is kept by the value, the key and the norms alike)."""
+    once (the QKV output, say, is kept by the value, the key and the norms alike).  Multi-latent
+    attention: :func:`megazero_models.mla_saved.core_bytes`."""
+    if D.mla:
+        return mla_saved.core_bytes(D)
     kept, q, k, v = _qk_path(D)
     if D.backend == "ulysses":
         return sum(kept.values()) + _ulysses(D)
@@ -218,6 +222,8 @@ def _proj_copies(D: Dims) -> bool:
 def selective_kept(D: Dims) -> int:
     """The recomputed core's saved inputs (q, k, v, with what the q/k norms keep) and its output,
     kept by the projection."""
+    if D.mla:
+        return mla_saved.selective_kept(D)
     kept, q, k, v = _qk_path(D)
     return sum({**kept, **dict([q, k, v])}.values()) + _heads(D)  # the output (or its copy)
 
@@ -226,6 +232,8 @@ def selective_replay(D: Dims) -> int:
     """Bytes the core's replay saves in backward, beyond its inputs (already kept): the kernel's
     set without q, k, v and without the projection's copy (the output the projection keeps is the
     forward's)."""
+    if D.mla:
+        return mla_saved.selective_replay(D)
     if D.backend == "ulysses":  # its own q, k, v, output and log-sum-exp
         return _ulysses(D) - _heads(D)
     _, q, k, v = _qk_path(D)
@@ -236,8 +244,8 @@ def selective_replay(D: Dims) -> int:
 
 
 def rope_bytes(D: Dims) -> int:
-    """fp32 cos and sin ``[s, d]`` (once per chunk forward)."""
-    return 2 * FP32 * D.s * D.d if D.rope else 0
+    """fp32 cos and sin ``[s, d]`` (once per chunk forward; MLA: of its rotary part)."""
+    return 2 * FP32 * D.s * (D.mla.dr if D.mla else D.d) if D.rope else 0
 
 
 def mlp_bytes(D: Dims) -> int:
@@ -317,10 +325,17 @@ def _norms_around(D: Dims) -> Tuple[int, int]:
     return int(D.norms != "post"), int(D.norms != "pre")
 
 
+def _attention_input(D: Dims) -> int:
+    """What the attention's input projections keep of their input: the QKV projection ``E T h`` (the
+    gathered copy under sequence parallelism); MLA's projections
+    (:func:`megazero_models.mla_saved.input_bytes`)."""
+    return mla_saved.input_bytes(D) if D.mla else D.E * D.T * D.h
+
+
 def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
     """One transformer layer's kept bytes by part (module docstring)."""
     attn = selective_kept(D) if selective else core_bytes(D)
-    return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), "qkv_input": D.E * D.T * D.h,
+    return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), "qkv_input": _attention_input(D),
             "attention": attn, "mlp": ffn_bytes(D), "dropout": 2 * dropout_bytes(D)}
 
 
@@ -331,12 +346,13 @@ def layer_bytes(D: Dims, selective: bool = False) -> int:
 def layer_segments(D: Dims, selective: bool) -> List[Segment]:
     """A layer as two segments (attention half, MLP half) in forward order."""
     norms = sum(_norms_around(D)) * norm_bytes(D)
-    attn = norms + D.E * D.T * D.h + dropout_bytes(D)
+    attn = norms + _attention_input(D) + dropout_bytes(D)
     mlp = norms + ffn_bytes(D) + dropout_bytes(D)
     if not selective:
         return [Segment(attn + core_bytes(D)), Segment(mlp)]
     # backward reaches the core's replay after the dropout mask and the projection's input are freed
-    return [Segment(attn + selective_kept(D), selective_replay(D), dropout_bytes(D) + _heads(D)),
+    proj_input = mla_saved.proj_input_bytes(D) if D.mla else _heads(D)
+    return [Segment(attn + selective_kept(D), selective_replay(D), dropout_bytes(D) + proj_input),
             Segment(mlp)]
 
 

@@ -64,6 +64,18 @@ class MoEDims:
 
 
 @dataclass(frozen=True)
+class MLADims:
+    """A multi-latent attention layer's sizes (``models/mla.py``): the latent ranks (``rq`` 0 without
+    --q-lora-rank), the head sizes and whether the latents are normalised (--qk-layernorm)."""
+    rq: int
+    rkv: int
+    dn: int
+    dr: int
+    dv: int
+    norm: bool
+
+
+@dataclass(frozen=True)
 class Dims:
     """Per-rank sizes and the kernels that decide what is saved (see the module docstring)."""
     s: int
@@ -94,6 +106,7 @@ class Dims:
     embed_scale: bool = False     # Gemma's sqrt(h) (a 0-dim tensor the multiply keeps)
     final_softcap: bool = False   # the head's tanh keeps its output
     moe: Optional[MoEDims] = None  # this layer is an MoE layer (:func:`layer_dims`)
+    mla: Optional[MLADims] = None  # multi-latent attention (--multi-latent-attention)
 
     @property
     def T(self) -> int:
@@ -124,7 +137,10 @@ def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
     half = bool(pre.bf16 or pre.fp16)
     E = compute_bytes(pre)
     cp = par.context_parallel_size
-    backend = sdpa_backend(device, half, m.attention_dropout > 0, m.kv_channels)
+    mla = (MLADims(rq=m.q_lora_rank or 0, rkv=m.kv_lora_rank, dn=m.qk_head_dim, dr=m.qk_pos_emb_head_dim,
+                   dv=m.v_head_dim, norm=bool(m.qk_layernorm)) if m.multi_latent_attention else None)
+    head_dim = max(mla.dn + mla.dr, mla.dv) if mla else m.kv_channels
+    backend = sdpa_backend(device, half, m.attention_dropout > 0, head_dim)
     if attention == "unfused":
         backend = "math"
     if m.attn_logit_softcapping is not None:
@@ -135,12 +151,12 @@ def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
                 sp=bool(par.sequence_parallel), E=E, M=E if device == "cpu" else 1,
                 ap=m.num_attention_heads // tp, gp=m.num_query_groups // tp, d=m.kv_channels,
                 fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp, v=m.vocab_size,
-                rope=uses_rope(m), rms=m.normalization == "RMSNorm",
+                rope=uses_rope(m) or m.multi_latent_attention, rms=m.normalization == "RMSNorm",
                 swiglu=m.activation in GATED, half=half, hidden_dropout=m.hidden_dropout > 0,
                 attention_dropout=m.attention_dropout > 0,
                 backend=backend, device=device, cp=cp, qk_norm=m.qk_layernorm_scope if m.qk_layernorm else "",
                 norms=m.norm_position, embed_scale=m.scale_embedding,
-                final_softcap=m.final_logit_softcapping is not None)
+                final_softcap=m.final_logit_softcapping is not None, mla=mla)
 
 
 def layer_dims(cfg, D: Dims, layer: int) -> Dims:
@@ -151,7 +167,8 @@ def layer_dims(cfg, D: Dims, layer: int) -> Dims:
     window = active_window(layer_window(m, layer), m.seq_length)
     mask = window if D.backend in ("flash", "efficient", "math") else None
     moe = moe_dims(cfg, D) if layer in moe_layers(cfg) else None
-    return replace(D, rope=layer_uses_rope(m, layer), window=mask, moe=moe)
+    rope = layer_uses_rope(m, layer) or m.multi_latent_attention  # MLA rotates its rotary part always
+    return replace(D, rope=rope, window=mask, moe=moe)
 
 
 def moe_dims(cfg, D: Dims) -> MoEDims:
