@@ -21,6 +21,7 @@ AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "
 MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe")  # window per layer (config.layer_types)
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
+HELD_VARIANTS: Dict[str, tuple] = {}  # architecture -> the flags of docs/attention.md it holds
 
 
 def _scalings(m) -> List[str]:
@@ -103,9 +104,30 @@ def missing(m, t: str, moe=None) -> Optional[str]:
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
     if experts != (t in MOE_ORDER):
         return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
+    variant = variants_missing(m, moe, t)
     if experts:
-        return _dense_missing(m, t) or moe_missing(moe, m, t)
-    return _dense_missing(m, t)
+        return variant or _dense_missing(m, t) or moe_missing(moe, m, t)
+    return variant or _dense_missing(m, t)
+
+
+def variants_missing(m, moe, t: str) -> Optional[str]:
+    """The attention/MLP variants of docs/attention.md that architecture ``t`` lacks (None: it holds
+    every one ``m`` uses)."""
+    held = HELD_VARIANTS.get(t, ())
+    used = [(flag, on) for flag, on in (
+        (f"--softmax-type {m.softmax_type}", m.softmax_type != "vanilla"),
+        ("--attention-chunk-size", m.attention_chunk_size is not None), ("--qk-l2-norm", m.qk_l2_norm),
+        ("--attn-temperature-tuning", m.attn_temperature_tuning),
+        (f"--rotary-percent {m.rotary_percent}", m.rotary_percent != 1.0),
+        ("--rotary-base-local", m.rotary_base_local is not None),
+        (f"--activation {m.activation}", m.activation == "quick_geglu"),
+        ("--glu-linear-offset", m.glu_linear_offset != 0.0),
+        ("--activation-func-clamp-value", m.activation_func_clamp_value is not None),
+        ("--moe-router-bias", moe is not None and moe.moe_router_bias)) if on]
+    for flag, _ in used:
+        if flag.split(" ")[0] not in held:
+            return f"{flag} ({t} has no such part; docs/attention.md)"
+    return None
 
 
 def _dense_missing(m, t: str) -> Optional[str]:

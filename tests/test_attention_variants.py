@@ -460,3 +460,17 @@ def test_trainer_under_a_layout_matches_one_process(layout):
     for key in ("loss", "grad_norm"):
         a, b = [m[key] for m in ref], [m[key] for m in got]
         assert len(a) == len(b) == 3 and b == pytest.approx(a, rel=R_TRAIN), key
+
+
+@pytest.mark.parametrize("over", [dict(softmax_type="learnable"), dict(attention_chunk_size=8),
+                                  dict(qk_l2_norm=True), dict(rotary_percent=0.5),
+                                  dict(activation="quick_geglu"), dict(glu_linear_offset=1.0)])
+def test_an_export_never_drops_a_variant(over):
+    """No transformers architecture megazero writes holds these: the export names the flag instead of
+    writing a model without it."""
+    from models.hf_export import arch_of
+    base = dict(STYLES["llama"], mock_data=True)
+    arch_of(validate(config_from_dict(base), 1).model)  # the plain model exports
+    m = validate(config_from_dict(dict(base, **over)), 1).model
+    with pytest.raises(ConfigError, match="no transformers architecture holds this model .*attention.md"):
+        arch_of(m)
