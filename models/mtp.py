@@ -162,7 +162,7 @@ class MultiTokenPrediction(nn.Module):
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor, model) -> torch.Tensor:
         """Token ids ``[b, s]`` -> ``[s (/cp) (/tp), b, h]`` through the (vocabulary-parallel) ``weight``,
-        as the model's embedding computes them (no position embedding, no dropout)."""
+        as the model's embedding computes them (with its dropout; no position embedding: refused)."""
         if model.cp_size > 1:
             ids = split_for_cp(ids, 1, model.cp_size, model.cp_rank)
         ids = ids.t()
@@ -179,6 +179,12 @@ class MultiTokenPrediction(nn.Module):
             x = reduce_scatter_to_sp(x, mesh) if model.sequence_parallel else reduce_from_tp(x, mesh)
         if self.cfg.model.scale_embedding:
             x = x * torch.tensor(self.cfg.model.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
+        p = self.cfg.model.hidden_dropout  # the embedding's dropout, as the model's (and Megatron-core's)
+        if model.training and p > 0:
+            if model.sequence_parallel:
+                with model.rng_tracker.fork():
+                    return F.dropout(x, p)
+            return F.dropout(x, p)
         return x
 
     def hidden_states(self, h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, model, rope,

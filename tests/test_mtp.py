@@ -282,3 +282,15 @@ def test_half_precision_under_pp2_follows_one_process(dtype):
         print(dtype, key, "PP 2 vs single max |diff|", diff, "single vs fp32", rounding)
         assert 0 < rounding and diff <= 3 * rounding, (key, diff, rounding)
     assert not any(m["skipped"] for m in single) and [m["skipped"] for m in got] == [0] * 5
+
+
+def test_the_depths_embedding_has_the_models_dropout():
+    """Megatron-core embeds the shifted tokens with the model's embedding, dropout included."""
+    import models
+    cfg = validate(config_from_dict(dict(BASE, hidden_dropout=0.5)), world_size=1)
+    model = models.build_model(cfg)
+    ids = torch.randint(0, 100, (2, 16))
+    weight = model.mtp.embedding_weight(model)
+    zeros = float((model.train().mtp.embed(ids, weight, model) == 0).float().mean())
+    assert 0.4 < zeros < 0.6
+    assert not (model.eval().mtp.embed(ids, weight, model) == 0).any()
