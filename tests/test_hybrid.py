@@ -76,6 +76,8 @@ def test_megatron_flags_build_the_pattern():
     (["--hybrid-layer-pattern", "G*", "--num-layers", "2", "--linear-num-value-heads", "6"], 1,
      "--linear-num-value-heads 6 is not divisible by --linear-num-key-heads 16"),
     (["--mamba-inference-ssm-states-dtype", "fp32"], 1, "--mamba-inference-ssm-states-dtype: this Mamba"),
+    (["--hybrid-layer-pattern", "G*", "--num-layers", "2", "--mtp-num-layers", "1"], 1,
+     "--mtp-num-layers with --hybrid-layer-pattern"),
 ])
 def test_bad_settings_get_one_line_naming_the_flag(flags, world, needle):
     with pytest.raises(ConfigError) as err:
@@ -247,3 +249,25 @@ def test_attention_output_gate():
                                rtol=1e-12, atol=1e-12)
     with pytest.raises(ConfigError, match="--attention-output-gate with --multi-latent-attention"):
         parse_args(["--mock-data", "--attention-output-gate", "--multi-latent-attention"], world_size=1)
+
+
+def test_flops_count_each_kind_of_layer():
+    """Model FLOPs of a hybrid step, written out by hand for M*-G (Megatron-LM's per-kind counts)."""
+    from megazero.planning.flops import model_flops_per_iteration, recompute_flops_per_iteration
+    model = dict(QWEN3_NEXT_LIKE, **HYBRID)
+    model.update(hybrid_layer_pattern="M*-G", num_layers=4, attention_output_gate=False, ffn_hidden_size=64,
+                 activation="gelu")
+    cfg = validate(_cfg(model, recompute_granularity="selective"), 1)
+    h, s, V = 32, 20, cfg.model.padded_vocab_size
+    d_in, n, heads = 8 * 8, 8, 8  # Mamba: 8 heads of 8, 2 groups of state 8
+    mamba = 2 * h * (2 * d_in + 2 * 2 * n + heads) + 2 * d_in * h + 7 * d_in * n
+    q, kv = 4 * 8, 2 * 8  # attention: 4 heads, 2 groups, 8 channels
+    attention = 2 * h * (q + 2 * kv) + 2 * q * h + 4 * s * q
+    mlp = 2 * 2 * h * 64
+    k, v = 2 * 8, 4 * 8  # DeltaNet: 2 key heads of 8, 4 value heads of 8
+    deltanet = 2 * (h * (2 * k + 2 * v + 2 * 4) + 4 * (2 * k + v) + 4 * 4 * 8 * 8 + h * v)
+    tokens = cfg.training.global_batch_size * s
+    forward = mamba + attention + mlp + deltanet + 2 * h * V
+    assert model_flops_per_iteration(cfg) == pytest.approx(3 * forward * tokens, rel=1e-12)
+    replayed = 7 * d_in * n + 4 * s * q + 2 * (4 * (2 * k + v) + 4 * 4 * 8 * 8)  # scan, core, rule
+    assert recompute_flops_per_iteration(cfg) == pytest.approx(replayed * tokens, rel=1e-12)

@@ -52,6 +52,8 @@ def check_hybrid(cfg) -> None:
     pattern = getattr(mod, "hybrid_layer_pattern", None)
     if not pattern:
         return
+    _check(not getattr(mod, "mtp_num_layers", None), "--mtp-num-layers with --hybrid-layer-pattern: "
+           "multi-token prediction in hybrid stacks is not implemented; drop --mtp-num-layers")
     _check("/" not in pattern, f"--hybrid-layer-pattern {pattern!r}: multi-token prediction layers (after "
            "'/') are not implemented; drop the part from '/'")
     _check("|" not in pattern, f"--hybrid-layer-pattern {pattern!r}: pipeline stage marks '|' are not read; "

@@ -1,0 +1,62 @@
+"""Forward FLOPs per token of a hybrid stack's layers (``--hybrid-layer-pattern``), each kind its own,
+counted as Megatron-LM counts them for its hybrid models:
+
+* ``M`` (Mamba-2): the in-projection ``2 h (2 d_in + 2 groups state + heads)``, the scan
+  ``7 d_in state`` and the out-projection ``2 d_in h``, with ``d_in = heads x head_dim`` (Megatron-LM
+  takes ``2 h``, the same at its default head count); the conv is not counted;
+* ``G`` (Gated DeltaNet): ``2 (h (2 K + 2 V + 2 Hv) + conv (2 K + V) + 4 Hv dv^2 + h V)`` with
+  ``K`` the query/key and ``V`` the value channels, ``Hv`` value heads of ``dv`` channels;
+* ``*``: the attention layer's projections (the output gate's ``2 h q`` too) and core, as a
+  transformer layer's (:func:`megazero.planning.flops.layer_forward_flops_per_token`);
+* ``-`` and ``E``: the dense MLP or the MoE layer's active part.
+
+Returned like the transformer's count, as the mean over the layers: ``dense`` (projections and
+MLPs) and ``attention`` (what selective recomputation replays: attention cores, and the Mamba-2 and
+Gated DeltaNet mixers' scan or rule, conv and norm, counted as their scan or rule).
+"""
+from __future__ import annotations
+
+from megazero.config.hybrid import ATTENTION, DELTANET, MAMBA, MLP, MOE, mamba_num_heads
+from megazero.config.patterns import layer_uses_rope, layer_window
+
+
+def mamba_flops(m):
+    """``(projections, scan)`` forward FLOPs per token of one Mamba-2 layer."""
+    heads = mamba_num_heads(m)
+    d_in, gn, h = heads * m.mamba_head_dim, m.mamba_num_groups * m.mamba_state_dim, m.hidden_size
+    return 2 * h * (2 * d_in + 2 * gn + heads) + 2 * d_in * h, 7 * d_in * m.mamba_state_dim
+
+
+def deltanet_flops(m):
+    """``(projections, rule and conv)`` forward FLOPs per token of one Gated DeltaNet layer."""
+    h, hv, dv = m.hidden_size, m.linear_num_value_heads, m.linear_value_head_dim
+    k, v = m.linear_num_key_heads * m.linear_key_head_dim, hv * dv
+    rule = 2 * (m.linear_conv_kernel_dim * (2 * k + v) + 4 * hv * dv * dv)
+    return 2 * (h * (2 * k + 2 * v + 2 * hv) + h * v), rule
+
+
+def hybrid_layer_flops(cfg, mlp_flops, mla_flops) -> dict:
+    """The mean forward FLOPs per token over the pattern's layers (the module docstring);
+    ``mlp_flops(cfg, moe_layer)`` and ``mla_flops(m, keys)`` are the transformer count's."""
+    m = cfg.model
+    h, s = m.hidden_size, m.seq_length
+    q = m.num_attention_heads * (m.kv_channels or h // m.num_attention_heads)
+    kv = (m.num_query_groups or m.num_attention_heads) * (m.kv_channels or h // m.num_attention_heads)
+    dense = attention = 0.0
+    for i, kind in enumerate(m.hybrid_layer_pattern):
+        if kind == ATTENTION:
+            w, c = layer_window(m, i), m.attention_chunk_size if layer_uses_rope(m, i) else None
+            keys = min(s, s if w is None else w + 1, c or s)
+            if m.multi_latent_attention:
+                projections, core = mla_flops(m, keys)
+            else:
+                projections, core = 2 * h * (q + 2 * kv) + 2 * q * h, 4 * keys * q
+            dense += projections + (2 * h * q if m.attention_output_gate else 0)
+            attention += core
+        elif kind in (MLP, MOE):
+            dense += mlp_flops(cfg, kind == MOE)
+        elif kind in (MAMBA, DELTANET):
+            projections, core = mamba_flops(m) if kind == MAMBA else deltanet_flops(m)
+            dense, attention = dense + projections, attention + core
+    n = len(m.hybrid_layer_pattern)
+    return {"dense": dense / n, "attention": attention / n}
