@@ -442,6 +442,20 @@ def test_flops_count_the_layer_products(v_head_dim):
         assert counter.get_total_flops() == want, style
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_step_time_model_runs_the_counted_products(tp, sp):
+    """The planner's GPU step-time model (megazero/planning/gpu_model.py) times MLA's products: one rank's
+    matmuls, times the TP ranks, are the FLOP count's (the replicated down-projections on each rank's
+    part of the sequence under SP)."""
+    from megazero.planning.flops import layer_forward_flops_per_token
+    from megazero.planning.gpu_model import layer_gemms
+    cfg = make_cfg("both-ranks", tp, tensor_model_parallel_size=tp, sequence_parallel=sp,
+                   activation="gelu", ffn_hidden_size=40)
+    tokens = 32
+    per_rank = sum(2 * m * n * k for m, n, k in layer_gemms(cfg, tokens))
+    assert per_rank * tp == layer_forward_flops_per_token(cfg)["dense"] * tokens
+
+
 # ---- generation: the latent cache ----------------------------------------------------------------------
 @pytest.mark.parametrize("style", list(STYLES))
 def test_generation_caches_the_latent_and_matches_uncached(style):

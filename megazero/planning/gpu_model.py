@@ -132,15 +132,31 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GpuType, elem: int = 2, knee
     return flops / (gpu.peak_tflops * 1e12 * eff)
 
 
+def attention_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
+    """(M, N, K) of one layer's attention projections on one TP rank for ``tokens`` tokens: QKV and the
+    output; multi-latent attention's down-projections (replicated: every rank its own tokens, under
+    sequence parallelism its part of them), up-projections (or the one query projection) and output."""
+    m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h = m.hidden_size
+    if getattr(m, "multi_latent_attention", False):
+        n, rq, rkv = m.num_attention_heads // t, m.q_lora_rank, m.kv_lora_rank
+        dq, dr = m.qk_head_dim + m.qk_pos_emb_head_dim, m.qk_pos_emb_head_dim
+        local = tokens // t if cfg.parallel.sequence_parallel else tokens
+        query = [(local, rq, h), (tokens, n * dq, rq)] if rq else [(tokens, n * dq, h)]
+        return query + [(local, rkv + dr, h), (tokens, n * (m.qk_head_dim + m.v_head_dim), rkv),
+                        (tokens, h, n * m.v_head_dim)]
+    kv_ch = m.kv_channels or h // m.num_attention_heads
+    q, kv = m.num_attention_heads * kv_ch, (m.num_query_groups or m.num_attention_heads) * kv_ch
+    return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t)]
+
+
 def layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
     """(M, N, K) of one layer's forward matmuls on one TP rank for ``tokens`` tokens."""
     m, t = cfg.model, cfg.parallel.tensor_model_parallel_size
     h = m.hidden_size
-    kv_ch = m.kv_channels or h // m.num_attention_heads
-    q, kv = m.num_attention_heads * kv_ch, (m.num_query_groups or m.num_attention_heads) * kv_ch
     ffn = m.ffn_hidden_size or 4 * h
     up = 2 * ffn if m.activation in GATED else ffn
-    return [(tokens, (q + 2 * kv) // t, h), (tokens, h, q // t), (tokens, up // t, h), (tokens, h, ffn // t)]
+    return attention_gemms(cfg, tokens) + [(tokens, up // t, h), (tokens, h, ffn // t)]
 
 
 def moe_layer_gemms(cfg, tokens: int) -> List[Tuple[int, int, int]]:
@@ -170,7 +186,7 @@ def layers_gemm_seconds(cfg, tokens: int, gpu: GpuType, elem: int, knee: float) 
     moe = len(moe_layers(cfg))
     if not moe:
         return dense
-    attention = sum(gemm_seconds(*g, gpu, elem, knee) for g in layer_gemms(cfg, tokens)[:2])
+    attention = sum(gemm_seconds(*g, gpu, elem, knee) for g in attention_gemms(cfg, tokens))
     routed = attention + sum(gemm_seconds(*g, gpu, elem, knee) for g in moe_layer_gemms(cfg, tokens))
     layers = cfg.model.num_layers
     return (dense * (layers - moe) + routed * moe) / layers
@@ -204,6 +220,8 @@ def micro_batch_seconds(cfg, gpu: GpuType, knee: float = KNEE, attention: str = 
     tokens = b * s // cp
     heads = m.num_attention_heads // t
     d = m.kv_channels or h // m.num_attention_heads
+    if getattr(m, "multi_latent_attention", False):  # the kernel's head size (values padded to the query's)
+        d = max(m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim)
     hbm = gpu.hbm_gbs * 1e9
     gemm = layers_gemm_seconds(cfg, tokens, gpu, elem, knee)
     if attention == "unfused":

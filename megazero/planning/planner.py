@@ -329,7 +329,9 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
         n_tp = layers * (6 if m.recompute_granularity == "full" else 4) + 1  # + the embedding's reduction
         tp_comm = n_tp * _link(tp, hw).ring(act, tp, 2)  # gloo's ring (calibrated CPU ranks)
         if cp > 1:  # ring attention: per layer cp - 1 K/V blocks forward, K/V and dK/dV backward
-            kv = 2 * m.seq_length // cp * tr.micro_batch_size * m.num_query_groups // tp * m.kv_channels * E
+            d = max(m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention \
+                else m.kv_channels  # MLA: keys and padded values of the query's width
+            kv = 2 * m.seq_length // cp * tr.micro_batch_size * m.num_query_groups // tp * d * E
             passes = 3 + (1 if m.recompute_granularity else 0)  # recomputation replays the forward ring
             tp_comm += layers * passes * (cp - 1) * _link(tp * cp, hw).p2p(kv)
     # a rank's own work, or the critical path through the bubble when that is longer: with ranks
