@@ -27,10 +27,13 @@ MLA = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, v
            v_head_dim=5, qk_layernorm=True, rotary_scaling_factor=4.0, mscale=0.707, mscale_all_dim=0.707,
            yarn_original_max_position_embeddings=8, seed=5)
 STYLES = {"both-ranks": MLA, "no-q-rank": dict(MLA, q_lora_rank=None)}
+# Megatron-LM's own MLA test model keeps the default learned positions: MLA's RoPE besides, no norms
+LEARNED = {"learned-positions": dict(MLA, position_embedding_type="learned_absolute", qk_layernorm=False,
+                                     untie_embeddings_and_output_weights=False)}
 
 
 def make_cfg(style, world=1, **over):
-    return validate(config_from_dict(dict(STYLES[style], **over)), world)
+    return validate(config_from_dict(dict({**STYLES, **LEARNED}[style], **over)), world)
 
 
 # ---- the layer against Hugging Face's DeepSeek-V3 ------------------------------------------------
@@ -192,7 +195,7 @@ def _tp_run(style, tp, sp, break_latent_sync=False):
 
 @pytest.fixture(scope="module")
 def oracle():
-    return {style: _tp_run(style, 1, False) for style in STYLES}
+    return {style: _tp_run(style, 1, False) for style in [*STYLES, *LEARNED]}
 
 
 def _compare(got, ref):
@@ -205,7 +208,7 @@ def _compare(got, ref):
         torch.testing.assert_close(got["grads"][name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
 
 
-@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("style", [*STYLES, *LEARNED])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_tensor_parallel_matches_one_process(oracle, style, sp):
     for got in run_ranks(_tp_run, 2, style, 2, sp):
