@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megazero.config.hybrid import ATTENTION, DELTANET, MAMBA, MLP as MLP_KIND, layer_kind, mamba_num_heads
+from megazero.config.hybrid import (ATTENTION, DELTANET, MAMBA, MAMBA_CONV_KERNEL, MLP as MLP_KIND,
+                                    layer_kind, mamba_num_heads)
 from .deltanet import DeltaNetShape, GatedDeltaNet
 from .layers import MLP, Attention, KVCache, Norm, Rope
 from .mamba import MambaMixer, MambaShape
@@ -29,7 +30,7 @@ def mamba_shape(cfg) -> MambaShape:
     m = cfg.model
     return MambaShape(hidden_size=m.hidden_size, num_heads=mamba_num_heads(m), head_dim=m.mamba_head_dim,
                       state_dim=m.mamba_state_dim, num_groups=m.mamba_num_groups,
-                      chunk_size=m.mamba_chunk_size,
+                      chunk_size=m.mamba_chunk_size, conv_kernel=MAMBA_CONV_KERNEL,
                       norm_eps=m.norm_epsilon, bias=m.add_bias_linear, init_std=m.init_method_std,
                       out_std=m.init_method_std / math.sqrt(2 * m.num_layers))
 

@@ -271,3 +271,17 @@ def test_flops_count_each_kind_of_layer():
     assert model_flops_per_iteration(cfg) == pytest.approx(3 * forward * tokens, rel=1e-12)
     replayed = 7 * d_in * n + 4 * s * q + 2 * (4 * (2 * k + v) + 4 * 4 * 8 * 8)  # scan, core, rule
     assert recompute_flops_per_iteration(cfg) == pytest.approx(replayed * tokens, rel=1e-12)
+
+
+GATED_BIASED = dict(ALL_KINDS, add_bias_linear=True, attention_output_gate=True)
+
+
+@pytest.mark.parametrize("model", [ALL_KINDS, GATED_BIASED], ids=["MG*-E-", "MG*-E--gate"])
+def test_estimator_counts_the_model_parameters(model):
+    """The estimator's parameter count (the start-up line's, the planner's) equals the model's."""
+    from megazero.planning.estimate import total_params
+    cfg = validate(_cfg(model), 1)
+    built = models.build_model(cfg)
+    pad = (cfg.model.padded_vocab_size - cfg.model.vocab_size) * cfg.model.hidden_size
+    tied = 1 if not cfg.model.untie_embeddings_and_output_weights else 2
+    assert total_params(cfg) == sum(p.numel() for p in built.parameters()) - tied * pad

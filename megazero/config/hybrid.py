@@ -16,6 +16,7 @@ MAMBA, ATTENTION, MLP, MOE, DELTANET = "M", "*", "-", "E", "G"
 SYMBOLS = {MAMBA: "Mamba-2", ATTENTION: "attention", MLP: "MLP", MOE: "mixture of experts",
            DELTANET: "Gated DeltaNet"}
 RECURRENT = (MAMBA, DELTANET)  # layers whose state runs along the sequence
+MAMBA_CONV_KERNEL = 4  # Mamba-2's causal conv width (Megatron-core's d_conv; no flag)
 
 
 def layer_kinds(mod) -> Optional[List[str]]:

@@ -102,6 +102,11 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
             m, moe.moe_ffn_hidden_size)
         if shared:
             mlp += _mlp_params(m, shared) + (h if moe.moe_shared_expert_gate else 0)
+    if m.attention_output_gate:  # Qwen3-Next's gate projection (with the QKV's bias)
+        attn += h * q + (q if bias or m.add_qkv_bias else 0)
+    if m.hybrid_layer_pattern and layer is not None and layer < m.num_layers:  # one mixer per layer
+        from megazero.planning.hybrid_counts import hybrid_layer_params
+        return hybrid_layer_params(m, layer, attn, mlp, h * per_norm)
     norms = (4 if m.norm_position == "sandwich" else 2) * h * per_norm
     return attn + mlp + norms
 

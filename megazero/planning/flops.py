@@ -58,7 +58,7 @@ def layer_forward_flops_per_token(cfg) -> dict:
     over the layers when MoE and dense layers mix)."""
     m = cfg.model
     if getattr(m, "hybrid_layer_pattern", None):  # each kind of layer its own count
-        from megazero.planning.hybrid_flops import hybrid_layer_flops
+        from megazero.planning.hybrid_counts import hybrid_layer_flops
         return hybrid_layer_flops(cfg, _mlp_flops, mla_forward_flops)
     h, s = m.hidden_size, m.seq_length
     kv_ch = m.kv_channels or h // m.num_attention_heads

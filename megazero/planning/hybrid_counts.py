@@ -1,5 +1,8 @@
-"""Forward FLOPs per token of a hybrid stack's layers (``--hybrid-layer-pattern``), each kind its own,
-counted as Megatron-LM counts them for its hybrid models:
+"""Parameters and forward FLOPs of a hybrid stack's layers (``--hybrid-layer-pattern``), each kind its own.
+
+Parameters (unsharded, :func:`hybrid_layer_params`): the layer's norm and its one mixer, as
+``megazero_models.mamba`` / ``deltanet`` build them.  FLOPs per token, counted as Megatron-LM counts
+them for its hybrid models:
 
 * ``M`` (Mamba-2): the in-projection ``2 h (2 d_in + 2 groups state + heads)``, the scan
   ``7 d_in state`` and the out-projection ``2 d_in h``, with ``d_in = heads x head_dim`` (Megatron-LM
@@ -16,7 +19,7 @@ Gated DeltaNet mixers' scan or rule, conv and norm, counted as their scan or rul
 """
 from __future__ import annotations
 
-from megazero.config.hybrid import ATTENTION, DELTANET, MAMBA, MLP, MOE, mamba_num_heads
+from megazero.config.hybrid import ATTENTION, DELTANET, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE, mamba_num_heads
 from megazero.config.patterns import layer_uses_rope, layer_window
 
 
@@ -60,3 +63,32 @@ def hybrid_layer_flops(cfg, mlp_flops, mla_flops) -> dict:
             dense, attention = dense + projections, attention + core
     n = len(m.hybrid_layer_pattern)
     return {"dense": dense / n, "attention": attention / n}
+
+
+def mamba_params(m) -> int:
+    """One Mamba-2 mixer: in-projection, conv (with bias), ``A_log``, ``D``, ``dt_bias``, norm scale,
+    out-projection (and the projections' biases with ``--add-bias-linear``)."""
+    heads = mamba_num_heads(m)
+    d_in, h = heads * m.mamba_head_dim, m.hidden_size
+    proj = 2 * d_in + 2 * m.mamba_num_groups * m.mamba_state_dim + heads
+    conv = d_in + 2 * m.mamba_num_groups * m.mamba_state_dim
+    bias = (proj + h) if m.add_bias_linear else 0
+    return h * proj + conv * (MAMBA_CONV_KERNEL + 1) + 3 * heads + d_in + d_in * h + bias
+
+
+def deltanet_params(m) -> int:
+    """One Gated DeltaNet mixer: in-projection, conv (no bias), ``A_log``, ``dt_bias``, the shared
+    norm scale, out-projection."""
+    h, hv, dv = m.hidden_size, m.linear_num_value_heads, m.linear_value_head_dim
+    k, v = m.linear_num_key_heads * m.linear_key_head_dim, hv * dv
+    return h * (2 * k + 2 * v + 2 * hv) + (2 * k + v) * m.linear_conv_kernel_dim + 2 * hv + dv + v * h
+
+
+def hybrid_layer_params(m, layer: int, attention: int, mlp: int, norm: int) -> int:
+    """Layer ``layer`` of the pattern: its norm (``norm`` parameters) and its mixer; ``attention`` and
+    ``mlp`` are what a transformer layer's attention and MLP (or MoE layer) hold."""
+    kind = m.hybrid_layer_pattern[layer]
+    mixer = {ATTENTION: attention, MLP: mlp, MOE: mlp}.get(kind)
+    if mixer is None:
+        mixer = mamba_params(m) if kind == MAMBA else deltanet_params(m)
+    return norm + mixer
