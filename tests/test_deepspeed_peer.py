@@ -91,9 +91,10 @@ if rank == 0 and a.out:
 IMPORTS = {"deepspeed": "import deepspeed", "megazero": "import megazero.deepspeed as deepspeed"}
 
 
-def ds_config(stage: int) -> dict:
-    """The run's ds_config (the same file for both frameworks)."""
-    return {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+def ds_config(stage: int, bf16: bool = False) -> dict:
+    """The run's ds_config (the same file for both frameworks); ``bf16``: DeepSpeed's bf16 section."""
+    return {**({"bf16": {"enabled": True}} if bf16 else {}),
+            "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8,
                                                       "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupDecayLR",
@@ -161,29 +162,30 @@ def run_ok(python: str, framework: str, nproc: int, workdir: Path, args) -> dict
     return result
 
 
-def write_config(workdir: Path, stage: int) -> Path:
+def write_config(workdir: Path, stage: int, bf16: bool = False) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / f"ds_config_zero{stage}.json"
-    path.write_text(json.dumps(ds_config(stage)))
+    path = workdir / "ds_config.json"
+    path.write_text(json.dumps(ds_config(stage, bf16)))
     return path
 
 
-def deepspeed_reference(tmp_path_factory, stage: int) -> dict:
-    """DeepSpeed's own run at ZeRO ``stage``, 2 ranks, :data:`STEPS` steps, checkpoint saved after
-    :data:`SAVE_AFTER` (``ckpt``): made once per session and shared by the pytest workers."""
+def deepspeed_reference(tmp_path_factory, stage: int, bf16: bool = False) -> dict:
+    """DeepSpeed's own run at ZeRO ``stage`` (0: none), 2 ranks, :data:`STEPS` steps, checkpoint saved
+    after :data:`SAVE_AFTER` (``ckpt``): made once per session and shared by the pytest workers."""
     python = need_deepspeed()
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    work = root / f"deepspeed_zero{stage}"
+    name = f"deepspeed_zero{stage}" + ("_bf16" if bf16 else "")
+    work = root / name
     done = work / "reference.json"
-    with open(root / f"deepspeed_zero{stage}.lock", "w") as lock:
+    with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.is_file():
-            cfg = write_config(work, stage)
+            cfg = write_config(work, stage, bf16)
             args = ["--config", cfg, "--steps", STEPS, "--save", work / "ckpt", "--save-after", SAVE_AFTER]
             result = run_ok(python, "deepspeed", 2, work, args)
             done.write_text(json.dumps(result))
-    return dict(json.loads(done.read_text()), ckpt=work / "ckpt", config=work / f"ds_config_zero{stage}.json")
+    return dict(json.loads(done.read_text()), ckpt=work / "ckpt", config=work / "ds_config.json")
 
 
 def worst(a, b) -> float:

@@ -110,16 +110,16 @@ def _param_shapes(model_states: dict, path: str) -> Dict[str, Tuple[int, ...]]:
     if isinstance(shapes, dict):
         shapes = [shapes]
     if not isinstance(shapes, list):
-        raise CheckpointError(f"{path}: no param_shapes: not a DeepSpeed ZeRO checkpoint megazero can map "
-                              "(load_module_only=True reads the module's weights alone)")
+        raise CheckpointError(f"{path}: no param_shapes, so its optimizer files cannot be mapped to "
+                              "parameters: not a checkpoint DeepSpeed's ZeRO wrote")
     return [{name: tuple(int(d) for d in shape) for name, shape in group.items()} for group in shapes]
 
 
 def _optim_files(path: str, names: List[str], world: int) -> List[str]:
     found = {int(m.group(2)): n for n, m in ((n, OPTIM_NAME.match(n)) for n in names) if m}
     if not found:
-        raise CheckpointError(f"{path} holds no zero_pp_rank_*_mp_rank_00_optim_states.pt: a DeepSpeed "
-                              "checkpoint without ZeRO; load_module_only=True reads the weights alone")
+        raise CheckpointError(f"{path} holds no zero_pp_rank_*_mp_rank_00_optim_states.pt: every rank of a "
+                              "ZeRO-3 checkpoint writes one; copy the whole tag directory")
     prefix = next(iter(found.values())).split("zero_pp_rank_")[0]
     for r in range(world):
         if r not in found:
@@ -134,14 +134,14 @@ def _cat(parts: List[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.reshape(-1).float() for p in parts])
 
 
-def _zero12(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
+def _zero12(shards: List[dict], groups, keys, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     """ZeRO 1-2: per group, the ranks' flat partitions joined; parameters in order, with DeepSpeed's
     per-parameter alignment padding."""
-    out = {k: {} for k in KEYS}
+    out = {k: {} for k in keys}
     for g, shapes in enumerate(groups):
         flats = {"master": _cat([s["single_partition_of_fp32_groups"][g] for s in shards])}
-        for k in KEYS[1:]:
-            flats[k] = _cat([_base_state(s, path)[g][k] for s in shards])
+        for k in keys[1:]:
+            flats[k] = _cat([_adam_state(s.get("base_optimizer_state"), g, path)[k] for s in shards])
         pads = shards[0].get("param_alignment_paddings")
         pads = pads[g] if pads is not None else [0] * len(shapes)
         offset = 0
@@ -150,35 +150,31 @@ def _zero12(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.
             if offset + n > flats["master"].numel():
                 raise CheckpointError(f"{path}: group {g} holds {flats['master'].numel()} values, fewer than "
                                       "its param_shapes name: the optimizer files do not belong together")
-            for k in KEYS:
+            for k in keys:
                 out[k][name] = flats[k][offset:offset + n]
             offset += n + int(pad)
     return out
 
 
-def _base_state(shard: dict, path: str) -> Dict[int, dict]:
-    base = shard.get("base_optimizer_state")
+def _adam_state(base, i: int, path: str) -> dict:
+    """Sub-group ``i``'s Adam state in a torch optimizer ``state_dict`` ``base``."""
     state = base.get("state") if isinstance(base, dict) else None
-    if not isinstance(state, dict) or not all("exp_avg" in v for v in state.values()):
+    if not isinstance(state, dict) or "exp_avg" not in state.get(i, {}) or "exp_avg_sq" not in state[i]:
         raise CheckpointError(f"{path}: the optimizer state is not Adam's (exp_avg, exp_avg_sq per group); "
                               "load_optimizer_states=False loads the weights with a fresh optimizer")
-    return state
+    return state[i]
 
 
-def _zero3(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
+def _zero3(shards: List[dict], groups, keys, path: str) -> Dict[str, Dict[str, torch.Tensor]]:
     """ZeRO-3: each parameter split over the W ranks on its own (ceil(numel / W) values each, the
     last padded), the ranks' sub-groups concatenated in parameter order."""
-    world, out = len(shards), {k: {} for k in KEYS}
-    flats = {k: [] for k in KEYS}
+    world, out = len(shards), {k: {} for k in keys}
+    flats = {k: [] for k in keys}
     for s in shards:
         flats["master"].append(_cat(s["fp32_flat_groups"]))
-        state = s.get("optimizer_state_dict", {}).get("state", {})
-        if not all("exp_avg" in state.get(i, {}) for i in range(len(s["fp32_flat_groups"]))):
-            raise CheckpointError(f"{path}: the optimizer state is not Adam's (exp_avg, exp_avg_sq per "
-                                  "sub-group); load_optimizer_states=False loads the weights with a fresh "
-                                  "optimizer")
-        for k in KEYS[1:]:
-            flats[k].append(_cat([state[i][k] for i in range(len(s["fp32_flat_groups"]))]))
+        subgroups = range(len(s["fp32_flat_groups"]))
+        for k in keys[1:]:
+            flats[k].append(_cat([_adam_state(s.get("optimizer_state_dict"), i, path)[k] for i in subgroups]))
     offset = 0
     for shapes in groups:
         for name, shape in shapes.items():
@@ -187,10 +183,26 @@ def _zero3(shards: List[dict], groups, path: str) -> Dict[str, Dict[str, torch.T
             if offset + part > flats["master"][0].numel():
                 raise CheckpointError(f"{path}: the ranks' partitions hold fewer values than param_shapes "
                                       "names: the optimizer files do not belong together")
-            for k in KEYS:
+            for k in keys:
                 out[k][name] = torch.cat([f[offset:offset + part] for f in flats[k]])[:n]
             offset += part
     return out
+
+
+def _module_weights(engine, ms: dict, path: str, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
+    """A checkpoint without ZeRO's files: the weights from the module's ``state_dict`` (the optimizer
+    state, inside the model-states file in torch's per-parameter form, is not mapped)."""
+    if with_optimizer:
+        raise CheckpointError(f"{path} holds no zero_pp_rank_*_optim_states.pt: a DeepSpeed checkpoint "
+                              "without ZeRO, whose optimizer state megazero does not map; "
+                              "load_optimizer_states=False (or load_module_only=True) loads the weights")
+    from megazero.engine.checkpointing import tied_names
+    module = ms.get("module") or {}
+    skip = set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
+    skip |= set(tied_names(engine.module))  # DeepSpeed names tied copies only under ZeRO
+    shapes = {n: tuple(t.shape) for n, t in module.items() if n not in skip}
+    _check_shapes(engine, shapes, {}, path)
+    return {"master": {n: module[n].reshape(-1).float() for n in shapes}}
 
 
 def _optimizer_meta(shards: List[dict], stage: int, path: str) -> Tuple[Optional[int], List[float], dict]:
@@ -237,28 +249,29 @@ def read_checkpoint(engine, path: str, with_optimizer: bool) -> dict:
     first = os.path.join(path, ("zero_pp_rank_0_" if zero3 else "") + MODEL_STATES)
     ms = read_file(first)
     world = int(ms.get("dp_world_size", 1))
+    module = ms.get("module") or {}
+    got = {"model_states": ms, "step": None, "lrs": [], "scaler": {}, "frozen": {}, "files": first,
+           "buffers": {n: module[n] for n in ms.get("buffer_names") or [] if n in module}}
+    if not zero3 and not any(OPTIM_NAME.match(n) for n in names):
+        values = _module_weights(engine, ms, first, with_optimizer)
+        frozen = {n: module[n].float() for n, p in engine.module.named_parameters() if not p.requires_grad}
+        return dict(got, values=values, frozen=frozen)
     groups = _param_shapes(ms, first)
     shapes = {n: s for g in groups for n, s in g.items()}
     frozen_shapes = {n: tuple(s) for n, s in (ms.get("frozen_param_shapes") or {}).items()}
     _check_shapes(engine, shapes, frozen_shapes, first)
     shards = [read_file(f)["optimizer_state_dict"] for f in _optim_files(path, names, world)]
-    stage = 3 if zero3 else 2
-    values = (_zero3 if zero3 else _zero12)(shards, groups, path)
-    step, lrs, scaler = _optimizer_meta(shards, stage, path)
-    module = ms.get("module") or {}
-    frozen = {}
+    keys = list(KEYS) if with_optimizer else ["master"]
+    got["values"] = (_zero3 if zero3 else _zero12)(shards, groups, keys, path)
+    got["step"], got["lrs"], got["scaler"] = _optimizer_meta(shards, 3 if zero3 else 2, path)
     for name, shape in frozen_shapes.items():
         if zero3:
             files = [os.path.join(path, f"zero_pp_rank_{r}_{MODEL_STATES}") for r in range(world)]
             parts = [read_file(f)["frozen_param_fragments"][name] for f in files]
-            frozen[name] = _cat(parts)[:math.prod(shape)].view(shape)
+            got["frozen"][name] = _cat(parts)[:math.prod(shape)].view(shape)
         else:
-            frozen[name] = module[name].float().view(shape)
-    buffers = {n: module[n] for n in ms.get("buffer_names") or [] if n in module}
-    if not with_optimizer:
-        values = {"master": values["master"]}
-    return {"values": values, "model_states": ms, "step": step, "lrs": lrs, "scaler": scaler,
-            "frozen": frozen, "buffers": buffers, "files": first}
+            got["frozen"][name] = module[name].float().view(shape)
+    return got
 
 
 def scaler_state(scaler: dict) -> Optional[dict]:
