@@ -264,6 +264,24 @@ def test_training_at_each_layout_matches_one_process(one_process, style, layout)
         assert loss == pytest.approx(ref_loss, rel=R_TRAIN) and norm == pytest.approx(ref_norm, rel=R_TRAIN)
 
 
+@pytest.mark.slow
+def test_checkpoint_saved_at_tp2_sp_pp2_resumes_in_one_process(tmp_path):
+    """Saved at TP 2 (SP) x PP 2 after two Adam steps (the replicated down-projections and latent norms
+    once, the up-projections joined from their TP shards), resumed in one process: losses and gradient
+    norms equal the uninterrupted one-process run within Adam's bound."""
+    from tolerance import R_TRAIN_ADAM
+    adam = dict(MLA, **dict(TRAIN, optimizer="adam", lr=3e-3, train_iters=4))
+    ref = _train(config_from_dict(adam))
+    first = run_ranks(_train, 4, config_from_dict(dict(adam, train_iters=2, save=str(tmp_path),
+                                                       tensor_model_parallel_size=2, sequence_parallel=True,
+                                                       pipeline_model_parallel_size=2)), timeout=300)[-1]
+    second = _train(config_from_dict(dict(adam, load=str(tmp_path))))
+    assert len(first) == len(second) == 2
+    for (loss, norm), (ref_loss, ref_norm) in zip(first + second, ref):
+        assert loss == pytest.approx(ref_loss, rel=R_TRAIN_ADAM)
+        assert norm == pytest.approx(ref_norm, rel=R_TRAIN_ADAM)
+
+
 # ---- a tiny DeepSeek-V3: MLA with both latents, grouped routing, a shared expert, MTP ------------------
 DEEPSEEK = dict(MLA, num_layers=2, global_batch_size=8, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
                 optimizer="sgd", lr=0.1, sgd_momentum=0.0, log_interval=100, mtp_num_layers=1,
