@@ -64,6 +64,7 @@ from typing import Dict, List, Sequence, Tuple
 from megazero.offload.element_bytes import FP32
 from megazero.planning.activations import Dims, Segment
 from . import mla_saved
+from .mtp_saved import mtp_segments  # noqa: F401 - multi-token prediction's part
 
 
 def norm_bytes(D: Dims) -> int:

@@ -294,3 +294,49 @@ def test_the_depths_embedding_has_the_models_dropout():
     zeros = float((model.train().mtp.embed(ids, weight, model) == 0).float().mean())
     assert 0.4 < zeros < 0.6
     assert not (model.eval().mtp.embed(ids, weight, model) == 0).any()
+
+
+LLAMA_MTP = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=16,
+                 hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope",
+                 normalization="RMSNorm", activation="swiglu", add_bias_linear=False, num_query_groups=2,
+                 untie_embeddings_and_output_weights=True, mtp_num_layers=1, micro_batch_size=2,
+                 mock_data=True)
+MEMORY = {  # name: (world, settings): the activation estimate equals what autograd keeps, byte for byte
+    "two-depths-selective-dropout": (1, dict(LLAMA_MTP, mtp_num_layers=2, recompute_granularity="selective",
+                                             hidden_dropout=0.1)),
+    "full-recompute-bf16": (1, dict(LLAMA_MTP, recompute_granularity="full", recompute_method="uniform",
+                                    recompute_num_layers=1, bf16=True)),
+    "tp2-sp-layernorm": (2, dict(LLAMA_MTP, tensor_model_parallel_size=2, sequence_parallel=True,
+                                 normalization="LayerNorm")),
+    "pp2-tied": (2, dict(LLAMA_MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False,
+                         global_batch_size=8)),
+    "cp2": (2, dict(LLAMA_MTP, context_parallel_size=2)),
+}
+
+
+def _measure_activations(world, settings):
+    import models
+    from megazero.training.measure import measure_rank
+    return measure_rank(validate(config_from_dict(settings), world), models.build_chunks, iters=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MEMORY))
+def test_activation_estimate_counts_the_depths(name):
+    """models/mtp_saved.py's figures, walked by the estimator over the schedule, equal the bytes autograd
+    keeps on every rank (a depth is ~40% of this model's activations: the estimate without it is short
+    by that much)."""
+    import models.saved_activations as saved
+    from megazero.planning.estimate import estimate_stages
+    world, settings = MEMORY[name]
+    est = {r["pp_rank"]: r["activation_bytes"] for r in estimate_stages(
+        validate(config_from_dict(settings), world), device="cpu", backend="gloo", saved=saved)}
+    ranks = run_ranks(_measure_activations, world, world, settings) if world > 1 else \
+        [_measure_activations(1, settings)]
+    for m in ranks:
+        assert est[m["pp_rank"]] == m["activation_bytes"], (m["pp_rank"], est, m["activation_bytes"])
+    last = max(est)
+    without = {r["pp_rank"]: r["activation_bytes"] for r in estimate_stages(
+        validate(config_from_dict(dict(settings, mtp_num_layers=None)), world), device="cpu", backend="gloo",
+        saved=saved)}
+    assert est[last] > 1.2 * without[last]

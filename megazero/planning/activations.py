@@ -171,6 +171,15 @@ def layer_dims(cfg, D: Dims, layer: int) -> Dims:
     return replace(D, rope=rope, window=mask, moe=moe)
 
 
+def mtp_layer_dims(cfg, D: Dims) -> Dims:
+    """``D`` for a multi-token prediction layer: rotated (windows and NoPE layers are refused with MTP),
+    an MoE layer when the last decoder layer is one."""
+    from megazero.moe.settings import mtp_moe_layers
+    m = cfg.model
+    moe = moe_dims(cfg, D) if mtp_moe_layers(cfg) else None
+    return replace(D, rope=uses_rope(m) or m.multi_latent_attention, window=None, moe=moe)
+
+
 def moe_dims(cfg, D: Dims) -> MoEDims:
     """:class:`MoEDims` of an MoE layer.  Balanced routing: this rank's ``Tl`` tokens make ``Tl k``
     pairs (dropless); with a capacity ``C = ceil(factor k T_mb / E)`` over the micro-batch's ``T_mb``
@@ -231,6 +240,8 @@ def chunk_segments(cfg, D: Dims, layers: range, pre: bool, post: bool, saved) ->
             segs += saved.layer_segments(Dl, selective)
     if post:
         segs.append(Segment(saved.head_bytes(D)))
+        if m.mtp_num_layers:  # multi-token prediction's depths, after the head's main part
+            segs += saved.mtp_segments(D, mtp_layer_dims(cfg, D), m.mtp_num_layers, selective)
     return segs
 
 
