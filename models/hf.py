@@ -69,7 +69,7 @@ EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1]}  # the tok
 # buffers some exports carry that megazero recomputes: RoPE's inverse frequencies, GPT-2's causal masks
 UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
                     "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
-OFFSET_NORMS = ("gemma", "gemma2")  # norms that scale by 1 + weight: megazero stores 1 + weight
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3_text")  # norms scaling by 1 + weight: megazero stores 1 + weight
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_weight")  # stacked or one expert
 EXPERT_FILES = {"mixtral": {"gate": "w1", "fc1": "w3", "fc2": "w2"},  # the published per-expert names
@@ -104,8 +104,8 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
     if arch != "phi3":
         out += [("mlp.gate.weight", "mlp.gate_proj.weight", ""), ("mlp.fc1.weight", "mlp.up_proj.weight", "")]
     if cfg.model.qk_layernorm:
-        out += [("attention.q_norm.weight", "self_attn.q_norm.weight", ""),
-                ("attention.k_norm.weight", "self_attn.k_norm.weight", "")]
+        out += [("attention.q_norm.weight", "self_attn.q_norm.weight", offset),
+                ("attention.k_norm.weight", "self_attn.k_norm.weight", offset)]
     if arch in MOE_ARCHS:
         router = ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight"
         out.append(("mlp.router.weight", router, ""))

@@ -20,14 +20,13 @@ from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direct
 from .rope import yarn_attention_factor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}  # HF -> megazero
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3",
+                "gemma3_text")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
 # architectures megazero does not import, and the feature each would need
 OTHER_ARCHITECTURES = {
     "olmo": "OLMo (1)'s non-parametric layer norm (LayerNorm without a scale or bias) and clip_qkv",
-    "gemma3_text": "Gemma 3's second RoPE base for its sliding-window layers (rope_local_base_freq) and its "
-                   "q/k norms with 1 + weight",
-    "gemma3": "Gemma 3's vision tower, second RoPE base for its sliding-window layers (rope_local_base_freq) "
-              "and q/k norms with 1 + weight",
+    "gemma3": "Gemma 3's vision tower (its text model, model_type gemma3_text, imports)",
     "olmo3": "OLMo 3's RoPE parameters per layer type (rope_parameters for sliding and full attention apart)",
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
@@ -146,7 +145,7 @@ def rope_settings(c) -> Dict[str, Any]:
 
 def _llama_settings(c, kind: str) -> Dict[str, Any]:
     act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", None)
-    want = "gelu_pytorch_tanh" if kind in ("gemma", "gemma2") else "silu"
+    want = "gelu_pytorch_tanh" if kind in GEMMA else "silu"
     if act != want and not (want == "gelu_pytorch_tanh" and act in ("gelu_new", "gelu_fast")):
         _unsupported("hidden_act", act, f"megazero's {kind} MLP is gated with {want}")
     for field in ("attention_bias", "mlp_bias"):
@@ -167,7 +166,26 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
                 untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                 hidden_dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
                 attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
-                init_method_std=c.initializer_range), **rope_settings(c))
+                init_method_std=c.initializer_range),
+                **(gemma3_rope_settings(c) if kind == "gemma3_text" else rope_settings(c)))
+
+
+def gemma3_rope_settings(c) -> Dict[str, Any]:
+    """Gemma 3's RoPE per layer type: the full-attention layers' base and scaling, and the sliding-window
+    layers' plain base (``--rotary-base-local``)."""
+    rope = _rope_dict(c)
+    if "full_attention" not in rope:  # one RoPE for every layer
+        return rope_settings(c)
+    full = type("Full", (), dict(rope_parameters=rope["full_attention"],
+                                 max_position_embeddings=c.max_position_embeddings))()
+    out = rope_settings(full)
+    local = rope.get("sliding_attention")
+    if local and "sliding_attention" in (getattr(c, "layer_types", None) or []):
+        if local.get("rope_type", "default") != "default":
+            _unsupported("rope_parameters.sliding_attention", local, "megazero's local RoPE base "
+                         "(--rotary-base-local) is plain RoPE")
+        out["rotary_base_local"] = float(local["rope_theta"])
+    return out
 
 
 def _windows(c, kind: str) -> Dict[str, Any]:
@@ -178,7 +196,7 @@ def _windows(c, kind: str) -> Dict[str, Any]:
     if kind == "smollm3" and not getattr(c, "use_sliding_window", False):
         width = None
     if kind not in ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "smollm3", "mixtral", "qwen2_moe",
-                    "qwen3_moe") or not width:
+                    "qwen3_moe", "gemma3_text") or not width:
         return {}
     types: List[str] = list(getattr(c, "layer_types", None) or [])
     flags = [True] * c.num_hidden_layers if kind in ("mistral", "phi3", "mixtral") or not types else \
@@ -208,9 +226,11 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
         out.update(norm_position="post")
     if kind == "olmoe" and getattr(c, "clip_qkv", None) is not None:
         _unsupported("clip_qkv", c.clip_qkv, "clamping the queries, keys and values is not implemented")
-    if kind in ("gemma", "gemma2"):
+    if kind in GEMMA:
         out.update(activation="geglu", scale_embedding=True)
-    if kind == "gemma2":
+    if kind == "gemma3_text":  # Gemma 2's layout, q/k norms instead of soft-caps (which it keeps optional)
+        out.update(qk_layernorm=True, qk_layernorm_scope="head")
+    if kind in ("gemma2", "gemma3_text"):
         out.update(norm_position="sandwich", attn_logit_softcapping=_float(c.attn_logit_softcapping),
                    final_logit_softcapping=_float(c.final_logit_softcapping),
                    softmax_scale=float(c.query_pre_attn_scalar) ** -0.5)

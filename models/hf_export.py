@@ -17,11 +17,14 @@ from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
 from .rope import yarn_mscale
 
-AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3")
+AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
+              "gemma3_text")
 MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe")  # window per layer (config.layer_types)
+LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text")  # a window per layer
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-caps, its own score scale
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
-HELD_VARIANTS: Dict[str, tuple] = {}  # architecture -> the flags of docs/attention.md it holds
+HELD_VARIANTS: Dict[str, tuple] = {"gemma3_text": ("--rotary-base-local",)}  # of docs/attention.md
 
 
 def _scalings(m) -> List[str]:
@@ -39,15 +42,16 @@ def _window_kind(m) -> Optional[str]:
 
 def _llama_family(m, t: str) -> Optional[str]:
     """What the LLaMA-like architecture ``t`` lacks to hold ``m`` (None: nothing)."""
-    gemma = t in ("gemma", "gemma2")
+    gemma = t in GEMMA
     wants = {"activation": "geglu" if gemma else "swiglu",
-             "norm_position": {"gemma2": "sandwich", "olmo2": "post"}.get(t, "pre")}
+             "norm_position": "sandwich" if t in SANDWICH else ("post" if t == "olmo2" else "pre")}
     for field, value in wants.items():
         if getattr(m, field) != value:
             return f"{field} {getattr(m, field)} ({t} has {value})"
     if m.scale_embedding != gemma:
         return f"scale_embedding {m.scale_embedding} ({t}: {gemma})"
-    qk = {"qwen3": "head", "olmo2": "all", "qwen3_moe": "head", "olmoe": "all"}.get(t)
+    qk = {"qwen3": "head", "olmo2": "all", "qwen3_moe": "head", "olmoe": "all",
+          "gemma3_text": "head"}.get(t)
     if (m.qk_layernorm and m.qk_layernorm_scope) != (qk or False):
         mine = f"scope {m.qk_layernorm_scope}" if m.qk_layernorm else "off"
         return f"--qk-layernorm {mine} ({t}: {qk or 'none'})"
@@ -58,8 +62,8 @@ def _llama_family(m, t: str) -> Optional[str]:
     if window == "some" and t not in LAYER_TYPES or window == "all" and t not in uniform:
         return f"a sliding window on {'some' if window == 'some' else 'all'} layers ({t} has " + \
                ("it on every layer or none)" if t in WHOLE_WINDOW else "none)")
-    if t == "gemma2":
-        return None
+    if t in SANDWICH:
+        return "layers without RoPE, --no-rope-freq (SmolLM3 only)" if m.no_rope_freq is not None else None
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "softmax_scale"):
         if getattr(m, field) is not None:
             return f"{field} {getattr(m, field)} (Gemma 2 only)"
@@ -207,7 +211,8 @@ def _gpt2_config(m):
 
 
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-           "gemma2": "Gemma2", "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
+           "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "olmo2": "Olmo2",
+           "smollm3": "SmolLM3", "mixtral": "Mixtral",
            "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
 
 
@@ -221,7 +226,7 @@ def _window_settings(m, t: str) -> Dict[str, Any]:
         return {}
     types = ["sliding_attention" if f else "full_attention" for f in flags]
     out: Dict[str, Any] = dict(layer_types=types, sliding_window=width or 4096)
-    if t != "gemma2":
+    if t not in SANDWICH:
         out["use_sliding_window"] = width is not None
     return out
 
@@ -229,10 +234,12 @@ def _window_settings(m, t: str) -> Dict[str, Any]:
 def _family_settings(m, t: str) -> Dict[str, Any]:
     """The architecture's own fields."""
     out: Dict[str, Any] = _window_settings(m, t)
-    if t in ("gemma", "gemma2"):
+    if t in GEMMA:
         out.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
                    head_dim=m.kv_channels)
-    if t == "gemma2":
+    if t == "gemma3_text":
+        out["use_bidirectional_attention"] = False
+    if t in SANDWICH:
         out.update(attn_logit_softcapping=m.attn_logit_softcapping,
                    final_logit_softcapping=m.final_logit_softcapping,
                    query_pre_attn_scalar=_pre_attn_scalar(m))
@@ -269,7 +276,7 @@ def hf_config_from(cfg):
     out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=ffn, **extra,
               num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
               num_key_value_heads=m.num_query_groups, max_position_embeddings=max_pos,
-              rms_norm_eps=m.norm_epsilon, rope_parameters=rope_parameters(m),
+              rms_norm_eps=m.norm_epsilon, rope_parameters=_rope_of(m, t),
               attention_dropout=m.attention_dropout, initializer_range=m.init_method_std,
               tie_word_embeddings=not m.untie_embeddings_and_output_weights, **_family_settings(m, t))
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):  # class defaults beyond this vocabulary
@@ -277,10 +284,19 @@ def hf_config_from(cfg):
         if field == "pad_token_id" or not isinstance(value, int) or value >= m.vocab_size:
             setattr(out, field, None)
     out.head_dim = m.kv_channels  # read where the architecture allows it (default hidden / heads)
-    if t not in ("gemma", "gemma2"):
+    if t not in GEMMA:
         out.hidden_act = "silu"
-    out.architectures = [f"{CLASSES[t]}ForCausalLM"]
+    out.architectures = ["Gemma3ForCausalLM" if t == "gemma3_text" else f"{CLASSES[t]}ForCausalLM"]
     return out
+
+
+def _rope_of(m, t: str) -> Dict[str, Any]:
+    """``rope_parameters``: one dict, or Gemma 3's per layer type (its windowed layers' plain base)."""
+    if t != "gemma3_text":
+        return rope_parameters(m)
+    local = {"rope_type": "default", "rope_theta": m.rotary_base_local} if m.rotary_base_local else \
+        rope_parameters(m)
+    return {"full_attention": rope_parameters(m), "sliding_attention": local}
 
 
 def _moe_config(moe, m, t: str) -> Dict[str, Any]:

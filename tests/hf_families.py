@@ -50,6 +50,12 @@ def _newer_families(t, name):
     if name == "gemma2":  # small caps, so that they bend these tiny models' scores and logits
         return t.Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                               attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if name == "gemma3":  # windowed, full, windowed: two RoPE bases (the full layers' scaled), q/k norms
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+        return t.Gemma3TextConfig(**dict(SHAPE, num_hidden_layers=3), head_dim=16, query_pre_attn_scalar=24,
+                                  sliding_window=WINDOW, rope_parameters=rope,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     if name == "phi3":
         return t.Phi3Config(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False, resid_pdrop=0.0,
                             embd_pdrop=0.0)
@@ -84,11 +90,12 @@ def family_config(name):
 
 
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
-            "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "phi3",
-            "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
+            "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
+            "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
+               "gemma3": "Gemma3",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe"}  # the others: LLaMA
 

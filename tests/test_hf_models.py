@@ -41,6 +41,7 @@ WITHOUT = {"llama3-rope-scaling": dict(use_rope_scaling=False),
 MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
                            dict(window_size=None, window_attn_skip_freq=None), dict(softmax_scale=None)],
                 "gemma": [dict(activation="swiglu")],
+                "gemma3": [dict(rotary_base_local=None), dict(qk_layernorm=False)],
                 "mixtral": [dict(window_size=None)],
                 "qwen2-moe": [dict(moe_shared_expert_gate=False), dict(moe_router_topk=1)]}
 
@@ -112,7 +113,7 @@ def test_export_loads_back_in_transformers(family, tmp_path):
     assert again == config_from_hf(hf.config)
 
 
-TP_FAMILIES = ["qwen2", "qwen3", "gemma2", "phi3", "olmo2"]  # biases, q/k norms (per head, over all heads)
+TP_FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]  # biases, q/k norms (head, all)
 
 
 def _tp2_logits(paths):
@@ -158,7 +159,7 @@ def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
 
 
 @pytest.mark.parametrize("kind,feature", [("olmo", "non-parametric layer norm"),
-                                          ("gemma3_text", "second RoPE base for its sliding-window layers"),
+                                          ("gemma3", "vision tower"),
                                           ("deepseek_v3", "multi-head latent attention"),
                                           ("gpt_oss", "attention sinks")])
 def test_a_refused_architecture_names_the_missing_feature(kind, feature):

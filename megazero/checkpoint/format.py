@@ -18,12 +18,12 @@ EMBEDDING = "word_embeddings.weight"  # where a tied output head's weight is sto
 ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
                "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
-               "qk_layernorm", "qk_layernorm_scope", "norm_position")
+               "qk_layernorm", "qk_layernorm_scope", "norm_position", "softmax_type")
 
 # MoEConfig fields that fix the parameter set and shapes (compared on load, recorded with the model's)
 MOE_ARCH_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
                    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-                   "moe_router_enable_expert_bias")
+                   "moe_router_enable_expert_bias", "moe_router_bias")
 
 # OptimizerConfig fields of the learning-rate schedule (compared on load unless
 # --override-opt-param-scheduler, as Megatron-LM does)
@@ -47,7 +47,12 @@ CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
                                  "dynamic_rope_scaling_factor", "window_size", "window_attn_skip_freq",
                                  "attn_logit_softcapping", "final_logit_softcapping", "softmax_scale",
                                  "scale_embedding", "hf_model_type", "hidden_dropout",
-                                 "attention_dropout")
+                                 "attention_dropout",
+                                 # the attention and MLP variants of docs/attention.md
+                                 "rotary_percent", "rotary_base_local", "attention_chunk_size", "qk_l2_norm",
+                                 "qk_l2_norm_scope", "attn_temperature_tuning",
+                                 "attn_temperature_floor_scale", "attn_temperature_scale",
+                                 "glu_linear_offset", "activation_func_clamp_value")
 # DataConfig fields it takes too (as one group: none of them when any is given), unless
 # --no-use-tokenizer-model-from-checkpoint-args
 CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from megazero.config.patterns import GATED, parse_pattern, parse_pattern_arg, parse_window
 
-HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3")
+HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3",
+                  "gemma3_text")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "SFTTokenizer")
 
