@@ -54,14 +54,16 @@ def test_megatron_flags_build_the_pattern():
     mlps = [type(layer.mlp).__name__ for layer in moe.decoder.values() if hasattr(layer, "mlp")]
     assert mlps == ["MoELayer"] * 2
     # Megatron-LM's default head count: 2 x hidden / head dim
-    assert models.build_model(parse_args(["--mock-data", "--hybrid-layer-pattern", "M", "--num-layers", "1",
-                                          "--mamba-head-dim", "16", "--mamba-num-groups", "2"],
-                                         world_size=1)).decoder["0"].mixer.heads == 2 * 64 // 16
+    # Megatron-LM's default head count, 2 x hidden / head dim; the pattern's length without --num-layers
+    cfg = parse_args(["--mock-data", "--hybrid-layer-pattern", "M-M", "--mamba-head-dim", "16",
+                      "--mamba-num-groups", "2"], world_size=1)
+    assert cfg.model.num_layers == 3 and models.build_model(cfg).decoder["0"].mixer.heads == 2 * 64 // 16
 
 
 @pytest.mark.parametrize("flags,world,needle", [
     (["--hybrid-layer-pattern", "M*X-", "--num-layers", "4"], 1, "'X' is not a layer symbol"),
-    (["--hybrid-layer-pattern", "M*M-"], 1, "has 4 layers but --num-layers is 2; set --num-layers 4"),
+    (["--hybrid-layer-pattern", "M*M-", "--num-layers", "2"], 1,
+     "has 4 layers but --num-layers is 2; set --num-layers 4"),
     (["--hybrid-layer-pattern", "M*/M", "--num-layers", "2"], 1, "multi-token prediction"),
     (["--hybrid-layer-pattern", "M*E-", "--num-layers", "4"], 1, "add --num-experts"),
     (["--hybrid-layer-pattern", "M*", "--num-layers", "2", "--context-parallel-size", "2"], 2,

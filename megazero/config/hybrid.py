@@ -2,8 +2,9 @@
 and the rules of the settings, each a one-line :class:`ConfigError` naming the flag and the fix.
 
 One symbol per layer, Megatron-LM's: ``M`` a Mamba-2 layer, ``*`` an attention layer, ``-`` an MLP
-layer, ``E`` a mixture-of-experts layer; and megazero's ``G``, a Gated DeltaNet layer (Qwen3-Next's
-linear attention).  Each layer is one pre-norm residual block around its one mixer
+layer, ``E`` a mixture-of-experts layer, ``G`` a Gated DeltaNet layer (Qwen3-Next's linear
+attention).  Without ``--num-layers`` the pattern's length sets it (Megatron-LM's rule,
+:func:`megazero.config.megatron.translate`).  Each layer is one pre-norm residual block around its one mixer
 (``x + f(norm(x))``), as in Megatron-core's hybrid stack.
 """
 from __future__ import annotations

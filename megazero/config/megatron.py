@@ -225,6 +225,8 @@ def translate(settings: Dict[str, Any], command_line: Set[str],
                 problems.append(f"{flag} means --{name.replace('_', '-')} {value}, but {out[name]!r} is "
                                 "given too; drop one")
             out[name] = value
+    if out.get("hybrid_layer_pattern") and "num_layers" not in out:  # Megatron-LM: the pattern's length
+        out["num_layers"] = len(out["hybrid_layer_pattern"])
     ignored = [f"{f} ({classify(f)[1]})" for f in given if classify(f)[0] == "ignored"]
     _default_only(given, ignored, problems)
     notes = _special(given, out, command_line, ignored, problems) + _without_effect(out)

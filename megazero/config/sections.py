@@ -277,8 +277,8 @@ class ModelConfig:
                                              "or layers recomputed per stage (block).")
     hybrid_layer_pattern: Optional[str] = _f(
         None, "A hybrid layer stack (Megatron-LM's; also --hybrid-override-pattern): one symbol per layer, M "
-        "Mamba-2, * attention, - MLP, E mixture of experts, G Gated DeltaNet (megazero's), e.g. M*M-M*M-; "
-        "its length is --num-layers (docs/hybrid.md).")
+        "Mamba-2, * attention, - MLP, E mixture of experts, G Gated DeltaNet, e.g. M*M-M*M-; its length is "
+        "--num-layers, which it sets when not given (docs/hybrid.md).")
     mamba_num_heads: Optional[int] = _f(None, "Mamba-2 heads (default 2 x --hidden-size / --mamba-head-dim).",
                                         type=int)
     mamba_head_dim: int = _f(64, "Mamba-2 channels per head.")
