@@ -287,3 +287,14 @@ def test_estimator_counts_the_model_parameters(model):
     pad = (cfg.model.padded_vocab_size - cfg.model.vocab_size) * cfg.model.hidden_size
     tied = 1 if not cfg.model.untie_embeddings_and_output_weights else 2
     assert total_params(cfg) == sum(p.numel() for p in built.parameters()) - tied * pad
+
+
+def test_megatron_hybrid_spec_is_accepted_with_a_pattern():
+    """Megatron-LM's hybrid scripts name the stack's spec: accepted (and named) with a pattern."""
+    spec = ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    cfg = parse_args(["--mock-data", "--hybrid-layer-pattern", "G*"] + spec, world_size=1)
+    assert any("--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec" in n for n in cfg.notes)
+    with pytest.raises(ConfigError, match="give the stack's layers with --hybrid-layer-pattern"):
+        parse_args(["--mock-data"] + spec, world_size=1)
+    with pytest.raises(ConfigError, match="custom layer specs are not implemented"):
+        parse_args(["--mock-data", "--spec", "my.module", "my_spec"], world_size=1)

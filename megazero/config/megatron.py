@@ -73,7 +73,11 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
     "--no-position-embedding": dict(action="store_true", help="Only with rotary embeddings (which have "
                                     "no learned table); Megatron-LM's deprecated flag: for no position "
                                     "embedding at all use --position-embedding-type none."),
+    "--spec": dict(nargs="*", help="Megatron-LM's layer spec: its Mamba and hybrid stack specs "
+                   "(... mamba_stack_spec, ... hybrid_stack_spec) are accepted with --hybrid-layer-pattern, "
+                   "which builds that stack; other specs are not implemented."),
 }
+HYBRID_SPECS = ("mamba_stack_spec", "hybrid_stack_spec")  # Megatron-core's hybrid stacks' spec names
 
 
 # ModelOpt's --enable-gpt-oss (megatron/post_training/model_builder.py): gpt-oss's YaRN RoPE
@@ -265,6 +269,15 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
     flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
+    spec = " ".join(given.get("--spec") or [])
+    if spec and spec.split()[-1] in HYBRID_SPECS and out.get("hybrid_layer_pattern"):
+        ignored.append(f"--spec {spec} (--hybrid-layer-pattern builds the hybrid stack)")
+    elif spec and spec.split()[-1] in HYBRID_SPECS:
+        problems.append(f"--spec {spec}: give the stack's layers with --hybrid-layer-pattern (all M for a "
+                        "pure Mamba-2 model), which builds it")
+    elif spec:
+        problems.append(f"--spec {spec}: custom layer specs are not implemented (megazero builds its "
+                        "transformer layers, or with --hybrid-layer-pattern a hybrid stack); drop it")
     if given.get("--enable-gpt-oss"):  # as ModelOpt's model builder sets them, whatever was given
         out.update(GPT_OSS_YARN)
         notes.append("--enable-gpt-oss: --position-embedding-type yarn with gpt-oss's constants (ModelOpt's "

@@ -322,7 +322,6 @@ REFUSED: Dict[str, str] = {
     "--data-parallel-random-init": "initialisation is the same on every data-parallel rank (the one-process "
                                    "oracle); drop the flag",
     "--freeze-all-layers": "freezing layers is not implemented",
-    "--spec": "custom layer specs are not implemented (megazero's transformer layer only)",
     "--heterogeneous-layers-config-path": "heterogeneous layer stacks are not implemented",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer stacks are not implemented",
     "--experimental-attention-variant": "experimental attention variants are not implemented",
