@@ -104,6 +104,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     experts = bool(moe is not None and moe.num_experts)
     if m.mtp_num_layers:
         return f"multi-token prediction, --mtp-num-layers ({t} has none)"
+    if m.multi_latent_attention:
+        return f"multi-latent attention, --multi-latent-attention ({t} has none; DeepSeek-V3 is not exported)"
     if getattr(m, "hybrid_layer_pattern", None):
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
     if experts != (t in MOE_ORDER):

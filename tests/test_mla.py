@@ -528,6 +528,16 @@ def test_generation_under_tensor_parallelism_matches_one_process(style):
         assert torch.equal(got_ids, ids)
 
 
+def test_hugging_face_export_refuses_mla_by_name(tmp_path):
+    """No transformers architecture megazero exports holds MLA: the export names the flag (it once
+    picked LLaMA and failed on a missing QKV weight deep in the writer)."""
+    import models
+    from models.hf import to_hf
+    cfg = make_cfg("both-ranks")
+    with pytest.raises(ConfigError, match="multi-latent attention, --multi-latent-attention"):
+        to_hf(models.build_model(cfg), str(tmp_path / "out"))
+
+
 # ---- flags ------------------------------------------------------------------------------------------
 def test_megatron_flags_build_the_model():
     cfg = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
