@@ -477,6 +477,31 @@ def test_step_time_model_runs_the_counted_products(tp, sp):
     assert per_rank * tp == layer_forward_flops_per_token(cfg)["dense"] * tokens
 
 
+@pytest.mark.parametrize("style", list(STYLES))
+def test_cpu_matmul_products_are_the_models(style, monkeypatch):
+    """--cpu-matmul auto measures the model's own products: for MLA its down- and up-projections and
+    output (megazero/tensor_parallel/cpu_matmul.py), as a forward runs them."""
+    import models
+    import models.gpt
+    import models.mla
+    import megazero.tensor_parallel.layers as tp_layers
+    from megazero.tensor_parallel.cpu_matmul import linear_products
+    cfg = make_cfg(style, micro_batch_size=2)
+    model = models.build_model(cfg)
+    seen = {}
+    real = tp_layers.linear
+
+    def counting(x, weight, *args, **kwargs):
+        key = (x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
+        seen[key] = seen.get(key, 0) + 1
+        return real(x, weight, *args, **kwargs)
+    for module in (tp_layers, models.mla, models.gpt):
+        monkeypatch.setattr(module, "linear", counting)
+    with torch.no_grad():
+        model(torch.zeros(2, cfg.model.seq_length, dtype=torch.long))
+    assert {(p.rows, p.out, p.inp): p.count for p in linear_products(cfg, 1)} == seen
+
+
 # ---- generation: the latent cache ----------------------------------------------------------------------
 @pytest.mark.parametrize("style", list(STYLES))
 def test_generation_caches_the_latent_and_matches_uncached(style):

@@ -66,14 +66,31 @@ def linear_products(cfg, tp: int, cp: int = 1) -> List[Product]:
     qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
     gated = 2 if m.activation in ("swiglu", "geglu") else 1
     out = [Product(rows, qkv // tp, m.hidden_size, layers),
-           Product(rows, m.hidden_size, m.num_attention_heads * m.kv_channels // tp, layers),
-           Product(rows, m.ffn_hidden_size // tp, m.hidden_size, gated * layers),
-           Product(rows, m.hidden_size, m.ffn_hidden_size // tp, layers),
-           Product(rows, m.padded_vocab_size // tp, m.hidden_size, 1)]
+           Product(rows, m.hidden_size, m.num_attention_heads * m.kv_channels // tp, layers)]
+    if getattr(m, "multi_latent_attention", False):  # MLA's projections (models/mla.py) instead
+        out = _mla_products(cfg, rows, tp, layers)
+    out += [Product(rows, m.ffn_hidden_size // tp, m.hidden_size, gated * layers),
+            Product(rows, m.hidden_size, m.ffn_hidden_size // tp, layers),
+            Product(rows, m.padded_vocab_size // tp, m.hidden_size, 1)]
     merged: Dict[Tuple[int, int, int], int] = {}
     for p in out:
         merged[(p.rows, p.out, p.inp)] = merged.get((p.rows, p.out, p.inp), 0) + p.count
     return [Product(*shape, count) for shape, count in sorted(merged.items())]
+
+
+def _mla_products(cfg, rows: int, tp: int, layers: int) -> List[Product]:
+    """Multi-latent attention's products: the replicated down-projections on this rank's tokens (its
+    part of the sequence under sequence parallelism), the up-projections (or the one query projection)
+    and the output projection of this rank's heads."""
+    m, h = cfg.model, cfg.model.hidden_size
+    n, rq, rkv, dr = m.num_attention_heads // tp, m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim
+    local = rows // tp if cfg.parallel.sequence_parallel else rows
+    dq = m.qk_head_dim + dr
+    query = [Product(local, rq, h, layers), Product(rows, n * dq, rq, layers)] if rq else \
+        [Product(rows, n * dq, h, layers)]
+    return query + [Product(local, rkv + dr, h, layers),
+                    Product(rows, n * (m.qk_head_dim + m.v_head_dim), rkv, layers),
+                    Product(rows, h, n * m.v_head_dim, layers)]
 
 
 def machine_key() -> str:
