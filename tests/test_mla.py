@@ -282,6 +282,24 @@ def test_checkpoint_saved_at_tp2_sp_pp2_resumes_in_one_process(tmp_path):
         assert norm == pytest.approx(ref_norm, rel=R_TRAIN_ADAM)
 
 
+def test_checkpoint_records_the_mla_architecture(tmp_path):
+    """A checkpoint records MLA's settings: --use-checkpoint-args takes them (and --rope-type), and a run
+    without MLA is told which flag differs instead of failing on parameter names."""
+    from megazero.checkpoint.errors import CheckpointError
+    settings = dict(MLA, **dict(TRAIN, train_iters=1, save=str(tmp_path)), rope_type="rope")
+    _train(config_from_dict(settings))
+    args = parse_args(["--mock-data", "--load", str(tmp_path), "--finetune", "--use-checkpoint-args"],
+                      world_size=1).model
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+            args.qk_pos_emb_head_dim, args.v_head_dim, args.rope_type) == (True, 12, 8, 6, 4, 5, "rope")
+    mla_keys = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                "v_head_dim")
+    plain = {k: v for k, v in MLA.items() if k not in mla_keys}
+    differs = "--multi-latent-attention True in the checkpoint"
+    with pytest.raises((CheckpointError, ConfigError), match=differs):
+        _train(config_from_dict(dict(plain, **TRAIN, load=str(tmp_path), finetune=True)))
+
+
 # ---- a tiny DeepSeek-V3: MLA with both latents, grouped routing, a shared expert, MTP ------------------
 DEEPSEEK = dict(MLA, num_layers=2, global_batch_size=8, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
                 optimizer="sgd", lr=0.1, sgd_momentum=0.0, log_interval=100, mtp_num_layers=1,

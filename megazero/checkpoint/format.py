@@ -18,7 +18,9 @@ EMBEDDING = "word_embeddings.weight"  # where a tied output head's weight is sto
 ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "vocab_size", "max_position_embeddings", "position_embedding_type",
                "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
-               "qk_layernorm", "qk_layernorm_scope", "norm_position", "softmax_type")
+               "qk_layernorm", "qk_layernorm_scope", "norm_position", "softmax_type",
+               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+               "v_head_dim")
 
 # MoEConfig fields that fix the parameter set and shapes (compared on load, recorded with the model's)
 MOE_ARCH_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -52,7 +54,8 @@ CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
                                  "rotary_percent", "rotary_base_local", "attention_chunk_size", "qk_l2_norm",
                                  "qk_l2_norm_scope", "attn_temperature_tuning",
                                  "attn_temperature_floor_scale", "attn_temperature_scale",
-                                 "glu_linear_offset", "activation_func_clamp_value")
+                                 "glu_linear_offset", "activation_func_clamp_value",
+                                 "rope_type")  # multi-latent attention's RoPE
 # DataConfig fields it takes too (as one group: none of them when any is given), unless
 # --no-use-tokenizer-model-from-checkpoint-args
 CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
