@@ -311,6 +311,8 @@ MEMORY = {  # name: (world, settings): the activation estimate equals what autog
     "pp2-tied": (2, dict(LLAMA_MTP, pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False,
                          global_batch_size=8)),
     "cp2": (2, dict(LLAMA_MTP, context_parallel_size=2)),
+    "pp2-untied-deepseek-moe": (2, dict(DEEPSEEK, pipeline_model_parallel_size=2, micro_batch_size=2,
+                                        mock_data=True, global_batch_size=8)),
 }
 
 
@@ -325,16 +327,22 @@ def _measure_activations(world, settings):
 def test_activation_estimate_counts_the_depths(name):
     """models/mtp_saved.py's figures, walked by the estimator over the schedule, equal the bytes autograd
     keeps on every rank (a depth is ~40% of this model's activations: the estimate without it is short
-    by that much)."""
+    by that much); the model-state bytes count the depths' weights (planning/model_state.py)."""
     import models.saved_activations as saved
     from megazero.planning.estimate import estimate_stages
     world, settings = MEMORY[name]
-    est = {r["pp_rank"]: r["activation_bytes"] for r in estimate_stages(
+    rows = {r["pp_rank"]: r for r in estimate_stages(
         validate(config_from_dict(settings), world), device="cpu", backend="gloo", saved=saved)}
+    est = {k: r["activation_bytes"] for k, r in rows.items()}
     ranks = run_ranks(_measure_activations, world, world, settings) if world > 1 else \
         [_measure_activations(1, settings)]
     for m in ranks:
-        assert est[m["pp_rank"]] == m["activation_bytes"], (m["pp_rank"], est, m["activation_bytes"])
+        if "moe" in name:  # the MoE layers' estimate assumes balanced routing (tests/test_memory_moe.py)
+            assert abs(est[m["pp_rank"]] - m["activation_bytes"]) <= 0.1 * m["activation_bytes"]
+        else:
+            assert est[m["pp_rank"]] == m["activation_bytes"], (m["pp_rank"], est, m["activation_bytes"])
+        for key in ("param_bytes", "grad_bytes", "optim_bytes"):  # the depths' weights counted too
+            assert rows[m["pp_rank"]][key] == m[key], (key, m["pp_rank"])
     last = max(est)
     without = {r["pp_rank"]: r["activation_bytes"] for r in estimate_stages(
         validate(config_from_dict(dict(settings, mtp_num_layers=None)), world), device="cpu", backend="gloo",

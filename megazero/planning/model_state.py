@@ -34,7 +34,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from megazero.offload.element_bytes import bytes_per_element
 from megazero.config.patterns import GATED
-from megazero.moe.settings import moe_layers
+from megazero.moe.settings import moe_layers, mtp_moe_layers
 from megazero.pipeline.partition import chunk_layers
 from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
 from megazero.zero.stages import overlaps_param_gather
@@ -92,7 +92,7 @@ def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
     if m.multi_latent_attention:
         attention = _mla_specs(cfg, idx, norm, row)
     specs = (norm() if pre else []) + attention + (norm() if post else []) + (norm() if pre else [])
-    if idx in moe_layers(cfg):
+    if idx in moe_layers(cfg) or idx in mtp_moe_layers(cfg):
         return specs + _moe_specs(cfg, idx, column, row, rep) + (norm() if post else [])
     if m.activation in GATED:
         specs += column(f)
@@ -145,7 +145,8 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     if pre:
         bpe = bytes_per_element(cfg)
         parts = 2 if tied and post and bpe["P"] == bpe["G"] else 1  # write_grad needs the grads' dtype
-        specs.append(ParamSpec(vocab, EMB if tied and pp > 1 else PLAIN, None, parts))
+        shared = (tied or bool(m.mtp_num_layers)) and pp > 1  # MTP: the last stage's copy (models/mtp.py)
+        specs.append(ParamSpec(vocab, EMB if shared else PLAIN, None, parts))
         if m.position_embedding_type == "learned_absolute":
             specs.append(ParamSpec(m.max_position_embeddings * h,
                                    SP if par.sequence_parallel else PLAIN, None))
@@ -154,8 +155,26 @@ def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSp
     if post:
         rep = SP if par.sequence_parallel else PLAIN
         specs += [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
-        if not (tied and pre):
-            specs.append(ParamSpec(vocab, EMB if tied else PLAIN, None))
+        if not (tied and pre):  # the head; with MTP its tied copy is looked up too (grad_arrivals 2)
+            bpe = bytes_per_element(cfg)
+            parts = 2 if tied and m.mtp_num_layers and bpe["P"] == bpe["G"] else 1
+            specs.append(ParamSpec(vocab, EMB if tied else PLAIN, None, parts))
+        specs += _mtp_specs(cfg, pre, rep, vocab)
+    return specs
+
+
+def _mtp_specs(cfg, pre: bool, rep: str, vocab: int) -> List[ParamSpec]:
+    """Multi-token prediction's depths in registration order (``models/mtp.py``; the chunk's root
+    unit): per depth enorm, hnorm, the 2h -> h projection, the layer, the final norm; then, on a last
+    stage with untied embeddings, its copy of the word embedding."""
+    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
+    h, specs = m.hidden_size, []
+    norm = [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
+    for i in range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0)):
+        layer = [p._replace(unit=None) for p in _layer_specs(cfg, i)]
+        specs += norm + norm + [ParamSpec(2 * h * h // tp, PLAIN, None)] + layer + norm
+    if specs and not pre and m.untie_embeddings_and_output_weights:
+        specs.append(ParamSpec(vocab, EMB, None))
     return specs
 
 
