@@ -23,8 +23,10 @@ a few objects of its own (its loss scaler, the ZeRO stage enum, fragment address
 only those, are read into inert records (:data:`STORED`), never into DeepSpeed's classes.  Any other
 global is refused with one line naming it.  A missing or truncated file, a checkpoint of another model
 shape, or a layout megazero does not map (tensor-parallel ``mp_rank_01``, DeepSpeed's pipeline-engine
-``layer_*-model_states.pt``, no ZeRO) raises :class:`CheckpointError` (exit status 2).  Every rank reads
-every optimizer file (memory-mapped), so a rank briefly holds the whole fp32 state once.
+``layer_*-model_states.pt``, a universal checkpoint, the optimizer state of a run without ZeRO) raises
+:class:`CheckpointError` (exit status 2).  A run without ZeRO gives its weights from the module's
+``state_dict`` (``load_optimizer_states=False``).  Every rank reads every optimizer file (memory-mapped),
+so a rank briefly holds the whole fp32 state once.
 """
 from __future__ import annotations
 
@@ -94,6 +96,9 @@ def read_file(path: str):
 
 
 def _refuse_layout(path: str, names: List[str]) -> None:
+    if "zero" in names and os.path.isdir(os.path.join(path, "zero")):
+        raise CheckpointError(f"{path} is a DeepSpeed universal checkpoint (zero/<parameter>/fp32.pt ...), "
+                              "which megazero does not read yet; load the checkpoint it was converted from")
     pipeline = sorted(n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+", n))
     if pipeline:
         raise CheckpointError(f"{path} is a DeepSpeed pipeline-engine (PipelineModule) checkpoint "
