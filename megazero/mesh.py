@@ -181,6 +181,17 @@ def axis_groups(sizes: Dict[str, int], order: str, axes: Sequence[str]) -> List[
     return [[start + m for m in members] for start in offsets(outside)]
 
 
+def _layouts(world_size: int, tp: int, pp: int, order: str, cp: int, ep: int, etp: Optional[int]):
+    """``(sizes, {group key: rank lists})`` of every group a mesh holds (:data:`MESH_GROUPS`, the
+    embedding group, :data:`EXPERT_GROUPS`)."""
+    sizes = _check_sizes(world_size, tp, pp, cp)
+    parse_rank_order(order, sizes)
+    layouts = {_key(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
+    layouts[(EMBEDDING,)] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in layouts[("pp",)]]
+    layouts.update(expert_layouts(world_size, tp, pp, order, cp, ep, etp))
+    return sizes, layouts
+
+
 def rank_groups(world_size: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
                 cp: int = 1, ep: int = 1, etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
     """Megatron-LM's process-group layout, as lists of rank lists.
@@ -306,11 +317,7 @@ class ParallelMesh:
                 "torch.distributed.init_process_group (torchrun sets the environment) or use "
                 "ParallelMesh.single() for one process")
         world, rank = dist.get_world_size(), dist.get_rank()
-        sizes = _check_sizes(world, tp, pp, cp)
-        parse_rank_order(order, sizes)
-        layouts = {_key(axes): axis_groups(sizes, order, axes) for axes in MESH_GROUPS}
-        layouts[(EMBEDDING,)] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in layouts[("pp",)]]
-        layouts.update(expert_layouts(world, tp, pp, order, cp, ep, etp))
+        sizes, layouts = _layouts(world, tp, pp, order, cp, ep, etp)
         device = use_device(device)
         kwargs = {} if timeout is None else {"timeout": timeout}
         mine, made = {}, {}
@@ -331,6 +338,18 @@ class ParallelMesh:
         return cls(world_size=world, rank=rank, device=torch.device(device), order=order, sizes=sizes,
                    groups=mine, world_group=dist.group.WORLD,
                    expert_sizes=expert_sizes(world, tp, pp, ep, etp))
+
+    @classmethod
+    def layout(cls, world_size: int, rank: int, tp: int = 1, pp: int = 1, order: str = DEFAULT_ORDER,
+               cp: int = 1, ep: int = 1, etp: Optional[int] = None,
+               device: torch.device = torch.device("meta")) -> "ParallelMesh":
+        """Rank ``rank``'s place in a layout of ``world_size`` ranks, without process groups (every group
+        is None): what a model built on the meta device needs to know of its shard (sizes and
+        coordinates), for the memory estimator's parameter list.  Nothing here may communicate."""
+        sizes, layouts = _layouts(world_size, tp, pp, order, cp, ep, etp)
+        groups = {key: (None, next((g for g in layout if rank in g), [])) for key, layout in layouts.items()}
+        return cls(world_size=world_size, rank=rank, device=torch.device(device), order=order, sizes=sizes,
+                   groups=groups, expert_sizes=expert_sizes(world_size, tp, pp, ep, etp))
 
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "ParallelMesh":

@@ -403,3 +403,13 @@ def head_bytes(D: Dims) -> int:
     softcap = D.E * D.T * D.vp if D.final_softcap else 0  # tanh keeps its output
     masked_mean = FP32 * D.T * D.cp + FP32  # the masked mean: the whole sequence
     return norm_bytes(D) + D.E * D.T * D.h + softcap + ce + masked_mean
+
+
+def chunk_params(cfg, pp_rank: int):
+    """Each of stage ``pp_rank``'s chunks' parameters as the optimizer holds them
+    (:class:`megazero.planning.model_state.ParamSpec`), read off this package's model built on the meta
+    device (:func:`megazero.planning.model_state.provider_params`): the estimator's parameter list is the
+    model's own."""
+    from megazero.planning.model_state import provider_params
+    from . import build_chunks
+    return provider_params(cfg, pp_rank, build_chunks)

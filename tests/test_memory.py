@@ -58,7 +58,7 @@ def test_stage_params_match_the_built_model(arch):
     settings = dict(arch, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     cfg = cfg_of(4, **settings)
     for pp_rank, n in run_ranks(_count, 4, settings):
-        assert n == stage_params(cfg, pp_rank)
+        assert n == stage_params(cfg, pp_rank, saved=SAVED)
 
 
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
@@ -284,7 +284,7 @@ def _estimated_buckets(settings, pp_rank):
     from megazero.planning.model_state import plan_buckets, rank_chunks
     cfg = cfg_of(2, **settings)
     return [(b.chunk, b.unit, b.kind, b.numel)
-            for b in plan_buckets(cfg, rank_chunks(cfg, pp_rank), cfg.parallel.zero_stage)]
+            for b in plan_buckets(cfg, rank_chunks(cfg, pp_rank, SAVED), cfg.parallel.zero_stage)]
 
 
 @pytest.mark.parametrize("settings", [dict(GPT2, zero_stage=2),

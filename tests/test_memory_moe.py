@@ -71,7 +71,7 @@ def test_moe_stage_params_match_the_built_model():
     settings = dict(MOE, pipeline_model_parallel_size=2, expert_model_parallel_size=2, global_batch_size=8)
     cfg = cfg_of(4, **settings)
     for pp_rank, n in run_ranks(_count, 4, settings):
-        assert n == stage_params(cfg, pp_rank)
+        assert n == stage_params(cfg, pp_rank, saved=SAVED)
 
 
 def test_expert_bytes_are_sharded_over_expert_dp_under_zero():
@@ -81,7 +81,7 @@ def test_expert_bytes_are_sharded_over_expert_dp_under_zero():
     for ep, edp in ((2, 4), (8, 1)):
         cfg = cfg_of(8, **dict(MOE, expert_model_parallel_size=ep, global_batch_size=16))
         assert cfg.moe.expert_data_parallel_size == edp
-        buckets = plan_buckets(cfg, rank_chunks(cfg, 0), 1)
+        buckets = plan_buckets(cfg, rank_chunks(cfg, 0, SAVED), 1)
         expert = [b for b in buckets if b.kind == EXPERT]
         assert expert and all(b.group == edp and b.numel % edp == 0 for b in expert)
         assert all(b.group == 8 for b in buckets if b.kind != EXPERT)
@@ -139,7 +139,7 @@ def test_estimate_memory_script_reports_the_expert_layout(capsys):
     assert (data["expert_model_parallel_size"], data["expert_data_parallel_size"]) == (4, 2)
     assert data["active_params"] < data["total_params"]
     cfg = parse_args(model, presets=models.PRESETS, world_size=8, check_data=False)
-    shards = sum(b.numel // b.group for b in plan_buckets(cfg, rank_chunks(cfg, 0), 1))
+    shards = sum(b.numel // b.group for b in plan_buckets(cfg, rank_chunks(cfg, 0, SAVED), 1))
     assert data["stages"][1]["optim_bytes"] == 8 * shards  # fp32 Adam's moments: experts' shards over 2
     assert estimate_memory_main(["--world-size", "8"] + model) == 0
     assert "EP 4 x expert TP 1 x expert DP 2" in capsys.readouterr().out

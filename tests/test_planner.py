@@ -57,7 +57,7 @@ def test_a_search_shares_model_states_and_agrees_with_each_layout_alone():
     assert 0 < len(states) < len(list(enumerate_layouts(cfg, 16, 8)))  # shared, not one per layout
     for x in found[::5]:
         lc = layout_config(cfg, x, 16)
-        alone = step_time(lc, hw())
+        alone = step_time(lc, hw(), saved=SAVED)
         assert peak_memory(lc, saved=SAVED) == x.memory_bytes and alone == {k: x.step[k] for k in alone}
 
 
@@ -96,7 +96,7 @@ def test_step_time_terms_move_the_right_way():
     def t(**kw):
         x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
                                sequence_parallel=False, micro_batch_size=1), **kw))
-        return step_time(layout_config(cfg, x, 8), h)
+        return step_time(layout_config(cfg, x, 8), h, saved=SAVED)
 
     assert t(recompute="full")["compute_s"] > t(recompute="selective")["compute_s"] > t()["compute_s"]
     assert t(tp=2, dp=4)["tp_comm_s"] > 0 == t()["tp_comm_s"]
@@ -105,7 +105,8 @@ def test_step_time_terms_move_the_right_way():
     assert t(zero_stage=3)["dp_comm_s"] > t(zero_stage=0)["dp_comm_s"]
     slow = Hardware(h.peak_flops / 2, h.efficiency, h.memory_bytes, h.intra, h.inter, h.hbm_bytes_per_s, 8)
     x = Layout(1, 1, 1, 8, 0, "none", False, 1)
-    assert step_time(layout_config(cfg, x, 8), slow)["compute_s"] == pytest.approx(2 * t()["compute_s"])
+    slowed = step_time(layout_config(cfg, x, 8), slow, saved=SAVED)
+    assert slowed["compute_s"] == pytest.approx(2 * t()["compute_s"])
 
 
 def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
@@ -121,7 +122,7 @@ def test_ranks_sharing_processors_fill_the_bubble_and_overlap_nothing():
                                sequence_parallel=False, micro_batch_size=1), **kw))
         c = layout_config(cfg, x, 8)
         c.parallel.delay_wgrad_compute = delay
-        return step_time(c, hardware)
+        return step_time(c, hardware, saved=SAVED)
 
     deep = t(shared, pp=4, dp=2)
     assert deep["bubble_s"] == 0 < t(h, pp=4, dp=2)["bubble_s"]
@@ -184,7 +185,7 @@ def test_cpu_dropout_costs_its_masks_and_scores():
         x = Layout(**dict(dict(tp=1, pp=1, vpp=1, dp=8, zero_stage=0, recompute="none",
                                sequence_parallel=False, micro_batch_size=2), **kw))
         c = layout_config(cfg, x, 8)
-        return step_time(c, hardware)["compute_s"], c
+        return step_time(c, hardware, saved=SAVED)["compute_s"], c
     plain, c = compute(cpu, 0.0)
     dropped, _ = compute(cpu, 0.1)
     m, b, n_micro = c.model, 2, c.training.num_micro_batches
@@ -314,19 +315,19 @@ def test_nvme_tiers_add_their_bytes_at_the_disk_bandwidth():
     both = mem.replace(parallel={"offload_optimizer_device": "nvme", "offload_param_device": "nvme",
                                  "nvme_path": "/tmp"})
     disk = dataclasses.replace(hw(), disk_bytes_per_s=8e8)  # 8 ranks on a node: 1e8 bytes/s each
-    base_t = step_time(mem, disk)
+    base_t = step_time(mem, disk, saved=SAVED)
     assert base_t["nvme_s"] == 0.0
-    owned = estimate_rank_elements(mem)
-    t_opt = step_time(opt, disk)
+    owned = estimate_rank_elements(mem, saved=SAVED)
+    t_opt = step_time(opt, disk, saved=SAVED)
     # Adam: master + 2 moments in fp32, read and written once
     assert t_opt["nvme_s"] == pytest.approx(owned * 12 * 2 / 1e8, rel=1e-12)
     assert t_opt["step_time_s"] == pytest.approx(base_t["step_time_s"] + t_opt["nvme_s"], rel=1e-12)
-    t_both = step_time(both, disk)
+    t_both = step_time(both, disk, saved=SAVED)
     params = owned * 2 * (2 * 2 + 1) / 1e8  # bf16, forward + backward per micro-batch, written once
     assert t_both["nvme_s"] == pytest.approx(t_opt["nvme_s"] + params - base_t["compute_s"], rel=1e-9)
     assert params > base_t["compute_s"]  # the case where the parameters' I/O outlasts the compute
     fast = dataclasses.replace(disk, disk_bytes_per_s=1e15)  # the parameters' I/O hidden: the optimizer's
-    assert step_time(both, fast)["nvme_s"] == pytest.approx(owned * 24 / (1e15 / 8), rel=1e-12)
+    assert step_time(both, fast, saved=SAVED)["nvme_s"] == pytest.approx(owned * 24 / (1e15 / 8), rel=1e-12)
 
 
 # ---- uneven pipeline stages, the attention kernel ---------------------------------------------
@@ -370,8 +371,8 @@ def test_attention_backend_unfused_keeps_the_scores_and_costs_time(capsys):
     assert unfused - flash == 8 * per_layer  # one micro-batch in flight, 8 layers
     assert per_layer >= D.b * D.ap * D.s ** 2 * (2 * D.E + D.M)  # softmax, dropout mask and output
     a100 = GPU_TYPES["A100"]
-    assert step_time(lc, Hardware.for_gpu(a100, attention="unfused"))["step_time_s"] > \
-        step_time(lc, Hardware.for_gpu(a100))["step_time_s"]
+    assert step_time(lc, Hardware.for_gpu(a100, attention="unfused"), saved=SAVED)["step_time_s"] > \
+        step_time(lc, Hardware.for_gpu(a100), saved=SAVED)["step_time_s"]
     got = {}
     for backend in ("flash", "fused", "unfused", "local"):
         assert plan_main(["--gpus", "1", "--gpu", "A100", "--seq-length", "512", "--global-batch-size", "8",
@@ -432,7 +433,7 @@ def test_ranks_on_a_host_share_its_cores_and_mfu_stays_below_a_layers_efficiency
 
     def t(ranks, cores):
         x = Layout(1, 1, 1, ranks, 0, "none", False, 1)
-        return step_time(layout_config(cfg, x, ranks), Hardware.cpu_host(ranks, cores, 64 * GB))
+        return step_time(layout_config(cfg, x, ranks), Hardware.cpu_host(ranks, cores, 64 * GB), saved=SAVED)
     two, eight = t(2, 2), t(8, 2)
     assert eight["compute_s"] == pytest.approx(two["compute_s"], rel=1e-12)
     assert eight["step_time_s"] > two["step_time_s"]  # only the communication differs

@@ -70,14 +70,14 @@ def test_summary_counts_parameters_data_and_epochs(tmp_path):
                       "--save", str(tmp_path / "run")], world_size=1)
     (model,) = models.build_chunks(cfg, ParallelMesh.single())
     held = sum(p.numel() for p in model.parameters())  # the padded vocabulary, as this rank holds it
-    assert f"stage 0: {held / 1e3:.4g}K" in parameter_line(cfg)
+    assert f"stage 0: {held / 1e3:.4g}K" in parameter_line(cfg, models.build_chunks)
     data = build_data(cfg)
     (head, line) = data_lines(cfg, data)
     per_epoch = (18 * 50 - 1) // 16  # samples of seq + 1 tokens in the 900 training tokens
     assert "30 iterations take 120 samples" in head and "20 documents" in line
     assert f"{per_epoch} samples per epoch" in line and f"{120 / per_epoch:.3g} epochs" in line
     assert tokenizer_line(cfg).startswith("tokenizer: none; ids are below --vocab-size 300")
-    lines = startup_summary(cfg, data)
+    lines = startup_summary(cfg, data, models.build_chunks)
     written = json.load(open(tmp_path / "run" / "megazero_config.json"))
     assert written["model"]["num_layers"] == 2 and written["data"]["data_path"] == [prefix]
     assert "--seq-length 16" in settings_line(cfg, None) and "megazero_config.json" in lines[1]

@@ -111,10 +111,10 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     return attn + mlp + norms
 
 
-def stage_params(cfg, pp_rank: int) -> int:
+def stage_params(cfg, pp_rank: int, *, saved, states: Optional[dict] = None) -> int:
     """Parameters one TP rank of stage ``pp_rank`` holds (all its virtual chunks; the vocabulary
-    padded as the model pads it)."""
-    return sum(p.numel for c in rank_chunks(cfg, pp_rank) for p in c)
+    padded as the model pads it), read off the model (``saved.chunk_params``)."""
+    return sum(p.numel for c in rank_chunks(cfg, pp_rank, saved, states) for p in c)
 
 
 def total_params(cfg, padded: bool = False, active: bool = False) -> int:
@@ -190,7 +190,7 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     (:func:`megazero.planning.activations.dims`; the planner's ``--attention-backend``)."""
     stage = cfg.parallel.zero_stage if zero_stage is None else zero_stage
     backend = backend or ("gloo" if device == "cpu" else "nccl")
-    ms = _model_state(cfg, pp_rank, stage, backend, states)
+    ms = _model_state(cfg, pp_rank, stage, backend, states, saved)
     out: Dict[str, object] = {"zero_stage": stage, "pp_rank": pp_rank}
     keys = ("params_per_rank", "param_bytes", "grad_bytes", "optim_bytes", "master_bytes", "peak_grad_bytes",
             "settled_peak_grad_bytes", "gathered_param_bytes", "gathered_root_bytes", "optim_on_cpu")
@@ -206,15 +206,16 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     return out
 
 
-def _model_state(cfg, pp_rank: int, stage: int, backend: str, states: Optional[dict]) -> Dict[str, int]:
+def _model_state(cfg, pp_rank: int, stage: int, backend: str, states: Optional[dict],
+                 saved) -> Dict[str, int]:
     """:func:`model_state`, kept in ``states`` under everything it reads (the model, parallel, MoE,
     optimizer and precision sections): layouts that differ only in micro-batch size share it."""
     if states is None:
-        return model_state(cfg, pp_rank, stage, backend)
+        return model_state(cfg, pp_rank, stage, backend, saved=saved)
     key = (pp_rank, stage, backend, repr(cfg.model), repr(cfg.parallel), repr(cfg.moe), repr(cfg.optimizer),
            repr(cfg.precision))
     if key not in states:
-        states[key] = model_state(cfg, pp_rank, stage, backend)
+        states[key] = model_state(cfg, pp_rank, stage, backend, saved=saved, states=states)
     return states[key]
 
 

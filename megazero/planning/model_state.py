@@ -1,5 +1,8 @@
 """Model-state bytes of one rank, exactly as the ZeRO optimizer lays them out.
 
+The parameters are the model's own: each chunk is built on the meta device and read with the
+optimizer's rules (:func:`provider_params`), never described a second time here.
+
 The optimizer (``megazero/zero``) puts every trainable parameter of a rank into flat buffers cut
 into buckets: per model chunk (per gather unit under ZeRO-3: each transformer layer, then the rest
 of the chunk) and per reduction *kind* (``dense``; ``sp`` for parameters replicated over TP with
@@ -30,13 +33,14 @@ per element:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
 
 from megazero.offload.element_bytes import bytes_per_element
-from megazero.config.patterns import GATED
-from megazero.moe.settings import moe_layers, mtp_moe_layers
-from megazero.pipeline.partition import chunk_layers
-from megazero.zero.buckets import KINDS, bucket_groups, cut_buckets
+from megazero.mesh import ParallelMesh, axis_groups
+from megazero.zero.buckets import (KINDS, bucket_groups, cut_buckets, default_blocks, param_kind,
+                                   trainable_params)
 from megazero.zero.stages import overlaps_param_gather
 
 PLAIN, SP, EMB, EXPERT = KINDS
@@ -67,123 +71,65 @@ class BucketSpec:
         return self.numel // self.group
 
 
-def _layer_specs(cfg, idx: int) -> List[ParamSpec]:
-    m, tp, sp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel
-    h, d, f = m.hidden_size, m.kv_channels, m.ffn_hidden_size // tp
-    bias, rep = m.add_bias_linear, SP if sp else PLAIN
-    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d // tp
-
-    def norm(size=h, kind=rep):
-        return [ParamSpec(size, kind, idx)] * (2 if m.normalization == "LayerNorm" else 1)
-
-    def column(out, with_bias=bias):
-        return [ParamSpec(out * h, PLAIN, idx)] + ([ParamSpec(out, PLAIN, idx)] if with_bias else [])
-
-    def row(inp):
-        return [ParamSpec(h * inp, PLAIN, idx)] + ([ParamSpec(h, rep, idx)] if bias else [])
-
-    pre, post = m.norm_position in ("pre", "sandwich"), m.norm_position in ("post", "sandwich")
-    attention = column(qkv, bias or m.add_qkv_bias) + row(m.num_attention_heads * d // tp)
-    if m.qk_layernorm and m.qk_layernorm_scope == "all":  # split over TP with the heads
-        attention += [ParamSpec(m.num_attention_heads * d // tp, PLAIN, idx),
-                      ParamSpec(m.num_query_groups * d // tp, PLAIN, idx)]
-    elif m.qk_layernorm:  # replicated, gradients summed over TP
-        attention += norm(d, SP) + norm(d, SP)
-    if m.multi_latent_attention:
-        attention = _mla_specs(cfg, idx, norm, row)
-    specs = (norm() if pre else []) + attention + (norm() if post else []) + (norm() if pre else [])
-    if idx in moe_layers(cfg) or idx in mtp_moe_layers(cfg):
-        return specs + _moe_specs(cfg, idx, column, row, rep) + (norm() if post else [])
-    if m.activation in GATED:
-        specs += column(f)
-    return specs + column(f) + row(f) + (norm() if post else [])
+# settings that place a rank's parameters (how they are sharded, reduced, offloaded) without shaping them:
+# layouts of one search that differ only in these share their chunks' parameter lists
+PLACING = frozenset({
+    "zero_stage", "offload_optimizer", "offload_optimizer_device", "optimizer_offload_fraction",
+    "offload_param_device", "nvme_path", "nvme_block_size", "nvme_io_threads", "nvme_buffer_count",
+    "nvme_buffer_size", "ddp_bucket_size", "overlap_grad_reduce", "max_reductions_in_flight",
+    "overlap_param_gather", "pipeline_schedule", "delay_wgrad_compute", "world_size", "data_parallel_size",
+    "recompute_granularity", "recompute_method", "recompute_num_layers"})
 
 
-def _mla_specs(cfg, idx: int, norm, row) -> List[ParamSpec]:
-    """Multi-latent attention's parameters in registration order (``models/mla.py``): the replicated
-    down-projections and latent norms (kind ``sp`` under sequence parallelism, as the layer norms),
-    the column-parallel up-projections, the output projection."""
-    m, tp, sp = cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel
-    h, n, rq, rkv = m.hidden_size, m.num_attention_heads // tp, m.q_lora_rank, m.kv_lora_rank
-    rep, q = SP if sp else PLAIN, n * (m.qk_head_dim + m.qk_pos_emb_head_dim)
-
-    def latent_norm(size):
-        return norm(size) if m.qk_layernorm else []
-    specs = ([ParamSpec(h * rq, rep, idx)] + latent_norm(rq) + [ParamSpec(q * rq, PLAIN, idx)] if rq
-             else [ParamSpec(q * h, PLAIN, idx)])
-    specs += [ParamSpec(h * (rkv + m.qk_pos_emb_head_dim), rep, idx)] + latent_norm(rkv)
-    specs.append(ParamSpec(n * (m.qk_head_dim + m.v_head_dim) * rkv, PLAIN, idx))
-    return specs + row(n * m.v_head_dim)
+def _shaping(section) -> tuple:
+    return tuple((f, repr(getattr(section, f))) for f in section.__dataclass_fields__ if f not in PLACING)
 
 
-def _moe_specs(cfg, idx: int, column, row, rep) -> List[ParamSpec]:
-    """An MoE layer's parameters in registration order (``megazero_models.moe.MoELayer``): the shared
-    expert's gate, the router, this rank's experts (kind ``expert``), the shared expert."""
-    m, moe, tp = cfg.model, cfg.moe, cfg.parallel.tensor_model_parallel_size
-    h, swiglu, bias = m.hidden_size, m.activation in GATED, m.add_bias_linear
-    shared = moe.moe_shared_expert_intermediate_size
-    specs = [ParamSpec(h, rep, idx)] if shared and moe.moe_shared_expert_gate else []
-    specs.append(ParamSpec(moe.num_experts * h, rep, idx))
-    local = moe.num_experts // moe.expert_model_parallel_size
-    f = moe.moe_ffn_hidden_size // moe.expert_tensor_parallel_size
-    specs += [ParamSpec(local * f * h, EXPERT, idx)] * (3 if swiglu else 2)  # fc1, gate, fc2
-    if bias:
-        specs += [ParamSpec(local * f, EXPERT, idx)] * (2 if swiglu else 1)
-        specs.append(ParamSpec(local * h, EXPERT, idx))
-    if shared:
-        specs += (column(shared // tp) if swiglu else []) + column(shared // tp) + row(shared // tp)
-    return specs
+def rank_chunks(cfg, pp_rank: int, saved, states: Optional[dict] = None) -> List[List[ParamSpec]]:
+    """ParamSpecs of each of stage ``pp_rank``'s chunks: ``saved.chunk_params`` (the model's declaration,
+    :mod:`megazero_models.saved_activations`), which reads them off the model (:func:`provider_params`).
+    ``states``: a dict one search keeps, in which they are kept under the settings that shape them."""
+    if states is None:
+        return saved.chunk_params(cfg, pp_rank)
+    key = ("params", pp_rank, _shaping(cfg.model), _shaping(cfg.parallel), repr(cfg.moe), repr(cfg.precision))
+    if key not in states:
+        states[key] = saved.chunk_params(cfg, pp_rank)
+    return states[key]
 
 
-def chunk_param_specs(cfg, layers: range, pre: bool, post: bool) -> List[ParamSpec]:
-    """The chunk's parameters in registration order (``models.gpt.GPTModel``)."""
-    m, par = cfg.model, cfg.parallel
-    tp, pp, h = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, m.hidden_size
-    tied = not m.untie_embeddings_and_output_weights
-    vocab = m.padded_vocab_size // tp * h
-    specs: List[ParamSpec] = []
-    if pre:
-        bpe = bytes_per_element(cfg)
-        parts = 2 if tied and post and bpe["P"] == bpe["G"] else 1  # write_grad needs the grads' dtype
-        shared = (tied or bool(m.mtp_num_layers)) and pp > 1  # MTP: the last stage's copy (models/mtp.py)
-        specs.append(ParamSpec(vocab, EMB if shared else PLAIN, None, parts))
-        if m.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec(m.max_position_embeddings * h,
-                                   SP if par.sequence_parallel else PLAIN, None))
-    for i in layers:
-        specs += _layer_specs(cfg, i)
-    if post:
-        rep = SP if par.sequence_parallel else PLAIN
-        specs += [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
-        if not (tied and pre):  # the head; with MTP its tied copy is looked up too (grad_arrivals 2)
-            bpe = bytes_per_element(cfg)
-            parts = 2 if tied and m.mtp_num_layers and bpe["P"] == bpe["G"] else 1
-            specs.append(ParamSpec(vocab, EMB if tied else PLAIN, None, parts))
-        specs += _mtp_specs(cfg, pre, rep, vocab)
-    return specs
+def stage_rank(cfg, pp_rank: int) -> int:
+    """The first global rank of pipeline stage ``pp_rank`` (TP, CP and DP coordinates 0)."""
+    par = cfg.parallel
+    sizes = {"tp": par.tensor_model_parallel_size, "cp": par.context_parallel_size,
+             "dp": par.data_parallel_size, "pp": par.pipeline_model_parallel_size, "ep": 1}
+    return axis_groups(sizes, par.rank_order, ["pp"])[0][pp_rank]
 
 
-def _mtp_specs(cfg, pre: bool, rep: str, vocab: int) -> List[ParamSpec]:
-    """Multi-token prediction's depths in registration order (``models/mtp.py``; the chunk's root
-    unit): per depth enorm, hnorm, the 2h -> h projection, the layer, the final norm; then, on a last
-    stage with untied embeddings, its copy of the word embedding."""
-    m, tp = cfg.model, cfg.parallel.tensor_model_parallel_size
-    h, specs = m.hidden_size, []
-    norm = [ParamSpec(h, rep, None)] * (2 if m.normalization == "LayerNorm" else 1)
-    for i in range(m.num_layers, m.num_layers + (m.mtp_num_layers or 0)):
-        layer = [p._replace(unit=None) for p in _layer_specs(cfg, i)]
-        specs += norm + norm + [ParamSpec(2 * h * h // tp, PLAIN, None)] + layer + norm
-    if specs and not pre and m.untie_embeddings_and_output_weights:
-        specs.append(ParamSpec(vocab, EMB, None))
-    return specs
-
-
-def rank_chunks(cfg, pp_rank: int) -> List[List[ParamSpec]]:
-    """ParamSpecs of each of this stage's chunks."""
-    pp = cfg.parallel.pipeline_model_parallel_size
-    ranges = chunk_layers(cfg, pp_rank)
-    return [chunk_param_specs(cfg, r, pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == len(ranges) - 1)
-            for v, r in enumerate(ranges)]
+def provider_params(cfg, pp_rank: int, model_provider: Callable) -> List[List[ParamSpec]]:
+    """:class:`ParamSpec` of every trainable parameter of each of stage ``pp_rank``'s chunks, in
+    registration order, read off the model itself rather than described a second time:
+    ``model_provider(cfg, mesh)`` builds the stage's chunks on the meta device (no memory; about 15 ms
+    for a 32-layer 8B model) on a mesh with the layout's sizes and coordinates but no process groups
+    (:meth:`megazero.mesh.ParallelMesh.layout`), and the optimizer's own rules read them:
+    :func:`~megazero.zero.buckets.trainable_params` (order; a tied weight once),
+    :func:`~megazero.zero.buckets.param_kind` and :func:`~megazero.zero.buckets.default_blocks` (the
+    ZeRO-3 unit: the block index, None for the chunk's own unit).  Gradient parts: 2 for a tied
+    embedding whose head part arrives through write_grad (parameters and gradients of one dtype)."""
+    par, moe = cfg.parallel, cfg.moe
+    mesh = ParallelMesh.layout(par.world_size, stage_rank(cfg, pp_rank), par.tensor_model_parallel_size,
+                               par.pipeline_model_parallel_size, par.rank_order, par.context_parallel_size,
+                               moe.expert_model_parallel_size, moe.expert_tensor_parallel_size)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        chunks = list(model_provider(cfg, mesh))
+    bpe = bytes_per_element(cfg)
+    seen: Dict[int, bool] = {}
+    out = []
+    for chunk in chunks:
+        block_of = {id(p): i for i, (_, ps) in enumerate(default_blocks(chunk)) for p in ps}
+        out.append([ParamSpec(p.numel(), param_kind(p), block_of.get(id(p)),
+                              2 if getattr(p, "grad_arrivals", 1) == 2 and bpe["P"] == bpe["G"] else 1)
+                    for p in trainable_params(chunk, seen)])
+    return out
 
 
 def group_sizes(cfg) -> Dict[str, int]:
@@ -316,10 +262,13 @@ def zero3_buffers(cfg, buckets: List[BucketSpec], layers: int = 2, shards: bool 
     return roots + sum(largest[:layers])
 
 
-def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl") -> Dict[str, int]:
-    """Model-state bytes of one rank of stage ``pp_rank`` under ``zero_stage`` (module docstring)."""
+def model_state(cfg, pp_rank: int, zero_stage: int, backend: str = "nccl", *, saved,
+                states: Optional[dict] = None) -> Dict[str, int]:
+    """Model-state bytes of one rank of stage ``pp_rank`` under ``zero_stage`` (module docstring);
+    ``saved``: the model's declaration (:mod:`megazero_models.saved_activations`), whose
+    ``chunk_params`` lists the parameters."""
     par = cfg.parallel
-    chunks = rank_chunks(cfg, pp_rank)
+    chunks = rank_chunks(cfg, pp_rank, saved, states)
     buckets = plan_buckets(cfg, chunks, zero_stage)
     n = sum(b.numel for b in buckets)
     shard = sum(b.shard for b in buckets)  # expert buckets: over expert DP

@@ -307,7 +307,7 @@ def _recompute_fraction(cfg) -> float:
     return (hardware_flops_per_iteration(cfg) - model) / (model / 3.0)
 
 
-def step_time(cfg, hw: Hardware) -> Dict[str, float]:
+def step_time(cfg, hw: Hardware, *, saved, states: Optional[dict] = None) -> Dict[str, float]:
     """Seconds per optimizer step and its parts (module docstring) for a validated config."""
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     tp, pp, dp, vp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
@@ -343,10 +343,10 @@ def step_time(cfg, hw: Hardware) -> Dict[str, float]:
     pipeline = max(work, (work + (pp - 1) / vp * bubble_slot) / hw.oversubscription)
     p2p_bytes = act / (tp if par.sequence_parallel else 1)
     p2p = 2 * (vp * n_micro + pp - 1) * _link(tp * cp * dp + 1, hw).p2p(p2p_bytes) if pp > 1 else 0.0
-    dp_comm = _dp_time(cfg, hw, fwd, compute)
-    owned = estimate_rank_elements(cfg)
+    dp_comm = _dp_time(cfg, hw, fwd, compute, saved, states)
+    owned = estimate_rank_elements(cfg, saved=saved, states=states)
     optimizer = owned * (16 + 4) * 2 / hw.hbm_bytes_per_s
-    nvme = nvme_time(cfg, hw, n_micro * compute)
+    nvme = nvme_time(cfg, hw, n_micro * compute, saved=saved, states=states)
     ep_comm = n_micro * ep_time(cfg, hw)
     total = pipeline + p2p + dp_comm + optimizer + nvme + ep_comm
     return {"compute_s": n_micro * compute, "tp_comm_s": n_micro * tp_comm, "bubble_s": pipeline - work,
@@ -390,7 +390,7 @@ def ep_time(cfg, hw: Hardware) -> float:
     return per_stage * share * a2a
 
 
-def nvme_time(cfg, hw: Hardware, compute: float) -> float:
+def nvme_time(cfg, hw: Hardware, compute: float, *, saved, states: Optional[dict] = None) -> float:
     """Seconds a step waits on the NVMe tiers, from the bytes they move per step and the node's disk
     bandwidth shared by the node's ranks.  The optimizer's sub-groups (master weights and moments,
     read and written once) are counted whole: only the update overlaps them.  ZeRO-3 parameters
@@ -402,7 +402,7 @@ def nvme_time(cfg, hw: Hardware, compute: float) -> float:
     if not (opt or prm):
         return 0.0
     per_rank = hw.disk_bytes_per_s / max(1, min(hw.gpus_per_node, par.world_size))
-    owned, b = estimate_rank_elements(cfg), bytes_per_element(cfg)
+    owned, b = estimate_rank_elements(cfg, saved=saved, states=states), bytes_per_element(cfg)
     seconds = 0.0
     if opt:  # fp32 master + moments, read and written
         seconds += owned * float(par.optimizer_offload_fraction) * (FP32 + b["state"]) * 2 / per_rank
@@ -412,20 +412,20 @@ def nvme_time(cfg, hw: Hardware, compute: float) -> float:
     return seconds
 
 
-def estimate_rank_elements(cfg) -> float:
+def estimate_rank_elements(cfg, *, saved, states: Optional[dict] = None) -> float:
     """Parameters one rank updates in the optimizer step (its ZeRO shard, or all at stage 0; expert
     parameters sharded over expert DP)."""
     from megazero.planning.estimate import stage_params
     from megazero.planning.model_state import plan_buckets, rank_chunks
     par = cfg.parallel
     if par.zero_stage == 0 or not cfg.moe.num_experts:
-        n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
+        n = max(stage_params(cfg, r, saved=saved, states=states) for r in loaded_stages(cfg))
         return n if par.zero_stage == 0 else n / (par.data_parallel_size * par.context_parallel_size)
-    return max(sum(b.shard for b in plan_buckets(cfg, rank_chunks(cfg, r), par.zero_stage))
+    return max(sum(b.shard for b in plan_buckets(cfg, rank_chunks(cfg, r, saved, states), par.zero_stage))
                for r in loaded_stages(cfg))
 
 
-def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
+def _dp_time(cfg, hw: Hardware, fwd: float, compute: float, saved, states: Optional[dict] = None) -> float:
     """Exposed data-parallel communication of one step (module docstring).  Each bucket is one
     collective.  With ranks sharing processors nothing overlaps: communicating is work for the
     same processors (gloo copies and reduces on the CPU), so every reduction and gather counts."""
@@ -437,13 +437,13 @@ def _dp_time(cfg, hw: Hardware, fwd: float, compute: float) -> float:
     if not cfg.moe.num_experts:  # gradients reduce over dp x cp (one group of dp x cp ranks)
         if dp == 1:
             return 0.0
-        n = max(stage_params(cfg, r) for r in loaded_stages(cfg))
-        buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0), zero))
+        n = max(stage_params(cfg, r, saved=saved, states=states) for r in loaded_stages(cfg))
+        buckets = len(plan_buckets(cfg, rank_chunks(cfg, 0, saved, states), zero))
         return _group_dp_time(cfg, hw, fwd, compute, dp, n, buckets, tp * dp)
     # the experts' buckets reduce over expert DP, a group spanning the stage's world / pp consecutive
     # ranks (Megatron-core's etp-ep-edp-pp order), the others over dp x cp; each its own ring
-    stage = max(loaded_stages(cfg), key=lambda r: stage_params(cfg, r))
-    buckets = plan_buckets(cfg, rank_chunks(cfg, stage), zero)
+    stage = max(loaded_stages(cfg), key=lambda r: stage_params(cfg, r, saved=saved, states=states))
+    buckets = plan_buckets(cfg, rank_chunks(cfg, stage, saved, states), zero)
     out = 0.0
     for expert, span in ((False, tp * dp), (True, par.world_size // par.pipeline_model_parallel_size)):
         mine = [b for b in buckets if (b.kind == EXPERT) == expert]
@@ -478,9 +478,10 @@ def _group_dp_time(cfg, hw: Hardware, fwd: float, compute: float, dp: int, n: in
 
 
 # ---- planning --------------------------------------------------------------------------------
-def _timed(cfg, layout: Layout, gpus: int, hw: Hardware, lc) -> Layout:
+def _timed(cfg, layout: Layout, gpus: int, hw: Hardware, lc, saved,
+           states: Optional[dict] = None) -> Layout:
     """Fill in the layout's step-time parts (``lc``: its config)."""
-    layout.step = step_time(lc, hw)
+    layout.step = step_time(lc, hw, saved=saved, states=states)
     tokens = cfg.training.global_batch_size * cfg.model.seq_length
     layout.step["tokens_per_sec"] = tokens / layout.step["step_time_s"]
     layout.step["mfu"] = model_flops_per_iteration(lc) / (layout.step["step_time_s"] * gpus * hw.peak_flops)
@@ -521,7 +522,7 @@ def plan(cfg, gpus: int, hw: Hardware, margin: float = 0.1, *, saved, states: Op
             lc = layout_config(cfg, layout, gpus)
             measure_memory(lc, layout, hw, saved=saved, states=states)
             if fits(layout, hw, budget):
-                found.append(_timed(cfg, layout, gpus, hw, lc))
+                found.append(_timed(cfg, layout, gpus, hw, lc, saved, states))
         if found:
             break
     return sorted(found, key=lambda x: (x.step["step_time_s"], x.memory_bytes))

@@ -304,7 +304,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
                             wandb_id=extra.get("wandb_run_id"), missed_rows=extra.get("metrics_rows", ()))
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
-    for line in startup_summary(cfg, data, mesh.rank):
+    for line in startup_summary(cfg, data, model_provider, mesh.rank):
         logger.print(f"megazero: {line}")
     axes = ("tp", "cp", "pp", "dp") if mesh.size("cp") > 1 else ("tp", "pp", "dp")
     sizes = " ".join(f"{a} {mesh.size(a)}" for a in axes)

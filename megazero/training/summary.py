@@ -22,11 +22,14 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def parameter_line(cfg) -> str:
-    """Parameters of the model and of one rank of each pipeline stage."""
-    from megazero.planning.estimate import stage_params, total_params
+def parameter_line(cfg, model_provider) -> str:
+    """Parameters of the model and of one rank of each pipeline stage (each stage's chunks built by
+    ``model_provider`` on the meta device: :func:`megazero.planning.model_state.provider_params`)."""
+    from megazero.planning.estimate import total_params
+    from megazero.planning.model_state import provider_params
     par = cfg.parallel
-    per_stage = [stage_params(cfg, pp) for pp in range(par.pipeline_model_parallel_size)]
+    per_stage = [sum(p.numel for c in provider_params(cfg, pp, model_provider) for p in c)
+                 for pp in range(par.pipeline_model_parallel_size)]
     zero3 = ""
     if par.zero_stage == 3 and par.data_parallel_size > 1:
         zero3 = f", / {par.data_parallel_size} under ZeRO-3"
@@ -148,9 +151,10 @@ def context_parallel_line(cfg) -> Optional[str]:
             f"rank i holds chunks i and {chunks - 1}-i ({s // cp} tokens per rank) | {attention}")
 
 
-def startup_summary(cfg, data, rank: int = 0) -> List[str]:
+def startup_summary(cfg, data, model_provider, rank: int = 0) -> List[str]:
     """The summary lines; rank 0 also writes the config to ``--save`` (when given)."""
     written = write_config(cfg, cfg.checkpoint.save) if rank == 0 and cfg.checkpoint.save else None
     cp = context_parallel_line(cfg)
-    return [parameter_line(cfg), settings_line(cfg, written), *([cp] if cp else []), *data_lines(cfg, data),
+    return [parameter_line(cfg, model_provider), settings_line(cfg, written), *([cp] if cp else []),
+            *data_lines(cfg, data),
             tokenizer_line(cfg)]

@@ -57,7 +57,7 @@ def predict(flags, nproc, cal):
     from megazero.planning.planner import GB, Hardware, step_time
     cfg = parse_args(MODEL + flags + ["--mock-data"], world_size=nproc)
     hw = Hardware.from_calibration(cal, 64 * GB, nproc)  # nproc ranks on the calibrated machine
-    return step_time(cfg, hw)["step_time_s"]
+    return step_time(cfg, hw, saved=_saved())["step_time_s"]
 
 
 def measure(flags, nproc, iters):
@@ -141,3 +141,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def _saved():
+    """The model's declaration (what it saves, its parameters) that the estimator reads."""
+    from megazero_models import saved_activations
+    return saved_activations

@@ -172,7 +172,7 @@ def predict(run: Run, gpu_types: Optional[Dict[str, object]] = None, knee: Optio
     hw = Hardware.for_gpu(gpu, gpus_per_node=8, attention=run.attention,
                           knee=gpu_model.KNEE if knee is None else knee)
     cfg = config(run)
-    return metric(run, cfg, step_time(cfg, hw)["step_time_s"], gpu.peak_tflops * 1e12)
+    return metric(run, cfg, step_time(cfg, hw, saved=_saved())["step_time_s"], gpu.peak_tflops * 1e12)
 
 
 def log_error(runs: Sequence[Run], gpu_types, knee: float) -> float:
@@ -284,3 +284,9 @@ def report(gpu_types=None, knee=None) -> str:
     lines.append(f"- constants: knee {k:.3g}; " + ", ".join(
         f"{n} gemm_max {types[n].gemm_max:.3g} attn_eff {types[n].attn_eff:.3g}" for n in ("A100", "H100")))
     return "\n".join(lines)
+
+
+def _saved():
+    """The model's declaration (what it saves, its parameters) that the estimator reads."""
+    from megazero_models import saved_activations
+    return saved_activations
