@@ -300,6 +300,24 @@ def test_checkpoint_records_the_mla_architecture(tmp_path):
         _train(config_from_dict(dict(plain, **TRAIN, load=str(tmp_path), finetune=True)))
 
 
+@pytest.mark.slow
+def test_packed_documents_at_each_layout_match_one_process():
+    """Packed documents (--reset-attention-mask, --reset-position-ids): MLA's keys see their own document
+    at CP 2 ring and Ulysses (the kernels compare document ids, values padded) and TP 2 with SP as in one
+    process; without the masks the losses move (the check sees the documents)."""
+    docs = dict(MLA, **TRAIN, tokenizer_type="NullTokenizer", reset_attention_mask=True,
+                reset_position_ids=True, vocab_size=16, seq_length=32)
+    one = _train(config_from_dict(docs))
+    for layout in (dict(context_parallel_size=2), dict(context_parallel_size=2, cp_comm_type="a2a"),
+                   dict(tensor_model_parallel_size=2, sequence_parallel=True)):
+        got = run_ranks(_train, 2, config_from_dict(dict(docs, **layout)), timeout=300)[0]
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, one):
+            assert loss == pytest.approx(ref_loss, rel=R_TRAIN), layout
+            assert norm == pytest.approx(ref_norm, rel=R_TRAIN), layout
+    off = _train(config_from_dict(dict(docs, reset_attention_mask=False, reset_position_ids=False)))
+    assert off[0][1] != pytest.approx(one[0][1], rel=1e-4)
+
+
 # ---- a tiny DeepSeek-V3: MLA with both latents, grouped routing, a shared expert, MTP ------------------
 DEEPSEEK = dict(MLA, num_layers=2, global_batch_size=8, micro_batch_size=1, train_iters=3, lr_decay_iters=4,
                 optimizer="sgd", lr=0.1, sgd_momentum=0.0, log_interval=100, mtp_num_layers=1,
