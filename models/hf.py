@@ -70,8 +70,8 @@ EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1]}  # the tok
 UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
                     "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
 OFFSET_NORMS = ("gemma", "gemma2", "gemma3_text")  # norms scaling by 1 + weight: megazero stores 1 + weight
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_weight")  # stacked or one expert
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_(weight|bias)")  # stacked or one expert
 EXPERT_FILES = {"mixtral": {"gate": "w1", "fc1": "w3", "fc2": "w2"},  # the published per-expert names
                 "qwen": {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}}
 SHARED_EXPERT = [("mlp.shared_experts.gate.weight", "mlp.shared_expert.gate_proj.weight", ""),
@@ -106,7 +106,11 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
     if cfg.model.qk_layernorm:
         out += [("attention.q_norm.weight", "self_attn.q_norm.weight", offset),
                 ("attention.k_norm.weight", "self_attn.k_norm.weight", offset)]
-    if arch in MOE_ARCHS:
+    if arch == "gpt_oss":  # biased attention and router, attention sinks (docs/attention.md)
+        out += [("attention.proj.bias", "self_attn.o_proj.bias", ""),
+                ("attention.sinks", "self_attn.sinks", ""),
+                ("mlp.router.weight", "mlp.router.weight", ""), ("mlp.router.bias", "mlp.router.bias", "")]
+    elif arch in MOE_ARCHS:
         router = ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight"
         out.append(("mlp.router.weight", router, ""))
     if arch == "qwen2_moe":
@@ -121,9 +125,25 @@ def _expert_file_name(arch: str, e: int, leaf: str) -> str:
     return f"mlp.experts.{e}.{EXPERT_FILES['qwen'][leaf]}.weight"
 
 
-def _expert_tensor(get, src: str, arch: str, e: Optional[int], leaf: str, experts: int) -> torch.Tensor:
+def _gpt_oss_expert(get, src: str, e: Optional[int], leaf: str, kind: str) -> torch.Tensor:
+    """gpt-oss's experts, stacked: ``gate_up_proj [E, h, 2F]`` (gate and up interleaved, ``x @ W``),
+    ``down_proj [E, F, h]`` and their biases ``[E, 2F]``, ``[E, h]``."""
+    bias = "_bias" if kind == "bias" else ""
+    if leaf == "fc2":
+        t = get(src + "mlp.experts.down_proj" + bias)
+    else:
+        start = 0 if leaf == "gate" else 1
+        t = get(src + "mlp.experts.gate_up_proj" + bias)[..., start::2]
+    t = t if e is None else t[e]
+    return t if bias else t.transpose(-1, -2)
+
+
+def _expert_tensor(get, src: str, arch: str, e: Optional[int], leaf: str, experts: int,
+                   kind: str = "weight") -> torch.Tensor:
     """One expert's weight (``e``), or all stacked (``e`` None), from the published per-expert tensors
-    or, where those are absent, transformers' fused in-memory ones."""
+    or, where those are absent, transformers' fused in-memory ones (gpt-oss: its stacked tensors)."""
+    if arch == "gpt_oss":
+        return _gpt_oss_expert(get, src, e, leaf, kind)
     try:
         if e is not None:
             return get(src + _expert_file_name(arch, e, leaf))
@@ -187,7 +207,7 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
         expert = EXPERT.fullmatch(rest)
         if expert:
             e = None if expert.group(1) is None else int(expert.group(1))
-            return _expert_tensor(get, src, arch, e, expert.group(2), cfg.moe.num_experts)
+            return _expert_tensor(get, src, arch, e, expert.group(2), cfg.moe.num_experts, expert.group(3))
     for mz, hf, how in layer_map(cfg, arch):
         if rest == mz:
             t = get(src + hf)
@@ -224,7 +244,10 @@ def export_groups(cfg) -> List[ExportGroup]:
         dst = f"{_prefix(arch)}{i}."
         one = {mz: (hf, how) for mz, hf, how in layer_map(cfg, arch)}
         expert = EXPERT.fullmatch(rest)
-        if expert:
+        if expert and arch == "gpt_oss":  # one stacked tensor per kind: written with the layer's first
+            if rest == "mlp.experts.0.fc1_weight":
+                groups += _gpt_oss_expert_groups(i, dst, cfg.moe.num_experts)
+        elif expert:
             hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
             groups.append(([name], [dst + hf], lambda t: [t]))
         elif rest in one:
@@ -250,6 +273,23 @@ def _qkv_group(name: str, dst: str, kind: str, m, arch: str) -> ExportGroup:
     if arch == "phi3":
         return [name], [dst + f"self_attn.qkv_proj.{kind}"], lambda t: [torch.cat(split(t))]
     return [name], [f"{dst}self_attn.{n}_proj.{kind}" for n in "qkv"], split
+
+
+def _gpt_oss_expert_groups(i: str, dst: str, experts: int) -> List[ExportGroup]:
+    """Layer ``i``'s experts as gpt-oss stores them (:func:`_gpt_oss_expert`'s inverse)."""
+    def names(leaf, kind):
+        return [f"decoder.{i}.mlp.experts.{e}.{leaf}_{kind}" for e in range(experts)]
+
+    def gate_up(*t):  # gates then ups, one per expert: [F, h] weights (or [F] biases)
+        gates, ups = t[:experts], t[experts:]
+        if gates[0].dim() == 1:
+            return [torch.stack([torch.stack([g, u], -1).flatten() for g, u in zip(gates, ups)])]
+        return [torch.stack([torch.stack([g.t(), u.t()], -1).flatten(-2) for g, u in zip(gates, ups)])]
+    return [(names("gate", "weight") + names("fc1", "weight"), [dst + "mlp.experts.gate_up_proj"], gate_up),
+            (names("gate", "bias") + names("fc1", "bias"), [dst + "mlp.experts.gate_up_proj_bias"], gate_up),
+            (names("fc2", "weight"), [dst + "mlp.experts.down_proj"],
+             lambda *t: [torch.stack([w.t() for w in t])]),
+            (names("fc2", "bias"), [dst + "mlp.experts.down_proj_bias"], lambda *t: [torch.stack(t)])]
 
 
 def megazero_names(cfg, per_expert: bool = False) -> List[str]:

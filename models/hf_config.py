@@ -27,14 +27,15 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 OTHER_ARCHITECTURES = {
     "olmo": "OLMo (1)'s non-parametric layer norm (LayerNorm without a scale or bias) and clip_qkv",
     "gemma3": "Gemma 3's vision tower (its text model, model_type gemma3_text, imports)",
+    "llama4_text": "Llama 4's interleaved (complex) RoPE pairs and experts weighted on their input (its "
+                   "chunked attention, NoPE layers, L2 q/k norm and temperature exist: docs/attention.md)",
     "olmo3": "OLMo 3's RoPE parameters per layer type (rope_parameters for sliding and full attention apart)",
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
     "falcon": "Falcon's parallel attention and MLP (and ALiBi in some)",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention and grouped (node-limited) expert routing",
-    "gpt_oss": "gpt-oss's attention sinks, biased experts and clamped SwiGLU",
 }
-MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 
 
 def _unsupported(field: str, value, fix: str):
@@ -149,7 +150,7 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
     if act != want and not (want == "gelu_pytorch_tanh" and act in ("gelu_new", "gelu_fast")):
         _unsupported("hidden_act", act, f"megazero's {kind} MLP is gated with {want}")
     for field in ("attention_bias", "mlp_bias"):
-        if getattr(c, field, False) and not (kind == "qwen2" and field == "attention_bias"):
+        if getattr(c, field, False) and not (kind in ("qwen2", "gpt_oss") and field == "attention_bias"):
             _unsupported(field, True, "linear biases on all attention projections (or the MLP) are not "
                          "implemented (Qwen2's query/key/value-only bias is)")
     if getattr(c, "use_bidirectional_attention", None):
@@ -196,7 +197,7 @@ def _windows(c, kind: str) -> Dict[str, Any]:
     if kind == "smollm3" and not getattr(c, "use_sliding_window", False):
         width = None
     if kind not in ("mistral", "qwen2", "qwen3", "gemma2", "phi3", "smollm3", "mixtral", "qwen2_moe",
-                    "qwen3_moe", "gemma3_text") or not width:
+                    "qwen3_moe", "gemma3_text", "gpt_oss") or not width:
         return {}
     types: List[str] = list(getattr(c, "layer_types", None) or [])
     flags = [True] * c.num_hidden_layers if kind in ("mistral", "phi3", "mixtral") or not types else \
@@ -234,6 +235,8 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
         out.update(norm_position="sandwich", attn_logit_softcapping=_float(c.attn_logit_softcapping),
                    final_logit_softcapping=_float(c.final_logit_softcapping),
                    softmax_scale=float(c.query_pre_attn_scalar) ** -0.5)
+    if kind == "gpt_oss":
+        out.update(gpt_oss_settings(c))
     if kind == "smollm3":
         use = list(getattr(c, "no_rope_layers", None) or [1] * c.num_hidden_layers)
         if not all(use):
@@ -242,6 +245,18 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
                           and skip == [int((i + 1) % n == 0) for i in range(len(skip))]), None)
             out["no_rope_freq"] = every or skip
     return out
+
+
+def gpt_oss_settings(c) -> Dict[str, Any]:
+    """gpt-oss's attention sinks, biases (attention, experts, router) and clamped SwiGLU
+    (docs/attention.md)."""
+    from megazero.tensor_parallel.activations import QUICK_GELU_ALPHA
+    if float(getattr(c, "swiglu_alpha", QUICK_GELU_ALPHA)) != QUICK_GELU_ALPHA:
+        _unsupported("swiglu_alpha", c.swiglu_alpha, f"megazero's quick-GeGLU has alpha {QUICK_GELU_ALPHA}")
+    if not getattr(c, "attention_bias", False):
+        _unsupported("attention_bias", False, "megazero's gpt-oss has biased attention projections")
+    return dict(softmax_type="learnable", activation="quick_geglu", glu_linear_offset=1.0,
+                activation_func_clamp_value=float(c.swiglu_limit), add_bias_linear=True)
 
 
 def _float(v) -> Optional[float]:
@@ -259,7 +274,8 @@ def moe_settings(c, kind: str) -> Dict[str, Any]:
     others with ``norm_topk_prob``): the softmax over the top-k logits, Megatron-LM's default; without
     renormalising it is ``--moe-router-pre-softmax``.  Dropless (no capacity).  The load-balancing loss
     is ``router_aux_loss_coef`` when the config adds it to the loss (``output_router_logits``)."""
-    experts, layers = int(c.num_experts or 0), c.num_hidden_layers
+    experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0)
+    layers = c.num_hidden_layers
     if kind in ("qwen2_moe", "qwen3_moe"):
         dense = set(getattr(c, "mlp_only_layers", None) or [])
         step = int(getattr(c, "decoder_sparse_step", 1) or 1)
@@ -274,13 +290,16 @@ def moe_settings(c, kind: str) -> Dict[str, Any]:
     if jitter:
         _unsupported("router_jitter_noise", jitter, "jitter on the router's input (Megatron-LM's "
                      "--moe-input-jitter-eps) is not implemented")
-    renormalise = kind == "mixtral" or bool(getattr(c, "norm_topk_prob", False))
+    # gpt-oss: the softmax of the top-k logits (its router's bias added first)
+    renormalise = kind in ("mixtral", "gpt_oss") or bool(getattr(c, "norm_topk_prob", False))
     out: Dict[str, Any] = dict(num_experts=experts, moe_router_topk=int(c.num_experts_per_tok),
                                moe_ffn_hidden_size=int(ffn), moe_layer_freq=moe_pattern(flags),
                                moe_router_score_function="softmax", moe_router_pre_softmax=not renormalise,
                                moe_router_load_balancing_type="aux_loss",
                                moe_aux_loss_coeff=float(c.router_aux_loss_coef)
                                if getattr(c, "output_router_logits", False) else 0.0)
+    if kind == "gpt_oss":
+        out["moe_router_bias"] = True
     shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if kind == "qwen2_moe" else 0
     if kind == "qwen2_moe" and not shared:
         _unsupported("shared_expert_intermediate_size", shared, "megazero's Qwen2-MoE has its shared expert")

@@ -153,6 +153,9 @@ class _ShapeOf:
     def t(self) -> "_ShapeOf":
         return _ShapeOf(self.meta.t())
 
+    def transpose(self, *dims) -> "_ShapeOf":
+        return _ShapeOf(self.meta.transpose(*dims))
+
     def reshape(self, *shape) -> "_ShapeOf":
         return _ShapeOf(self.meta.reshape(*shape))
 

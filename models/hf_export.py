@@ -19,12 +19,15 @@ from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
               "gemma3_text")
-MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text")  # a window per layer
+MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text", "gpt_oss")  # per layer
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-caps, its own score scale
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
-HELD_VARIANTS: Dict[str, tuple] = {"gemma3_text": ("--rotary-base-local",)}  # of docs/attention.md
+HELD_VARIANTS: Dict[str, tuple] = {  # of docs/attention.md
+    "gemma3_text": ("--rotary-base-local",),
+    "gpt_oss": ("--softmax-type", "--activation", "--glu-linear-offset", "--activation-func-clamp-value",
+                "--moe-router-bias")}
 
 
 def _scalings(m) -> List[str]:
@@ -111,6 +114,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     if experts != (t in MOE_ORDER):
         return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
     variant = variants_missing(m, moe, t)
+    if t == "gpt_oss":
+        return variant or gpt_oss_missing(m, moe)
     if experts:
         return variant or _dense_missing(m, t) or moe_missing(moe, m, t)
     return variant or _dense_missing(m, t)
@@ -134,6 +139,27 @@ def variants_missing(m, moe, t: str) -> Optional[str]:
         if flag.split(" ")[0] not in held:
             return f"{flag} ({t} has no such part; docs/attention.md)"
     return None
+
+
+def gpt_oss_missing(m, moe) -> Optional[str]:
+    """What gpt-oss lacks to hold ``m`` (its every piece is fixed: sinks, biases, the clamped SwiGLU)."""
+    wants = [("--softmax-type learnable", m.softmax_type == "learnable"),
+             ("--activation quick_geglu", m.activation == "quick_geglu"),
+             ("--glu-linear-offset 1", m.glu_linear_offset == 1.0),
+             ("--activation-func-clamp-value", m.activation_func_clamp_value is not None),
+             ("--add-bias-linear", m.add_bias_linear), ("--moe-router-bias", moe.moe_router_bias),
+             ("RoPE and RMSNorm", uses_rope(m) and m.normalization == "RMSNorm" and m.norm_position == "pre"),
+             ("every layer a mixture of experts", all(moe_layer_pattern(moe.moe_layer_freq, m.num_layers))),
+             ("softmax routing over the top-k logits", moe.moe_router_score_function == "softmax"
+              and not moe.moe_router_pre_softmax and not moe.moe_router_enable_expert_bias
+              and moe.moe_router_topk_scaling_factor in (None, 1.0) and not moe.moe_router_num_groups),
+             ("no shared expert", not moe.moe_shared_expert_intermediate_size)]
+    absent = [f for f, ok in wants if not ok]
+    others = [f for f in ("qk_layernorm", "add_qkv_bias", "scale_embedding", "attn_logit_softcapping",
+                          "final_logit_softcapping", "softmax_scale", "no_rope_freq") if getattr(m, f)]
+    if absent:
+        return f"gpt_oss needs {absent[0]}"
+    return f"{others[0]} (gpt_oss has none)" if others else None
 
 
 def _dense_missing(m, t: str) -> Optional[str]:
@@ -214,7 +240,7 @@ def _gpt2_config(m):
 
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
            "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "olmo2": "Olmo2",
-           "smollm3": "SmolLM3", "mixtral": "Mixtral",
+           "smollm3": "SmolLM3", "mixtral": "Mixtral", "gpt_oss": "GptOss",
            "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
 
 
@@ -228,7 +254,7 @@ def _window_settings(m, t: str) -> Dict[str, Any]:
         return {}
     types = ["sliding_attention" if f else "full_attention" for f in flags]
     out: Dict[str, Any] = dict(layer_types=types, sliding_window=width or 4096)
-    if t not in SANDWICH:
+    if t not in SANDWICH + ("gpt_oss",):
         out["use_sliding_window"] = width is not None
     return out
 
@@ -273,7 +299,7 @@ def hf_config_from(cfg):
     cls = getattr(transformers, f"{CLASSES[t]}Config")
     max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
         max(m.max_position_embeddings, m.seq_length)
-    ffn = moe.moe_ffn_hidden_size if t in ("mixtral", "olmoe") else m.ffn_hidden_size
+    ffn = moe.moe_ffn_hidden_size if t in ("mixtral", "olmoe", "gpt_oss") else m.ffn_hidden_size
     extra = _moe_config(moe, m, t) if t in MOE_ORDER else {}
     out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=ffn, **extra,
               num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
@@ -308,9 +334,11 @@ def _moe_config(moe, m, t: str) -> Dict[str, Any]:
     out: Dict[str, Any] = dict(num_experts_per_tok=moe.moe_router_topk, output_router_logits=bool(coeff))
     if coeff:
         out["router_aux_loss_coef"] = coeff
-    out["num_local_experts" if t in ("mixtral", "qwen3_moe") else "num_experts"] = moe.num_experts
+    out["num_local_experts" if t in ("mixtral", "qwen3_moe", "gpt_oss") else "num_experts"] = moe.num_experts
     if t == "mixtral":
         return dict(out, router_jitter_noise=0.0)
+    if t == "gpt_oss":
+        return dict(out, swiglu_limit=m.activation_func_clamp_value, attention_bias=True)
     out["norm_topk_prob"] = not moe.moe_router_pre_softmax
     if t in ("qwen2_moe", "qwen3_moe"):
         out.update(moe_intermediate_size=moe.moe_ffn_hidden_size, decoder_sparse_step=1,

@@ -81,6 +81,10 @@ def _moe_families(t, name):
                                 norm_topk_prob=True)
     if name == "olmoe":
         return t.OlmoeConfig(**dict(SHAPE, intermediate_size=16), num_experts=8, **MOE)
+    if name == "gpt-oss":  # windows on alternate layers, YaRN, a clamp these small activations reach
+        yarn = dict(YARN_ROPE, truncate=False)
+        return t.GptOssConfig(**dict(SHAPE, intermediate_size=16), head_dim=16, num_local_experts=8, **MOE,
+                              sliding_window=WINDOW, swiglu_limit=0.3, rope_parameters=yarn)
     raise KeyError(name)
 
 
@@ -91,13 +95,14 @@ def family_config(name):
 
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
-            "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
-MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
+            "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
                "gemma3": "Gemma3",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
-               "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe"}  # the others: LLaMA
+               "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
+               "gpt-oss": "GptOss"}  # the others: LLaMA
 
 
 def hf_model(name, **over):

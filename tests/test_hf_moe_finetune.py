@@ -19,8 +19,9 @@ from tolerance import R_TRAIN
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # 4-rank training runs of two architectures
 SEQ, GBS, SEED = 32, 4, 1234
-ARCHITECTURES = ["mixtral", "qwen2-moe"]
+ARCHITECTURES = ["mixtral", "qwen2-moe", "gpt-oss"]
 HF_OVER = {"qwen2-moe": dict(output_router_logits=True)}  # its aux loss (router_aux_loss_coef 0.02) trains
+LAYOUT_OVER = {"gpt-oss": dict(expert_tensor_parallel_size=1)}  # biased experts: expert TP 1 (Megatron-LM's)
 
 
 def _settings(ckpt, save=None, tp=1, ep=1):
@@ -51,8 +52,8 @@ def finetuned(tmp_path_factory):
         hf[name].save_pretrained(str(d / name / "hf"))
         to_megazero(str(d / name / "hf"), str(d / name / "ckpt"))
     one = _train_all({n: _settings(str(d / n / "ckpt")) for n in ARCHITECTURES})
-    four = run_ranks(_train_all, 4, {n: _settings(str(d / n / "ckpt"), str(d / n / "run"), tp=2, ep=2)
-                                     for n in ARCHITECTURES}, timeout=600)
+    four = run_ranks(_train_all, 4, {n: dict(_settings(str(d / n / "ckpt"), str(d / n / "run"), tp=2, ep=2),
+                                             **LAYOUT_OVER.get(n, {})) for n in ARCHITECTURES}, timeout=600)
     return d, hf, one, four
 
 
