@@ -630,6 +630,14 @@ def test_refused_combinations_name_the_flag(flags, needle):
         parse_args(["--mock-data", "--multi-latent-attention"] + flags, world_size=1)
 
 
+def test_mla_sizes_without_mla_are_named_as_without_effect():
+    notes = parse_args(["--mock-data", "--q-lora-rank", "12", "--v-head-dim", "4"], world_size=1).notes
+    assert any(n.startswith("--q-lora-rank, --v-head-dim without --multi-latent-attention: no effect")
+               for n in notes)
+    quiet = parse_args(["--mock-data", "--kv-lora-rank", "32"], world_size=1).notes  # the default, as saved
+    assert not any("--multi-latent-attention" in n for n in quiet)
+
+
 def test_rope_type_yarn_needs_mla():
     with pytest.raises(ConfigError, match="--rope-type yarn: .*--multi-latent-attention"):
         parse_args(["--mock-data", "--rope-type", "yarn"], world_size=1)

@@ -253,6 +253,12 @@ def _without_effect(out: Dict[str, Any]) -> List[str]:
     for name in ("no_load_optim", "no_load_rng"):
         if out.get(name) and not out.get("load"):
             notes.append(f"--{name.replace('_', '-')} without --load: nothing is loaded, so it has no effect")
+    sizes = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    mla = [f"--{k.replace('_', '-')}" for k in sizes if out.get(k, field_index()[k][1].default) !=
+           field_index()[k][1].default]  # a saved settings file holds the defaults
+    if mla and not out.get("multi_latent_attention"):
+        notes.append(f"{', '.join(mla)} without --multi-latent-attention: no effect (multi-latent "
+                     "attention's sizes; Megatron-LM ignores them too)")
     if out.get("data_cache_path"):
         notes.append(f"--data-cache-path {out['data_cache_path']}: no effect; dataset indices are built in "
                      "memory, an epoch at a time, and nothing is cached on disk")
