@@ -103,9 +103,9 @@ LAYOUTS = {  # name: (settings of both runs, world, layout)
                       dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1)),
     # the rolled tokens split like the sequence; the depths in ZeRO-3's root unit
     "cp2-dp2-zero3": (dict(UNTIED, global_batch_size=8), 4, dict(context_parallel_size=2, zero_stage=3)),
-    "tp2-sp-cp2-a2a": (dict(UNTIED, global_batch_size=8), 4, dict(tensor_model_parallel_size=2,
-                                                                  sequence_parallel=True,
-                                                                  context_parallel_size=2, cp_comm_type="a2a")),
+    "tp2-sp-cp2-a2a": (dict(UNTIED, global_batch_size=8), 4,
+                       dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                            cp_comm_type="a2a")),
     "pp2-dp2-zero3-tied-recompute": (dict(global_batch_size=8), 4,
                                      dict(pipeline_model_parallel_size=2, zero_stage=3,
                                           recompute_granularity="full", recompute_method="uniform",
