@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megazero.tensor_parallel.recompute import recompute
 from .ssd import ssd_chunked
+from .ssm_cp import conv_states, starting_states
 from .ssm_common import CausalConv1d, GatedRMSNorm, a_log_init, constant_init, dt_bias_init, sharded_param
 
 
@@ -116,17 +117,49 @@ class MambaMixer(nn.Module):
             k = sh.conv_kernel - 1
             past = conv_in if conv_in is not None else xbc.new_zeros(b, k, xbc.shape[-1])
             state["conv"] = torch.cat([past, xbc], dim=1)[:, -k:] if k else past
-        xbc = F.silu(self.conv1d(xbc, conv_in)).view(b, s, g, r * p + 2 * n)
+        cp = self.mesh.size("cp") > 1 and state is None
+        xbc = F.silu(self._conv_cp(xbc) if cp else self.conv1d(xbc, conv_in)).view(b, s, g, r * p + 2 * n)
         x, B, C = xbc.split([r * p, n, n], dim=-1)
         x = x.reshape(b, s, g * r, p)
         work = torch.promote_types(proj.dtype, torch.float32)  # the scan runs in fp32 at least
         dt = F.softplus(dt.reshape(b, s, g * r).to(work) + self.dt_bias.to(work))
         A = -torch.exp(self.A_log.to(work))
-        y, final = ssd_chunked(x, dt, A, B, C, sh.chunk_size, None if state is None else state.get("ssm"))
+        if cp:
+            y = self._scan_cp(x, dt, A, B, C)
+        else:
+            y, final = ssd_chunked(x, dt, A, B, C, sh.chunk_size, None if state is None else state.get("ssm"))
         if state is not None:
             state["ssm"] = final.detach()
         y = y + x.to(y.dtype) * self.D.to(y.dtype)[:, None]
         return self.norm(y.reshape(b, s, g * r * p).to(proj.dtype), z.reshape(b, s, g * r * p))
+
+    def _conv_cp(self, xbc: torch.Tensor) -> torch.Tensor:
+        """The conv over this CP rank's two chunks, each continuing from the chunk before it
+        (:func:`megazero_models.ssm_cp.conv_states`)."""
+        k, halves = self.shape.conv_kernel - 1, xbc.chunk(2, dim=1)
+        if k > halves[0].shape[1]:
+            raise ValueError(f"context parallelism: chunks of {halves[0].shape[1]} tokens are shorter than "
+                             f"the Mamba conv's {k} past inputs; use a smaller --context-parallel-size")
+        starts = conv_states([h[:, h.shape[1] - k:] for h in halves], self.mesh)
+        return torch.cat([self.conv1d(h, st) for h, st in zip(halves, starts)], dim=1)
+
+    def _scan_cp(self, x, dt, A, B, C) -> torch.Tensor:
+        """The scan over this CP rank's two chunks from zero states, then what each reads of the
+        state the chunks before it leave (:func:`megazero_models.ssm_cp.starting_states`; Mamba-2's
+        transition is the chunk's total decay per head)."""
+        parts = [t.chunk(2, dim=1) for t in (x, dt, B, C)]
+        runs = [ssd_chunked(xh, dth, A, Bh, Ch, self.shape.chunk_size)
+                for xh, dth, Bh, Ch in zip(*parts)]
+        decays = [(dth * A).sum(1) for dth in parts[1]]  # [b, heads]
+        starts = starting_states([f for _, f in runs], decays,
+                                 lambda d, st: torch.exp(d)[..., None, None] * st, self.mesh)
+        r = self.shape.heads_per_group
+        ys = []
+        for (y, _), dth, Ch, st in zip(runs, parts[1], parts[3], starts):
+            seen = torch.exp((dth * A).cumsum(1))  # [b, s, heads]: the start state's decay to each token
+            read = torch.einsum("bshn,bhpn->bshp", Ch.to(y.dtype).repeat_interleave(r, dim=2), st)
+            ys.append(y + seen[..., None] * read)
+        return torch.cat(ys, dim=1)
 
     def forward(self, hidden: torch.Tensor, state: Optional[dict] = None) -> torch.Tensor:
         """``hidden [s, b, hidden_size]`` (``[s / tp, ...]`` under sequence parallelism) -> the same shape."""

@@ -212,3 +212,42 @@ def test_bf16_parameters_and_activations():
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and xb.grad is not None and torch.isfinite(xb.grad.float()).all()
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=8 * 2 ** -8 * float(ref.abs().max()))
+
+
+def _cp_rank(s):
+    from megazero.context_parallel import split_for_cp
+    mesh = ParallelMesh.build(cp=2)
+    m = MambaMixer(SHAPE, mesh, layer_idx=1).double()
+    hidden = split_for_cp(_hidden(s), 0, 2, mesh.coord("cp")).requires_grad_()
+    out = m(hidden)
+    gen = torch.Generator().manual_seed(3)
+    upstream = torch.randn(s, 2, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
+    (out * split_for_cp(upstream, 0, 2, mesh.coord("cp"))).sum().backward()
+    return out.detach(), hidden.grad, {k: v.grad for k, v in m.named_parameters()}
+
+
+@pytest.mark.parametrize("broken", [None, "conv", "state"])
+def test_mixer_context_parallel(broken, monkeypatch):
+    """CP 2: each rank's two chunks (of 5 tokens, the scan's chunk 4) continue the conv and the state
+    of the chunks before them; outputs and input gradients equal one process's at this rank's
+    tokens, and the ranks' parameter gradients sum to one process's.  With the conv's past inputs or
+    the starting states dropped (the forked ranks inherit the patch) the comparison fails."""
+    import megazero_models.mamba as mamba
+    from megazero.context_parallel import split_for_cp
+    if broken == "conv":
+        monkeypatch.setattr(mamba, "conv_states", lambda tails, mesh: [torch.zeros_like(t) for t in tails])
+    if broken == "state":
+        monkeypatch.setattr(mamba, "starting_states", lambda ends, *a: [torch.zeros_like(f) for f in ends])
+    s = 20
+    ref = _mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1).double(), _hidden(s),
+                       lambda mod, x: mod(x))
+    out = run_ranks(_cp_rank, 2, s)
+    if broken:
+        with pytest.raises(AssertionError):
+            close(out[1][0], split_for_cp(ref[0], 0, 2, 1))
+        return
+    for rank, (y, grad_in, _) in enumerate(out):
+        close(y, split_for_cp(ref[0], 0, 2, rank))
+        close(grad_in, split_for_cp(ref[1], 0, 2, rank))
+    for k in ref[2]:
+        close(out[0][2][k] + out[1][2][k], ref[2][k])
