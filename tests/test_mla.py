@@ -240,6 +240,10 @@ LAYOUTS = {
     "dp2-zero2": (2, dict(zero_stage=2)),
     "cp2-ring": (2, dict(context_parallel_size=2)),  # values padded to the query head size in the kernel
     "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
+    "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "cp2-a2a-tp2-sp-pp2-zero1": (8, dict(context_parallel_size=2, cp_comm_type="a2a",
+                                         tensor_model_parallel_size=2, sequence_parallel=True,
+                                         pipeline_model_parallel_size=2, zero_stage=1)),
     "dp2-zero1-recompute-full": (2, dict(zero_stage=1, recompute_granularity="full",
                                          recompute_method="uniform", recompute_num_layers=1)),
     "tp2-recompute-selective": (2, dict(tensor_model_parallel_size=2, recompute_granularity="selective")),
