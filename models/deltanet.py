@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from megazero.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, normal_init
 from megazero.tensor_parallel.recompute import recompute
 from .delta_rule import gated_delta_chunked
+from .ssm_cp import conv_states, starting_states
 from .ssm_common import CausalConv1d, GatedRMSNorm, a_log_init, constant_init, sharded_param
 
 
@@ -109,7 +110,8 @@ class GatedDeltaNet(nn.Module):
             width = sh.conv_kernel - 1
             past = conv_in if conv_in is not None else qkv.new_zeros(b, width, qkv.shape[-1])
             state["conv"] = torch.cat([past, qkv], dim=1)[:, -width:] if width else past
-        qkv = F.silu(self.conv1d(qkv, conv_in)).view(b, s, kh, 2 * dk + r * dv)
+        cp = self.mesh.size("cp") > 1 and state is None
+        qkv = F.silu(self._conv_cp(qkv) if cp else self.conv1d(qkv, conv_in)).view(b, s, kh, 2 * dk + r * dv)
         q, k, v = qkv.split([dk, dk, r * dv], dim=-1)
         work = torch.promote_types(proj.dtype, torch.float32)
         q = l2_normalize(q.to(work)).repeat_interleave(r, dim=2) * dk ** -0.5
@@ -118,11 +120,41 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(beta.reshape(b, s, kh * r).to(work))
         a = a.reshape(b, s, kh * r).to(work)
         g = -torch.exp(self.A_log.to(work)) * F.softplus(a + self.dt_bias.to(work))
-        o, final = gated_delta_chunked(q, k, v, g, beta, sh.chunk_size,
-                                       None if state is None else state.get("recurrent"))
+        if cp:
+            o = self._rule_cp(q, k, v, g, beta)
+        else:
+            o, final = gated_delta_chunked(q, k, v, g, beta, sh.chunk_size,
+                                           None if state is None else state.get("recurrent"))
         if state is not None:
             state["recurrent"] = final.detach()
         return self.norm(o.to(proj.dtype), z.reshape(b, s, kh * r, dv)).reshape(b, s, kh * r * dv)
+
+    def _conv_cp(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The conv over this CP rank's two chunks, each continuing from the chunk before it."""
+        width, halves = self.shape.conv_kernel - 1, qkv.chunk(2, dim=1)
+        if width > halves[0].shape[1]:
+            raise ValueError(f"context parallelism: chunks of {halves[0].shape[1]} tokens are shorter than "
+                             f"the conv's {width} past inputs; use a smaller --context-parallel-size")
+        starts = conv_states([h[:, h.shape[1] - width:] for h in halves], self.mesh)
+        return torch.cat([self.conv1d(h, st) for h, st in zip(halves, starts)], dim=1)
+
+    def _rule_cp(self, q, k, v, g, beta) -> torch.Tensor:
+        """The delta rule over this CP rank's two chunks from zero states, plus what each position
+        reads of its chunk's true starting state.  Every operation of the rule multiplies the state
+        from the left, so a chunk's end state is ``M S_start + S_zero`` and its outputs ``o_zero +
+        R S_start``, with ``M [dk, dk]`` and ``R [s, dk]`` the rule run on zero values from the
+        identity; the starting states follow from every chunk's ``(M, S_zero)``
+        (:func:`megazero_models.ssm_cp.starting_states`)."""
+        L, dk = self.shape.chunk_size, q.shape[-1]
+        outs, finals, maps, reads = [], [], [], []
+        for qh, kh, vh, gh, bh in zip(*(t.chunk(2, dim=1) for t in (q, k, v, g, beta))):
+            o, final = gated_delta_chunked(qh, kh, vh, gh, bh, L)
+            eye = torch.eye(dk, dtype=final.dtype, device=final.device).expand(*final.shape[:2], dk, dk)
+            read, transition = gated_delta_chunked(qh, kh, kh.new_zeros(*kh.shape), gh, bh, L, eye)
+            outs.append(o), finals.append(final), maps.append(transition), reads.append(read)
+        starts = starting_states(finals, maps, torch.matmul, self.mesh)
+        return torch.cat([o + torch.einsum("bshk,bhkv->bshv", read, st)
+                          for o, read, st in zip(outs, reads, starts)], dim=1)
 
     def forward(self, hidden: torch.Tensor, state: Optional[dict] = None) -> torch.Tensor:
         """``hidden [s, b, hidden_size]`` (``[s / tp, ...]`` under sequence parallelism) -> the same shape."""

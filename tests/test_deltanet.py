@@ -208,3 +208,42 @@ def test_bf16_parameters_and_activations():
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and xb.grad is not None and torch.isfinite(xb.grad.float()).all()
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=8 * 2 ** -8 * float(ref.abs().max()))
+
+
+def _cp_rank(s):
+    from megazero.context_parallel import split_for_cp
+    mesh = ParallelMesh.build(cp=2)
+    m = GatedDeltaNet(SHAPE, mesh, layer_idx=2).double()
+    hidden = split_for_cp(_hidden(s), 0, 2, mesh.coord("cp")).requires_grad_()
+    out = m(hidden)
+    gen = torch.Generator().manual_seed(3)
+    upstream = torch.randn(s, 2, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
+    (out * split_for_cp(upstream, 0, 2, mesh.coord("cp"))).sum().backward()
+    return out.detach(), hidden.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("broken", [None, "conv", "state"])
+def test_mixer_context_parallel(broken, monkeypatch):
+    """CP 2: each rank's two chunks (of 5 tokens, the rule's chunk 4) continue the conv and the state
+    of the chunks before them (the chunk's state map M and read-out R from the rule run on the
+    identity); outputs and input gradients equal one process's at this rank's tokens, and the ranks'
+    parameter gradients sum to one process's.  With the conv's past inputs or the starting states
+    dropped (the forked ranks inherit the patch) the comparison fails."""
+    import megazero_models.deltanet as deltanet
+    from megazero.context_parallel import split_for_cp
+    if broken == "conv":
+        monkeypatch.setattr(deltanet, "conv_states", lambda tails, mesh: [torch.zeros_like(t) for t in tails])
+    if broken == "state":
+        monkeypatch.setattr(deltanet, "starting_states", lambda ends, *a: [torch.zeros_like(f) for f in ends])
+    s = 20
+    ref = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
+    out = run_ranks(_cp_rank, 2, s)
+    if broken:
+        with pytest.raises(AssertionError):
+            close(out[1][0], split_for_cp(ref[0], 0, 2, 1))
+        return
+    for rank, (y, grad_in, _) in enumerate(out):
+        close(y, split_for_cp(ref[0], 0, 2, rank))
+        close(grad_in, split_for_cp(ref[1], 0, 2, rank))
+    for n in ref[2]:
+        close(out[0][2][n] + out[1][2][n], ref[2][n])

@@ -67,9 +67,9 @@ def test_megatron_flags_build_the_pattern():
     (["--hybrid-layer-pattern", "M*/M", "--num-layers", "2"], 1, "multi-token prediction"),
     (["--hybrid-layer-pattern", "M*E-", "--num-layers", "4"], 1, "add --num-experts"),
     (["--hybrid-layer-pattern", "M*", "--context-parallel-size", "2", "--seq-length", "8",
-      "--mamba-num-groups", "1"], 2, "chunks of 2 tokens, fewer than the 3 past inputs of the Mamba conv"),
-    (["--hybrid-layer-pattern", "G*", "--num-layers", "2", "--context-parallel-size", "2"], 2,
-     "--context-parallel-size 2 with Gated DeltaNet layers"),
+      "--mamba-num-groups", "1"], 2, "chunks of 2 tokens, fewer than the 3 past inputs of the Mamba-2 conv"),
+    (["--hybrid-layer-pattern", "G*", "--context-parallel-size", "2", "--seq-length", "8",
+      "--linear-conv-kernel-dim", "4"], 2, "fewer than the 3 past inputs of the Gated DeltaNet conv"),
     (["--hybrid-layer-pattern", "M*", "--num-layers", "2", "--mamba-num-groups", "3",
       "--mamba-num-heads", "6", "--tensor-model-parallel-size", "2"], 2,
      "--mamba-num-groups 3 is not divisible by --tensor-model"),
@@ -300,15 +300,17 @@ def test_megatron_hybrid_spec_is_accepted_with_a_pattern():
         parse_args(["--mock-data", "--spec", "my.module", "my_spec"], world_size=1)
 
 
-@pytest.mark.parametrize("world,layout", [
-    pytest.param(2, dict(context_parallel_size=2), id="cp2"),
-    pytest.param(4, dict(context_parallel_size=2, tp=2, sequence_parallel=True), id="tp2-sp-cp2",
+@pytest.mark.parametrize("world,layout,model", [
+    pytest.param(2, dict(context_parallel_size=2), HYBRID, id="cp2"),
+    pytest.param(2, dict(context_parallel_size=2), QWEN3_NEXT_LIKE, id="cp2-G-G-*-"),
+    pytest.param(4, dict(context_parallel_size=2, tp=2, sequence_parallel=True), HYBRID, id="tp2-sp-cp2",
                  marks=SLOW)])
-def test_context_parallel_matches_one_process(world, layout):
-    """Context parallelism across Mamba-2 layers: each CP rank's chunks continue the conv inputs and
-    the state of the chunks before them (models/ssm_cp.py); attention layers run ring attention."""
-    (ref,) = run_ranks(_train_history, 1, _cfg(HYBRID))
-    got = run_ranks(_train_history, world, _cfg(HYBRID, **layout))
+def test_context_parallel_matches_one_process(world, layout, model):
+    """Context parallelism across Mamba-2 and Gated DeltaNet layers: each CP rank's chunks continue the
+    conv inputs and the state of the chunks before them (models/ssm_cp.py); attention layers run ring
+    attention."""
+    (ref,) = run_ranks(_train_history, 1, _cfg(model))
+    got = run_ranks(_train_history, world, _cfg(model, **layout))
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [m[key] for m in ref if key in m], [m[key] for m in got[0] if key in m]
         assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key

@@ -76,15 +76,12 @@ def check_hybrid(cfg) -> None:
            "are the MoE layers, and it has none; add E to the pattern or drop --num-experts")
     _check(not experts or cfg.moe.moe_layer_freq in ("1", 1), "--moe-layer-freq with --hybrid-layer-pattern: "
            "the pattern's E layers are the MoE layers; drop --moe-layer-freq")
-    _check(par.context_parallel_size == 1 or DELTANET not in kinds,
-           f"--context-parallel-size {par.context_parallel_size} with Gated DeltaNet layers in "
-           "--hybrid-layer-pattern: passing the delta rule's state between context-parallel ranks is not "
-           "implemented (Mamba-2's is); use --context-parallel-size 1")
     cp = par.context_parallel_size
-    _check(cp == 1 or MAMBA not in kinds or mod.seq_length // (2 * cp) >= MAMBA_CONV_KERNEL - 1,
-           f"--context-parallel-size {cp} cuts --seq-length {mod.seq_length} into chunks of "
-           f"{mod.seq_length // (2 * cp)} tokens, fewer than the {MAMBA_CONV_KERNEL - 1} past inputs of the "
-           "Mamba conv; use a smaller --context-parallel-size")
+    for kind, width in ((MAMBA, MAMBA_CONV_KERNEL), (DELTANET, mod.linear_conv_kernel_dim)):
+        _check(cp == 1 or kind not in kinds or mod.seq_length // (2 * cp) >= width - 1,
+               f"--context-parallel-size {cp} cuts --seq-length {mod.seq_length} into chunks of "
+               f"{mod.seq_length // (2 * cp)} tokens, fewer than the {width - 1} past inputs of the "
+               f"{SYMBOLS[kind]} conv; use a smaller --context-parallel-size")
     if MAMBA in kinds:
         heads = mamba_num_heads(mod)
         for flag, v in (("--mamba-num-heads", heads), ("--mamba-head-dim", mod.mamba_head_dim),
