@@ -78,6 +78,8 @@ def test_megatron_flags_build_the_pattern():
     (["--hybrid-layer-pattern", "G*", "--num-layers", "2", "--linear-num-value-heads", "6"], 1,
      "--linear-num-value-heads 6 is not divisible by --linear-num-key-heads 16"),
     (["--mamba-inference-ssm-states-dtype", "fp32"], 1, "--mamba-inference-ssm-states-dtype: this Mamba"),
+    (["--hybrid-layer-pattern", "G*", "--reset-attention-mask"], 1,
+     "--reset-attention-mask with Gated DeltaNet layers"),
     (["--hybrid-layer-pattern", "G*", "--num-layers", "2", "--mtp-num-layers", "1"], 1,
      "--mtp-num-layers with --hybrid-layer-pattern"),
 ])

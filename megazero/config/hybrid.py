@@ -76,6 +76,10 @@ def check_hybrid(cfg) -> None:
            "are the MoE layers, and it has none; add E to the pattern or drop --num-experts")
     _check(not experts or cfg.moe.moe_layer_freq in ("1", 1), "--moe-layer-freq with --hybrid-layer-pattern: "
            "the pattern's E layers are the MoE layers; drop --moe-layer-freq")
+    recurrent = sorted(SYMBOLS[k] for k in kinds & set(RECURRENT))
+    _check(not (recurrent and cfg.data.reset_attention_mask), f"--reset-attention-mask with "
+           f"{' and '.join(recurrent)} layers: restarting their conv and recurrent state at each document "
+           "is not implemented; drop --reset-attention-mask (or use attention-only patterns)")
     cp = par.context_parallel_size
     for kind, width in ((MAMBA, MAMBA_CONV_KERNEL), (DELTANET, mod.linear_conv_kernel_dim)):
         _check(cp == 1 or kind not in kinds or mod.seq_length // (2 * cp) >= width - 1,
