@@ -208,7 +208,7 @@ def _compare(got, ref):
         torch.testing.assert_close(got["grads"][name], g, **fp32_bound(g, C_FWD_BWD), msg=name)
 
 
-@pytest.mark.parametrize("style", [*STYLES, *LEARNED])
+@pytest.mark.parametrize("style", [*STYLES, pytest.param(*LEARNED, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_tensor_parallel_matches_one_process(oracle, style, sp):
     for got in run_ranks(_tp_run, 2, style, 2, sp):
@@ -370,7 +370,8 @@ INIT_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+@pytest.mark.parametrize("layout", [n if n == "tp2-sp" else pytest.param(n, marks=pytest.mark.slow)
+                                    for n in INIT_LAYOUTS])
 def test_initial_values_equal_one_process_bitwise(tmp_path, layout):
     from megazero.checkpoint import read_weights
     from test_init_equality import _build_and_save, mismatches, one_process_init
