@@ -192,3 +192,21 @@ def test_packed_documents_under_a_layout_match_one_process(name):
     off = dict(reset_attention_mask=False, reset_position_ids=False)
     (plain,) = run_ranks(_train_history, 1, _train_cfg(**model, **off))
     assert [m["loss"] for m in plain] != pytest.approx([m["loss"] for m in ref], rel=1e-4)
+
+
+def test_blockwise_skips_tile_pairs_across_documents():
+    """Ids on the host: a pair whose keys' documents all end before its queries' is skipped, so 8
+    documents of one tile each leave the 8 diagonal pairs of the 36 causal ones; a row whose documents
+    differ keeps its pairs (every row must allow the skip)."""
+    from megazero.context_parallel.blockwise import Tiles, Visibility, document_kinds, tile_pairs
+    s, block = 64, 8
+    positions = torch.arange(s)
+    docs = (positions // block).expand(2, s)  # eight documents of one tile, both rows
+    tiles = Tiles(positions, block, "cpu", docs)
+    assert tile_pairs(tiles, tiles, Visibility()) == 8
+    assert tile_pairs(Tiles(positions, block, "cpu"), Tiles(positions, block, "cpu"), Visibility()) == 36
+    one_long = torch.stack([positions // block, torch.zeros(s, dtype=torch.long)])  # row 1: one document
+    tiles = Tiles(positions, block, "cpu", one_long)
+    assert tile_pairs(tiles, tiles, Visibility()) == 36
+    kinds = document_kinds(Tiles(positions, block, "cpu", docs), Tiles(positions, block, "cpu", docs))
+    assert kinds[3][3] == 1 and kinds[3][2] == 0  # FULL on the diagonal (no comparison), SKIP below

@@ -18,7 +18,11 @@ straddles two chunks of the load-balanced split); a tile pair is
 
 Packed documents (``--reset-attention-mask``): with document ids ``[b, tokens]`` for the queries and
 the keys, a query also sees only keys of its own document.  They are compared on the device, tile
-by tile (no tile is skipped for them: that would need their values on the host).
+by tile.  Where the ids live on the host (a CPU run: reading them syncs nothing) a tile pair is also
+skipped when, in every row, the keys' documents all end before the queries' first document, and
+computed without the document comparison when queries and keys all lie in one document (ids never
+decrease along a tile, so its first and last tokens bound its documents).  On an accelerator the
+pairs are decided by positions alone, as reading the ids would stall the device.
 
 A ``softcap`` replaces each scaled score ``s`` by ``cap tanh(s / cap)`` (Gemma 2) before the softmax;
 backward multiplies the score gradient by ``1 - tanh^2``, recomputed from the capped score.
@@ -81,6 +85,7 @@ class Tiles:
             raise ValueError(f"document ids must be [batch, {positions.numel()}], got "
                              f"{tuple(documents.shape)}")
         self.documents = documents
+        self.doc_bounds = None  # (first, last) document id of each tile, [b, tiles]: host ids only
         if block < 1:
             raise ValueError(f"block_size must be positive, got {block}")
         self.length = positions.numel()
@@ -93,6 +98,26 @@ class Tiles:
                 end = min(start + block, seg_end)
                 piece = host[start:end]
                 self.tiles.append((start, end, int(piece.min()), int(piece.max())))
+        if documents is not None and documents.device.type == "cpu":
+            starts = torch.tensor([t[0] for t in self.tiles], dtype=torch.long)
+            ends = torch.tensor([t[1] - 1 for t in self.tiles], dtype=torch.long)
+            self.doc_bounds = (documents[:, starts], documents[:, ends])
+
+
+def document_kinds(q_tiles: "Tiles", k_tiles: "Tiles") -> Optional[List[List[int]]]:
+    """Per tile pair, what packed documents leave of it (module docstring): SKIP (no query shares a
+    document with a key), FULL (one document: no comparison needed) or PARTIAL; None without host ids."""
+    if q_tiles.doc_bounds is None or k_tiles.doc_bounds is None:
+        return None
+    (q_first, q_last), (k_first, k_last) = q_tiles.doc_bounds, k_tiles.doc_bounds
+    before = (k_last[:, None, :] < q_first[:, :, None]).all(0)  # [q tiles, k tiles]
+    after = (k_first[:, None, :] > q_last[:, :, None]).all(0)
+    one = ((q_first == q_last)[:, :, None] & (k_first == k_last)[:, None, :]
+           & (q_first[:, :, None] == k_first[:, None, :])).all(0)
+    kinds = torch.full(before.shape, PARTIAL, dtype=torch.long)
+    kinds[one] = FULL
+    kinds[before | after] = SKIP
+    return kinds.tolist()
 
 
 def _visibility(q_tile, k_tile, vis: Visibility) -> int:
@@ -111,13 +136,26 @@ def _visibility(q_tile, k_tile, vis: Visibility) -> int:
     return PARTIAL
 
 
+def _pair_kind(q_tile, k_tile, vis: Visibility, docs, qi: int, ki: int) -> Tuple[int, bool]:
+    """``(kind by positions, compare documents)`` of a tile pair; kind SKIP when either rule skips it."""
+    kind = _visibility(q_tile, k_tile, vis)
+    if docs is None or kind == SKIP:
+        return kind, True
+    by_docs = docs[qi][ki]
+    return (SKIP if by_docs == SKIP else kind), by_docs == PARTIAL
+
+
 def tile_pairs(q_tiles: Tiles, k_tiles: Tiles, vis: Visibility) -> int:
     """How many tile pairs the kernel computes (the others are skipped)."""
-    return sum(_visibility(qt, kt, vis) != SKIP for qt in q_tiles.tiles for kt in k_tiles.tiles)
+    docs = document_kinds(q_tiles, k_tiles)
+    return sum(_pair_kind(qt, kt, vis, docs, qi, ki)[0] != SKIP
+               for qi, qt in enumerate(q_tiles.tiles) for ki, kt in enumerate(k_tiles.tiles))
 
 
-def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n: int, vis: Visibility):
-    """Scaled (and soft-capped) scores ``[b, g, n * bq, bk]`` of one tile pair, -inf where hidden."""
+def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n: int, vis: Visibility,
+            documents: bool = True):
+    """Scaled (and soft-capped) scores ``[b, g, n * bq, bk]`` of one tile pair, -inf where hidden
+    (``documents``: compare the document ids, when there are any)."""
     j0, j1 = k_tile[0], k_tile[1]
     s = qb @ k[:, :, j0:j1].transpose(-1, -2)
     if vis.softcap is not None:
@@ -131,7 +169,7 @@ def _scores(qb, k, q_tiles: Tiles, k_tiles: Tiles, q_tile, k_tile, kind: int, n:
             hidden = hidden | (qpos - kpos > vis.window)
         if vis.chunk is not None:
             hidden = hidden | (qpos // vis.chunk != kpos // vis.chunk)
-    if q_tiles.documents is not None and k_tiles.documents is not None:  # [b, 1, 1, bq, bk]
+    if documents and q_tiles.documents is not None and k_tiles.documents is not None:  # [b, 1, 1, bq, bk]
         other = q_tiles.documents[:, q_tile[0]:q_tile[1], None] != k_tiles.documents[:, None, j0:j1]
         hidden = other[:, None, None] if hidden is None else other[:, None, None] | hidden
     if hidden is not None:
@@ -157,13 +195,14 @@ def forward_pair(q, k, v, q_tiles: Tiles, k_tiles: Tiles, scale: float, vis: Vis
     out = q.new_zeros(b, g, n, sq, d)
     lse = q.new_full((b, g, n, sq), float("-inf"))
     any_work = False
-    for q_tile in q_tiles.tiles:
+    docs = document_kinds(q_tiles, k_tiles)
+    for qi, q_tile in enumerate(q_tiles.tiles):
         qb, m, l, acc = _query_tile(q5, q_tile, scale), None, None, None
-        for k_tile in k_tiles.tiles:
-            kind = _visibility(q_tile, k_tile, vis)
+        for ki, k_tile in enumerate(k_tiles.tiles):
+            kind, compare = _pair_kind(q_tile, k_tile, vis, docs, qi, ki)
             if kind == SKIP:
                 continue
-            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis)
+            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis, compare)
             m_new = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that saw nothing yet
             p = torch.exp(s - m_safe[..., None])
@@ -200,19 +239,20 @@ def backward_pair(q, k, v, dout, lse, delta, q_tiles: Tiles, k_tiles: Tiles, sca
     q5, do5, dq5 = q.reshape(b, g, n, sq, d), dout.reshape(b, g, n, sq, d), dq.view(b, g, n, sq, d)
     lse4 = lse.masked_fill(lse == float("-inf"), 0.0).reshape(b, g, n, sq)  # such rows see no key
     delta4 = delta.reshape(b, g, n, sq)
-    for q_tile in q_tiles.tiles:
+    docs = document_kinds(q_tiles, k_tiles)
+    for qi, q_tile in enumerate(q_tiles.tiles):
         i0, i1 = q_tile[0], q_tile[1]
         rows = n * (i1 - i0)
         qb, dqb = _query_tile(q5, q_tile, scale), None
         dob = do5[:, :, :, i0:i1].reshape(b, g, rows, d)
         lse_b = lse4[:, :, :, i0:i1].reshape(b, g, rows, 1)
         delta_b = delta4[:, :, :, i0:i1].reshape(b, g, rows, 1)
-        for k_tile in k_tiles.tiles:
-            kind = _visibility(q_tile, k_tile, vis)
+        for ki, k_tile in enumerate(k_tiles.tiles):
+            kind, compare = _pair_kind(q_tile, k_tile, vis, docs, qi, ki)
             if kind == SKIP:
                 continue
             j0, j1 = k_tile[0], k_tile[1]
-            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis)
+            s = _scores(qb, k, q_tiles, k_tiles, q_tile, k_tile, kind, n, vis, compare)
             p = torch.exp(s - lse_b)
             dv[:, :, j0:j1] += p.transpose(-1, -2) @ dob
             ds = p * (dob @ v[:, :, j0:j1].transpose(-1, -2) - delta_b)
