@@ -241,6 +241,8 @@ LAYOUTS = {
     "cp2-ring": (2, dict(context_parallel_size=2)),  # values padded to the query head size in the kernel
     "cp2-a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
     "cp2-tp2-sp": (4, dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True)),
+    "tp2-sp-dp2-zero3-selective": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, zero_stage=3,
+                                           recompute_granularity="selective")),
     "cp2-a2a-tp2-sp-pp2-zero1": (8, dict(context_parallel_size=2, cp_comm_type="a2a",
                                          tensor_model_parallel_size=2, sequence_parallel=True,
                                          pipeline_model_parallel_size=2, zero_stage=1)),
