@@ -99,10 +99,12 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
         return list(GPT2_LAYER)
     offset = "1p" if arch in OFFSET_NORMS else ""
     out = [(f"{mz}.weight", f"{hf}.weight", offset) for mz, hf in NORMS[cfg.model.norm_position]]
+    mlp = "feed_forward" if arch == "llama4_text" else "mlp"
     out += [("attention.proj.weight", "self_attn.o_proj.weight", ""),
-            ("mlp.fc2.weight", "mlp.down_proj.weight", "")]
+            ("mlp.fc2.weight", f"{mlp}.down_proj.weight", "")]
     if arch != "phi3":
-        out += [("mlp.gate.weight", "mlp.gate_proj.weight", ""), ("mlp.fc1.weight", "mlp.up_proj.weight", "")]
+        out += [("mlp.gate.weight", f"{mlp}.gate_proj.weight", ""),
+                ("mlp.fc1.weight", f"{mlp}.up_proj.weight", "")]
     if cfg.model.qk_layernorm:
         out += [("attention.q_norm.weight", "self_attn.q_norm.weight", offset),
                 ("attention.k_norm.weight", "self_attn.k_norm.weight", offset)]
@@ -221,7 +223,20 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
         w = w.t() if arch == "gpt2" and kind == "weight" else w
         q_rows, kv_rows = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
         return _fuse_qkv(*w.split([q_rows, kv_rows, kv_rows]), m.num_query_groups)
-    return _fuse_qkv(*[get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv"], m.num_query_groups)
+    q, k, v = (get(f"{src}self_attn.{n}_proj.{kind}") for n in "qkv")
+    if arch == "llama4_text":  # interleaved RoPE pairs (2i, 2i + 1) -> megazero's halves (i, i + d/2)
+        q, k = (_reorder_heads(t, m.kv_channels, _halves(m.kv_channels)) for t in (q, k))
+    return _fuse_qkv(q, k, v, m.num_query_groups)
+
+
+def _halves(d: int) -> torch.Tensor:
+    """Channel order of a head taking interleaved RoPE pairs to halves: even channels, then odd."""
+    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+
+
+def _reorder_heads(t, d: int, order: torch.Tensor):
+    """Rows of ``t [heads * d, ...]`` reordered within each head by ``order``."""
+    return t.reshape(-1, d, *t.shape[1:])[:, order].reshape(t.shape)
 
 
 ExportGroup = Tuple[List[str], List[str], Callable[..., List[torch.Tensor]]]
@@ -272,6 +287,10 @@ def _qkv_group(name: str, dst: str, kind: str, m, arch: str) -> ExportGroup:
         return [name], [dst + f"attn.c_attn.{kind}"], c_attn
     if arch == "phi3":
         return [name], [dst + f"self_attn.qkv_proj.{kind}"], lambda t: [torch.cat(split(t))]
+    if arch == "llama4_text":  # megazero's halves back to interleaved RoPE pairs
+        back = torch.argsort(_halves(m.kv_channels))
+        return [name], [f"{dst}self_attn.{n}_proj.{kind}" for n in "qkv"], \
+            lambda t: [_reorder_heads(x, m.kv_channels, back) if j < 2 else x for j, x in enumerate(split(t))]
     return [name], [f"{dst}self_attn.{n}_proj.{kind}" for n in "qkv"], split
 
 

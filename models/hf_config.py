@@ -17,25 +17,25 @@ from typing import Any, Dict, List, Optional
 
 from megazero.config import ConfigError
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direction, public names here too
+from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, import_settings
 from .rope import yarn_attention_factor
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}  # HF -> megazero
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "smollm3",
-                "gemma3_text")
+                "gemma3_text", "llama4_text")
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 # architectures megazero does not import, and the feature each would need
 OTHER_ARCHITECTURES = {
     "olmo": "OLMo (1)'s non-parametric layer norm (LayerNorm without a scale or bias) and clip_qkv",
     "gemma3": "Gemma 3's vision tower (its text model, model_type gemma3_text, imports)",
-    "llama4_text": "Llama 4's interleaved (complex) RoPE pairs and experts weighted on their input (its "
-                   "chunked attention, NoPE layers, L2 q/k norm and temperature exist: docs/attention.md)",
+    "llama4": "Llama 4's vision tower (its text model, model_type llama4_text, imports without MoE layers)",
     "olmo3": "OLMo 3's RoPE parameters per layer type (rope_parameters for sliding and full attention apart)",
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
     "falcon": "Falcon's parallel attention and MLP (and ALiBi in some)",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention and grouped (node-limited) expert routing",
 }
-MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
 
 
 def _unsupported(field: str, value, fix: str):
@@ -114,15 +114,18 @@ def _yarn(rope: Dict[str, Any], c) -> Dict[str, Any]:
     return out
 
 
-def rope_settings(c) -> Dict[str, Any]:
+def rope_settings(c, partial_ok: bool = False) -> Dict[str, Any]:
     """``rotary_base`` and the RoPE scaling fields of a LLaMA-family config's ``rope_parameters``
-    (``rope_scaling`` in older transformers)."""
+    (``rope_scaling`` in older transformers); with ``partial_ok`` (GLM-4.5: RoPE on the first channels
+    of a head, halves of them rotated) its ``partial_rotary_factor`` as ``rotary_percent``."""
     rope = _rope_dict(c)
     kind = rope.get("rope_type", rope.get("type", "default"))
     base = rope.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)
     out: Dict[str, Any] = dict(rotary_base=float(base))
     partial = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None) or 1.0)
-    if float(partial) != 1.0:
+    if float(partial) != 1.0 and partial_ok:
+        out["rotary_percent"] = float(partial)
+    elif float(partial) != 1.0:
         _unsupported("partial_rotary_factor", partial,
                      "partial rotary embeddings (RoPE on part of each head) are not implemented")
     if kind == "llama3":
@@ -150,7 +153,8 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
     if act != want and not (want == "gelu_pytorch_tanh" and act in ("gelu_new", "gelu_fast")):
         _unsupported("hidden_act", act, f"megazero's {kind} MLP is gated with {want}")
     for field in ("attention_bias", "mlp_bias"):
-        if getattr(c, field, False) and not (kind in ("qwen2", "gpt_oss") and field == "attention_bias"):
+        if getattr(c, field, False) and not (kind in ("qwen2", "gpt_oss", "glm4_moe")
+                                             and field == "attention_bias"):
             _unsupported(field, True, "linear biases on all attention projections (or the MLP) are not "
                          "implemented (Qwen2's query/key/value-only bias is)")
     if getattr(c, "use_bidirectional_attention", None):
@@ -163,12 +167,13 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
                 max_position_embeddings=c.max_position_embeddings, seq_length=c.max_position_embeddings,
                 norm_epsilon=c.rms_norm_eps, position_embedding_type="rope", normalization="RMSNorm",
                 activation="swiglu", add_bias_linear=False,
-                add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(getattr(c, "qkv_bias", True))),
+                add_qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and bool(getattr(c, "qkv_bias", True)))
+                or (kind == "glm4_moe" and bool(c.attention_bias)),
                 untie_embeddings_and_output_weights=not c.tie_word_embeddings,
                 hidden_dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
                 attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
                 init_method_std=c.initializer_range),
-                **(gemma3_rope_settings(c) if kind == "gemma3_text" else rope_settings(c)))
+                **(gemma3_rope_settings(c) if kind == "gemma3_text" else rope_settings(c, kind == "glm4_moe")))
 
 
 def gemma3_rope_settings(c) -> Dict[str, Any]:
@@ -223,6 +228,8 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
         out.update(qk_layernorm=True, qk_layernorm_scope="head")
     if kind in ("olmo2", "olmoe"):
         out.update(qk_layernorm=True, qk_layernorm_scope="all")
+    if kind == "glm4_moe" and c.use_qk_norm:
+        out.update(qk_layernorm=True, qk_layernorm_scope="head")
     if kind == "olmo2":
         out.update(norm_position="post")
     if kind == "olmoe" and getattr(c, "clip_qkv", None) is not None:
@@ -237,6 +244,8 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
                    softmax_scale=float(c.query_pre_attn_scalar) ** -0.5)
     if kind == "gpt_oss":
         out.update(gpt_oss_settings(c))
+    if kind == "llama4_text":
+        out.update(llama4_settings(c))
     if kind == "smollm3":
         use = list(getattr(c, "no_rope_layers", None) or [1] * c.num_hidden_layers)
         if not all(use):
@@ -259,6 +268,34 @@ def gpt_oss_settings(c) -> Dict[str, Any]:
                 activation_func_clamp_value=float(c.swiglu_limit), add_bias_linear=True)
 
 
+def llama4_settings(c) -> Dict[str, Any]:
+    """Llama 4 (text, dense layers): NoPE layers, chunked attention on the RoPE layers, the L2 q/k norm
+    there and the attention temperature on the others (docs/attention.md).  Its RoPE rotates interleaved
+    channel pairs; the import reorders each query/key head's channels to halves (models.hf)."""
+    if list(getattr(c, "moe_layers", None) or []):
+        _unsupported("moe_layers", c.moe_layers, "Llama 4's experts take the routing weight on their input "
+                     "(Megatron-LM's --moe-apply-probs-on-input), which is not implemented; its dense layers "
+                     "(moe_layers []) import")
+    rope = [bool(u) for u in c.no_rope_layers]
+    chunked = [t == "chunked_attention" for t in c.layer_types]
+    chunk = c.attention_chunk_size if any(chunked) else None
+    if any(chunked) and chunked != rope:
+        _unsupported("layer_types", c.layer_types,
+                     "megazero chunks the layers that use RoPE (no_rope_layers: 1)")
+    out: Dict[str, Any] = dict(ffn_hidden_size=c.intermediate_size_mlp, attention_chunk_size=chunk)
+    if not all(rope):
+        skip = [int(not u) for u in rope]
+        every = next((n for n in range(1, len(skip) + 1) if len(skip) % n == 0
+                      and skip == [int((i + 1) % n == 0) for i in range(len(skip))]), None)
+        out["no_rope_freq"] = every or skip
+    if c.use_qk_norm:
+        out.update(qk_l2_norm=True, qk_l2_norm_scope="rope")
+    if c.attn_temperature_tuning and any(rope) and not all(rope):
+        out.update(attn_temperature_tuning=True, attn_temperature_floor_scale=float(c.floor_scale),
+                   attn_temperature_scale=float(c.attn_scale))
+    return out
+
+
 def _float(v) -> Optional[float]:
     return None if v is None else float(v)
 
@@ -273,7 +310,10 @@ def moe_settings(c, kind: str) -> Dict[str, Any]:
     the softmax over all experts, the top-k of it, and renormalises the k weights (Mixtral always, the
     others with ``norm_topk_prob``): the softmax over the top-k logits, Megatron-LM's default; without
     renormalising it is ``--moe-router-pre-softmax``.  Dropless (no capacity).  The load-balancing loss
-    is ``router_aux_loss_coef`` when the config adds it to the loss (``output_router_logits``)."""
+    is ``router_aux_loss_coef`` when the config adds it to the loss (``output_router_logits``).  GLM-4.5
+    and DeepSeek-V3: :func:`models.hf_sigmoid_moe.import_settings`."""
+    if kind in SIGMOID_MOE:
+        return import_settings(c, kind)
     experts = int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0) or 0)
     layers = c.num_hidden_layers
     if kind in ("qwen2_moe", "qwen3_moe"):

@@ -18,7 +18,7 @@ from megazero.moe.settings import moe_layer_pattern
 from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
-              "gemma3_text")
+              "gemma3_text", "llama4_text")
 MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text", "gpt_oss")  # per layer
 GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -26,6 +26,7 @@ SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-c
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
 HELD_VARIANTS: Dict[str, tuple] = {  # of docs/attention.md
     "gemma3_text": ("--rotary-base-local",),
+    "llama4_text": ("--attention-chunk-size", "--qk-l2-norm", "--attn-temperature-tuning"),
     "gpt_oss": ("--softmax-type", "--activation", "--glu-linear-offset", "--activation-func-clamp-value",
                 "--moe-router-bias")}
 
@@ -70,8 +71,13 @@ def _llama_family(m, t: str) -> Optional[str]:
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "softmax_scale"):
         if getattr(m, field) is not None:
             return f"{field} {getattr(m, field)} (Gemma 2 only)"
-    if m.no_rope_freq is not None and t != "smollm3":
-        return "layers without RoPE, --no-rope-freq (SmolLM3 only)"
+    if m.no_rope_freq is not None and t not in ("smollm3", "llama4_text"):
+        return "layers without RoPE, --no-rope-freq (SmolLM3 and Llama 4 only)"
+    if t == "llama4_text" and m.qk_l2_norm and m.qk_l2_norm_scope != "rope" and m.no_rope_freq is not None:
+        return "--qk-l2-norm-scope all (Llama 4 normalises its RoPE layers only)"
+    if t == "llama4_text" and m.attn_temperature_tuning and \
+            m.attn_temperature_floor_scale != int(m.attn_temperature_floor_scale):
+        return f"--attn-temperature-floor-scale {m.attn_temperature_floor_scale} (Llama 4's is an integer)"
     if t == "phi3" and _scalings(m):
         return f"RoPE scaling {_scalings(m)[0]} (Phi-3: plain or longrope)"
     return None
@@ -240,7 +246,7 @@ def _gpt2_config(m):
 
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
            "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "olmo2": "Olmo2",
-           "smollm3": "SmolLM3", "mixtral": "Mixtral", "gpt_oss": "GptOss",
+           "smollm3": "SmolLM3", "mixtral": "Mixtral", "gpt_oss": "GptOss", "llama4_text": "Llama4Text",
            "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
 
 
@@ -271,10 +277,17 @@ def _family_settings(m, t: str) -> Dict[str, Any]:
         out.update(attn_logit_softcapping=m.attn_logit_softcapping,
                    final_logit_softcapping=m.final_logit_softcapping,
                    query_pre_attn_scalar=_pre_attn_scalar(m))
-    if t == "smollm3":
+    if t in ("smollm3", "llama4_text"):
         rope = [True] * m.num_layers if m.no_rope_freq is None else \
             [not f for f in layer_flags(m.no_rope_freq, m.num_layers)]
         out["no_rope_layers"] = [int(r) for r in rope]
+    if t == "llama4_text":  # dense layers only (moe_layers []); chunks on the RoPE layers
+        out.update(intermediate_size_mlp=m.ffn_hidden_size, moe_layers=[], use_qk_norm=m.qk_l2_norm,
+                   attention_chunk_size=m.attention_chunk_size,
+                   layer_types=["chunked_attention" if r and m.attention_chunk_size else "full_attention"
+                                for r in out["no_rope_layers"]],
+                   attn_temperature_tuning=m.attn_temperature_tuning,
+                   floor_scale=int(m.attn_temperature_floor_scale), attn_scale=m.attn_temperature_scale)
     if t == "phi3":
         out.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                    original_max_position_embeddings=m.max_position_embeddings)
@@ -314,7 +327,8 @@ def hf_config_from(cfg):
     out.head_dim = m.kv_channels  # read where the architecture allows it (default hidden / heads)
     if t not in GEMMA:
         out.hidden_act = "silu"
-    out.architectures = ["Gemma3ForCausalLM" if t == "gemma3_text" else f"{CLASSES[t]}ForCausalLM"]
+    named = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+    out.architectures = [named.get(t, f"{CLASSES[t]}ForCausalLM")]
     return out
 
 

@@ -56,6 +56,12 @@ def _newer_families(t, name):
         return t.Gemma3TextConfig(**dict(SHAPE, num_hidden_layers=3), head_dim=16, query_pre_attn_scalar=24,
                                   sliding_window=WINDOW, rope_parameters=rope,
                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if name == "llama4":  # dense layers; the second without RoPE (temperature changing every 8 positions),
+        # the first chunked by the window's length, with the L2 q/k norm
+        return t.Llama4TextConfig(**dict(SHAPE, intermediate_size=16), intermediate_size_mlp=64, head_dim=16,
+                                  moe_layers=[], no_rope_layer_interval=2, attention_chunk_size=WINDOW,
+                                  floor_scale=8, attn_scale=0.5, tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if name == "phi3":
         return t.Phi3Config(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False, resid_pdrop=0.0,
                             embd_pdrop=0.0)
@@ -95,11 +101,11 @@ def family_config(name):
 
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
-            "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
+            "llama4", "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
 MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
-               "gemma3": "Gemma3",
+               "gemma3": "Gemma3", "llama4": "Llama4",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
                "gpt-oss": "GptOss"}  # the others: LLaMA

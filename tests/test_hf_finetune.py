@@ -17,8 +17,8 @@ from tolerance import R_TRAIN
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # 4-rank training runs of nine architectures
 SEQ, GBS, SEED = 32, 4, 1234
-ARCHITECTURES = ["mistral-window", "qwen2-window", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
-                 "smollm3", "llama-yarn", "llama-dynamic"]
+ARCHITECTURES = ["mistral-window", "qwen2-window", "qwen3", "gemma", "gemma2", "gemma3", "llama4", "phi3",
+                 "olmo2", "smollm3", "llama-yarn", "llama-dynamic"]
 TP_FRIENDLY = {"gemma": dict(num_key_value_heads=2),  # tests/hf_families.py's Gemma has one key/value head
                "gemma3": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)}
 

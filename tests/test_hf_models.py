@@ -42,6 +42,8 @@ MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
                            dict(window_size=None, window_attn_skip_freq=None), dict(softmax_scale=None)],
                 "gemma": [dict(activation="swiglu")],
                 "gemma3": [dict(rotary_base_local=None), dict(qk_layernorm=False)],
+                "llama4": [dict(attention_chunk_size=None), dict(qk_l2_norm=False),
+                           dict(attn_temperature_tuning=False)],
                 "gpt-oss": [dict(softmax_type="off-by-one"), dict(activation_func_clamp_value=None),
                             dict(glu_linear_offset=0.0)],
                 "mixtral": [dict(window_size=None)],
@@ -161,9 +163,9 @@ def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
 
 
 @pytest.mark.parametrize("kind,feature", [("olmo", "non-parametric layer norm"),
-                                          ("gemma3", "vision tower"),
                                           ("deepseek_v3", "multi-head latent attention"),
-                                          ("llama4_text", "chunked attention")])
+                                          ("llama4", "vision tower"),
+                                          ("gemma3", "vision tower")])
 def test_a_refused_architecture_names_the_missing_feature(kind, feature):
     cfg = transformers.AutoConfig.for_model(kind)
     with pytest.raises(ConfigError, match=f"model_type='{kind}' needs .*{feature}"):
