@@ -37,12 +37,12 @@ pip_install() {
 # the DeepSpeed benchmarks' tests check that a python without it is refused).  It sees this venv's
 # packages (torch, transformers) through a .pth line, after its own; DeepSpeed's sdist is built against
 # that torch (no build isolation, no ops compiled ahead: DS_BUILD_OPS=0, DS_ACCELERATOR=cpu) with
-# --no-deps and its pure-Python dependencies pinned, so pip never resolves a torch.  The two ops
-# DeepSpeed compiles on first use on CPU (its shared-memory all-reduce, its Adam) are built here, into
-# the venv (the tests point TORCH_EXTENSIONS_DIR there).
+# --no-deps and its pure-Python dependencies pinned, so pip never resolves a torch.  The ops DeepSpeed
+# compiles on first use on CPU (its shared-memory all-reduce, its Adam and its offloaded CPU Adam) are
+# built here, into the venv (the tests point TORCH_EXTENSIONS_DIR there).
 # Best effort: a failure prints one line and the peer tests skip.  MEGAZERO_DEEPSPEED=0 skips it.
 DS_VERSION=0.19.8
-DS_STAMP="$DS_VERSION ops:shm_comm,fused_adam"   # what a finished install holds; a change reinstalls
+DS_STAMP="$DS_VERSION ops:shm_comm,fused_adam,cpu_adam"   # what a finished install holds; a change reinstalls
 DS_DEPS=(hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2 py-cpuinfo==9.0.0)
 install_deepspeed() {
   local dsv="$VENV/deepspeed" dsstamp="$VENV/deepspeed/.megazero-deepspeed" log purelib
@@ -61,7 +61,8 @@ install_deepspeed() {
        "deepspeed==$DS_VERSION" "${DS_DEPS[@]}" >"$log" 2>&1 &&
      DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$dsv/torch_extensions" "$dsv/bin/python" -c \
        "from deepspeed.comm.torch import build_shm_op; from deepspeed.accelerator import get_accelerator as g
-build_shm_op(); g().create_op_builder('FusedAdamBuilder').load()" >>"$log" 2>&1; then
+build_shm_op(); [g().create_op_builder(n).load() for n in ('FusedAdamBuilder', 'CPUAdamBuilder')]" \
+       >>"$log" 2>&1; then
     echo "$DS_STAMP" > "$dsstamp"
   else
     echo "setup_env.sh: DeepSpeed $DS_VERSION (a test peer) not installed into $dsv ($(grep -v '^ *$' "$log" |

@@ -161,6 +161,79 @@ if dist.get_rank() == 0:
         json.dump({{"losses": losses, "lrs": lrs}}, fh)
 '''
 
+# DeepSpeedExamples' training/HelloDeepSpeed/train_bert_ds.py in outline: a RoBERTa masked-LM wrapped to
+# return its loss, HelloDeepSpeed's ds_config (Adam lr 1e-4, bf16, ZeRO-1 with the optimizer offloaded to
+# the CPU), engine.parameters() counted, model.train(), the loop, save_checkpoint with
+# client_state={'checkpoint_step': step} and a resume from load_checkpoint; random masked tokens in place
+# of wikitext, a small model, and --steps/--load/--save/--out for the test
+HELLO_PROGRAM = '''\
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from transformers import RobertaConfig, RobertaForMaskedLM
+
+{import_line}
+
+
+class RobertaMLMModel(torch.nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.backbone = RobertaForMaskedLM(config)
+
+    def forward(self, src_tokens, tgt_tokens):
+        return self.backbone(input_ids=src_tokens, labels=tgt_tokens).loss
+
+
+def batch_at(step, batch_size, vocab, seq):
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    tokens = torch.randint(5, vocab, (batch_size, seq), generator=g)
+    masked = torch.rand(batch_size, seq, generator=g) < 0.15
+    return {{"src_tokens": torch.where(masked, torch.full_like(tokens, 4), tokens),
+            "tgt_tokens": torch.where(masked, tokens, torch.full_like(tokens, -100))}}
+
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int)
+p.add_argument("--load")
+p.add_argument("--save")
+p.add_argument("--out")
+a = p.parse_args()
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(42)
+config = RobertaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+model = RobertaMLMModel(config)
+ds_config = {{"train_micro_batch_size_per_gpu": 4, "optimizer": {{"type": "Adam", "params": {{"lr": 1e-4}}}},
+             "bf16": {{"enabled": True}},
+             "zero_optimization": {{"stage": 1, "offload_optimizer": {{"device": "cpu"}}}}}}
+model, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+device = torch.device(deepspeed.accelerator.get_accelerator().device_name()
+                      if deepspeed.accelerator.get_accelerator().is_available() else "cpu")
+start_step = 1
+if a.load:
+    _, client_state = model.load_checkpoint(load_dir=a.load)
+    start_step = client_state["checkpoint_step"] + 1
+count = sum([p.numel() for p in model.parameters()])
+model.train()
+losses = []
+for step in range(start_step, start_step + a.steps):
+    batch = {{k: v.to(device) for k, v in batch_at(step, 4, config.vocab_size, 32).items()}}
+    loss = model(**batch)
+    model.backward(loss)
+    model.step()
+    total = loss.detach().float().clone()
+    dist.all_reduce(total)
+    losses.append(float(total) / dist.get_world_size())
+if a.save:
+    model.save_checkpoint(save_dir=a.save, client_state={{"checkpoint_step": step}})
+if dist.get_rank() == 0:
+    with open(a.out, "w") as fh:
+        json.dump({{"losses": losses, "parameters": count, "start": start_step}}, fh)
+'''
+
 
 def ds_config(stage: int, bf16: bool = False) -> dict:
     """The run's ds_config (the same file for both frameworks); ``bf16``: DeepSpeed's bf16 section."""
@@ -293,3 +366,27 @@ def test_the_cifar10_program_under_deepspeed_and_megazero_gives_the_same_losses(
     assert len(ds["losses"]) == 8 and worst(mz["losses"], ds["losses"]) <= LOSS_BOUND, (mz, ds)
     assert mz["lrs"] == ds["lrs"] and ds["lrs"][-1] > ds["lrs"][1] > 0.0
     assert min(abs(x - y) for x, y in zip(ds["losses"], ds["losses"][1:])) > 100 * LOSS_BOUND
+
+
+@pytest.mark.slow
+def test_the_hellodeepspeed_program_runs_and_resumes_a_deepspeed_run_with_the_same_losses(tmp_path):
+    """DeepSpeedExamples' HelloDeepSpeed program (outline above, its ds_config: bf16, ZeRO-1, Adam
+    offloaded to the CPU, which DeepSpeed runs with its compiled DeepSpeedCPUAdam) on 2 ranks: 6 steps
+    under each framework from the same start, then each resumes DeepSpeed's checkpoint of step 6 for 3
+    steps.  The losses are bf16 numbers (the model computes in bf16): they must agree within one bf16
+    spacing of the loss (2^-5 for values in [4, 8), halved by the mean over two ranks; seen: all equal).
+    The fp32 comparisons above are the sharp ones; this one shows the program runs unchanged."""
+    python = need_deepspeed()
+    ckpt = tmp_path / "ckpt"
+    ds = run_ok(python, "deepspeed", 2, tmp_path / "ds", ["--steps", 6, "--save", ckpt],
+                program=HELLO_PROGRAM)
+    mz = run_ok(sys.executable, "megazero", 2, tmp_path / "mz", ["--steps", 6], program=HELLO_PROGRAM)
+    ds_resumed = run_ok(python, "deepspeed", 2, tmp_path / "ds2", ["--steps", 3, "--load", ckpt],
+                        program=HELLO_PROGRAM)
+    mz_resumed = run_ok(sys.executable, "megazero", 2, tmp_path / "mz2", ["--steps", 3, "--load", ckpt],
+                        program=HELLO_PROGRAM)
+    spacing = 2.0 ** -5
+    assert worst(mz["losses"], ds["losses"]) <= spacing, (mz, ds)
+    assert mz["parameters"] == ds["parameters"]
+    assert worst(mz_resumed["losses"], ds_resumed["losses"]) <= spacing, (mz_resumed, ds_resumed)
+    assert mz_resumed["start"] == ds_resumed["start"] == 7
