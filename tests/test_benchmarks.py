@@ -181,3 +181,13 @@ def test_bench_moe_deepspeed_times_megazeros_layer_and_names_a_missing_deepspeed
         assert proc.returncode == 0, proc.stderr[-3000:]
         seconds = json.loads(proc.stdout.split("MOE_RESULT ", 1)[1])["seconds"]
         assert seconds > 0
+
+
+@pytest.mark.slow
+def test_bench_documents_runs_both_kernels():
+    proc = _run([sys.executable, "scripts/bench_documents.py", "--seq-length", "128", "--documents", "4",
+                 "--hidden-size", "64", "--rounds", "1"], PYTHONPATH=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split()[:1] in (["sdpa"], ["blockwise"])]
+    assert [r[0] for r in rows] == ["sdpa", "blockwise"] and all(float(r[3]) > 0 for r in rows)
