@@ -89,6 +89,10 @@ def test_bad_settings_get_one_line_naming_the_flag(flags, world, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+# every kind of layer: M, G, attention, MLP, MoE
+ALL_KINDS = dict(HYBRID, hybrid_layer_pattern="MG*-E-", num_layers=6, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_chunk_size=8, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
 SLOW = pytest.mark.slow
 
 
@@ -111,9 +115,15 @@ def test_tp2_sequence_parallel_recompute_matches_one_process(model, recompute):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_dp2_zero2_matches_one_process():
-    (ref,) = run_ranks(_train_history, 1, _cfg(HYBRID))
-    got = run_ranks(_train_history, 8, _cfg(HYBRID, tp=2, pp=2, zero=2))
+@pytest.mark.parametrize("world,layout,model", [
+    pytest.param(8, dict(tp=2, pp=2, zero=2), HYBRID, id="tp2-pp2-dp2-zero2"),
+    pytest.param(2, dict(zero=3), ALL_KINDS, id="dp2-zero3-MG*-E-"),
+    pytest.param(4, dict(pp=2, zero=1, num_layers_per_virtual_pipeline_stage=1, global_batch_size=8),
+                 QWEN3_NEXT_LIKE, id="pp2-virtual-dp2-zero1-G-G-*-")])
+def test_layouts_match_one_process(world, layout, model):
+    (ref,) = run_ranks(_train_history, 1, _cfg(model, **{k: v for k, v in layout.items()
+                                                         if k == "global_batch_size"}))
+    got = run_ranks(_train_history, world, _cfg(model, **layout))
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [m[key] for m in ref if key in m], [m[key] for m in got[0] if key in m]
         assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
@@ -136,12 +146,6 @@ def test_generation_carries_recurrent_state(model):
     got = torch.cat(steps, dim=1)
     torch.testing.assert_close(got, full, rtol=0.0, atol=200 * U32 * float(full.abs().max()))
     assert sorted(cache.recurrent) == [i for i, k in enumerate(cfg.model.hybrid_layer_pattern) if k in "MG"]
-
-
-# every kind of layer: M, G, attention, MLP, MoE
-ALL_KINDS = dict(HYBRID, hybrid_layer_pattern="MG*-E-", num_layers=6, linear_num_key_heads=2,
-                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                 linear_chunk_size=8, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
 
 
 def _build_and_save(settings, directory):
