@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from megazero.checkpoint import latest_iteration
 from megazero.process.local_ranks import run_ranks
 from models.cli import pretrain_main
 from tests.test_operations import ROOT, TINY, _children, _metrics
@@ -50,10 +51,10 @@ class Node:
     """One ``run_multinode.sh`` (own session, output to ``log``); :meth:`kill` ends it as a node
     failure does: the launcher and every rank at once (stopped first, then killed)."""
 
-    def __init__(self, tmp, name, node_rank, port, nnodes, flags, addr="127.0.0.1", extra=()):
+    def __init__(self, tmp, name, node_rank, port, nnodes, flags, addr="127.0.0.1", extra=(), restarts=2):
         self.log = str(tmp / f"{name}.log")
         cmd = ["bash", SCRIPT, "--nnodes", str(nnodes), "--master-addr", addr, "--master-port", str(port),
-               "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-id", "drill", "--node-rank",
+               "--nproc-per-node", "2", "--max-restarts", str(restarts), "--rdzv-id", "drill", "--node-rank",
                str(node_rank), "--run-dir", str(tmp / f"run{node_rank}"), *extra, "--", *flags]
         self.proc = subprocess.Popen(cmd, env=_env(), cwd=str(tmp), stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -128,8 +129,12 @@ def uninterrupted(tmp_path_factory):
     return {it: m["loss"] for it, m in _metrics(str(tmp / "metrics.jsonl")).items()}
 
 
-def _ipv4(hex_addr):
-    return ".".join(str(int(hex_addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+def _address(hex_addr):
+    """/proc/net/tcp's address (IPv4: one little-endian word; IPv6: four) as text."""
+    import ipaddress
+    words = [bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, len(hex_addr), 8)]
+    packed = b"".join(words)
+    return str(ipaddress.ip_address(packed))
 
 
 def _listening(pid):
@@ -148,7 +153,7 @@ def _listening(pid):
             f = row.split()
             if f[3] == "0A" and f[9] in inodes:  # LISTEN
                 addr, port = f[1].split(":")
-                out.append((_ipv4(addr) if len(addr) == 8 else addr, int(port, 16)))
+                out.append((_address(addr), int(port, 16)))
     return out
 
 
@@ -192,3 +197,247 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_an_uninterrupted_one(
     assert re.search(r"loaded checkpoint .*iter_000000[36]", out), out[-4000:]
     got = {it: m["loss"] for it, m in _metrics(str(tmp_path / "metrics.jsonl")).items()}
     assert got == uninterrupted and len(got) == ITERS
+
+
+@pytest.mark.slow
+def test_a_lost_launcher_is_never_a_finished_job(tmp_path):
+    """The issue's run without restarts: node 1's launcher is killed (SIGKILL) after iteration 5; its
+    ranks get SIGTERM from the kernel and, under --exit-signal-handler, every rank of the job saves and
+    exits 0.  Node 0's launcher used to exit 0 for a run that stopped at iteration 6 or 7 of 12; it
+    exits 1 and says why, with the save there to resume from."""
+    port, flags = _ports(), _flags(tmp_path, ["--exit-signal-handler"])
+    nodes = [Node(tmp_path, f"node{r}", r, port, 2, flags, extra=RDZV, restarts=0) for r in range(2)]
+    try:
+        _wait_any(nodes, r"iteration +5/", 300)
+        nodes[1].kill(launcher_only=True)
+        code = nodes[0].wait(300)
+    finally:
+        for node in nodes:
+            node.close()
+    out = nodes[0].text()
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received \(--exit-signal-handler\); "
+                     r"the launcher of a rank is gone", out)
+    assert code == 1 and stop, out[-4000:]
+    n = int(stop.group(1))
+    assert n < ITERS and f"saved checkpoint at iteration {n} " in out, out[-4000:]
+    last = out.rstrip().splitlines()[-1]
+    lead = f"launch.py: pretrain_gpt.py: training stopped after iteration {n}: SIGTERM received"
+    assert last.startswith(lead), last
+    assert last.endswith("no restart left (--max-restarts 0): start every node again with the same --load to "
+                         "resume from the last checkpoint"), last
+    assert latest_iteration(str(tmp_path / "ckpt")) == n
+
+
+@pytest.mark.slow
+def test_with_nnodes_min_max_a_node_that_never_returns_leaves_the_others_to_finish(tmp_path, uninterrupted):
+    """--nnodes 1:2: node 1 dies after iteration 5 and is not started again.  Node 0 re-forms the job
+    alone (TP 2 x DP 1), loads the DP 2 checkpoint resharded, keeps the global batch and finishes: exit 0,
+    every loss equal to the uninterrupted DP 2 run's up to float32 summation order (4 micro-batches
+    summed on one rank instead of 2 on each of 2; measured: within 1e-6 relative)."""
+    port, flags = _ports(), _flags(tmp_path)
+    nodes = [Node(tmp_path, f"node{r}", r, port, "1:2", flags, extra=RDZV) for r in range(2)]
+    try:
+        _wait_any(nodes, r"iteration +5/", 300)
+        nodes[1].kill()
+        code = nodes[0].wait(300)
+    finally:
+        for node in nodes:
+            node.close()
+    out = nodes[0].text()
+    assert code == 0, out[-4000:]
+    resharded = re.search(r"loaded checkpoint .*saved under tp 2 pp 1 dp 2", out)
+    assert "tp 2 pp 1 dp 1" in out and resharded, out[-4000:]
+    got = {it: m["loss"] for it, m in _metrics(str(tmp_path / "metrics.jsonl")).items()}
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert got == pytest.approx(uninterrupted, rel=1e-5, abs=0)
+
+
+# ---- the pieces, in this process ----------------------------------------------------------------
+class _Mesh:
+    is_distributed = False
+
+
+def test_a_rank_whose_launcher_is_gone_stops_with_a_note_for_its_launcher(tmp_path, monkeypatch):
+    """StopConditions: under scripts/launch.py (MEGAZERO_AGENT_PID) a rank whose parent is not that
+    launcher any more stops after the iteration and leaves a note; without the variable, or while
+    the launcher is its parent, it goes on; a lone distributed rank without agreement never stops."""
+    from types import SimpleNamespace
+    from megazero.resilience.stop import StopConditions
+    from megazero.resilience.stop_notes import NOTES_ENV, read_notes
+    cfg = SimpleNamespace(exit_duration_in_mins=None, exit_interval=None)
+    monkeypatch.setenv(NOTES_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("MEGAZERO_AGENT_PID", raising=False)
+    assert StopConditions(cfg, None).reason(4, _Mesh()) is None  # another launcher: nothing to check
+    monkeypatch.setenv("MEGAZERO_AGENT_PID", str(os.getppid()))
+    assert StopConditions(cfg, None).reason(4, _Mesh()) is None and read_notes(str(tmp_path)) == []
+    monkeypatch.setenv("MEGAZERO_AGENT_PID", str(os.getppid() + 100000))  # not the parent: it died
+    reason = StopConditions(cfg, None).reason(4, _Mesh())
+    assert reason == ("the launcher of a rank is gone (its node was lost): the run is interrupted, "
+                      "not finished")
+    [note] = read_notes(str(tmp_path))
+    assert note["iteration"] == 4 and note["reason"] == reason
+    assert os.listdir(tmp_path) == ["rank_3.json"]
+    alone = SimpleNamespace(is_distributed=True)  # no signal handler, duration or files: no all-reduce
+    assert StopConditions(cfg, None).reason(5, alone) is None
+
+
+def _fake_original(result):
+    def original(agent, worker_group):
+        return result
+    return original
+
+
+def test_the_agent_restarts_ranks_that_exited_0_after_a_launcher_was_lost(tmp_path, monkeypatch):
+    """rounds.install: a local group that succeeded is a failed attempt (one failure per rank, its
+    message the note's) when its ranks left a note; the notes are then cleared; without notes the
+    success stands."""
+    from types import SimpleNamespace
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from megazero.resilience import rounds
+    from megazero.resilience.stop_notes import NOTES_ENV, write_note
+    succeeded = _fake_original(RunResult(WorkerState.SUCCEEDED))
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", succeeded)
+    monkeypatch.setattr(DynamicRendezvousHandler, "next_rendezvous", DynamicRendezvousHandler.next_rendezvous)
+    monkeypatch.setenv(NOTES_ENV, "")
+    seen = rounds.install(str(tmp_path))
+    assert os.environ[NOTES_ENV] == str(tmp_path)
+    workers = [SimpleNamespace(local_rank=i, global_rank=2 + i, id=1000 + i) for i in range(2)]
+    group = SimpleNamespace(workers=workers)
+    agent = SimpleNamespace(_pcontext=None)
+    assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.SUCCEEDED
+    write_note(7, "SIGTERM received (--exit-signal-handler); the launcher of a rank is gone",
+               {NOTES_ENV: str(tmp_path), "RANK": "2"})
+    result = LocalElasticAgent._monitor_workers(agent, group)
+    assert result.state == WorkerState.FAILED and sorted(result.failures) == [2, 3]
+    failure = result.failures[2]
+    assert failure.exitcode == 1 and failure.megazero_interrupted and seen.count == 1
+    assert failure.message == ("training stopped after iteration 7: SIGTERM received "
+                               "(--exit-signal-handler); the launcher of a rank is gone")
+    assert os.listdir(tmp_path) == []  # the next attempt starts without notes
+    assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.SUCCEEDED
+
+
+def test_every_round_rebuilds_the_workers_store_and_exports_its_number(monkeypatch):
+    """The rendezvous wrapper: the store address learned in an earlier round is dropped before each
+    round (group rank 0 serves a new one), a node that is not rank 0 any more closes its old one, and
+    the round, the same on every node, is exported for the workers' store prefix."""
+    from types import SimpleNamespace
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from megazero.resilience import rounds
+    seen = []
+
+    def original(handler):
+        seen.append(handler._bootstrap_store_info)
+        return SimpleNamespace(rank=1)
+    monkeypatch.setattr(DynamicRendezvousHandler, "next_rendezvous", original)
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", LocalElasticAgent._monitor_workers)
+    monkeypatch.setenv("MEGAZERO_STOP_NOTES", "")
+    monkeypatch.setenv(rounds.ROUND_ENV, "0")
+    rounds.install("/nonexistent")
+    handler = SimpleNamespace(use_agent_store=True, _bootstrap_store_info="old address",
+                              _shared_tcp_store_server="old server",
+                              _state_holder=SimpleNamespace(state=SimpleNamespace(round=3)))
+    assert DynamicRendezvousHandler.next_rendezvous(handler).rank == 1
+    assert seen == [None] and handler._shared_tcp_store_server is None
+    assert os.environ[rounds.ROUND_ENV] == "3"
+
+
+def test_a_node_started_again_after_the_job_formed_goes_straight_to_the_rendezvous():
+    """The join: node 0 hosts it and keeps it serving; once both nodes joined, node 1 started again
+    (a lost node) passes at once with one line instead of waiting for peers that moved on (before: it
+    waited --join-timeout for them, then exited 1), and so does it with no node rank."""
+    import io
+    import threading
+    from megazero.resilience.join import join_nodes
+    port = _ports() + 1000
+    keep, ok, out = [], {}, {r: io.StringIO() for r in range(2)}
+
+    def node(r):
+        ok[r] = join_nodes("127.0.0.1", port, 2, r, 30, interval=1.0, stream=out[r], keep=keep)
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert ok == {0: True, 1: True} and len(keep) == 1, (out[0].getvalue(), out[1].getvalue())
+    for rank in (1, None):
+        again = io.StringIO()
+        start = time.monotonic()
+        assert join_nodes("127.0.0.1", port, 2, rank, 30, interval=1.0, stream=again)
+        assert time.monotonic() - start < 10
+        assert again.getvalue() == (f"launch.py: the job formed at 127.0.0.1:{port} before this node "
+                                    "started: joining it in torchrun's next rendezvous round\n")
+    assert ("127.0.0.1", port) in _listening(os.getpid())  # the host's store, on the address given only
+    assert not [a for a, p in _listening(os.getpid()) if p == port and a != "127.0.0.1"]
+
+
+def test_stores_listen_on_the_address_they_are_given(monkeypatch):
+    """A store served under an IP address listens there alone (127.0.0.2: not 127.0.0.1, not every
+    interface); a host name listens on the first address it resolves to that other machines can reach;
+    one that resolves to loopback addresses only here (Debian's 127.0.1.1 for the machine's name)
+    listens on every interface, with one warning."""
+    import torch.distributed as dist
+    from megazero.resilience import loopback
+    store = loopback.bound_store_class(dist.TCPStore)("127.0.0.2", 0, is_master=True, multi_tenant=True)
+    client = dist.TCPStore("127.0.0.2", store.port, is_master=False)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    assert [a for a, p in _listening(os.getpid()) if p == store.port] == ["127.0.0.2"]
+    me = socket.gethostname()  # resolved for real by the store's own client, to whatever it is here
+    table = {me: ["127.0.1.1"], "node1": ["127.0.1.1", "10.1.2.3", "fe80::1"], "localhost": ["127.0.0.1"]}
+
+    def resolve(host, *args, **kwargs):
+        if host not in table:
+            raise socket.gaierror(host)
+        return [(None, None, None, "", (a, 0)) for a in table[host]]
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert [loopback.listen_address(h) for h in (me, "node1", "localhost", "nowhere", "::1")] == \
+        [None, "10.1.2.3", "127.0.0.1", None, "::1"]
+    said = []
+    anywhere = loopback.bound_store_class(dist.TCPStore, warn=said.append)(me, 0, is_master=True)
+    assert said and said[0].startswith(f"warning: {me} resolves to no address of this machine that other "
+                                       "nodes can reach") and "--master-addr" in said[0]
+    assert [a for a, p in _listening(os.getpid()) if p == anywhere.port] in (["0.0.0.0"], ["::"])
+
+
+def test_node_rank_0_serves_the_rendezvous_store():
+    """is_host for the c10d rendezvous: node rank 0 on the rendezvous host serves the store and every
+    other node is a client (on one host both matched the host name: the first to start served it, and
+    its death ended the job); an is_host given, --standalone, no node rank or a node 0 elsewhere are
+    left alone."""
+    from torch.distributed import run as torchrun
+    from megazero.resilience.rounds import host_on_node_zero
+    base = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"]
+    cases = [(base, 0, "is_host=1"), (base, 1, "is_host=0"), (base, None, ""),
+             (base + ["--rdzv-conf", "join_timeout=9"], 1, "join_timeout=9,is_host=0"),
+             (base + ["--rdzv-conf", "is_host=0"], 0, "is_host=0"),
+             (base[:4] + ["--rdzv-endpoint", "node-elsewhere.invalid:29400"], 0, ""),
+             (["--standalone"], 0, "")]
+    for argv, node, want in cases:
+        args = torchrun.parse_args(argv + ["x.py"])
+        host_on_node_zero(args, node)
+        assert args.rdzv_conf == want, (argv, node)
+
+
+def test_rendezvous_failures_are_one_line_each():
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous import api as rdzv
+    import torch.distributed as dist
+    from megazero.resilience.rounds import rendezvous_failure_line
+    args = torchrun.parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400",
+                                "x.py"])
+    lines = {kind: rendezvous_failure_line(kind("deep text\nmore"), args) for kind in (
+        rdzv.RendezvousClosedError, rdzv.RendezvousTimeoutError, rdzv.RendezvousConnectionError,
+        dist.DistNetworkError, rdzv.RendezvousStateError)}
+    assert lines[rdzv.RendezvousClosedError].startswith("the job's rendezvous at node0:29400 is closed")
+    assert "--rdzv-conf join_timeout=SECS" in lines[rdzv.RendezvousTimeoutError]
+    assert lines[rdzv.RendezvousConnectionError] == lines[dist.DistNetworkError]
+    assert lines[dist.DistNetworkError].startswith("lost the rendezvous store at node0:29400: the launcher "
+                                                   "of node rank 0")
+    assert lines[rdzv.RendezvousStateError] == "the rendezvous at node0:29400 failed: deep text"
+    assert all("\n" not in line for line in lines.values())
+    assert rendezvous_failure_line(ValueError("a bug"), args) is None  # bugs keep their traceback

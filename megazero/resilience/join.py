@@ -71,10 +71,11 @@ def _connect(host: str, port: int, deadline: float, interval: float, say, may_ho
     and the port is free, else a client (retried until ``deadline``, a line every ``interval`` s)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    from megazero.resilience.loopback import bound_store_class
     if may_host and _matches_machine_hostname(host):
-        try:
-            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=60))
+        try:  # served on the address given, not on every interface
+            store = bound_store_class(TCPStore)(host, port, is_master=True, wait_for_workers=False,
+                                                timeout=timedelta(seconds=60))
             return store, True
         except (RuntimeError, ValueError):
             pass  # another launcher on this machine hosts it
