@@ -7,7 +7,7 @@ the import changed loads that checkpoint (``engine.load_checkpoint(dir)``) at DP
 steps 4-6: its losses must equal DeepSpeed's within 1e-5 (test_deepspeed_peer's bound), its learning
 rates exactly, and ``client_state`` comes back.  The bound is shown to matter: without the Adam moments
 (``load_optimizer_states=False``) the first continued loss still agrees (the weights) and the later ones
-move by far more than the bound; the model before loading is far from the loaded one.
+move by far more than the bound (4e-3 to 9e-3); the model before loading is far from the loaded one.
 
 Bad input gets one line and exit status 2: a truncated shard, a missing rank file, a model of another
 shape, a pickle that would run code (never run)."""
@@ -40,17 +40,6 @@ def test_megazero_continues_a_deepspeed_run_as_deepspeed_does(tmp_path_factory, 
     assert mz["client"] == {"next_step": SAVE_AFTER, "note": "peer"} and mz["global_steps"] == STEPS
 
 
-@pytest.mark.slow
-def test_without_the_adam_moments_the_continued_losses_move_far_apart(tmp_path_factory, tmp_path):
-    ds = deepspeed_reference(tmp_path_factory, 2)
-    args = ["--config", ds["config"], "--steps", STEPS - SAVE_AFTER, "--load", ds["ckpt"],
-            "--fresh-optimizer"]
-    mz = run_ok(sys.executable, "megazero", 2, tmp_path, args)
-    want = ds["losses"][SAVE_AFTER:]
-    assert abs(mz["losses"][0] - want[0]) <= LOSS_BOUND  # the weights were loaded
-    assert min(abs(a - b) for a, b in zip(mz["losses"][1:], want[1:])) > 100 * LOSS_BOUND, (mz, want)
-
-
 def _engine(width: int, config: dict):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,6 +50,22 @@ def _engine(width: int, config: dict):
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=0))
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+
+def _train(engine, start: int, steps: int):
+    """The peer program's loop on one rank: step t's 8 sequences as micro-batches of 2."""
+    import torch
+    losses = []
+    for step in range(start, start + steps):
+        batch = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(step))
+        total = 0.0
+        for m in range(0, 8, 2):
+            loss = engine(input_ids=batch[m:m + 2], labels=batch[m:m + 2]).loss
+            engine.backward(loss)
+            engine.step()
+            total += float(loss)
+        losses.append(total / 4)
+    return losses
 
 
 def _loss(engine, step: int) -> float:
@@ -114,17 +119,24 @@ def _bad_inputs(ckpt: str, config: dict, work: str):
               "missing": broken("missing", lambda t: os.remove(os.path.join(t, OPTIM1))),
               "shape": broken("shape", lambda t: None, width=48),
               "payload": broken("payload", payload)}
-    return before, after, errors, os.path.exists(os.path.join(work, "ran"))
+    engine.load_checkpoint(ckpt, load_optimizer_states=False)  # the weights, a fresh Adam
+    fresh = _train(engine, SAVE_AFTER, STEPS - SAVE_AFTER)
+    return before, after, errors, os.path.exists(os.path.join(work, "ran")), fresh
 
 
 @pytest.mark.slow
-def test_the_weights_load_and_bad_input_is_refused_in_one_line(tmp_path_factory, tmp_path):
+def test_the_weights_and_moments_load_and_bad_input_is_refused_in_one_line(tmp_path_factory, tmp_path):
     from megazero.process.local_ranks import run_ranks
     from test_deepspeed_peer import ds_config
     ds = deepspeed_reference(tmp_path_factory, 2)
-    before, after, errors, ran = run_ranks(_bad_inputs, 1, str(ds["ckpt"]), ds_config(2), str(tmp_path),
-                                           timeout=300)[0]
+    before, after, errors, ran, fresh = run_ranks(_bad_inputs, 1, str(ds["ckpt"]), ds_config(2),
+                                                  str(tmp_path), timeout=300)[0]
     assert abs(after - ds["losses"][SAVE_AFTER]) <= LOSS_BOUND < abs(before - after) / 100
+    # without the Adam moments (load_optimizer_states=False) the first continued loss still agrees (the
+    # weights), the later ones move far beyond the bound: the moments loaded above are what makes them agree
+    want = ds["losses"][SAVE_AFTER:]
+    assert abs(fresh[0] - want[0]) <= LOSS_BOUND
+    assert min(abs(a - b) for a, b in zip(fresh[1:], want[1:])) > 100 * LOSS_BOUND, (fresh, want)
     assert f"{OPTIM1} cannot be read (" in errors["truncated"] and "truncated" in errors["truncated"]
     assert f"{OPTIM1} is missing: the checkpoint was saved by 2 data-parallel ranks" in errors["missing"]
     assert ("parameter transformer.wte.weight has shape [64, 32] in the DeepSpeed checkpoint but [64, 48] in "
