@@ -29,11 +29,13 @@ skip() { say "skipped: $*"; exit 3; }
 fail() { say "failed: $*" >&2; exit 1; }
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 stop_pidfile() {  # the daemon named by a pid file, and wait for it to go
-  running "$1" || return 0
-  local pid; pid="$(cat "$1")"
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
-  kill -9 "$pid" 2>/dev/null || true
+  if running "$1"; then
+    local pid; pid="$(cat "$1")"
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$1"  # a stale one makes Debian's slurmctld prerm call scancel on a controller that is gone
 }
 stop_all() {
   for n in $(seq "$NODES"); do stop_pidfile "/run/slurmd-n$n.pid"; done
