@@ -70,7 +70,7 @@ EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1]}  # the tok
 UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
                     "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
 OFFSET_NORMS = ("gemma", "gemma2", "gemma3_text")  # norms scaling by 1 + weight: megazero stores 1 + weight
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3")
 EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_(weight|bias)")  # stacked or one expert
 EXPERT_FILES = {"mixtral": {"gate": "w1", "fc1": "w3", "fc2": "w2"},  # the published per-expert names
                 "qwen": {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}}
@@ -78,6 +78,10 @@ SHARED_EXPERT = [("mlp.shared_experts.gate.weight", "mlp.shared_expert.gate_proj
                  ("mlp.shared_experts.fc1.weight", "mlp.shared_expert.up_proj.weight", ""),
                  ("mlp.shared_experts.fc2.weight", "mlp.shared_expert.down_proj.weight", ""),
                  ("mlp.shared_gate_weight", "mlp.shared_expert_gate.weight", "")]
+SHARED_EXPERTS = [("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", ""),  # GLM-4.5, DeepSeek-V3
+                  ("mlp.shared_experts.gate.weight", "mlp.shared_experts.gate_proj.weight", ""),
+                  ("mlp.shared_experts.fc1.weight", "mlp.shared_experts.up_proj.weight", ""),
+                  ("mlp.shared_experts.fc2.weight", "mlp.shared_experts.down_proj.weight", "")]
 
 
 def _fuse_qkv(q, k, v, groups: int) -> torch.Tensor:
@@ -117,6 +121,8 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
         out.append(("mlp.router.weight", router, ""))
     if arch == "qwen2_moe":
         out += SHARED_EXPERT
+    if arch in ("glm4_moe", "deepseek_v3"):
+        out += SHARED_EXPERTS
     return out
 
 

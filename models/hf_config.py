@@ -173,7 +173,8 @@ def _llama_settings(c, kind: str) -> Dict[str, Any]:
                 hidden_dropout=float(getattr(c, "resid_pdrop", 0.0) or 0.0),
                 attention_dropout=float(getattr(c, "attention_dropout", 0.0) or 0.0),
                 init_method_std=c.initializer_range),
-                **(gemma3_rope_settings(c) if kind == "gemma3_text" else rope_settings(c, kind == "glm4_moe")))
+                **(gemma3_rope_settings(c) if kind == "gemma3_text"
+                   else rope_settings(c, partial_ok=kind == "glm4_moe")))
 
 
 def gemma3_rope_settings(c) -> Dict[str, Any]:

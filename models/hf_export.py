@@ -15,17 +15,19 @@ from typing import Any, Dict, List, Optional
 from megazero.config import ConfigError
 from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
+from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, export_fields, export_missing
 from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
               "gemma3_text", "llama4_text")
-MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
 LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text", "gpt_oss")  # per layer
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-caps, its own score scale
 WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on every layer, or none
 HELD_VARIANTS: Dict[str, tuple] = {  # of docs/attention.md
     "gemma3_text": ("--rotary-base-local",),
+    "glm4_moe": ("--rotary-percent",),
     "llama4_text": ("--attention-chunk-size", "--qk-l2-norm", "--attn-temperature-tuning"),
     "gpt_oss": ("--softmax-type", "--activation", "--glu-linear-offset", "--activation-func-clamp-value",
                 "--moe-router-bias")}
@@ -56,10 +58,12 @@ def _llama_family(m, t: str) -> Optional[str]:
         return f"scale_embedding {m.scale_embedding} ({t}: {gemma})"
     qk = {"qwen3": "head", "olmo2": "all", "qwen3_moe": "head", "olmoe": "all",
           "gemma3_text": "head"}.get(t)
+    if t == "glm4_moe" and m.qk_layernorm_scope == "head":  # GLM-4.5's q/k norm is optional
+        qk = "head" if m.qk_layernorm else None
     if (m.qk_layernorm and m.qk_layernorm_scope) != (qk or False):
         mine = f"scope {m.qk_layernorm_scope}" if m.qk_layernorm else "off"
         return f"--qk-layernorm {mine} ({t}: {qk or 'none'})"
-    if m.add_qkv_bias != (t == "qwen2") and t != "qwen2_moe":
+    if m.add_qkv_bias != (t == "qwen2") and t not in ("qwen2_moe", "glm4_moe"):
         return f"add_qkv_bias {m.add_qkv_bias} ({t}: {t == 'qwen2'})"
     window = _window_kind(m)
     uniform = LAYER_TYPES + WHOLE_WINDOW
@@ -122,6 +126,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     variant = variants_missing(m, moe, t)
     if t == "gpt_oss":
         return variant or gpt_oss_missing(m, moe)
+    if t in SIGMOID_MOE:
+        return variant or _dense_missing(m, t) or export_missing(moe, m, t)
     if experts:
         return variant or _dense_missing(m, t) or moe_missing(moe, m, t)
     return variant or _dense_missing(m, t)
@@ -247,7 +253,7 @@ def _gpt2_config(m):
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
            "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "olmo2": "Olmo2",
            "smollm3": "SmolLM3", "mixtral": "Mixtral", "gpt_oss": "GptOss", "llama4_text": "Llama4Text",
-           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe"}
+           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "glm4_moe": "Glm4Moe"}
 
 
 def _window_settings(m, t: str) -> Dict[str, Any]:
@@ -288,6 +294,8 @@ def _family_settings(m, t: str) -> Dict[str, Any]:
                                 for r in out["no_rope_layers"]],
                    attn_temperature_tuning=m.attn_temperature_tuning,
                    floor_scale=int(m.attn_temperature_floor_scale), attn_scale=m.attn_temperature_scale)
+    if t == "glm4_moe":
+        out.update(use_qk_norm=m.qk_layernorm, attention_bias=m.add_qkv_bias, num_nextn_predict_layers=0)
     if t == "phi3":
         out.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                    original_max_position_embeddings=m.max_position_embeddings)
@@ -335,7 +343,8 @@ def hf_config_from(cfg):
 def _rope_of(m, t: str) -> Dict[str, Any]:
     """``rope_parameters``: one dict, or Gemma 3's per layer type (its windowed layers' plain base)."""
     if t != "gemma3_text":
-        return rope_parameters(m)
+        out = rope_parameters(m)
+        return dict(out, partial_rotary_factor=m.rotary_percent) if m.rotary_percent != 1.0 else out
     local = {"rope_type": "default", "rope_theta": m.rotary_base_local} if m.rotary_base_local else \
         rope_parameters(m)
     return {"full_attention": rope_parameters(m), "sliding_attention": local}
@@ -343,6 +352,8 @@ def _rope_of(m, t: str) -> Dict[str, Any]:
 
 def _moe_config(moe, m, t: str) -> Dict[str, Any]:
     """The MoE fields of architecture ``t`` (the inverse of :func:`models.hf_config.moe_settings`)."""
+    if t in SIGMOID_MOE:
+        return export_fields(moe, m)
     flags = moe_layer_pattern(moe.moe_layer_freq, m.num_layers)
     coeff = moe.moe_aux_loss_coeff if moe.moe_router_load_balancing_type != "none" else 0.0
     out: Dict[str, Any] = dict(num_experts_per_tok=moe.moe_router_topk, output_router_logits=bool(coeff))

@@ -91,6 +91,13 @@ def _moe_families(t, name):
         yarn = dict(YARN_ROPE, truncate=False)
         return t.GptOssConfig(**dict(SHAPE, intermediate_size=16), head_dim=16, num_local_experts=8, **MOE,
                               sliding_window=WINDOW, swiglu_limit=0.3, rope_parameters=yarn)
+    if name == "glm4-moe":  # a dense first layer; 8 experts in 4 groups (top-2 groups), scaled, partial RoPE
+        return t.Glm4MoeConfig(**dict(SHAPE, intermediate_size=48), n_routed_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=16, n_shared_experts=2, first_k_dense_replace=1,
+                               n_group=4, topk_group=2, routed_scaling_factor=2.5, use_qk_norm=True,
+                               attention_bias=True, num_nextn_predict_layers=0, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5})
     raise KeyError(name)
 
 
@@ -101,14 +108,15 @@ def family_config(name):
 
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
-            "llama4", "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
-MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss"]
+            "llama4", "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss",
+            "glm4-moe"]
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
                "gemma3": "Gemma3", "llama4": "Llama4",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
-               "gpt-oss": "GptOss"}  # the others: LLaMA
+               "gpt-oss": "GptOss", "glm4-moe": "Glm4Moe"}  # the others: LLaMA
 
 
 def hf_model(name, **over):
@@ -124,4 +132,7 @@ def hf_model(name, **over):
     with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for n, b in model.named_buffers():  # GLM-4.5's and DeepSeek-V3's expert bias
+            if n.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model

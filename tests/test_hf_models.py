@@ -47,6 +47,12 @@ MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
                 "gpt-oss": [dict(softmax_type="off-by-one"), dict(activation_func_clamp_value=None),
                             dict(glu_linear_offset=0.0)],
                 "mixtral": [dict(window_size=None)],
+                "glm4-moe": [dict(rotary_percent=1.0), dict(qk_layernorm=False), dict(add_qkv_bias=False),
+                             dict(moe_router_enable_expert_bias=False),
+                             dict(moe_router_topk_scaling_factor=None),
+                             dict(moe_router_num_groups=None, moe_router_group_topk=None,
+                                  moe_router_group_score_topk=None),
+                             dict(moe_router_group_score_topk=1)],
                 "qwen2-moe": [dict(moe_shared_expert_gate=False), dict(moe_router_topk=1)]}
 
 
@@ -153,6 +159,8 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1; jitter on the router's input"),
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0; clamping the queries"),
     ("qwen2-moe", dict(mlp_only_layers=[0, 1]), "num_experts=8; a qwen2_moe config without MoE layers"),
+    ("glm4-moe", dict(norm_topk_prob=False), "norm_topk_prob=False; megazero normalises the chosen sigmoid"),
+    ("glm4-moe", dict(n_group=3), "n_group=3; groups of at least 2 experts dividing"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
@@ -194,6 +202,10 @@ def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(hf_type
     ("mixtral", dict(moe_router_score_function="sigmoid"), "mixtral",
      "--moe-router-score-function sigmoid \\(mixtral: softmax\\)"),
     ("qwen2-moe", {}, "qwen3_moe", "--qk-layernorm off"),
+    ("qwen3-moe", {}, "glm4_moe", "--moe-router-score-function softmax \\(glm4_moe: sigmoid\\)"),
+    ("glm4-moe", dict(moe_router_group_score_topk=1), "glm4_moe",
+     "a group's score of other than its 2 best experts"),
+    ("glm4-moe", {}, "qwen3_moe", "--rotary-percent 0.5 \\(qwen3_moe has no such part"),
 ])
 def test_moe_export_to_an_architecture_lacking_a_feature_is_refused(family, over, hf_type, needle, tmp_path):
     model = from_hf(hf_model(family), cfg_overrides=dict(over, hf_model_type=hf_type))
