@@ -360,12 +360,17 @@ def layer_segments(D: Dims, selective: bool) -> List[Segment]:
 def shared_bytes(Ds: Sequence[Dims]) -> int:
     """What a chunk's forward builds once for its layers ``Ds`` and their kernels keep: the RoPE
     tables (when a layer rotates) and one additive window mask ``E s^2`` per window that SDPA's
-    flash/efficient kernels take (the math path keeps no mask)."""
+    flash/efficient kernels take (the math path keeps no mask); with packed documents
+    (``--reset-attention-mask``) one ``[b, 1, s, s]`` mask ``E b s^2`` per distinct window (none
+    included) instead, which holds the window too."""
     if not Ds:
         return 0
     D = Ds[0]
     rope = rope_bytes(D) if any(x.rope for x in Ds) else 0
-    windows = {x.window for x in Ds if x.window is not None and x.backend in ("flash", "efficient")}
+    kept = [x for x in Ds if x.backend in ("flash", "efficient")]
+    if any(x.documents for x in kept):
+        return rope + len({x.window for x in kept}) * D.E * D.b * D.s * D.s
+    windows = {x.window for x in kept if x.window is not None}
     return rope + len(windows) * D.E * D.s * D.s
 
 

@@ -136,6 +136,26 @@ def test_a_window_costs_one_mask_per_chunk_measured_and_estimated():
         assert sizes[name][1] - sizes["full"][1] == mask, sizes
 
 
+@pytest.mark.slow
+def test_packed_documents_cost_one_batch_mask_per_window_measured_and_estimated():
+    """--reset-attention-mask: SDPA keeps one [b, 1, s, s] fp32 mask per distinct window (the window
+    folded in), E b s^2 bytes; measured and estimated alike, and the window's own s^2 mask is gone."""
+    base = dict(LLAMA, seq_length=32, micro_batch_size=2, tokenizer_type="NullTokenizer", vocab_size=299)
+    sizes = {}
+    for name, extra in (("plain", {}), ("documents", dict(reset_attention_mask=True)),
+                        ("documents-window", dict(reset_attention_mask=True, window_size=[5, 0])),
+                        ("documents-two-windows", dict(reset_attention_mask=True, window_size=[5, 0],
+                                                       window_attn_skip_freq=[1, 0, 1, 0]))):
+        settings = dict(base, **extra)
+        (est,) = estimate_stages(cfg_of(1, **settings), device="cpu", backend="gloo", saved=SAVED)
+        sizes[name] = (est["activation_bytes"], _measure_one(settings))
+        assert sizes[name][0] == sizes[name][1], (name, sizes[name])
+    mask = 4 * 2 * 32 * 32
+    assert sizes["documents"][1] - sizes["plain"][1] == mask
+    assert sizes["documents-window"][1] - sizes["plain"][1] == mask
+    assert sizes["documents-two-windows"][1] - sizes["plain"][1] == 2 * mask, sizes
+
+
 def test_layer_bytes_by_hand_gpt2_fp32():
     """One GPT-2 layer on CPU, fp32, TP 1, no dropout: every saved tensor by hand."""
     cfg = cfg_of(1, **GPT2, micro_batch_size=2)

@@ -107,6 +107,7 @@ class Dims:
     final_softcap: bool = False   # the head's tanh keeps its output
     moe: Optional[MoEDims] = None  # this layer is an MoE layer (:func:`layer_dims`)
     mla: Optional[MLADims] = None  # multi-latent attention (--multi-latent-attention)
+    documents: bool = False  # --reset-attention-mask: SDPA takes a [b, 1, s, s] mask per distinct window
 
     @property
     def T(self) -> int:
@@ -156,7 +157,8 @@ def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
                 attention_dropout=m.attention_dropout > 0,
                 backend=backend, device=device, cp=cp, qk_norm=m.qk_layernorm_scope if m.qk_layernorm else "",
                 norms=m.norm_position, embed_scale=m.scale_embedding,
-                final_softcap=m.final_logit_softcapping is not None, mla=mla)
+                final_softcap=m.final_logit_softcapping is not None, mla=mla,
+                documents=bool(cfg.data.reset_attention_mask) and backend in ("flash", "efficient", "math"))
 
 
 def layer_dims(cfg, D: Dims, layer: int) -> Dims:
