@@ -1,6 +1,8 @@
 """Hybrid layer stacks (--hybrid-layer-pattern): Megatron-LM's flags, one-line refusals, training under
 tensor parallelism (with SP and full recompute) against one process, and generation that carries each
 recurrent layer's state (token by token equals the whole-sequence forward)."""
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from megazero.config import ConfigError, config_from_dict, validate
 from megazero.config.parsing import parse_args
 from megazero.process.local_ranks import run_ranks
 from megazero_models.layers import KVCache
+from test_megatron_scripts import sp_model  # noqa: F401 - the fixture
 from tolerance import R_TRAIN, U32
 
 # the issue's tiny hybrid: M*M-M*M-, 8 Mamba heads in 2 groups
@@ -300,8 +303,9 @@ def test_megatron_hybrid_spec_is_accepted_with_a_pattern():
     spec = ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
     cfg = parse_args(["--mock-data", "--hybrid-layer-pattern", "G*"] + spec, world_size=1)
     assert any("--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec" in n for n in cfg.notes)
-    with pytest.raises(ConfigError, match="give the stack's layers with --hybrid-layer-pattern"):
-        parse_args(["--mock-data"] + spec, world_size=1)
+    # alone, as pretrain_mamba.py built it: every layer a Mamba-2 layer
+    alone = parse_args(["--mock-data", "--num-layers", "3", "--mamba-num-groups", "1"] + spec, world_size=1)
+    assert alone.model.hybrid_layer_pattern == "MMM"
     with pytest.raises(ConfigError, match="custom layer specs are not implemented"):
         parse_args(["--mock-data", "--spec", "my.module", "my_spec"], world_size=1)
 
@@ -320,3 +324,59 @@ def test_context_parallel_matches_one_process(world, layout, model):
     for key in ("loss", "grad_norm", "eval_loss"):
         a, b = [m[key] for m in ref if key in m], [m[key] for m in got[0] if key in m]
         assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
+
+
+def megatron_mamba_train_sh(tmp, sp):
+    """NVIDIA/Megatron-LM examples/mamba/train.sh (7531da5), MODEL_SCALE=800M: its options with every
+    flag kept, sizes scaled down (48 layers of 1024 -> 8 of 256, 16 heads -> 8 with its 8 query groups,
+    sequence 4096 -> 32, the sample counts and batch 32 -> 8), 8 ranks -> 2, mock data for --data-path
+    (exclusive here) and a small sentencepiece model for TOKENIZER_PATH; pretrain_mamba.py's stack is
+    what its --spec and ratios ask for."""
+    return ["--tensor-model-parallel-size", "1", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+            "--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce",
+            "--untie-embeddings-and-output-weights", "--init-method-std", "0.02",
+            "--position-embedding-type", "none", "--num-layers", "8", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "8",
+            "--hybrid-attention-ratio", "0.08", "--hybrid-mlp-ratio", "0.5", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--train-samples", "16", "--lr-warmup-samples", "4",
+            "--lr-decay-samples", "12", "--save", f"{tmp}/ckpt", "--load", f"{tmp}/ckpt", "--mock-data",
+            "--data-cache-path", f"{tmp}/cache", "--split", "99,1,0", "--tokenizer-type",
+            "GPTSentencePieceTokenizer", "--tokenizer-model", sp, "--distributed-backend", "nccl",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "2.5e-4", "--min-lr", "2.5e-5",
+            "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--disable-bias-linear",
+            "--normalization", "RMSNorm", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--log-interval", "10", "--save-interval", "2000", "--eval-interval", "2000",
+            "--eval-iters", "32",
+            "--bf16", "--use-mcore-models", "--spec", "megatron.core.models.mamba.mamba_layer_specs",
+            "mamba_stack_spec",
+            "--no-create-attention-mask-in-dataloader", "--tensorboard-dir", f"{tmp}/tb"]
+
+
+def test_megatron_mamba_example_builds_its_stack(tmp_path, sp_model):  # noqa: F811
+    """Its ratios give Megatron-LM's allocation (1 attention and 4 MLP layers among 8)."""
+    cfg = parse_args(megatron_mamba_train_sh(tmp_path, sp_model), world_size=2)
+    m = cfg.model
+    assert (m.hybrid_layer_pattern, m.position_embedding_type, m.num_query_groups) == ("M-M-*-M-", "none", 8)
+    assert cfg.parallel.zero_stage == 1 and cfg.precision.bf16
+
+
+@pytest.mark.slow
+def test_megatron_mamba_example_trains_unmodified(tmp_path, sp_model):  # noqa: F811
+    from test_megatron_scripts import _pretrain
+    argv = megatron_mamba_train_sh(tmp_path, sp_model) + ["--metrics-file", str(tmp_path / "m.jsonl")]
+    assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_megatron_allocation_of_ratios():
+    """Megatron-LM's allocation rule at sizes its own notes list: attention evenly spaced between runs
+    of Mamba layers, MLP layers spread evenly and right-justified; a spec alone gives all Mamba."""
+    from megazero.config.hybrid import allocate_pattern
+    assert allocate_pattern(9) == "MMMMMMMMM"
+    assert allocate_pattern(10, 0.3, 0.2) == "MM*M-*M*M-"
+    assert allocate_pattern(48, 0.25, 0.25) == "MM-*MM-*MM*-MM*-MM*-MM*-M*M-M*M-M*M-M*M-*MM-*MM-"
+    with pytest.raises(ConfigError, match="does not hold the layer counts"):
+        parse_args(["--mock-data", "--hybrid-layer-pattern", "M*M-", "--hybrid-attention-ratio", "0.5"],
+                   world_size=1)

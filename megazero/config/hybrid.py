@@ -20,6 +20,37 @@ RECURRENT = (MAMBA, DELTANET)  # layers whose state runs along the sequence
 MAMBA_CONV_KERNEL = 4  # Mamba-2's causal conv width (Megatron-core's d_conv; no flag)
 
 
+def allocate_pattern(num_layers: int, attention_ratio: float = 0.0, mlp_ratio: float = 0.0) -> str:
+    """The pattern older Megatron-LM scripts ask for with ``--hybrid-attention-ratio`` and
+    ``--hybrid-mlp-ratio`` (since replaced by the pattern itself), by Megatron-LM's rule:
+    ``round(layers x attention_ratio)`` attention layers spread evenly between ``attention + 1``
+    equal runs of Mamba layers, then ``round(layers x mlp_ratio)`` of those Mamba layers turned into
+    MLP layers, spread evenly with the last run ending in one (right-justified).  Each placement walks
+    the layers with a budget: a layer takes the symbol when less than half a slot remains, which
+    refills the budget by one run length; any other layer spends one."""
+    kinds = [MAMBA] * num_layers
+    attention = round(num_layers * attention_ratio)
+    run = (num_layers - attention) / (attention + 1)
+    budget = run
+    for i in range(num_layers):
+        if budget < 0.5:
+            kinds[i], budget = ATTENTION, budget + run
+        else:
+            budget -= 1
+    mlps = round(num_layers * mlp_ratio)
+    if mlps:
+        run = (num_layers - attention - mlps) / mlps
+        budget = run
+        for i in range(num_layers):
+            if kinds[i] != MAMBA:
+                continue
+            if budget < 0.5:
+                kinds[i], budget = MLP, budget + run
+            else:
+                budget -= 1
+    return "".join(kinds)
+
+
 def layer_kinds(mod) -> Optional[List[str]]:
     """The kind symbol of every layer of ``mod`` (a ModelConfig), or None for a plain transformer."""
     pattern = getattr(mod, "hybrid_layer_pattern", None)

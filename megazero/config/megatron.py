@@ -78,6 +78,13 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                    "which builds that stack; other specs are not implemented."),
 }
 HYBRID_SPECS = ("mamba_stack_spec", "hybrid_stack_spec")  # Megatron-core's hybrid stacks' spec names
+SPECIAL.update({  # older Megatron-LM hybrid scripts (replaced by --hybrid-layer-pattern in 2026-02)
+    "--hybrid-attention-ratio": dict(type=float, help="Older Megatron-LM's share of attention layers in a "
+                                     "hybrid stack, placed by its rule (docs/hybrid.md); now "
+                                     "--hybrid-layer-pattern."),
+    "--hybrid-mlp-ratio": dict(type=float, help="Older Megatron-LM's share of MLP layers in a hybrid stack "
+                               "(docs/hybrid.md); now --hybrid-layer-pattern."),
+})
 
 
 # ModelOpt's --enable-gpt-oss (megatron/post_training/model_builder.py): gpt-oss's YaRN RoPE
@@ -270,17 +277,41 @@ def _without_effect(out: Dict[str, Any]) -> List[str]:
     return notes
 
 
+def _hybrid_ratios(given: Dict[str, Any], out: Dict[str, Any], hybrid_spec: bool, notes: List[str],
+                   problems: List[str]) -> None:
+    """Older Megatron-LM hybrid scripts: ``--hybrid-attention-ratio`` / ``--hybrid-mlp-ratio`` (or a
+    hybrid ``--spec`` alone: all Mamba-2) give the pattern by Megatron-LM's allocation; with a pattern
+    given too, its counts must match theirs."""
+    from megazero.config.hybrid import allocate_pattern
+    ratios = (given.get("--hybrid-attention-ratio") or 0.0, given.get("--hybrid-mlp-ratio") or 0.0)
+    if not (hybrid_spec or any(ratios)):
+        return
+    if min(ratios) < 0 or sum(ratios) > 1:
+        problems.append(f"--hybrid-attention-ratio {ratios[0]} and --hybrid-mlp-ratio {ratios[1]} must be "
+                        ">= 0 with a sum of at most 1")
+        return
+    pattern = out.get("hybrid_layer_pattern")
+    layers = out.get("num_layers", field_index()["num_layers"][1].default)
+    allocated = allocate_pattern(layers, *ratios)
+    if pattern is None:
+        out["hybrid_layer_pattern"] = allocated
+        notes.append(f"--hybrid-layer-pattern {allocated}: the layers of --num-layers {layers} with "
+                     f"attention ratio {ratios[0]} and MLP ratio {ratios[1]}, placed by Megatron-LM's rule")
+    elif any(ratios) and sorted(pattern) != sorted(allocated):
+        problems.append(f"--hybrid-layer-pattern {pattern} does not hold the layer counts of "
+                        f"--hybrid-attention-ratio {ratios[0]} and --hybrid-mlp-ratio {ratios[1]} "
+                        f"({allocated}); drop the ratios")
+
+
 def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
              ignored: List[str], problems: List[str]) -> List[str]:
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
     flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
     spec = " ".join(given.get("--spec") or [])
-    if spec and spec.split()[-1] in HYBRID_SPECS and out.get("hybrid_layer_pattern"):
+    _hybrid_ratios(given, out, bool(spec) and spec.split()[-1] in HYBRID_SPECS, notes, problems)
+    if spec and spec.split()[-1] in HYBRID_SPECS:
         ignored.append(f"--spec {spec} (--hybrid-layer-pattern builds the hybrid stack)")
-    elif spec and spec.split()[-1] in HYBRID_SPECS:
-        problems.append(f"--spec {spec}: give the stack's layers with --hybrid-layer-pattern (all M for a "
-                        "pure Mamba-2 model), which builds it")
     elif spec:
         problems.append(f"--spec {spec}: custom layer specs are not implemented (megazero builds its "
                         "transformer layers, or with --hybrid-layer-pattern a hybrid stack); drop it")

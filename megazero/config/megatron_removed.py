@@ -140,8 +140,6 @@ REMOVED: Dict[str, Tuple[str, str]] = {
                                    "--langrl-inference-server-conversation-template "
                                    "--langrl-inference-server-type --no-langrl-external-server"),
     "--legacy-tokenizer": ("2026-02", _TOKENIZER),
-    **_each("2026-02", "renamed --hybrid-layer-pattern; Mamba and hybrid layer stacks are not implemented: "
-                       "drop it", "--hybrid-attention-ratio --hybrid-mlp-ratio"),
     "--no-scatter-gather-tensors-in-pipeline": ("2026-04", _SPEED),
     **_each("2026-05", _TOKENIZER, "--tiktoken-special-tokens --tokenizer-hf-include-special-tokens "
                                    "--tokenizer-hf-use-fast"),
