@@ -1,0 +1,99 @@
+"""A Megatron-LM checkpoint -> a megazero checkpoint of weights (one process), which ``--load`` then
+reads at any layout.
+
+The conversion keeps the trainer state Megatron-LM stored: the iteration, the consumed samples
+(``args.consumed_train_samples``) and the samples the learning-rate schedule has counted
+(``opt_param_scheduler.num_steps``), as a resumed megazero run keeps its own.  The optimizer starts
+fresh (Adam moments are not carried over) and the generators are reseeded from ``(seed, iteration)``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.megatron.files import MegatronCheckpoint
+from megazero.checkpoint.megatron.mapping import NameMap
+
+IMPORT_DIR = "megazero_import"  # inside --load: the converted copy, replaced at every start
+
+
+def trainer_extra(ck: MegatronCheckpoint) -> dict:
+    """The ``extra`` a megazero checkpoint records, from Megatron-LM's stored state."""
+    extra = {"converted_from": os.path.abspath(ck.path), "megatron_format": ck.format}
+    args = vars(ck.args) if ck.args is not None else {}
+    if args.get("consumed_train_samples") is not None:
+        extra["consumed_samples"] = int(args["consumed_train_samples"])
+    sched = ck.state.get("opt_param_scheduler") or {}
+    if isinstance(sched, dict) and sched.get("num_steps") is not None:
+        extra["lr_samples"] = int(sched["num_steps"])
+    if args.get("skipped_train_samples"):
+        extra["skipped_samples"] = int(args["skipped_train_samples"])
+    return extra
+
+
+def _check_shape(ck, name: str, got: torch.Tensor, want) -> None:
+    if tuple(got.shape) != tuple(want):
+        raise CheckpointError(f"--load {ck.directory}: {name} is {tuple(got.shape)} in the Megatron-LM "
+                              f"checkpoint but {tuple(want)} in this model; pass --use-checkpoint-args or "
+                              "the checkpoint's --num-layers/--hidden-size/--ffn-hidden-size/... flags")
+
+
+def whole_model_cfg(cfg):
+    """``cfg`` at one process (TP = PP = 1, no data): the model a conversion writes."""
+    from dataclasses import fields
+    from megazero.config import ModelConfig, MoEConfig, config_from_dict, validate
+    d, settings = cfg.to_dict(), {}
+    for section, cls in (("model", ModelConfig), ("moe", MoEConfig)):
+        keep = {f.name for f in fields(cls) if not f.metadata.get("derived")} - {
+            "expert_model_parallel_size", "expert_tensor_parallel_size"}
+        settings.update({k: v for k, v in d.get(section, {}).items() if k in keep})
+    return validate(config_from_dict(dict(settings, mock_data=True)), 1, check_data=False)
+
+
+def convert(src: str, dst: str, cfg, model_provider, iteration: Optional[int] = None,
+            ckpt_format: Optional[str] = None) -> str:
+    """Write the weights of Megatron-LM checkpoint ``src`` (its tracker's iteration, or ``iteration``) as
+    a megazero checkpoint in ``dst`` for the model ``model_provider(cfg, mesh)`` builds; returns its
+    path.  One process; the model is built on the meta device, each weight read as it is written."""
+    from megazero.checkpoint.writer import save_weights
+    from megazero.mesh import ParallelMesh
+    ck = MegatronCheckpoint(src, iteration, ckpt_format)
+    whole = whole_model_cfg(cfg)
+    layers = _saved_layers(ck)
+    if layers is not None and layers != whole.model.num_layers:
+        raise CheckpointError(f"--load {src}: the Megatron-LM checkpoint has {layers} layers, this model "
+                              f"{whole.model.num_layers}; pass --use-checkpoint-args or --num-layers {layers}")
+    with torch.device("meta"):
+        built = model_provider(whole, ParallelMesh.single(torch.device("meta")))
+    chunks = [built] if isinstance(built, torch.nn.Module) else list(built)
+    one_p = bool(ck.args is not None and getattr(ck.args, "apply_layernorm_1p", False))
+    names = NameMap(ck, whole, layernorm_1p=one_p)
+    vocab = whole.model.vocab_size
+
+    def values(name, p):
+        t = names.tensor(name)
+        want = (vocab,) + tuple(p.shape[1:]) if name in ("word_embeddings.weight", "output_layer.weight") \
+            else tuple(p.shape)
+        if name in ("word_embeddings.weight", "output_layer.weight") and t.shape[0] < vocab:
+            raise CheckpointError(f"--load {src}: {name} has {t.shape[0]} rows in the Megatron-LM checkpoint, "
+                                  f"fewer than --vocab-size {vocab}")
+        _check_shape(ck, name, t, want)
+        return t.contiguous()
+    for chunk in chunks:  # every name maps before anything is written
+        for name, _ in chunk.named_parameters():
+            names.source(name) or names.tensor(name)
+    if os.path.isdir(dst):
+        shutil.rmtree(dst)
+    return save_weights(dst, chunks, ParallelMesh.single(), whole, iteration=ck.iteration,
+                        extra=trainer_extra(ck), values=values)
+
+
+def _saved_layers(ck: MegatronCheckpoint) -> Optional[int]:
+    if ck.format == "torch":
+        return ck.num_layers
+    shape = ck.shapes.get("decoder.layers.self_attention.linear_qkv.weight")
+    return shape[0] if shape else None

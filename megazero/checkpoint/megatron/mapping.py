@@ -1,0 +1,137 @@
+"""Megatron-core's names and arguments in megazero's terms.
+
+Names (dense GPT, pre-norm; the local and the Transformer Engine layer specs)::
+
+    embedding.word_embeddings.weight                     word_embeddings.weight (vocabulary padding cut)
+    embedding.position_embeddings.weight                 position_embeddings.weight
+    decoder.layers.<i>.input_layernorm.*                 decoder.<i>.input_norm.*
+      (TE: self_attention.linear_qkv.layer_norm_*)
+    decoder.layers.<i>.self_attention.linear_qkv.*       decoder.<i>.attention.qkv.* (the same per-group
+                                                         [q ... q, k, v] row order)
+    decoder.layers.<i>.self_attention.linear_proj.*      decoder.<i>.attention.proj.*
+    decoder.layers.<i>.self_attention.{q,k}_layernorm.weight   decoder.<i>.attention.{q,k}_norm.weight
+    decoder.layers.<i>.pre_mlp_layernorm.*               decoder.<i>.post_attention_norm.*
+      (TE: mlp.linear_fc1.layer_norm_*)
+    decoder.layers.<i>.mlp.linear_fc1.*                  decoder.<i>.mlp.fc1.* ([gate; up] with a gated
+                                                         activation: mlp.gate.* and mlp.fc1.*)
+    decoder.layers.<i>.mlp.linear_fc2.*                  decoder.<i>.mlp.fc2.*
+    decoder.final_layernorm.*                            final_norm.*
+    output_layer.weight                                  output_layer.weight (untied only)
+
+In ``torch_dist`` a layer's tensor is stored once for all layers, stacked on a leading axis
+(``decoder.layers.self_attention.linear_qkv.weight [L, 3h, h]``).  ``--apply-layernorm-1p`` models
+store each norm scale minus one; megazero stores the scale, so one is added.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Optional
+
+import torch
+
+from megazero.checkpoint.errors import CheckpointError
+
+# Megatron-LM argument -> megazero setting of the same meaning (the same name unless mapped)
+PLAIN_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+              "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base",
+              "rotary_percent", "normalization", "norm_epsilon", "qk_layernorm", "add_bias_linear",
+              "add_qkv_bias", "untie_embeddings_and_output_weights", "hidden_dropout", "attention_dropout",
+              "make_vocab_size_divisible_by", "rotary_seq_len_interpolation_factor", "init_method_std")
+REFUSED_ARGS = {"num_experts": "mixture-of-experts layers", "multi_latent_attention": "multi-latent attention",
+                "hybrid_override_pattern": "hybrid (Mamba) stacks", "mtp_num_layers": "multi-token prediction"}
+LAYER = {  # megazero leaf -> Megatron-core leaves (local spec, TE spec)
+    "input_norm": ("input_layernorm.{}", "self_attention.linear_qkv.layer_norm_{}"),
+    "attention.qkv": ("self_attention.linear_qkv.{}",),
+    "attention.proj": ("self_attention.linear_proj.{}",),
+    "attention.q_norm": ("self_attention.q_layernorm.{}",),
+    "attention.k_norm": ("self_attention.k_layernorm.{}",),
+    "post_attention_norm": ("pre_mlp_layernorm.{}", "mlp.linear_fc1.layer_norm_{}"),
+    "mlp.fc2": ("mlp.linear_fc2.{}",),
+}
+GLOBAL = {"word_embeddings.weight": "embedding.word_embeddings.weight",
+          "position_embeddings.weight": "embedding.position_embeddings.weight",
+          "final_norm.weight": "decoder.final_layernorm.weight", "final_norm.bias": "decoder.final_layernorm.bias",
+          "output_layer.weight": "output_layer.weight"}
+GATED = ("swiglu", "geglu", "quick_geglu")
+
+
+def settings_from_args(args) -> Dict[str, object]:
+    """megazero's model settings from Megatron-LM's stored arguments (``--use-checkpoint-args``)."""
+    a = vars(args)
+    for key, what in REFUSED_ARGS.items():
+        if a.get(key):
+            raise CheckpointError(f"--load: the Megatron-LM checkpoint has {what} (--{key.replace('_', '-')} "
+                                  f"{a[key]}), which megazero's Megatron-LM reader does not map yet")
+    out = {k: a[k] for k in PLAIN_ARGS if a.get(k) is not None}
+    if a.get("group_query_attention") and a.get("num_query_groups"):
+        out["num_query_groups"] = a["num_query_groups"]
+    if a.get("swiglu"):
+        out["activation"] = "swiglu"
+    elif a.get("squared_relu"):
+        out["activation"] = "squared_relu"
+    elif a.get("openai_gelu"):
+        out["activation"] = "gelu"
+    vocab = a.get("vocab_size") or a.get("padded_vocab_size")
+    if vocab:
+        out["vocab_size"] = int(vocab)
+    return out
+
+
+def _layer_source(rest: str, has: Callable[[str], bool], prefix: str) -> Optional[str]:
+    leaf, kind = rest.rsplit(".", 1)
+    for pattern in LAYER.get(leaf, ()):
+        name = prefix + pattern.format(kind)
+        if has(name):
+            return name
+    return None
+
+
+class NameMap:
+    """megazero's full tensors from a :class:`~megazero.checkpoint.megatron.files.MegatronCheckpoint`
+    for a model of ``cfg`` (whole: unsharded, vocabulary unpadded)."""
+
+    def __init__(self, ckpt, cfg, layernorm_1p: bool = False):
+        self.ck, self.cfg, self.one_p = ckpt, cfg, layernorm_1p
+        self.stacked = ckpt.format == "torch_dist"
+        self._cache: Dict[str, torch.Tensor] = {}
+
+    def _prefix(self, i: int) -> str:
+        return "decoder.layers." if self.stacked else f"decoder.layers.{i}."
+
+    def _get(self, name: str, i: Optional[int]) -> torch.Tensor:
+        glu = self.cfg.model.activation in GATED
+        if not self.stacked:
+            return self.ck.tensor(name, glu=glu)
+        if name not in self._cache:
+            self._cache.clear()  # one stacked tensor at a time
+            self._cache[name] = self.ck.tensor(name)
+        t = self._cache[name]
+        return t if i is None else t[i]
+
+    def source(self, name: str) -> Optional[str]:
+        """The Megatron-core tensor megazero's ``name`` comes from (None: not in the checkpoint)."""
+        if not name.startswith("decoder."):
+            return GLOBAL[name] if self.ck.has(GLOBAL.get(name, "")) else None
+        _, i, rest = name.split(".", 2)
+        if rest.startswith(("mlp.gate.", "mlp.fc1.")):
+            src = self._prefix(int(i)) + "mlp.linear_fc1." + rest.rsplit(".", 1)[1]
+            return src if self.ck.has(src) else None
+        return _layer_source(rest, self.ck.has, self._prefix(int(i)))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        src = self.source(name)
+        if src is None:
+            raise CheckpointError(f"--load {self.ck.directory}: the Megatron-LM checkpoint has no tensor for "
+                                  f"megazero's {name}; is --use-checkpoint-args or the model's shape "
+                                  "(--num-layers, --swiglu, --add-bias-linear, ...) different?")
+        layer = int(name.split(".")[1]) if name.startswith("decoder.") else None
+        t = self._get(src, layer if self.stacked else None)
+        if name in ("word_embeddings.weight", "output_layer.weight"):
+            t = t[:self.cfg.model.vocab_size]
+        if name.startswith("decoder.") and re.search(r"mlp\.(gate|fc1)\.", name) and \
+                self.cfg.model.activation in GATED:
+            gate, up = t.chunk(2, dim=0)
+            t = gate if ".mlp.gate." in name else up
+        if self.one_p and re.search(r"norm\.weight$", name):
+            t = t + 1
+        return t

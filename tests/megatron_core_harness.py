@@ -1,0 +1,172 @@
+"""Real megatron-core on CPU for the tests: its GPTModel built, run and saved by its own code.
+
+megatron-core 0.16.1 is pure Python (one small C++ helper for datasets, unused here); it is unpacked by
+``scripts/fetch_megatron_core.sh`` into ``.venv/megatron_core`` (``$MEGATRON_CORE_DIR``) and put on
+``sys.path`` inside the ranks that use it.  No triton, Transformer Engine or Apex: the model uses
+Megatron-core's *local* layer spec (its own linear layers and attention, torch norms).
+
+What the harness patches, inside each rank only (Megatron-core assumes CUDA in these places):
+
+- ``torch.cuda.current_device`` returns ``"cpu"`` (tensors are moved "to the current device");
+- ``torch.cuda.synchronize`` does nothing (the checkpoint writer syncs after its copies to the host);
+- the CUDA RNG tracker's ``fork`` is a no-op context (dropout is 0, no generator is drawn);
+- the torch_dist writer's results queue is a fork-context queue instead of a spawn-context manager
+  (a forked test rank cannot start one), its memory probe returns 0 (psutil is not installed), and
+  the rank is marked non-daemonic so the writer may fork its worker processes.
+
+Megatron-LM (the training scripts around megatron-core) is not on PyPI; what it adds to a checkpoint
+is written here as it does (``save_torch_dist``, ``save_legacy``): the tracker file, the ``iter_*``
+directory, and its common items (``args``, ``checkpoint_version``, ``iteration``,
+``opt_param_scheduler``), the model's part by megatron-core (``dist_checkpointing.save`` of
+``sharded_state_dict()``; ``state_dict()`` for the legacy ``mp_rank_*`` files).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERSION = "0.16.1"
+# the model every test builds: GQA, SwiGLU, RMSNorm, RoPE, no biases, untied head (LLaMA-like)
+SPEC = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+            vocab=64, seq_length=16)
+
+
+def site_dir() -> str:
+    return os.environ.get("MEGATRON_CORE_DIR", os.path.join(ROOT, ".venv", "megatron_core"))
+
+
+@pytest.fixture(scope="session")
+def megatron_core():
+    """The directory megatron-core is unpacked in (fetched once); the tests skip, saying why, when the
+    package index cannot be reached."""
+    site = site_dir()
+    if not os.path.isfile(os.path.join(site, "megatron", "core", "__init__.py")):
+        try:
+            out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "fetch_megatron_core.sh")],
+                                 capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.skip("megatron-core could not be fetched in 180 s (scripts/fetch_megatron_core.sh)")
+        if out.returncode != 0:
+            pytest.skip("megatron-core is not available: scripts/fetch_megatron_core.sh failed: "
+                        + (out.stderr.strip().splitlines() or ["?"])[-1])
+    return site
+
+
+def patch_for_cpu() -> None:
+    """The patches of the module docstring (call inside a rank, after megatron is importable)."""
+    warnings.filterwarnings("ignore", module="megatron")
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.tensor_parallel import random as mc_random
+    mc_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    filesystem_async._process_memory = lambda: 0
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    multiprocessing.current_process().daemon = False
+
+
+def setup_rank(site: str, tp: int = 1, pp: int = 1) -> None:
+    """In a forked gloo rank: megatron-core importable, patched, its parallel state initialised."""
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core  # noqa: F401
+    patch_for_cpu()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build_gpt(seed: int = 0, spec=SPEC):
+    """Megatron-core's GPTModel (local spec, fp32, dropout 0), logits gathered over TP ranks."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
+                            num_attention_heads=spec["num_attention_heads"],
+                            num_query_groups=spec["num_query_groups"], ffn_hidden_size=spec["ffn_hidden_size"],
+                            normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+                            params_dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec["vocab"],
+                     max_sequence_length=spec["seq_length"], position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False, parallel_output=False)
+    with torch.no_grad():  # norms start at ones: perturb them so the mapping of every tensor is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def forward(model, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron-core's logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``."""
+    b, s = ids.shape
+    position = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.ones(1, 1, s, s).tril() < 0.5  # True where attention is masked
+    with torch.no_grad():
+        return model(ids, position, mask)
+
+
+def megatron_args(tp: int, consumed: int, spec=SPEC) -> argparse.Namespace:
+    """Megatron-LM's stored arguments for :func:`build_gpt`'s model (the fields its loader reads)."""
+    from megatron.core.transformer.enums import AttnBackend
+    return argparse.Namespace(
+        num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], ffn_hidden_size=spec["ffn_hidden_size"],
+        num_attention_heads=spec["num_attention_heads"], group_query_attention=True,
+        num_query_groups=spec["num_query_groups"], kv_channels=spec["hidden_size"] // spec["num_attention_heads"],
+        seq_length=spec["seq_length"], max_position_embeddings=spec["seq_length"],
+        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
+        norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=True, padded_vocab_size=spec["vocab"], vocab_size=None,
+        make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0, apply_layernorm_1p=False,
+        qk_layernorm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        consumed_train_samples=consumed, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
+        ckpt_format="torch_dist")
+
+
+def _common(args, iteration: int, lr_samples: int) -> dict:
+    return {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+            "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 0.0, "num_steps": lr_samples,
+                                    "warmup_steps": 0, "decay_steps": 1000, "decay_style": "constant"},
+            "num_floating_point_operations_so_far": 0}
+
+
+def _tracker(directory: str, iteration: int) -> None:
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(directory, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write(str(iteration))
+    torch.distributed.barrier()
+
+
+def save_torch_dist(model, directory: str, iteration: int, args, lr_samples: int) -> str:
+    """Megatron-LM's torch_dist checkpoint of ``model`` (collective), written by megatron-core."""
+    from megatron.core import dist_checkpointing
+    path = os.path.join(directory, f"iter_{iteration:07d}")
+    os.makedirs(path, exist_ok=True)
+    state = dict(_common(args, iteration, lr_samples), model=model.sharded_state_dict())
+    dist_checkpointing.save(state, path)
+    _tracker(directory, iteration)
+    return path
+
+
+def save_legacy(model, directory: str, iteration: int, args, lr_samples: int) -> str:
+    """Megatron-LM's legacy (``--ckpt-format torch``) checkpoint: one file per TP rank (PP 1)."""
+    from megatron.core import parallel_state
+    path = os.path.join(directory, f"iter_{iteration:07d}")
+    rank_dir = os.path.join(path, f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+    os.makedirs(rank_dir, exist_ok=True)
+    state = dict(_common(args, iteration, lr_samples), model=model.state_dict())
+    torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+    _tracker(directory, iteration)
+    return path
