@@ -380,3 +380,50 @@ def test_megatron_allocation_of_ratios():
     with pytest.raises(ConfigError, match="does not hold the layer counts"):
         parse_args(["--mock-data", "--hybrid-layer-pattern", "M*M-", "--hybrid-attention-ratio", "0.5"],
                    world_size=1)
+
+
+def bridge_nemotronh_4b_flags(tmp):
+    """NVIDIA-NeMo/Megatron-Bridge tests/functional_tests/ckpts/nemotronh_4b/test_nemotronh_4b_mcore.sh
+    (efbe2d5): its pretrain_mamba.py flags, every one kept (the 26-layer pattern too), widths scaled
+    down (hidden 3072 -> 64, 32 heads of 128 -> 8 of 16 with its 8 query groups, 112 Mamba heads -> 16,
+    ffn 12288 -> 256, vocabulary 151936 -> 511, sequence 8192 -> 32, 10 iterations -> 2 with the save
+    and eval intervals 5 -> 1 and 4 eval iterations -> 1); LOAD_DIR an empty directory (nothing to
+    load: a fresh start, as Megatron-LM starts without a checkpoint there)."""
+    return ["--init-method-std", "0.014", "--disable-bias-linear", "--use-rope-scaling", "--squared-relu",
+            "--qk-layernorm", "--rotary-percent", "1.0", "--rotary-base", "1000000",
+            "--use-rotary-position-embeddings", "--hybrid-override-pattern", "M-M-M-M*-M-M-M-M*-M-M-M-M*",
+            "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec",
+            "--num-layers", "26", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--mamba-num-heads", "16",
+            "--ffn-hidden-size", "256", "--kv-channels", "16", "--group-query-attention",
+            "--position-embedding-type", "none", "--attention-backend", "fused", "--num-query-groups", "8",
+            "--normalization", "RMSNorm", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
+            "--save-interval", "1", "--eval-interval", "1", "--eval-iters", "1", "--load", f"{tmp}/load",
+            "--save", f"{tmp}/save", "--ckpt-format", "torch_dist", "--log-progress", "--bf16",
+            "--lr", "4.5e-4", "--min-lr", "4.5e-5", "--num-workers", "2", "--tensorboard-dir", f"{tmp}/tb",
+            "--log-interval", "1",
+            "--log-throughput", "--no-load-optim", "--no-load-rng"]
+
+
+def test_bridge_nemotronh_script_builds_its_model(tmp_path):
+    """As Megatron-LM reads it: --use-rotary-position-embeddings wins over --position-embedding-type
+    none (its legacy rule; named at start-up), squared ReLU, q/k norms, the pattern's 26 layers."""
+    cfg = parse_args(bridge_nemotronh_4b_flags(tmp_path), world_size=2)
+    m = cfg.model
+    assert (m.position_embedding_type, m.activation, m.qk_layernorm, m.use_rope_scaling) == \
+        ("rope", "squared_relu", True, True)
+    assert [m.hybrid_layer_pattern.count(k) for k in "M*-"] == [12, 3, 11]
+    assert any("--use-rotary-position-embeddings sets --position-embedding-type rope" in n for n in cfg.notes)
+
+
+@pytest.mark.slow
+def test_bridge_nemotronh_script_trains_unmodified(tmp_path):
+    from test_megatron_scripts import _pretrain
+    (tmp_path / "load").mkdir()
+    argv = bridge_nemotronh_4b_flags(tmp_path) + ["--metrics-file", str(tmp_path / "m.jsonl")]
+    assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
+    rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)

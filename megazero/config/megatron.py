@@ -48,6 +48,11 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--create-attention-mask-in-dataloader": ("create_attention_mask_in_dataloader", True),
 }
 
+# switches that win over their setting given too, as Megatron-LM's argument checks make them
+# (Megatron-Bridge's Nemotron-H test passes --use-rotary-position-embeddings with
+# --position-embedding-type none)
+LEGACY_WINS = ("--use-rotary-position-embeddings",)
+
 ALIASES: Dict[str, str] = {  # flag -> the setting it sets, with that setting's values
     "--persistent-save-interval": "save_interval",
     "--hybrid-override-pattern": "hybrid_layer_pattern",
@@ -230,9 +235,13 @@ def translate(settings: Dict[str, Any], command_line: Set[str],
     given = {"--" + k[len(PREFIX):]: v for k, v in settings.items() if k.startswith(PREFIX)}
     out = {k: v for k, v in settings.items() if not k.startswith(PREFIX)}
     problems += [f"{f}: {classify(f)[1]}" for f in given if classify(f)[0] in ("refused", "removed")]
+    overridden = []
     for flag, (name, value) in SWITCHES.items():
         if given.get(flag):
-            if name in out and out[name] != value:
+            if name in out and out[name] != value and flag in LEGACY_WINS:
+                overridden.append(f"{flag} sets --{name.replace('_', '-')} {value} over the {out[name]!r} "
+                                  "given (Megatron-LM's rule for this legacy flag)")
+            elif name in out and out[name] != value:
                 problems.append(f"{flag} means --{name.replace('_', '-')} {value}, but {out[name]!r} is "
                                 "given too; drop one")
             out[name] = value
@@ -240,7 +249,7 @@ def translate(settings: Dict[str, Any], command_line: Set[str],
         out["num_layers"] = len(out["hybrid_layer_pattern"])
     ignored = [f"{f} ({classify(f)[1]})" for f in given if classify(f)[0] == "ignored"]
     _default_only(given, ignored, problems)
-    notes = _special(given, out, command_line, ignored, problems) + _without_effect(out)
+    notes = _special(given, out, command_line, ignored, problems) + _without_effect(out) + overridden
     if problems:  # in command-line order (a flag's refusal starts with the flag)
         order = {flag: i for i, flag in enumerate(given)}
         raise refusal(sorted(problems, key=lambda p: order.get(p.split(":")[0].split(" ")[0], -1)))
