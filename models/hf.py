@@ -43,6 +43,7 @@ from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
+from .hf_deepseek import MLA_NAMES
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
@@ -109,7 +110,9 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
     if arch != "phi3":
         out += [("mlp.gate.weight", f"{mlp}.gate_proj.weight", ""),
                 ("mlp.fc1.weight", f"{mlp}.up_proj.weight", "")]
-    if cfg.model.qk_layernorm:
+    if arch == "deepseek_v3":  # multi-latent attention (its latent norms are q_norm and kv_norm)
+        out += [(mz, hf, "") for mz, hf in MLA_NAMES]
+    elif cfg.model.qk_layernorm:
         out += [("attention.q_norm.weight", "self_attn.q_norm.weight", offset),
                 ("attention.k_norm.weight", "self_attn.k_norm.weight", offset)]
     if arch == "gpt_oss":  # biased attention and router, attention sinks (docs/attention.md)

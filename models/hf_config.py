@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from megazero.config import ConfigError
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direction, public names here too
+from .hf_deepseek import mla_settings
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, import_settings
 from .rope import yarn_attention_factor
 
@@ -33,9 +34,8 @@ OTHER_ARCHITECTURES = {
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
     "falcon": "Falcon's parallel attention and MLP (and ALiBi in some)",
-    "deepseek_v3": "DeepSeek-V3's multi-head latent attention and grouped (node-limited) expert routing",
 }
-MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
+MOE_FAMILY = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3")
 
 
 def _unsupported(field: str, value, fix: str):
@@ -229,6 +229,8 @@ def _family_settings(c, kind: str) -> Dict[str, Any]:
         out.update(qk_layernorm=True, qk_layernorm_scope="head")
     if kind in ("olmo2", "olmoe"):
         out.update(qk_layernorm=True, qk_layernorm_scope="all")
+    if kind == "deepseek_v3":
+        out.update(mla_settings(c, rope_settings(c)))
     if kind == "glm4_moe" and c.use_qk_norm:
         out.update(qk_layernorm=True, qk_layernorm_scope="head")
     if kind == "olmo2":

@@ -15,12 +15,13 @@ from typing import Any, Dict, List, Optional
 from megazero.config import ConfigError
 from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
+from .hf_deepseek import deepseek_fields, deepseek_missing, deepseek_rope
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, export_fields, export_missing
 from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
               "gemma3_text", "llama4_text")
-MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
+MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3")
 LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text", "gpt_oss")  # per layer
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-caps, its own score scale
@@ -117,8 +118,9 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     experts = bool(moe is not None and moe.num_experts)
     if m.mtp_num_layers:
         return f"multi-token prediction, --mtp-num-layers ({t} has none)"
-    if m.multi_latent_attention:
-        return f"multi-latent attention, --multi-latent-attention ({t} has none; DeepSeek-V3 is not exported)"
+    if m.multi_latent_attention and t != "deepseek_v3":
+        return f"multi-latent attention, --multi-latent-attention ({t} has none; deepseek_v3 holds it " \
+               "with DeepSeek-V3's mixture of experts)"
     if getattr(m, "hybrid_layer_pattern", None):
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
     if experts != (t in MOE_ORDER):
@@ -126,6 +128,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     variant = variants_missing(m, moe, t)
     if t == "gpt_oss":
         return variant or gpt_oss_missing(m, moe)
+    if t == "deepseek_v3":
+        return variant or deepseek_missing(m) or export_missing(moe, m, t)
     if t in SIGMOID_MOE:
         return variant or _dense_missing(m, t) or export_missing(moe, m, t)
     if experts:
@@ -253,7 +257,8 @@ def _gpt2_config(m):
 CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
            "gemma2": "Gemma2", "gemma3_text": "Gemma3Text", "phi3": "Phi3", "olmo2": "Olmo2",
            "smollm3": "SmolLM3", "mixtral": "Mixtral", "gpt_oss": "GptOss", "llama4_text": "Llama4Text",
-           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "glm4_moe": "Glm4Moe"}
+           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "olmoe": "Olmoe", "glm4_moe": "Glm4Moe",
+           "deepseek_v3": "DeepseekV3"}
 
 
 def _window_settings(m, t: str) -> Dict[str, Any]:
@@ -294,6 +299,8 @@ def _family_settings(m, t: str) -> Dict[str, Any]:
                                 for r in out["no_rope_layers"]],
                    attn_temperature_tuning=m.attn_temperature_tuning,
                    floor_scale=int(m.attn_temperature_floor_scale), attn_scale=m.attn_temperature_scale)
+    if t == "deepseek_v3":
+        out.update(deepseek_fields(m))
     if t == "glm4_moe":
         out.update(use_qk_norm=m.qk_layernorm, attention_bias=m.add_qkv_bias, num_nextn_predict_layers=0)
     if t == "phi3":
@@ -333,6 +340,8 @@ def hf_config_from(cfg):
         if field == "pad_token_id" or not isinstance(value, int) or value >= m.vocab_size:
             setattr(out, field, None)
     out.head_dim = m.kv_channels  # read where the architecture allows it (default hidden / heads)
+    if t == "deepseek_v3":  # its rotary tables' size
+        out.head_dim = m.qk_pos_emb_head_dim
     if t not in GEMMA:
         out.hidden_act = "silu"
     named = {"gemma3_text": "Gemma3ForCausalLM", "llama4_text": "Llama4ForCausalLM"}
@@ -342,6 +351,8 @@ def hf_config_from(cfg):
 
 def _rope_of(m, t: str) -> Dict[str, Any]:
     """``rope_parameters``: one dict, or Gemma 3's per layer type (its windowed layers' plain base)."""
+    if t == "deepseek_v3":
+        return deepseek_rope(m, rope_parameters)
     if t != "gemma3_text":
         out = rope_parameters(m)
         return dict(out, partial_rotary_factor=m.rotary_percent) if m.rotary_percent != 1.0 else out

@@ -98,6 +98,15 @@ def _moe_families(t, name):
                                attention_bias=True, num_nextn_predict_layers=0, tie_word_embeddings=False,
                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5})
+    if name == "deepseek-v3":  # MLA with both ranks and YaRN (mscale_all_dim scales the scores); a dense
+        # first layer, 8 experts in 4 groups (top-2 groups), scaled
+        yarn = dict(YARN_ROPE, mscale=1.0, mscale_all_dim=0.8)
+        return t.DeepseekV3Config(**dict(SHAPE, intermediate_size=48, num_key_value_heads=4), q_lora_rank=16,
+                                  kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                  n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, num_nextn_predict_layers=0, rope_parameters=yarn,
+                                  tie_word_embeddings=False)
     raise KeyError(name)
 
 
@@ -109,14 +118,15 @@ def family_config(name):
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
             "llama4", "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss",
-            "glm4-moe"]
-MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe"]
+            "glm4-moe", "deepseek-v3"]
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe", "deepseek-v3"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
                "gemma3": "Gemma3", "llama4": "Llama4",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
-               "gpt-oss": "GptOss", "glm4-moe": "Glm4Moe"}  # the others: LLaMA
+               "gpt-oss": "GptOss", "glm4-moe": "Glm4Moe",
+               "deepseek-v3": "DeepseekV3"}  # the others: LLaMA
 
 
 def hf_model(name, **over):

@@ -53,7 +53,12 @@ MORE_WITHOUT = {"gemma2": [dict(final_logit_softcapping=None),
                              dict(moe_router_num_groups=None, moe_router_group_topk=None,
                                   moe_router_group_score_topk=None),
                              dict(moe_router_group_score_topk=1)],
-                "qwen2-moe": [dict(moe_shared_expert_gate=False), dict(moe_router_topk=1)]}
+                "qwen2-moe": [dict(moe_shared_expert_gate=False), dict(moe_router_topk=1)],
+                "deepseek-v3": [dict(rope_type="rope"), dict(mscale_all_dim=0.0), dict(qk_layernorm=False),
+                                dict(moe_router_enable_expert_bias=False),
+                                dict(moe_router_topk_scaling_factor=None),
+                                dict(moe_router_num_groups=None, moe_router_group_topk=None,
+                                     moe_router_group_score_topk=None)]}
 
 
 def close_to_hf(got, ref):
@@ -161,6 +166,9 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
     ("qwen2-moe", dict(mlp_only_layers=[0, 1]), "num_experts=8; a qwen2_moe config without MoE layers"),
     ("glm4-moe", dict(norm_topk_prob=False), "norm_topk_prob=False; megazero normalises the chosen sigmoid"),
     ("glm4-moe", dict(n_group=3), "n_group=3; groups of at least 2 experts dividing"),
+    ("deepseek-v3", dict(rope_interleave=False), "rope_interleave=False; megazero's MLA rotates interleaved"),
+    ("deepseek-v3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05; transformers' DeepSeek-V3 normalises"),
+    ("deepseek-v3", dict(attention_bias=True), "attention_bias=True; linear biases"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
@@ -171,7 +179,6 @@ def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
 
 
 @pytest.mark.parametrize("kind,feature", [("olmo", "non-parametric layer norm"),
-                                          ("deepseek_v3", "multi-head latent attention"),
                                           ("llama4", "vision tower"),
                                           ("gemma3", "vision tower")])
 def test_a_refused_architecture_names_the_missing_feature(kind, feature):
@@ -206,6 +213,9 @@ def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(hf_type
     ("glm4-moe", dict(moe_router_group_score_topk=1), "glm4_moe",
      "a group's score of other than its 2 best experts"),
     ("glm4-moe", {}, "qwen3_moe", "--rotary-percent 0.5 \\(qwen3_moe has no such part"),
+    ("deepseek-v3", {}, "glm4_moe", "multi-latent attention, --multi-latent-attention \\(glm4_moe has none"),
+    ("glm4-moe", dict(rotary_percent=1.0, add_qkv_bias=False), "deepseek_v3",
+     "deepseek_v3 needs --multi-latent-attention"),
 ])
 def test_moe_export_to_an_architecture_lacking_a_feature_is_refused(family, over, hf_type, needle, tmp_path):
     model = from_hf(hf_model(family), cfg_overrides=dict(over, hf_model_type=hf_type))

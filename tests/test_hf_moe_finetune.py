@@ -19,7 +19,7 @@ from tolerance import R_TRAIN
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # 4-rank training runs of two architectures
 SEQ, GBS, SEED = 32, 4, 1234
-ARCHITECTURES = ["mixtral", "qwen2-moe", "gpt-oss", "glm4-moe"]
+ARCHITECTURES = ["mixtral", "qwen2-moe", "gpt-oss", "glm4-moe", "deepseek-v3"]
 HF_OVER = {"qwen2-moe": dict(output_router_logits=True)}  # its aux loss (router_aux_loss_coef 0.02) trains
 LAYOUT_OVER = {"gpt-oss": dict(expert_tensor_parallel_size=1)}  # biased experts: expert TP 1 (Megatron-LM's)
 
