@@ -1,6 +1,8 @@
 """Hugging Face ``transformers`` interop: GPT-2, LLaMA (RoPE scaling of the llama3, linear, yarn and dynamic
 types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3,
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+Gemma 3, Llama 4 (dense), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
+GLM-4.5 and DeepSeek-V3 (multi-latent attention: :mod:`models.hf_deepseek`; their experts:
+:mod:`models.hf_sigmoid_moe`).
 
 - :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
   overrides and rejects what megazero cannot reproduce exactly (naming the field and the feature);
@@ -356,7 +358,7 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
             cfg_overrides: Optional[Dict[str, Any]] = None) -> GPTModel:
     """A megazero model (pp = 1) with the weights of a ``transformers`` causal LM of a family megazero
     imports (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2, SmolLM3, Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE: docs/usage.md).
+    Qwen2-MoE, Qwen3-MoE, OLMoE and the others of docs/usage.md).
 
     ``model_or_dir``: such a model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) or a directory
     ``from_pretrained`` reads. ``mesh``: this process's mesh (one process when None); the model holds
