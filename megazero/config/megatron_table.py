@@ -82,7 +82,6 @@ IGNORED: Dict[str, str] = {
     "--ep-overlap-early-attn-memory-release": _MEMORY,
     "--high-priority-a2a-comm-stream": _SPEED, "--moe-layer-recompute": _MEMORY,
     "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
-    "--ckpt-format": "megazero writes its own format, which loads under any layout",
     "--tiktoken-pattern": "used by TikTokenizer only",
     "--use-cpu-initialization": "initialisation does not depend on the device here",
     "--local-rank": "the local rank comes from the environment (LOCAL_RANK, set by torchrun)",
