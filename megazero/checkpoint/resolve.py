@@ -146,9 +146,9 @@ def resolve_here(directory: str, iteration: Optional[int] = None, skip: Sequence
             path += ".old"  # a re-save of this iteration was interrupted mid-swap: the previous copy
         if not os.path.isfile(os.path.join(path, METADATA)):
             if _megatron_lm(path):
-                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint, which "
-                                      "megazero cannot read; export it to Hugging Face with Megatron-LM's "
-                                      "converter and use scripts/convert_hf.py --direction to-megazero")
+                raise CheckpointError(f"{flag} {directory}: {path} is a Megatron-LM checkpoint: train "
+                                      "with pretrain_gpt.py --load (it converts it), or convert it with "
+                                      "scripts/convert_megatron.py")
             problems.append(f"checkpoint {path} is missing or incomplete (no {METADATA})")
             corrupt = False
             continue
@@ -172,6 +172,9 @@ def saved_config(directory: str, iteration: Optional[int] = None) -> Optional[di
     format (naming what it is)."""
     if not os.path.isdir(directory):
         return None
+    from megazero.checkpoint.megatron import is_megatron_dir, saved_config as megatron_config
+    if is_megatron_dir(directory, iteration):
+        return megatron_config(directory, iteration)
     if iteration is None and not complete_iterations(directory):
         try:
             tracked = latest_iteration(directory)

@@ -331,6 +331,10 @@ class TrainingConfig:
         None, "Batch-size ramp-up (older Megatron-LM's): START INCREMENT SAMPLES: start with START "
         "sequences and grow by INCREMENT in equal steps over SAMPLES samples up to --global-batch-size.",
         nargs=3, type=int)
+    z_loss_coeff: Optional[float] = _f(
+        None, "A z-loss on the output logits: this times log(sum exp(logits))^2 per token is added to the "
+        "loss (and to the loss reported), as Swallow's --use-z-loss does with 1e-4; not with MTP.",
+        type=float)
     seed: int = _f(1234, "Random seed (same weights and data at every layout).")
     eval_interval: int = _f(0, "Evaluate every this many steps (0: never).")
     eval_iters: int = _f(100, "Batches per evaluation (0: no validation, as in Megatron-LM).")
@@ -512,6 +516,10 @@ class CheckpointConfig:
         False, "With --use-checkpoint-args: keep the tokenizer flags of this command line (or none) instead "
         "of the checkpoint's tokenizer.")
     ckpt_step: Optional[int] = _f(None, "With --load: load this iteration instead of the latest.")
+    ckpt_format: Optional[str] = _f(
+        None, "Megatron-LM's checkpoint format: with --load of a Megatron-LM directory, torch_dist or torch "
+        "(legacy mp_rank_*) names the format expected (unset: detected); megazero's own checkpoints load "
+        "whatever this says, and --save writes megazero's format (docs/migration.md).")
     exit_on_missing_checkpoint: bool = _f(
         False, "With --load: stop with an error when the directory holds no checkpoint, instead of "
         "starting from scratch (also when it is --save).")

@@ -49,7 +49,7 @@ from megazero.training.profiling import StepProfiler, startup_line as profile_st
 from megazero.mesh import ParallelMesh
 from megazero.moe.step import finish_step
 from megazero.optim.precision import apply_tf32, compute_dtype
-from megazero.training.summary import startup_summary
+from megazero.training.summary import stage_counts, startup_summary
 from megazero.tensor_parallel.deferred import build_chunks, realize_rest
 from megazero.tensor_parallel.rng import seed_default_generators
 
@@ -278,6 +278,9 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     """Model, optimizer, data, the resumed position and the logger (with the start-up lines printed)."""
     from megazero.config.batch_schedule import schedule_of
     from megazero.zero import build_optimizer
+    if cfg.checkpoint.load:  # a Megatron-LM checkpoint is converted first (megazero.checkpoint.megatron)
+        from megazero.checkpoint.megatron import import_for_load
+        cfg = import_for_load(cfg, model_provider, mesh)
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training
     set_host_malloc(host_malloc_policy(cfg, mesh.device.type))  # --host-malloc
@@ -304,7 +307,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
                             wandb_id=extra.get("wandb_run_id"), missed_rows=extra.get("metrics_rows", ()))
     for note in cfg.notes:
         logger.print(f"megazero: {note}")
-    for line in startup_summary(cfg, data, model_provider, mesh.rank):
+    for line in startup_summary(cfg, data, stage_counts(chunks, mesh), mesh.rank):
         logger.print(f"megazero: {line}")
     axes = ("tp", "cp", "pp", "dp") if mesh.size("cp") > 1 else ("tp", "pp", "dp")
     sizes = " ".join(f"{a} {mesh.size(a)}" for a in axes)

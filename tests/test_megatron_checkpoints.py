@@ -1,0 +1,106 @@
+"""Megatron-LM checkpoints written by megatron-core itself load in megazero (issue 45, item 2).
+
+megatron-core's GPTModel (tests/megatron_core_harness.py: its local layer spec on CPU, gloo) is saved
+at TP 2 by its own ``dist_checkpointing.save`` (torch_dist) and as Megatron-LM's legacy per-rank files
+(``state_dict()`` of each TP rank).  megazero loads each: its logits equal megatron-core's forward of
+the same weights within the fp32 bound; training continues from Megatron's iteration and consumed
+samples, at TP 1 and at TP 2 x PP 2 (whose losses equal TP 1's).  Bad input is one line, exit 2.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_core_harness import megatron_core  # noqa: F401 - the session fixture
+from megazero.config import config_from_dict
+from megazero.process.local_ranks import run_ranks
+
+IDS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+pytestmark = pytest.mark.slow  # megatron-core saves at TP 2 once for the module (about 15 s)
+ITERATION, CONSUMED = 5, 40  # Megatron's trainer state in the checkpoints (8 samples an iteration)
+
+
+def _megatron_save(site, dist_dir, legacy_dir):
+    import megatron_core_harness as harness
+    harness.setup_rank(site, tp=2)
+    model = harness.build_gpt()
+    args = harness.megatron_args(2, CONSUMED)
+    harness.save_torch_dist(model, dist_dir, ITERATION, args, CONSUMED)
+    harness.save_legacy(model, legacy_dir, ITERATION, args, CONSUMED)
+    return harness.forward(model, IDS)
+
+
+@pytest.fixture(scope="module")
+def saved(megatron_core, tmp_path_factory):  # noqa: F811
+    """``(torch_dist dir, legacy dir, megatron-core's logits)``: a TP 2 model saved by megatron-core."""
+    root = tmp_path_factory.mktemp("megatron")
+    dirs = str(root / "torch_dist"), str(root / "legacy")
+    logits = run_ranks(_megatron_save, 2, megatron_core, *dirs, timeout=120)
+    assert torch.equal(logits[0], logits[1])
+    return dirs[0], dirs[1], logits[0]
+
+
+def _cfg(load, iters=ITERATION + 2, **extra):
+    settings = dict(mock_data=True, load=load, use_checkpoint_args=True, train_iters=iters,
+                    micro_batch_size=2, global_batch_size=8, optimizer="adam", lr=1e-3,
+                    lr_decay_iters=100, log_interval=100)
+    settings.update(extra)
+    return config_from_dict(settings)
+
+
+def _train(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _bound(ref: torch.Tensor) -> float:
+    """fp32 logits after a few layers: a few units of fp32 rounding at the logits' magnitude."""
+    return 64 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_continues(saved, fmt, tmp_path):
+    from models.checkpoint import load_model
+    src = str(tmp_path / fmt)
+    shutil.copytree(saved[0] if fmt == "torch_dist" else saved[1], src)
+    rows = _train(_cfg(src, ckpt_format=fmt))
+    assert [r["iteration"] for r in rows] == [ITERATION + 1, ITERATION + 2]  # continues Megatron's count
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    model, info = load_model(os.path.join(src, "megazero_import"))  # the converted copy
+    assert info["iteration"] == ITERATION
+    with torch.no_grad():
+        got = model(IDS)[..., :64]
+    ref = saved[2]
+    assert (got - ref).abs().max().item() <= _bound(ref)
+    wrong = model.decoder["0"].mlp.gate.weight  # the math is checked: a swapped gate/up fails it
+    with torch.no_grad():
+        wrong.copy_(model.decoder["0"].mlp.fc1.weight)
+        assert (model(IDS)[..., :64] - ref).abs().max().item() > 100 * _bound(ref)
+
+
+def test_consumed_samples_and_schedule_come_from_megatron(saved, tmp_path):
+    import json
+    src = str(tmp_path / "src")
+    shutil.copytree(saved[0], src)
+    _train(_cfg(src, iters=ITERATION + 1))
+    meta = json.load(open(os.path.join(src, "megazero_import", "iter_0000005", "metadata.json")))
+    assert meta["extra"]["consumed_samples"] == CONSUMED and meta["extra"]["lr_samples"] == CONSUMED
+    assert meta["iteration"] == ITERATION
+
+
+def _train_rank(cfg):
+    return _train(cfg)
+
+
+def test_tp2_pp2_continues_with_the_losses_of_tp1(saved, tmp_path):
+    """TP 2 x PP 2 (4 ranks) from the same Megatron checkpoint: the same losses as TP 1 (fp32 sums in
+    another order), TP 1's logits being megatron-core's (above)."""
+    one, four = str(tmp_path / "one"), str(tmp_path / "four")
+    shutil.copytree(saved[0], one)
+    shutil.copytree(saved[0], four)
+    ref = [r["loss"] for r in _train(_cfg(one))]
+    cfg = _cfg(four, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    got = [r["loss"] for r in run_ranks(_train_rank, 4, cfg, timeout=240)[0]]
+    assert got == pytest.approx(ref, rel=1e-5)
