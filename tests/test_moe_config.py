@@ -119,7 +119,7 @@ MODEL = DENSE + ["--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-lay
 
 def test_total_and_active_parameters_match_the_built_model():
     from megazero.planning.estimate import stage_params, total_params
-    from megazero.training.summary import parameter_line
+    from megazero.training.summary import parameter_line, provider_stage_counts
     from models import build_chunks, build_model, saved_activations as SAVED
     cfg = parse_args(MODEL, world_size=1)
     model = build_model(cfg)
@@ -127,7 +127,7 @@ def test_total_and_active_parameters_match_the_built_model():
     assert total_params(cfg, padded=True) == stage_params(cfg, 0, saved=SAVED) == n
     per_expert = 3 * 64 * 32  # SwiGLU: gate, fc1, fc2
     assert total_params(cfg) - total_params(cfg, active=True) == 2 * (8 - 2) * per_expert  # 2 MoE layers
-    line = parameter_line(cfg, build_chunks)
+    line = parameter_line(cfg, provider_stage_counts(cfg, build_chunks))
     assert f"{total_params(cfg, active=True):,}" in line and "2 of 8 experts" in line
     ep = parse_args(MODEL + ["--expert-model-parallel-size", "4"], world_size=4)
     assert stage_params(ep, 0, saved=SAVED) == n - 2 * (8 - 2) * per_expert  # a rank holds 2 of 8 experts

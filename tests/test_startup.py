@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from megazero.config import ConfigError, parse_args
-from megazero.training.summary import (data_lines, parameter_line, settings_line, startup_summary,
-                                       tokenizer_line)
+from megazero.training.summary import (data_lines, parameter_line, provider_stage_counts, settings_line,
+                                       stage_counts, startup_summary, tokenizer_line)
 
 
 def test_defaults_are_megatrons():
@@ -70,14 +70,35 @@ def test_summary_counts_parameters_data_and_epochs(tmp_path):
                       "--save", str(tmp_path / "run")], world_size=1)
     (model,) = models.build_chunks(cfg, ParallelMesh.single())
     held = sum(p.numel() for p in model.parameters())  # the padded vocabulary, as this rank holds it
-    assert f"stage 0: {held / 1e3:.4g}K" in parameter_line(cfg, models.build_chunks)
+    counted = stage_counts([model], ParallelMesh.single())
+    assert counted == [held] == provider_stage_counts(cfg, models.build_chunks)
+    assert f"stage 0: {held / 1e3:.4g}K" in parameter_line(cfg, [held])
     data = build_data(cfg)
     (head, line) = data_lines(cfg, data)
     per_epoch = (18 * 50 - 1) // 16  # samples of seq + 1 tokens in the 900 training tokens
     assert "30 iterations take 120 samples" in head and "20 documents" in line
     assert f"{per_epoch} samples per epoch" in line and f"{120 / per_epoch:.3g} epochs" in line
     assert tokenizer_line(cfg).startswith("tokenizer: none; ids are below --vocab-size 300")
-    lines = startup_summary(cfg, data, models.build_chunks)
+    lines = startup_summary(cfg, data, [held])
     written = json.load(open(tmp_path / "run" / "megazero_config.json"))
     assert written["model"]["num_layers"] == 2 and written["data"]["data_path"] == [prefix]
     assert "--seq-length 16" in settings_line(cfg, None) and "megazero_config.json" in lines[1]
+
+
+def _stage_counts_pp2():
+    import models
+    from megazero.mesh import ParallelMesh
+    cfg = parse_args(["--mock-data", "--num-layers", "3", "--hidden-size", "32", "--num-attention-heads",
+                      "4", "--seq-length", "16", "--vocab-size", "300", "--global-batch-size", "4",
+                      "--train-iters", "1", "--pipeline-model-parallel-size", "2",
+                      "--decoder-first-pipeline-num-layers", "2"], world_size=2)
+    mesh = ParallelMesh.build(1, 2)
+    return stage_counts(models.build_chunks(cfg, mesh), mesh), provider_stage_counts(cfg, models.build_chunks)
+
+
+def test_stage_counts_gather_every_stage_from_the_built_model():
+    """Each rank counts its own chunks; the pipeline group hands every rank all stages' counts, equal
+    to the stages built on the meta device (3 layers: 2 and the embedding, 1 and the head)."""
+    from megazero.process.local_ranks import run_ranks
+    (a, built), (b, _) = run_ranks(_stage_counts_pp2, 2)
+    assert a == b == built and a[0] != a[1]

@@ -8,9 +8,10 @@ from :mod:`megazero.planning.estimate`'s arithmetic, which the tests check again
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import fields
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 CONFIG_FILE = "megazero_config.json"
 
@@ -22,14 +23,38 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def parameter_line(cfg, model_provider) -> str:
-    """Parameters of the model and of one rank of each pipeline stage (each stage's chunks built by
-    ``model_provider`` on the meta device: :func:`megazero.planning.model_state.provider_params`)."""
-    from megazero.planning.estimate import total_params
+def stage_counts(chunks, mesh) -> List[int]:
+    """Parameters of this rank's chunks and of its peers' in the other pipeline stages (the same TP
+    and DP coordinates), stage by stage: counted on the built model (whole shapes, also where ZeRO-3
+    keeps a shard) and gathered over the pipeline group."""
+    from megazero.zero.buckets import full_shape
+    seen, mine = set(), 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                mine += math.prod(full_shape(p))
+    if mesh.size("pp") == 1:
+        return [mine]
+    import torch.distributed as dist
+    out: List[int] = [0] * mesh.size("pp")
+    dist.all_gather_object(out, mine, group=mesh.group("pp"))
+    return out
+
+
+def provider_stage_counts(cfg, model_provider) -> List[int]:
+    """:func:`stage_counts` without process groups: each stage's chunks built by ``model_provider`` on
+    the meta device (:func:`megazero.planning.model_state.provider_params`), for a dry run."""
     from megazero.planning.model_state import provider_params
+    return [sum(p.numel for c in provider_params(cfg, pp, model_provider) for p in c)
+            for pp in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
+def parameter_line(cfg, per_stage: Sequence[int]) -> str:
+    """Parameters of the model and of one rank of each pipeline stage (``per_stage``:
+    :func:`stage_counts`)."""
+    from megazero.planning.estimate import total_params
     par = cfg.parallel
-    per_stage = [sum(p.numel for c in provider_params(cfg, pp, model_provider) for p in c)
-                 for pp in range(par.pipeline_model_parallel_size)]
     zero3 = ""
     if par.zero_stage == 3 and par.data_parallel_size > 1:
         zero3 = f", / {par.data_parallel_size} under ZeRO-3"
@@ -151,10 +176,10 @@ def context_parallel_line(cfg) -> Optional[str]:
             f"rank i holds chunks i and {chunks - 1}-i ({s // cp} tokens per rank) | {attention}")
 
 
-def startup_summary(cfg, data, model_provider, rank: int = 0) -> List[str]:
+def startup_summary(cfg, data, per_stage: Sequence[int], rank: int = 0) -> List[str]:
     """The summary lines; rank 0 also writes the config to ``--save`` (when given)."""
     written = write_config(cfg, cfg.checkpoint.save) if rank == 0 and cfg.checkpoint.save else None
     cp = context_parallel_line(cfg)
-    return [parameter_line(cfg, model_provider), settings_line(cfg, written), *([cp] if cp else []),
+    return [parameter_line(cfg, per_stage), settings_line(cfg, written), *([cp] if cp else []),
             *data_lines(cfg, data),
             tokenizer_line(cfg)]

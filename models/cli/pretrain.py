@@ -48,14 +48,14 @@ def main(argv: Optional[Sequence[str]] = None, model_provider: Optional[ModelPro
     except ConfigError as err:
         return report_failure(err)  # rank 0 prints it; the others wait for the launcher to end them
     if cfg.logging.dry_run:
-        from megazero.training.summary import parameter_line
+        from megazero.training.summary import parameter_line, provider_stage_counts
         from .. import build_chunks
         for note in cfg.notes:  # what a run would say at start-up about the flags (ignored ones, warnings)
             print(f"megazero: {note}")
         par = cfg.parallel
         print(f"dry run: the flags are valid for {world} ranks: tp {par.tensor_model_parallel_size} "
               f"pp {par.pipeline_model_parallel_size} dp {par.data_parallel_size} zero {par.zero_stage}; "
-              f"{parameter_line(cfg, model_provider or build_chunks)}")
+              f"{parameter_line(cfg, provider_stage_counts(cfg, model_provider or build_chunks))}")
         return EXIT_OK
     if model_provider is None:
         raise ValueError("main() needs a model_provider(cfg, mesh) returning this rank's model chunks")
