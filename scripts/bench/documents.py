@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from megazero.config import config_from_dict, validate
+from megazero.errors import EXIT_OK
 from megazero.process.threads import set_rank_threads
 
 try:
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
             run()
         times = {k: statistics.median(v) for k, v in interleaved_rounds(steps, a.rounds).items()}
         print(f"{name:<10} {times[False]:>11.3f} {times[True]:>9.3f} {times[True] / times[False]:>18.2f}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 import torch
 
 from megazero.config import config_from_dict, validate
+from megazero.errors import EXIT_OK
 from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel.rng import RNGTracker
 from megazero_models.gpt import GPTModel
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     if args.json:
         from bench import write_json
         write_json(rows, args.json)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":
