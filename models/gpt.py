@@ -297,7 +297,8 @@ class GPTModel(nn.Module):
             return gather_cp_loss(logits, self.mesh.group("cp"), self.cp_size, self.cp_rank)
         if self.cp_size > 1:
             labels = split_for_cp(labels, 1, self.cp_size, self.cp_rank)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab).t().contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.mesh, vocab,
+                                            z_loss=self.cfg.training.z_loss_coeff or 0.0).t().contiguous()
         # every CP rank: the whole sequence's per-token loss (the global token mean follows)
         return gather_cp_loss(loss, self.mesh.group("cp"), self.cp_size, self.cp_rank)
 

@@ -103,17 +103,17 @@ def megatron_deepspeed_llama2_flags(tmp, sp_model):
             "--zero-stage=0", "--deepspeed_config=ds_config.json", "--deepspeed"]
 
 
-def mindspeed_llama2_13b_flags(tmp):
-    """Ascend/MindSpeed-LLM examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (TP 8 there, 2 here). Its
-    own flags that megazero answers are kept (the fused-kernel switches, ignored; --tokenizer-name-or-path,
-    refused with Megatron-LM's spelling); --tokenizer-type PretrainedFromHF, --handler-name,
-    --enable-hf2mg-convert and --model-type-hf are left out. Its --load names converted weights, a
-    directory of its own; here that directory has no checkpoint: a warning and a fresh start, as in
-    Megatron-LM."""
+def mindspeed_llama2_13b_flags(tmp, tokenizer_dir):
+    """Ascend/MindSpeed-LLM examples/mcore/llama2/pretrain_llama2_13b_ptd.sh (a9547f6; TP 8 there, 2 here),
+    every flag kept, its own included: --tokenizer-type PretrainedFormHF (sic) with --tokenizer-name-or-path
+    (a Hugging Face tokenizer directory), the fused-kernel switches (ignored), --handler-name (its
+    preprocessing handler) and --enable-hf2mg-convert --model-type-hf llama2 (its start-up conversion of
+    Hugging Face weights in --load). Its --load names weights to convert; here that directory is empty:
+    nothing to convert, a warning and a fresh start, as in Megatron-LM. Its data path is mock data."""
     return ["--use-mcore-models", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
             "--sequence-parallel", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
-            "--num-attention-heads", "4", "--tokenizer-name-or-path", f"{tmp}/tokenizer",
-            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+            "--num-attention-heads", "4", "--tokenizer-type", "PretrainedFormHF", "--tokenizer-name-or-path",
+            tokenizer_dir, "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--make-vocab-size-divisible-by", "1", "--lr", "1e-6",
             "--train-iters", "2",
             "--lr-decay-style", "cosine", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
@@ -126,40 +126,190 @@ def mindspeed_llama2_13b_flags(tmp):
             "0.9",
             "--initial-loss-scale", "4096", "--adam-beta2", "0.95", "--no-gradient-accumulation-fusion",
             "--load", f"{tmp}/converted", "--no-load-optim", "--no-load-rng", "--use-fused-swiglu",
-            "--use-fused-rotary-pos-emb", "--bf16",
-            "--ckpt-format", "torch", "--mock-data", "--split", "949,50,1", "--log-interval", "1",
-            "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters", "10",
+            "--use-fused-rotary-pos-emb", "--bf16", "--ckpt-format", "torch",
+            "--mock-data", "--handler-name", "GeneralPretrainHandler", "--split", "949,50,1",
+            "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000", "--eval-iters",
+            "10", "--enable-hf2mg-convert", "--model-type-hf", "llama2",
             "--distributed-backend", "nccl", "--save", f"{tmp}/save", "--transformer-impl", "local"]
 
 
-def swallow_llama31_8b_flags(tmp):
+def swallow_llama31_8b_flags(tmp, tokenizer_dir):
     """okoge-kaz/Megatron-LM (Swallow, Tokyo Tech) scripts/abci/Llama-3.1-8B-ablation/
-    llama-3.1-8b-tp4-pp2-exp7.sh, first training (no checkpoint of its own yet). Its fork's flags
-    (--tokenizer-type Llama3Tokenizer, --rope-factor and its three companions, --use-mpi, --use-z-loss,
-    --wandb-name) are left out; Megatron-LM's LLaMA-3.1 RoPE scaling is --use-rope-scaling
-    --rope-scaling-factor 8. It trains on documents packed with per-document attention masks."""
+    llama-3.1-8b-tp4-pp2-exp7.sh, first training (no checkpoint of its own yet), every flag kept, its fork's
+    own included: --tokenizer-type Llama3Tokenizer (its --tokenizer-model, a tiktoken file there, is the
+    Hugging Face directory of a tokenizer here), --rope-factor 8.0 with its three companions (LLaMA-3.1
+    RoPE scaling), --use-mpi (under torchrun here), --use-z-loss (a 1e-4 z-loss on the logits) and
+    --wandb-name. It trains on documents packed with per-document attention masks; its data path is mock
+    data (--wandb-mode disabled added: no wandb run in a test)."""
     return ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--context-parallel-size", "1", "--sequence-parallel", "--use-distributed-optimizer",
             "--overlap-grad-reduce", "--overlap-param-gather", "--num-layers", "4", "--hidden-size", "64",
             "--ffn-hidden-size", "224", "--num-attention-heads", "8", "--group-query-attention",
             "--num-query-groups", "2", "--seq-length", "32", "--max-position-embeddings", "32",
             "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
-            "--reset-position-ids", "--reset-attention-mask", "--save", f"{tmp}/save", "--split", "990,10,0",
+            "--tokenizer-type", "Llama3Tokenizer", "--tokenizer-model", tokenizer_dir,
+            "--reset-position-ids", "--reset-attention-mask", "--save", f"{tmp}/save", "--mock-data",
+            "--split", "990,10,0",
             "--distributed-backend", "nccl", "--lr", "2.5E-5", "--min-lr", "2.5E-6", "--lr-decay-style",
             "cosine",
             "--lr-decay-iters", "2", "--weight-decay", "0.1", "--clip-grad", "1", "--lr-warmup-iters", "1",
             "--optimizer", "adam", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--log-interval", "1",
             "--save-interval", "500", "--no-initialization", "--eval-interval", "500", "--eval-iters", "10",
             "--bf16", "--untie-embeddings-and-output-weights", "--no-position-embedding",
-            "--position-embedding-type", "rope", "--rotary-base", "500000.0", "--use-rope-scaling",
-            "--rope-scaling-factor", "8", "--disable-bias-linear", "--use-mcore-models", "--normalization",
-            "RMSNorm", "--norm-epsilon", "1e-5", "--no-masked-softmax-fusion", "--attention-dropout", "0.0",
-            "--hidden-dropout", "0.0", "--swiglu", "--use-flash-attn", "--attention-softmax-in-fp32",
-            "--accumulate-allreduce-grads-in-fp32", "--transformer-impl", "transformer_engine",
-            "--log-throughput", "--log-straggler", "--disable-straggler-on-startup",
-            "--wandb-project", "Llama-3.1-8B-ablation", "--wandb-entity", "prj-jalm", "--wandb-mode",
-            "disabled"]
+            "--position-embedding-type", "rope", "--rotary-base", "500000.0", "--rope-factor", "8.0",
+            "--rope-low-freq-factor", "1.0", "--rope-high-freq-factor", "4.0",
+            "--rope-original-max-positional-embeddings", "8192", "--disable-bias-linear",
+            "--use-mcore-models",
+            "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--no-masked-softmax-fusion",
+            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--swiglu", "--use-flash-attn",
+            "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32", "--transformer-impl",
+            "transformer_engine", "--use-mpi", "--use-z-loss", "--log-throughput", "--log-straggler",
+            "--disable-straggler-on-startup", "--wandb-name", "exp7", "--wandb-project",
+            "Llama-3.1-8B-ablation", "--wandb-entity", "prj-jalm", "--wandb-mode", "disabled"]
+
+
+def deepseek_v3_flags(tmp, tokenizer_dir):
+    """NVIDIA/Megatron-LM examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh (d98e8a6), the
+    DeepSeek-V3 architecture: its MODEL_ARGS, every flag kept, sizes scaled down (61 layers of 7168 with
+    128 heads, 256 experts of 2048, 8 groups choosing 4 -> 4 layers of 64 with 4 heads, 8 experts of 32,
+    4 groups choosing 2, top-2; MLA ranks 1536 / 512 -> 32 / 16, head dims 128 / 64 -> 16 / 8; the first
+    3 dense layers -> 1: --moe-layer-freq [0]*1+[1]*3), TOKENIZER_MODEL a local Hugging Face tokenizer,
+    and the training flags the recipe leaves to its caller (mock data, 2 iterations)."""
+    model = ["--save-interval", "100000", "--micro-batch-size", "1", "--bf16", "--no-masked-softmax-fusion",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type",
+             "rope", "--no-rope-fusion", "--normalization", "RMSNorm", "--swiglu", "--num-layers", "4",
+             "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+             "--kv-channels", "16", "--multi-latent-attention", "--kv-lora-rank", "16", "--v-head-dim", "16",
+             "--q-lora-rank", "32", "--qk-head-dim", "16", "--qk-layernorm", "--qk-pos-emb-head-dim", "8",
+             "--num-experts", "8", "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-hidden-size", "32",
+             "--moe-router-dtype", "fp32", "--moe-router-score-function", "sigmoid",
+             "--moe-router-bias-update-rate", "1e-3", "--moe-router-enable-expert-bias", "--moe-router-topk",
+             "2", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-pre-softmax",
+             "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-overlap",
+             "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-4",
+             "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
+             "--moe-token-drop-policy", "probs", "--seq-length", "32", "--max-position-embeddings", "1280",
+             "--tokenizer-type", "HuggingFaceTokenizer", "--make-vocab-size-divisible-by", "1280",
+             "--use-mcore-models", "--rotary-base", "10000", "--rotary-percent", "1.0",
+             "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+             "--recompute-activations", "--moe-layer-recompute", "--sequence-parallel"]
+    return model + ["--tokenizer-model", tokenizer_dir, "--mock-data", "--global-batch-size", "4",
+                    "--lr", "1e-4", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+                    "--expert-model-parallel-size", "2", "--save", f"{tmp}/ckpt", "--log-interval", "1"]
+
+
+def deepseek_v2_lite_flags(tmp, tokenizer_dir):
+    """NVIDIA/Megatron-LM examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh (d98e8a6): its
+    MODEL_ARGS, every flag kept, sizes scaled down (27 layers of 2048 with 16 heads, 64 experts of 1408,
+    top-6 -> 3 layers of 64 with 4 heads, 8 experts of 32, top-2; --kv-lora-rank 512 -> 16, head dims
+    128 / 64 -> 16 / 8; no query LoRA, as V2-Lite has none), TOKENIZER_MODEL a local Hugging Face
+    tokenizer, and the caller's training flags (mock data, 2 iterations)."""
+    model = ["--save-interval", "100000", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+             "--micro-batch-size", "1", "--bf16", "--no-masked-softmax-fusion", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-rope-fusion",
+             "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--num-layers", "4",
+             "--hidden-size", "64", "--ffn-hidden-size", "160", "--num-attention-heads", "4",
+             "--kv-channels", "16", "--multi-latent-attention", "--kv-lora-rank", "16", "--v-head-dim", "16",
+             "--qk-head-dim", "16", "--qk-layernorm", "--qk-pos-emb-head-dim", "8", "--num-experts", "8",
+             "--moe-layer-freq", "([0]+[1]*3)", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm",
+             "--moe-router-score-function", "softmax", "--moe-router-topk", "2",
+             "--moe-router-topk-scaling-factor", "1.0", "--moe-router-pre-softmax",
+             "--moe-shared-expert-intermediate-size", "64", "--moe-aux-loss-coeff", "1e-3",
+             "--moe-token-dispatcher-type", "alltoall", "--moe-token-drop-policy", "probs",
+             "--moe-router-load-balancing-type", "seq_aux_loss", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--tokenizer-type", "HuggingFaceTokenizer",
+             "--make-vocab-size-divisible-by", "3200", "--attention-softmax-in-fp32", "--use-mcore-models",
+             "--rotary-percent", "1.0", "--rotary-base", "10000", "--rotary-scaling-factor", "40",
+             "--mscale", "0.707", "--mscale-all-dim", "0.707", "--sequence-parallel"]
+    return model + ["--tokenizer-model", tokenizer_dir, "--mock-data", "--global-batch-size", "4",
+                    "--lr", "1e-4", "--train-iters", "2", "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2", "--save", f"{tmp}/ckpt", "--log-interval", "1"]
+
+
+def gpt_oss_train_flags(tmp):
+    """NVIDIA/Megatron-LM examples/gptoss/02_train.sh (d98e8a6), its mock branch (TOKENIZER_ARG=MOCK),
+    DTYPE=fp8 as written (its FP8 flags are refused by name), every flag kept; sizes scaled down (12 layers
+    of 512 with 64 heads of 8 query groups, 4 experts of 2048 -> 2 layers of 64 with 8 heads of 2 groups,
+    4 experts of 64; --window-size 127,0 -> 7,0 below 32 tokens; 128256 vocabulary -> 127), PP = the 2
+    ranks as the script sets it, 2 iterations of 4 samples (--train-samples 8) instead of 1953125000."""
+    model = ["--no-masked-softmax-fusion", "--transformer-impl", "transformer_engine",
+             "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--no-rope-fusion", "--normalization", "RMSNorm",
+             "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "64", "--num-attention-heads",
+             "8", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--use-mcore-models", "--rotary-percent", "1.0",
+             "--rope-type", "rope", "--position-embedding-type", "rope", "--rotary-base", "10000",
+             "--no-bias-gelu-fusion", "--export-force-local-attention", "--no-bias-dropout-fusion",
+             "--quick-geglu", "--glu-linear-offset", "1.0", "--softmax-type", "learnable",
+             "--window-attn-skip-freq", "2", "--activation-func-clamp-value", "7.0", "--window-size", "7,0",
+             "--enable-gpt-oss"]
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+           "--moe-aux-loss-coeff", "1e-3", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+           "--overlap-param-gather", "--overlap-grad-reduce", "--moe-ffn-hidden-size", "64",
+           "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3", "--moe-permute-fusion"]
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--data-cache-path",
+            f"{tmp}/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0",
+            "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1"]
+    training = ["--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1.0e-5", "--train-samples",
+                "8", "--lr-decay-samples", "6", "--lr-decay-style", "cosine", "--min-lr", "1.0e-6",
+                "--weight-decay", "0.1", "--lr-warmup-fraction", "0.05", "--clip-grad", "1.0", "--bf16",
+                "--use-flash-attn", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
+                "--disable-bf16-reduced-precision-matmul", "--recompute-activations"]
+    parallel = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                "--expert-model-parallel-size", "1", "--sequence-parallel", "--context-parallel-size", "1",
+                "--use-distributed-optimizer", *FP8]
+    logging = ["--log-interval", "1", "--save-interval", "10000", "--eval-interval", "50000000",
+               "--eval-iters", "0", "--save", f"{tmp}/ckpt", "--tensorboard-dir", f"{tmp}/ckpt/tensorboard",
+               "--moe-per-layer-logging", "--no-load-optim", "--no-load-rng", "--log-throughput"]
+    return model + moe + data + training + parallel + logging
+
+
+def mamba_train_flags(tmp, sp_model):
+    """NVIDIA/Megatron-LM examples/mamba/train.sh (d98e8a6), MODEL_SCALE=800M, every flag kept, sizes scaled
+    down (the 800M pattern's first 10 layers M-M-M--M-* of width 1024 with 16 heads -> width 64 with 8
+    heads of 8 query groups; 4096 tokens -> 32; 73242188 samples -> 8 (2 iterations of 4), warm-up 50000
+    -> 2, decay 73192188 -> 6); its tokenizer a sentencepiece model, its data mock (no data path)."""
+    return ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "1",
+            "--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce",
+            "--untie-embeddings-and-output-weights", "--init-method-std", "0.02", "--position-embedding-type",
+            "none", "--hybrid-layer-pattern", "M-M-M--M-*", "--hidden-size", "256", "--num-attention-heads",
+            "8", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--train-samples", "8", "--lr-warmup-samples", "2",
+            "--lr-decay-samples", "6", "--save", f"{tmp}/checkpoints", "--load", f"{tmp}/checkpoints",
+            "--mock-data", "--data-cache-path", f"{tmp}/data-cache", "--split", "99,1,0",
+            "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+            "--distributed-backend", "nccl", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr", "2.5e-4", "--min-lr", "2.5e-5", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+            "--clip-grad", "1.0", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--disable-bias-linear", "--normalization", "RMSNorm", "--adam-beta1", "0.9", "--adam-beta2",
+            "0.95", "--log-interval", "1", "--save-interval", "2000", "--eval-interval", "2000",
+            "--eval-iters", "32", "--bf16", "--use-mcore-models", "--spec",
+            "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+            "--no-create-attention-mask-in-dataloader", "--tensorboard-dir", f"{tmp}/tensorboard"]
+
+
+def nemotronh_flags(tmp):
+    """NVIDIA-NeMo/Megatron-Bridge tests/functional_tests/ckpts/nemotronh_4b/test_nemotronh_4b_mcore.sh
+    (efbe2d5), through Megatron-LM's pretrain_mamba.py: every flag kept, sizes scaled down (26 layers
+    M-M-M-M*-M-M-M-M*-M-M-M-M* of width 3072 with 32 heads of 128 channels, 112 Mamba heads -> the first
+    9 layers M-M-M-M*- of width 64 with 8 heads of 16 channels and 8 Mamba heads; 8192 tokens -> 32;
+    151936 vocabulary -> 127; 10 iterations -> 2, saving every 5 -> 1).  Its --load names the Bridge's
+    converted checkpoint; here that directory is empty: a warning and a fresh start, as in Megatron-LM."""
+    return ["--init-method-std", "0.014", "--disable-bias-linear", "--use-rope-scaling", "--squared-relu",
+            "--qk-layernorm", "--rotary-percent", "1.0", "--rotary-base", "1000000",
+            "--use-rotary-position-embeddings", "--hybrid-override-pattern", "M-M-M-M*-",
+            "--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec", "--num-layers", "9",
+            "--hidden-size", "64", "--num-attention-heads", "8", "--mamba-num-heads", "8",
+            "--ffn-hidden-size", "128", "--kv-channels", "16", "--group-query-attention",
+            "--position-embedding-type", "none", "--attention-backend", "fused", "--num-query-groups", "8",
+            "--normalization", "RMSNorm", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+            "--save-interval", "1", "--eval-interval", "1", "--eval-iters", "1", "--load", f"{tmp}/mbridge",
+            "--save", f"{tmp}/mcore", "--ckpt-format", "torch_dist", "--log-progress", "--bf16", "--lr",
+            "4.5e-4", "--min-lr", "4.5e-5", "--num-workers", "2", "--tensorboard-dir", f"{tmp}/tb",
+            "--log-interval", "1", "--log-throughput", "--no-load-optim", "--no-load-rng"]
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +350,14 @@ def _without(argv, *flags_and_values):
 
 
 # name -> (flags, world size, refused for (ConfigError needle) or None, the flags of that feature)
-def _scripts(tmp, bpe, sp):
+def _scripts(tmp, bpe, sp, hf):
     fsdp = megatron_fsdp_llama3_flags(tmp)
     deepspeed = megatron_deepspeed_llama2_flags(tmp, sp)
+    fp8 = ("FP8/FP4 training is not implemented", tuple(f for f in FP8 if f.startswith("--")))
     return {
         "megatron-lm gpt3 175b": (gpt3_175b_flags(tmp, *bpe), 4, None, ()),
         "megatron-lm llama3 8b bf16": (llama3_8b_flags(tmp) + DECOUPLED, 2, None, ()),
-        "megatron-lm llama3 8b fp8": (llama3_8b_flags(tmp) + FP8, 2, "--fp8-format: FP8/FP4 training is not "
-                                      "implemented", tuple(f for f in FP8 if f.startswith("--"))),
+        "megatron-lm llama3 8b fp8": (llama3_8b_flags(tmp) + FP8, 2, "--fp8-format: " + fp8[0], fp8[1]),
         # PP 2 x EP 2 needs 4 ranks (the original's PP 4 x EP 8 needs 32)
         "megatron-lm mixtral 8x7b": (mixtral_8x7b_flags(tmp), 4, None, ()),
         "megatron-lm megatron-fsdp llama3 8b": (fsdp, 2, "--use-megatron-fsdp: Megatron-FSDP",
@@ -215,26 +365,32 @@ def _scripts(tmp, bpe, sp):
                                                  "--fsdp-double-buffer", "--fsdp-manual-registration")),
         "megatron-deepspeed llama2": (deepspeed, 4, "--deepspeed: DeepSpeed is not used",
                                       ("--deepspeed", "--deepspeed_config", "--num-key-value-heads")),
-        "mindspeed-llm llama2 13b": (mindspeed_llama2_13b_flags(tmp), 2,
-                                     "--tokenizer-name-or-path: MindSpeed-LLM's "
-                                     "flag: use --tokenizer-type HuggingFaceTokenizer",
-                                     ("--tokenizer-name-or-path",)),
-        "swallow llama3.1 8b": (swallow_llama31_8b_flags(tmp), 4, None, ()),
+        "mindspeed-llm llama2 13b": (mindspeed_llama2_13b_flags(tmp, hf), 2, None, ()),
+        "swallow llama3.1 8b": (swallow_llama31_8b_flags(tmp, hf), 4, None, ()),
+        # TP 2 (SP) x EP 2 on 4 ranks; V2-Lite: TP 2 (SP) x PP 2
+        "megatron-lm deepseek-v3": (deepseek_v3_flags(tmp, hf), 4, None, ()),
+        "megatron-lm deepseek-v2-lite": (deepseek_v2_lite_flags(tmp, hf), 4, None, ()),
+        # its DTYPE=fp8 as written: the four FP8 flags are named in one refusal
+        "megatron-lm gpt-oss 02_train": (gpt_oss_train_flags(tmp), 2,
+                                         "4 flags refused: --fp8-format: " + fp8[0], fp8[1]),
+        "megatron-lm mamba 800m": (mamba_train_flags(tmp, sp), 2, None, ()),
+        "megatron-bridge nemotronh 4b": (nemotronh_flags(tmp), 2, None, ()),
     }
 
 
 FIXES = {  # what the refusal says to do instead, where a feature has a megazero spelling
     "megatron-deepspeed llama2": ["--group-query-attention", "--num-query-groups", "2"],
-    "mindspeed-llm llama2 13b": ["--tokenizer-type", "NullTokenizer", "--vocab-size", "127"],
 }
 NAMES = ["megatron-lm gpt3 175b", "megatron-lm llama3 8b bf16", "megatron-lm llama3 8b fp8",
          "megatron-lm mixtral 8x7b", "megatron-lm megatron-fsdp llama3 8b", "megatron-deepspeed llama2",
-         "mindspeed-llm llama2 13b", "swallow llama3.1 8b"]
+         "mindspeed-llm llama2 13b", "swallow llama3.1 8b", "megatron-lm deepseek-v3",
+         "megatron-lm deepseek-v2-lite", "megatron-lm gpt-oss 02_train", "megatron-lm mamba 800m",
+         "megatron-bridge nemotronh 4b"]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_script_parses_or_is_refused_by_name(name, tmp_path, gpt2_bpe, sp_model):  # noqa: F811
-    argv, world, refused, feature = _scripts(tmp_path, gpt2_bpe, sp_model)[name]
+def test_script_parses_or_is_refused_by_name(name, tmp_path, gpt2_bpe, sp_model, hf_tokenizer):  # noqa: F811
+    argv, world, refused, feature = _scripts(tmp_path, gpt2_bpe, sp_model, hf_tokenizer)[name]
     if refused:
         with pytest.raises(ConfigError, match=refused):
             parse_args(argv, world_size=world)
@@ -243,8 +399,9 @@ def test_script_parses_or_is_refused_by_name(name, tmp_path, gpt2_bpe, sp_model)
     assert cfg.training.train_iters >= 2 and not [n for n in cfg.notes if "unrecognized" in n]
 
 
-def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_model):  # noqa: F811
-    s = _scripts(tmp_path, gpt2_bpe, sp_model)
+def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_model,  # noqa: F811
+                                                      hf_tokenizer):
+    s = _scripts(tmp_path, gpt2_bpe, sp_model, hf_tokenizer)
     gpt3 = parse_args(s["megatron-lm gpt3 175b"][0], world_size=4)  # no dropout flags: Megatron-LM's 0.1
     assert (gpt3.model.hidden_dropout, gpt3.model.activation, gpt3.optimizer.lr_decay_style) == \
         (0.1, "gelu_exact", "cosine")
@@ -255,11 +412,39 @@ def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_mod
     assert (ds.model.normalization, ds.model.num_query_groups, ds.parallel.zero_stage) == ("RMSNorm", 2, 0)
     swallow = parse_args(s["swallow llama3.1 8b"][0], world_size=4)  # packed documents, as Swallow trains
     assert swallow.data.reset_position_ids and swallow.data.reset_attention_mask
-    assert swallow.model.use_rope_scaling and swallow.model.rope_scaling_factor == 8.0
-    assert swallow.model.rotary_base == 500000.0
+    m = swallow.model  # --rope-factor and its companions: LLaMA-3.1 RoPE scaling
+    assert (m.use_rope_scaling, m.rope_scaling_factor, m.rope_scaling_low_freq_factor,
+            m.rope_scaling_high_freq_factor, m.rope_scaling_original_max_position_embeddings) == \
+        (True, 8.0, 1.0, 4.0, 8192)
+    assert m.rotary_base == 500000.0 and swallow.training.z_loss_coeff == 1e-4
+    assert swallow.data.tokenizer_type == "HuggingFaceTokenizer" and swallow.logging.wandb_exp_name == "exp7"
+    mind = parse_args(s["mindspeed-llm llama2 13b"][0], world_size=2)
+    assert (mind.data.tokenizer_type, mind.data.tokenizer_model) == ("HuggingFaceTokenizer", hf_tokenizer)
+    assert any("--handler-name GeneralPretrainHandler" in n for n in mind.notes)
     mixtral = parse_args(s["megatron-lm mixtral 8x7b"][0], world_size=4).moe
     assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_aux_loss_coeff) == (8, 2, 1e-2)
     assert (mixtral.moe_token_dispatcher_type, mixtral.expert_model_parallel_size) == ("alltoall", 2)
+
+
+def test_fork_flags_refuse_what_they_cannot_mean(tmp_path, hf_tokenizer, monkeypatch):
+    """MindSpeed-LLM's start-up conversion with Hugging Face weights in --load, Swallow's tiktoken file
+    and --use-mpi under mpirun without torchrun's variables: each refused by name with the fix."""
+    argv = mindspeed_llama2_13b_flags(tmp_path, hf_tokenizer)
+    (tmp_path / "converted").mkdir()
+    (tmp_path / "converted" / "config.json").write_text("{}")
+    (tmp_path / "converted" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="--enable-hf2mg-convert: .* holds Hugging Face weights"):
+        parse_args(argv, world_size=2)
+    argv = swallow_llama31_8b_flags(tmp_path, hf_tokenizer)
+    tiktoken = tmp_path / "tokenizer.model"
+    tiktoken.write_text("IQ== 0\n")
+    argv[argv.index(hf_tokenizer)] = str(tiktoken)
+    with pytest.raises(ConfigError, match="Llama3Tokenizer --tokenizer-model .*Hugging Face directory"):
+        parse_args(argv, world_size=4)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="--use-mpi: under mpirun set RANK"):
+        parse_args(swallow_llama31_8b_flags(tmp_path, hf_tokenizer), world_size=4)
 
 
 def _pretrain(argv):
@@ -269,15 +454,18 @@ def _pretrain(argv):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["megatron-lm llama3 8b bf16", "megatron-deepspeed llama2",
-                                  "mindspeed-llm llama2 13b",
-                                  "swallow llama3.1 8b", "megatron-lm mixtral 8x7b"])
-def test_script_trains_scaled_down(name, tmp_path, gpt2_bpe, sp_model):  # noqa: F811
+                                  "mindspeed-llm llama2 13b", "swallow llama3.1 8b",
+                                  "megatron-lm mixtral 8x7b",
+                                  "megatron-lm deepseek-v3", "megatron-lm deepseek-v2-lite",
+                                  "megatron-lm gpt-oss 02_train", "megatron-lm mamba 800m",
+                                  "megatron-bridge nemotronh 4b"])
+def test_script_trains_scaled_down(name, tmp_path, gpt2_bpe, sp_model, hf_tokenizer):  # noqa: F811
     """Each script trains (without the flags of a refused feature) for its first iterations."""
-    argv, world, refused, feature = _scripts(tmp_path, gpt2_bpe, sp_model)[name]
+    argv, world, refused, feature = _scripts(tmp_path, gpt2_bpe, sp_model, hf_tokenizer)[name]
     argv = _without(argv, *feature) + FIXES.get(name, []) + ["--metrics-file", str(tmp_path / "m.jsonl")]
     assert run_ranks(_pretrain, world, argv, timeout=300) == [0] * world
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
-    assert len(rows) >= 2 and all(r["loss"] == r["loss"] for r in rows)
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)
 
 
 @pytest.mark.slow

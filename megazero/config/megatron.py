@@ -22,6 +22,7 @@ import argparse
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from megazero.config.megatron_removed import REMOVED
+from megazero.config.megatron_forks import FORK_ALIASES, FORK_SPECIAL, HF_TOKENIZER_ALIASES, fork_rules
 from megazero.config.megatron_table import DEFAULT_ONLY, IGNORED, REFUSED, classify, pinned_flags
 from megazero.config.sections import field_index, flag_of
 from megazero.errors import ConfigError
@@ -83,6 +84,8 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
                    "which builds that stack; other specs are not implemented."),
 }
 HYBRID_SPECS = ("mamba_stack_spec", "hybrid_stack_spec")  # Megatron-core's hybrid stacks' spec names
+SPECIAL.update(FORK_SPECIAL)  # Swallow's and MindSpeed-LLM's own flags (megatron_forks)
+ALIASES.update(FORK_ALIASES)
 SPECIAL.update({  # older Megatron-LM hybrid scripts (replaced by --hybrid-layer-pattern in 2026-02)
     "--hybrid-attention-ratio": dict(type=float, help="Older Megatron-LM's share of attention layers in a "
                                      "hybrid stack, placed by its rule (docs/hybrid.md); now "
@@ -155,6 +158,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=_dest(flag), action="store_true", help=text)
     for flag, kw in SPECIAL.items():
         group.add_argument(flag, dest=_dest(flag), **kw)
+    kinds = next(a for a in parser._actions if a.dest == "tokenizer_type")  # noqa: SLF001
+    kinds.choices = list(kinds.choices) + list(HF_TOKENIZER_ALIASES)  # translate() maps them
     for flag, name in ALIASES.items():
         original = next(a for a in parser._actions if a.dest == name)  # noqa: SLF001
         group.add_argument(flag, dest=name, type=original.type, help=f"= {original.option_strings[0]}.")
@@ -317,6 +322,7 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
     """The flags of :data:`SPECIAL` and the sequence-parallel rule; returns remarks (and adds the
     flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
+    fork_rules(given, out, notes, ignored, problems)
     spec = " ".join(given.get("--spec") or [])
     _hybrid_ratios(given, out, bool(spec) and spec.split()[-1] in HYBRID_SPECS, notes, problems)
     if spec and spec.split()[-1] in HYBRID_SPECS:

@@ -378,11 +378,6 @@ REFUSED: Dict[str, str] = {
     "--deepspeed_config": "DeepSpeed is not used: megazero implements ZeRO itself (--zero-stage N)",
     "--deepspeed-activation-checkpointing": "DeepSpeed is not used: use --recompute-granularity full",
     "--num-key-value-heads": "Megatron-DeepSpeed's flag: use --group-query-attention --num-query-groups N",
-    "--tokenizer-name-or-path": "MindSpeed-LLM's flag: use --tokenizer-type HuggingFaceTokenizer "
-                                "--tokenizer-model DIR",
-    "--enable-hf2mg-convert": "convert Hugging Face weights first: scripts/convert_hf.py --direction "
-                              "to-megazero",
-    "--model-type-hf": "convert Hugging Face weights first: scripts/convert_hf.py --direction to-megazero",
     **MODELOPT_REFUSED,
 }
 
