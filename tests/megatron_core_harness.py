@@ -93,7 +93,8 @@ def build_gpt(seed: int = 0, spec=SPEC):
     from megatron.core.transformer.transformer_config import TransformerConfig
     cfg = TransformerConfig(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
                             num_attention_heads=spec["num_attention_heads"],
-                            num_query_groups=spec["num_query_groups"], ffn_hidden_size=spec["ffn_hidden_size"],
+                            num_query_groups=spec["num_query_groups"],
+                            ffn_hidden_size=spec["ffn_hidden_size"],
                             normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
                             activation_func=torch.nn.functional.silu, add_bias_linear=False,
                             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
@@ -122,9 +123,11 @@ def megatron_args(tp: int, consumed: int, spec=SPEC) -> argparse.Namespace:
     """Megatron-LM's stored arguments for :func:`build_gpt`'s model (the fields its loader reads)."""
     from megatron.core.transformer.enums import AttnBackend
     return argparse.Namespace(
-        num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], ffn_hidden_size=spec["ffn_hidden_size"],
+        num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
+        ffn_hidden_size=spec["ffn_hidden_size"],
         num_attention_heads=spec["num_attention_heads"], group_query_attention=True,
-        num_query_groups=spec["num_query_groups"], kv_channels=spec["hidden_size"] // spec["num_attention_heads"],
+        num_query_groups=spec["num_query_groups"],
+        kv_channels=spec["hidden_size"] // spec["num_attention_heads"],
         seq_length=spec["seq_length"], max_position_embeddings=spec["seq_length"],
         position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
         norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,

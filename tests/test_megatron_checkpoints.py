@@ -104,3 +104,85 @@ def test_tp2_pp2_continues_with_the_losses_of_tp1(saved, tmp_path):
     cfg = _cfg(four, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     got = [r["loss"] for r in run_ranks(_train_rank, 4, cfg, timeout=240)[0]]
     assert got == pytest.approx(ref, rel=1e-5)
+
+
+# ---- bad input: one line, exit status 2 ----------------------------------------------------
+def _cli(load, capsys, monkeypatch, *extra):
+    from models.cli import model_provider
+    from models.cli.pretrain import main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    code = main(["--mock-data", "--load", load, "--train-iters", "7", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--lr", "1e-3", "--lr-decay-iters", "100", *extra],
+                model_provider)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, err
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("truncated shard", r"__0_0\.distcp is truncated"),
+    ("missing shard", r"__1_0\.distcp is missing"),
+    ("missing rank", r"mp_rank_01 is missing \(tensor-parallel rank 1"),
+    ("truncated rank file",
+     r"mp_rank_01/model_optim_rng\.pt: truncated or not a torch file \(PytorchStreamReader"),
+    ("pickle payload", r"common\.pt: the file's pickle names posix\.system.*nothing was executed"),
+    ("other shape", r"has 4 layers, this model 2; pass --use-checkpoint-args or --num-layers 4"),
+    ("other width", r"word_embeddings\.weight is \(64, 32\) in the Megatron-LM checkpoint but "
+                    r"\(64, 64\) in this model; pass --use-checkpoint-args"),
+    ("wrong format", r"--ckpt-format torch: .* is a torch_dist checkpoint; pass --ckpt-format torch_dist"),
+])
+def test_bad_megatron_input_is_one_line_and_exit_2(saved, tmp_path, capsys, monkeypatch, damage, needle):
+    legacy = damage in ("missing rank", "truncated rank file")
+    src = str(tmp_path / "src")
+    shutil.copytree(saved[1] if legacy else saved[0], src)
+    it = os.path.join(src, f"iter_{ITERATION:07d}")
+    marker = tmp_path / "executed"
+    extra = ["--use-checkpoint-args"]
+    if damage == "truncated shard":
+        with open(os.path.join(it, "__0_0.distcp"), "r+b") as fh:
+            fh.truncate(100)
+    elif damage == "missing shard":
+        os.remove(os.path.join(it, "__1_0.distcp"))
+    elif damage == "missing rank":
+        shutil.rmtree(os.path.join(it, "mp_rank_01"))
+    elif damage == "truncated rank file":
+        with open(os.path.join(it, "mp_rank_01", "model_optim_rng.pt"), "r+b") as fh:
+            fh.truncate(1000)
+    elif damage == "pickle payload":
+        torch.save({"args": _Payload(marker), "iteration": ITERATION}, os.path.join(it, "common.pt"))
+    elif damage == "other shape":
+        extra += ["--num-layers", "2"]
+    elif damage == "other width":
+        extra = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu",
+                 "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                 "--untie-embeddings-and-output-weights", "--seq-length", "16", "--vocab-size", "64"]
+    elif damage == "wrong format":
+        extra += ["--ckpt-format", "torch"]
+    code, err = _cli(src, capsys, monkeypatch, *extra)
+    assert code == 2 and len(err) == 1, err
+    assert __import__("re").search(needle, err[0]), err[0]
+    assert not marker.exists()  # the payload never ran
+
+
+def test_convert_script_writes_a_checkpoint_megazero_loads(saved, tmp_path, capsys):
+    import importlib.util
+    from models.checkpoint import load_model
+    spec = importlib.util.spec_from_file_location("convert_megatron", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "convert_megatron.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = str(tmp_path / "out")
+    assert script.main(["--input", saved[1], "--output", out]) == 0
+    model, info = load_model(out)
+    with torch.no_grad():
+        got = model(IDS)[..., :64]
+    assert info["iteration"] == ITERATION and (got - saved[2]).abs().max().item() <= _bound(saved[2])
+    assert script.main(["--input", str(tmp_path / "nowhere"), "--output", out]) == 2

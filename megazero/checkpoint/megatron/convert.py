@@ -66,7 +66,8 @@ def convert(src: str, dst: str, cfg, model_provider, iteration: Optional[int] = 
     layers = _saved_layers(ck)
     if layers is not None and layers != whole.model.num_layers:
         raise CheckpointError(f"--load {src}: the Megatron-LM checkpoint has {layers} layers, this model "
-                              f"{whole.model.num_layers}; pass --use-checkpoint-args or --num-layers {layers}")
+                              f"{whole.model.num_layers}; pass --use-checkpoint-args or "
+                              f"--num-layers {layers}")
     with torch.device("meta"):
         built = model_provider(whole, ParallelMesh.single(torch.device("meta")))
     chunks = [built] if isinstance(built, torch.nn.Module) else list(built)
@@ -79,7 +80,8 @@ def convert(src: str, dst: str, cfg, model_provider, iteration: Optional[int] = 
         want = (vocab,) + tuple(p.shape[1:]) if name in ("word_embeddings.weight", "output_layer.weight") \
             else tuple(p.shape)
         if name in ("word_embeddings.weight", "output_layer.weight") and t.shape[0] < vocab:
-            raise CheckpointError(f"--load {src}: {name} has {t.shape[0]} rows in the Megatron-LM checkpoint, "
+            raise CheckpointError(f"--load {src}: {name} has {t.shape[0]} rows in the Megatron-LM "
+                                  "checkpoint, "
                                   f"fewer than --vocab-size {vocab}")
         _check_shape(ck, name, t, want)
         return t.contiguous()

@@ -14,6 +14,7 @@ pipeline stages), one at a time.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -131,8 +132,8 @@ class MegatronCheckpoint:
         try:
             load(out, storage_reader=Reader(self.path), no_dist=True)
         except Exception as err:  # noqa: BLE001 - damaged shard contents
-            raise CheckpointCorrupt(f"{self.path}: reading {name} failed ({' '.join(str(err).split())[:200]})") \
-                from None
+            why = " ".join(str(err).split())[:200]
+            raise CheckpointCorrupt(f"{self.path}: reading {name} failed ({why})") from None
         return out[name].float()
 
     # ---- legacy -------------------------------------------------------------------------------
@@ -141,17 +142,26 @@ class MegatronCheckpoint:
         for n in os.listdir(self.path):
             m = LEGACY_DIR.match(n)
             if m:
-                ranks[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(self.path, n, "model_optim_rng.pt")
+                key = (int(m.group(1)), int(m.group(2) or 0))
+                ranks[key] = os.path.join(self.path, n, "model_optim_rng.pt")
+        if not ranks:
+            raise CheckpointError(f"{self.path}: no mp_rank_* directory")
         tp = 1 + max(t for t, _ in ranks)
         pp = 1 + max(p for _, p in ranks)
+        self._files = ranks
+        if (0, 0) in ranks and os.path.isfile(ranks[(0, 0)]):  # the saving sizes, as its args say them
+            args = vars(self._rank(0, 0).get("args") or argparse.Namespace())
+            tp = max(tp, int(args.get("tensor_model_parallel_size") or 1))
+            pp = max(pp, int(args.get("pipeline_model_parallel_size") or 1))
         for t in range(tp):
             for p in range(pp):
                 if (t, p) not in ranks:
-                    raise CheckpointCorrupt(f"{self.path}: the file of tensor-parallel rank {t}, pipeline "
-                                            f"stage {p} is missing (mp_rank_{t:02d}{f'_{p:03d}' if pp > 1 else ''})")
+                    stem = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                    raise CheckpointCorrupt(f"{self.path}: {stem} is missing (tensor-parallel rank {t}, "
+                                            f"pipeline stage {p} of a TP {tp} x PP {pp} checkpoint)")
                 if not os.path.isfile(ranks[(t, p)]):
                     raise CheckpointCorrupt(f"{ranks[(t, p)]} is missing")
-        self.tp, self.pp, self._files = tp, pp, ranks
+        self.tp, self.pp = tp, pp
         first = self._rank(0, 0)
         self.state = {k: v for k, v in first.items() if k not in ("model", "optimizer", "rng_state")}
         self._layer_names: Dict[str, List[Tuple[int, str]]] = {}
@@ -179,7 +189,8 @@ class MegatronCheckpoint:
                 self._legacy.pop(next(iter(self._legacy)))
             state = load_pt(self._files[(t, p)])
             if not isinstance(state, dict) or "model" not in state:
-                raise CheckpointError(f"{self._files[(t, p)]}: no 'model' entry; not a Megatron-LM checkpoint")
+                raise CheckpointError(f"{self._files[(t, p)]}: no 'model' entry; not a Megatron-LM "
+                                      "checkpoint")
             self._legacy[(t, p)] = state
         return self._legacy[(t, p)]
 

@@ -37,8 +37,10 @@ PLAIN_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "rotary_percent", "normalization", "norm_epsilon", "qk_layernorm", "add_bias_linear",
               "add_qkv_bias", "untie_embeddings_and_output_weights", "hidden_dropout", "attention_dropout",
               "make_vocab_size_divisible_by", "rotary_seq_len_interpolation_factor", "init_method_std")
-REFUSED_ARGS = {"num_experts": "mixture-of-experts layers", "multi_latent_attention": "multi-latent attention",
-                "hybrid_override_pattern": "hybrid (Mamba) stacks", "mtp_num_layers": "multi-token prediction"}
+REFUSED_ARGS = {"num_experts": "mixture-of-experts layers",
+                "multi_latent_attention": "multi-latent attention",
+                "hybrid_override_pattern": "hybrid (Mamba) stacks",
+                "mtp_num_layers": "multi-token prediction"}
 LAYER = {  # megazero leaf -> Megatron-core leaves (local spec, TE spec)
     "input_norm": ("input_layernorm.{}", "self_attention.linear_qkv.layer_norm_{}"),
     "attention.qkv": ("self_attention.linear_qkv.{}",),
@@ -50,7 +52,8 @@ LAYER = {  # megazero leaf -> Megatron-core leaves (local spec, TE spec)
 }
 GLOBAL = {"word_embeddings.weight": "embedding.word_embeddings.weight",
           "position_embeddings.weight": "embedding.position_embeddings.weight",
-          "final_norm.weight": "decoder.final_layernorm.weight", "final_norm.bias": "decoder.final_layernorm.bias",
+          "final_norm.weight": "decoder.final_layernorm.weight",
+          "final_norm.bias": "decoder.final_layernorm.bias",
           "output_layer.weight": "output_layer.weight"}
 GATED = ("swiglu", "geglu", "quick_geglu")
 

@@ -70,8 +70,8 @@ def load_pt(path: str) -> Any:
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file
-        raise CheckpointCorrupt(f"{path}: not a readable torch file ({' '.join(str(err).split())[:160]})") \
-            from None
+        first = " ".join(str(err).split()).split(". ")[0][:160]
+        raise CheckpointCorrupt(f"{path}: truncated or not a torch file ({first})") from None
     foreign = [n for n in names if not n.startswith(SAFE_PREFIXES) and n != "argparse.Namespace"]
     if foreign:
         raise _refuse(path, foreign)
