@@ -421,6 +421,27 @@ def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_mod
     mind = parse_args(s["mindspeed-llm llama2 13b"][0], world_size=2)
     assert (mind.data.tokenizer_type, mind.data.tokenizer_model) == ("HuggingFaceTokenizer", hf_tokenizer)
     assert any("--handler-name GeneralPretrainHandler" in n for n in mind.notes)
+    v3 = parse_args(s["megatron-lm deepseek-v3"][0], world_size=4)  # MLA, group-limited sigmoid routing
+    assert (v3.model.multi_latent_attention, v3.model.q_lora_rank, v3.model.kv_lora_rank) == (True, 32, 16)
+    assert (v3.model.rotary_scaling_factor, v3.model.mscale, v3.model.mscale_all_dim) == (40.0, 1.0, 1.0)
+    assert (v3.moe.moe_router_num_groups, v3.moe.moe_router_group_topk, v3.moe.moe_router_score_function,
+            v3.moe.moe_router_enable_expert_bias, v3.moe.moe_router_load_balancing_type) == \
+        (4, 2, "sigmoid", True, "seq_aux_loss")
+    lite = parse_args(s["megatron-lm deepseek-v2-lite"][0], world_size=4).model  # no query LoRA
+    assert (lite.multi_latent_attention, lite.q_lora_rank, lite.mscale) == (True, None, 0.707)
+    oss = parse_args(_without(s["megatron-lm gpt-oss 02_train"][0], *s["megatron-lm gpt-oss 02_train"][3]),
+                     world_size=2)
+    m = oss.model  # --enable-gpt-oss: YaRN; sinks, alternating windows, clamped GEGLU
+    assert (m.position_embedding_type, m.softmax_type, m.window_size, m.window_attn_skip_freq,
+            m.activation) == ("yarn", "learnable", [7, 0], 2, "quick_geglu")
+    assert oss.training.train_iters == 2 and oss.moe.moe_z_loss_coeff == 1e-3
+    mamba = parse_args(s["megatron-lm mamba 800m"][0], world_size=2).model
+    assert (mamba.hybrid_layer_pattern, mamba.position_embedding_type) == ("M-M-M--M-*", "none")
+    nemo = parse_args(s["megatron-bridge nemotronh 4b"][0], world_size=2)
+    # Megatron-LM: the legacy RoPE flag wins over --position-embedding-type none; its hybrid model
+    # builds RoPE without the LLaMA-3.1 scaling that --use-rope-scaling asks for
+    assert (nemo.model.position_embedding_type, nemo.model.use_rope_scaling) == ("rope", False)
+    assert any("--use-rope-scaling: no effect in a hybrid stack" in n for n in nemo.notes)
     mixtral = parse_args(s["megatron-lm mixtral 8x7b"][0], world_size=4).moe
     assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_aux_loss_coeff) == (8, 2, 1e-2)
     assert (mixtral.moe_token_dispatcher_type, mixtral.expert_model_parallel_size) == ("alltoall", 2)

@@ -255,6 +255,10 @@ def translate(settings: Dict[str, Any], command_line: Set[str],
     ignored = [f"{f} ({classify(f)[1]})" for f in given if classify(f)[0] == "ignored"]
     _default_only(given, ignored, problems)
     notes = _special(given, out, command_line, ignored, problems) + _without_effect(out) + overridden
+    if out.get("hybrid_layer_pattern") and out.get("use_rope_scaling"):  # as Megatron-core's HybridModel
+        out["use_rope_scaling"] = False
+        notes.append("--use-rope-scaling: no effect in a hybrid stack (Megatron-LM's hybrid model builds its "
+                     "RoPE without the LLaMA-3.1 scaling), so none here either")
     if problems:  # in command-line order (a flag's refusal starts with the flag)
         order = {flag: i for i, flag in enumerate(given)}
         raise refusal(sorted(problems, key=lambda p: order.get(p.split(":")[0].split(" ")[0], -1)))
