@@ -45,7 +45,7 @@ from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
-from .hf_deepseek import MLA_NAMES
+from .hf_deepseek import MLA_NAMES, MTP_NAMES
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
@@ -210,6 +210,11 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
     architecture ``arch`` (default: the one an export of ``cfg`` writes), fetched one by one with
     ``get(hf_name)``."""
     m, arch = cfg.model, arch or arch_of(cfg.model, cfg.moe)
+    if name.startswith("mtp."):  # DeepSeek-V3's multi-token prediction: model.layers.<i> after the decoder's
+        _, i, rest = name.split(".", 2)
+        if rest.startswith("layer."):
+            return megazero_tensor(f"decoder.{i}.{rest[len('layer.'):]}", cfg, get, arch)
+        return get(f"{_prefix(arch)}{i}.{MTP_NAMES[rest]}")
     if not name.startswith("decoder."):
         t = get(_global_map(arch)[name])
         return t.float() + 1 if name == "final_norm.weight" and arch in OFFSET_NORMS else t
@@ -258,34 +263,60 @@ def export_groups(cfg) -> List[ExportGroup]:
     ``f(*megazero tensors)`` returns the HF tensors (views where possible), in order.  One group
     per HF tensor, except the q/k/v projections split from one fused tensor.  Experts go one by one
     (``decoder.L.mlp.experts.<e>.fc1_weight``, the checkpoint's names) to their published names."""
-    m, arch = cfg.model, arch_of(cfg.model, cfg.moe)
+    arch = arch_of(cfg.model, cfg.moe)
     glob, groups = _global_map(arch), []
     for name in megazero_names(cfg, per_expert=True):
-        if not name.startswith("decoder."):
+        if name.startswith("mtp."):
+            groups += _mtp_groups(name, cfg, arch)
+        elif not name.startswith("decoder."):
             offset = name == "final_norm.weight" and arch in OFFSET_NORMS
             fix = (lambda t: [t - 1]) if offset else (lambda t: [t])
             groups.append(([name], [glob[name]], fix))
-            continue
-        _, i, rest = name.split(".", 2)
-        dst = f"{_prefix(arch)}{i}."
-        one = {mz: (hf, how) for mz, hf, how in layer_map(cfg, arch)}
-        expert = EXPERT.fullmatch(rest)
-        if expert and arch == "gpt_oss":  # one stacked tensor per kind: written with the layer's first
-            if rest == "mlp.experts.0.fc1_weight":
-                groups += _gpt_oss_expert_groups(i, dst, cfg.moe.num_experts)
-        elif expert:
-            hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
-            groups.append(([name], [dst + hf], lambda t: [t]))
-        elif rest in one:
-            hf, how = one[rest]
-            fn = {"T": lambda t: [t.t()], "1p": lambda t: [t - 1], "": lambda t: [t]}[how]
-            groups.append(([name], [dst + hf], fn))
-        elif rest == "mlp.gate.weight":  # phi3: with fc1, one gate_up_proj
-            groups.append(([name, f"decoder.{i}.mlp.fc1.weight"], [dst + "mlp.gate_up_proj.weight"],
-                           lambda g, u: [torch.cat([g, u])]))
-        elif rest != "mlp.fc1.weight":
-            groups.append(_qkv_group(name, dst, rest.rsplit(".", 1)[1], m, arch))
+        else:
+            groups += _decoder_groups(name, cfg, arch)
     return groups
+
+
+def _decoder_groups(name: str, cfg, arch: str) -> List[ExportGroup]:
+    """The export groups of decoder parameter ``name`` (``decoder.<i>.<rest>``)."""
+    m = cfg.model
+    _, i, rest = name.split(".", 2)
+    dst = f"{_prefix(arch)}{i}."
+    one = {mz: (hf, how) for mz, hf, how in layer_map(cfg, arch)}
+    expert = EXPERT.fullmatch(rest)
+    if expert and arch == "gpt_oss":  # one stacked tensor per kind: written with the layer's first
+        first = rest == "mlp.experts.0.fc1_weight"
+        return _gpt_oss_expert_groups(i, dst, cfg.moe.num_experts) if first else []
+    if expert:
+        hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
+        return [([name], [dst + hf], lambda t: [t])]
+    if rest in one:
+        hf, how = one[rest]
+        fn = {"T": lambda t: [t.t()], "1p": lambda t: [t - 1], "": lambda t: [t]}[how]
+        return [([name], [dst + hf], fn)]
+    if rest == "mlp.gate.weight":  # phi3: with fc1, one gate_up_proj
+        return [([name, f"decoder.{i}.mlp.fc1.weight"], [dst + "mlp.gate_up_proj.weight"],
+                 lambda g, u: [torch.cat([g, u])])]
+    return [_qkv_group(name, dst, rest.rsplit(".", 1)[1], m, arch)] if rest != "mlp.fc1.weight" else []
+
+
+def _mtp_groups(name: str, cfg, arch: str) -> List[ExportGroup]:
+    """Multi-token prediction depth ``i``'s parameter ``name`` (``mtp.<i>.<rest>``) where DeepSeek-V3's
+    files put it, ``model.layers.<i>.*`` (:data:`models.hf_deepseek.MTP_NAMES`; its transformer layer as
+    a decoder layer's); with its ``enorm`` also the copies of the embedding and the head those files
+    carry (``embed_tokens``, ``shared_head.head``)."""
+    _, i, rest = name.split(".", 2)
+    dst = f"{_prefix(arch)}{i}."
+    if rest.startswith("layer."):  # every group of a DeepSeek-V3 layer's parameter is one-to-one
+        alias = f"decoder.{i}.{rest[len('layer.'):]}"
+        return [([name], hf, fn) for _, hf, fn in _decoder_groups(alias, cfg, arch)]
+    out = [([name], [dst + MTP_NAMES[rest]], lambda t: [t])]
+    if rest == "enorm.weight":
+        untied = cfg.model.untie_embeddings_and_output_weights
+        head = "output_layer.weight" if untied else "word_embeddings.weight"
+        out += [(["word_embeddings.weight"], [dst + "embed_tokens.weight"], lambda t: [t.clone()]),
+                ([head], [dst + "shared_head.head.weight"], lambda t: [t.clone()])]
+    return out
 
 
 def _qkv_group(name: str, dst: str, kind: str, m, arch: str) -> ExportGroup:

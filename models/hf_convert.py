@@ -51,8 +51,13 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: O
     from . import build_model
     from .hf import layers_present, megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
+    from .hf_config import config_from_hf
+    from .hf_deepseek import mtp_depths
     hf_config, cfg = read_hf_config(src)
     weights = HFWeights(src)
+    depths = mtp_depths(weights.names(), hf_config)  # DeepSeek-V3's files hold its MTP layers
+    if depths:
+        cfg = _whole_model_cfg(dict(config_from_hf(hf_config), mtp_num_layers=depths))
     present = layers_present(weights.names(), hf_config.model_type)
     absent = next((i for i in range(cfg.model.num_layers) if i not in present), None)
     if absent is not None:  # before building the model, which takes time in proportion to the layers
@@ -230,6 +235,7 @@ def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: boo
             raise ConfigError(f"{weights.where(get.asked[-1])}: tensor shapes {source} give megazero's "
                               f"{name} the shape {list(t.shape)}; the model {config} describes needs {want}")
     unused = [n for n in weights.names() if n not in used and not unneeded_buffer(n, arch)]
+    unused = [n for n in unused if not _mtp_copy(n, weights, cfg)]
     embeddings = EMBEDDINGS["gpt2" if arch == "gpt2" else "llama"]
     if "lm_head.weight" in unused and not cfg.model.untie_embeddings_and_output_weights \
             and embeddings in used and weights.same("lm_head.weight", embeddings):
@@ -243,6 +249,21 @@ def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: boo
                           "layers than num_hidden_layers?); fix config.json, or pass --allow-unused-weights "
                           "to drop them")
     return unused
+
+
+def _mtp_copy(name: str, weights, cfg) -> bool:
+    """Whether ``name`` is a multi-token prediction depth's copy of the embedding or the head in
+    DeepSeek-V3's files (``model.layers.<i>.embed_tokens`` / ``shared_head.head``, ``i`` a depth megazero
+    imports) equal to the model's own, which megazero shares."""
+    from .hf_deepseek import MTP_COPIES
+    layers, parts = cfg.model.num_layers, name.split(".", 3)
+    depths = range(layers, layers + (cfg.model.mtp_num_layers or 0))
+    if len(parts) != 4 or parts[:2] != ["model", "layers"] or parts[3] not in MTP_COPIES \
+            or not parts[2].isdigit() or int(parts[2]) not in depths:
+        return False
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    own = "model.embed_tokens.weight" if parts[3] == MTP_COPIES[0] or tied else "lm_head.weight"
+    return own in weights and weights.same(name, own)
 
 
 def _copy_hf_files(src: str, dst: str) -> bool:

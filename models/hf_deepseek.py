@@ -2,8 +2,9 @@
 RoPE on interleaved pairs (``rope_interleave``, as megazero's MLA rotates them: no permutation), plain
 or YaRN (``mscale``, ``mscale_all_dim``), and the DeepSeek-style mixture of experts of
 :mod:`models.hf_sigmoid_moe`.  Its multi-token prediction layers are not part of transformers' model
-(``num_nextn_predict_layers`` is ignored there): the import leaves them out, and an export of a
-model with ``--mtp-num-layers`` is refused by name.
+(``num_nextn_predict_layers`` is ignored there) but its published files hold them as
+``model.layers.<L + k>.*``: ``convert_hf.py`` (:mod:`models.hf_convert`) imports the depths whose weights
+the files hold as ``--mtp-num-layers`` (:data:`MTP_NAMES`), and every export writes them there.
 
 :func:`mla_settings` maps the attention part of a config; :func:`deepseek_missing` says what
 ``DeepseekV3`` lacks to hold a megazero model; :func:`deepseek_fields` and :func:`deepseek_rope`
@@ -24,6 +25,23 @@ MLA_NAMES = [("attention.q_down.weight", "self_attn.q_a_proj.weight"),
              ("attention.kv_down.weight", "self_attn.kv_a_proj_with_mqa.weight"),
              ("attention.kv_norm.weight", "self_attn.kv_a_layernorm.weight"),
              ("attention.kv_up.weight", "self_attn.kv_b_proj.weight")]
+# multi-token prediction depth i (megazero's mtp.<i>.*) in DeepSeek-V3's files (model.layers.<i>.*), besides
+# its transformer layer's own names and the copies of the embedding and head
+# (embed_tokens, shared_head.head)
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+             "eh_proj.weight": "eh_proj.weight", "final_norm.weight": "shared_head.norm.weight"}
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def mtp_depths(hf_names, c) -> int:
+    """The multi-token prediction depths of DeepSeek-V3 config ``c`` (``num_nextn_predict_layers``) whose
+    weights ``hf_names`` hold (transformers' own model drops them; the published files keep them)."""
+    if getattr(c, "model_type", None) != "deepseek_v3":
+        return 0
+    names, layers = set(hf_names), c.num_hidden_layers
+    wanted = int(getattr(c, "num_nextn_predict_layers", 0) or 0)
+    present = [f"model.layers.{layers + k}.eh_proj.weight" in names for k in range(wanted)]
+    return present.index(False) if False in present else wanted
 
 
 def _refuse(field: str, value, fix: str):
@@ -79,4 +97,4 @@ def deepseek_fields(m) -> Dict[str, Any]:
     """``DeepseekV3Config``'s attention fields."""
     return dict(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
                 qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
-                attention_bias=False, num_nextn_predict_layers=0)
+                attention_bias=False, num_nextn_predict_layers=m.mtp_num_layers or 0)

@@ -116,8 +116,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` with MoEConfig ``moe``
     (None: it holds it)."""
     experts = bool(moe is not None and moe.num_experts)
-    if m.mtp_num_layers:
-        return f"multi-token prediction, --mtp-num-layers ({t} has none)"
+    if m.mtp_num_layers and t != "deepseek_v3":
+        return f"multi-token prediction, --mtp-num-layers ({t} has none; deepseek_v3 has)"
     if m.multi_latent_attention and t != "deepseek_v3":
         return f"multi-latent attention, --multi-latent-attention ({t} has none; deepseek_v3 holds it " \
                "with DeepSeek-V3's mixture of experts)"

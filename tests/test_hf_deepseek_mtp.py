@@ -1,0 +1,96 @@
+"""DeepSeek-V3's multi-token prediction weights through the Hugging Face conversion (models/hf_deepseek.py):
+transformers' model has no MTP layers, but the published files hold depth k at ``model.layers.<L + k>.*``
+(enorm, hnorm, eh_proj, a transformer layer, shared_head.norm, and copies of the embedding and head).
+A tiny DeepSeek-V3 directory with one such depth (tests/hf_families.py's, its MTP tensors added to the
+file as DeepSeek's are) converts with ``convert_hf.py``'s importer to a checkpoint with
+``--mtp-num-layers 1`` whose MTP parameters are those tensors, and back to files holding the same
+tensors (bytes equal) that transformers still loads with the same logits; a copy of the head that
+differs from the model's is not silently dropped."""
+import json
+import os
+
+import pytest
+import torch
+
+from hf_families import VOCAB, SEQ, hf_model
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # two conversions and a transformers load (~4 s)
+
+
+def _mtp_tensors(hf):
+    """Depth 0's tensors as DeepSeek-V3's files name them: a transformers decoder layer of index L (an
+    MoE layer, as the last one is), its norms and projection, random; the embedding and head copied."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    c, L = hf.config, hf.config.num_hidden_layers
+    torch.manual_seed(5)
+    layer = DeepseekV3DecoderLayer(c, L)
+    out = {f"model.layers.{L}.{k}": v + 0.1 * torch.randn_like(v) for k, v in layer.state_dict().items()}
+    gate_up, down = (out.pop(f"model.layers.{L}.mlp.experts.{k}") for k in ("gate_up_proj", "down_proj"))
+    for e in range(gate_up.shape[0]):  # the experts one by one, as the published files hold them
+        gate, up = gate_up[e].chunk(2)
+        out.update({f"model.layers.{L}.mlp.experts.{e}.gate_proj.weight": gate,
+                    f"model.layers.{L}.mlp.experts.{e}.up_proj.weight": up,
+                    f"model.layers.{L}.mlp.experts.{e}.down_proj.weight": down[e]})
+    h = c.hidden_size
+    out.update({f"model.layers.{L}.enorm.weight": 1 + 0.1 * torch.randn(h),
+                f"model.layers.{L}.hnorm.weight": 1 + 0.1 * torch.randn(h),
+                f"model.layers.{L}.eh_proj.weight": 0.1 * torch.randn(h, 2 * h),
+                f"model.layers.{L}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
+                f"model.layers.{L}.embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+                f"model.layers.{L}.shared_head.head.weight": hf.lm_head.weight.detach().clone()})
+    return out
+
+
+def _write_with_mtp(hf, d, **changed):
+    """``hf`` saved to ``d``, its file holding depth 0's tensors too (``changed`` replaced)."""
+    from safetensors.torch import load_file, save_file
+    hf.save_pretrained(str(d))
+    path = os.path.join(d, "model.safetensors")
+    mtp = dict(_mtp_tensors(hf), **changed)
+    save_file(dict(load_file(path), **mtp), path, metadata={"format": "pt"})
+    with open(os.path.join(d, "config.json")) as fh:
+        config = json.load(fh)
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        json.dump(dict(config, num_nextn_predict_layers=1), fh)
+    return mtp
+
+
+def test_deepseek_mtp_weights_round_trip(tmp_path):
+    from safetensors.torch import load_file
+    from models.checkpoint import load_model
+    from models.hf_convert import to_hf, to_megazero
+    hf = hf_model("deepseek-v3")
+    mtp = _write_with_mtp(hf, tmp_path / "src")
+    to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+    model, _ = load_model(str(tmp_path / "ckpt"))
+    assert model.cfg.model.mtp_num_layers == 1
+    params = dict(model.named_parameters())
+    L = hf.config.num_hidden_layers
+    for ours, theirs in [("enorm.weight", "enorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
+                         ("final_norm.weight", "shared_head.norm.weight"),
+                         ("layer.attention.kv_up.weight", "self_attn.kv_b_proj.weight"),
+                         ("layer.mlp.router.expert_bias", "mlp.gate.e_score_correction_bias")]:
+        assert torch.equal(params[f"mtp.{L}.{ours}"].detach(), mtp[f"model.layers.{L}.{theirs}"]), ours
+    to_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    back = {k: v for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")
+            for k, v in load_file(str(tmp_path / "out" / f)).items()}
+    for name, t in mtp.items():  # every tensor of the depth, the copies included, written back unchanged
+        assert torch.equal(back[name], t), name
+    with open(tmp_path / "out" / "config.json") as fh:
+        assert json.load(fh)["num_nextn_predict_layers"] == 1
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_head_copy_that_differs_is_not_dropped(tmp_path):
+    from megazero.config import ConfigError
+    from models.hf_convert import to_megazero
+    hf = hf_model("deepseek-v3")
+    L = hf.config.num_hidden_layers
+    other = torch.randn_like(hf.lm_head.weight)
+    _write_with_mtp(hf, tmp_path / "src", **{f"model.layers.{L}.shared_head.head.weight": other})
+    with pytest.raises(ConfigError, match=f"tensor 'model.layers.{L}.shared_head.head.weight' is not used"):
+        to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
