@@ -59,7 +59,7 @@ class DeltaNetShape:
             raise ValueError(f"--linear-num-key-heads {self.num_key_heads} must be a multiple of "
                              f"--tensor-model-parallel-size {tp} (TP splits whole key heads)")
         if self.chunk_size < 1:
-            raise ValueError(f"the Gated DeltaNet chunk size must be positive, got {self.chunk_size}")
+            raise ValueError(f"--linear-chunk-size must be positive, got {self.chunk_size}")
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -15,7 +15,6 @@ out-projection).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -67,7 +66,7 @@ class MambaShape:
             raise ValueError(f"--mamba-num-groups {self.num_groups} must be a multiple of "
                              f"--tensor-model-parallel-size {tp} (TP splits whole groups)")
         if self.chunk_size < 1:
-            raise ValueError(f"the Mamba chunk size must be positive, got {self.chunk_size}")
+            raise ValueError(f"--mamba-chunk-size must be positive, got {self.chunk_size}")
 
 
 class MambaMixer(nn.Module):
@@ -167,8 +166,3 @@ class MambaMixer(nn.Module):
         if self.recompute_core and state is None and torch.is_grad_enabled():  # keeps proj only
             return self.out_proj(recompute(self.mix, proj).transpose(0, 1))
         return self.out_proj(self.mix(proj, state).transpose(0, 1))
-
-
-def default_heads(hidden_size: int, head_dim: int, expand: int = 2) -> int:
-    """Megatron-LM's head count when ``--mamba-num-heads`` is not given: ``expand * hidden / head_dim``."""
-    return max(1, math.ceil(expand * hidden_size / head_dim))
