@@ -194,6 +194,9 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_an_uninterrupted_one(
     out = nodes[0].text() + nodes[1].text()
     assert codes == [0, 0], out[-4000:]
     assert "joining it in torchrun's next rendezvous round" in nodes[1].text()
+    assert re.search(r"launch.py: rank \d (exited with status 1|was killed by SIG[A-Z]+); restarting this "
+                     r"node's ranks \(restart 1 of 2\): they resume from the last checkpoint in a new "
+                     r"rendezvous round", nodes[0].text()), nodes[0].text()[-4000:]
     assert re.search(r"loaded checkpoint .*iter_000000[36]", out), out[-4000:]
     got = {it: m["loss"] for it, m in _metrics(str(tmp_path / "metrics.jsonl")).items()}
     assert got == uninterrupted and len(got) == ITERS
@@ -318,6 +321,16 @@ def test_the_agent_restarts_ranks_that_exited_0_after_a_launcher_was_lost(tmp_pa
                                "(--exit-signal-handler); the launcher of a rank is gone")
     assert os.listdir(tmp_path) == []  # the next attempt starts without notes
     assert LocalElasticAgent._monitor_workers(agent, group).state == WorkerState.SUCCEEDED
+    two = SimpleNamespace(settings=SimpleNamespace(max_nodes=2))
+    spec = SimpleNamespace(max_restarts=2, rdzv_handler=two)
+    agent = SimpleNamespace(_remaining_restarts=2, _worker_group=SimpleNamespace(spec=spec))
+    assert rounds.restart_line(result, agent, seen) == (
+        "training stopped after iteration 7: SIGTERM received (--exit-signal-handler); the launcher of a "
+        "rank is gone; restarting this node's ranks (restart 1 of 2): they resume from the last checkpoint "
+        "in a new rendezvous round, once enough nodes are back (--nnodes; it waits up to --rdzv-conf "
+        "join_timeout, 600 s by default)")
+    agent._remaining_restarts = 0
+    assert rounds.restart_line(result, agent, seen) is None  # the launcher's last line says it
 
 
 def test_every_round_rebuilds_the_workers_store_and_exports_its_number(monkeypatch):
@@ -363,7 +376,9 @@ def test_a_node_started_again_after_the_job_formed_goes_straight_to_the_rendezvo
         t.start()
     for t in threads:
         t.join(60)
-    assert ok == {0: True, 1: True} and len(keep) == 1, (out[0].getvalue(), out[1].getvalue())
+    assert ok == {0: True, 1: True}, (out[0].getvalue(), out[1].getvalue())
+    host, client = sorted(keep, key=lambda joined: not joined.hosting)
+    assert host.hosting and not client.hosting
     for rank in (1, None):
         again = io.StringIO()
         start = time.monotonic()
@@ -373,6 +388,13 @@ def test_a_node_started_again_after_the_job_formed_goes_straight_to_the_rendezvo
                                     "started: joining it in torchrun's next rendezvous round\n")
     assert ("127.0.0.1", port) in _listening(os.getpid())  # the host's store, on the address given only
     assert not [a for a, p in _listening(os.getpid()) if p == port and a != "127.0.0.1"]
+    start = time.monotonic()
+    host.leave(wait=0.5)  # node 1 is not done: the host waits, bounded
+    waited = time.monotonic() - start
+    client.leave()
+    start = time.monotonic()
+    host.leave(wait=30)  # node 1 is done: at once
+    assert waited >= 0.5 and time.monotonic() - start < 5
 
 
 def test_stores_listen_on_the_address_they_are_given(monkeypatch):

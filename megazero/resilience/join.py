@@ -91,13 +91,35 @@ def _connect(host: str, port: int, deadline: float, interval: float, say, may_ho
                 say(f"waiting for the node hosting the join at {host}:{port} (the rendezvous host)")
 
 
+class JoinedJob:
+    """This launcher's place in the join, held for the whole launch.  :meth:`leave` at its end: a node
+    says it is done; the host waits (up to ``wait`` seconds) until the other nodes are, so that its
+    stores (this one, torchrun's rendezvous store) outlive their last use (torchrun's agents close the
+    rendezvous as they exit, and a store gone by then prints a C++ stack trace on those nodes)."""
+
+    def __init__(self, store, hosting: bool, nnodes: int):
+        self.store, self.hosting, self.nnodes = store, hosting, nnodes
+
+    def leave(self, wait: float = 10.0) -> None:
+        try:
+            if not self.hosting:
+                self.store.add(f"{KEY}/done", 1)
+                return
+            deadline = time.monotonic() + wait
+            while self.store.add(f"{KEY}/done", 0) < self.nnodes - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except RuntimeError:  # the host is gone already
+            pass
+
+
 def join_nodes(host: str, port: int, nnodes: int, node_rank: Optional[int], timeout: float,
                interval: float = 30.0, stream: Optional[TextIO] = None, prog: str = "launch.py",
                keep: Optional[list] = None) -> bool:
     """Wait until ``nnodes`` launchers joined at ``host:port`` (see the module docstring); False after
     ``timeout`` seconds, with one line naming the missing nodes, or when this node rank is taken.  The
-    store this node hosts is appended to ``keep`` (the caller holds it, and so keeps it serving, for
-    the rest of the launch); without ``keep`` it closes when every node has read the outcome."""
+    node's :class:`JoinedJob` is appended to ``keep``: the caller holds it (the host's store serves for
+    the rest of the launch) and calls its :meth:`JoinedJob.leave` at the end; without ``keep`` the
+    host's store closes once every node has read the outcome."""
     import sys
     stream = sys.stderr if stream is None else stream
 
@@ -120,13 +142,16 @@ def join_nodes(host: str, port: int, nnodes: int, node_rank: Optional[int], time
         if store.check([f"{KEY}/formed"]):  # started again after the job formed (a node that was lost)
             say(f"the job formed at {where} before this node started: joining it in torchrun's next "
                 "rendezvous round")
+            if keep is not None:
+                keep.append(JoinedJob(store, False, nnodes))
             return True
         line = _wait(store, where, nnodes, node_rank, start, timeout, interval, say)
         if not line:
             store.set(f"{KEY}/formed", "1")
-        if hosting and keep is not None and not line:
-            keep.append(store)  # serving for the rest of the launch: a node started again reads "formed"
-            return True
+        if keep is not None and not line:
+            keep.append(JoinedJob(store, hosting, nnodes))
+            if hosting:
+                return True  # serving for the rest of the launch: a node started again reads "formed"
         counted = store.add(f"{KEY}/count", 0) if hosting else 0
         store.add(f"{KEY}/left", 1)  # a joined node's last word: after it the host may close the store
         while hosting and store.add(f"{KEY}/left", 0) < counted and time.monotonic() < deadline + 30:

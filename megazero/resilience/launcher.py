@@ -165,7 +165,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     serve_on_given_address(args, warn=say)  # the stores listen on the address given, not on every interface
     own = list(argv)[:list(argv).index(args.training_script)] if args.training_script in argv else list(argv)
     rounds.host_on_node_zero(args, node_rank_of(own))
-    keep: List[object] = []  # the join store this launcher serves, for as long as it runs
+    keep: List[object] = []  # this launcher's place in the join (the host: its store), for the whole launch
     if not join_before_torchrun(args, argv, join_timeout, join_interval, stream, keep=keep):
         return EXIT_FAILURE
     os.environ["MEGAZERO_AGENT_PID"] = str(os.getpid())  # the ranks' parent: they exit when it is gone
@@ -174,7 +174,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
     _no_restart_after(handler)
     entry = os.path.basename(str(args.training_script))
     notes = tempfile.mkdtemp(prefix="megazero-stop-notes-")
-    seen = rounds.install(notes)
+    seen = rounds.install(notes, lambda text: handler.signum is None and say(text))  # none after a signal
     try:
         torchrun.run(args)
     except ChildFailedError as err:
@@ -206,7 +206,8 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         return EXIT_FAILURE
     finally:
         shutil.rmtree(notes, ignore_errors=True)
-        del keep[:]
+        for joined in keep:
+            joined.leave()
     if handler.signum is not None:
         stream.write(f"{PROG}: {signal.Signals(handler.signum).name} received: every rank stopped cleanly "
                      "(a checkpoint was saved where --save was given)\n")

@@ -19,7 +19,8 @@ torchrun stand in the way, and :func:`install` changes them in this process:
 from __future__ import annotations
 
 import os
-from typing import Optional
+import signal
+from typing import Callable, Optional
 
 from megazero.resilience.stop_notes import clear_notes, read_notes
 
@@ -29,8 +30,8 @@ ROUND_ENV = "MEGAZERO_RDZV_ROUND"
 class Interruptions:
     """What the agent saw: the note of the last attempt interrupted by a lost launcher, if any."""
 
-    def __init__(self, notes_dir: str):
-        self.notes_dir = notes_dir
+    def __init__(self, notes_dir: str, say: Optional[Callable[[str], None]] = None):
+        self.notes_dir, self.say = notes_dir, say
         self.last: Optional[dict] = None
         self.count = 0
 
@@ -65,6 +66,30 @@ def _patch_rendezvous() -> None:
     DynamicRendezvousHandler.next_rendezvous = next_rendezvous
 
 
+def restart_line(result, agent, seen: Interruptions) -> Optional[str]:
+    """The line the launcher prints when torchrun is about to restart this node's ranks after a failed
+    attempt (None when no restart is left: the launcher's last line says it then)."""
+    left = int(getattr(agent, "_remaining_restarts", 0))
+    spec = getattr(getattr(agent, "_worker_group", None), "spec", None)
+    if left <= 0 or spec is None:
+        return None
+    failures = sorted((result.failures or {}).items(), key=lambda item: item[1].timestamp)
+    if not failures:
+        what = "this node's ranks stopped answering"
+    elif getattr(failures[0][1], "megazero_interrupted", False):
+        what = seen.describe()
+    else:
+        rank, code = failures[0][0], int(failures[0][1].exitcode)
+        what = f"rank {rank} " + (f"was killed by {signal.Signals(-code).name}" if code < 0
+                                  else f"exited with status {code}")
+    settings = getattr(spec.rdzv_handler, "settings", None)
+    many = settings is not None and settings.max_nodes > 1
+    wait = (" in a new rendezvous round, once enough nodes are back (--nnodes; it waits up to --rdzv-conf "
+            "join_timeout, 600 s by default)") if many else ""
+    return (f"{what}; restarting this node's ranks (restart {spec.max_restarts - left + 1} of "
+            f"{spec.max_restarts}): they resume from the last checkpoint{wait}")
+
+
 def _patch_monitor(seen: Interruptions) -> None:
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -73,7 +98,14 @@ def _patch_monitor(seen: Interruptions) -> None:
     original = getattr(current, "_megazero_original", current)
 
     def monitor(agent, worker_group):
-        result = original(agent, worker_group)
+        result = _interrupted(agent, worker_group, original(agent, worker_group))
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and seen.say is not None:
+            line = restart_line(result, agent, seen)
+            if line:
+                seen.say(line)
+        return result
+
+    def _interrupted(agent, worker_group, result):
         if result.state != WorkerState.SUCCEEDED:
             return result
         notes = read_notes(seen.notes_dir)
@@ -94,12 +126,13 @@ def _patch_monitor(seen: Interruptions) -> None:
     LocalElasticAgent._monitor_workers = monitor
 
 
-def install(notes_dir: str) -> Interruptions:
+def install(notes_dir: str, say: Optional[Callable[[str], None]] = None) -> Interruptions:
     """Apply the changes above to torchrun's classes (this process); the notes of this launcher's ranks
-    are read from ``notes_dir`` (exported to them as ``MEGAZERO_STOP_NOTES``)."""
+    are read from ``notes_dir`` (exported to them as ``MEGAZERO_STOP_NOTES``); ``say`` prints the line
+    for each restart of this node's ranks."""
     from megazero.resilience.stop_notes import NOTES_ENV
     os.environ[NOTES_ENV] = notes_dir
-    seen = Interruptions(notes_dir)
+    seen = Interruptions(notes_dir, say)
     _patch_rendezvous()
     _patch_monitor(seen)
     return seen

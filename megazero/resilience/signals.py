@@ -83,14 +83,27 @@ class ExitSignals:
 AGENT_PID = "MEGAZERO_AGENT_PID"  # set by scripts/launch.py for its ranks: the agent's process id
 
 
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie: Linux's /proc; False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X", "x")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
 def parent_is_gone(environ=os.environ) -> bool:
     """Whether the process that started this one has died already: the parent is not the agent that
-    ``scripts/launch.py`` names in ``MEGAZERO_AGENT_PID``, or (other launchers) this process was
+    ``scripts/launch.py`` names in ``MEGAZERO_AGENT_PID``, or that agent has exited (killed, its main
+    thread exits first: Linux moves its children to one of its threads still exiting, and sends the
+    parent death signal, while the parent id still names it), or (other launchers) this process was
     re-parented to init."""
     parent = os.getppid()
     agent = environ.get(AGENT_PID, "")
     if agent.isdigit():
-        return parent != int(agent)
+        return parent != int(agent) or _exited(int(agent))
     return parent == 1
 
 
