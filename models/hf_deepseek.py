@@ -31,12 +31,14 @@ MLA_NAMES = [("attention.q_down.weight", "self_attn.q_a_proj.weight"),
 MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
              "eh_proj.weight": "eh_proj.weight", "final_norm.weight": "shared_head.norm.weight"}
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_ARCHS = ("deepseek_v3", "glm4_moe")  # GLM-4.5's files hold its depth the same way
 
 
 def mtp_depths(hf_names, c) -> int:
-    """The multi-token prediction depths of DeepSeek-V3 config ``c`` (``num_nextn_predict_layers``) whose
-    weights ``hf_names`` hold (transformers' own model drops them; the published files keep them)."""
-    if getattr(c, "model_type", None) != "deepseek_v3":
+    """The multi-token prediction depths of DeepSeek-V3 (or GLM-4.5) config ``c``
+    (``num_nextn_predict_layers``) whose weights ``hf_names`` hold (transformers' own model drops them;
+    the published files keep them)."""
+    if getattr(c, "model_type", None) not in MTP_ARCHS:
         return 0
     names, layers = set(hf_names), c.num_hidden_layers
     wanted = int(getattr(c, "num_nextn_predict_layers", 0) or 0)

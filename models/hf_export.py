@@ -116,8 +116,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` with MoEConfig ``moe``
     (None: it holds it)."""
     experts = bool(moe is not None and moe.num_experts)
-    if m.mtp_num_layers and t != "deepseek_v3":
-        return f"multi-token prediction, --mtp-num-layers ({t} has none; deepseek_v3 has)"
+    if m.mtp_num_layers and t not in ("deepseek_v3", "glm4_moe"):
+        return f"multi-token prediction, --mtp-num-layers ({t} has none; deepseek_v3 and glm4_moe have)"
     if m.multi_latent_attention and t != "deepseek_v3":
         return f"multi-latent attention, --multi-latent-attention ({t} has none; deepseek_v3 holds it " \
                "with DeepSeek-V3's mixture of experts)"
@@ -302,7 +302,8 @@ def _family_settings(m, t: str) -> Dict[str, Any]:
     if t == "deepseek_v3":
         out.update(deepseek_fields(m))
     if t == "glm4_moe":
-        out.update(use_qk_norm=m.qk_layernorm, attention_bias=m.add_qkv_bias, num_nextn_predict_layers=0)
+        out.update(use_qk_norm=m.qk_layernorm, attention_bias=m.add_qkv_bias,
+                   num_nextn_predict_layers=m.mtp_num_layers or 0)
     if t == "phi3":
         out.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                    original_max_position_embeddings=m.max_position_embeddings)

@@ -1,8 +1,8 @@
-"""DeepSeek-V3's multi-token prediction weights through the Hugging Face conversion (models/hf_deepseek.py):
-transformers' model has no MTP layers, but the published files hold depth k at ``model.layers.<L + k>.*``
-(enorm, hnorm, eh_proj, a transformer layer, shared_head.norm, and copies of the embedding and head).
-A tiny DeepSeek-V3 directory with one such depth (tests/hf_families.py's, its MTP tensors added to the
-file as DeepSeek's are) converts with ``convert_hf.py``'s importer to a checkpoint with
+"""DeepSeek-V3's and GLM-4.5's multi-token prediction weights through the Hugging Face conversion
+(models/hf_deepseek.py): transformers' models have no MTP layers, but the published files hold depth k
+at ``model.layers.<L + k>.*`` (enorm, hnorm, eh_proj, a transformer layer, shared_head.norm, and copies
+of the embedding and head).  A tiny directory of each (tests/hf_families.py's, one depth's tensors added
+to the file as the published ones are) converts with ``convert_hf.py``'s importer to a checkpoint with
 ``--mtp-num-layers 1`` whose MTP parameters are those tensors, and back to files holding the same
 tensors (bytes equal) that transformers still loads with the same logits; a copy of the head that
 differs from the model's is not silently dropped."""
@@ -22,10 +22,12 @@ def _mtp_tensors(hf):
     """Depth 0's tensors as DeepSeek-V3's files name them: a transformers decoder layer of index L (an
     MoE layer, as the last one is), its norms and projection, random; the embedding and head copied."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
     c, L = hf.config, hf.config.num_hidden_layers
     torch.manual_seed(5)
-    layer = DeepseekV3DecoderLayer(c, L)
-    out = {f"model.layers.{L}.{k}": v + 0.1 * torch.randn_like(v) for k, v in layer.state_dict().items()}
+    layer = (Glm4MoeDecoderLayer if c.model_type == "glm4_moe" else DeepseekV3DecoderLayer)(c, L)
+    out = {f"model.layers.{L}.{k}": 0.1 * torch.randn_like(v) + ("norm" in k)  # no init ran: all drawn here
+           for k, v in layer.state_dict().items()}
     gate_up, down = (out.pop(f"model.layers.{L}.mlp.experts.{k}") for k in ("gate_up_proj", "down_proj"))
     for e in range(gate_up.shape[0]):  # the experts one by one, as the published files hold them
         gate, up = gate_up[e].chunk(2)
@@ -56,11 +58,12 @@ def _write_with_mtp(hf, d, **changed):
     return mtp
 
 
-def test_deepseek_mtp_weights_round_trip(tmp_path):
+@pytest.mark.parametrize("family", ["deepseek-v3", "glm4-moe"])
+def test_mtp_weights_round_trip(family, tmp_path):
     from safetensors.torch import load_file
     from models.checkpoint import load_model
     from models.hf_convert import to_hf, to_megazero
-    hf = hf_model("deepseek-v3")
+    hf = hf_model(family)
     mtp = _write_with_mtp(hf, tmp_path / "src")
     to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
     model, _ = load_model(str(tmp_path / "ckpt"))
@@ -69,7 +72,7 @@ def test_deepseek_mtp_weights_round_trip(tmp_path):
     L = hf.config.num_hidden_layers
     for ours, theirs in [("enorm.weight", "enorm.weight"), ("eh_proj.weight", "eh_proj.weight"),
                          ("final_norm.weight", "shared_head.norm.weight"),
-                         ("layer.attention.kv_up.weight", "self_attn.kv_b_proj.weight"),
+                         ("layer.attention.proj.weight", "self_attn.o_proj.weight"),
                          ("layer.mlp.router.expert_bias", "mlp.gate.e_score_correction_bias")]:
         assert torch.equal(params[f"mtp.{L}.{ours}"].detach(), mtp[f"model.layers.{L}.{theirs}"]), ours
     to_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
