@@ -198,6 +198,54 @@ def deepseek_v3_flags(tmp, tokenizer_dir):
                     "--expert-model-parallel-size", "2", "--save", f"{tmp}/ckpt", "--log-interval", "1"]
 
 
+def deepseek_v3_mfsdp_flags(tmp, tokenizer_dir):
+    """NVIDIA/Megatron-LM examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh (d98e8a6), its PRETRAIN_ARGS
+    with USE_MEGATRON_FSDP=0 (the branch without Megatron-FSDP), PROFILE=0, WANDB=0, every flag kept, sizes
+    scaled down (61 layers of 7168 with 128 heads, 256 experts of 2048 top-8 in 8 groups choosing 4, the
+    first 3 dense -> 4 layers of 64 with 4 heads, 8 experts of 32 top-2 in 4 groups choosing 2, the first
+    dense; MLA ranks 1536 / 512 -> 32 / 16, head dims 128 / 64 -> 16 / 8; 4096 tokens -> 32; EP 8 -> 2,
+    MBS 4 -> 1, GBS 2048 -> 4, 585937500 samples -> 8: 2 iterations), TOKENIZER a local Hugging Face
+    directory, its data path mock data. MTP depth 1 as written."""
+    return ["--distributed-timeout-minutes", "60", "--tensor-model-parallel-size", "1",
+            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+            "--context-parallel-size", "1", "--use-distributed-optimizer", "--overlap-grad-reduce",
+            "--overlap-param-gather", "--use-mcore-models", "--sequence-parallel", "--use-flash-attn",
+            "--disable-bias-linear", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-samples", "8", "--exit-duration-in-mins", "220", "--no-check-for-nan-in-loss-and-grad",
+            "--manual-gc", "--manual-gc-interval", "10", "--recompute-granularity", "selective",
+            "--recompute-modules", "mlp", "moe", "mla_up_proj", "layernorm", "--transformer-impl",
+            "transformer_engine", "--seq-length", "32", "--data-cache-path", f"{tmp}/cache",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir, "--mock-data",
+            "--split", "99,1,0", "--no-mmap-bin-files", "--no-create-attention-mask-in-dataloader",
+            "--num-workers", "6", "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+            "--num-attention-heads", "4", "--kv-channels", "16", "--max-position-embeddings", "32",
+            "--position-embedding-type", "rope", "--rotary-base", "10000", "--make-vocab-size-divisible-by",
+            "3232", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+            "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--attention-dropout", "0.0",
+            "--hidden-dropout", "0.0", "--clip-grad", "1.0", "--weight-decay", "0.1", "--qk-layernorm",
+            "--lr-decay-samples", "6", "--lr-warmup-samples", "2", "--lr-warmup-init", "3.9e-7", "--lr",
+            "3.9e-6", "--min-lr", "3.9e-7", "--lr-decay-style", "cosine", "--adam-beta1", "0.9",
+            "--adam-beta2", "0.95", "--num-experts", "8", "--moe-layer-freq", "[0]*1+[1]*3",
+            "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+            "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk", "2",
+            "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "hybridep",
+            "--moe-router-pre-softmax", "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-4",
+            "--moe-router-group-topk", "2", "--moe-router-num-groups", "4",
+            "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+            "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "1e-3", "--moe-router-dtype", "fp32", "--moe-permute-fusion",
+            "--moe-router-force-load-balancing", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+            "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16",
+            "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0",
+            "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1", "--eval-iters", "32",
+            "--eval-interval", "100", "--auto-detect-ckpt-format", "--load", f"{tmp}/checkpoints", "--save",
+            f"{tmp}/checkpoints", "--save-interval", "100", "--dist-ckpt-strictness", "log_all",
+            "--init-method-std", "0.02", "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
+            "--log-num-zeros-in-grad", "--log-params-norm", "--log-validation-ppl-to-tensorboard",
+            "--log-throughput", "--log-interval", "1", "--logging-level", "40", "--tensorboard-dir",
+            f"{tmp}/tensorboard", "--bf16", "--enable-experimental"]
+
+
 def deepseek_v2_lite_flags(tmp, tokenizer_dir):
     """NVIDIA/Megatron-LM examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-V2-Lite.sh (d98e8a6): its
     MODEL_ARGS, every flag kept, sizes scaled down (27 layers of 2048 with 16 heads, 64 experts of 1408,
@@ -354,6 +402,7 @@ def _scripts(tmp, bpe, sp, hf):
     fsdp = megatron_fsdp_llama3_flags(tmp)
     deepspeed = megatron_deepspeed_llama2_flags(tmp, sp)
     fp8 = ("FP8/FP4 training is not implemented", tuple(f for f in FP8 if f.startswith("--")))
+    random = "--moe-router-force-load-balancing"
     return {
         "megatron-lm gpt3 175b": (gpt3_175b_flags(tmp, *bpe), 4, None, ()),
         "megatron-lm llama3 8b bf16": (llama3_8b_flags(tmp) + DECOUPLED, 2, None, ()),
@@ -370,6 +419,9 @@ def _scripts(tmp, bpe, sp, hf):
         # TP 2 (SP) x EP 2 on 4 ranks; V2-Lite: TP 2 (SP) x PP 2
         "megatron-lm deepseek-v3": (deepseek_v3_flags(tmp, hf), 4, None, ()),
         "megatron-lm deepseek-v2-lite": (deepseek_v2_lite_flags(tmp, hf), 4, None, ()),
+        # EP 2 x DP 2 on 2 ranks; its benchmark-only random routing is refused by name
+        "megatron-lm deepseek-v3 pretrain": (deepseek_v3_mfsdp_flags(tmp, hf), 2, random + ": Megatron-LM's "
+                                             "benchmark-only", (random,)),
         # its DTYPE=fp8 as written: the four FP8 flags are named in one refusal
         "megatron-lm gpt-oss 02_train": (gpt_oss_train_flags(tmp), 2,
                                          "4 flags refused: --fp8-format: " + fp8[0], fp8[1]),
@@ -384,7 +436,8 @@ FIXES = {  # what the refusal says to do instead, where a feature has a megazero
 NAMES = ["megatron-lm gpt3 175b", "megatron-lm llama3 8b bf16", "megatron-lm llama3 8b fp8",
          "megatron-lm mixtral 8x7b", "megatron-lm megatron-fsdp llama3 8b", "megatron-deepspeed llama2",
          "mindspeed-llm llama2 13b", "swallow llama3.1 8b", "megatron-lm deepseek-v3",
-         "megatron-lm deepseek-v2-lite", "megatron-lm gpt-oss 02_train", "megatron-lm mamba 800m",
+         "megatron-lm deepseek-v2-lite", "megatron-lm deepseek-v3 pretrain",
+         "megatron-lm gpt-oss 02_train", "megatron-lm mamba 800m",
          "megatron-bridge nemotronh 4b"]
 
 
@@ -428,6 +481,11 @@ def test_scripts_train_the_models_their_authors_meant(tmp_path, gpt2_bpe, sp_mod
             v3.moe.moe_router_enable_expert_bias, v3.moe.moe_router_load_balancing_type) == \
         (4, 2, "sigmoid", True, "seq_aux_loss")
     lite = parse_args(s["megatron-lm deepseek-v2-lite"][0], world_size=4).model  # no query LoRA
+    argv, _, _, feature = s["megatron-lm deepseek-v3 pretrain"]
+    pre = parse_args(_without(argv, *feature), world_size=2)  # MTP depth 1; flex = alltoall's routing
+    assert (pre.model.mtp_num_layers, pre.moe.moe_token_dispatcher_type, pre.training.train_iters) == \
+        (1, "alltoall", 2)
+    assert any("--recompute-modules mlp moe mla_up_proj layernorm (memory only" in n for n in pre.notes)
     assert (lite.multi_latent_attention, lite.q_lora_rank, lite.mscale) == (True, None, 0.707)
     oss = parse_args(_without(s["megatron-lm gpt-oss 02_train"][0], *s["megatron-lm gpt-oss 02_train"][3]),
                      world_size=2)
@@ -478,6 +536,7 @@ def _pretrain(argv):
                                   "mindspeed-llm llama2 13b", "swallow llama3.1 8b",
                                   "megatron-lm mixtral 8x7b",
                                   "megatron-lm deepseek-v3", "megatron-lm deepseek-v2-lite",
+                                  "megatron-lm deepseek-v3 pretrain",
                                   "megatron-lm gpt-oss 02_train", "megatron-lm mamba 800m",
                                   "megatron-bridge nemotronh 4b"])
 def test_script_trains_scaled_down(name, tmp_path, gpt2_bpe, sp_model, hf_tokenizer):  # noqa: F811

@@ -77,7 +77,6 @@ def test_layer_pattern_errors(freq, msg):
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--moe-router-load-balancing-type", "sinkhorn"], 1, "--moe-router-load-balancing-type sinkhorn is not "
                                                           "implemented"),
-    (["--moe-token-dispatcher-type", "flex"], 1, "--moe-token-dispatcher-type flex is not implemented"),
     (["--moe-router-enable-expert-bias"], 1,
      "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
     (["--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),

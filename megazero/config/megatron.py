@@ -85,6 +85,12 @@ SPECIAL: Dict[str, Dict[str, Any]] = {
 }
 HYBRID_SPECS = ("mamba_stack_spec", "hybrid_stack_spec")  # Megatron-core's hybrid stacks' spec names
 SPECIAL.update(FORK_SPECIAL)  # Swallow's and MindSpeed-LLM's own flags (megatron_forks)
+SPECIAL["--recompute-modules"] = dict(
+    nargs="*", help="Megatron-LM's modules of selective recompute: accepted; megazero's "
+    "--recompute-granularity selective recomputes core_attn, the others keep their activations (memory "
+    "only: the same numbers), named at start-up.")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                     "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")  # Megatron-core's allowed names
 ALIASES.update(FORK_ALIASES)
 SPECIAL.update({  # older Megatron-LM hybrid scripts (replaced by --hybrid-layer-pattern in 2026-02)
     "--hybrid-attention-ratio": dict(type=float, help="Older Megatron-LM's share of attention layers in a "
@@ -327,6 +333,18 @@ def _special(given: Dict[str, Any], out: Dict[str, Any], command_line: Set[str],
     flags accepted without effect to ``ignored``, those refused to ``problems``)."""
     notes: List[str] = []
     fork_rules(given, out, notes, ignored, problems)
+    if out.get("moe_token_dispatcher_type") == "flex":  # DeepEP / HybridEP: data movement only
+        out["moe_token_dispatcher_type"] = "alltoall"
+        notes.append("--moe-token-dispatcher-type flex: alltoall (the flex dispatcher moves the same tokens "
+                     "to the same experts with DeepEP or HybridEP kernels: the same routing and numbers)")
+    modules = given.get("--recompute-modules")
+    if modules is not None and [m for m in modules if m not in RECOMPUTE_MODULES]:
+        problems.append(f"--recompute-modules {' '.join(modules)}: Megatron-LM's modules are "
+                        f"{', '.join(RECOMPUTE_MODULES)}")
+    elif modules and modules != ["core_attn"]:
+        ignored.append(f"--recompute-modules {' '.join(modules)} (memory only: --recompute-granularity "
+                       "selective recomputes the attention core, core_attn, and keeps the others' "
+                       "activations; the same numbers)")
     spec = " ".join(given.get("--spec") or [])
     _hybrid_ratios(given, out, bool(spec) and spec.split()[-1] in HYBRID_SPECS, notes, problems)
     if spec and spec.split()[-1] in HYBRID_SPECS:

@@ -83,6 +83,8 @@ IGNORED: Dict[str, str] = {
     "--high-priority-a2a-comm-stream": _SPEED, "--moe-layer-recompute": _MEMORY,
     "--distributed-backend": "the backend follows the device: NCCL on GPUs, gloo on CPUs",
     "--tiktoken-pattern": "used by TikTokenizer only",
+    "--moe-flex-dispatcher-backend": "which library moves the flex dispatcher's tokens (DeepEP, HybridEP, "
+                                     "NCCL EP): the same routing and numbers",
     "--use-cpu-initialization": "initialisation does not depend on the device here",
     "--local-rank": "the local rank comes from the environment (LOCAL_RANK, set by torchrun)",
     "--per-dataset-sequences-path": "dataset indices are built in memory",
@@ -280,8 +282,6 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "--exp-avg-sq-dtype": (("fp32",), "Adam's moments are fp32"),
     "--weight-decay-incr-style": (("constant",), "weight decay is constant (--weight-decay); a weight-decay "
                                                  "schedule is not implemented"),
-    "--recompute-modules": (("core_attn",), "--recompute-granularity selective recomputes the attention core "
-                                            "(core_attn) only"),
     "--head-lr-mult": (("1.0",), "the output layer follows --lr (or --decoupled-lr)"),
     "--num-distributed-optimizer-instances": (("1",), "one ZeRO group spans the data-parallel ranks"),
     "--tensor-parallel-num-weight-shards": (("1",), "tensor-parallel weight re-materialisation is not "
@@ -291,6 +291,8 @@ DEFAULT_ONLY: Dict[str, Tuple[Tuple[str, ...], str]] = {
 }
 
 REFUSED: Dict[str, str] = {
+    "--moe-router-force-load-balancing": "Megatron-LM's benchmark-only routing by random logits (its help: "
+                                         "'only for benchmark') is not implemented; drop it to train",
     "--moe-router-topk-limited-devices": "device-limited routing by the expert-parallel size (older "
                                          "Megatron-core) would route differently at each EP size; give the "
                                          "groups, Megatron-core's replacement: --moe-router-num-groups <EP "
