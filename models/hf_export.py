@@ -117,7 +117,7 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     (None: it holds it)."""
     experts = bool(moe is not None and moe.num_experts)
     if m.mtp_num_layers and t not in ("deepseek_v3", "glm4_moe"):
-        return f"multi-token prediction, --mtp-num-layers ({t} has none; deepseek_v3 and glm4_moe have)"
+        return f"multi-token prediction, --mtp-num-layers ({t} has none)"
     if m.multi_latent_attention and t != "deepseek_v3":
         return f"multi-latent attention, --multi-latent-attention ({t} has none; deepseek_v3 holds it " \
                "with DeepSeek-V3's mixture of experts)"
