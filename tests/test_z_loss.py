@@ -71,3 +71,21 @@ def test_use_z_loss_is_swallows_coefficient():
         parse_args(BASE + ["--use-z-loss", "--z-loss-coeff", "0.01"], world_size=1)
     with pytest.raises(ConfigError, match="with --mtp-num-layers is not implemented"):
         parse_args(BASE + ["--z-loss-coeff", "0.01", "--mtp-num-layers", "1"], world_size=1)
+
+
+def test_model_loss_carries_the_z_loss():
+    """The model's per-token loss with --use-z-loss is its loss without plus 1e-4 x lse^2 of its own logits
+    (float64 reference from the logits; fp32 loss: |loss| ~ 5, lse^2 ~ 25, a few u each: 1e-5)."""
+    from models import build_model
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(ids, -1, 1)
+    out = {}
+    for flags in ([], ["--use-z-loss"]):
+        cfg = parse_args(BASE + ["--hidden-dropout", "0", "--attention-dropout", "0"] + flags, world_size=1)
+        model = build_model(cfg).eval()
+        with torch.no_grad():
+            out[bool(flags)] = (model(ids, labels=labels), model(ids))
+    (plain, logits), (with_z, _) = out[False], out[True]
+    lse = torch.logsumexp(logits.double(), -1)
+    torch.testing.assert_close(with_z.double(), plain.double() + 1e-4 * lse ** 2, rtol=1e-5, atol=1e-5)
+    assert (with_z - plain).abs().min() > 1e-4  # lse ~ log 65 = 4.2: the z term, 1.7e-3, is seen
