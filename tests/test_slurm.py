@@ -3,8 +3,9 @@ scripts/setup_slurm.sh as a cluster of two nodes (n1, n2: two slurmds on 127.0.0
 job states come from sacct.  Skipped, with the script's one line, where it cannot be set up (not
 root, no apt-get, a site's own slurm.conf).
 
-One test (slow tier): the script as written (its #SBATCH lines, with --gpus-per-node 2 on the
-command line for the tiny size: 2 nodes x 2 ranks, TP 2 x DP 2) runs once uninterrupted and once
+One test (slow tier): the script as written (its #SBATCH lines, with --gpus-per-node 4 on the
+command line) runs the demo's layout with a tiny model, 2 nodes x 4 ranks = TP 2 x PP 2 x DP 2 with
+ZeRO-2, once uninterrupted and once
 preempted as slurmctld preempts a job into the queue: `scancel --signal=TERM` mid-run (the ranks
 save and exit 0), then `scontrol requeue`; the requeued job resumes from its checkpoint and
 finishes, and its losses equal the uninterrupted job's at every iteration."""
@@ -51,8 +52,9 @@ def cluster():
 
 def _submit(tmp_path, name, env, extra=()):
     d = tmp_path / name
-    cmd = ["sbatch", "--parsable", "--nodes", "2", "--gpus-per-node", "2", "--requeue", "--job-name", name,
-           SBATCH, *TINY, "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS),
+    cmd = ["sbatch", "--parsable", "--nodes", "2", "--gpus-per-node", "4", "--requeue", "--job-name", name,
+           SBATCH, *TINY, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--zero-stage", "2", "--train-iters", str(ITERS),
            "--save", str(d), "--load", str(d), "--save-interval", "3", "--metrics-file", f"{d}.jsonl", *extra]
     job = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert job.returncode == 0, job.stderr
@@ -118,13 +120,13 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
     whole_runs = _wait("sacct's record", lambda: _finished(_sacct(whole), 1), 30)
     assert [r[1:] for r in whole_runs] == [("COMPLETED", "0:0")], whole_runs
     out = open(tmp_path / f"megazero-{pre}.out").read()  # --open-mode=append: both attempts
-    assert out.count("slurm.sbatch: 2 nodes x 2 GPUs") == 2, out[-3000:]
+    assert out.count("slurm.sbatch: 2 nodes x 4 GPUs") == 2, out[-3000:]
     assert "rendezvous 127.0.0.1:" in out  # the first node's NodeAddr
     stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
     assert stop and int(stop.group(1)) < ITERS, out[-3000:]
     k = int(stop.group(1))
     assert re.search(rf"loaded checkpoint \S+ \(iteration {k},", out), out[-3000:]
-    assert "rank 0/4: tp 0/2 pp 0/1 dp 0/2" in out, out[-3000:]
+    assert "rank 0/8: tp 0/2 pp 0/2 dp 0/2" in out, out[-3000:]
     assert _run("sacct", "-X", "-n", "-P", "-j", whole, "-o", "NodeList").split() == ["n[1-2]"]
     assert latest_iteration(str(tmp_path / "preempted")) == ITERS
     assert latest_iteration(str(tmp_path / "uninterrupted")) == ITERS
