@@ -37,7 +37,7 @@ DCP_CLASSES = {
     ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("torch.distributed.checkpoint.planner", "WriteItem"),
     ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("collections", "OrderedDict"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"),  # the checkpoint id torch records
 }
 SAFE_PREFIXES = ("megatron.",)  # globals replaced by an inert Opaque
 
