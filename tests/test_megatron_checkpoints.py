@@ -202,7 +202,8 @@ def _megatron_load(site, directory):
     return harness.forward(model, IDS), common["iteration"], common["args"].consumed_train_samples
 
 
-def test_megazero_checkpoint_exported_to_torch_dist_loads_in_megatron_core(saved, megatron_core, tmp_path):
+def test_megazero_checkpoint_exported_to_torch_dist_loads_in_megatron_core(
+        saved, megatron_core, tmp_path):  # noqa: F811
     """A Megatron run continued by megazero (2 iterations) goes back: megatron-core's own loader reads
     the export at TP 2 and its forward equals megazero's on the same weights."""
     from megazero.checkpoint.megatron.export import export

@@ -53,9 +53,9 @@ def megatron_args(model: dict, iteration: int, consumed: int) -> argparse.Namesp
 def _refuse_unmapped(model: dict, moe: dict) -> None:
     if moe.get("num_experts"):
         raise CheckpointError("--direction to-megatron: mixture-of-experts models are not written yet")
+    mapped = ("gelu_exact", "gelu", "swiglu", "squared_relu")
     if model.get("norm_position", "pre") != "pre" or model.get("multi_latent_attention") or \
-            model.get("hybrid_layer_pattern") or model["activation"] not in ("gelu_exact", "gelu", "swiglu",
-                                                                            "squared_relu"):
+            model.get("hybrid_layer_pattern") or model["activation"] not in mapped:
         raise CheckpointError("--direction to-megatron: only dense pre-norm GPT models (GELU, SwiGLU or "
                               "squared ReLU) map onto megatron-core's GPTModel here")
 
