@@ -5,7 +5,8 @@ of the embedding and head).  A tiny directory of each (tests/hf_families.py's, o
 to the file as the published ones are) converts with ``convert_hf.py``'s importer to a checkpoint with
 ``--mtp-num-layers 1`` whose MTP parameters are those tensors, and back to files holding the same
 tensors (bytes equal) that transformers still loads with the same logits; a copy of the head that
-differs from the model's is not silently dropped."""
+differs from the model's is not silently dropped.  The imported depth's loss equals DeepSeek-V3's
+definition written with transformers' modules (float64; fp32 bound)."""
 import json
 import os
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from hf_families import VOCAB, SEQ, hf_model
+from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # two conversions and a transformers load (~4 s)
@@ -97,3 +99,58 @@ def test_a_head_copy_that_differs_is_not_dropped(tmp_path):
     _write_with_mtp(hf, tmp_path / "src", **{f"model.layers.{L}.shared_head.head.weight": other})
     with pytest.raises(ConfigError, match=f"tensor 'model.layers.{L}.shared_head.head.weight' is not used"):
         to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+
+
+def _reference_depth_loss(hf, mtp, tokens, swapped=False):
+    """Depth 0's loss as DeepSeek-V3 defines it, from transformers' modules in float64: the main model's
+    normed hidden state h and the embedding of token t+1 give eh_proj([enorm(emb); hnorm(h)]), then the
+    depth's decoder layer (causal, RoPE at the same positions), shared_head.norm and the head predict
+    token t+2 (the last position has none).  ``swapped``: [hnorm(h); enorm(emb)], the other order."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    c, L = hf.config, hf.config.num_hidden_layers
+    hf = hf.double()
+    layer = DeepseekV3DecoderLayer(c, L).double()
+    own = {k[len(f"model.layers.{L}."):]: v.double() for k, v in mtp.items()}
+    E = c.n_routed_experts
+    own["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([own.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                                                              own.pop(f"mlp.experts.{e}.up_proj.weight")])
+                                                   for e in range(E)])
+    own["mlp.experts.down_proj"] = torch.stack([own.pop(f"mlp.experts.{e}.down_proj.weight")
+                                                for e in range(E)])
+    layer.load_state_dict({k: v for k, v in own.items() if k in layer.state_dict()})
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = DeepseekV3RMSNorm(c.hidden_size, c.rms_norm_eps).double()
+        norms[name].weight.data = own[f"{name}.weight"]
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    s = ids.shape[1]
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state
+        parts = [norms["enorm"](hf.model.embed_tokens(labels)), norms["hnorm"](h)]
+        x = torch.cat(parts[::-1] if swapped else parts, -1) @ own["eh_proj.weight"].t()
+        pos = torch.arange(s).unsqueeze(0)
+        causal = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        y = layer(x, attention_mask=causal, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        logits = hf.lm_head(norms["shared_head.norm"](y))
+    hf.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, c.vocab_size),
+                                             labels[:, 1:].reshape(-1))
+
+
+def test_the_imported_depth_predicts_as_deepseek_defines_it(tmp_path):
+    from models.checkpoint import load_model
+    from models.hf_convert import to_megazero
+    hf = hf_model("deepseek-v3")
+    hf.config._attn_implementation = "eager"
+    mtp = _write_with_mtp(hf, tmp_path / "src")
+    to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+    model, _ = load_model(str(tmp_path / "ckpt"))
+    model = model.double().train()  # the depths' losses are recorded in training (no dropout: 0 here)
+    model.mtp.stats.backward_scale = 1.0
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(4))
+    model(tokens[:, :-1], labels=tokens[:, 1:])
+    want = _reference_depth_loss(hf, mtp, tokens)
+    bound = fp32_bound(want, C_FWD)  # megazero's float64 model keeps fp32 RoPE tables and expert bias
+    torch.testing.assert_close(model.mtp.stats.losses[0].double(), want, **bound)
+    other = _reference_depth_loss(hf, mtp, tokens, swapped=True)
+    assert abs(other - want) > 100 * bound["atol"]  # the order of eh_proj's halves is seen
