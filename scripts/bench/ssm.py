@@ -67,6 +67,26 @@ def measure(kind: str, seq: int, args) -> dict:
     return dict(kind=KINDS[kind], seq=seq, seconds=min(times), saved_bytes=sum(saved.values()))
 
 
+def measure_decode(kind: str, seq: int, args) -> dict:
+    """Seconds per generated token after a ``seq``-token prompt (the layer's cache: keys and values
+    for attention, conv and recurrent state for Mamba-2 and Gated DeltaNet), the best of 8 tokens."""
+    from megazero_models.layers import KVCache
+    cfg = validate(config_from_dict(dict(layer_cfg(args, seq + 8), hybrid_layer_pattern=kind)), world_size=1)
+    mesh = ParallelMesh.single()
+    torch.manual_seed(0)
+    layer = HybridLayer(cfg, mesh, 0, RNGTracker(0, 0, mesh.device)).eval()
+    cache, times = KVCache(), []
+    with torch.no_grad():
+        layer(torch.randn(seq, 1, args.hidden_size), kv_cache=cache)
+        cache.length = seq
+        for _ in range(8):
+            start = time.perf_counter()
+            layer(torch.randn(1, 1, args.hidden_size), kv_cache=cache)
+            times.append(time.perf_counter() - start)
+            cache.length += 1
+    return dict(kind=KINDS[kind], seq=seq, decode_seconds=min(times))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden-size", type=int, default=256)
@@ -76,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", default=["M", "G", "*"], choices=sorted(KINDS))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--selective", action="store_true", help="--recompute-granularity selective")
+    p.add_argument("--decode", action="store_true", help="time one generated token after each length's "
+                   "prompt instead of training's forward + backward")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="hidden 64, sequences 64 and 128, one repeat")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON ('-': stdout)")
@@ -85,6 +107,17 @@ def main(argv=None) -> int:
     if args.quick:
         args.hidden_size, args.seq_lengths, args.repeats, args.chunk_size = 64, [64, 128], 1, 32
     torch.set_num_threads(args.threads)
+    if args.decode:
+        rows = [measure_decode(kind, seq, args) for seq in args.seq_lengths for kind in args.kinds]
+        print(f"hidden {args.hidden_size}, batch 1, fp32, {torch.get_num_threads()} thread(s): one token "
+              "through one layer after a prompt of each length")
+        print(f"{'layer':<16}{'prompt':>7}{'ms/token':>10}")
+        for r in rows:
+            print(f"{r['kind']:<16}{r['seq']:>7}{r['decode_seconds'] * 1e3:>10.3f}")
+        if args.json:
+            from bench import write_json
+            write_json(rows, args.json)
+        return 0
     rows = [measure(kind, seq, args) for seq in args.seq_lengths for kind in args.kinds]
     print(f"hidden {args.hidden_size}, batch 1, fp32, {torch.get_num_threads()} thread(s): forward + "
           "backward of one layer (norm, mixer, residual)"
