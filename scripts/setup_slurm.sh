@@ -7,9 +7,10 @@
 #   scripts/setup_slurm.sh --stop     # stop the daemons it started (munge and MariaDB stay up)
 #
 # Environment: SLURM_SETUP_NODES (2), SLURM_SETUP_CPUS (4 CPUs per node), SLURM_SETUP_GPUS (8
-# count-only GPUs per node, no device behind them: they make `#SBATCH --gpus-per-node` schedulable
-# and set SLURM_GPUS_ON_NODE; the ranks run on CPUs), SLURM_SETUP_PORT (6817: slurmctld; slurmdbd
-# +2; the slurmds +4 onwards).  Nodes are n1..nN, all on this host.
+# stand-in GPUs per node, empty files with no device behind them: they make `#SBATCH
+# --gpus-per-node` schedulable and set SLURM_GPUS_PER_NODE/ON_NODE; the ranks run on CPUs),
+# SLURM_SETUP_PORT (6817: slurmctld; slurmdbd +2; the slurmds +4 onwards).  Nodes are n1..nN, all
+# on this host.  Without root, a cluster this script set up and that is up counts as ready.
 # Exit status: 0 ready; 3 skipped, with one line `setup_slurm.sh: skipped: <why>` (not root, no
 # apt-get, a slurm.conf of another origin); 1 failed (the line names the daemon and its log).
 set -euo pipefail
@@ -37,6 +38,13 @@ stop_pidfile() {  # the daemon named by a pid file, and wait for it to go
   fi
   rm -f "$1"  # a stale one makes Debian's slurmctld prerm call scancel on a controller that is gone
 }
+nodes_up() {  # every node answers and can run jobs: idle, mixed, allocated (no '*': not responding)
+  states="$(sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')"
+  [ -n "$states" ] || return 1
+  for st in $states; do
+    case "$st" in idle|mixed|allocated|completing) ;; *) return 1 ;; esac
+  done
+}
 stop_all() {
   for n in $(seq "$NODES"); do stop_pidfile "/run/slurmd-n$n.pid"; done
   stop_pidfile /run/slurmctld.pid
@@ -52,7 +60,10 @@ case "$NODES$CPUS$GPUS$PORT" in
   *[!0-9]*) fail "SLURM_SETUP_NODES, SLURM_SETUP_CPUS, SLURM_SETUP_GPUS and SLURM_SETUP_PORT must be whole numbers" ;;
 esac
 
-[ "$(id -u)" = 0 ] || skip "not root: installing and starting slurmctld/slurmd/munge needs root"
+if [ "$(id -u)" != 0 ]; then
+  if grep -qF "$MARK" "$ETC/slurm.conf" 2>/dev/null && nodes_up; then say "ready (already up; not root)"; exit 0; fi
+  skip "not root: installing and starting slurmctld/slurmd/munge needs root"
+fi
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
    || ! command -v slurmdbd >/dev/null || ! command -v munged >/dev/null || ! command -v mariadbd >/dev/null; then
   command -v apt-get >/dev/null || skip "slurm-wlm is not installed and there is no apt-get to install it"
@@ -183,16 +194,13 @@ for n in $(seq "$NODES"); do
 done
 
 for _ in $(seq 150); do
-  states="$(sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')"
-  case "$states" in
-    "idle "|"idle mixed "|"mixed "|"allocated "*|*"idle"*) [[ "$states" =~ (down|drain|unknown|not_responding|inval) ]] || break ;;
-  esac
-  [[ "$states" =~ (down|drain|inval) ]] \
-    && scontrol update nodename="n[1-$last]" state=resume >/dev/null 2>&1 || true
+  nodes_up && break
+  if [[ "$states" =~ (down|drain|inval) ]]; then  # left so by an earlier run: ReturnToService=2 does the rest
+    scontrol update nodename="n[1-$last]" state=resume >/dev/null 2>&1 || true
+  fi
   sleep 0.2
 done
-[[ "$states" =~ (idle|mixed|allocated) ]] && ! [[ "$states" =~ (down|drain|unknown|inval) ]] \
-  || fail "nodes not up (states: $states; $LOGS/slurmctld.log, $LOGS/slurmd-n1.log)"
+nodes_up || fail "nodes not up (states: $states; $LOGS/slurmctld.log, $LOGS/slurmd-n1.log)"
 # every daemon of the cluster listens on loopback only (LISTEN sockets in /proc/net/tcp)
 ports=" $PORT $((PORT + 2)) $(seq -s ' ' $((PORT + 4)) $((PORT + 3 + NODES))) "
 while read -r _ local _ st _; do
@@ -201,4 +209,4 @@ while read -r _ local _ st _; do
   [[ "$ports" == *" $p "* ]] || continue
   [ "${local:6:2}" = 7F ] || fail "port $p listens on ${local%%:*} (hex), not on loopback: $(hostname -s) should resolve to 127.0.0.1"
 done < <(tail -n +2 /proc/net/tcp)
-say "ready: cluster megazero, nodes n[1-$last] ($CPUS CPUs, $GPUS count-only GPUs each) on 127.0.0.1, slurmctld :$PORT, slurmdbd :$((PORT + 2))"
+say "ready: cluster megazero, nodes n[1-$last] ($CPUS CPUs, $GPUS stand-in GPUs each) on 127.0.0.1, slurmctld :$PORT, slurmdbd :$((PORT + 2))"
