@@ -37,10 +37,16 @@ Per transformer layer (no recomputation):
 - RoPE keeps fp32 ``cos`` and ``sin`` ``2 * 4 s d`` once per chunk forward (shared by its layers),
   and so does a sliding window its additive mask ``E s^2`` (SDPA's flash/efficient kernels keep
   it; per distinct window, only where the window hides keys; :func:`shared_bytes`);
+- a chunked layer (``--attention-chunk-size`` shorter than the sequence) its own additive mask ``E s^2``
+  (:func:`chunk_mask_bytes`); a second pair of RoPE tables with ``--rotary-base-local``; a NoPE layer
+  with ``--attn-temperature-tuning`` its fp32 query scale ``4 s``;
 - each hidden dropout keeps its mask ``M Tl h``;
 - the MLP keeps its input ``E T h`` (twice under sequence parallelism with SwiGLU: gate and fc1
   each gather it), GELU its input and output ``2 E T fp``, SwiGLU the gate output, its SiLU, the
-  fc1 output and the product ``4 E T fp``.
+  fc1 output and the product ``4 E T fp``; quick-GeGLU one more ``E T fp`` (its sigmoid), the GLU clamp
+  (``--activation-func-clamp-value``) two (the clamps' inputs).  Not counted: attention sinks' SDPA
+  key, the L2 q/k norm, partial rotary's copies, the experts' quick-GeGLU and clamp
+  (docs/attention.md).
 
 An MoE layer (``--num-experts``, in the layers ``--moe-layer-freq`` names) keeps, in place of the
 MLP, what :func:`moe_bytes` lists: its input, the router's scores and losses, the routed pairs'
@@ -206,7 +212,15 @@ def core_bytes(D: Dims) -> int:
     kept, q, k, v = _qk_path(D)
     if D.backend == "ulysses":
         return sum(kept.values()) + _ulysses(D)
-    return sum({**kept, **_kernel(D, q, k, v)}.values())
+    return sum({**kept, **_kernel(D, q, k, v)}.values()) + chunk_mask_bytes(D) + FP32 * D.s * D.temperature
+
+
+def chunk_mask_bytes(D: Dims) -> int:
+    """A chunked layer's own additive mask (``--attention-chunk-size``, added to the window's or the
+    documents' mask), kept by SDPA's flash/efficient kernels: ``E s^2`` (``E b s^2`` with documents)."""
+    if not D.chunk or D.backend not in ("flash", "efficient"):
+        return 0
+    return D.E * D.s * D.s * (D.b if D.documents else 1)
 
 
 def _proj_copies(D: Dims) -> bool:
@@ -251,7 +265,7 @@ def rope_bytes(D: Dims) -> int:
 
 def mlp_bytes(D: Dims) -> int:
     inputs = D.E * D.T * D.h * (2 if (D.sp and D.swiglu) else 1)
-    return inputs + D.E * D.T * D.fp * (4 if D.swiglu else 2)
+    return inputs + D.E * D.T * D.fp * ((4 + D.glu_extra) if D.swiglu else 2)
 
 
 def _moe_x_bytes(D: Dims) -> int:
@@ -366,8 +380,9 @@ def shared_bytes(Ds: Sequence[Dims]) -> int:
     if not Ds:
         return 0
     D = Ds[0]
-    rope = rope_bytes(D) if any(x.rope for x in Ds) else 0
-    kept = [x for x in Ds if x.backend in ("flash", "efficient")]
+    rope = rope_bytes(D) * (2 if D.local_rope else 1) if any(x.rope for x in Ds) else 0  # Gemma 3: two tables
+    # a chunked layer keeps its own mask (the shared one plus its chunks: chunk_mask_bytes), not the shared
+    kept = [x for x in Ds if x.backend in ("flash", "efficient") and not x.chunk]
     if any(x.documents for x in kept):
         return rope + len({x.window for x in kept}) * D.E * D.b * D.s * D.s
     windows = {x.window for x in kept if x.window is not None}

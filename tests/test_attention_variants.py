@@ -520,3 +520,21 @@ def test_megatrons_gpt_oss_script_trains(tmp_path):
     assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)
+
+
+@pytest.mark.slow
+def test_estimate_of_the_variants_equals_measurement():
+    """What autograd keeps, measured, equals the estimate for chunked layers (their own masks), a local
+    RoPE base (a second pair of tables), the temperature of the NoPE layers and gpt-oss's clamped
+    quick-GeGLU (three more MLP intermediates than SwiGLU)."""
+    from megazero.planning.estimate import estimate_stages
+    from test_memory import LLAMA, SAVED, _measure_one, cfg_of
+    settings = dict(LLAMA, seq_length=32, micro_batch_size=2, num_layers=4, attention_chunk_size=8,
+                    no_rope_freq=4, attn_temperature_tuning=True, window_size=[5, 0], window_attn_skip_freq=2,
+                    rotary_base_local=100.0, activation="quick_geglu", glu_linear_offset=1.0,
+                    activation_func_clamp_value=7.0)
+    (est,) = estimate_stages(cfg_of(1, **settings), device="cpu", backend="gloo", saved=SAVED)
+    plain = dict(LLAMA, seq_length=32, micro_batch_size=2, num_layers=4)
+    (est_plain,) = estimate_stages(cfg_of(1, **plain), device="cpu", backend="gloo", saved=SAVED)
+    assert est["activation_bytes"] > est_plain["activation_bytes"]
+    assert est["activation_bytes"] == _measure_one(settings)

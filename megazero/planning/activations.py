@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional
 
 from megazero.offload.element_bytes import compute_bytes
-from megazero.config.patterns import GATED, active_window, layer_uses_rope, layer_window, uses_rope
+from megazero.config.patterns import (GATED, active_window, layer_uses_rope, layer_window, uses_rope,
+                                      windowed_layers)
 from megazero.moe.routing import expert_capacity
 from megazero.moe.settings import moe_layers
 from megazero.pipeline.partition import chunk_layers
@@ -108,6 +109,10 @@ class Dims:
     moe: Optional[MoEDims] = None  # this layer is an MoE layer (:func:`layer_dims`)
     mla: Optional[MLADims] = None  # multi-latent attention (--multi-latent-attention)
     documents: bool = False  # --reset-attention-mask: SDPA takes a [b, 1, s, s] mask per distinct window
+    chunk: bool = False      # --attention-chunk-size hides keys of this layer: SDPA takes its own mask
+    local_rope: bool = False  # --rotary-base-local: the chunk's second pair of RoPE tables
+    temperature: bool = False  # --attn-temperature-tuning on this (NoPE) layer: the query scale [s] it keeps
+    glu_extra: int = 0        # MLP intermediates beyond SwiGLU's: quick-GeGLU 1, the GLU clamp 2
 
     @property
     def T(self) -> int:
@@ -154,6 +159,7 @@ def dims(cfg, device: str = "cuda", attention: str = "flash") -> Dims:
                 fp=m.ffn_hidden_size // tp, vp=m.padded_vocab_size // tp, v=m.vocab_size,
                 rope=uses_rope(m) or m.multi_latent_attention, rms=m.normalization == "RMSNorm",
                 swiglu=m.activation in GATED, half=half, hidden_dropout=m.hidden_dropout > 0,
+                glu_extra=(m.activation == "quick_geglu") + 2 * (m.activation_func_clamp_value is not None),
                 attention_dropout=m.attention_dropout > 0,
                 backend=backend, device=device, cp=cp, qk_norm=m.qk_layernorm_scope if m.qk_layernorm else "",
                 norms=m.norm_position, embed_scale=m.scale_embedding,
@@ -170,7 +176,11 @@ def layer_dims(cfg, D: Dims, layer: int) -> Dims:
     mask = window if D.backend in ("flash", "efficient", "math") else None
     moe = moe_dims(cfg, D) if layer in moe_layers(cfg) else None
     rope = layer_uses_rope(m, layer) or m.multi_latent_attention  # MLA rotates its rotary part always
-    return replace(D, rope=rope, window=mask, moe=moe)
+    chunk = rope and m.attention_chunk_size is not None and m.attention_chunk_size < D.s and \
+        D.backend in ("flash", "efficient", "math")
+    local = m.rotary_base_local is not None and any(windowed_layers(m))
+    temperature = m.attn_temperature_tuning and not layer_uses_rope(m, layer)
+    return replace(D, rope=rope, window=mask, moe=moe, chunk=chunk, local_rope=local, temperature=temperature)
 
 
 def mtp_layer_dims(cfg, D: Dims) -> Dims:
