@@ -5,7 +5,9 @@ hidden / heads), Gemma (1 + weight norms, embedding scale, GeGLU), Gemma 2 (sand
 alternating windows, query_pre_attn_scalar), Phi-3 (fused weights, window), OLMo 2 (norms after the
 sublayers, q/k norms over all heads), SmolLM3 (a layer without RoPE) and the mixtures of experts Mixtral,
 Qwen2-MoE (shared expert and its gate, a dense layer), Qwen3-MoE and OLMoE (their routing: renormalised
-top-k weights or not; logits within 1e-5 of transformers').  Sequences are longer than every window.
+top-k weights or not; logits within 1e-5 of transformers'), and (hf_families.py) Gemma 3, Llama 4, gpt-oss,
+GLM-4.5 (partial RoPE, grouped sigmoid routing with expert bias) and DeepSeek-V3 (multi-latent
+attention).  Sequences are longer than every window.
 Import: logits and greedy generation (KV cache) equal transformers'; what each family
 adds changes the logits measurably; export: transformers loads the same model back, as the same
 architecture; TP 2 equals transformers.  What megazero cannot represent is refused, naming the feature."""

@@ -1,6 +1,8 @@
 """Fine-tuning the Hugging Face mixtures of experts (tests/hf_families.py: Mixtral, and Qwen2-MoE with its
 gated shared expert, a dense first layer and its load-balancing loss switched on by
-``output_router_logits``), converted tensor by tensor (``models.hf_convert.to_megazero``): 3 SGD steps
+``output_router_logits``, gpt-oss, GLM-4.5 and DeepSeek-V3 with their grouped sigmoid routing, expert bias
+and scaling, and DeepSeek-V3's multi-latent attention), converted tensor by tensor
+(``models.hf_convert.to_megazero``): 3 SGD steps
 with ``--finetune --use-checkpoint-args`` in one process and under EP 2 x TP 2 (4 ranks, sequence
 parallel, all-to-all dispatch).  The layouts agree step by step (loss, gradient norm and the
 load-balancing loss: R_TRAIN); the first loss is transformers' own loss of that batch (float64); the
