@@ -35,9 +35,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERSION = "0.16.1"
-# the model every test builds: GQA, SwiGLU, RMSNorm, RoPE, no biases, untied head (LLaMA-like)
+# the models the tests build: GQA, SwiGLU, RMSNorm, RoPE, no biases, untied head (LLaMA-like)
 SPEC = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
             vocab=64, seq_length=16)
+# and a GPT-2-like one: LayerNorm, GELU, biases everywhere, learned positions, tied head, 4 query groups
+GPT2_SPEC = dict(SPEC, num_query_groups=4, ffn_hidden_size=64, llama=False)
+SPEC["llama"] = True
 
 
 def site_dir() -> str:
@@ -91,21 +94,25 @@ def build_gpt(seed: int = 0, spec=SPEC):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    llama = spec["llama"]
+    norm = "RMSNorm" if llama else "LayerNorm"
+    act = torch.nn.functional.silu if llama else torch.nn.functional.gelu
     cfg = TransformerConfig(num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
                             num_attention_heads=spec["num_attention_heads"],
                             num_query_groups=spec["num_query_groups"],
                             ffn_hidden_size=spec["ffn_hidden_size"],
-                            normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            normalization=norm, layernorm_epsilon=1e-5, gated_linear_unit=llama,
+                            activation_func=act, add_bias_linear=not llama,
                             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                             params_dtype=torch.float32)
     torch.manual_seed(seed)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec["vocab"],
-                     max_sequence_length=spec["seq_length"], position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False, parallel_output=False)
-    with torch.no_grad():  # norms start at ones: perturb them so the mapping of every tensor is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=norm), vocab_size=spec["vocab"],
+                     max_sequence_length=spec["seq_length"],
+                     position_embedding_type="rope" if llama else "learned_absolute",
+                     share_embeddings_and_output_weights=not llama, parallel_output=False)
+    with torch.no_grad():  # norms start at ones, biases at zeros: perturb every tensor so that the
+        for name, p in model.named_parameters():  # mapping of each is tested
+            if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
 
@@ -125,13 +132,15 @@ def megatron_args(tp: int, consumed: int, spec=SPEC) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=spec["num_layers"], hidden_size=spec["hidden_size"],
         ffn_hidden_size=spec["ffn_hidden_size"],
-        num_attention_heads=spec["num_attention_heads"], group_query_attention=True,
+        num_attention_heads=spec["num_attention_heads"],
+        group_query_attention=spec["num_query_groups"] != spec["num_attention_heads"],
         num_query_groups=spec["num_query_groups"],
         kv_channels=spec["hidden_size"] // spec["num_attention_heads"],
         seq_length=spec["seq_length"], max_position_embeddings=spec["seq_length"],
-        position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
-        norm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
-        untie_embeddings_and_output_weights=True, padded_vocab_size=spec["vocab"], vocab_size=None,
+        position_embedding_type="rope" if spec["llama"] else "learned_absolute", rotary_base=10000,
+        rotary_percent=1.0, normalization="RMSNorm" if spec["llama"] else "LayerNorm",
+        norm_epsilon=1e-5, swiglu=spec["llama"], add_bias_linear=not spec["llama"], add_qkv_bias=False,
+        untie_embeddings_and_output_weights=spec["llama"], padded_vocab_size=spec["vocab"], vocab_size=None,
         make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0, apply_layernorm_1p=False,
         qk_layernorm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         consumed_train_samples=consumed, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
@@ -155,6 +164,8 @@ def _tracker(directory: str, iteration: int) -> None:
 def save_torch_dist(model, directory: str, iteration: int, args, lr_samples: int) -> str:
     """Megatron-LM's torch_dist checkpoint of ``model`` (collective), written by megatron-core."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()  # one per save
     path = os.path.join(directory, f"iter_{iteration:07d}")
     os.makedirs(path, exist_ok=True)
     state = dict(_common(args, iteration, lr_samples), model=model.sharded_state_dict())

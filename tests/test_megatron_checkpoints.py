@@ -21,24 +21,37 @@ pytestmark = pytest.mark.slow  # megatron-core saves at TP 2 once for the module
 ITERATION, CONSUMED = 5, 40  # Megatron's trainer state in the checkpoints (8 samples an iteration)
 
 
-def _megatron_save(site, dist_dir, legacy_dir):
+def _megatron_save(site, root):
     import megatron_core_harness as harness
     harness.setup_rank(site, tp=2)
-    model = harness.build_gpt()
-    args = harness.megatron_args(2, CONSUMED)
-    harness.save_torch_dist(model, dist_dir, ITERATION, args, CONSUMED)
-    harness.save_legacy(model, legacy_dir, ITERATION, args, CONSUMED)
-    return harness.forward(model, IDS)
+    out = {}
+    for kind, spec in (("llama", harness.SPEC), ("gpt2", harness.GPT2_SPEC)):
+        model = harness.build_gpt(spec=spec)
+        args = harness.megatron_args(2, CONSUMED, spec)
+        harness.save_torch_dist(model, os.path.join(root, kind, "torch_dist"), ITERATION, args, CONSUMED)
+        harness.save_legacy(model, os.path.join(root, kind, "legacy"), ITERATION, args, CONSUMED)
+        out[kind] = harness.forward(model, IDS)
+    return out
 
 
 @pytest.fixture(scope="module")
-def saved(megatron_core, tmp_path_factory):  # noqa: F811
-    """``(torch_dist dir, legacy dir, megatron-core's logits)``: a TP 2 model saved by megatron-core."""
-    root = tmp_path_factory.mktemp("megatron")
-    dirs = str(root / "torch_dist"), str(root / "legacy")
-    logits = run_ranks(_megatron_save, 2, megatron_core, *dirs, timeout=120)
-    assert torch.equal(logits[0], logits[1])
-    return dirs[0], dirs[1], logits[0]
+def saved_models(megatron_core, tmp_path_factory):  # noqa: F811
+    """Per model kind, ``(torch_dist dir, legacy dir, megatron-core's logits)``: TP 2 models saved by
+    megatron-core (``llama``: GQA, SwiGLU, RMSNorm, RoPE, untied; ``gpt2``: LayerNorm, GELU, biases,
+    learned positions, tied)."""
+    root = str(tmp_path_factory.mktemp("megatron"))
+    logits = run_ranks(_megatron_save, 2, megatron_core, root, timeout=180)
+    out = {}
+    for kind in ("llama", "gpt2"):
+        assert torch.equal(logits[0][kind], logits[1][kind])
+        out[kind] = (os.path.join(root, kind, "torch_dist"), os.path.join(root, kind, "legacy"),
+                     logits[0][kind])
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(saved_models):
+    return saved_models["llama"]
 
 
 def _cfg(load, iters=ITERATION + 2, **extra):
@@ -60,9 +73,12 @@ def _bound(ref: torch.Tensor) -> float:
     return 64 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_continues(saved, fmt, tmp_path):
+def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_continues(
+        saved_models, kind, fmt, tmp_path):
     from models.checkpoint import load_model
+    saved = saved_models[kind]
     src = str(tmp_path / fmt)
     shutil.copytree(saved[0] if fmt == "torch_dist" else saved[1], src)
     rows = _train(_cfg(src, ckpt_format=fmt))
@@ -74,9 +90,12 @@ def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_contin
         got = model(IDS)[..., :64]
     ref = saved[2]
     assert (got - ref).abs().max().item() <= _bound(ref)
-    wrong = model.decoder["0"].mlp.gate.weight  # the math is checked: a swapped gate/up fails it
+    mlp = model.decoder["0"].mlp  # the math is checked: a swapped gate/up (a bias shifted) fails it
     with torch.no_grad():
-        wrong.copy_(model.decoder["0"].mlp.fc1.weight)
+        if kind == "llama":
+            mlp.gate.weight.copy_(mlp.fc1.weight)
+        else:
+            mlp.fc1.bias.copy_(mlp.fc1.bias.roll(1))
         assert (model(IDS)[..., :64] - ref).abs().max().item() > 100 * _bound(ref)
 
 
