@@ -130,7 +130,8 @@ def test_export_loads_back_in_transformers(family, tmp_path):
     assert again == config_from_hf(hf.config)
 
 
-TP_FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]  # biases, q/k norms (head, all)
+# biases, q/k norms (head, all), partial RoPE and experts under SP (GLM-4.5), MLA's split heads (DeepSeek-V3)
+TP_FAMILIES = ["qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "glm4-moe", "deepseek-v3"]
 
 
 def _tp2_logits(paths):
