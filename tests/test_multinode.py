@@ -51,12 +51,13 @@ class Node:
     """One ``run_multinode.sh`` (own session, output to ``log``); :meth:`kill` ends it as a node
     failure does: the launcher and every rank at once (stopped first, then killed)."""
 
-    def __init__(self, tmp, name, node_rank, port, nnodes, flags, addr="127.0.0.1", extra=(), restarts=2):
+    def __init__(self, tmp, name, node_rank, port, nnodes, flags, addr="127.0.0.1", extra=(), restarts=2,
+                 env=None):
         self.log = str(tmp / f"{name}.log")
         cmd = ["bash", SCRIPT, "--nnodes", str(nnodes), "--master-addr", addr, "--master-port", str(port),
                "--nproc-per-node", "2", "--max-restarts", str(restarts), "--rdzv-id", "drill", "--node-rank",
                str(node_rank), "--run-dir", str(tmp / f"run{node_rank}"), *extra, "--", *flags]
-        self.proc = subprocess.Popen(cmd, env=_env(), cwd=str(tmp), stdout=open(self.log, "w"),
+        self.proc = subprocess.Popen(cmd, env=_env(**(env or {})), cwd=str(tmp), stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.known = set()
 
@@ -78,6 +79,16 @@ class Node:
                 break
             time.sleep(0.05)
         raise AssertionError(f"no {pattern!r} in {self.log}:\n{self.text()[-4000:]}")
+
+    def wait_stalled(self, timeout):
+        """Until every rank of this node has stopped itself (``STALL``): the job waits at iteration 6."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ranks = self.pids()[1:]
+            if len(ranks) == 2 and all(_state(pid) == "T" for pid in ranks):
+                return ranks
+            time.sleep(0.05)
+        raise AssertionError(f"node ranks not stopped after {timeout} s:\n{self.text()[-3000:]}")
 
     def kill(self, launcher_only=False):
         pids = [self.proc.pid] if launcher_only else self.pids()
@@ -102,6 +113,20 @@ class Node:
             except OSError:
                 pass
         self.proc.wait()
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+# node 1's first ranks stop themselves (SIGSTOP) at the start of iteration 6, whatever their global
+# ranks: the job then waits there, so the failure lands after iteration 5 however late a busy machine
+# lets the test look (12 tiny iterations take a second; the test once saw iteration 5 after 12)
+STALL = {"MEGAZERO_FAULT": ",".join(f"sigstop@{rank}:6" for rank in range(4))}
 
 
 def _losses(text):
@@ -172,18 +197,19 @@ def _wait_any(nodes, pattern, timeout):
 @pytest.mark.slow
 def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_an_uninterrupted_one(tmp_path, uninterrupted):
     """Two run_multinode.sh on loopback (2 ranks each, TP 2 x DP 2, --max-restarts 2, a save every 3
-    iterations): after iteration 5 node 1 dies at once (launcher and ranks stopped, then killed) and is
+    iterations): in iteration 6 node 1 dies at once (launcher and ranks stopped, then killed) and is
     started again 3 s later.  Node 0's ranks fail, its launcher restarts them in a new rendezvous round
     that node 1 joins; the job resumes from the last checkpoint, both launchers exit 0 and every loss
     equals the uninterrupted run's.  Every store the launchers serve listens on the address given."""
     port, flags = _ports(), _flags(tmp_path)
-    nodes = [Node(tmp_path, f"node{r}", r, port, 2, flags, extra=RDZV) for r in range(2)]
+    nodes = [Node(tmp_path, f"node{r}", r, port, 2, flags, extra=RDZV, env=STALL if r else None)
+             for r in range(2)]
     try:
-        _wait_any(nodes, r"iteration +2/", 300)
+        _wait_any(nodes, r"iteration +5/", 300)
+        nodes[1].wait_stalled(300)
         stores = _listening(nodes[0].proc.pid) + _listening(nodes[1].proc.pid)
         assert (("127.0.0.1", port) in stores and ("127.0.0.1", port + 1000) in stores
                 and all(addr == "127.0.0.1" for addr, _ in stores)), stores  # torchrun's: every interface
-        _wait_any(nodes, r"iteration +5/", 300)
         nodes[1].kill()
         time.sleep(3)
         nodes[1] = Node(tmp_path, "node1-again", 1, port, 2, flags, extra=RDZV)
@@ -197,22 +223,26 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_an_uninterrupted_one(
     assert re.search(r"launch.py: rank \d (exited with status 1|was killed by SIG[A-Z]+); restarting this "
                      r"node's ranks \(restart 1 of 2\): they resume from the last checkpoint in a new "
                      r"rendezvous round", nodes[0].text()), nodes[0].text()[-4000:]
-    assert re.search(r"loaded checkpoint .*iter_000000[36]", out), out[-4000:]
+    assert re.search(r"loaded checkpoint \S*iter_0000003 \(iteration 3", out), out[-4000:]
     got = {it: m["loss"] for it, m in _metrics(str(tmp_path / "metrics.jsonl")).items()}
     assert got == uninterrupted and len(got) == ITERS
 
 
 @pytest.mark.slow
 def test_a_lost_launcher_is_never_a_finished_job(tmp_path):
-    """The issue's run without restarts: node 1's launcher is killed (SIGKILL) after iteration 5; its
+    """The issue's run without restarts: node 1's launcher is killed (SIGKILL) in iteration 6; its
     ranks get SIGTERM from the kernel and, under --exit-signal-handler, every rank of the job saves and
-    exits 0.  Node 0's launcher used to exit 0 for a run that stopped at iteration 6 or 7 of 12; it
-    exits 1 and says why, with the save there to resume from."""
+    exits 0.  Node 0's launcher used to exit 0 for a run that stopped at iteration 6 of 12; it exits 1
+    and says why, with the save there to resume from."""
     port, flags = _ports(), _flags(tmp_path, ["--exit-signal-handler"])
-    nodes = [Node(tmp_path, f"node{r}", r, port, 2, flags, extra=RDZV, restarts=0) for r in range(2)]
+    nodes = [Node(tmp_path, f"node{r}", r, port, 2, flags, extra=RDZV, restarts=0, env=STALL if r else None)
+             for r in range(2)]
     try:
         _wait_any(nodes, r"iteration +5/", 300)
+        ranks = nodes[1].wait_stalled(300)
         nodes[1].kill(launcher_only=True)
+        for pid in ranks:  # the parent death signal waits for them
+            os.kill(pid, signal.SIGCONT)
         code = nodes[0].wait(300)
     finally:
         for node in nodes:
@@ -222,7 +252,7 @@ def test_a_lost_launcher_is_never_a_finished_job(tmp_path):
                      r"the launcher of a rank is gone", out)
     assert code == 1 and stop, out[-4000:]
     n = int(stop.group(1))
-    assert n < ITERS and f"saved checkpoint at iteration {n} " in out, out[-4000:]
+    assert n == 6 and f"saved checkpoint at iteration {n} " in out, out[-4000:]
     last = out.rstrip().splitlines()[-1]
     lead = f"launch.py: pretrain_gpt.py: training stopped after iteration {n}: SIGTERM received"
     assert last.startswith(lead), last
@@ -233,14 +263,16 @@ def test_a_lost_launcher_is_never_a_finished_job(tmp_path):
 
 @pytest.mark.slow
 def test_with_nnodes_min_max_a_node_that_never_returns_leaves_the_others_to_finish(tmp_path, uninterrupted):
-    """--nnodes 1:2: node 1 dies after iteration 5 and is not started again.  Node 0 re-forms the job
+    """--nnodes 1:2: node 1 dies in iteration 6 and is not started again.  Node 0 re-forms the job
     alone (TP 2 x DP 1), loads the DP 2 checkpoint resharded, keeps the global batch and finishes: exit 0,
     every loss equal to the uninterrupted DP 2 run's up to float32 summation order (4 micro-batches
     summed on one rank instead of 2 on each of 2; measured: within 1e-6 relative)."""
     port, flags = _ports(), _flags(tmp_path)
-    nodes = [Node(tmp_path, f"node{r}", r, port, "1:2", flags, extra=RDZV) for r in range(2)]
+    nodes = [Node(tmp_path, f"node{r}", r, port, "1:2", flags, extra=RDZV, env=STALL if r else None)
+             for r in range(2)]
     try:
         _wait_any(nodes, r"iteration +5/", 300)
+        nodes[1].wait_stalled(300)
         nodes[1].kill()
         code = nodes[0].wait(300)
     finally:
