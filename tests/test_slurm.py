@@ -88,6 +88,24 @@ def _finished(runs, count):
     return runs if len(runs) == count and runs[-1][1] not in ("PENDING", "RUNNING") else None
 
 
+def _listeners(port):
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    out.append(local.rsplit(":", 1)[0])
+    return out
+
+
+def _loopback(hex_addr):
+    """127.x.x.x, as IPv4 or IPv4-mapped IPv6, or ::1."""
+    mapped = hex_addr.startswith("0000000000000000FFFF0000")
+    return hex_addr.endswith("7F") and (len(hex_addr) == 8 or mapped) or hex_addr == "0" * 24 + "01000000"
+
+
 def _lines(path):
     return sum(1 for _ in open(path)) if os.path.exists(path) else 0
 
@@ -103,6 +121,8 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
         jobs.append(pre)
         metrics = tmp_path / "preempted.jsonl"
         _wait("4 iterations of the job", lambda: _lines(metrics) >= 4, 120)
+        rendezvous = 29500 + int(pre) % 1000  # slurm.sbatch's MASTER_PORT; its join listens 1000 above
+        stores = {port: _listeners(port) for port in (rendezvous, rendezvous + 1000)}
         _run("scancel", "--signal=TERM", pre)  # to every process of the job's steps, as a preemption does
         _wait("the preempted job to end", lambda: _state(pre) in ("", "COMPLETED"), 60)
         whole = _submit(tmp_path, "uninterrupted", env)  # runs while the requeued job waits
@@ -117,6 +137,8 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
     print(f"SLURM jobs: {wall:.1f} s wall for the preempted + requeued and the uninterrupted job")
 
     assert runs == [(pre, "REQUEUED", "0:0"), (pre, "COMPLETED", "0:0")], runs
+    # the rendezvous store and the join listen on the first node's NodeAddr (127.0.0.1) only
+    assert stores[rendezvous] and all(_loopback(a) for addrs in stores.values() for a in addrs), stores
     whole_runs = _wait("sacct's record", lambda: _finished(_sacct(whole), 1), 30)
     assert [r[1:] for r in whole_runs] == [("COMPLETED", "0:0")], whole_runs
     out = open(tmp_path / f"megazero-{pre}.out").read()  # --open-mode=append: both attempts
