@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Convert between a Hugging Face directory (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3,
-OLMo 2, SmolLM3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: docs/usage.md#hugging-face-models) and a megazero
+"""Convert between a Hugging Face directory (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3,
+Llama 4 (dense), Phi-3, OLMo 2, SmolLM3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, GLM-4.5,
+DeepSeek-V3 with its MTP layers: docs/usage.md#hugging-face-models) and a megazero
 training checkpoint, one tensor at a time (peak memory about one tensor plus a layer, not the model).
 
 to-megazero: HF_DIR (save_pretrained) -> a checkpoint directory in the --save layout
