@@ -1,7 +1,8 @@
 """Real DeepSpeed as a peer: one training program, run under DeepSpeed 0.19.8 itself and under megazero's
 engine with only its import changed (``import deepspeed`` / ``import megazero.deepspeed as deepspeed``),
 2 gloo ranks on 127.0.0.1, CPU, fp32.  The program (:data:`PROGRAM`) trains a small Hugging Face GPT-2
-(2 layers, width 32, tied head, dropout 0) with AdamW (torch's arithmetic: ``torch_adam``), DeepSpeed's
+(2 layers, width 32, tied head, dropout 0) with AdamW (torch's arithmetic: ``torch_adam``) over two
+parameter groups (weight decay on the matrices only, as Hugging Face scripts group them), DeepSpeed's
 WarmupDecayLR, clipping 1.0, 8 sequences a step as 2 ranks x 2 micro-batches x 2 accumulation steps (at
 DP 1: 4 accumulation steps over the same 8), the batch of step t drawn from seed t whatever the ranks.
 
@@ -58,7 +59,10 @@ torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=a.width, n_layer=2, n_head=2,
                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                    bos_token_id=0, eos_token_id=0))
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+# weight decay on the matrices only, as Hugging Face scripts group the parameters
+groups = [{{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01}},
+          {{"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}}]
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
 start, client = 0, {{}}
 if a.load:
     _, client = engine.load_checkpoint(a.load, load_optimizer_states=not a.fresh_optimizer)

@@ -49,7 +49,9 @@ def _engine(width: int, config: dict):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=width, n_layer=2, n_head=2,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                        eos_token_id=0))
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    return deepspeed.initialize(model=model, model_parameters=groups, config=config)[0]
 
 
 def _train(engine, start: int, steps: int):
