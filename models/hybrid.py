@@ -62,8 +62,11 @@ class HybridLayer(nn.Module):
             self.mixer = MambaMixer(mamba_shape(cfg), mesh, layer_idx, **kw)
         elif self.kind == DELTANET:
             self.mixer = GatedDeltaNet(deltanet_shape(cfg), mesh, layer_idx, **kw)
-        elif self.kind == ATTENTION:
-            self.attention = Attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
+        elif self.kind == ATTENTION:  # the transformer layer's attention (multi-latent with its flag)
+            attention = Attention
+            if m.multi_latent_attention:
+                from .mla import MLAttention as attention
+            self.attention = attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
                                        onednn)
         elif self.kind == MLP_KIND:
             self.mlp = MLP(cfg, mesh, layer_idx, onednn)

@@ -429,3 +429,18 @@ def test_bridge_nemotronh_script_trains_unmodified(tmp_path):
     assert run_ranks(_pretrain, 2, argv, timeout=300) == [0, 0]
     rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert [r["iteration"] for r in rows] == [1, 2] and all(r["loss"] == r["loss"] for r in rows)
+
+
+def test_attention_layers_take_multi_latent_attention():
+    """With --multi-latent-attention the pattern's attention layers are DeepSeek's MLA, as a
+    transformer layer's would be; the one-process model and TP 2 + SP train alike."""
+    mla = dict(HYBRID, hybrid_layer_pattern="M*", num_layers=2, multi_latent_attention=True, q_lora_rank=16,
+               kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, num_query_groups=None,
+               position_embedding_type="rope")
+    cfg = validate(_cfg(mla), 1)
+    assert type(models.build_model(cfg).decoder["1"].attention).__name__ == "MLAttention"
+    (ref,) = run_ranks(_train_history, 1, _cfg(mla))
+    got = run_ranks(_train_history, 2, _cfg(mla, tp=2, sequence_parallel=True))
+    for key in ("loss", "grad_norm"):
+        a, b = [m[key] for m in ref], [m[key] for m in got[0]]
+        assert b == pytest.approx(a, rel=R_TRAIN), key
