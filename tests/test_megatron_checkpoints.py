@@ -238,3 +238,14 @@ def test_megazero_checkpoint_exported_to_torch_dist_loads_in_megatron_core(
     assert iteration == ITERATION + 2 and consumed == CONSUMED + 16
     assert (got - want).abs().max().item() <= _bound(want)
     assert (got - saved[2]).abs().max().item() > 100 * _bound(want)  # trained on: not the original weights
+
+
+def test_finetune_from_a_megatron_checkpoint_starts_at_iteration_0(saved, tmp_path):
+    """--finetune keeps Megatron-LM's meaning: the weights, then iteration 0 (and the data position,
+    schedule and optimizer of a fresh run)."""
+    src = str(tmp_path / "src")
+    shutil.copytree(saved[0], src)
+    rows = _train(_cfg(src, iters=2, finetune=True))
+    assert [r["iteration"] for r in rows] == [1, 2]
+    again = _train(_cfg(src, iters=ITERATION + 1, no_load_optim=True))  # the iteration continues here
+    assert [r["iteration"] for r in again] == [ITERATION + 1]
