@@ -3,7 +3,7 @@
 the filters (against DeepSpeed's documented examples) and the commands; the slow tier starts an
 sshd on 127.0.0.1 (skipped, naming what is missing, without sshd or root) and runs a TP 2 x DP 2
 job on two "hosts" (127.0.0.1 and localhost, two ranks each) over ssh and over pdsh: their losses
-equal the same job launched on this host alone."""
+equal one process's (the oracle) within R_TRAIN, and each other's exactly."""
 import os
 import shutil
 import socket
@@ -15,7 +15,8 @@ import pytest
 
 from megazero.process.hostfile import HostfileError, parse_hostfile, select
 from models.cli import ds_launch
-from tests.test_operations import ROOT, TINY, _env, _metrics
+from tests.test_operations import ROOT, TINY, _env, _losses, _metrics, _settings, _train
+from tolerance import R_TRAIN
 
 HOSTFILE = """# two nodes
 worker-0 slots=4
@@ -95,6 +96,21 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
     assert "--hostfile" in capsys.readouterr().err
 
 
+def test_one_host_runs_here_with_its_slots(monkeypatch, tmp_path):
+    if os.path.exists(ds_launch.DEFAULT_HOSTFILE):
+        pytest.skip(f"{ds_launch.DEFAULT_HOSTFILE} exists on this machine")
+    calls = []
+    monkeypatch.setattr(ds_launch.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    assert ds_launch.main(["--num_gpus", "2", "train.py", "--x", "1"], environ={}) == 0
+    (cmd, env), = calls
+    assert cmd[1:] == [os.path.join(ROOT, "scripts", "launch.py"), "--standalone", "--nproc-per-node", "2",
+                       "train.py", "--x", "1"] and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("gpu-box slots=4\n")
+    assert ds_launch.main(["-H", str(hostfile), "-i", "gpu-box:1,3", "train.py"], environ={}) == 0
+    assert calls[1][0][3:5] == ["--nproc-per-node", "2"] and calls[1][1] == {"CUDA_VISIBLE_DEVICES": "1,3"}
+
+
 # ---- over ssh and pdsh, against an sshd this test starts on 127.0.0.1 --------------------------
 def _free_port():
     with socket.socket() as s:
@@ -148,19 +164,22 @@ def _launch(tmp_path, name, argv, env):
 
 
 @pytest.mark.slow
-def test_two_hosts_over_ssh_and_pdsh_equal_the_job_on_one_host(sshd, tmp_path):
+def test_two_hosts_over_ssh_and_pdsh_equal_one_process(sshd, tmp_path):
     port, opts, log = sshd
     (tmp_path / "hostfile").write_text("127.0.0.1 slots=2\nlocalhost slots=2\n")
     env = _env(PDSH_SSH_ARGS_APPEND=opts)
-    reference = _launch(tmp_path, "local", ["--num_gpus", "4", "--master_port", str(_free_port())], env)
-    assert len(reference) == 3
+    oracle = _losses(_train(_settings(train_iters=3)))  # one process, the same model, data and batch
     launchers = ["ssh"] + (["pdsh"] if shutil.which("pdsh") else [])
+    runs = {}
     for launcher in launchers:
         before = open(log).read().count("Accepted publickey")
         argv = ["--hostfile", "hostfile", "--launcher", launcher, "--ssh_port", str(port),
                 "--master_port", str(_free_port())]
-        assert _launch(tmp_path, launcher, argv, env) == reference, launcher
+        runs[launcher] = _launch(tmp_path, launcher, argv, env)
+        assert len(runs[launcher]) == 3, launcher
+        assert runs[launcher] == pytest.approx(oracle, rel=R_TRAIN), (launcher, runs[launcher], oracle)
         assert open(log).read().count("Accepted publickey") - before == 2, launcher  # one login a host
+    assert len(set(map(tuple, runs.values()))) == 1  # ssh and pdsh: the same job, bitwise
     if "pdsh" not in launchers:
         argv = ["--hostfile", str(tmp_path / "hostfile"), "--launcher", "pdsh", "train.py"]
         out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "deepspeed_launch.py"), *argv],
