@@ -31,6 +31,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 ASSETS = "hf_files"  # beside the iter_* directories of a converted checkpoint
 TOKEN_IDS = "megazero_token_ids.json"  # in ASSETS: the source config's special ids, which an export keeps
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+FP32_TENSORS = {t: (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")  # their routers, in any --dtype
+                for t in ("glm4_moe", "deepseek_v3")}
 
 
 def _whole_model_cfg(settings: dict):
@@ -327,14 +329,16 @@ def _write_weights(dst: str, saved: dict, get, dtype: str, max_shard_size: str):
     from .checkpoint import model_settings
     from .hf import export_groups
     from .safetensors_io import ShardedWriter, parse_size
+    from .hf_export import arch_of
     cfg = _whole_model_cfg(model_settings(saved))
-    groups = export_groups(cfg)
+    groups, arch = export_groups(cfg), arch_of(cfg.model, cfg.moe)
     writer = ShardedWriter(dst, parse_size(max_shard_size), sum(len(hf) for _, hf, _ in groups))
     try:
         for mz_names, hf_names, fn in groups:
             tensors = [get(name) for name in mz_names]
-            for hf_name, t in zip(hf_names, fn(*tensors)):
-                writer.add(hf_name, t, DTYPES[dtype])
+            for hf_name, t in zip(hf_names, fn(*tensors)):  # routers that transformers keeps in fp32 stay so
+                fp32 = arch in FP32_TENSORS and hf_name.endswith(FP32_TENSORS[arch])
+                writer.add(hf_name, t, torch.float32 if fp32 else DTYPES[dtype])
             del tensors
         return cfg, writer.close()
     except BaseException:

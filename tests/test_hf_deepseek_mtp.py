@@ -84,6 +84,12 @@ def test_mtp_weights_round_trip(family, tmp_path):
         assert torch.equal(back[name], t), name
     with open(tmp_path / "out" / "config.json") as fh:
         assert json.load(fh)["num_nextn_predict_layers"] == 1
+    to_hf(str(tmp_path / "ckpt"), str(tmp_path / "bf16"), dtype="bf16")  # the routers stay fp32
+    half = {k: v.dtype for f in os.listdir(tmp_path / "bf16") if f.endswith(".safetensors")
+            for k, v in load_file(str(tmp_path / "bf16" / f)).items()}
+    router = f"model.layers.{L - 1}.mlp.gate."
+    assert half[router + "weight"] == half[router + "e_score_correction_bias"] == torch.float32
+    assert half["model.embed_tokens.weight"] == torch.bfloat16
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
