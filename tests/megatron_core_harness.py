@@ -10,6 +10,8 @@ What the harness patches, inside each rank only (Megatron-core assumes CUDA in t
 - ``torch.cuda.current_device`` returns ``"cpu"`` (tensors are moved "to the current device");
 - ``torch.cuda.synchronize`` does nothing (the checkpoint writer syncs after its copies to the host);
 - the CUDA RNG tracker's ``fork`` is a no-op context (dropout is 0, no generator is drawn);
+- the MoE router's ``te_general_gemm``, which megatron-core 0.16.1 names without defining it when
+  Transformer Engine is absent, is None (its torch path then runs);
 - the torch_dist writer's results queue is a fork-context queue instead of a spawn-context manager
   (a forked test rank cannot start one), its memory probe returns 0 (psutil is not installed), and
   the rank is marked non-daemonic so the writer may fork its worker processes.
@@ -72,6 +74,9 @@ def patch_for_cpu() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mc_random
     mc_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # its router names it without Transformer Engine
+        moe_utils.te_general_gemm = None
     filesystem_async._process_memory = lambda: 0
     filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
     multiprocessing.current_process().daemon = False
