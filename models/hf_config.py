@@ -47,6 +47,12 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
     """ModelConfig field overrides equivalent to a transformers config of one of the architectures in
     the module docstring; :class:`ConfigError` naming the field and the missing feature otherwise."""
     kind = getattr(hf_config, "model_type", None)
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:  # DeepSeek-V3's published files are fp8 blocks with their scales (weight_scale_inv)
+        method = quant.get("quant_method") if isinstance(quant, dict) else \
+            getattr(quant, "quant_method", quant)
+        _unsupported("quantization_config.quant_method", method, "quantised weights are not read; convert a "
+                     "dequantised (bf16 or fp32) copy of the model")
     if kind == "gpt2":
         return _gpt2_settings(hf_config)
     if kind in LLAMA_FAMILY + MOE_FAMILY:

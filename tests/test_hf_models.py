@@ -172,6 +172,8 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
     ("deepseek-v3", dict(rope_interleave=False), "rope_interleave=False; megazero's MLA rotates interleaved"),
     ("deepseek-v3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05; transformers' DeepSeek-V3 normalises"),
     ("deepseek-v3", dict(attention_bias=True), "attention_bias=True; linear biases"),
+    ("deepseek-v3", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "quantization_config.quant_method='fp8'; quantised weights are not read"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
