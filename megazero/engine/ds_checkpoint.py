@@ -210,11 +210,18 @@ def _module_weights(engine, ms: dict, path: str, with_optimizer: bool) -> Dict[s
     return {"master": {n: module[n].reshape(-1).float() for n in shapes}}
 
 
-def _optimizer_meta(shards: List[dict], stage: int, path: str) -> Tuple[Optional[int], List[float], dict]:
-    """(Adam's step, the groups' learning rates, the loss scaler's attributes) of rank 0's file."""
+def _optimizer_meta(shards: List[dict], stage: int, path: str,
+                    with_optimizer: bool) -> Tuple[Optional[int], List[float], dict]:
+    """(Adam's step, the groups' learning rates, the loss scaler's attributes) of rank 0's file; the
+    step is the state's (torch's Adam, DeepSpeed's CPU Adam and FusedAdam today) or the param groups'
+    (FusedAdam's older checkpoints)."""
     osd = shards[0]
     inner = osd.get("optimizer_state_dict", {}) if stage == 3 else osd.get("base_optimizer_state", {})
     steps = {float(v["step"]) for v in inner.get("state", {}).values() if "step" in v}
+    steps = steps or {float(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    if with_optimizer and not steps:
+        raise CheckpointError(f"{path}: the optimizer state holds no Adam step count; "
+                              "load_optimizer_states=False loads the weights with a fresh optimizer")
     if len(steps) > 1:
         raise CheckpointError(f"{path}: the parameter groups were stepped {sorted(steps)} times; megazero's "
                               "Adam keeps one step count")
@@ -268,7 +275,7 @@ def read_checkpoint(engine, path: str, with_optimizer: bool) -> dict:
     shards = [read_file(f)["optimizer_state_dict"] for f in _optim_files(path, names, world)]
     keys = list(KEYS) if with_optimizer else ["master"]
     got["values"] = (_zero3 if zero3 else _zero12)(shards, groups, keys, path)
-    got["step"], got["lrs"], got["scaler"] = _optimizer_meta(shards, 3 if zero3 else 2, path)
+    got["step"], got["lrs"], got["scaler"] = _optimizer_meta(shards, 3 if zero3 else 2, path, with_optimizer)
     for name, shape in frozen_shapes.items():
         if zero3:
             files = [os.path.join(path, f"zero_pp_rank_{r}_{MODEL_STATES}") for r in range(world)]
