@@ -9,7 +9,9 @@ the launcher)::
 
 Its own options come first: --signal-grace SECS (default 120) and --join-timeout SECS (default
 600; on several nodes, how long a node waits for the others before naming the missing ones and
-exiting 1; 0: no wait; docs/operations.md).
+exiting 1; 0: no wait; docs/operations.md).  Over several nodes a lost node is a failed attempt that
+--max-restarts restarts in a new rendezvous round once the node is started again (docs/operations.md,
+"Several nodes, and when a node dies"); the stores listen on the address given.
 
 Installed as the console script ``megazero-launch``; the logic is megazero.resilience.launcher.
 """

@@ -266,7 +266,8 @@ def test_with_nnodes_min_max_a_node_that_never_returns_leaves_the_others_to_fini
     """--nnodes 1:2: node 1 dies in iteration 6 and is not started again.  Node 0 re-forms the job
     alone (TP 2 x DP 1), loads the DP 2 checkpoint resharded, keeps the global batch and finishes: exit 0,
     every loss equal to the uninterrupted DP 2 run's up to float32 summation order (4 micro-batches
-    summed on one rank instead of 2 on each of 2; measured: within 1e-6 relative)."""
+    summed on one rank instead of 2 on each of 2; measured: 2.8e-8 relative at most, one iteration of
+    12 differs at all; float32's epsilon is 1.2e-7)."""
     port, flags = _ports(), _flags(tmp_path)
     nodes = [Node(tmp_path, f"node{r}", r, port, "1:2", flags, extra=RDZV, env=STALL if r else None)
              for r in range(2)]
@@ -284,7 +285,7 @@ def test_with_nnodes_min_max_a_node_that_never_returns_leaves_the_others_to_fini
     assert "tp 2 pp 1 dp 1" in out and resharded, out[-4000:]
     got = {it: m["loss"] for it, m in _metrics(str(tmp_path / "metrics.jsonl")).items()}
     assert sorted(got) == list(range(1, ITERS + 1))
-    assert got == pytest.approx(uninterrupted, rel=1e-5, abs=0)
+    assert got == pytest.approx(uninterrupted, rel=1e-6, abs=0)
 
 
 # ---- the pieces, in this process ----------------------------------------------------------------

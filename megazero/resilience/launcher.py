@@ -14,6 +14,13 @@
   ``--exit-signal-handler`` die of the forwarded signal, and that ends the job.
 
 A bad launcher argument is one line naming the flag, exit status 2 (:mod:`megazero.resilience.launch_args`).
+
+Over several nodes (docs/operations.md, "Several nodes, and when a node dies"): every store this
+process serves listens on the address given (:mod:`megazero.resilience.loopback`); node rank 0 serves
+the rendezvous store and the join (:mod:`megazero.resilience.join`), which a node started again after
+a failure passes at once; torchrun's agent re-forms the job in a new rendezvous round once the node is
+back, and a run stopped because a launcher was lost counts as failed, never as finished
+(:mod:`megazero.resilience.rounds`); a restart and a rendezvous error are one line each.
 """
 from __future__ import annotations
 
