@@ -97,3 +97,24 @@ class HybridLayer(nn.Module):
         else:
             h = self.mlp(h)
         return x + self.hidden_dropout(h)
+
+
+class DeltaNetAttention(GatedDeltaNet):
+    """Gated DeltaNet in a transformer layer's attention place (``--experimental-attention-variant
+    gated_delta_net``, Megatron-LM's Qwen3-Next form): built and called as :class:`Attention` is
+    (``rope`` and ``mask`` unused; in generation its conv and recurrent states live in
+    ``kv_cache.recurrent[layer]``)."""
+
+    def __init__(self, cfg, mesh, layer_idx: int, tracker, recompute_core: bool = False,
+                 onednn: bool = False):
+        super().__init__(deltanet_shape(cfg), mesh, layer_idx, seed=cfg.training.seed,
+                         sequence_parallel=cfg.parallel.sequence_parallel, onednn=onednn,
+                         prefix="attention", recompute_core=recompute_core)
+        self.layer_idx, self.window = layer_idx, None
+
+    def forward(self, x: torch.Tensor, rope: Rope = None, kv_cache: Optional[KVCache] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        state = None
+        if kv_cache is not None:
+            state = kv_cache.__dict__.setdefault("recurrent", {}).setdefault(self.layer_idx, {})
+        return super().forward(x, state)

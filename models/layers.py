@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from megazero.config.hybrid import linear_attention_layers
 from megazero.config.patterns import GATED, layer_uses_rope, layer_window
 from megazero.context_parallel import blockwise_attention, ring_attention
 from megazero.tensor_parallel.recompute import recompute
@@ -356,6 +357,8 @@ class TransformerLayer(nn.Module):
         attention = Attention
         if m.multi_latent_attention:  # DeepSeek's multi-latent attention (models/mla.py, which imports this)
             from .mla import MLAttention as attention
+        elif m.experimental_attention_variant and linear_attention_layers(m)[layer_idx]:  # Qwen3-Next's form
+            from .hybrid import DeltaNetAttention as attention
         self.attention = attention(cfg, mesh, layer_idx, tracker, m.recompute_granularity == "selective",
                                    onednn)
         self.attention_output_norm = norm() if post else None

@@ -2,6 +2,7 @@
 tensor parallelism (with SP and full recompute) against one process, and generation that carries each
 recurrent layer's state (token by token equals the whole-sequence forward)."""
 import json
+import re
 
 import pytest
 import torch
@@ -444,3 +445,57 @@ def test_attention_layers_take_multi_latent_attention():
     for key in ("loss", "grad_norm"):
         a, b = [m[key] for m in ref], [m[key] for m in got[0]]
         assert b == pytest.approx(a, rel=R_TRAIN), key
+
+
+# Megatron-LM's Qwen3-Next form: Gated DeltaNet in the attention place of 3 of every 4 transformer layers
+QWEN3_NEXT_MEGATRON = dict(
+    num_layers=4, experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_chunk_size=8, position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
+    activation="swiglu", num_query_groups=2, attention_output_gate=True, qk_layernorm=True)
+
+
+def test_gated_deltanet_in_transformer_layers_flags_and_counts():
+    """--experimental-attention-variant gated_delta_net --linear-attention-freq N (Megatron-LM's flags):
+    every N-th layer keeps attention; the estimator counts the model's parameters; refusals by name."""
+    from megazero.planning.estimate import total_params
+    variant = ["--experimental-attention-variant", "gated_delta_net"]
+    cfg = parse_args(["--mock-data", "--num-layers", "4", "--linear-attention-freq", "4",
+                      "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                      "--linear-key-head-dim", "8", "--linear-value-head-dim", "8"] + variant, world_size=1)
+    model = models.build_model(cfg)
+    kinds = [type(layer.attention).__name__ for layer in model.decoder.values()]
+    assert kinds == ["DeltaNetAttention"] * 3 + ["Attention"]
+    pad = (cfg.model.padded_vocab_size - cfg.model.vocab_size) * cfg.model.hidden_size
+    assert total_params(cfg) == sum(p.numel() for p in model.parameters()) - pad
+    for flags, needle in ((["--linear-attention-freq", "2"], "needs --experimental-attention-variant"),
+                          (variant, "needs --linear-attention-freq"),
+                          (variant + ["--linear-attention-freq", "[1,0]", "--num-layers", "3"],
+                           "--linear-attention-freq [1, 0]: lists 2 layers")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            parse_args(["--mock-data"] + flags, world_size=1)
+
+
+@pytest.mark.parametrize("world,layout", [
+    pytest.param(2, dict(tp=2, sequence_parallel=True, recompute_granularity="selective"), id="tp2-sp"),
+    pytest.param(2, dict(context_parallel_size=2), id="cp2", marks=SLOW)])
+def test_gated_deltanet_in_transformer_layers_matches_one_process(world, layout):
+    (ref,) = run_ranks(_train_history, 1, _cfg(QWEN3_NEXT_MEGATRON))
+    got = run_ranks(_train_history, world, _cfg(QWEN3_NEXT_MEGATRON, **layout))
+    for key in ("loss", "grad_norm", "eval_loss"):
+        a, b = [m[key] for m in ref if key in m], [m[key] for m in got[0] if key in m]
+        assert len(a) == len(b) >= 2 and b == pytest.approx(a, rel=R_TRAIN), key
+
+
+def test_gated_deltanet_in_transformer_layers_generates_with_its_state():
+    cfg = validate(_cfg(QWEN3_NEXT_MEGATRON), world_size=1)
+    torch.manual_seed(0)
+    model = models.build_model(cfg).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        full, cache = model(ids), KVCache()
+        steps = [model.decode(ids[:, :4], cache)]
+        steps += [model.decode(ids[:, t:t + 1], cache) for t in range(4, 9)]
+        got = torch.cat(steps, dim=1)
+    torch.testing.assert_close(got, full, rtol=0.0, atol=200 * U32 * float(full.abs().max()))
+    assert sorted(cache.recurrent) == [0, 1, 2]

@@ -62,6 +62,20 @@ def layer_kind(mod, layer_idx: int) -> Optional[str]:
     return None if kinds is None else kinds[layer_idx]
 
 
+def linear_attention_layers(mod) -> Optional[List[bool]]:
+    """Megatron-LM's Gated DeltaNet inside transformer layers (``--experimental-attention-variant
+    gated_delta_net``): which layers' attention is Gated DeltaNet, by ``--linear-attention-freq``
+    (``N``: every layer but each N-th, counting from 1; a list: 1 for Gated DeltaNet, 0 for
+    attention); None without the variant."""
+    if getattr(mod, "experimental_attention_variant", None) != "gated_delta_net":
+        return None
+    from megazero.config.patterns import layer_flags
+    freq = mod.linear_attention_freq
+    if isinstance(freq, int):
+        return [not full for full in layer_flags(freq, mod.num_layers)]
+    return layer_flags(freq, mod.num_layers)
+
+
 def has_recurrent_layers(mod) -> bool:
     return any(k in RECURRENT for k in layer_kinds(mod) or ())
 
@@ -82,6 +96,7 @@ def check_hybrid(cfg) -> None:
     mod, par = cfg.model, cfg.parallel
     _check(not (getattr(mod, "attention_output_gate", False) and mod.multi_latent_attention),
            "--attention-output-gate with --multi-latent-attention is not implemented; drop one of them")
+    _check_linear_attention(cfg)
     pattern = getattr(mod, "hybrid_layer_pattern", None)
     if not pattern:
         return
@@ -142,3 +157,49 @@ def check_hybrid(cfg) -> None:
         _check(mod.linear_num_key_heads % tp == 0, f"--linear-num-key-heads {mod.linear_num_key_heads} is "
                f"not divisible by --tensor-model-parallel-size {tp}; tensor parallelism splits whole key "
                "heads")
+
+
+def _check_deltanet_sizes(mod, tp: int) -> None:
+    for flag, v in (("--linear-num-key-heads", mod.linear_num_key_heads),
+                    ("--linear-num-value-heads", mod.linear_num_value_heads),
+                    ("--linear-key-head-dim", mod.linear_key_head_dim),
+                    ("--linear-value-head-dim", mod.linear_value_head_dim),
+                    ("--linear-conv-kernel-dim", mod.linear_conv_kernel_dim),
+                    ("--linear-chunk-size", mod.linear_chunk_size)):
+        _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v}")
+    _check(mod.linear_num_value_heads % mod.linear_num_key_heads == 0,
+           f"--linear-num-value-heads {mod.linear_num_value_heads} is not divisible by "
+           f"--linear-num-key-heads {mod.linear_num_key_heads}")
+    _check(mod.linear_num_key_heads % tp == 0, f"--linear-num-key-heads {mod.linear_num_key_heads} is "
+           f"not divisible by --tensor-model-parallel-size {tp}; tensor parallelism splits whole key "
+           "heads")
+
+
+def _check_linear_attention(cfg) -> None:
+    """``--experimental-attention-variant gated_delta_net`` with ``--linear-attention-freq``."""
+    mod, par = cfg.model, cfg.parallel
+    variant = getattr(mod, "experimental_attention_variant", None)
+    freq = getattr(mod, "linear_attention_freq", None)
+    _check(variant is None or freq is not None, "--experimental-attention-variant gated_delta_net needs "
+           "--linear-attention-freq (N: every N-th layer keeps attention, or a list of 1s for Gated DeltaNet "
+           "and 0s for attention)")
+    _check(freq is None or variant is not None, "--linear-attention-freq needs "
+           "--experimental-attention-variant gated_delta_net")
+    if variant is None:
+        return
+    _check(not getattr(mod, "hybrid_layer_pattern", None), "--experimental-attention-variant with "
+           "--hybrid-layer-pattern: give Gated DeltaNet layers as G in the pattern instead")
+    _check(not mod.multi_latent_attention, "--experimental-attention-variant gated_delta_net with "
+           "--multi-latent-attention is not implemented; drop one of them")
+    _check(not cfg.data.reset_attention_mask, "--reset-attention-mask with Gated DeltaNet layers: restarting "
+           "their conv and recurrent state at each document is not implemented; drop --reset-attention-mask")
+    try:
+        linear_attention_layers(mod)
+    except ValueError as err:
+        raise ConfigError(f"--linear-attention-freq {freq}: {err}") from None
+    _check_deltanet_sizes(mod, par.tensor_model_parallel_size)
+    cp = par.context_parallel_size
+    _check(cp == 1 or mod.seq_length // (2 * cp) >= mod.linear_conv_kernel_dim - 1,
+           f"--context-parallel-size {cp} cuts --seq-length {mod.seq_length} into chunks of "
+           f"{mod.seq_length // (2 * cp)} tokens, fewer than the {mod.linear_conv_kernel_dim - 1} past "
+           "inputs of the Gated DeltaNet conv; use a smaller --context-parallel-size")

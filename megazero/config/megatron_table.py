@@ -325,7 +325,6 @@ REFUSED: Dict[str, str] = {
     "--freeze-all-layers": "freezing layers is not implemented",
     "--heterogeneous-layers-config-path": "heterogeneous layer stacks are not implemented",
     "--heterogeneous-layers-config-encoded-json": "heterogeneous layer stacks are not implemented",
-    "--experimental-attention-variant": "experimental attention variants are not implemented",
     "--dataloader-inter-document-masking": "not implemented; megazero's per-document attention mask is "
                                            "--reset-attention-mask (with --reset-position-ids)",
     "--start-weight-decay": "a weight-decay schedule is not implemented; use --weight-decay",
@@ -362,8 +361,6 @@ REFUSED: Dict[str, str] = {
     "--refit-method": _RL,
     "--hybrid-context-parallel": _CP, "--hierarchical-context-parallel-sizes": _CP,
     "--max-seqlen-per-dp-cp-rank": _CP,
-    "--linear-attention-freq": "interleaving by frequency is not implemented: give every layer's kind with "
-                               "--hybrid-layer-pattern (G: Gated DeltaNet, *: attention; docs/hybrid.md)",
     "--enable-mhc-connections": "hyper-connections are not implemented",
     "--indexer-batch-size": "DeepSeek sparse attention is not implemented",
     "--indexer-log-interval": "DeepSeek sparse attention is not implemented",

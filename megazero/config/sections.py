@@ -295,6 +295,14 @@ class ModelConfig:
     linear_chunk_size: int = _f(64, "Positions per chunk of Gated DeltaNet's chunked delta rule.")
     attention_output_gate: bool = _f(False, "Gated attention (Qwen3-Next): each attention output channel "
                                      "times sigmoid(x W_gate), a gate projection of its own.")
+    experimental_attention_variant: Optional[str] = _f(
+        None, "gated_delta_net: Gated DeltaNet in place of attention in the transformer layers "
+        "--linear-attention-freq names (Megatron-LM's Qwen3-Next form; docs/hybrid.md).",
+        choices=["gated_delta_net"])
+    linear_attention_freq: Optional[Any] = _f(
+        None, "With --experimental-attention-variant: N keeps attention in every N-th layer (counting from "
+        "1) and Gated DeltaNet in the others, or a per-layer list expression such as '[1,1,1,0]*2' (1: "
+        "Gated DeltaNet, 0: attention).", type=parse_pattern_arg)
     # derived (see Derived)
     padded_vocab_size: int = _f(0, "Vocabulary padded for TP (derived).", derived=True)
 

@@ -107,6 +107,9 @@ def layer_params(cfg, layer: Optional[int] = None, active: bool = False) -> int:
     if m.hybrid_layer_pattern and layer is not None and layer < m.num_layers:  # one mixer per layer
         from megazero.planning.hybrid_counts import hybrid_layer_params
         return hybrid_layer_params(m, layer, attn, mlp, h * per_norm)
+    if m.experimental_attention_variant and layer is not None and layer < m.num_layers:
+        from megazero.planning.hybrid_counts import deltanet_params, linear_attention_layers
+        attn = deltanet_params(m) if linear_attention_layers(m)[layer] else attn
     norms = (4 if m.norm_position == "sandwich" else 2) * h * per_norm
     return attn + mlp + norms
 

@@ -57,7 +57,7 @@ def layer_forward_flops_per_token(cfg) -> dict:
     """Forward FLOPs of one transformer layer for one token, split into matmuls and attention (the mean
     over the layers when MoE and dense layers mix)."""
     m = cfg.model
-    if getattr(m, "hybrid_layer_pattern", None):  # each kind of layer its own count
+    if getattr(m, "hybrid_layer_pattern", None) or getattr(m, "experimental_attention_variant", None):
         from megazero.planning.hybrid_counts import hybrid_layer_flops
         return hybrid_layer_flops(cfg, _mlp_flops, mla_forward_flops)
     h, s = m.hidden_size, m.seq_length

@@ -19,7 +19,8 @@ Gated DeltaNet mixers' scan or rule, conv and norm, counted as their scan or rul
 """
 from __future__ import annotations
 
-from megazero.config.hybrid import ATTENTION, DELTANET, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE, mamba_num_heads
+from megazero.config.hybrid import (ATTENTION, DELTANET, MAMBA, MAMBA_CONV_KERNEL, MLP, MOE,
+                                    linear_attention_layers, mamba_num_heads)
 from megazero.config.patterns import layer_uses_rope, layer_window
 
 
@@ -39,14 +40,16 @@ def deltanet_flops(m):
 
 
 def hybrid_layer_flops(cfg, mlp_flops, mla_flops) -> dict:
-    """The mean forward FLOPs per token over the pattern's layers (the module docstring);
+    """The mean forward FLOPs per token over the ``--num-layers`` layers (the module docstring);
     ``mlp_flops(cfg, moe_layer)`` and ``mla_flops(m, keys)`` are the transformer count's."""
     m = cfg.model
     h, s = m.hidden_size, m.seq_length
     q = m.num_attention_heads * (m.kv_channels or h // m.num_attention_heads)
     kv = (m.num_query_groups or m.num_attention_heads) * (m.kv_channels or h // m.num_attention_heads)
     dense = attention = 0.0
-    for i, kind in enumerate(m.hybrid_layer_pattern):
+    per_layer = 1 if m.hybrid_layer_pattern else 2  # kinds a layer holds
+    for j, kind in enumerate(_kinds(cfg)):
+        i = j // per_layer
         if kind == ATTENTION:
             w, c = layer_window(m, i), m.attention_chunk_size if layer_uses_rope(m, i) else None
             keys = min(s, s if w is None else w + 1, c or s)
@@ -61,8 +64,20 @@ def hybrid_layer_flops(cfg, mlp_flops, mla_flops) -> dict:
         elif kind in (MAMBA, DELTANET):
             projections, core = mamba_flops(m) if kind == MAMBA else deltanet_flops(m)
             dense, attention = dense + projections, attention + core
-    n = len(m.hybrid_layer_pattern)
-    return {"dense": dense / n, "attention": attention / n}
+    return {"dense": dense / m.num_layers, "attention": attention / m.num_layers}
+
+
+def _kinds(cfg) -> str:
+    """The pattern; for Gated DeltaNet inside transformer layers (``--experimental-attention-variant``)
+    each layer's attention or Gated DeltaNet followed by its MLP (``E`` in an MoE layer), two kinds a
+    layer."""
+    m = cfg.model
+    if m.hybrid_layer_pattern:
+        return m.hybrid_layer_pattern
+    from megazero.moe.settings import moe_layers
+    moe = set(moe_layers(cfg))
+    return "".join((DELTANET if linear else ATTENTION) + (MOE if i in moe else MLP)
+                   for i, linear in enumerate(linear_attention_layers(m)))
 
 
 def mamba_params(m) -> int:
