@@ -5,7 +5,9 @@ sshd on 127.0.0.1 (skipped, naming what is missing, without sshd or root) and ru
 job on two "hosts" (127.0.0.1 and localhost, two ranks each) over ssh and over pdsh: their losses
 equal one process's (the oracle) within R_TRAIN, and each other's exactly."""
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 
 import pytest
 
+from megazero.checkpoint import latest_iteration
 from megazero.process.hostfile import HostfileError, parse_hostfile, select
 from models.cli import ds_launch
 from tests.test_operations import ROOT, TINY, _env, _losses, _metrics, _settings, _train
@@ -69,10 +72,13 @@ def test_commands_over_ssh_and_pdsh(tmp_path):
     assert [c[:4] for c in ssh] == [["ssh", "-p", "2222", "node-a"], ["ssh", "-p", "2222", "node-b"]]
     for rank, (cmd, slots) in enumerate(zip(ssh, ("0,2", "1,3"))):
         line = cmd[-1]
-        assert line.startswith(f"export CUDA_VISIBLE_DEVICES={slots} && cd {tmp_path} && exec env ")
+        start = f"export CUDA_VISIBLE_DEVICES={slots} && cd {tmp_path} && exec 3<&0 && {{ env "
+        assert line.startswith(start), line
         assert "MY_VAR='a b'" in line and "NCCL_DEBUG=INFO" in line and "SECRET" not in line
-        assert line.endswith(f"/py {ROOT}/scripts/launch.py --nnodes 2 --node-rank {rank} --nproc-per-node 2 "
-                             "--master-addr node-a --master-port 29600 train.py --deepspeed_config ds.json")
+        words = (f"/py {ROOT}/scripts/launch.py --nnodes 2 --node-rank {rank} --nproc-per-node 2 "
+                 "--master-addr node-a --master-port 29600 train.py --deepspeed_config ds.json")
+        assert f"{words} <&- & pid=$!;" in line, line
+        assert "while read -r _ <&3; do :; done; kill -TERM $pid" in line  # stdin's end stops the host
     pdsh, = ds_launch.plan(_args("--launcher", "pdsh"), active, env, "/py", str(tmp_path),
                            which=lambda _: "/x")
     assert pdsh[:5] == ["pdsh", "-S", "-f", "1024", "-w"] and pdsh[5] == "node-a,node-b"
@@ -185,3 +191,47 @@ def test_two_hosts_over_ssh_and_pdsh_equal_one_process(sshd, tmp_path):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "deepspeed_launch.py"), *argv],
                              capture_output=True, text=True)
         assert out.returncode == 2 and "--launcher pdsh: pdsh is not installed" in out.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_host_which_saves(sshd, tmp_path):
+    """SIGTERM to deepspeed_launch.py closes the ssh sessions' input; each host's launch.py gets
+    SIGTERM and forwards it: the ranks save once and every process exits 0, none left behind."""
+    port, opts, _ = sshd
+    (tmp_path / "hostfile").write_text("127.0.0.1 slots=2\nlocalhost slots=2\n")
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "deepspeed_launch.py"), "--hostfile", "hostfile",
+           "--launcher", "ssh", "--ssh_port", str(port), "--master_port", str(_free_port()),
+           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *TINY, "--tensor-model-parallel-size", "2",
+           "--train-iters", "5000", "--exit-signal-handler", "--save", str(ckpt),
+           "--metrics-file", str(metrics)]
+    log = open(tmp_path / "out.log", "w")
+    proc = subprocess.Popen(cmd, env=_env(PDSH_SSH_ARGS_APPEND=opts), cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            alive = proc.poll() is None and time.monotonic() < deadline
+            assert alive, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "out.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "out.log").read_text()
+    stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
+    assert stop and out.count("saved checkpoint at iteration") == 1, out[-3000:]
+    assert latest_iteration(str(ckpt)) == int(stop.group(1)) < 5000
+    assert out.count("launch.py: SIGTERM received: every rank stopped cleanly") == 2, out[-3000:]
+    time.sleep(1)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).count(str(metrics))]
+    assert left == [], [_cmdline(p) for p in left]
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""

@@ -19,6 +19,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -80,8 +81,10 @@ def exported_env(environ: Dict[str, str], cwd: str) -> Dict[str, str]:
 
 
 def node_command(args, active: Pool, node_rank: str, env: Dict[str, str], python: str, cwd: str,
-                 visible: str) -> str:
-    """The shell line one host runs (``node_rank`` may be pdsh's ``%n``)."""
+                 visible: str, watch_stdin: bool = False) -> str:
+    """The shell line one host runs (``node_rank`` may be pdsh's ``%n``).  With ``watch_stdin`` (ssh)
+    the end of its standard input (this launcher stopped, or its ssh gone) sends SIGTERM to the
+    host's scripts/launch.py, which forwards it to the ranks (with --exit-signal-handler they save)."""
     hosts = list(active)
     nproc = len(active[hosts[0]])
     master = args.master_addr or hosts[0]
@@ -90,7 +93,11 @@ def node_command(args, active: Pool, node_rank: str, env: Dict[str, str], python
               str(args.master_port), args.user_script, *args.user_args]
     assigns = " ".join(["env"] + [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())])
     words = " ".join(shlex.quote(a) if a != node_rank else a for a in launch)
-    return f"{visible}cd {shlex.quote(cwd)} && exec {assigns} {words}"
+    if not watch_stdin:
+        return f"{visible}cd {shlex.quote(cwd)} && exec {assigns} {words}"
+    return (f"{visible}cd {shlex.quote(cwd)} && exec 3<&0 && {{ {assigns} {words} <&- & pid=$!; "
+            "{ while read -r _ <&3; do :; done; kill -TERM $pid 2>/dev/null; } & watch=$!; "
+            "wait $pid; rc=$?; kill $watch 2>/dev/null; exit $rc; }")
 
 
 def plan(args, active: Pool, environ: Dict[str, str], python: str, cwd: str,
@@ -115,7 +122,7 @@ def plan(args, active: Pool, environ: Dict[str, str], python: str, cwd: str,
     if launcher == "ssh":
         return [["ssh", *ssh_args, host,
                  node_command(args, active, str(rank), env, python, cwd,
-                              f"export CUDA_VISIBLE_DEVICES={slots[host]} && ")]
+                              f"export CUDA_VISIBLE_DEVICES={slots[host]} && ", watch_stdin=True)]
                 for rank, host in enumerate(hosts)]
     cases = " ".join(f"{r}) CUDA_VISIBLE_DEVICES={slots[h]};;" for r, h in enumerate(hosts))
     visible = f"case %n in {cases} esac && export CUDA_VISIBLE_DEVICES && "
@@ -132,13 +139,23 @@ def launcher_env(args, environ: Dict[str, str]) -> Dict[str, str]:
 
 
 def _run_all(commands: Sequence[List[str]], environ: Dict[str, str]) -> int:
-    procs = [subprocess.Popen(c, env=environ, stdin=subprocess.DEVNULL) for c in commands]
+    """Run the ssh/pdsh commands; SIGTERM or SIGINT closes the ssh sessions' standard input, which
+    stops every host's ranks (see :func:`node_command`), and waits for them (pdsh: ends pdsh)."""
+    procs = [subprocess.Popen(c, env=environ, stdin=subprocess.PIPE if c[0] == "ssh" else subprocess.DEVNULL)
+             for c in commands]
+
+    def stop(signum, frame):
+        for p in procs:
+            if p.stdin is not None and not p.stdin.closed:
+                p.stdin.close()
+            elif p.stdin is None:
+                p.terminate()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        codes = [p.wait() for p in procs]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return max(codes, key=abs)
 
 
