@@ -43,6 +43,8 @@ SPEC = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_group
 # and a GPT-2-like one: LayerNorm, GELU, biases everywhere, learned positions, tied head, 4 query groups
 GPT2_SPEC = dict(SPEC, num_query_groups=4, ffn_hidden_size=64, llama=False)
 SPEC["llama"] = True
+# and a mixture of experts: the LLaMA-like model with 4 SwiGLU experts a layer, top-2 routing
+MOE_SPEC = dict(SPEC, num_layers=2, experts=4, topk=2, moe_ffn_hidden_size=24)
 
 
 def site_dir() -> str:
@@ -109,9 +111,11 @@ def build_gpt(seed: int = 0, spec=SPEC):
                             normalization=norm, layernorm_epsilon=1e-5, gated_linear_unit=llama,
                             activation_func=act, add_bias_linear=not llama,
                             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                            params_dtype=torch.float32)
+                            params_dtype=torch.float32, **_moe_config(spec))
     torch.manual_seed(seed)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization=norm), vocab_size=spec["vocab"],
+    layer = get_gpt_layer_local_spec(normalization=norm, num_experts=spec.get("experts"),
+                                     moe_grouped_gemm=False)
+    model = GPTModel(cfg, layer, vocab_size=spec["vocab"],
                      max_sequence_length=spec["seq_length"],
                      position_embedding_type="rope" if llama else "learned_absolute",
                      share_embeddings_and_output_weights=not llama, parallel_output=False)
@@ -120,6 +124,14 @@ def build_gpt(seed: int = 0, spec=SPEC):
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+def _moe_config(spec) -> dict:
+    if not spec.get("experts"):
+        return {}
+    return dict(num_moe_experts=spec["experts"], moe_router_topk=spec["topk"],
+                moe_ffn_hidden_size=spec["moe_ffn_hidden_size"], moe_token_dispatcher_type="allgather",
+                moe_aux_loss_coeff=0.0)
 
 
 def forward(model, ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +161,10 @@ def megatron_args(tp: int, consumed: int, spec=SPEC) -> argparse.Namespace:
         make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0, apply_layernorm_1p=False,
         qk_layernorm=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         consumed_train_samples=consumed, params_dtype=torch.float32, attention_backend=AttnBackend.auto,
-        ckpt_format="torch_dist")
+        ckpt_format="torch_dist", num_experts=spec.get("experts"), moe_router_topk=spec.get("topk", 2),
+        moe_ffn_hidden_size=spec.get("moe_ffn_hidden_size"), moe_router_score_function="softmax",
+        moe_router_pre_softmax=False, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+        moe_layer_freq=1)
 
 
 def _common(args, iteration: int, lr_samples: int) -> dict:

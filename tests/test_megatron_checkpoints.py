@@ -25,11 +25,12 @@ def _megatron_save(site, root):
     import megatron_core_harness as harness
     harness.setup_rank(site, tp=2)
     out = {}
-    for kind, spec in (("llama", harness.SPEC), ("gpt2", harness.GPT2_SPEC)):
+    for kind, spec in (("llama", harness.SPEC), ("gpt2", harness.GPT2_SPEC), ("moe", harness.MOE_SPEC)):
         model = harness.build_gpt(spec=spec)
         args = harness.megatron_args(2, CONSUMED, spec)
         harness.save_torch_dist(model, os.path.join(root, kind, "torch_dist"), ITERATION, args, CONSUMED)
-        harness.save_legacy(model, os.path.join(root, kind, "legacy"), ITERATION, args, CONSUMED)
+        if kind != "moe":  # megazero reads experts from torch_dist only
+            harness.save_legacy(model, os.path.join(root, kind, "legacy"), ITERATION, args, CONSUMED)
         out[kind] = harness.forward(model, IDS)
     return out
 
@@ -38,11 +39,11 @@ def _megatron_save(site, root):
 def saved_models(megatron_core, tmp_path_factory):  # noqa: F811
     """Per model kind, ``(torch_dist dir, legacy dir, megatron-core's logits)``: TP 2 models saved by
     megatron-core (``llama``: GQA, SwiGLU, RMSNorm, RoPE, untied; ``gpt2``: LayerNorm, GELU, biases,
-    learned positions, tied)."""
+    learned positions, tied; ``moe``: ``llama`` with 4 experts a layer, top-2; torch_dist only)."""
     root = str(tmp_path_factory.mktemp("megatron"))
     logits = run_ranks(_megatron_save, 2, megatron_core, root, timeout=180)
     out = {}
-    for kind in ("llama", "gpt2"):
+    for kind in ("llama", "gpt2", "moe"):
         assert torch.equal(logits[0][kind], logits[1][kind])
         out[kind] = (os.path.join(root, kind, "torch_dist"), os.path.join(root, kind, "legacy"),
                      logits[0][kind])
@@ -73,8 +74,8 @@ def _bound(ref: torch.Tensor) -> float:
     return 64 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("kind,fmt", [("llama", "torch_dist"), ("llama", "torch"), ("gpt2", "torch_dist"),
+                                      ("gpt2", "torch"), ("moe", "torch_dist")])
 def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_continues(
         saved_models, kind, fmt, tmp_path):
     from models.checkpoint import load_model
@@ -94,6 +95,8 @@ def test_megatron_checkpoint_loads_with_megatron_core_logits_and_training_contin
     with torch.no_grad():
         if kind == "llama":
             mlp.gate.weight.copy_(mlp.fc1.weight)
+        elif kind == "moe":
+            mlp.experts.gate_weight.copy_(mlp.experts.fc1_weight)
         else:
             mlp.fc1.bias.copy_(mlp.fc1.bias.roll(1))
         assert (model(IDS)[..., :64] - ref).abs().max().item() > 100 * _bound(ref)

@@ -22,7 +22,7 @@ from typing import Optional
 from megazero.checkpoint.errors import CheckpointError
 from megazero.checkpoint.megatron.convert import IMPORT_DIR, convert
 from megazero.checkpoint.megatron.files import TRACKER, MegatronCheckpoint, format_of, iteration_dir
-from megazero.checkpoint.megatron.mapping import settings_from_args
+from megazero.checkpoint.megatron.mapping import moe_settings_from_args, settings_from_args
 
 READABLE = ("torch_dist", "torch")
 
@@ -47,7 +47,7 @@ def saved_config(directory: str, iteration: Optional[int] = None) -> dict:
     if ck.args is None:
         raise CheckpointError(f"--use-checkpoint-args: {ck.path} stores no Megatron-LM args; give the "
                               "model's flags instead")
-    return {"model": settings_from_args(ck.args), "moe": {}, "data": {}}
+    return {"model": settings_from_args(ck.args), "moe": moe_settings_from_args(ck.args), "data": {}}
 
 
 def import_for_load(cfg, model_provider, mesh):
