@@ -4,7 +4,8 @@
 
 At start-up (:func:`import_for_load`, collective) global rank 0 converts the checkpoint into a megazero
 checkpoint of weights in ``DIR/megazero_import/`` (replaced at every start; the source is only read),
-keeping the iteration, the consumed samples and the learning-rate schedule's sample count; the run then
+keeping the iteration, the consumed samples and the learning-rate schedule's sample count (dense and
+mixture-of-experts GPT weights: :mod:`~.mapping`); the run then
 loads that at its own layout (any TP, PP, DP, ZeRO stage), as it loads its own checkpoints.  The
 optimizer starts fresh and the generators are reseeded from ``(seed, iteration)``.  ``--finetune``
 keeps its meaning (weights only, iteration 0); ``--use-checkpoint-args`` reads Megatron-LM's stored
