@@ -499,3 +499,11 @@ def test_gated_deltanet_in_transformer_layers_generates_with_its_state():
         got = torch.cat(steps, dim=1)
     torch.testing.assert_close(got, full, rtol=0.0, atol=200 * U32 * float(full.abs().max()))
     assert sorted(cache.recurrent) == [0, 1, 2]
+
+
+def test_linear_attention_freq_from_a_config_file(tmp_path):
+    """A --config file's list expression is read as the flag's is."""
+    from megazero.config import config_from_dict
+    cfg = validate(config_from_dict(dict(_cfg(QWEN3_NEXT_MEGATRON).to_dict()["model"], mock_data=True,
+                                         linear_attention_freq="[1,0]*2")), 1)
+    assert cfg.model.linear_attention_freq == [1, 0, 1, 0]

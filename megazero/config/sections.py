@@ -315,7 +315,7 @@ class ModelConfig:
         """Patterns and windows given as text (a config file, a saved config) in their parsed form;
         text that does not parse is left for validation to name."""
         for name, parse in (("window_size", parse_window), ("window_attn_skip_freq", parse_pattern),
-                            ("no_rope_freq", parse_pattern)):
+                            ("no_rope_freq", parse_pattern), ("linear_attention_freq", parse_pattern)):
             try:
                 setattr(self, name, parse(getattr(self, name)))
             except (TypeError, ValueError):
