@@ -22,6 +22,7 @@ from test_deepspeed_peer import (IMPORTS, LOSS_BOUND, PROGRAM, ROOT, SAVE_AFTER,
                                  run_ok, worst)
 
 OPTIM1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+MODEL = "mp_rank_00_model_states.pt"
 # bf16 continuation: three updates at lr <= 0.01 move this loss by a few 1e-3 (with and without the Adam
 # state the continued losses differ by up to 9e-3); gradients rounded to bf16 (2^-8 relative) at other
 # places perturb that movement by ~2^-8 x 0.03 = 1.2e-4; the bound is about three times that
@@ -113,6 +114,9 @@ def _bad_inputs(ckpt: str, config: dict, work: str):
         path = os.path.join(t, OPTIM1)
         os.truncate(path, os.path.getsize(path) // 2)
 
+    def copy_as(t, name):
+        shutil.copy(os.path.join(t, MODEL), os.path.join(t, name))
+
     def payload(t):
         torch.save({"module": {}, "step": _Payload(os.path.join(work, "ran"))},
                    os.path.join(t, "mp_rank_00_model_states.pt"))
@@ -120,7 +124,11 @@ def _bad_inputs(ckpt: str, config: dict, work: str):
     errors = {"truncated": broken("truncated", truncate),
               "missing": broken("missing", lambda t: os.remove(os.path.join(t, OPTIM1))),
               "shape": broken("shape", lambda t: None, width=48),
-              "payload": broken("payload", payload)}
+              "payload": broken("payload", payload),
+              # layouts megazero does not map, named by DeepSpeed's file names (copies of real files)
+              "tp": broken("tp", lambda t: copy_as(t, "mp_rank_01_model_states.pt")),
+              "pipeline": broken("pipeline", lambda t: copy_as(t, "layer_01-model_states.pt")),
+              "universal": broken("universal", lambda t: os.mkdir(os.path.join(t, "zero")))}
     engine.load_checkpoint(ckpt, load_optimizer_states=False)  # the weights, a fresh Adam
     fresh = _train(engine, SAVE_AFTER, STEPS - SAVE_AFTER)
     return before, after, errors, os.path.exists(os.path.join(work, "ran")), fresh
@@ -144,6 +152,10 @@ def test_the_weights_and_moments_load_and_bad_input_is_refused_in_one_line(tmp_p
     assert ("parameter transformer.wte.weight has shape [64, 32] in the DeepSpeed checkpoint but [64, 48] in "
             "this model") in errors["shape"]
     assert "is refused: it names posix.system" in errors["payload"] and not ran
+    assert "was saved with DeepSpeed tensor parallelism (mp_rank_01_model_states.pt)" in errors["tp"]
+    assert "is a DeepSpeed pipeline-engine (PipelineModule) checkpoint (layer_01-model_states.pt" in \
+        errors["pipeline"]
+    assert "is a DeepSpeed universal checkpoint" in errors["universal"]
     assert all("\n" not in e for e in errors.values()), errors
 
 
