@@ -15,8 +15,9 @@ back together whole (ZeRO 1-2: the ranks' flat partitions of each group joined, 
 of the rank count), then copied into this engine's own slices at its data-parallel size and ZeRO
 stage.  Restored too: Adam's step, the groups' learning rates, the loss scale of a dynamic fp16 scaler,
 the learning-rate schedule (``last_batch_iteration``), the step and sample counters, persistent
-buffers and frozen parameters (from the module's weights).  ``client_state`` is returned as DeepSpeed
-returns it: the keys of the model-states file that are not DeepSpeed's own.
+buffers and frozen parameters (from the module's weights).  ``client_state`` is the keys of the
+model-states file that are not DeepSpeed's own (:data:`DS_KEYS`): what the script saved (DeepSpeed's
+own load returns a few of its bookkeeping keys besides).
 
 Nothing in the files runs code: each is read with ``torch.load(weights_only=True)``.  DeepSpeed pickles
 a few objects of its own (its loss scaler, the ZeRO stage enum, fragment addresses); those names, and
