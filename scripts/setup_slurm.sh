@@ -80,6 +80,13 @@ if [ -f "$ETC/slurm.conf" ] && ! grep -qF "$MARK" "$ETC/slurm.conf"; then
 fi
 
 host="$(hostname -s)"
+# slurmdbd and srun bind to the address this host's name resolves to (NoInAddrAny): it must be loopback
+addr="$(getent ahostsv4 "$host" 2>/dev/null || true)"
+addr="${addr%%[[:space:]]*}"
+case "$addr" in
+  127.*) ;;
+  *) skip "this host's name ($host) resolves to '${addr:-nothing}', not to a loopback address: the daemons would listen there (a line '127.0.1.1 $host' in /etc/hosts fixes it)" ;;
+esac
 last=$((NODES))
 mkdir -p "$ETC" "$STATE/ctld" "$LOGS" /var/spool/slurmd
 chown slurm:slurm "$STATE/ctld" "$LOGS"
@@ -207,6 +214,9 @@ while read -r _ local _ st _; do
   [ "$st" = 0A ] || continue
   p=$((16#${local#*:}))
   [[ "$ports" == *" $p "* ]] || continue
-  [ "${local:6:2}" = 7F ] || fail "port $p listens on ${local%%:*} (hex), not on loopback: $(hostname -s) should resolve to 127.0.0.1"
+  if [ "${local:6:2}" != 7F ]; then
+    stop_all
+    fail "port $p listened on ${local%%:*} (hex), not on loopback; the daemons are stopped"
+  fi
 done < <(tail -n +2 /proc/net/tcp)
 say "ready: cluster megazero, nodes n[1-$last] ($CPUS CPUs, $GPUS stand-in GPUs each) on 127.0.0.1, slurmctld :$PORT, slurmdbd :$((PORT + 2))"
