@@ -507,3 +507,26 @@ def test_linear_attention_freq_from_a_config_file(tmp_path):
     cfg = validate(config_from_dict(dict(_cfg(QWEN3_NEXT_MEGATRON).to_dict()["model"], mock_data=True,
                                          linear_attention_freq="[1,0]*2")), 1)
     assert cfg.model.linear_attention_freq == [1, 0, 1, 0]
+
+
+def test_use_checkpoint_args_takes_the_hybrid_architecture(tmp_path):
+    """A fine-tune with --use-checkpoint-args builds the saved hybrid stack (pattern, Mamba and DeltaNet
+    sizes, gate) and loads its weights; a run of another pattern is refused by name on load."""
+    base = ["--mock-data", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--lr", "0.01", "--train-iters", "1", "--save-interval", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
+    arch = ["--hybrid-layer-pattern", "MG*-", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--mamba-num-heads", "4", "--mamba-head-dim", "8", "--mamba-num-groups", "2", "--mamba-state-dim",
+            "8", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+            "--linear-value-head-dim", "8", "--attention-output-gate", "--position-embedding-type", "none"]
+    from test_megatron_scripts import _pretrain
+    assert run_ranks(_pretrain, 1, base + arch + ["--save", str(tmp_path / "a")]) == [0]
+    from_a = ["--load", str(tmp_path / "a"), "--use-checkpoint-args", "--finetune"]
+    cfg = parse_args(base + from_a, world_size=1)
+    m = cfg.model
+    got = (m.hybrid_layer_pattern, m.mamba_num_heads, m.linear_num_value_heads, m.attention_output_gate)
+    assert got == ("MG*-", 4, 4, True)
+    assert run_ranks(_pretrain, 1, base + ["--load", str(tmp_path / "a"), "--use-checkpoint-args",
+                                           "--finetune", "--save", str(tmp_path / "b")]) == [0]
+    other = [("GM*-" if w == "MG*-" else w) for w in arch]
+    assert run_ranks(_pretrain, 1, base + other + ["--load", str(tmp_path / "a"), "--finetune"]) == [2]

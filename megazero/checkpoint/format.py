@@ -20,7 +20,13 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "normalization", "activation", "add_bias_linear", "untie_embeddings_and_output_weights",
                "qk_layernorm", "qk_layernorm_scope", "norm_position", "softmax_type",
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-               "v_head_dim")
+               "v_head_dim",
+               # hybrid stacks and Gated DeltaNet (docs/hybrid.md)
+               "hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_state_dim",
+               "mamba_num_groups", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+               "linear_value_head_dim",
+               "linear_conv_kernel_dim", "attention_output_gate", "experimental_attention_variant",
+               "linear_attention_freq")
 
 # MoEConfig fields that fix the parameter set and shapes (compared on load, recorded with the model's)
 MOE_ARCH_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -57,7 +63,8 @@ CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
                                  "qk_l2_norm_scope", "attn_temperature_tuning",
                                  "attn_temperature_floor_scale", "attn_temperature_scale",
                                  "glu_linear_offset", "activation_func_clamp_value",
-                                 "rope_type")  # multi-latent attention's RoPE
+                                 "rope_type",  # multi-latent attention's RoPE
+                                 "mamba_chunk_size", "linear_chunk_size")  # the SSM scans' chunks
 # DataConfig fields it takes too (as one group: none of them when any is given), unless
 # --no-use-tokenizer-model-from-checkpoint-args
 CHECKPOINT_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
