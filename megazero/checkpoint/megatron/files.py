@@ -119,6 +119,56 @@ class MegatronCheckpoint:
                 raise CheckpointCorrupt(f"{fpath} is truncated: {os.path.getsize(fpath)} bytes, the index "
                                         f"needs {end}")
 
+    def _dist_slice(self, name: str, first: Optional[int]) -> torch.Tensor:
+        """``name`` whole, or only its entry ``first`` along the leading (layer) axis: each stored chunk
+        that covers it is read from its shard file (``torch.load(weights_only=True)`` of the chunk's
+        bytes) and copied into place, so a layer costs the memory of a layer."""
+        props = self.meta.state_dict_metadata[name]
+        size = list(props.size)
+        box = (first, first + 1) if first is not None else (0, size[0] if size else 1)
+        out = torch.empty([box[1] - box[0]] + size[1:] if size else [], dtype=props.properties.dtype)
+        chunks = {tuple(c.offsets): tuple(c.sizes) for c in props.chunks}
+        covered = 0
+        for index, info in self.meta.storage_data.items():
+            if index.fqn != name:
+                continue
+            if info.transform_descriptors:  # stored through a transform (compression): DCP's reader
+                t = self._dist_tensor(name)
+                return t if first is None else t[first]
+            at = tuple(index.offset) if index.offset is not None else (0,) * len(size)
+            sizes = chunks[at]
+            if size and (at[0] >= box[1] or at[0] + sizes[0] <= box[0]):
+                continue
+            piece = self._read_chunk(name, info, sizes)
+            if size:
+                lo, hi = max(at[0], box[0]), min(at[0] + sizes[0], box[1])
+                piece = piece[lo - at[0]:hi - at[0]]
+                dst = out[lo - box[0]:hi - box[0]]
+                for d in range(1, len(size)):
+                    dst = dst.narrow(d, at[d], sizes[d])
+            else:
+                dst = out
+            dst.copy_(piece)
+            covered += piece.numel()
+        if covered != out.numel():
+            raise CheckpointCorrupt(f"{self.path}: the stored chunks of {name} do not cover it")
+        return (out if first is None else out[0]).float()
+
+    def _read_chunk(self, name: str, info, sizes) -> torch.Tensor:
+        import io
+        fpath = os.path.join(self.path, info.relative_path)
+        with open(fpath, "rb") as fh:
+            fh.seek(info.offset)
+            data = fh.read(info.length)
+        try:
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - damaged bytes
+            why = " ".join(str(err).split()).split(". ")[0][:160]
+            raise CheckpointCorrupt(f"{fpath}: the bytes of {name} are damaged ({why})") from None
+        if not torch.is_tensor(t) or tuple(t.shape) != tuple(sizes):
+            raise CheckpointCorrupt(f"{fpath}: {name}'s chunk is not a tensor of shape {tuple(sizes)}")
+        return t
+
     def _dist_tensor(self, name: str) -> torch.Tensor:
         from torch.distributed.checkpoint import FileSystemReader, load
         meta = self.meta
@@ -220,8 +270,9 @@ class MegatronCheckpoint:
     def has(self, name: str) -> bool:
         return name in (self._layer_names if self.format == "torch" else self.shapes)
 
-    def tensor(self, name: str, glu: bool = False) -> torch.Tensor:
-        """Tensor ``name`` whole, float32 (torch_dist: stacked over layers where Megatron stacks it)."""
+    def tensor(self, name: str, glu: bool = False, layer: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``name`` whole, float32 (torch_dist: stacked over layers where Megatron stacks it, or
+        only entry ``layer`` of the stack)."""
         if self.format == "torch":
             return self._legacy_tensor(name, glu)
-        return self._dist_tensor(name)
+        return self._dist_slice(name, layer)

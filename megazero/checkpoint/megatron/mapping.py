@@ -120,20 +120,14 @@ class NameMap:
     def __init__(self, ckpt, cfg, layernorm_1p: bool = False):
         self.ck, self.cfg, self.one_p = ckpt, cfg, layernorm_1p
         self.stacked = ckpt.format == "torch_dist"
-        self._cache: Dict[str, torch.Tensor] = {}
 
     def _prefix(self, i: int) -> str:
         return "decoder.layers." if self.stacked else f"decoder.layers.{i}."
 
     def _get(self, name: str, i: Optional[int]) -> torch.Tensor:
-        glu = self.cfg.model.activation in GATED
         if not self.stacked:
-            return self.ck.tensor(name, glu=glu)
-        if name not in self._cache:
-            self._cache.clear()  # one stacked tensor at a time
-            self._cache[name] = self.ck.tensor(name)
-        t = self._cache[name]
-        return t if i is None else t[i]
+            return self.ck.tensor(name, glu=self.cfg.model.activation in GATED)
+        return self.ck.tensor(name, layer=i)  # one layer of the stack read, not the stack
 
     def source(self, name: str) -> Optional[str]:
         """The Megatron-core tensor megazero's ``name`` comes from (None: not in the checkpoint)."""
