@@ -123,6 +123,10 @@ def missing(m, t: str, moe=None) -> Optional[str]:
                "with DeepSeek-V3's mixture of experts)"
     if getattr(m, "hybrid_layer_pattern", None):
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
+    if getattr(m, "experimental_attention_variant", None):
+        return f"Gated DeltaNet layers, --experimental-attention-variant ({t} has attention only)"
+    if getattr(m, "attention_output_gate", False):
+        return f"the attention output gate, --attention-output-gate ({t} has none)"
     if experts != (t in MOE_ORDER):
         return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
     variant = variants_missing(m, moe, t)

@@ -242,6 +242,12 @@ def test_hugging_face_export_refuses_a_hybrid_stack_by_name():
     cfg = validate(_cfg(QWEN3_NEXT_LIKE), 1)
     with pytest.raises(ConfigError, match="hybrid layer stack, --hybrid-layer-pattern"):
         arch_of(cfg.model, cfg.moe)
+    gated = dict(QWEN3_NEXT_MEGATRON, experimental_attention_variant=None, linear_attention_freq=None)
+    for model, needle in ((QWEN3_NEXT_MEGATRON, "Gated DeltaNet layers, --experimental-attention-variant"),
+                          (gated, "the attention output gate, --attention-output-gate")):
+        cfg = validate(_cfg(model), 1)
+        with pytest.raises(ConfigError, match=needle):
+            arch_of(cfg.model, cfg.moe)
 
 
 def test_attention_output_gate():
