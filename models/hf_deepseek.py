@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, Dict, Optional
 
 from megazero.config import ConfigError
+from .rope import yarn_mscale
 
 LATENT_EPS = 1e-6  # transformers' DeepseekV3RMSNorm on the latents keeps its default eps
 MLA_NAMES = [("attention.q_down.weight", "self_attn.q_a_proj.weight"),
@@ -81,6 +82,10 @@ def deepseek_missing(m) -> Optional[str]:
     absent = [f for f, ok in wants if not ok]
     if absent:
         return f"deepseek_v3 needs {absent[0]}"
+    if m.rope_type == "rope" and yarn_mscale(m.rotary_scaling_factor, m.mscale_all_dim) != 1.0:
+        return f"--rope-type rope with --rotary-scaling-factor {m.rotary_scaling_factor} and " \
+               f"--mscale-all-dim {m.mscale_all_dim} (megazero's MLA scales the scores by mscale^2 with " \
+               "plain RoPE too, as Megatron-core; deepseek_v3 only with YaRN)"
     others = [f for f in ("window_size", "scale_embedding", "attn_logit_softcapping",
                           "final_logit_softcapping", "softmax_scale", "no_rope_freq") if getattr(m, f)]
     return f"{others[0]} (deepseek_v3 has none)" if others else None
@@ -89,8 +94,9 @@ def deepseek_missing(m) -> Optional[str]:
 def deepseek_rope(m, rope_parameters) -> Dict[str, Any]:
     """``DeepseekV3Config``'s ``rope_parameters``, plain or YaRN; ``rope_parameters(m)`` writes a RoPE
     model's dict."""
-    rope = rope_parameters(replace(m, position_embedding_type="yarn" if m.rope_type == "yarn" else "rope"))
-    if m.rope_type == "yarn" and m.mscale_all_dim:  # the score scale reads it (attention_factor: cos/sin)
+    yarn = m.rope_type != "rope"  # YaRN unless --rope-type rope (MLA's default: None is YaRN)
+    rope = rope_parameters(replace(m, position_embedding_type="yarn" if yarn else "rope"))
+    if yarn and m.mscale_all_dim:  # the score scale reads it (attention_factor: cos/sin)
         rope["mscale_all_dim"] = m.mscale_all_dim
     return rope
 

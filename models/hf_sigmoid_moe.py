@@ -4,7 +4,8 @@ both ways: sigmoid scores, an expert bias moving the choice only (``e_score_corr
 score is the sum of its two best scores: ``--moe-router-group-score-topk 2``), the chosen weights
 normalised (``norm_topk_prob``; megazero normalises whenever top-k > 1) and scaled
 (``routed_scaling_factor``), an ungated shared expert of ``n_shared_experts`` experts' width, and
-``first_k_dense_replace`` dense first layers.  Neither model has a load-balancing loss.
+``first_k_dense_replace`` dense first layers.  Neither model has a load-balancing loss: an import
+trains without one (``--moe-router-load-balancing-type none``), an export leaves one out.
 
 :func:`import_settings` maps a config to megazero's MoE settings (refusing by name what differs);
 :func:`export_missing` says what such an architecture lacks to hold a megazero model;
@@ -72,9 +73,7 @@ def export_missing(moe, m, t: str) -> Optional[str]:
             moe.moe_router_topk // moe.moe_router_group_topk != GROUP_SCORE_TOPK:
         return f"a group's score of other than its {GROUP_SCORE_TOPK} best experts, " \
                f"--moe-router-group-score-topk ({t} sums {GROUP_SCORE_TOPK})"
-    if moe.moe_router_load_balancing_type != "none" and moe.moe_aux_loss_coeff:
-        return f"--moe-aux-loss-coeff {moe.moe_aux_loss_coeff} ({t} has no load-balancing loss)"
-    return None
+    return None  # a load-balancing loss, a z-loss or a capacity are training settings: not written
 
 
 def export_fields(moe, m) -> Dict[str, Any]:

@@ -160,3 +160,38 @@ def test_the_imported_depth_predicts_as_deepseek_defines_it(tmp_path):
     torch.testing.assert_close(model.mtp.stats.losses[0].double(), want, **bound)
     other = _reference_depth_loss(hf, mtp, tokens, swapped=True)
     assert abs(other - want) > 100 * bound["atol"]  # the order of eh_proj's halves is seen
+
+
+MEGATRON_DEEPSEEK = dict(  # Megatron-LM's DeepSeek-V3 flags at toy size, trained from scratch (no import)
+    num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100, mock_data=True,
+    micro_batch_size=1, global_batch_size=4, position_embedding_type="rope", normalization="RMSNorm",
+    norm_epsilon=1e-6, activation="swiglu", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+    multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4,
+    v_head_dim=12, qk_layernorm=True, rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0,
+    num_experts=8, moe_router_topk=4, moe_layer_freq="[0,1]", moe_ffn_hidden_size=24,  # 4 / 2 groups: 2
+    moe_shared_expert_intermediate_size=24, moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-4,
+    moe_router_topk_scaling_factor=2.5, moe_router_num_groups=4, moe_router_group_topk=2, mtp_num_layers=1,
+    hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def test_a_megatron_deepseek_model_exports_as_deepseek_v3(tmp_path):
+    """A model of Megatron-LM's DeepSeek-V3 flags (MLA with YaRN by default, its mscale on the scores;
+    the seq_aux_loss left out) exports as DeepseekV3 with the same logits; --rope-type rope with an
+    mscale is refused by name (transformers scales the scores only under YaRN)."""
+    import models
+    from megazero.config import ConfigError, config_from_dict, validate
+    from models.hf import to_hf
+    cfg = validate(config_from_dict(MEGATRON_DEEPSEEK), world_size=1)
+    model = models.build_model(cfg).eval()
+    to_hf(model, str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    assert type(back).__name__ == "DeepseekV3ForCausalLM"
+    assert back.config.rope_parameters["rope_type"] == "yarn"
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :100], back.eval()(ids).logits, rtol=0, atol=1e-5)
+    plain = models.build_model(validate(config_from_dict(dict(MEGATRON_DEEPSEEK, rope_type="rope")), 1))
+    with pytest.raises(ConfigError, match="--rope-type rope with --rotary-scaling-factor 4.0 and --msc"):
+        to_hf(plain, str(tmp_path / "plain"))
