@@ -235,7 +235,7 @@ class MegatronCheckpoint:
 
     def _rank(self, t: int, p: int) -> dict:
         if (t, p) not in self._legacy:
-            if len(self._legacy) > 2:  # at most a stage's worth in memory
+            if len(self._legacy) >= max(2, getattr(self, "tp", 1)):  # a stage's files open (memory-mapped)
                 self._legacy.pop(next(iter(self._legacy)))
             state = load_pt(self._files[(t, p)])
             if not isinstance(state, dict) or "model" not in state:

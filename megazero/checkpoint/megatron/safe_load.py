@@ -78,7 +78,7 @@ def load_pt(path: str) -> Any:
     allowed = [argparse.Namespace] + [(_stand_in(n), n) for n in names if n.startswith(SAFE_PREFIXES)]
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as used
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path}: refused by the weights-only loader: {str(err).splitlines()[0]}") \
             from None
