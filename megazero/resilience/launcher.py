@@ -210,6 +210,7 @@ def run_torchrun(argv: Sequence[str], grace: float = 120.0, stream: Optional[Tex
         if line is None:
             raise
         say(line)
+        del keep[:]  # its host is likely gone with the rendezvous: nothing to say goodbye to
         return EXIT_FAILURE
     finally:
         shutil.rmtree(notes, ignore_errors=True)
