@@ -45,7 +45,7 @@ from megazero.config import config_from_dict, validate
 from megazero.mesh import ParallelMesh
 from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
-from .hf_deepseek import MLA_NAMES, MTP_NAMES
+from .hf_deepseek import MLA_NAMES, MTP_NAMES, pairs_getter
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
@@ -412,7 +412,10 @@ def from_hf(model_or_dir, mesh: Optional[ParallelMesh] = None,
     settings.update(cfg_overrides or {})
     cfg = validate(config_from_dict(settings), mesh.world_size, check_data=False)  # no data of its own
     model = build_model(cfg, mesh)
-    load_full_state_dict(model, megazero_state_from_hf(hf.state_dict(), cfg, hf.config.model_type))
+    state = hf.state_dict()
+    get = pairs_getter(state.__getitem__, hf.config)  # DeepSeek-V3's RoPE halves as pairs
+    load_full_state_dict(model, {n: megazero_tensor(n, cfg, get, hf.config.model_type).detach().float()
+                                 for n in megazero_names(cfg, per_expert=True)})
     return model
 
 

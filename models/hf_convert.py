@@ -54,7 +54,7 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: O
     from .hf import layers_present, megazero_names, megazero_tensor
     from .safetensors_io import HFWeights
     from .hf_config import config_from_hf
-    from .hf_deepseek import mtp_depths
+    from .hf_deepseek import mtp_depths, pairs_getter
     hf_config, cfg = read_hf_config(src)
     weights = HFWeights(src)
     depths = mtp_depths(weights.names(), hf_config)  # DeepSeek-V3's files hold its MTP layers
@@ -85,9 +85,10 @@ def to_megazero(src: str, dst: str, allow_unused_weights: bool = False, notes: O
         with open(os.path.join(dst, ASSETS, TOKEN_IDS), "w") as fh:
             json.dump({k: v for k, v in ids.items() if v is not None}, fh)
 
+    get = pairs_getter(lambda hf_name: weights.get(hf_name, torch.float32), hf_config)
+
     def values(name, _p):  # fp32, read and converted a chunk at a time
-        return megazero_tensor(name, cfg, lambda hf_name: weights.get(hf_name, torch.float32),
-                               hf_config.model_type)
+        return megazero_tensor(name, cfg, get, hf_config.model_type)
     return save_weights(dst, [skeleton], ParallelMesh.single(), cfg, iteration=0,
                         extra={"converted_from": os.path.abspath(src)}, values=values)
 

@@ -1,5 +1,6 @@
 """transformers' ``DeepseekV3`` both ways: multi-latent attention (docs/mla.md) with its latent norms, its
-RoPE on interleaved pairs (``rope_interleave``, as megazero's MLA rotates them: no permutation), plain
+RoPE on interleaved pairs (``rope_interleave``, as megazero's MLA rotates them: no permutation; without
+it, halves, whose rows :func:`pairs_getter` interleaves on import), plain
 or YaRN (``mscale``, ``mscale_all_dim``), and the DeepSeek-style mixture of experts of
 :mod:`models.hf_sigmoid_moe`.  Its multi-token prediction layers are not part of transformers' model
 (``num_nextn_predict_layers`` is ignored there) but its published files hold them as
@@ -13,7 +14,9 @@ write its config fields; and :data:`MLA_NAMES` pairs the attention's tensors.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
+
+import torch
 
 from megazero.config import ConfigError
 from .rope import yarn_mscale
@@ -54,9 +57,6 @@ def _refuse(field: str, value, fix: str):
 def mla_settings(c, rope: Dict[str, Any]) -> Dict[str, Any]:
     """The multi-latent attention settings of a ``DeepseekV3Config`` whose RoPE settings are ``rope``
     (:func:`models.hf_config.rope_settings`: plain, or ``position_embedding_type`` yarn)."""
-    if not getattr(c, "rope_interleave", True):
-        _refuse("rope_interleave", False, "megazero's MLA rotates interleaved channel pairs (DeepSeek-V3's "
-                "published layout, rope_interleave true)")
     if c.num_key_value_heads != c.num_attention_heads:
         _refuse("num_key_value_heads", c.num_key_value_heads,
                 "multi-latent attention has no key/value groups")
@@ -69,6 +69,28 @@ def mla_settings(c, rope: Dict[str, Any]) -> Dict[str, Any]:
                 v_head_dim=c.v_head_dim, qk_layernorm=True, qk_layernorm_scope="head",
                 num_query_groups=c.num_attention_heads, position_embedding_type="rope",
                 rope_type="yarn" if yarn else "rope")
+
+
+def pairs_getter(get: Callable[[str], torch.Tensor], c) -> Callable[[str], torch.Tensor]:
+    """``get(hf_name)`` of a DeepSeek-V3 config ``c`` whose RoPE rotates halves (``rope_interleave``
+    false), giving the rotary rows of the query and key projections in interleaved pairs, as megazero's
+    MLA rotates them: row ``2i`` is the halves' row ``i``, ``2i + 1`` their row ``i + d/2`` (each query
+    head's last ``qk_rope_head_dim`` rows, the key latent's last ones).  Scores do not change; the export
+    writes the pairs with ``rope_interleave`` true."""
+    if getattr(c, "model_type", None) != "deepseek_v3" or getattr(c, "rope_interleave", True):
+        return get
+    dr, width = c.qk_rope_head_dim, c.qk_nope_head_dim + c.qk_rope_head_dim
+    pairs = torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], -1).flatten()
+
+    def found(name: str) -> torch.Tensor:
+        t = get(name)
+        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            heads = t.reshape(-1, width, *t.shape[1:])
+            return torch.cat([heads[:, :width - dr], heads[:, width - dr:][:, pairs]], 1).reshape(t.shape)
+        if name.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            return torch.cat([t[:len(t) - dr], t[len(t) - dr:][pairs]])
+        return t
+    return found
 
 
 def deepseek_missing(m) -> Optional[str]:

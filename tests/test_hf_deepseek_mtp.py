@@ -195,3 +195,27 @@ def test_a_megatron_deepseek_model_exports_as_deepseek_v3(tmp_path):
     plain = models.build_model(validate(config_from_dict(dict(MEGATRON_DEEPSEEK, rope_type="rope")), 1))
     with pytest.raises(ConfigError, match="--rope-type rope with --rotary-scaling-factor 4.0 and --msc"):
         to_hf(plain, str(tmp_path / "plain"))
+
+
+def test_rope_on_halves_imports_as_pairs(tmp_path):
+    """``rope_interleave`` false (RoPE on halves): the import interleaves the rotary rows, through
+    from_hf and convert_hf.py alike; logits within 1e-5 of transformers', the export (pairs,
+    rope_interleave true) loads back with them; the same weights rotated as pairs are another model."""
+    from models.checkpoint import load_model
+    from models.hf import from_hf, to_hf
+    from models.hf_convert import to_megazero
+    hf = hf_model("deepseek-v3", rope_interleave=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = hf(ids).logits
+        pairs = hf_model("deepseek-v3")(ids).logits  # the same weights (seed), RoPE on pairs
+        assert (pairs - want).abs().max() > 100 * fp32_bound(want, C_FWD)["atol"]
+        torch.testing.assert_close(from_hf(hf).eval()(ids), want, rtol=0, atol=1e-5)
+        hf.save_pretrained(str(tmp_path / "src"))
+        to_megazero(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+        model, _ = load_model(str(tmp_path / "ckpt"))
+        torch.testing.assert_close(model.eval()(ids), want, rtol=0, atol=1e-5)
+        to_hf(model, str(tmp_path / "out"))
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+        assert back.config.rope_interleave
+        torch.testing.assert_close(back.eval()(ids).logits, want, rtol=0, atol=1e-5)

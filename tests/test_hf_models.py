@@ -169,7 +169,6 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
     ("qwen2-moe", dict(mlp_only_layers=[0, 1]), "num_experts=8; a qwen2_moe config without MoE layers"),
     ("glm4-moe", dict(norm_topk_prob=False), "norm_topk_prob=False; megazero normalises the chosen sigmoid"),
     ("glm4-moe", dict(n_group=3), "n_group=3; groups of at least 2 experts dividing"),
-    ("deepseek-v3", dict(rope_interleave=False), "rope_interleave=False; megazero's MLA rotates interleaved"),
     ("deepseek-v3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05; transformers' DeepSeek-V3 normalises"),
     ("deepseek-v3", dict(attention_bias=True), "attention_bias=True; linear biases"),
     ("deepseek-v3", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
