@@ -5,10 +5,10 @@ root, no apt-get, a site's own slurm.conf).
 
 One test (slow tier): the script as written (its #SBATCH lines, with --gpus-per-node 4 on the
 command line) runs the demo's layout with a tiny model, 2 nodes x 4 ranks = TP 2 x PP 2 x DP 2 with
-ZeRO-2, once uninterrupted and once
-preempted as slurmctld preempts a job into the queue: `scancel --signal=TERM` mid-run (the ranks
-save and exit 0), then `scontrol requeue`; the requeued job resumes from its checkpoint and
-finishes, and its losses equal the uninterrupted job's at every iteration."""
+ZeRO-2, once uninterrupted and once preempted: `scancel --signal=TERM` mid-run; the ranks save and
+exit 0, and the script (REQUEUE=1) finds the run short of --train-iters and requeues the job; it
+resumes from its checkpoint and finishes, and its losses equal the uninterrupted job's at every
+iteration."""
 import os
 import re
 import subprocess
@@ -111,7 +111,7 @@ def _lines(path):
 
 
 def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_losses(cluster, tmp_path):
-    env = _env()  # exported to the job (sbatch's default --export=ALL): one thread a rank, this python
+    env = _env(REQUEUE="1")  # exported to the job (sbatch's --export=ALL): one thread a rank, this python
     for key in [k for k in env if k.startswith("SLURM_")] + ["MEGAZERO_ROOT", "MASTER_ADDR", "MASTER_PORT"]:
         env.pop(key, None)  # the repository is found from the submitted script's path
     started = time.monotonic()
@@ -124,10 +124,10 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
         rendezvous = 29500 + int(pre) % 1000  # slurm.sbatch's MASTER_PORT; its join listens 1000 above
         stores = {port: _listeners(port) for port in (rendezvous, rendezvous + 1000)}
         _run("scancel", "--signal=TERM", pre)  # to every process of the job's steps, as a preemption does
-        _wait("the preempted job to end", lambda: _state(pre) in ("", "COMPLETED"), 60)
+        # the ranks save and exit 0; REQUEUE=1: the script finds the run unfinished and requeues the job
+        _wait("the preempted job back in the queue", lambda: _state(pre) == "PENDING", 60)
         whole = _submit(tmp_path, "uninterrupted", env)  # runs while the requeued job waits
         jobs.append(whole)
-        _run("scontrol", "requeue", pre)
         _wait("both jobs to finish", lambda: not _state(pre) and not _state(whole), 150)
         runs = _wait("sacct's records of both runs", lambda: _finished(_sacct(pre), 2), 30)
         wall = time.monotonic() - started
@@ -147,6 +147,8 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
     stop = re.search(r"stopping after iteration (\d+): SIGTERM received", out)
     assert stop and int(stop.group(1)) < ITERS, out[-3000:]
     k = int(stop.group(1))
+    requeued = f"slurm.sbatch: stopped at iteration {k} of {ITERS}: requeueing job {pre} (REQUEUE=1)"
+    assert requeued in out, out[-3000:]
     assert re.search(rf"loaded checkpoint \S+ \(iteration {k},", out), out[-3000:]
     assert "rank 0/8: tp 0/2 pp 0/2 dp 0/2" in out, out[-3000:]
     assert _run("sacct", "-X", "-n", "-P", "-j", whole, "-o", "NodeList").split() == ["n[1-2]"]
