@@ -496,3 +496,33 @@ def test_rendezvous_failures_are_one_line_each():
     assert lines[rdzv.RendezvousStateError] == "the rendezvous at node0:29400 failed: deep text"
     assert all("\n" not in line for line in lines.values())
     assert rendezvous_failure_line(ValueError("a bug"), args) is None  # bugs keep their traceback
+
+
+@pytest.mark.parametrize("conf,line", [
+    ("keep_alive_interval=abc", "--rdzv-conf keep_alive_interval=abc: give a whole number above 0"),
+    ("join_timeout=-5", "--rdzv-conf join_timeout=-5: give a whole number above 0"),
+    ("is_host=maybe", "--rdzv-conf is_host=maybe: give 1 or 0 (true or false)"),
+])
+def test_a_bad_rendezvous_setting_is_one_line(capsys, conf, line):
+    """torch refused these deep inside the launch, with a traceback."""
+    from models.cli import launch_main
+    argv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400",
+            "--rdzv-conf", conf, "x.py"]
+    assert launch_main(argv) == 2
+    assert capsys.readouterr().err == f"launch.py: error: {line}\n"
+
+
+@pytest.mark.slow
+def test_a_job_that_cannot_form_in_time_is_one_line(tmp_path):
+    """One node of two, no join before torchrun (--join-timeout 0), the rendezvous' join timeout 3 s:
+    exit 1 with one line (as a surviving node whose peer never comes back), not a traceback."""
+    port = _ports()
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--join-timeout", "0", "--nnodes", "2",
+           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-conf", "join_timeout=3", os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *TINY]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.rstrip().splitlines()[-1] == (
+        f"launch.py: the job did not form at 127.0.0.1:{port} within the rendezvous' join timeout "
+        "(--rdzv-conf join_timeout=SECS, 600 by default): fewer nodes than --nnodes came (back); start the "
+        "missing ones, or give --nnodes MIN:MAX to go on without them")

@@ -47,6 +47,25 @@ def _rdzv_backend_problem(args) -> Optional[str]:
     return None
 
 
+# the --rdzv-conf options torchrun's c10d rendezvous reads as whole numbers above 0, and as booleans
+_RDZV_NUMBERS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "read_timeout",
+                 "keep_alive_interval", "keep_alive_max_attempt")
+_RDZV_BOOLEANS = ("is_host",)
+
+
+def _rdzv_conf_problem(args) -> Optional[str]:
+    """A number or boolean of --rdzv-conf that torch would refuse inside the launch, with a traceback."""
+    for item in filter(None, (args.rdzv_conf or "").split(",")):
+        key, _, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in _RDZV_NUMBERS and not (value.isdigit() and int(value) > 0):
+            return f"--rdzv-conf {key}={value}: give a whole number above 0"
+        if key in _RDZV_BOOLEANS and value.lower() not in ("1", "0", "true", "false", "yes", "no", "y", "n",
+                                                           "on", "off"):
+            return f"--rdzv-conf {key}={value}: give 1 or 0 (true or false)"
+    return None
+
+
 def _numbers_problem(args) -> Optional[str]:
     from torch.distributed.run import parse_min_max_nnodes
     try:
@@ -68,12 +87,13 @@ def _numbers_problem(args) -> Optional[str]:
 
 def usage_problem(args) -> Optional[str]:
     """What is wrong with torchrun's parsed ``args`` (a bad --nproc-per-node, --nnodes, --rdzv-backend,
-    --rdzv-endpoint, --master-port, --max-restarts, --monitor-interval, --node-rank, --rdzv-conf,
-    --log-dir: torch raises on them deep inside the launch, with a traceback), in one line naming the
-    flag; None when they are usable."""
+    --rdzv-endpoint, --master-port, --max-restarts, --monitor-interval, --node-rank, --rdzv-conf (its
+    timeouts, keep-alive and is_host too), --log-dir: torch raises on them deep inside the launch, with
+    a traceback), in one line naming the flag; None when they are usable."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import config_from_args
-    problem = _nproc_problem(args.nproc_per_node) or _numbers_problem(args) or _rdzv_backend_problem(args)
+    problem = (_nproc_problem(args.nproc_per_node) or _numbers_problem(args) or _rdzv_backend_problem(args)
+               or _rdzv_conf_problem(args))
     if problem:
         return problem
     if args.rdzv_endpoint and not args.standalone:
