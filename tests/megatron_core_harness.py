@@ -96,7 +96,7 @@ def setup_rank(site: str, tp: int = 1, pp: int = 1) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def build_gpt(seed: int = 0, spec=SPEC):
+def build_gpt(seed: int = 0, spec=SPEC, stage: bool = False):
     """Megatron-core's GPTModel (local spec, fp32, dropout 0), logits gathered over TP ranks."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -111,19 +111,42 @@ def build_gpt(seed: int = 0, spec=SPEC):
                             normalization=norm, layernorm_epsilon=1e-5, gated_linear_unit=llama,
                             activation_func=act, add_bias_linear=not llama,
                             hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
-                            params_dtype=torch.float32, **_moe_config(spec))
+                            params_dtype=torch.float32, **_moe_config(spec), **_sizes())
     torch.manual_seed(seed)
     layer = get_gpt_layer_local_spec(normalization=norm, num_experts=spec.get("experts"),
                                      moe_grouped_gemm=False)
     model = GPTModel(cfg, layer, vocab_size=spec["vocab"],
                      max_sequence_length=spec["seq_length"],
                      position_embedding_type="rope" if llama else "learned_absolute",
-                     share_embeddings_and_output_weights=not llama, parallel_output=False)
+                     share_embeddings_and_output_weights=not llama, parallel_output=False,
+                     **(_stage_flags() if stage else {}))
     with torch.no_grad():  # norms start at ones, biases at zeros: perturb every tensor so that the
         for name, p in model.named_parameters():  # mapping of each is tested
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+def _sizes() -> dict:
+    from megatron.core import parallel_state
+    return dict(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+                pipeline_dtype=torch.float32)
+
+
+def _stage_flags() -> dict:
+    """This rank's pipeline stage: the embedding on the first, the head on the last."""
+    from megatron.core import parallel_state
+    return dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                post_process=parallel_state.is_pipeline_last_stage())
+
+
+def load_torch_dist(model, path: str) -> None:
+    """megatron-core's own loader: ``model`` (any TP/PP) takes the weights of torch_dist ``path``."""
+    from megatron.core import dist_checkpointing
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), path)
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")], missing
 
 
 def _moe_config(spec) -> dict:
@@ -195,10 +218,14 @@ def save_torch_dist(model, directory: str, iteration: int, args, lr_samples: int
 
 
 def save_legacy(model, directory: str, iteration: int, args, lr_samples: int) -> str:
-    """Megatron-LM's legacy (``--ckpt-format torch``) checkpoint: one file per TP rank (PP 1)."""
+    """Megatron-LM's legacy (``--ckpt-format torch``) checkpoint: one file per TP rank and pipeline
+    stage (``mp_rank_TT`` at PP 1, ``mp_rank_TT_PPP`` above), each stage's layers numbered from 0."""
     from megatron.core import parallel_state
     path = os.path.join(directory, f"iter_{iteration:07d}")
-    rank_dir = os.path.join(path, f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    rank_dir = os.path.join(path, name)
     os.makedirs(rank_dir, exist_ok=True)
     state = dict(_common(args, iteration, lr_samples), model=model.state_dict())
     torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))

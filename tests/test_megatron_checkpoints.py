@@ -112,6 +112,37 @@ def test_consumed_samples_and_schedule_come_from_megatron(saved, tmp_path):
     assert meta["iteration"] == ITERATION
 
 
+def _legacy_pp2(site, src, dst):
+    """4 ranks, TP 2 x PP 2: megatron-core's loader reads the TP 2 torch_dist checkpoint into each
+    stage, which is saved in the legacy format (mp_rank_TT_PPP, layers numbered per stage)."""
+    import megatron_core_harness as harness
+    harness.setup_rank(site, tp=2, pp=2)
+    model = harness.build_gpt(seed=7, stage=True)
+    harness.load_torch_dist(model, os.path.join(src, f"iter_{ITERATION:07d}"))
+    args = harness.megatron_args(2, CONSUMED)
+    args.pipeline_model_parallel_size = 2
+    harness.save_legacy(model, dst, ITERATION, args, CONSUMED)
+
+
+def test_legacy_checkpoint_of_two_pipeline_stages(saved, megatron_core, tmp_path):  # noqa: F811
+    """mp_rank_TT_PPP files of TP 2 x PP 2 (written from megatron-core's stages): the layers of the
+    second stage continue the first's numbering; the logits are megatron-core's."""
+    from megazero.checkpoint.megatron import convert, saved_config
+    from megazero.config import validate
+    from models.checkpoint import load_model
+    import models
+    dst = str(tmp_path / "pp2")
+    run_ranks(_legacy_pp2, 4, megatron_core, saved[0], dst, timeout=180)
+    assert sorted(os.listdir(os.path.join(dst, f"iter_{ITERATION:07d}"))) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    cfg = validate(config_from_dict(dict(saved_config(dst)["model"], mock_data=True)), 1)
+    convert(dst, str(tmp_path / "out"), cfg, models.build_model)
+    model, _ = load_model(str(tmp_path / "out"))
+    with torch.no_grad():
+        got = model(IDS)[..., :64]
+    assert (got - saved[2]).abs().max().item() <= _bound(saved[2])
+
+
 def _train_rank(cfg):
     return _train(cfg)
 
