@@ -100,7 +100,8 @@ layout and schedule), :mod:`~megazero.checkpoint.integrity` (checksums, durable 
 :mod:`~megazero.checkpoint.resolve` (which checkpoint to load; foreign directories named),
 :mod:`~megazero.checkpoint.lock`, :mod:`~megazero.checkpoint.shards`,
 :mod:`~megazero.checkpoint.assemble`, :mod:`~megazero.checkpoint.reader`,
-:mod:`~megazero.checkpoint.writer`.
+:mod:`~megazero.checkpoint.writer`; and :mod:`~megazero.checkpoint.megatron` (Megatron-LM's torch_dist
+and legacy checkpoints converted for ``--load``, and megazero's exported to torch_dist).
 """
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError, CheckpointSaveError  # noqa: F401
 from megazero.checkpoint.format import checkpoint_path  # noqa: F401
