@@ -41,11 +41,14 @@ PLAIN_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base",
               "rotary_percent", "normalization", "norm_epsilon", "qk_layernorm", "add_bias_linear",
               "add_qkv_bias", "untie_embeddings_and_output_weights", "hidden_dropout", "attention_dropout",
-              "make_vocab_size_divisible_by", "rotary_seq_len_interpolation_factor", "init_method_std")
+              "make_vocab_size_divisible_by", "rotary_seq_len_interpolation_factor", "init_method_std",
+              "use_rope_scaling", "rope_scaling_factor")
 MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size")
 REFUSED_ARGS = {"multi_latent_attention": "multi-latent attention",
+                "rotary_interleaved": "interleaved rotary embeddings",
+                "apply_residual_connection_post_layernorm": "residuals taken after the norm",
                 "moe_router_enable_expert_bias": "a router expert bias",
                 "moe_shared_expert_gate": "a gated shared expert",
                 "hybrid_override_pattern": "hybrid (Mamba) stacks",
