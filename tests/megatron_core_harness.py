@@ -59,7 +59,8 @@ def megatron_core():
     if not os.path.isfile(os.path.join(site, "megatron", "core", "__init__.py")):
         try:
             out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "fetch_megatron_core.sh")],
-                                 capture_output=True, text=True, timeout=180)
+                                 capture_output=True, text=True, timeout=180,
+                                 env=dict(os.environ, PYTHON=sys.executable, MEGATRON_CORE_DIR=site))
         except subprocess.TimeoutExpired:
             pytest.skip("megatron-core could not be fetched in 180 s (scripts/fetch_megatron_core.sh)")
         if out.returncode != 0:
