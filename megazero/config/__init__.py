@@ -15,10 +15,11 @@ from megazero.config.sections import (SECTIONS, CheckpointConfig, DataConfig, De
                                       MegazeroConfig, MoEConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                                       PrecisionConfig, ResilienceConfig, TrainingConfig, field_index, flag_of)
 from megazero.config.validation import derive, validate
+from megazero.config.one_process import one_process_model
 from megazero.errors import ConfigError
 
 __all__ = ["SECTIONS", "CheckpointConfig", "ConfigError", "DataConfig", "Derived", "LoggingConfig",
            "MegazeroConfig", "MoEConfig",
            "ModelConfig", "OptimizerConfig", "ParallelConfig", "PrecisionConfig",
            "ResilienceConfig", "TrainingConfig", "build_parser", "config_from_dict", "derive", "field_index",
-           "flag_of", "parse_args", "validate"]
+           "flag_of", "one_process_model", "parse_args", "validate"]

@@ -238,10 +238,10 @@ class ModelConfig:
     attn_temperature_scale: float = _f(0.1, "Llama 4's attn_scale (see --attn-temperature-tuning).",
                                        type=float)
     mtp_num_layers: Optional[int] = _f(
-        None, "Multi-token prediction (DeepSeek-V3, Megatron-core's MTP block): this many extra depths on the "
-        "last pipeline stage, depth k predicting token t+k+1 from the previous depth's hidden state and the "
-        "embedding of token t+k, each its own norms, 2h->h projection and transformer layer, sharing the "
-        "embedding and output head (docs/moe.md).", type=int)
+        None, "Multi-token prediction (DeepSeek-V3, Megatron-core's MTP block): this many extra depths "
+        "on the last pipeline stage, depth k predicting token t+k+1 from the previous depth's hidden state "
+        "and the embedding of token t+k, each its own norms, 2h->h projection and transformer layer, "
+        "sharing the embedding and output head (docs/moe.md).", type=int)
     mtp_loss_scaling_factor: float = _f(
         0.1, "Multi-token prediction: the depths' losses, averaged over the depths, times this are added to "
         "the objective (reported apart as mtp loss).", type=float)

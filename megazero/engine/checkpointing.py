@@ -193,22 +193,24 @@ def _latest_tag(load_dir: str) -> Optional[str]:
         return fh.read().strip() or None
 
 
-def load_checkpoint(engine, load_dir: str, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False) -> Tuple[Optional[str], Optional[dict]]:
-    """See the module docstring (collective)."""
-    from megazero.checkpoint import load
+def checkpoint_path(engine, load_dir: str, tag=None) -> Optional[str]:
+    """The directory of tag ``tag`` (default: the one ``latest`` names) under ``load_dir``, or None when
+    there is no ``latest`` (said on rank 0)."""
     where = os.path.join(load_dir, LATEST) if tag is None else ""
     tag = _latest_tag(load_dir) if tag is None else tag
     if tag is None:
         if engine.global_rank == 0:
             print(f"[megazero] no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
                   flush=True)
-        return None, None
-    path = tag_dir(load_dir, tag, where)
-    from megazero.engine.ds_checkpoint import is_deepspeed_checkpoint, load_deepspeed
-    if is_deepspeed_checkpoint(path):  # written by DeepSpeed itself (docs/migration.md)
-        return load_deepspeed(engine, path, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return None
+    return tag_dir(load_dir, tag, where)
+
+
+def load_checkpoint(engine, path: str, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> Tuple[Optional[str], Optional[dict]]:
+    """See the module docstring (collective); ``path``: :func:`checkpoint_path`."""
+    from megazero.checkpoint import load
     ck = replace(engine.cfg.checkpoint, finetune=load_module_only, no_load_optim=not load_optimizer_states,
                  override_opt_param_scheduler=True)
     info = load(path, [engine.module], engine.zero, engine.mesh, replace(engine.cfg, checkpoint=ck))

@@ -277,9 +277,13 @@ class Engine(torch.nn.Module):
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        from megazero.engine.checkpointing import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)
+        from megazero.engine.checkpointing import checkpoint_path, load_checkpoint
+        from megazero.engine.ds_checkpoint import is_deepspeed_checkpoint, load_deepspeed
+        path = checkpoint_path(self, load_dir, tag)
+        if path is None:
+            return None, None
+        load = load_deepspeed if is_deepspeed_checkpoint(path) else load_checkpoint  # docs/migration.md
+        return load(self, path, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -279,7 +279,7 @@ def _startup(cfg: MegazeroConfig, model_provider: ModelProvider, mesh: ParallelM
     from megazero.config.batch_schedule import schedule_of
     from megazero.zero import build_optimizer
     if cfg.checkpoint.load:  # a Megatron-LM checkpoint is converted first (megazero.checkpoint.megatron)
-        from megazero.checkpoint.megatron import import_for_load
+        from megazero.training.megatron_import import import_for_load
         cfg = import_for_load(cfg, model_provider, mesh)
     tr, ck = cfg.training, cfg.checkpoint
     resume_from = _checkpoint_startup(ck, mesh, guard)  # fails before any training

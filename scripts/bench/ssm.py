@@ -16,6 +16,7 @@ import time
 import torch
 
 from megazero.config import config_from_dict, validate
+from megazero.errors import EXIT_OK
 from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel.rng import RNGTracker
 from megazero_models.hybrid import HybridLayer
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         if args.json:
             from bench import write_json
             write_json(rows, args.json)
-        return 0
+        return EXIT_OK
     rows = [measure(kind, seq, args) for seq in args.seq_lengths for kind in args.kinds]
     print(f"hidden {args.hidden_size}, batch 1, fp32, {torch.get_num_threads()} thread(s): forward + "
           "backward of one layer (norm, mixer, residual)"
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     if args.json:
         from bench import write_json
         write_json(rows, args.json)
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 ``torch_dist`` format or its legacy ``mp_rank_XX[_YYY]/model_optim_rng.pt`` format (``--ckpt-format``
 ``torch_dist`` / ``torch`` names which one is expected; unset, either is detected).
 
-At start-up (:func:`import_for_load`, collective) global rank 0 converts the checkpoint into a megazero
-checkpoint of weights in ``DIR/megazero_import/`` (replaced at every start; the source is only read),
-keeping the iteration, the consumed samples and the learning-rate schedule's sample count (dense and
-mixture-of-experts GPT weights: :mod:`~.mapping`); the run then
-loads that at its own layout (any TP, PP, DP, ZeRO stage), as it loads its own checkpoints.  The
-optimizer starts fresh and the generators are reseeded from ``(seed, iteration)``.  ``--finetune``
-keeps its meaning (weights only, iteration 0); ``--use-checkpoint-args`` reads Megatron-LM's stored
-``args`` (:func:`saved_config`).
+At start-up (:func:`megazero.training.megatron_import.import_for_load`, collective) global rank 0
+converts the checkpoint into a megazero checkpoint of weights in ``DIR/megazero_import/`` (replaced
+at every start; the source is only read), keeping the iteration, the consumed samples and the
+learning-rate schedule's sample count (dense and mixture-of-experts GPT weights: :mod:`~.mapping`);
+the run then loads that at its own layout (any TP, PP, DP, ZeRO stage), as it loads its own
+checkpoints. The optimizer starts fresh and the generators are reseeded from ``(seed, iteration)``.
+``--finetune`` keeps its meaning (weights only, iteration 0); ``--use-checkpoint-args`` reads
+Megatron-LM's stored ``args`` (:func:`saved_config`).
 
 Modules: :mod:`~.safe_load` (pickles read with an allow-list, never executed), :mod:`~.files` (the
 layout on disk, tensors read whole), :mod:`~.mapping` (names and arguments), :mod:`~.convert`.
@@ -17,7 +17,6 @@ layout on disk, tensors read whole), :mod:`~.mapping` (names and arguments), :mo
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Optional
 
 from megazero.checkpoint.errors import CheckpointError
@@ -27,7 +26,7 @@ from megazero.checkpoint.megatron.mapping import moe_settings_from_args, setting
 
 READABLE = ("torch_dist", "torch")
 
-__all__ = ["IMPORT_DIR", "READABLE", "convert", "import_for_load", "is_megatron_dir", "saved_config"]
+__all__ = ["IMPORT_DIR", "READABLE", "convert", "is_megatron_dir", "saved_config"]
 
 
 def is_megatron_dir(directory: str, iteration: Optional[int] = None) -> bool:
@@ -49,29 +48,3 @@ def saved_config(directory: str, iteration: Optional[int] = None) -> dict:
         raise CheckpointError(f"--use-checkpoint-args: {ck.path} stores no Megatron-LM args; give the "
                               "model's flags instead")
     return {"model": settings_from_args(ck.args), "moe": moe_settings_from_args(ck.args), "data": {}}
-
-
-def import_for_load(cfg, model_provider, mesh):
-    """``cfg`` unchanged when ``--load`` is not a Megatron-LM checkpoint; else (collective) rank 0
-    converts it and ``cfg`` with ``--load`` naming the converted directory is returned."""
-    from megazero.checkpoint.comm import on_rank0
-    ck = cfg.checkpoint
-    fmt = getattr(ck, "ckpt_format", None)
-
-    def run() -> Optional[str]:
-        if not is_megatron_dir(ck.load, ck.ckpt_step):
-            return None
-        if fmt not in (None,) + READABLE:
-            raise CheckpointError(f"--ckpt-format {fmt}: megazero reads Megatron-LM's torch_dist and torch "
-                                  f"checkpoints only; {ck.load} is a Megatron-LM checkpoint")
-        dst = os.path.join(ck.load, IMPORT_DIR)
-        try:
-            convert(ck.load, dst, cfg, model_provider, ck.ckpt_step, fmt)
-        except PermissionError as err:
-            raise CheckpointError(f"--load {ck.load}: cannot write the converted copy ({err}); convert it "
-                                  "with scripts/convert_megatron.py --input DIR --output OUT and --load OUT")
-        return dst
-    converted = on_rank0(run, mesh)
-    if converted is None:
-        return cfg
-    return replace(cfg, checkpoint=replace(ck, load=converted))

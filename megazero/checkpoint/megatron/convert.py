@@ -42,27 +42,20 @@ def _check_shape(ck, name: str, got: torch.Tensor, want) -> None:
                               "the checkpoint's --num-layers/--hidden-size/--ffn-hidden-size/... flags")
 
 
-def whole_model_cfg(cfg):
-    """``cfg`` at one process (TP = PP = 1, no data): the model a conversion writes."""
-    from dataclasses import fields
-    from megazero.config import ModelConfig, MoEConfig, config_from_dict, validate
-    d, settings = cfg.to_dict(), {}
-    for section, cls in (("model", ModelConfig), ("moe", MoEConfig)):
-        keep = {f.name for f in fields(cls) if not f.metadata.get("derived")} - {
-            "expert_model_parallel_size", "expert_tensor_parallel_size"}
-        settings.update({k: v for k, v in d.get(section, {}).items() if k in keep})
-    return validate(config_from_dict(dict(settings, mock_data=True)), 1, check_data=False)
-
-
-def convert(src: str, dst: str, cfg, model_provider, iteration: Optional[int] = None,
+def convert(src: str, dst: str, whole, model_provider, iteration: Optional[int] = None,
             ckpt_format: Optional[str] = None) -> str:
     """Write the weights of Megatron-LM checkpoint ``src`` (its tracker's iteration, or ``iteration``) as
-    a megazero checkpoint in ``dst`` for the model ``model_provider(cfg, mesh)`` builds; returns its
-    path.  One process; the model is built on the meta device, each weight read as it is written."""
+    a megazero checkpoint in ``dst`` for the model ``model_provider(whole, mesh)`` builds, ``whole`` the
+    validated one-process configuration (:func:`megazero.config.one_process_model` of a run's);
+    returns its path.  One process; the model is built on the meta device, each weight read as it is
+    written."""
     from megazero.checkpoint.writer import save_weights
     from megazero.mesh import ParallelMesh
+    par = whole.parallel
+    if par.world_size != 1 or par.tensor_model_parallel_size != 1 or par.pipeline_model_parallel_size != 1:
+        raise ValueError("convert() writes the whole model: pass the one-process configuration "
+                         "(megazero.config.one_process_model)")
     ck = MegatronCheckpoint(src, iteration, ckpt_format)
-    whole = whole_model_cfg(cfg)
     layers = _saved_layers(ck)
     if layers is not None and layers != whole.model.num_layers:
         raise CheckpointError(f"--load {src}: the Megatron-LM checkpoint has {layers} layers, this model "
