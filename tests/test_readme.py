@@ -215,6 +215,8 @@ def problems(found):
                     bad.append(f"{cmd}: {path} does not take {flag}")
             continue
         text = helps[path] + (helps[PRETRAIN] if path in TAKES_PRETRAIN_FLAGS else "")
+        if path in ("scripts/launch.py", "scripts/deepspeed_launch.py"):  # the user's script takes the rest
+            args = args[:next((i for i, a in enumerate(args) if a.endswith(".py")), len(args))]
         for flag in flags(args):
             if not has_option(text, flag):
                 bad.append(f"{cmd}: {flag} is not in {path} --help")
@@ -281,7 +283,8 @@ def test_the_check_reads_the_readme_and_catches_a_wrong_flag():
     assert {"scripts/demo.sh", "scripts/test.sh", PRETRAIN, "launch/run_local.sh"} <= found
     block = ("python scripts/generate.py --load ckpt --no-such-flag 1   # comment --ignored\n"
              "NPROC=2 launch/run_local.sh --max-restarts 1 -- --max-restarts 2 \\\n    --mock-data\n"
-             "bash scripts/no_such_script.sh\n")
+             "bash scripts/no_such_script.sh\n"
+             "python scripts/launch.py --standalone --no-such 2 train.py --deepspeed\n")
     found = [(" ".join(t), *program(t)) for t in commands(block)]
     assert problems(found) == [
         "python scripts/generate.py --load ckpt --no-such-flag 1: --no-such-flag is not in "
@@ -289,6 +292,9 @@ def test_the_check_reads_the_readme_and_catches_a_wrong_flag():
         "NPROC=2 launch/run_local.sh --max-restarts 1 -- --max-restarts 2 --mock-data: "
         "launch/run_local.sh does not take --max-restarts",
         "bash scripts/no_such_script.sh: scripts/no_such_script.sh does not exist",
+        # a launcher's flags stop at the user's script, whose own (--deepspeed) are not the launcher's
+        "python scripts/launch.py --standalone --no-such 2 train.py --deepspeed: --no-such is not in "
+        "scripts/launch.py --help",
     ]
 
 
