@@ -127,6 +127,8 @@ def _free_port():
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
     sshd_bin = "/usr/sbin/sshd"
+    # the project's own script installs openssh and pdsh where apt-get and root are there
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_ssh.sh")], timeout=600)
     missing = [n for n, ok in (("sshd (Debian: openssh-server)", os.path.exists(sshd_bin)),
                                ("ssh (openssh-client)", shutil.which("ssh")),
                                ("ssh-keygen", shutil.which("ssh-keygen")),
