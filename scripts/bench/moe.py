@@ -72,10 +72,8 @@ def loop_experts(experts, x: torch.Tensor, counts):
     for j, c in enumerate(counts):
         rows = x[start:start + c]
         h = F.linear(rows, experts.fc1_weight[j])
-        if experts.gated:
-            h = experts.activation(F.linear(rows, experts.gate_weight[j])) * h
-        else:
-            h = experts.activation(h)
+        # the experts' own activation (megazero.tensor_parallel.activations): gate, then h
+        h = experts.act(h, F.linear(rows, experts.gate_weight[j])) if experts.gated else experts.act(h)
         out.append(F.linear(h, experts.fc2_weight[j]))
         start += c
     return torch.cat(out)
