@@ -144,19 +144,7 @@ def check_hybrid(cfg) -> None:
         _check(mod.mamba_num_groups % tp == 0, f"--mamba-num-groups {mod.mamba_num_groups} is not divisible "
                f"by --tensor-model-parallel-size {tp}; tensor parallelism splits whole groups")
     if DELTANET in kinds:
-        for flag, v in (("--linear-num-key-heads", mod.linear_num_key_heads),
-                        ("--linear-num-value-heads", mod.linear_num_value_heads),
-                        ("--linear-key-head-dim", mod.linear_key_head_dim),
-                        ("--linear-value-head-dim", mod.linear_value_head_dim),
-                        ("--linear-conv-kernel-dim", mod.linear_conv_kernel_dim),
-                        ("--linear-chunk-size", mod.linear_chunk_size)):
-            _check(isinstance(v, int) and v >= 1, f"{flag} must be a positive integer, got {v}")
-        _check(mod.linear_num_value_heads % mod.linear_num_key_heads == 0,
-               f"--linear-num-value-heads {mod.linear_num_value_heads} is not divisible by "
-               f"--linear-num-key-heads {mod.linear_num_key_heads}")
-        _check(mod.linear_num_key_heads % tp == 0, f"--linear-num-key-heads {mod.linear_num_key_heads} is "
-               f"not divisible by --tensor-model-parallel-size {tp}; tensor parallelism splits whole key "
-               "heads")
+        _check_deltanet_sizes(mod, tp)
 
 
 def _check_deltanet_sizes(mod, tp: int) -> None:
