@@ -14,6 +14,7 @@ import pytest
 from megazero.checkpoint import latest_iteration
 from megazero.process.local_ranks import run_ranks
 from models.cli import pretrain_main
+from tests.sockets import listening
 from tests.test_operations import ROOT, TINY, _children, _metrics
 
 SCRIPT = os.path.join(ROOT, "launch", "run_multinode.sh")
@@ -154,34 +155,6 @@ def uninterrupted(tmp_path_factory):
     return {it: m["loss"] for it, m in _metrics(str(tmp / "metrics.jsonl")).items()}
 
 
-def _address(hex_addr):
-    """/proc/net/tcp's address (IPv4: one little-endian word; IPv6: four) as text."""
-    import ipaddress
-    words = [bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, len(hex_addr), 8)]
-    packed = b"".join(words)
-    return str(ipaddress.ip_address(packed))
-
-
-def _listening(pid):
-    """The addresses of the TCP sockets process ``pid`` listens on (from /proc/net/tcp and tcp6)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in open(table).read().splitlines()[1:]:
-            f = row.split()
-            if f[3] == "0A" and f[9] in inodes:  # LISTEN
-                addr, port = f[1].split(":")
-                out.append((_address(addr), int(port, 16)))
-    return out
-
-
 def _wait_any(nodes, pattern, timeout):
     """Until ``pattern`` is in the output of one of ``nodes`` (global rank 0 logs, on either node)."""
     deadline = time.monotonic() + timeout
@@ -207,7 +180,7 @@ def test_a_node_killed_mid_run_rejoins_and_the_job_ends_as_an_uninterrupted_one(
     try:
         _wait_any(nodes, r"iteration +5/", 300)
         nodes[1].wait_stalled(300)
-        stores = _listening(nodes[0].proc.pid) + _listening(nodes[1].proc.pid)
+        stores = listening(nodes[0].proc.pid) + listening(nodes[1].proc.pid)
         assert (("127.0.0.1", port) in stores and ("127.0.0.1", port + 1000) in stores
                 and all(addr == "127.0.0.1" for addr, _ in stores)), stores  # torchrun's: every interface
         nodes[1].kill()
@@ -419,8 +392,8 @@ def test_a_node_started_again_after_the_job_formed_goes_straight_to_the_rendezvo
         assert time.monotonic() - start < 10
         assert again.getvalue() == (f"launch.py: the job formed at 127.0.0.1:{port} before this node "
                                     "started: joining it in torchrun's next rendezvous round\n")
-    assert ("127.0.0.1", port) in _listening(os.getpid())  # the host's store, on the address given only
-    assert not [a for a, p in _listening(os.getpid()) if p == port and a != "127.0.0.1"]
+    assert ("127.0.0.1", port) in listening(os.getpid())  # the host's store, on the address given only
+    assert not [a for a, p in listening(os.getpid()) if p == port and a != "127.0.0.1"]
     start = time.monotonic()
     host.leave(wait=0.5)  # node 1 is not done: the host waits, bounded
     waited = time.monotonic() - start
@@ -441,7 +414,7 @@ def test_stores_listen_on_the_address_they_are_given(monkeypatch):
     client = dist.TCPStore("127.0.0.2", store.port, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v"
-    assert [a for a, p in _listening(os.getpid()) if p == store.port] == ["127.0.0.2"]
+    assert [a for a, p in listening(os.getpid()) if p == store.port] == ["127.0.0.2"]
     me = socket.gethostname()  # resolved for real by the store's own client, to whatever it is here
     table = {me: ["127.0.1.1"], "node1": ["127.0.1.1", "10.1.2.3", "fe80::1"], "localhost": ["127.0.0.1"]}
 
@@ -456,7 +429,7 @@ def test_stores_listen_on_the_address_they_are_given(monkeypatch):
     anywhere = loopback.bound_store_class(dist.TCPStore, warn=said.append)(me, 0, is_master=True)
     assert said and said[0].startswith(f"warning: {me} resolves to no address of this machine that other "
                                        "nodes can reach") and "--master-addr" in said[0]
-    assert [a for a, p in _listening(os.getpid()) if p == anywhere.port] in (["0.0.0.0"], ["::"])
+    assert [a for a, p in listening(os.getpid()) if p == anywhere.port] in (["0.0.0.0"], ["::"])
 
 
 def test_node_rank_0_serves_the_rendezvous_store():

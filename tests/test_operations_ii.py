@@ -19,6 +19,7 @@ from megazero.process.local_ranks import run_ranks
 from megazero.resilience import NumericalError
 from megazero.resilience.numerics import LossSpikeGuard
 from models.cli import pretrain_main
+from tests.sockets import listening
 from tests.test_operations import (ROOT, SCRIPT, TINY, Launch, _children, _env, _losses, _metrics, _settings,
                                    _train)
 
@@ -176,7 +177,7 @@ def test_sigterm_to_the_launcher_and_every_rank_saves_once_exits_0_and_resumes_b
         run.wait_for(r"iteration +3/1000", 300)
         pids = [run.proc.pid] + _children(run.proc.pid)
         assert len(pids) == 5, pids
-        stores = _listening(run.proc.pid)  # the agent's stores: on 127.0.0.1 only (torchrun: every interface)
+        stores = listening(run.proc.pid)  # the agent's stores: on 127.0.0.1 only (torchrun: every interface)
         assert stores and all(addr == "127.0.0.1" for addr, _ in stores), stores
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
@@ -738,28 +739,6 @@ def test_a_bad_launcher_argument_is_one_line_and_status_2(capsys, flags, line):
     assert capsys.readouterr().err == line + "\n"
 
 
-def _listening(pid):
-    """(address, port) of every TCP socket process ``pid`` listens on (from /proc; IPv6 as '::...')."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = []
-    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
-        for row in open(table).read().splitlines()[1:]:
-            f = row.split()
-            if f[3] == "0A" and f[9] in inodes:  # LISTEN
-                addr, port = f[1].split(":")
-                text = ("127.0.0.1" if addr == "0100007F" else "0.0.0.0" if addr == "00000000" else addr) \
-                    if width == 8 else ("::" if set(addr) == {"0"} else addr)
-                out.append((text, int(port, 16)))
-    return out
-
-
 def test_a_single_host_launch_serves_its_stores_on_loopback_only():
     """torchrun's TCPStore server listens on every interface whatever host it is given; on one host
     the launcher hands it a socket bound to 127.0.0.1 (and tells the workers to connect there);
@@ -771,8 +750,8 @@ def test_a_single_host_launch_serves_its_stores_on_loopback_only():
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v" and isinstance(store, dist.TCPStore)
-    assert ("127.0.0.1", store.port) in _listening(os.getpid())
-    assert not [a for a, p in _listening(os.getpid()) if p == store.port and a != "127.0.0.1"]
+    assert ("127.0.0.1", store.port) in listening(os.getpid())
+    assert not [a for a, p in listening(os.getpid()) if p == store.port and a != "127.0.0.1"]
     one = [["--standalone"], ["--nnodes", "1"],
            ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400"]]
     many = [["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400"],

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from megazero.checkpoint import latest_iteration
+from tests.sockets import listening, loopback
 from tests.test_operations import ROOT, TINY, _env, _metrics
 
 pytestmark = pytest.mark.slow
@@ -88,24 +89,6 @@ def _finished(runs, count):
     return runs if len(runs) == count and runs[-1][1] not in ("PENDING", "RUNNING") else None
 
 
-def _listeners(port):
-    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) listening on ``port``."""
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if os.path.exists(table):
-            for line in open(table).readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                    out.append(local.rsplit(":", 1)[0])
-    return out
-
-
-def _loopback(hex_addr):
-    """127.x.x.x, as IPv4 or IPv4-mapped IPv6, or ::1."""
-    mapped = hex_addr.startswith("0000000000000000FFFF0000")
-    return hex_addr.endswith("7F") and (len(hex_addr) == 8 or mapped) or hex_addr == "0" * 24 + "01000000"
-
-
 def _lines(path):
     return sum(1 for _ in open(path)) if os.path.exists(path) else 0
 
@@ -122,7 +105,7 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
         metrics = tmp_path / "preempted.jsonl"
         _wait("4 iterations of the job", lambda: _lines(metrics) >= 4, 120)
         rendezvous = 29500 + int(pre) % 1000  # slurm.sbatch's MASTER_PORT; its join listens 1000 above
-        stores = {port: _listeners(port) for port in (rendezvous, rendezvous + 1000)}
+        stores = {port: [a for a, _ in listening(port=port)] for port in (rendezvous, rendezvous + 1000)}
         _run("scancel", "--signal=TERM", pre)  # to every process of the job's steps, as a preemption does
         # the ranks save and exit 0; REQUEUE=1: the script finds the run unfinished and requeues the job
         _wait("the preempted job back in the queue", lambda: _state(pre) == "PENDING", 60)
@@ -138,7 +121,7 @@ def test_sbatch_on_two_nodes_preempted_with_term_requeued_resumes_to_the_same_lo
 
     assert runs == [(pre, "REQUEUED", "0:0"), (pre, "COMPLETED", "0:0")], runs
     # the rendezvous store and the join listen on the first node's NodeAddr (127.0.0.1) only
-    assert stores[rendezvous] and all(_loopback(a) for addrs in stores.values() for a in addrs), stores
+    assert stores[rendezvous] and all(loopback(a) for addrs in stores.values() for a in addrs), stores
     whole_runs = _wait("sacct's record", lambda: _finished(_sacct(whole), 1), 30)
     assert [r[1:] for r in whole_runs] == [("COMPLETED", "0:0")], whole_runs
     out = open(tmp_path / f"megazero-{pre}.out").read()  # --open-mode=append: both attempts
