@@ -2,8 +2,8 @@
 rank, the settings (all of them written to ``--save``/``megazero_config.json``), the data (documents,
 tokens, epochs at this schedule) and the tokenizer.
 
-Pure functions of the resolved config and the data source (no collective: the per-rank counts come
-from :mod:`megazero.planning.estimate`'s arithmetic, which the tests check against the built model).
+Functions of the resolved config, the built model and the data source; the one collective,
+:func:`stage_counts`, gathers each pipeline stage's parameter count over the pipeline group.
 """
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ def stage_counts(chunks, mesh) -> List[int]:
                 mine += math.prod(full_shape(p))
     if mesh.size("pp") == 1:
         return [mine]
+    import torch
     import torch.distributed as dist
-    out: List[int] = [0] * mesh.size("pp")
-    dist.all_gather_object(out, mine, group=mesh.group("pp"))
-    return out
+    count = torch.tensor([mine], dtype=torch.int64, device=mesh.collective_device)
+    out = [torch.empty_like(count) for _ in range(mesh.size("pp"))]
+    dist.all_gather(out, count, group=mesh.group("pp"))  # on the mesh's device, whatever the backend
+    return [int(c.item()) for c in out]
 
 
 def provider_stage_counts(cfg, model_provider) -> List[int]:
