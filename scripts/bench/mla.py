@@ -17,7 +17,6 @@ standard attention: keys and values), read off the storage of the cache's tensor
 """
 import argparse
 import sys
-import time
 
 import torch
 
@@ -27,6 +26,7 @@ from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel.rng import RNGTracker
 from megazero_models.gpt import GPTModel
 from megazero_models.layers import KVCache
+from bench.timing import timed_backward
 
 
 def layer_cfg(args, seq: int, mla: bool):
@@ -51,37 +51,19 @@ def measure(mla: bool, seq: int, args) -> dict:
     layer = model.decoder["0"]
     x = torch.randn(seq, 1, args.hidden_size, requires_grad=True)
     rope = model._rope(x)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
 
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr != x.untyped_storage().data_ptr():
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
+    def attention_half():
+        return x + layer.attention(layer.input_norm(x), rope)
 
-    def attention_half(h):
-        a = layer.attention(layer.input_norm(h), rope)
-        return h + a
-
-    times = []
-    for _ in range(args.repeats):
-        saved.clear()
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = attention_half(x)
-        out.sum().backward()
-        times.append(time.perf_counter() - start)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
+    seconds, saved = timed_backward(attention_half, layer, x, args.repeats)
     cache, h = KVCache(), layer.input_norm(x.detach())
     with torch.no_grad():  # a prompt of seq - 1 tokens, then one generated token (the cache grows by a copy)
         layer.attention(h[:-1], model._rope(h[:-1]), cache)
         cache.length = seq - 1
         layer.attention(h[-1:], model._rope(h[-1:], offset=seq - 1), cache)
     cache_bytes = sum(t.untyped_storage().nbytes() for t in (*cache.keys.values(), *cache.values.values()))
-    return dict(kind="MLA" if mla else "standard", seq=seq, us_per_token=1e6 * min(times) / seq,
-                saved_bytes_per_token=sum(saved.values()) / seq, cache_bytes_per_token=cache_bytes / seq,
+    return dict(kind="MLA" if mla else "standard", seq=seq, us_per_token=1e6 * seconds / seq,
+                saved_bytes_per_token=saved / seq, cache_bytes_per_token=cache_bytes / seq,
                 params=sum(p.numel() for p in layer.attention.parameters()))
 
 

@@ -20,6 +20,7 @@ from megazero.errors import EXIT_OK
 from megazero.mesh import ParallelMesh
 from megazero.tensor_parallel.rng import RNGTracker
 from megazero_models.hybrid import HybridLayer
+from bench.timing import timed_backward
 
 KINDS = {"M": "Mamba-2", "G": "Gated DeltaNet", "*": "attention"}
 
@@ -46,26 +47,8 @@ def measure(kind: str, seq: int, args) -> dict:
     torch.manual_seed(0)
     layer = HybridLayer(cfg, mesh, 0, RNGTracker(0, 0, mesh.device))
     x = torch.randn(seq, 1, args.hidden_size, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr != x.untyped_storage().data_ptr():
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    times = []
-    for _ in range(args.repeats):
-        saved.clear()
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(x)
-        out.sum().backward()
-        times.append(time.perf_counter() - start)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-    return dict(kind=KINDS[kind], seq=seq, seconds=min(times), saved_bytes=sum(saved.values()))
+    seconds, saved = timed_backward(lambda: layer(x), layer, x, args.repeats)
+    return dict(kind=KINDS[kind], seq=seq, seconds=seconds, saved_bytes=saved)
 
 
 def measure_decode(kind: str, seq: int, args) -> dict:

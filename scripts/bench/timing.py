@@ -21,3 +21,30 @@ def interleaved_rounds(steps: Dict[str, Callable[[], object]], rounds: int,
             barrier()
             times[k].append(time.perf_counter() - start)
     return times
+
+
+def timed_backward(forward: Callable[[], "object"], module, x, repeats: int):
+    """(fastest seconds of ``repeats`` forward+backward passes of ``forward()``, bytes autograd saved
+    for backward in the last one): the tensors the saved-tensor hooks see, each storage counted once,
+    leaving out ``module``'s parameters and the input ``x``."""
+    import torch
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: Dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    times = []
+    for _ in range(repeats):
+        saved.clear()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+        out.sum().backward()
+        times.append(time.perf_counter() - start)
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+    return min(times), sum(saved.values())
