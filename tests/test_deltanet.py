@@ -17,13 +17,11 @@ from megazero.mesh import ParallelMesh
 from megazero.process.local_ranks import run_ranks
 from megazero_models.deltanet import DeltaNetShape, GatedDeltaNet
 from megazero_models.delta_rule import gated_delta_chunked
+from tests.mixer_checks import (assert_cp_equal, assert_kernel_equal, assert_tp_equal, close, cp_grads,
+                                hidden_states, mixer_grads, run_kernel, saved_bytes, tp_grads)
 
 SHAPE = DeltaNetShape(hidden_size=16, num_key_heads=2, num_value_heads=4, key_head_dim=4, value_head_dim=3,
                       chunk_size=4, init_std=0.3, out_std=0.3)
-
-
-def close(got, ref, rel=1e-10):
-    torch.testing.assert_close(got, ref, rtol=0.0, atol=rel * float(ref.abs().max()) + 1e-300)
 
 
 def rule_loop(q, k, v, g, beta, state=None):
@@ -47,15 +45,8 @@ def _rule_inputs(s, seed=0, h=3, dk=4, dv=5, b=2):
                 beta=torch.sigmoid(r(b, s, h)), state=r(b, h, dk, dv))
 
 
-def _run_rule(fn, inputs, with_state, seed=1):
-    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
-    o, final = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), leaves["state"] if with_state else None)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() \
-        + (final * torch.randn(final.shape, generator=gen, dtype=o.dtype)).sum()
-    loss.backward()
-    grads = {n: t.grad for n, t in leaves.items() if n != "state" or with_state}
-    return o.detach(), final.detach(), grads
+def _run_rule(fn, inputs, with_state):
+    return run_kernel(fn, inputs, ("q", "k", "v", "g", "beta"), with_state)
 
 
 @pytest.mark.parametrize("s", [1, 6, 9, 12])
@@ -64,11 +55,7 @@ def test_rule_matches_recurrence(s, with_state):
     inputs = _rule_inputs(s)
     ref = _run_rule(rule_loop, inputs, with_state)
     chunked = lambda *a: gated_delta_chunked(*a[:5], chunk_size=4, initial_state=a[5])  # noqa: E731
-    got = _run_rule(chunked, inputs, with_state)
-    close(got[0], ref[0])
-    close(got[1], ref[1])
-    for n in ref[2]:
-        close(got[2][n], ref[2][n])
+    assert_kernel_equal(_run_rule(chunked, inputs, with_state), ref)
 
 
 def test_rule_fails_when_chunk_states_are_not_passed(monkeypatch):
@@ -106,30 +93,15 @@ def reference_mixer(m, hidden):
     return (o.reshape(b, s, -1) @ m.out_proj.weight.T).transpose(0, 1)
 
 
-def _mixer_grads(m, hidden, seq_part=None, fn=None, seed=3):
-    """Output, input gradient and parameter gradients for a fixed random upstream gradient of the
-    whole sequence (``seq_part = (rank, parts)``: this part of it, under sequence parallelism)."""
-    hidden = hidden.clone().requires_grad_()
-    out = (fn or (lambda mod, x: mod(x)))(m, hidden)
-    gen = torch.Generator().manual_seed(seed)
-    parts = seq_part[1] if seq_part else 1
-    upstream = torch.randn(out.shape[0] * parts, *out.shape[1:], generator=gen, dtype=out.dtype)
-    (out * upstream.chunk(parts, 0)[seq_part[0] if seq_part else 0]).sum().backward()
-    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad(set_to_none=True)
-    return out.detach(), hidden.grad, grads
-
-
-def _hidden(s, b=2, seed=4):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(s, b, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
+def _hidden(s):
+    return hidden_states(s, SHAPE.hidden_size)
 
 
 @pytest.mark.parametrize("s", [7, 10])
 def test_mixer_matches_reference(s):
     m = GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double()
-    ref = _mixer_grads(m, _hidden(s), fn=reference_mixer)
-    got = _mixer_grads(m, _hidden(s))
+    ref = mixer_grads(m, _hidden(s), fn=reference_mixer)
+    got = mixer_grads(m, _hidden(s))
     close(got[0], ref[0])
     close(got[1], ref[1])
     assert set(got[2]) == {"in_proj.weight", "conv1d.weight", "A_log", "dt_bias", "norm.weight",
@@ -141,8 +113,7 @@ def test_mixer_matches_reference(s):
 def _tp_rank(s, sp):
     mesh = ParallelMesh.build(tp=2)
     m = GatedDeltaNet(SHAPE, mesh, layer_idx=2, sequence_parallel=sp).double()
-    hidden = _hidden(s).chunk(2, 0)[mesh.coord("tp")] if sp else _hidden(s)
-    return _mixer_grads(m, hidden, (mesh.coord("tp"), 2) if sp else None)
+    return tp_grads(m, _hidden(s), mesh, sp)
 
 
 SPLIT_DIM = {"in_proj.weight": 0, "conv1d.weight": 0, "A_log": 0, "dt_bias": 0, "out_proj.weight": 1}
@@ -151,13 +122,9 @@ SPLIT_DIM = {"in_proj.weight": 0, "conv1d.weight": 0, "A_log": 0, "dt_bias": 0, 
 @pytest.mark.parametrize("sp", [False, True])
 def test_mixer_tensor_parallel(sp):
     s = 10
-    ref = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
+    ref = mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
     out = run_ranks(_tp_rank, 2, s, sp)
-    for rank, (y, grad_in, grads) in enumerate(out):
-        close(y, ref[0].chunk(2, 0)[rank] if sp else ref[0])
-        close(grad_in, ref[1].chunk(2, 0)[rank] if sp else ref[1])
-        for n, dim in SPLIT_DIM.items():
-            close(grads[n], ref[2][n].chunk(2, dim)[rank])
+    assert_tp_equal(out, ref, sp, SPLIT_DIM)
     # the shared norm scale is replicated: each rank holds the part of its gradient from its heads
     close(out[0][2]["norm.weight"] + out[1][2]["norm.weight"], ref[2]["norm.weight"])
 
@@ -165,9 +132,9 @@ def test_mixer_tensor_parallel(sp):
 def test_recompute_core_gives_the_same_numbers():
     """Selective recomputation replays the conv, the rule and the norm in backward: the same outputs
     and gradients, bitwise (the same operations on the same data)."""
-    plain = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2), _hidden(9).float())
-    replay = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=True),
-                          _hidden(9).float())
+    plain = mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2), _hidden(9).float())
+    replay = mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=True),
+                         _hidden(9).float())
     for a, b in zip(plain[:2], replay[:2]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     for n in plain[2]:
@@ -175,17 +142,8 @@ def test_recompute_core_gives_the_same_numbers():
 
 
 def _saved_bytes(rc):
-    """Bytes of the non-parameter tensors autograd keeps for backward in one forward."""
-    m, seen = GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=rc), {}
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m(_hidden(16).float().requires_grad_())
-    return sum(seen.values())
+    m = GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2, recompute_core=rc)
+    return saved_bytes(m, _hidden(16).float())
 
 
 def test_recompute_core_keeps_the_in_projection_output_only():
@@ -211,15 +169,8 @@ def test_bf16_parameters_and_activations():
 
 
 def _cp_rank(s):
-    from megazero.context_parallel import split_for_cp
     mesh = ParallelMesh.build(cp=2)
-    m = GatedDeltaNet(SHAPE, mesh, layer_idx=2).double()
-    hidden = split_for_cp(_hidden(s), 0, 2, mesh.coord("cp")).requires_grad_()
-    out = m(hidden)
-    gen = torch.Generator().manual_seed(3)
-    upstream = torch.randn(s, 2, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
-    (out * split_for_cp(upstream, 0, 2, mesh.coord("cp"))).sum().backward()
-    return out.detach(), hidden.grad, {n: p.grad for n, p in m.named_parameters()}
+    return cp_grads(GatedDeltaNet(SHAPE, mesh, layer_idx=2).double(), _hidden(s), mesh)
 
 
 @pytest.mark.parametrize("broken", [None, "conv", "state"])
@@ -230,20 +181,10 @@ def test_mixer_context_parallel(broken, monkeypatch):
     parameter gradients sum to one process's.  With the conv's past inputs or the starting states
     dropped (the forked ranks inherit the patch) the comparison fails."""
     import megazero_models.deltanet as deltanet
-    from megazero.context_parallel import split_for_cp
     if broken == "conv":
         monkeypatch.setattr(deltanet, "conv_states", lambda tails, mesh: [torch.zeros_like(t) for t in tails])
     if broken == "state":
         monkeypatch.setattr(deltanet, "starting_states", lambda ends, *a: [torch.zeros_like(f) for f in ends])
     s = 20
-    ref = _mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
-    out = run_ranks(_cp_rank, 2, s)
-    if broken:
-        with pytest.raises(AssertionError):
-            close(out[1][0], split_for_cp(ref[0], 0, 2, 1))
-        return
-    for rank, (y, grad_in, _) in enumerate(out):
-        close(y, split_for_cp(ref[0], 0, 2, rank))
-        close(grad_in, split_for_cp(ref[1], 0, 2, rank))
-    for n in ref[2]:
-        close(out[0][2][n] + out[1][2][n], ref[2][n])
+    ref = mixer_grads(GatedDeltaNet(SHAPE, ParallelMesh.single(), layer_idx=2).double(), _hidden(s))
+    assert_cp_equal(run_ranks(_cp_rank, 2, s), ref, broken)

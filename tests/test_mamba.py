@@ -17,13 +17,11 @@ from megazero.mesh import ParallelMesh
 from megazero.process.local_ranks import run_ranks
 from megazero_models.mamba import MambaMixer, MambaShape
 from megazero_models.ssd import ssd_chunked
+from tests.mixer_checks import (assert_cp_equal, assert_kernel_equal, assert_tp_equal, close, cp_grads,
+                                hidden_states, mixer_grads, run_kernel, saved_bytes, tp_grads)
 
 SHAPE = MambaShape(hidden_size=16, num_heads=4, head_dim=4, state_dim=3, num_groups=2, chunk_size=4,
                    conv_bias=True, bias=False, init_std=0.3, out_std=0.3)
-
-
-def close(got, ref, rel=1e-10):
-    torch.testing.assert_close(got, ref, rtol=0.0, atol=rel * float(ref.abs().max()) + 1e-300)
 
 
 def scan_loop(x, dt, A, B, C, state=None):
@@ -47,16 +45,8 @@ def _scan_inputs(s, seed=0, h=4, g=2, p=3, n=5, b=2):
                 C=r(b, s, g, n), state=r(b, h, p, n))
 
 
-def _run_scan(fn, inputs, with_state, seed=1):
-    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-    y, final = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
-                  leaves["state"] if with_state else None)
-    gen = torch.Generator().manual_seed(seed)
-    loss = (y * torch.randn(y.shape, generator=gen, dtype=y.dtype)).sum() \
-        + (final * torch.randn(final.shape, generator=gen, dtype=y.dtype)).sum()
-    loss.backward()
-    grads = {k: v.grad for k, v in leaves.items() if k != "state" or with_state}
-    return y.detach(), final.detach(), grads
+def _run_scan(fn, inputs, with_state):
+    return run_kernel(fn, inputs, ("x", "dt", "A", "B", "C"), with_state)
 
 
 @pytest.mark.parametrize("s", [1, 5, 9, 16])
@@ -65,10 +55,7 @@ def test_ssd_matches_recurrence(s, with_state):
     inputs = _scan_inputs(s)
     ref = _run_scan(scan_loop, inputs, with_state)
     got = _run_scan(lambda *a: ssd_chunked(*a[:5], chunk_size=4, initial_state=a[5]), inputs, with_state)
-    close(got[0], ref[0])
-    close(got[1], ref[1])
-    for k in ref[2]:
-        close(got[2][k], ref[2][k])
+    assert_kernel_equal(got, ref)
 
 
 def test_ssd_fails_when_chunk_states_are_not_passed(monkeypatch):
@@ -104,31 +91,16 @@ def reference_mixer(m, hidden):
     return (y @ m.out_proj.weight.T).transpose(0, 1)
 
 
-def _mixer_grads(m, hidden, fn, seq_part=None, seed=3):
-    """Output, input gradient and parameter gradients for a fixed random upstream gradient (of the
-    whole sequence; ``seq_part = (rank, parts)``: this part of it, under sequence parallelism)."""
-    hidden = hidden.clone().requires_grad_()
-    out = fn(m, hidden)
-    gen = torch.Generator().manual_seed(seed)
-    full = (out.shape[0] * (seq_part[1] if seq_part else 1), *out.shape[1:])
-    upstream = torch.randn(full, generator=gen, dtype=out.dtype)
-    (out * (upstream.chunk(seq_part[1], 0)[seq_part[0]] if seq_part else upstream)).sum().backward()
-    grads = {k: v.grad.clone() for k, v in m.named_parameters()}
-    m.zero_grad(set_to_none=True)
-    return out.detach(), hidden.grad, grads
-
-
-def _hidden(s, b=2, seed=4):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(s, b, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
+def _hidden(s):
+    return hidden_states(s, SHAPE.hidden_size)
 
 
 @pytest.mark.parametrize("s", [7, 10])
 def test_mixer_matches_reference(s):
     m = MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1).double()
     hidden = _hidden(s)
-    ref = _mixer_grads(m, hidden, reference_mixer)
-    got = _mixer_grads(m, hidden, lambda mod, x: mod(x))
+    ref = mixer_grads(m, hidden, fn=reference_mixer)
+    got = mixer_grads(m, hidden)
     close(got[0], ref[0])
     close(got[1], ref[1])
     assert set(got[2]) == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias",
@@ -139,11 +111,7 @@ def test_mixer_matches_reference(s):
 
 def _tp_rank(s, sp):
     mesh = ParallelMesh.build(tp=2)
-    m = MambaMixer(SHAPE, mesh, layer_idx=1, sequence_parallel=sp).double()
-    hidden = _hidden(s)
-    if sp:
-        hidden = hidden.chunk(2, 0)[mesh.coord("tp")]
-    return _mixer_grads(m, hidden, lambda mod, x: mod(x), (mesh.coord("tp"), 2) if sp else None)
+    return tp_grads(MambaMixer(SHAPE, mesh, layer_idx=1, sequence_parallel=sp).double(), _hidden(s), mesh, sp)
 
 
 # TP splits along: in_proj by output rows (groups), conv and per-head tensors by channel / head,
@@ -156,22 +124,15 @@ SPLIT_DIM = {"in_proj.weight": 0, "conv1d.weight": 0, "conv1d.bias": 0, "A_log":
 def test_mixer_tensor_parallel(sp):
     s = 10
     one = MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1).double()
-    ref = _mixer_grads(one, _hidden(s), lambda mod, x: mod(x))
-    out = run_ranks(_tp_rank, 2, s, sp)
-    for rank, (y, grad_in, grads) in enumerate(out):
-        close(y, ref[0].chunk(2, 0)[rank] if sp else ref[0])
-        close(grad_in, ref[1].chunk(2, 0)[rank] if sp else ref[1])
-        for k, dim in SPLIT_DIM.items():
-            close(grads[k], ref[2][k].chunk(2, dim)[rank])
+    assert_tp_equal(run_ranks(_tp_rank, 2, s, sp), mixer_grads(one, _hidden(s)), sp, SPLIT_DIM)
 
 
 def test_recompute_core_gives_the_same_numbers():
     """Selective recomputation replays the conv, scan and norm in backward: the same outputs and
     gradients, bitwise (the same operations on the same data)."""
-    run = lambda mod, x: mod(x)  # noqa: E731
-    plain = _mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1), _hidden(9).float(), run)
-    replay = _mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1, recompute_core=True),
-                          _hidden(9).float(), run)
+    plain = mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1), _hidden(9).float())
+    replay = mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1, recompute_core=True),
+                         _hidden(9).float())
     for a, b in zip(plain[:2], replay[:2]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     for k in plain[2]:
@@ -179,17 +140,8 @@ def test_recompute_core_gives_the_same_numbers():
 
 
 def _saved_bytes(rc):
-    """Bytes of the non-parameter tensors autograd keeps for backward in one forward."""
-    m, seen = MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1, recompute_core=rc), {}
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        m(_hidden(16).float().requires_grad_())
-    return sum(seen.values())
+    m = MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1, recompute_core=rc)
+    return saved_bytes(m, _hidden(16).float())
 
 
 def test_recompute_core_keeps_the_in_projection_output_only():
@@ -215,15 +167,8 @@ def test_bf16_parameters_and_activations():
 
 
 def _cp_rank(s):
-    from megazero.context_parallel import split_for_cp
     mesh = ParallelMesh.build(cp=2)
-    m = MambaMixer(SHAPE, mesh, layer_idx=1).double()
-    hidden = split_for_cp(_hidden(s), 0, 2, mesh.coord("cp")).requires_grad_()
-    out = m(hidden)
-    gen = torch.Generator().manual_seed(3)
-    upstream = torch.randn(s, 2, SHAPE.hidden_size, generator=gen, dtype=torch.float64)
-    (out * split_for_cp(upstream, 0, 2, mesh.coord("cp"))).sum().backward()
-    return out.detach(), hidden.grad, {k: v.grad for k, v in m.named_parameters()}
+    return cp_grads(MambaMixer(SHAPE, mesh, layer_idx=1).double(), _hidden(s), mesh)
 
 
 @pytest.mark.parametrize("broken", [None, "conv", "state"])
@@ -233,21 +178,10 @@ def test_mixer_context_parallel(broken, monkeypatch):
     tokens, and the ranks' parameter gradients sum to one process's.  With the conv's past inputs or
     the starting states dropped (the forked ranks inherit the patch) the comparison fails."""
     import megazero_models.mamba as mamba
-    from megazero.context_parallel import split_for_cp
     if broken == "conv":
         monkeypatch.setattr(mamba, "conv_states", lambda tails, mesh: [torch.zeros_like(t) for t in tails])
     if broken == "state":
         monkeypatch.setattr(mamba, "starting_states", lambda ends, *a: [torch.zeros_like(f) for f in ends])
     s = 20
-    ref = _mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1).double(), _hidden(s),
-                       lambda mod, x: mod(x))
-    out = run_ranks(_cp_rank, 2, s)
-    if broken:
-        with pytest.raises(AssertionError):
-            close(out[1][0], split_for_cp(ref[0], 0, 2, 1))
-        return
-    for rank, (y, grad_in, _) in enumerate(out):
-        close(y, split_for_cp(ref[0], 0, 2, rank))
-        close(grad_in, split_for_cp(ref[1], 0, 2, rank))
-    for k in ref[2]:
-        close(out[0][2][k] + out[1][2][k], ref[2][k])
+    ref = mixer_grads(MambaMixer(SHAPE, ParallelMesh.single(), layer_idx=1).double(), _hidden(s))
+    assert_cp_equal(run_ranks(_cp_rank, 2, s), ref, broken)
