@@ -47,6 +47,7 @@ from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
 from .hf_deepseek import MLA_NAMES, MTP_NAMES, pairs_getter
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
+from . import hf_mamba
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
     ("input_norm.weight", "ln_1.weight", ""), ("input_norm.bias", "ln_1.bias", ""),
@@ -68,7 +69,8 @@ NORMS = {  # megazero's norms of a layer by --norm-position, and their transform
     "sandwich": [("input_norm", "input_layernorm"), ("attention_output_norm", "post_attention_layernorm"),
                  ("post_attention_norm", "pre_feedforward_layernorm"),
                  ("mlp_output_norm", "post_feedforward_layernorm")]}
-EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1]}  # the token embeddings' HF names
+EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1],  # the token embeddings' HF names
+              **{a: hf_mamba.global_names(a)["word_embeddings.weight"] for a in hf_mamba.HYBRID_ARCHS}}
 # buffers some exports carry that megazero recomputes: RoPE's inverse frequencies, GPT-2's causal masks
 UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
                     "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
@@ -197,10 +199,14 @@ def layers_present(hf_names, arch: str) -> set:
 
 
 def _global_map(arch: str) -> Dict[str, str]:
+    if arch in hf_mamba.HYBRID_ARCHS:
+        return hf_mamba.global_names(arch)
     return dict(GPT2_GLOBAL if arch == "gpt2" else LLAMA_GLOBAL)
 
 
 def _prefix(arch: str) -> str:
+    if arch in hf_mamba.HYBRID_ARCHS:
+        return hf_mamba.layer_prefix(arch)
     return "transformer.h." if arch == "gpt2" else "model.layers."
 
 
@@ -210,6 +216,8 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
     architecture ``arch`` (default: the one an export of ``cfg`` writes), fetched one by one with
     ``get(hf_name)``."""
     m, arch = cfg.model, arch or arch_of(cfg.model, cfg.moe)
+    if arch in hf_mamba.HYBRID_ARCHS:  # Mamba-2 and Nemotron-H: models.hf_mamba
+        return hf_mamba.megazero_tensor(name, cfg, get, arch)
     if name.startswith("mtp."):  # DeepSeek-V3's multi-token prediction: model.layers.<i> after the decoder's
         _, i, rest = name.split(".", 2)
         if rest.startswith("layer."):
@@ -264,6 +272,8 @@ def export_groups(cfg) -> List[ExportGroup]:
     per HF tensor, except the q/k/v projections split from one fused tensor.  Experts go one by one
     (``decoder.L.mlp.experts.<e>.fc1_weight``, the checkpoint's names) to their published names."""
     arch = arch_of(cfg.model, cfg.moe)
+    if arch in hf_mamba.HYBRID_ARCHS:
+        return hf_mamba.export_groups(cfg, arch, megazero_names(cfg))
     glob, groups = _global_map(arch), []
     for name in megazero_names(cfg, per_expert=True):
         if name.startswith("mtp."):

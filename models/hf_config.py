@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from megazero.config import ConfigError
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direction, public names here too
 from .hf_deepseek import mla_settings
+from .hf_mamba import HYBRID_ARCHS, import_settings as hybrid_settings
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, import_settings
 from .rope import yarn_attention_factor
 
@@ -55,6 +56,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
                      "dequantised (bf16 or fp32) copy of the model")
     if kind == "gpt2":
         return _gpt2_settings(hf_config)
+    if kind in HYBRID_ARCHS:  # Mamba-2, Nemotron-H: models.hf_mamba
+        return hybrid_settings(hf_config, kind)
     if kind in LLAMA_FAMILY + MOE_FAMILY:
         out = dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
         return dict(out, **moe_settings(hf_config, kind)) if kind in MOE_FAMILY else out
@@ -65,13 +68,13 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
 def check_model_type(kind) -> None:
     """:class:`ConfigError` unless ``kind`` (a config's ``model_type``) is an architecture megazero
     imports, naming what another one would need."""
-    if kind == "gpt2" or kind in LLAMA_FAMILY + MOE_FAMILY:
+    if kind == "gpt2" or kind in LLAMA_FAMILY + MOE_FAMILY + HYBRID_ARCHS:
         return
     if isinstance(kind, str) and kind in OTHER_ARCHITECTURES:
         raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r} needs "
                           f"{OTHER_ARCHITECTURES[kind]}, which megazero does not implement")
     raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports "
-                      f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY + MOE_FAMILY)}")
+                      f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY + MOE_FAMILY + HYBRID_ARCHS)}")
 
 
 def _gpt2_settings(c) -> Dict[str, Any]:

@@ -16,6 +16,7 @@ from megazero.config import ConfigError
 from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
 from .hf_deepseek import deepseek_fields, deepseek_missing, deepseek_rope
+from .hf_mamba import HYBRID_ARCHS, hf_config as hybrid_config, missing as hybrid_missing
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, export_fields, export_missing
 from .rope import yarn_mscale
 
@@ -121,6 +122,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     if m.multi_latent_attention and t != "deepseek_v3":
         return f"multi-latent attention, --multi-latent-attention ({t} has none; deepseek_v3 holds it " \
                "with DeepSeek-V3's mixture of experts)"
+    if t in HYBRID_ARCHS:  # Mamba-2, Nemotron-H (models.hf_mamba)
+        return hybrid_missing(m, t, moe) or variants_missing(m, moe, t)
     if getattr(m, "hybrid_layer_pattern", None):
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
     if getattr(m, "experimental_attention_variant", None):
@@ -210,12 +213,13 @@ def arch_of(m, moe=None) -> str:
         return m.hf_model_type
     reasons = []
     experts = bool(moe is not None and moe.num_experts)
-    for t in MOE_ORDER if experts else AUTO_ORDER:
+    hybrid = bool(getattr(m, "hybrid_layer_pattern", None))
+    for t in HYBRID_ARCHS if hybrid else (MOE_ORDER if experts else AUTO_ORDER):
         why = missing(m, t, moe)
         if why is None:
             return t
         reasons.append(f"{t}: {why}")
-    shown = reasons if experts else reasons[1:4]
+    shown = reasons if experts or hybrid else reasons[1:4]
     raise ConfigError("no transformers architecture holds this model (" + "; ".join(shown) + "; ...)")
 
 
@@ -329,6 +333,8 @@ def hf_config_from(cfg):
     t = arch_of(m, moe)
     if t == "gpt2":
         return _gpt2_config(m)
+    if t in HYBRID_ARCHS:
+        return hybrid_config(m, t)
     cls = getattr(transformers, f"{CLASSES[t]}Config")
     max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
         max(m.max_position_embeddings, m.seq_length)
