@@ -5,7 +5,9 @@
 (:mod:`megazero.moe.dispatcher`), runs the rank's experts as one grouped product
 (:class:`megazero.moe.GroupedExperts`) and adds the shared expert, a dense MLP every token goes through
 (``--moe-shared-expert-intermediate-size``), scaled by ``sigmoid(x . shared_gate_weight)`` with
-``--moe-shared-expert-gate`` (Qwen2-MoE).  Parameter names inside a transformer layer:
+``--moe-shared-expert-gate`` (Qwen2-MoE); with ``--moe-apply-probs-on-input`` the routing weight
+scales the expert's input, not its output (Llama 4; :mod:`megazero.moe.dispatcher`).  Parameter names
+inside a transformer layer:
 
 =======================================  ======================================================
 ``mlp.router.weight [E, hidden]``        the router (replicated; ``sequence_parallel`` under SP)
@@ -45,7 +47,8 @@ class MoELayer(nn.Module):
         self.forward_only = mesh.size("tp") > 1 and not cfg.parallel.sequence_parallel
         self.router = TopKRouter(cfg, mesh, layer_idx, stats)
         self.experts = GroupedExperts(cfg, mesh, layer_idx)
-        self.dispatcher = build_dispatcher(moe.moe_token_dispatcher_type, mesh, moe.num_experts)
+        self.dispatcher = build_dispatcher(moe.moe_token_dispatcher_type, mesh, moe.num_experts,
+                                           moe.moe_apply_probs_on_input)
         shared = moe.moe_shared_expert_intermediate_size
         self.shared_experts: Optional[MLP] = None
         self.shared_gate_weight = None

@@ -700,6 +700,9 @@ class MoEConfig:
         "experts (Qwen2-MoE, DeepSeek); none: no shared expert.")
     moe_shared_expert_gate: bool = _f(
         False, "Scale the shared expert's output by sigmoid(x . w) with a learned w (Qwen2-MoE).")
+    moe_apply_probs_on_input: bool = _f(
+        False, "Multiply each token's routing weight into the expert's input instead of its output; the "
+        "expert outputs then add up unweighted (Llama 4). Needs --moe-router-topk 1 (Megatron-LM's rule).")
     expert_model_parallel_size: int = _f(
         1, "Ranks the experts are split over (expert parallel, EP): each holds --num-experts / EP experts.")
     expert_tensor_parallel_size: Optional[int] = _f(

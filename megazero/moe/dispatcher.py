@@ -5,6 +5,9 @@ and the rank's :class:`~megazero.moe.experts.GroupedExperts`, and return ``sum_e
 expert_e(x[t])`` for each token, the sum in the probs' dtype (fp32; float64 in the exact tests).
 The token-expert pairs are taken expert by expert, tokens in order, so every layout adds a token's
 expert outputs in the same order.
+With ``probs_on_input`` (``--moe-apply-probs-on-input``, top-1 only) the weight scales the expert's input
+instead, ``sum_e expert_e(probs[t, e] * x[t])`` (Llama 4; the product in the probs' dtype, then the
+input's, as Megatron-core): :func:`_weigh_input`, in both dispatchers before the tokens travel.
 
 - ``alltoall``: pairs sorted by expert; an all-to-all over the EP group sends each expert its rows
   (counts exchanged first: dropless, uneven); with expert TP > 1 the received rows are gathered over
@@ -47,6 +50,14 @@ def _pairs(order: torch.Tensor, probs: torch.Tensor, total: int):
     return expert, token, probs[token, expert]
 
 
+def _weigh_input(rows: torch.Tensor, weight: torch.Tensor):
+    """``--moe-apply-probs-on-input``: the pairs' input rows scaled by their weights (in the weights'
+    dtype, back to the rows'), and the combine's weights: 1 for every pair with a weight, 0 for the
+    weightless ones (the pad-to-capacity fillers, which add nothing however their input is scaled)."""
+    scaled = (rows.to(weight.dtype) * weight.unsqueeze(1)).to(rows.dtype)
+    return scaled, (weight != 0).to(weight.dtype)
+
+
 def _combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
     """``out[t] = sum over pairs (t, e) of weight * y`` in the weights' dtype."""
     out = weight.new_zeros((rows, y.shape[1]))
@@ -69,8 +80,8 @@ def _block_order(counts: torch.Tensor, rows: int) -> torch.Tensor:
 class AllToAllDispatcher:
     """See the module docstring."""
 
-    def __init__(self, mesh, num_experts: int):
-        self.mesh, self.num_experts = mesh, num_experts
+    def __init__(self, mesh, num_experts: int, probs_on_input: bool = False):
+        self.mesh, self.num_experts, self.probs_on_input = mesh, num_experts, probs_on_input
         self.num_local = num_experts // mesh.size("ep")
 
     def __call__(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
@@ -91,7 +102,10 @@ class AllToAllDispatcher:
         sizes = [sum(sum(row) for row in peer) for peer in peers]
         per_expert = [sum(peer[r][e] for peer in peers for r in range(ep)) for e in range(self.num_local)]
         expert, token, weight = _pairs(order, probs, sum(send))
-        rows = all_to_all_rows(x.index_select(0, token), mesh.group("ep"), mine, send)
+        rows = x.index_select(0, token)
+        if self.probs_on_input:
+            rows, weight = _weigh_input(rows, weight)
+        rows = all_to_all_rows(rows, mesh.group("ep"), mine, send)
         rows = gather_rows(rows, mesh.group("etp"), sizes, mesh.coord("etp"))
         order = _block_order(layout, sum(sizes))
         y = experts(rows.index_select(0, order), per_expert)
@@ -104,8 +118,8 @@ class AllToAllDispatcher:
 class AllGatherDispatcher:
     """See the module docstring."""
 
-    def __init__(self, mesh, num_experts: int):
-        self.mesh, self.num_experts = mesh, num_experts
+    def __init__(self, mesh, num_experts: int, probs_on_input: bool = False):
+        self.mesh, self.num_experts, self.probs_on_input = mesh, num_experts, probs_on_input
         self.num_local = num_experts // mesh.size("ep")
         self.first = mesh.coord("ep") * self.num_local
 
@@ -125,15 +139,19 @@ class AllGatherDispatcher:
         order = _pair_order(ms)  # queued while the counts travel
         counts = pending.wait().tolist()  # the layer's one host read
         expert, token, weight = _pairs(order, ps, sum(counts))
-        y = experts(xs.index_select(0, token), counts)
+        inputs = xs.index_select(0, token)
+        if self.probs_on_input:
+            inputs, weight = _weigh_input(inputs, weight)
+        y = experts(inputs, counts)
         out = _combine(y, token, weight, xs.shape[0])
         return reduce_scatter_rows(out, group, rows, rank)
 
 
-def build_dispatcher(kind: str, mesh, num_experts: int):
-    """The dispatcher ``--moe-token-dispatcher-type`` names."""
+def build_dispatcher(kind: str, mesh, num_experts: int, probs_on_input: bool = False):
+    """The dispatcher ``--moe-token-dispatcher-type`` names (``probs_on_input``:
+    ``--moe-apply-probs-on-input``)."""
     if kind == "alltoall":
-        return AllToAllDispatcher(mesh, num_experts)
+        return AllToAllDispatcher(mesh, num_experts, probs_on_input)
     if kind == "allgather":
-        return AllGatherDispatcher(mesh, num_experts)
+        return AllGatherDispatcher(mesh, num_experts, probs_on_input)
     raise ValueError(f"--moe-token-dispatcher-type must be alltoall or allgather, got {kind!r}")

@@ -78,7 +78,8 @@ def check_moe(cfg) -> None:
                                         moe.moe_shared_expert_intermediate_size is not None),
                                        ("--moe-expert-capacity-factor",
                                         moe.moe_expert_capacity_factor is not None),
-                                       ("--moe-router-num-groups", moe.moe_router_num_groups is not None))
+                                       ("--moe-router-num-groups", moe.moe_router_num_groups is not None),
+                                       ("--moe-apply-probs-on-input", moe.moe_apply_probs_on_input))
                  if on]
         if given:
             raise ValueError(f"{given[0]} needs --num-experts (a mixture-of-experts model)")
@@ -128,6 +129,9 @@ def _check_router(moe) -> None:
                     ("--moe-router-bias-update-rate", moe.moe_router_bias_update_rate)):
         if v is not None and v < 0:
             raise ValueError(f"{flag} must be >= 0, got {v}")
+    if moe.moe_apply_probs_on_input and moe.moe_router_topk != 1:
+        raise ValueError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got {moe.moe_router_topk} "
+                         "(Megatron-LM's rule: the weight scales the one expert's input)")
     scale = moe.moe_router_topk_scaling_factor
     if scale is not None and scale <= 0:
         raise ValueError(f"--moe-router-topk-scaling-factor must be > 0, got {scale}")
