@@ -8,9 +8,11 @@ docs/hybrid.md), both directions, tensor by tensor.
 - ``nemotron_h``: ``layers_block_type`` (``hybrid_override_pattern``) gives one kind per layer:
   ``linear_attention`` = ``M``, ``full_attention`` = ``*`` (attention without position embeddings,
   grouped query heads of ``head_dim``), ``mlp`` = ``-`` (``up_proj``, squared ReLU, ``down_proj``: megazero's
-  ``--squared-relu`` MLP); ``moe`` (``E``) is refused by name.  Tensors under ``model.``; each layer's one
-  mixer is ``layers.<i>.mixer``.  transformers never ties its head (``lm_head`` is always its own tensor),
-  so an import is untied and an export of a tied model writes the embeddings again as ``lm_head``.
+  ``--squared-relu`` MLP); ``moe`` (``E``) is refused by name.  Tensors under ``backbone.`` in its
+  files (NVIDIA's names, which transformers renames ``model.`` in memory; an import reads either);
+  each layer's one mixer is ``layers.<i>.mixer``.  transformers never ties its head (``lm_head`` is
+  always its own tensor), so an import is untied and an export of a tied model writes the embeddings
+  again as ``lm_head``.
 
 Layout: transformers' in-projection rows are ``[z | x | B | C | dt]`` over all heads and groups, the
 conv's channels ``[x | B | C]``; megazero's are laid out by group (``[group][z, x, B, C, dt]`` and
@@ -34,7 +36,7 @@ import torch
 from megazero.config import ConfigError
 
 HYBRID_ARCHS = ("mamba2", "nemotron_h")
-ROOT = {"mamba2": "backbone.", "nemotron_h": "model."}
+ROOT = {"mamba2": "backbone.", "nemotron_h": "backbone."}  # their files' names
 KINDS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 CONV_KERNEL = 4  # megazero's Mamba-2 conv width (megazero.config.hybrid.MAMBA_CONV_KERNEL)
 ONE_TO_ONE = [  # (megazero name within a layer, transformers name within a layer)
@@ -81,7 +83,9 @@ def import_settings(c, kind: str) -> Dict[str, Any]:
                hidden_dropout=0.0, attention_dropout=0.0, hf_model_type=kind)
     if kind == "mamba2":
         layers = int(c.num_hidden_layers)
-        return dict(out, num_layers=layers, hybrid_layer_pattern="M" * layers, num_attention_heads=1,
+        # no attention layer: its head count only has to split as the groups do under TP
+        return dict(out, num_layers=layers, hybrid_layer_pattern="M" * layers, num_attention_heads=c.n_groups,
+                    kv_channels=max(1, c.hidden_size // c.n_groups),
                     ffn_hidden_size=4 * c.hidden_size, max_position_embeddings=4096, seq_length=4096,
                     add_bias_linear=bool(c.use_bias),
                     untie_embeddings_and_output_weights=not c.tie_word_embeddings)
@@ -152,6 +156,8 @@ def _layouts(m, what: str):
 def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor], arch: str) -> torch.Tensor:
     """The full megazero tensor ``name`` from the transformers tensors of a ``mamba2`` or ``nemotron_h``
     model, fetched one by one with ``get(hf_name)``."""
+    if arch == "nemotron_h":
+        get = _in_memory_too(get)
     if not name.startswith("decoder."):
         hf = global_names(arch)[name]
         try:
@@ -174,6 +180,19 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor], arch: st
         from .hf import _fuse_qkv
         return _fuse_qkv(*(get(f"{src}mixer.{n}_proj.weight") for n in "qkv"), cfg.model.num_query_groups)
     raise KeyError(f"no {arch} tensor holds megazero's {name}")
+
+
+def _in_memory_too(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """``get`` that also finds NemotronH's ``backbone.*`` tensors (its files' names) under ``model.*``
+    (a transformers model's ``state_dict``)."""
+    def found(name: str) -> torch.Tensor:
+        try:
+            return get(name)
+        except KeyError:
+            if not name.startswith("backbone."):
+                raise
+            return get("model." + name[len("backbone."):])
+    return found
 
 
 def export_groups(cfg, arch: str, names: List[str]):
