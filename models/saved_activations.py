@@ -68,8 +68,9 @@ from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
 from megazero.offload.element_bytes import FP32
+from megazero.config.hybrid import MLP as MLP_KIND, MOE as MOE_KIND
 from megazero.planning.activations import Dims, Segment
-from . import mla_saved
+from . import mla_saved, ssm_saved
 from .mtp_saved import mtp_segments  # noqa: F401 - multi-token prediction's part
 
 
@@ -347,28 +348,60 @@ def _attention_input(D: Dims) -> int:
     return mla_saved.input_bytes(D) if D.mla else D.E * D.T * D.h
 
 
-def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
-    """One transformer layer's kept bytes by part (module docstring)."""
+def gate_bytes(D: Dims) -> int:
+    """``--attention-output-gate``: the sigmoid's output and the gated product the projection keeps
+    (``2 E T ap d``; the ungated output is kept by the product instead), and under sequence
+    parallelism the gate's own gathered copy of its input ``E T h``."""
+    if not D.out_gate:
+        return 0
+    return 2 * _heads(D) + (D.E * D.T * D.h if D.sp else 0)
+
+
+def _attention_half(D: Dims, selective: bool) -> Dict[str, int]:
+    """The attention sublayer (or the recurrent mixer in its place) without norms and dropout."""
+    if D.ssm is not None:
+        if selective:
+            return {"mixer": ssm_saved.selective_kept(D)}
+        return {"mixer": ssm_saved.mixer_bytes(D)}
     attn = selective_kept(D) if selective else core_bytes(D)
-    return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), "qkv_input": _attention_input(D),
-            "attention": attn, "mlp": ffn_bytes(D), "dropout": 2 * dropout_bytes(D)}
+    return {"qkv_input": _attention_input(D), "attention": attn + gate_bytes(D)}
+
+
+def layer_parts(D: Dims, selective: bool = False) -> Dict[str, int]:
+    """One transformer layer's kept bytes by part (module docstring); a hybrid stack's layer
+    (``D.kind``) holds one norm, one sublayer and one dropout."""
+    if D.kind:
+        half = {"mlp": ffn_bytes(D)} if D.kind in (MLP_KIND, MOE_KIND) else _attention_half(D, selective)
+        return {"norms": norm_bytes(D), **half, "dropout": dropout_bytes(D)}
+    return {"norms": 2 * sum(_norms_around(D)) * norm_bytes(D), **_attention_half(D, selective),
+            "mlp": ffn_bytes(D), "dropout": 2 * dropout_bytes(D)}
 
 
 def layer_bytes(D: Dims, selective: bool = False) -> int:
     return sum(layer_parts(D, selective).values())
 
 
-def layer_segments(D: Dims, selective: bool) -> List[Segment]:
-    """A layer as two segments (attention half, MLP half) in forward order."""
-    norms = sum(_norms_around(D)) * norm_bytes(D)
-    attn = norms + _attention_input(D) + dropout_bytes(D)
-    mlp = norms + ffn_bytes(D) + dropout_bytes(D)
+def _attention_segment(D: Dims, selective: bool, norms: int) -> Segment:
+    """The attention half (or the recurrent mixer in its place) as one segment; under selective
+    recomputation backward reaches the core's replay after the dropout mask and the projection's
+    input (with the output gate: its sigmoid, product and gathered input too) are freed."""
+    kept = norms + sum(_attention_half(D, selective).values()) + dropout_bytes(D)
     if not selective:
-        return [Segment(attn + core_bytes(D)), Segment(mlp)]
-    # backward reaches the core's replay after the dropout mask and the projection's input are freed
+        return Segment(kept)
+    if D.ssm is not None:
+        return Segment(kept, ssm_saved.replay_bytes(D), dropout_bytes(D) + D.E * D.T * D.ssm.d)
     proj_input = mla_saved.proj_input_bytes(D) if D.mla else _heads(D)
-    return [Segment(attn + selective_kept(D), selective_replay(D), dropout_bytes(D) + proj_input),
-            Segment(mlp)]
+    return Segment(kept, selective_replay(D), dropout_bytes(D) + proj_input + gate_bytes(D))
+
+
+def layer_segments(D: Dims, selective: bool) -> List[Segment]:
+    """A layer as two segments (attention half, MLP half) in forward order; a hybrid stack's layer as one."""
+    if D.kind in (MLP_KIND, MOE_KIND):
+        return [Segment(norm_bytes(D) + ffn_bytes(D) + dropout_bytes(D))]
+    if D.kind:
+        return [_attention_segment(D, selective, norm_bytes(D))]
+    norms = sum(_norms_around(D)) * norm_bytes(D)
+    return [_attention_segment(D, selective, norms), Segment(norms + ffn_bytes(D) + dropout_bytes(D))]
 
 
 def shared_bytes(Ds: Sequence[Dims]) -> int:
@@ -380,7 +413,8 @@ def shared_bytes(Ds: Sequence[Dims]) -> int:
     if not Ds:
         return 0
     D = Ds[0]
-    rope = rope_bytes(D) * (2 if D.local_rope else 1) if any(x.rope for x in Ds) else 0  # Gemma 3: two tables
+    rotating = [x for x in Ds if x.rope]  # a hybrid chunk's first layer may be a recurrent one
+    rope = rope_bytes(rotating[0]) * (2 if D.local_rope else 1) if rotating else 0  # Gemma 3: two tables
     # a chunked layer keeps its own mask (the shared one plus its chunks: chunk_mask_bytes), not the shared
     kept = [x for x in Ds if x.backend in ("flash", "efficient") and not x.chunk]
     if any(x.documents for x in kept):

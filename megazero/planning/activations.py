@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional
 
 from megazero.offload.element_bytes import compute_bytes
+from megazero.config.hybrid import (ATTENTION, DELTANET, MAMBA, MAMBA_CONV_KERNEL, layer_kind,
+                                    linear_attention_layers, mamba_num_heads)
 from megazero.config.patterns import (GATED, active_window, layer_uses_rope, layer_window, uses_rope,
                                       windowed_layers)
 from megazero.moe.routing import expert_capacity
@@ -77,6 +79,24 @@ class MLADims:
 
 
 @dataclass(frozen=True)
+class SSMDims:
+    """A recurrent mixer's sizes on one rank (``models/ssm_saved.py``): ``kind`` ``M`` (Mamba-2) or ``G``
+    (Gated DeltaNet); ``heads`` (value heads), ``head_dim`` (``p``, or ``dv``), ``state`` (``n``, or the
+    key head dim ``dk``), ``groups`` (B/C groups, or key heads), the conv's ``ch`` channels, the
+    in-projection's ``F`` features, the ``d`` inner channels, the scan's ``chunk`` and the conv ``kernel``."""
+    kind: str
+    heads: int
+    head_dim: int
+    state: int
+    groups: int
+    ch: int
+    F: int
+    d: int
+    chunk: int
+    kernel: int
+
+
+@dataclass(frozen=True)
 class Dims:
     """Per-rank sizes and the kernels that decide what is saved (see the module docstring)."""
     s: int
@@ -113,6 +133,9 @@ class Dims:
     local_rope: bool = False  # --rotary-base-local: the chunk's second pair of RoPE tables
     temperature: bool = False  # --attn-temperature-tuning on this (NoPE) layer: the query scale [s] it keeps
     glu_extra: int = 0        # MLP intermediates beyond SwiGLU's: quick-GeGLU 1, the GLU clamp 2
+    kind: str = ""            # a hybrid stack's layer kind (M, *, -, E, G); "" a transformer layer
+    ssm: Optional[SSMDims] = None  # a Mamba-2 / Gated DeltaNet mixer (M, G, --linear-attention-freq)
+    out_gate: bool = False    # --attention-output-gate on this attention layer
 
     @property
     def T(self) -> int:
@@ -180,7 +203,39 @@ def layer_dims(cfg, D: Dims, layer: int) -> Dims:
         D.backend in ("flash", "efficient", "math")
     local = m.rotary_base_local is not None and any(windowed_layers(m))
     temperature = m.attn_temperature_tuning and not layer_uses_rope(m, layer)
-    return replace(D, rope=rope, window=mask, moe=moe, chunk=chunk, local_rope=local, temperature=temperature)
+    out = replace(D, rope=rope, window=mask, moe=moe, chunk=chunk, local_rope=local, temperature=temperature,
+                  out_gate=bool(getattr(m, "attention_output_gate", False)))
+    return recurrent_layer_dims(cfg, out, layer)
+
+
+def recurrent_layer_dims(cfg, D: Dims, layer: int) -> Dims:
+    """``D`` of a hybrid stack's layer (``kind``: its pattern symbol; an ``M`` or ``G`` layer's mixer
+    sizes, no RoPE, window or gate) or of a transformer layer whose attention is Gated DeltaNet
+    (``--linear-attention-freq``)."""
+    m = cfg.model
+    kind = layer_kind(m, layer) or ""
+    linear = linear_attention_layers(m)
+    if kind == MAMBA or kind == DELTANET or (linear is not None and linear[layer]):
+        return replace(D, kind=kind, ssm=ssm_dims(cfg, MAMBA if kind == MAMBA else DELTANET, D.tp),
+                       rope=False, window=None, chunk=False, temperature=False, out_gate=False)
+    if kind and kind != ATTENTION:  # an MLP or MoE layer: no attention
+        return replace(D, kind=kind, rope=False, window=None, chunk=False, temperature=False, out_gate=False)
+    return replace(D, kind=kind)
+
+
+def ssm_dims(cfg, kind: str, tp: int) -> SSMDims:
+    """:class:`SSMDims` of a Mamba-2 (``M``) or Gated DeltaNet (``G``) mixer on one of ``tp`` ranks."""
+    m = cfg.model
+    if kind == MAMBA:
+        H, g, p, n = mamba_num_heads(m) // tp, m.mamba_num_groups // tp, m.mamba_head_dim, m.mamba_state_dim
+        r = H // g
+        return SSMDims(kind, H, p, n, g, ch=H * p + 2 * g * n, F=g * (2 * r * p + 2 * n + r), d=H * p,
+                       chunk=m.mamba_chunk_size, kernel=MAMBA_CONV_KERNEL)
+    H, g = m.linear_num_value_heads // tp, m.linear_num_key_heads // tp
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    r = H // g
+    return SSMDims(kind, H, dv, dk, g, ch=2 * g * dk + H * dv, F=g * (2 * dk + 2 * r * dv + 2 * r), d=H * dv,
+                   chunk=m.linear_chunk_size, kernel=m.linear_conv_kernel_dim)
 
 
 def mtp_layer_dims(cfg, D: Dims) -> Dims:

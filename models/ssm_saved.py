@@ -1,0 +1,118 @@
+"""What the recurrent mixers save for backward: a Mamba-2 layer (``M``, :mod:`megazero_models.mamba` with
+:mod:`megazero_models.ssd`) and a Gated DeltaNet layer (``G``, :mod:`megazero_models.deltanet` with
+:mod:`megazero_models.delta_rule`), per micro-batch on one rank, in the notation of
+:class:`megazero.planning.activations.Dims` and :class:`megazero.planning.activations.SSMDims`
+(``H`` this rank's heads, ``g`` its groups (Mamba-2) or key heads (Gated DeltaNet), ``ch`` its conv
+channels, ``F`` its in-projection features, ``c = ceil(s / L)`` chunks of ``L`` positions and
+``S = c L`` the padded length).  ``tests/test_memory_hybrid.py`` measures what autograd keeps and
+holds these figures to it, byte for byte.
+
+Both mixers keep the in-projection's input ``E T h`` (the gathered copy under sequence parallelism),
+the conv's zero-padded input ``E b ch (s + k - 1)``, the SiLU's input ``E T ch`` and the
+out-projection's input ``E T d`` (``d``: this rank's inner channels).  The scan and the rule run in
+fp32 (4 bytes whatever the compute dtype) on the padded length, and their chunked form keeps
+``[L, L]`` matrices per chunk and head (decays, scores, the solved system) and per-chunk states:
+terms in ``b H c L^2`` and ``b H c p n`` next to the ones linear in ``S``.  The gated norm keeps
+fp32 copies (a half-precision input is widened first).
+
+Where a reshape is a view rather than a copy (one group or key head on the rank: TP = groups), the
+tensor a later op saves is the storage it views: the in-projection's output (the gate ``z``) or the
+SiLU's output (Mamba-2's ``x``, Gated DeltaNet's values); the figures follow those cases.
+
+Selective recomputation (``recompute_core``): the mixer keeps its in-projection's input and output
+``E T F`` and the out-projection's input; the conv, scan and norm replay in backward and hold what
+:func:`replay_bytes` says while the replay's backward runs.
+"""
+from __future__ import annotations
+
+from megazero.offload.element_bytes import FP32
+
+
+def _chunks(D) -> tuple:
+    L = D.ssm.chunk
+    c = -(-D.s // L)
+    return L, c, c * L
+
+
+def _common(D) -> dict:
+    """In- and out-projection inputs, the conv's padded input and the SiLU's input."""
+    M, E = D.ssm, D.E
+    return {"in_proj_input": E * D.T * D.h, "conv_input": E * D.b * M.ch * (D.s + M.kernel - 1),
+            "silu_input": E * D.T * M.ch, "out_proj_input": E * D.T * M.d}
+
+
+def mamba_parts(D) -> dict:
+    """A Mamba-2 mixer's kept bytes by part (no recomputation); ``H`` heads of ``p`` channels, ``g``
+    groups of ``B, C`` with ``n`` states."""
+    M, T, b = D.ssm, D.T, D.b
+    H, p, n, g = M.heads, M.head_dim, M.state, M.groups
+    L, c, S = _chunks(D)
+    one_group = g == 1 and not D.half  # x and z reshape as views (module docstring)
+    parts = _common(D)
+    parts["dt_A"] = 2 * FP32 * T * H + 2 * FP32 * H  # softplus input and output, exp(A_log), A
+    x_view = (g == 1 or H == g) and not D.half  # x reshapes as a view of the SiLU's output
+    parts["x_fp32"] = D.E * T * M.ch if x_view else FP32 * T * M.d
+    # the SSD scan: B and C laid out for its three products, the segment sums' masks and decays,
+    # C.B per group, the intra-chunk weights, x dt and its decayed copy, the chunk states
+    operands = 2 if (g == 1 and b == 1) else 4  # with one group and sequence B, C need fewer copies
+    scan = operands * FP32 * b * S * g * n + 2 * L * L + 2 * (c + 1) ** 2
+    scan += FP32 * b * c * L * L * (2 * H + g) + FP32 * b * H * (c + 1) ** 2
+    scan += 4 * FP32 * b * S * H * p + 2 * FP32 * b * H * S
+    scan += FP32 * b * H * p * n * (2 * c + 1)
+    parts["scan"] = scan
+    # the D skip, the gated norm (fp32): its input, the gate's input and SiLU, the gated product, the
+    # rsqrt per group, the normalised product; in half precision fp32 copies of x, D and the scale
+    gate_input = D.E * T * M.F if one_group else FP32 * T * M.d
+    parts["norm"] = 4 * FP32 * T * M.d + gate_input + FP32 * T * g
+    if D.half:
+        parts["norm"] += FP32 * T * M.d + FP32 * H + FP32 * M.d
+    return parts
+
+
+def deltanet_parts(D) -> dict:
+    """A Gated DeltaNet mixer's kept bytes by part (no recomputation); ``g`` key heads of ``dk``
+    channels (``n``), ``H`` value heads of ``dv`` channels (``p``)."""
+    M, T, b = D.ssm, D.T, D.b
+    H, dv, dk, g = M.heads, M.head_dim, M.state, M.groups
+    L, c, S = _chunks(D)
+    parts = _common(D)
+    # q and k's L2 norms: their inputs (the SiLU's output, or fp32 copies of q and k) and rsqrt
+    qk = FP32 * 2 * T * g * dk if D.half else D.E * T * M.ch
+    parts["qk_norm"] = qk + 2 * FP32 * T * g
+    parts["gates"] = 3 * FP32 * T * H + 2 * FP32 * H  # sigmoid, softplus input and output, exp, -exp
+    # the chunked rule: masks, decays, k k^T and q k^T laid out for their products, the system and its
+    # solution, padded q, k, v, beta, the exp(G)s; each chunk's state, u and decay
+    rule = 2 * L * L + FP32 * b * H * c * L * L * 6
+    rule += FP32 * b * H * S * (7 * dk + dv + 5) + FP32 * b * H * S * (dv + dk)
+    rule += c * FP32 * b * H * (dk * dv + L * dv + 1)
+    if c > 1:
+        rule += FP32 * b * H * S * dk  # q exp(G), kept once a chunk's state needs a gradient
+    parts["rule"] = rule
+    # the norm (fp32): the gate's input and SiLU, its input (padded o, or a copy), rsqrt, products
+    gate_input = D.E * T * M.F if (g == 1 and not D.half) else FP32 * T * M.d
+    o_in = FP32 * T * M.d + FP32 * dv if D.half else FP32 * b * H * S * dv
+    parts["norm"] = gate_input + o_in + FP32 * T * H + 3 * FP32 * T * M.d
+    return parts
+
+
+def mixer_parts(D) -> dict:
+    return mamba_parts(D) if D.ssm.kind == "M" else deltanet_parts(D)
+
+
+def mixer_bytes(D) -> int:
+    return sum(mixer_parts(D).values())
+
+
+def selective_kept(D) -> int:
+    """Under selective recomputation: the in-projection's input and output and the out-projection's input."""
+    c = _common(D)
+    return c["in_proj_input"] + D.E * D.T * D.ssm.F + c["out_proj_input"]
+
+
+def replay_bytes(D) -> int:
+    """What the replayed conv, scan and norm save in backward beyond the kept in-projection output
+    (the out-projection's input is the forward's)."""
+    parts = mixer_parts(D)
+    replay = sum(parts.values()) - parts["in_proj_input"] - parts["out_proj_input"]
+    g1 = D.ssm.groups == 1 and not D.half
+    return replay - (D.E * D.T * D.ssm.F if g1 else 0)  # the gate's view of the kept output
