@@ -24,10 +24,11 @@ a few objects of its own (its loss scaler, the ZeRO stage enum, fragment address
 only those, are read into inert records (:data:`STORED`), never into DeepSpeed's classes.  Any other
 global is refused with one line naming it.  A missing or truncated file, a checkpoint of another model
 shape, or a layout megazero does not map (tensor-parallel ``mp_rank_01``, DeepSpeed's pipeline-engine
-``layer_*-model_states.pt``, a universal checkpoint, the optimizer state of a run without ZeRO) raises
+``layer_*-model_states.pt``, the optimizer state of a run without ZeRO) raises
 :class:`CheckpointError` (exit status 2).  A run without ZeRO gives its weights from the module's
 ``state_dict`` (``load_optimizer_states=False``).  Every rank reads every optimizer file (memory-mapped),
-so a rank briefly holds the whole fp32 state once.
+so a rank briefly holds the whole fp32 state once.  A universal checkpoint (``zero/<parameter>/``, what
+DeepSpeed's ``ds_to_universal.py`` writes) is read by :mod:`megazero.engine.ds_universal` and applied here.
 """
 from __future__ import annotations
 
@@ -97,9 +98,6 @@ def read_file(path: str):
 
 
 def _refuse_layout(path: str, names: List[str]) -> None:
-    if "zero" in names and os.path.isdir(os.path.join(path, "zero")):
-        raise CheckpointError(f"{path} is a DeepSpeed universal checkpoint (zero/<parameter>/fp32.pt ...), "
-                              "which megazero does not read yet; load the checkpoint it was converted from")
     pipeline = sorted(n for n in names if re.match(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+", n))
     if pipeline:
         raise CheckpointError(f"{path} is a DeepSpeed pipeline-engine (PipelineModule) checkpoint "
@@ -257,6 +255,9 @@ def read_checkpoint(engine, path: str, with_optimizer: bool) -> dict:
     applied: ``values`` (key -> name -> whole flat fp32), ``model_states``, ``step``, ``lrs``, ``scaler``,
     ``frozen`` (name -> tensor), ``buffers``."""
     names = sorted(os.listdir(path))
+    from megazero.engine.ds_universal import is_universal, read_universal
+    if is_universal(path, names):  # ds_to_universal.py's zero/<parameter>/ layout
+        return read_universal(engine, path, names, with_optimizer)
     _refuse_layout(path, names)
     zero3 = any(re.match(r"^zero_pp_rank_\d+_mp_rank_00_model_states\.pt$", n) for n in names)
     first = os.path.join(path, ("zero_pp_rank_0_" if zero3 else "") + MODEL_STATES)

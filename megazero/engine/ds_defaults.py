@@ -64,7 +64,9 @@ ACTIVATION_CHECKPOINTING = {k: (INERT, v, _NO_DS_CHECKPOINTING) for k, v in (
 
 CHECKPOINT = {
     "tag_validation": (INERT, "Warn", "every rank saves under the tag save_checkpoint is given"),
-    "load_universal": (INERT, False, "megazero reshards every checkpoint on load"),
+    # read by megazero.engine.ds_universal: the tag of load_checkpoint(dir) comes from latest_universal
+    "load_universal": (INERT, False, "load_checkpoint(dir) reads the tag from dir/latest_universal; a "
+                                     "universal checkpoint is recognised by its zero/ directory either way"),
     "use_node_local_storage": (FIXED, (False,), "every rank writes to the directory save_checkpoint names"),
     "parallel_write": (INERT, {"pipeline_stage": False}, "the engine has no pipeline stages"),
     "checkpoint_serialization": (INERT, True, "megazero writes its own checkpoint format"),

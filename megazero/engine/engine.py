@@ -279,7 +279,8 @@ class Engine(torch.nn.Module):
                         load_module_only: bool = False):
         from megazero.engine.checkpointing import checkpoint_path, load_checkpoint
         from megazero.engine.ds_checkpoint import is_deepspeed_checkpoint, load_deepspeed
-        path = checkpoint_path(self, load_dir, tag)
+        from megazero.engine.ds_universal import universal_path
+        path = universal_path(self, load_dir, tag) or checkpoint_path(self, load_dir, tag)
         if path is None:
             return None, None
         load = load_deepspeed if is_deepspeed_checkpoint(path) else load_checkpoint  # docs/migration.md
