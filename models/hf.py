@@ -47,7 +47,7 @@ from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
 from .hf_deepseek import MLA_NAMES, MTP_NAMES, pairs_getter
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
-from . import hf_mamba
+from . import hf_mamba, hf_qwen3next
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
     ("input_norm.weight", "ln_1.weight", ""), ("input_norm.bias", "ln_1.bias", ""),
@@ -74,8 +74,9 @@ EMBEDDINGS = {"gpt2": GPT2_GLOBAL[0][1], "llama": LLAMA_GLOBAL[0][1],  # the tok
 # buffers some exports carry that megazero recomputes: RoPE's inverse frequencies, GPT-2's causal masks
 UNNEEDED_BUFFERS = {"gpt2": re.compile(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
                     "llama": re.compile(r"model\.(?:layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")}
-OFFSET_NORMS = ("gemma", "gemma2", "gemma3_text")  # norms scaling by 1 + weight: megazero stores 1 + weight
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3")
+# norms scaling by 1 + weight: megazero stores 1 + weight
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3_text", "qwen3_next")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next")
 EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|gate|fc2)_(weight|bias)")  # stacked or one expert
 EXPERT_FILES = {"mixtral": {"gate": "w1", "fc1": "w3", "fc2": "w2"},  # the published per-expert names
                 "qwen": {"gate": "gate_proj", "fc1": "up_proj", "fc2": "down_proj"}}
@@ -126,8 +127,10 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
     elif arch in MOE_ARCHS:
         router = ("block_sparse_moe" if arch == "mixtral" else "mlp") + ".gate.weight"
         out.append(("mlp.router.weight", router, ""))
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_next"):
         out += SHARED_EXPERT
+    if arch == "qwen3_next":  # its Gated DeltaNet layers' one-to-one tensors
+        out += hf_qwen3next.DELTANET_NAMES
     if arch in ("glm4_moe", "deepseek_v3"):
         out += SHARED_EXPERTS
     return out
@@ -238,6 +241,8 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
         if rest == mz:
             t = get(src + hf)
             return t.t() if how == "T" else (t.float() + 1 if how == "1p" else t)
+    if arch == "qwen3_next" and rest in hf_qwen3next.REGROUPED:  # gated query, DeltaNet in-projection, conv
+        return hf_qwen3next.layer_tensor(rest, cfg, get, src)
     if arch == "phi3" and rest in ("mlp.gate.weight", "mlp.fc1.weight"):
         gate, up = get(src + "mlp.gate_up_proj.weight").chunk(2)
         return gate if rest == "mlp.gate.weight" else up
@@ -300,6 +305,8 @@ def _decoder_groups(name: str, cfg, arch: str) -> List[ExportGroup]:
     if expert:
         hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
         return [([name], [dst + hf], lambda t: [t])]
+    if arch == "qwen3_next" and rest in hf_qwen3next.REGROUPED:
+        return hf_qwen3next.export_groups(name, rest, dst, cfg)
     if rest in one:
         hf, how = one[rest]
         fn = {"T": lambda t: [t.t()], "1p": lambda t: [t - 1], "": lambda t: [t]}[how]

@@ -20,6 +20,7 @@ from megazero.config import ConfigError
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direction, public names here too
 from .hf_deepseek import mla_settings
 from .hf_mamba import HYBRID_ARCHS, import_settings as hybrid_settings
+from . import hf_qwen3next
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, import_settings
 from .rope import yarn_attention_factor
 
@@ -58,6 +59,8 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
         return _gpt2_settings(hf_config)
     if kind in HYBRID_ARCHS:  # Mamba-2, Nemotron-H: models.hf_mamba
         return hybrid_settings(hf_config, kind)
+    if kind == hf_qwen3next.KIND:  # Qwen3-Next: models.hf_qwen3next
+        return hf_qwen3next.import_settings(hf_config)
     if kind in LLAMA_FAMILY + MOE_FAMILY:
         out = dict(_llama_settings(hf_config, kind), **_family_settings(hf_config, kind), hf_model_type=kind)
         return dict(out, **moe_settings(hf_config, kind)) if kind in MOE_FAMILY else out
@@ -68,13 +71,14 @@ def config_from_hf(hf_config) -> Dict[str, Any]:
 def check_model_type(kind) -> None:
     """:class:`ConfigError` unless ``kind`` (a config's ``model_type``) is an architecture megazero
     imports, naming what another one would need."""
-    if kind == "gpt2" or kind in LLAMA_FAMILY + MOE_FAMILY + HYBRID_ARCHS:
+    known = ("gpt2",) + LLAMA_FAMILY + MOE_FAMILY + HYBRID_ARCHS + (hf_qwen3next.KIND,)
+    if kind in known:
         return
     if isinstance(kind, str) and kind in OTHER_ARCHITECTURES:
         raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r} needs "
                           f"{OTHER_ARCHITECTURES[kind]}, which megazero does not implement")
     raise ConfigError(f"unsupported Hugging Face config: model_type={kind!r}; megazero imports "
-                      f"{', '.join(repr(k) for k in ('gpt2',) + LLAMA_FAMILY + MOE_FAMILY + HYBRID_ARCHS)}")
+                      f"{', '.join(repr(k) for k in known)}")
 
 
 def _gpt2_settings(c) -> Dict[str, Any]:

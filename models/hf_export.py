@@ -17,6 +17,7 @@ from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
 from .hf_deepseek import deepseek_fields, deepseek_missing, deepseek_rope
 from .hf_mamba import HYBRID_ARCHS, hf_config as hybrid_config, missing as hybrid_missing
+from . import hf_qwen3next
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, export_fields, export_missing
 from .rope import yarn_mscale
 
@@ -30,6 +31,7 @@ WHOLE_WINDOW = ("mistral", "phi3", "mixtral", "qwen3_moe")  # one window on ever
 HELD_VARIANTS: Dict[str, tuple] = {  # of docs/attention.md
     "gemma3_text": ("--rotary-base-local",),
     "glm4_moe": ("--rotary-percent",),
+    "qwen3_next": ("--rotary-percent",),
     "llama4_text": ("--attention-chunk-size", "--qk-l2-norm", "--attn-temperature-tuning"),
     "gpt_oss": ("--softmax-type", "--activation", "--glu-linear-offset", "--activation-func-clamp-value",
                 "--moe-router-bias")}
@@ -124,6 +126,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
                "with DeepSeek-V3's mixture of experts)"
     if t in HYBRID_ARCHS:  # Mamba-2, Nemotron-H (models.hf_mamba)
         return hybrid_missing(m, t, moe) or variants_missing(m, moe, t)
+    if t == hf_qwen3next.KIND:  # Qwen3-Next (models.hf_qwen3next)
+        return hf_qwen3next.missing(m, moe) or variants_missing(m, moe, t)
     if getattr(m, "hybrid_layer_pattern", None):
         return f"a hybrid layer stack, --hybrid-layer-pattern ({t} has transformer layers only)"
     if getattr(m, "experimental_attention_variant", None):
@@ -214,12 +218,15 @@ def arch_of(m, moe=None) -> str:
     reasons = []
     experts = bool(moe is not None and moe.num_experts)
     hybrid = bool(getattr(m, "hybrid_layer_pattern", None))
-    for t in HYBRID_ARCHS if hybrid else (MOE_ORDER if experts else AUTO_ORDER):
+    linear = bool(getattr(m, "experimental_attention_variant", None)  # Qwen3-Next's Gated DeltaNet
+                  or getattr(m, "attention_output_gate", False))  # or gated attention
+    qwen3_next = (hf_qwen3next.KIND,)
+    for t in HYBRID_ARCHS if hybrid else (qwen3_next if linear else (MOE_ORDER if experts else AUTO_ORDER)):
         why = missing(m, t, moe)
         if why is None:
             return t
         reasons.append(f"{t}: {why}")
-    shown = reasons if experts or hybrid else reasons[1:4]
+    shown = reasons if experts or hybrid or linear else reasons[1:4]
     raise ConfigError("no transformers architecture holds this model (" + "; ".join(shown) + "; ...)")
 
 
@@ -335,6 +342,8 @@ def hf_config_from(cfg):
         return _gpt2_config(m)
     if t in HYBRID_ARCHS:
         return hybrid_config(m, t)
+    if t == hf_qwen3next.KIND:
+        return hf_qwen3next.hf_config(m, moe)
     cls = getattr(transformers, f"{CLASSES[t]}Config")
     max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
         max(m.max_position_embeddings, m.seq_length)
