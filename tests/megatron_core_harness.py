@@ -232,3 +232,15 @@ def save_legacy(model, directory: str, iteration: int, args, lr_samples: int) ->
     torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
     _tracker(directory, iteration)
     return path
+
+
+def load_and_forward(site: str, path: str, ids: torch.Tensor, tp: int = 2, spec=SPEC):
+    """In a forked rank (TP ``tp``): megatron-core's GPTModel of ``spec`` (other weights than any saved:
+    seed 7) takes torch_dist ``path`` by its own loader; returns its logits of ``ids`` and the stored
+    ``common.pt`` items (``iteration``, ``args``)."""
+    setup_rank(site, tp=tp)
+    from megatron.core import dist_checkpointing
+    model = build_gpt(seed=7, spec=spec)
+    load_torch_dist(model, path)
+    common = dist_checkpointing.load_common_state_dict(path)
+    return forward(model, ids), common["iteration"], vars(common["args"])

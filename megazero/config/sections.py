@@ -527,7 +527,10 @@ class CheckpointConfig:
     ckpt_format: Optional[str] = _f(
         None, "Megatron-LM's checkpoint format: with --load of a Megatron-LM directory, torch_dist or torch "
         "(legacy mp_rank_*) names the format expected (unset: detected); megazero's own checkpoints load "
-        "whatever this says, and --save writes megazero's format (docs/migration.md).")
+        "whatever this says. With --save, torch_dist also writes each save in Megatron-LM's layout "
+        "(iter_*/ and its tracker; megazero's own files in DIR/megazero_state/), other values megazero's "
+        "format only (docs/migration.md).",
+        choices=["torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor"])
     exit_on_missing_checkpoint: bool = _f(
         False, "With --load: stop with an error when the directory holds no checkpoint, instead of "
         "starting from scratch (also when it is --save).")

@@ -11,6 +11,9 @@ a signal, a time or iteration limit) is published at once: its own loss was chec
 training goes on (:mod:`megazero.checkpoint.background`); the checkpoint is sealed and published as
 above once the write is done, and the next save (or the end of the run) waits for the previous one.
 
+``--ckpt-format torch_dist``: the checkpoints go to ``--save``'s ``megazero_state/`` and each published
+one is also written in Megatron-LM's layout under ``--save`` (:mod:`megazero.checkpoint.megatron.save`).
+
 ``--ckpt-keep N``: after each publication global rank 0 removes all but the newest ``N`` published
 checkpoints (never the one the tracker names).
 """
@@ -32,6 +35,10 @@ class Saver:
         self.cfg, self.chunks, self.optimizer, self.mesh = cfg, chunks, optimizer, mesh
         self.logger, self.guard = logger, guard
         self.directory = cfg.checkpoint.save
+        self.megatron = _megatron_layout(cfg, logger)  # --ckpt-format torch_dist: also Megatron-LM's files
+        if self.megatron:
+            from megazero.checkpoint.megatron.save import state_dir
+            self.directory = state_dir(cfg.checkpoint.save)
         self.pending: Optional[int] = None  # sealed, waiting for the next iteration's loss
         self.checked = False  # that loss checked out (an --async-save still being written stays pending)
         self.background = None  # an --async-save in flight (megazero.checkpoint.background.AsyncSave)
@@ -125,10 +132,31 @@ class Saver:
 
     def _published(self, iteration: int) -> None:
         self.guard.good = f"iteration {iteration} in {self.directory}"
+        if self.megatron:  # collective: global rank 0 writes Megatron-LM's files of the published save
+            from megazero.checkpoint.megatron.save import write_megatron
+            path = write_megatron(self.cfg, iteration, self.mesh)
+            self.logger.print(f"wrote Megatron-LM's torch_dist checkpoint {path}")
         keep = self.cfg.checkpoint.ckpt_keep
         if keep and self.mesh.rank == 0:
-            for path in prune(self.directory, keep):
+            removed = prune(self.directory, keep)
+            for path in removed:
                 self.logger.print(f"--ckpt-keep {keep}: removed {path}")
+            if self.megatron:
+                from megazero.checkpoint.megatron.save import prune_megatron
+                prune_megatron(self.cfg.checkpoint.save, removed)
+
+
+def _megatron_layout(cfg, logger) -> bool:
+    """``--ckpt-format torch_dist`` with a model Megatron-LM's GPTModel holds (else a note: megazero's
+    own format only, as before, so that Megatron-LM's scripts of other models keep running)."""
+    from dataclasses import asdict
+    if getattr(cfg.checkpoint, "ckpt_format", None) != "torch_dist":
+        return False
+    from megazero.checkpoint.megatron.save import not_written
+    why = not_written(asdict(cfg.model), asdict(cfg.moe))
+    if why:
+        logger.print(f"megazero: note: {why}; --save {cfg.checkpoint.save} holds megazero's format only")
+    return why is None
 
 
 def prune(directory: str, keep: int) -> List[str]:

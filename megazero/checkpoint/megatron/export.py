@@ -8,14 +8,17 @@ both layer specs save, ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_nor
 ``_extra_state`` of each linear layer as ``None``, what the local layer spec keeps), ``common.pt``
 (``args``: Megatron-LM's argument names for the architecture, ``iteration``, ``checkpoint_version``,
 ``opt_param_scheduler`` with the samples the schedule counted) and ``metadata.json``.  The weights
-only: Megatron-LM resumes it with ``--no-load-optim --no-load-rng`` (or ``--finetune``).
+only (float32): Megatron-LM resumes it with ``--no-load-optim --no-load-rng`` (or ``--finetune``); the
+stored args also say ``no_save_optim`` and ``no_save_rng``.  ``pretrain_gpt.py --ckpt-format torch_dist``
+writes each save this way (:mod:`~.save`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-from typing import Dict
+import shutil
+from typing import Dict, Optional
 
 import torch
 
@@ -50,14 +53,22 @@ def megatron_args(model: dict, iteration: int, consumed: int) -> argparse.Namesp
         consumed_train_samples=consumed, ckpt_format="torch_dist")
 
 
-def _refuse_unmapped(model: dict, moe: dict) -> None:
+def unmapped(model: dict, moe: dict) -> Optional[str]:
+    """Why a model does not map onto megatron-core's GPTModel here (None: it does)."""
     if moe.get("num_experts"):
-        raise CheckpointError("--direction to-megatron: mixture-of-experts models are not written yet")
+        return "mixture-of-experts models are not written yet"
     mapped = ("gelu_exact", "gelu", "swiglu", "squared_relu")
     if model.get("norm_position", "pre") != "pre" or model.get("multi_latent_attention") or \
             model.get("hybrid_layer_pattern") or model["activation"] not in mapped:
-        raise CheckpointError("--direction to-megatron: only dense pre-norm GPT models (GELU, SwiGLU or "
-                              "squared ReLU) map onto megatron-core's GPTModel here")
+        return ("only dense pre-norm GPT models (GELU, SwiGLU or squared ReLU) map onto megatron-core's "
+                "GPTModel")
+    return None
+
+
+def _refuse_unmapped(model: dict, moe: dict) -> None:
+    why = unmapped(model, moe)
+    if why:
+        raise CheckpointError(f"--direction to-megatron: {why}")
 
 
 def megatron_tensors(weights: Dict[str, torch.Tensor], model: dict) -> Dict[str, torch.Tensor]:
@@ -98,9 +109,13 @@ def megatron_tensors(weights: Dict[str, torch.Tensor], model: dict) -> Dict[str,
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export(src: str, dst: str, iteration=None) -> str:
+def export(src: str, dst: str, iteration=None, layout: Optional[dict] = None,
+           scheduler: Optional[dict] = None) -> str:
     """Write megazero checkpoint ``src`` (its latest, or ``iteration``) into ``dst`` in Megatron-LM's
-    torch_dist format; returns the ``iter_*`` path."""
+    torch_dist format; returns the ``iter_*`` path.  ``layout``: the saving run's parallel sizes as
+    Megatron-LM's args name them (``tensor_model_parallel_size``, ...; default 1); ``scheduler``: more
+    of Megatron's ``opt_param_scheduler`` items (``max_lr``, ``min_lr``, ...).  The directory is written
+    beside its final name and renamed, then the tracker names it."""
     from torch.distributed.checkpoint import FileSystemWriter, save
     from megazero.checkpoint.reader import read_weights
     _, meta, config, weights = read_weights(src, iteration, flag="--input")
@@ -110,19 +125,37 @@ def export(src: str, dst: str, iteration=None) -> str:
     extra = meta.get("extra", {})
     consumed = int(extra.get("consumed_samples", 0))
     state: Dict[str, object] = dict(megatron_tensors(weights, model))
+    del weights
     for leaf in EXTRA_STATE:  # megatron-core's per-layer extra state objects: None for its local layers
         for i in range(model["num_layers"]):  # as megatron-core stores an object: a one-item list
             state[f"decoder.layers.{leaf}._extra_state/shard_{i}_{model['num_layers']}"] = [None]
     path = os.path.join(dst, f"iter_{it:07d}")
-    os.makedirs(path, exist_ok=True)
-    save(state, storage_writer=FileSystemWriter(path), no_dist=True)
-    common = {"args": megatron_args(model, it, consumed), "checkpoint_version": 3.0, "iteration": it,
-              "opt_param_scheduler": {"num_steps": int(extra.get("lr_samples", consumed))},
+    part = path + ".partial"
+    shutil.rmtree(part, ignore_errors=True)
+    os.makedirs(part)
+    save(state, storage_writer=FileSystemWriter(part), no_dist=True)
+    args = megatron_args(model, it, consumed)
+    sizes = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+    sizes.update(layout or {})
+    for key, value in sizes.items():
+        setattr(args, key, value)
+    args.no_save_optim, args.no_save_rng = True, True  # weights only: Megatron-LM loads neither
+    args.add_position_embedding = True  # Megatron-LM's default, which its loader compares
+    for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
+        if config.get("data", {}).get(key) is not None:
+            setattr(args, key, config["data"][key])
+    sched = dict(scheduler or {}, num_steps=int(extra.get("lr_samples", consumed)))
+    common = {"args": args, "checkpoint_version": 3.0, "iteration": it, "opt_param_scheduler": sched,
               "num_floating_point_operations_so_far": 0}
-    torch.save(common, os.path.join(path, "common.pt"))
-    with open(os.path.join(path, "metadata.json"), "w") as fh:
+    torch.save(common, os.path.join(part, "common.pt"))
+    with open(os.path.join(part, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, fh)
-    with open(os.path.join(dst, "latest_checkpointed_iteration.txt"), "w") as fh:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.rename(part, path)
+    tracker = os.path.join(dst, "latest_checkpointed_iteration.txt")
+    with open(tracker + ".tmp", "w") as fh:
         fh.write(str(it))
+    os.replace(tracker + ".tmp", tracker)
     return path

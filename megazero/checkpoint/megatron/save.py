@@ -1,0 +1,93 @@
+"""``pretrain_gpt.py --save DIR --ckpt-format torch_dist``: every save of the run also in Megatron-LM's
+layout, which megatron-core's ``dist_checkpointing.load`` (and Megatron-LM's ``--load DIR``) reads.
+
+What a save writes::
+
+    DIR/megazero_state/                    megazero's own checkpoint (every rank its shards, collectively:
+                                           weights, optimizer, generators, data position), sealed and
+                                           published as any megazero save (docs/checkpointing.md)
+    DIR/iter_XXXXXXX/                      Megatron-LM's torch_dist checkpoint of the published iteration
+                                           (:func:`~.export.export`: megatron-core's sharded names,
+                                           common.pt with Megatron's args, iteration, consumed samples)
+    DIR/latest_checkpointed_iteration.txt  Megatron-LM's tracker
+
+The Megatron-LM files are written once the megazero checkpoint is published, by global rank 0, which
+reads the whole model (float32) from it: the memory of the whole model on that rank and one file
+(``__0_0.distcp``), the limit of this writer (the shards are gathered on disk, not by a collective).
+Weights only (Megatron-LM resumes with ``--no-load-optim --no-load-rng``, or ``--finetune``).
+
+``--load DIR`` (any ``--ckpt-format``) resumes megazero from ``megazero_state`` when it holds the
+iteration the tracker names (optimizer, generators and data position included: as if the run had
+gone on); an iteration Megatron-LM wrote itself is converted (:mod:`~.convert`, weights only).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterable, Optional, Tuple
+
+from megazero.checkpoint.megatron.export import export, unmapped
+from megazero.checkpoint.megatron.files import TRACKER, iteration_dir
+
+STATE_DIR = "megazero_state"  # inside --save: megazero's own checkpoints of the run
+
+
+def state_dir(directory: str) -> str:
+    return os.path.join(directory, STATE_DIR)
+
+
+def not_written(model: dict, moe: dict) -> Optional[str]:
+    """Why ``--ckpt-format torch_dist`` cannot write this model in Megatron-LM's layout (None: it can)."""
+    why = unmapped(model, moe)
+    return None if why is None else f"--ckpt-format torch_dist: {why}"
+
+
+def _layout(cfg) -> dict:
+    par = cfg.parallel
+    return {"tensor_model_parallel_size": par.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+            "world_size": par.world_size}
+
+
+def _scheduler(cfg) -> dict:
+    opt = cfg.optimizer
+    return {"max_lr": opt.lr, "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style}
+
+
+def write_megatron(cfg, iteration: int, mesh) -> Optional[str]:
+    """Global rank 0 writes published ``iteration`` of ``--save``'s ``megazero_state`` in Megatron-LM's
+    layout under ``--save`` (collective: every rank learns of an error); returns the ``iter_*`` path."""
+    from megazero.checkpoint.comm import on_rank0
+    save = cfg.checkpoint.save
+    return on_rank0(lambda: export(state_dir(save), save, iteration, _layout(cfg), _scheduler(cfg)), mesh)
+
+
+def prune_megatron(directory: str, removed: Iterable[str]) -> None:
+    """Remove Megatron-LM's ``iter_*`` directories of the megazero checkpoints ``--ckpt-keep`` removed
+    (one process; never the one the tracker names)."""
+    try:
+        _, tracked = iteration_dir(directory)
+    except Exception:  # noqa: BLE001 - no tracker (yet): remove nothing it could name
+        tracked = None
+    for path in removed:
+        name = os.path.basename(path.rstrip(os.sep))
+        if name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) != tracked:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def resume_source(directory: str, iteration: Optional[int]) -> Optional[Tuple[str, int]]:
+    """``(megazero_state dir, iteration)`` when megazero wrote the Megatron-LM checkpoint of
+    ``directory`` that ``--load`` (and ``--ckpt-step``) names, with its own complete checkpoint of that
+    iteration beside it; else None (one process)."""
+    from megazero.checkpoint.resolve import complete_iterations
+    side = state_dir(directory)
+    if not os.path.isdir(side):
+        return None
+    if iteration is None and not os.path.isfile(os.path.join(directory, TRACKER)):
+        done = complete_iterations(side)  # the megazero save published, its Megatron copy not written
+        return (side, done[0]) if done else None
+    try:
+        _, it = iteration_dir(directory, iteration)
+    except Exception:  # noqa: BLE001 - the Megatron reader explains a damaged directory
+        return None
+    return (side, it) if it in complete_iterations(side) else None

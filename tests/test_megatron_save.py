@@ -1,0 +1,147 @@
+"""``pretrain_gpt.py --save DIR --ckpt-format torch_dist`` writes Megatron-LM's layout (issue 45, item 3).
+
+A TP 2 x PP 2 run (4 forked gloo ranks, dropout 0) saves at iterations 2 (--save-interval) and 4 (the
+end): ``DIR/iter_*`` in torch_dist with Megatron's args, iteration and consumed samples, and the
+tracker.  megatron-core's own loader (tests/megatron_core_harness.py, TP 2) reads the last one into its
+GPTModel, whose forward equals megazero's on the saved weights within the fp32 bound.  megazero resumes
+from iteration 2 (``--load DIR --ckpt-format torch_dist --use-checkpoint-args``) with the losses of the
+run that went on; without megazero's own files beside them, the Megatron-LM files give the same logits.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_core_harness import megatron_core  # noqa: F401 - the session fixture
+from megazero.config import config_from_dict
+from megazero.process.local_ranks import run_ranks
+
+IDS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+             vocab_size=64, make_vocab_size_divisible_by=16, seq_length=16, max_position_embeddings=16,
+             activation="swiglu", normalization="RMSNorm", norm_epsilon=1e-5, position_embedding_type="rope",
+             rotary_base=10000, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+             hidden_dropout=0.0, attention_dropout=0.0)
+RUN = dict(mock_data=True, micro_batch_size=2, global_batch_size=8, optimizer="adam", lr=1e-3,
+           lr_decay_iters=100, log_interval=100, ckpt_format="torch_dist")
+
+
+def _train(cfg):
+    import models
+    from megazero.training import train
+    return train(cfg, models.build_chunks)
+
+
+def _bound(ref: torch.Tensor) -> float:
+    return 64 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item())
+
+
+def _logits(directory: str) -> torch.Tensor:
+    from models.checkpoint import load_model
+    model, _ = load_model(directory)
+    with torch.no_grad():
+        return model(IDS)[..., :64]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``(--save DIR, losses of iterations 1-4)`` of the TP 2 x PP 2 run."""
+    root = str(tmp_path_factory.mktemp("tdsave"))
+    cfg = config_from_dict(dict(MODEL, **RUN, train_iters=4, save=root, save_interval=2,
+                                tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    rows = run_ranks(_train, 4, cfg, timeout=300)[0]
+    return root, [r["loss"] for r in rows]
+
+
+@pytest.mark.slow
+def test_torch_dist_save_layout(saved):
+    from megazero.checkpoint.megatron.safe_load import load_pt
+    root, _ = saved
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "4"
+    for it in (2, 4):
+        path = os.path.join(root, f"iter_{it:07d}")
+        assert {".metadata", "__0_0.distcp", "common.pt", "metadata.json"} <= set(os.listdir(path))
+        common = load_pt(os.path.join(path, "common.pt"))
+        args = common["args"]
+        assert common["iteration"] == it and args.consumed_train_samples == 8 * it
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+        assert common["opt_param_scheduler"]["num_steps"] == 8 * it
+    assert sorted(os.listdir(os.path.join(root, "megazero_state"))) >= ["iter_0000002", "iter_0000004"]
+
+
+@pytest.mark.slow
+def test_megatron_core_loads_the_save_with_megazeros_logits(saved, megatron_core):  # noqa: F811
+    import megatron_core_harness as harness
+    root, _ = saved
+    want = _logits(os.path.join(root, "megazero_state"))
+    got, iteration, args = run_ranks(harness.load_and_forward, 2, megatron_core,
+                                     os.path.join(root, "iter_0000004"), IDS, timeout=180)[0]
+    assert iteration == 4 and args["consumed_train_samples"] == 32
+    print(f"megatron-core vs megazero logits: {(got - want).abs().max().item():.3g} "
+          f"(bound {_bound(want):.3g}, max |logit| {want.abs().max().item():.3g})")
+    assert (got - want).abs().max().item() <= _bound(want)
+    from models.checkpoint import load_model  # the check can fail: iteration 2's weights differ
+    model, _ = load_model(os.path.join(root, "megazero_state"), iteration=2)
+    with torch.no_grad():
+        early = model(IDS)[..., :64]
+    assert (got - early).abs().max().item() > 100 * _bound(want)
+
+
+@pytest.mark.slow
+def test_megazero_resumes_from_its_torch_dist_save_as_if_it_went_on(saved, tmp_path):
+    root, losses = saved
+    load = str(tmp_path / "load")
+    shutil.copytree(root, load)
+    cfg = config_from_dict(dict(RUN, load=load, ckpt_step=2, use_checkpoint_args=True, train_iters=4,
+                                tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    assert cfg.model.num_layers == 4 and cfg.model.activation == "swiglu"  # Megatron's stored args
+    rows = run_ranks(_train, 4, cfg, timeout=300)[0]
+    assert [r["iteration"] for r in rows] == [3, 4]
+    print("losses went on", losses, "resumed", [r["loss"] for r in rows])
+    assert [r["loss"] for r in rows] == losses[2:]  # the optimizer state and data position continue
+
+
+@pytest.mark.slow
+def test_the_megatron_files_alone_give_the_same_weights(saved, tmp_path):
+    """Without megazero_state (a copy Megatron-LM continues, say), --load converts the torch_dist files."""
+    import models
+    from megazero.checkpoint.megatron import convert, saved_config
+    from megazero.config import validate
+    root, _ = saved
+    src = str(tmp_path / "src")
+    shutil.copytree(root, src, ignore=shutil.ignore_patterns("megazero_state"))
+    cfg = validate(config_from_dict(dict(saved_config(src)["model"], mock_data=True)), 1)
+    convert(src, str(tmp_path / "out"), cfg, models.build_model)
+    want = _logits(os.path.join(root, "megazero_state"))
+    diff = (_logits(str(tmp_path / "out")) - want).abs().max().item()
+    print(f"converted back: {diff:.3g}")
+    assert diff <= _bound(want)
+
+
+# ---- bad input and other models: fast ------------------------------------------------------
+def _cli(capsys, monkeypatch, *extra):
+    from models.cli import model_provider
+    from models.cli.pretrain import main
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    try:
+        code = main(["--mock-data", "--train-iters", "1", "--micro-batch-size", "2", "--global-batch-size",
+                     "2", "--lr", "1e-3", *extra], model_provider)
+    except SystemExit as stop:
+        code = stop.code
+    return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_unknown_ckpt_format_is_refused_naming_the_flag(capsys, monkeypatch, tmp_path):
+    code, err = _cli(capsys, monkeypatch, "--save", str(tmp_path), "--ckpt-format", "torch_zip")
+    assert code == 2 and "--ckpt-format: invalid choice: 'torch_zip'" in err[-1], err
+    assert not os.listdir(tmp_path)
+
+
+def test_models_megatron_gptmodel_cannot_hold_are_named():
+    from megazero.checkpoint.megatron.save import not_written
+    dense = dict(MODEL, norm_position="pre")
+    assert not_written(dense, {}) is None
+    assert "--ckpt-format torch_dist: " in not_written(dict(dense, hybrid_layer_pattern="M*-"), {})
+    assert "mixture-of-experts" in not_written(dense, {"num_experts": 4})
