@@ -234,6 +234,95 @@ def save_legacy(model, directory: str, iteration: int, args, lr_samples: int) ->
     return path
 
 
+# ---- optimizer state (issue 45: a Megatron-LM run resumed with its Adam moments) -------------------
+def megatron_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8):
+    """megatron-core's non-distributed optimizer for fp32 parameters (``FP32Optimizer``) around torch's
+    AdamW, with the parameter groups megatron-core makes (weights, then biases and norms without weight
+    decay).  Its ``__init__`` only adds a CUDA scale tensor to :class:`MegatronOptimizer`'s: that base
+    initialiser is called and the scale made on the CPU."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0, adam_beta1=betas[0],
+                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0)
+    adam = torch.optim.AdamW(_get_param_groups([model], config, None), lr=lr, betas=betas, eps=eps,
+                             weight_decay=0.0)
+
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+    opt = FP32Optimizer.__new__(FP32Optimizer)
+    MegatronOptimizer.__init__(opt, adam, config, init_state_fn)
+    opt._scale, opt.is_stub_optimizer = torch.tensor([1.0]), False
+    return opt
+
+
+def megatron_scheduler(opt, lr: float = 1e-3):
+    """megatron-core's ``OptimizerParamScheduler`` as Megatron-LM makes it for a constant rate (its
+    steps counted in samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=0.0, lr_warmup_steps=0,
+                                   lr_decay_steps=800, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                   wd_incr_steps=800, wd_incr_style="constant")
+
+
+def train_steps(model, opt, sched, steps: int, batch: int = 8, seed: int = 3, spec=SPEC) -> None:
+    """``steps`` training steps of megatron-core (its loss, its optimizer and scheduler) on random
+    tokens (the same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    s = spec["seq_length"]
+    position = torch.arange(s).unsqueeze(0).expand(batch, s)
+    mask = torch.ones(1, 1, s, s).tril() < 0.5
+    model.train()
+    for _ in range(steps):
+        ids = torch.randint(0, spec["vocab"], (batch, s + 1), generator=g)
+        opt.zero_grad()
+        model(ids[:, :-1], position, mask, labels=ids[:, 1:]).float().mean().backward()
+        opt.step()
+        sched.step(increment=batch)
+    model.eval()
+
+
+def save_with_optimizer(model, opt, sched, directory: str, iteration: int, args, fmt: str) -> str:
+    """Megatron-LM's checkpoint with its optimizer: torch_dist (``optimizer.sharded_state_dict`` of the
+    whole state, ``optimizer.state.<moment>.<name>`` tensors sharded as the weights, the common step in
+    ``common.pt``) or legacy (``optimizer.state_dict()`` in each rank's ``model_optim_rng.pt``); the
+    scheduler's ``state_dict()`` as ``opt_param_scheduler``."""
+    if fmt == "torch_dist":
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+        path = os.path.join(directory, f"iter_{iteration:07d}")
+        os.makedirs(path, exist_ok=True)
+        state = dict(_common(args, iteration, 0), model=model.sharded_state_dict())
+        state["optimizer"] = opt.sharded_state_dict(state)
+        state["opt_param_scheduler"] = sched.state_dict()
+        dist_checkpointing.save(state, path)
+        _tracker(directory, iteration)
+        return path
+    path = save_legacy(model, directory, iteration, args, 0)
+    from megatron.core import parallel_state
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    fpath = os.path.join(path, name, "model_optim_rng.pt")
+    state = torch.load(fpath, weights_only=False)
+    state.update(optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict())
+    torch.save(state, fpath)
+    return path
+
+
+def optimizer_moments(model, opt) -> dict:
+    """``{name: {exp_avg, exp_avg_sq, step}}`` of this rank's parameters (megatron-core's names)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in opt.optimizer.state.items():
+        out[names[id(p)]] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    return out
+
+
 def load_and_forward(site: str, path: str, ids: torch.Tensor, tp: int = 2, spec=SPEC):
     """In a forked rank (TP ``tp``): megatron-core's GPTModel of ``spec`` (other weights than any saved:
     seed 7) takes torch_dist ``path`` by its own loader; returns its logits of ``ids`` and the stored

@@ -3,8 +3,9 @@ reads at any layout.
 
 The conversion keeps the trainer state Megatron-LM stored: the iteration, the consumed samples
 (``args.consumed_train_samples``) and the samples the learning-rate schedule has counted
-(``opt_param_scheduler.num_steps``), as a resumed megazero run keeps its own.  The optimizer starts
-fresh (Adam moments are not carried over) and the generators are reseeded from ``(seed, iteration)``.
+(``opt_param_scheduler.num_steps``), as a resumed megazero run keeps its own, and (``optimizer``)
+Adam's moments, step and schedule settings (:mod:`~.optim_state`); without them the optimizer starts
+fresh.  The generators are reseeded from ``(seed, iteration)``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from megazero.checkpoint.errors import CheckpointError
 from megazero.checkpoint.megatron.files import MegatronCheckpoint
 from megazero.checkpoint.megatron.mapping import NameMap
+from megazero.checkpoint.megatron.optim_state import optimizer_state, write_with_optimizer
 
 IMPORT_DIR = "megazero_import"  # inside --load: the converted copy, replaced at every start
 
@@ -43,12 +45,13 @@ def _check_shape(ck, name: str, got: torch.Tensor, want) -> None:
 
 
 def convert(src: str, dst: str, whole, model_provider, iteration: Optional[int] = None,
-            ckpt_format: Optional[str] = None) -> str:
+            ckpt_format: Optional[str] = None, optimizer=None) -> str:
     """Write the weights of Megatron-LM checkpoint ``src`` (its tracker's iteration, or ``iteration``) as
     a megazero checkpoint in ``dst`` for the model ``model_provider(whole, mesh)`` builds, ``whole`` the
     validated one-process configuration (:func:`megazero.config.one_process_model` of a run's);
     returns its path.  One process; the model is built on the meta device, each weight read as it is
-    written."""
+    written.  ``optimizer``: the run's optimizer settings (``cfg.optimizer``) to convert the Adam state
+    stored with the checkpoint for (:mod:`~.optim_state`; none stored: the weights alone)."""
     from megazero.checkpoint.writer import save_weights
     from megazero.mesh import ParallelMesh
     par = whole.parallel
@@ -81,6 +84,9 @@ def convert(src: str, dst: str, whole, model_provider, iteration: Optional[int] 
     for chunk in chunks:  # every name maps before anything is written
         for name, _ in chunk.named_parameters():
             names.source(name) or names.tensor(name)
+    state = optimizer_state(ck) if optimizer is not None else None
+    if state is not None:
+        return write_with_optimizer(ck, state, dst, chunks, whole, values, optimizer)
     if os.path.isdir(dst):
         shutil.rmtree(dst)
     return save_weights(dst, chunks, ParallelMesh.single(), whole, iteration=ck.iteration,

@@ -244,14 +244,14 @@ class MegatronCheckpoint:
             self._legacy[(t, p)] = state
         return self._legacy[(t, p)]
 
-    def _legacy_tensor(self, name: str, glu: bool) -> torch.Tensor:
+    def _legacy_tensor(self, name: str, glu: bool, fetch=None) -> torch.Tensor:
         p, key = self._layer_names[name][0]
         parts = []
         for t in range(self.tp):
             model = self._rank(t, p)["model"]
             if key not in model:
                 raise CheckpointCorrupt(f"{self._files[(t, p)]}: {key} is missing")
-            parts.append(model[key].float())
+            parts.append(model[key].float() if fetch is None else fetch(t, p, key))
         if self.tp == 1 or not name.endswith(COLUMN + ROW):
             return parts[0]
         if name.endswith(ROW):
@@ -270,9 +270,10 @@ class MegatronCheckpoint:
     def has(self, name: str) -> bool:
         return name in (self._layer_names if self.format == "torch" else self.shapes)
 
-    def tensor(self, name: str, glu: bool = False, layer: Optional[int] = None) -> torch.Tensor:
+    def tensor(self, name: str, glu: bool = False, layer: Optional[int] = None, fetch=None) -> torch.Tensor:
         """Tensor ``name`` whole, float32 (torch_dist: stacked over layers where Megatron stacks it, or
-        only entry ``layer`` of the stack)."""
+        only entry ``layer`` of the stack).  Legacy: ``fetch(tp, pp, key)`` gives each rank's piece
+        instead of the weight (the optimizer's state of it: :mod:`~.optim_state`)."""
         if self.format == "torch":
-            return self._legacy_tensor(name, glu)
+            return self._legacy_tensor(name, glu, fetch)
         return self._dist_slice(name, layer)
