@@ -1,0 +1,127 @@
+"""The memory estimator on hybrid stacks: what Mamba-2 (``M``) and Gated DeltaNet (``G``) layers keep
+for backward (models/ssm_saved.py), estimated and measured byte for byte.
+
+The mixer tests hold the formulas to autograd's saved tensors for one mixer (fp32 and bf16, sequences
+that are and are not multiples of the chunk, one and several groups per rank, two chunk sizes).  The
+stack tests run a training step with the trainer's pieces (megazero.training.measure: saved-tensor
+hooks over the whole schedule) and compare the estimate for the rank with what it measured: the
+pattern ``M*M-``, a ``G`` pattern, and Gated DeltaNet in transformer layers (``--linear-attention-freq``)
+with Qwen3-Next's attention output gate; selective and full recomputation, bf16, dropout, TP 2
+with and without sequence parallelism (one Mamba group per rank), PP 2."""
+import pytest
+import torch
+
+from megazero.config import config_from_dict, validate
+from megazero.mesh import ParallelMesh
+from megazero.planning.activations import Dims, SSMDims
+from megazero.planning.estimate import estimate_stages
+from megazero.process.local_ranks import run_ranks
+from models import saved_activations as SAVED, ssm_saved
+from models.deltanet import DeltaNetShape, GatedDeltaNet
+from models.mamba import MambaMixer, MambaShape
+
+HYBRID = dict(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=300, seq_length=13,
+              hidden_dropout=0.0, attention_dropout=0.0, hybrid_layer_pattern="M*M-", mamba_num_heads=8,
+              mamba_head_dim=8, mamba_state_dim=8, mamba_num_groups=2, mamba_chunk_size=5,
+              normalization="RMSNorm", position_embedding_type="none", add_bias_linear=False,
+              micro_batch_size=2, global_batch_size=2, mock_data=True, train_iters=1)
+DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_chunk_size=5)
+# Qwen3-Next's form: Gated DeltaNet in three of four transformer layers' attention, gated full attention
+LINEAR = dict(HYBRID, hybrid_layer_pattern=None, experimental_attention_variant="gated_delta_net",
+              linear_attention_freq=2, activation="swiglu", position_embedding_type="rope",
+              num_query_groups=2, attention_output_gate=True, **DELTANET)
+
+CASES = {  # name: (settings, world size)
+    "mamba": (dict(HYBRID), 1),
+    "mamba-seq-multiple-of-chunk": (dict(HYBRID, seq_length=15), 1),
+    "mamba-selective": (dict(HYBRID, recompute_granularity="selective"), 1),
+    "mamba-full": (dict(HYBRID, recompute_granularity="full"), 1),
+    "mamba-bf16-selective-dropout": (dict(HYBRID, bf16=True, recompute_granularity="selective",
+                                          hidden_dropout=0.1, seq_length=15), 1),
+    "deltanet-pattern": (dict(HYBRID, hybrid_layer_pattern="MG*-", **DELTANET), 1),
+    "linear-freq-gate": (dict(LINEAR), 1),
+    "linear-freq-gate-selective-bf16": (dict(LINEAR, recompute_granularity="selective", bf16=True), 1),
+    "linear-freq-full-seq15": (dict(LINEAR, recompute_granularity="full", seq_length=15), 1),
+    "mamba-tp2": (dict(HYBRID, tensor_model_parallel_size=2), 2),
+    "mamba-tp2-sp-selective": (dict(HYBRID, tensor_model_parallel_size=2, sequence_parallel=True,
+                                    seq_length=14, recompute_granularity="selective"), 2),
+    "linear-freq-gate-tp2-sp": (dict(LINEAR, tensor_model_parallel_size=2, sequence_parallel=True,
+                                     seq_length=14), 2),
+    "mamba-pp2-1f1b": (dict(HYBRID, pipeline_model_parallel_size=2, global_batch_size=8), 2),
+}
+SLOW = ("mamba-tp2-sp-selective", "linear-freq-gate-tp2-sp", "mamba-pp2-1f1b")  # forked ranks
+
+
+def _measure(settings, world):
+    import models
+    from megazero.training.measure import measure_rank
+    got = measure_rank(validate(config_from_dict(settings), world), models.build_chunks, iters=1)
+    return got["pp_rank"], got["activation_bytes"]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
+def test_hybrid_activation_estimate_equals_measurement(name):
+    settings, world = CASES[name]
+    cfg = validate(config_from_dict(settings), world)
+    est = {r["pp_rank"]: r["activation_bytes"]
+           for r in estimate_stages(cfg, device="cpu", backend="gloo", saved=SAVED)}
+    got = [_measure(settings, 1)] if world == 1 else run_ranks(_measure, world, settings, world)
+    for pp_rank, measured in got:
+        assert est[pp_rank] == measured, (name, pp_rank, est[pp_rank], measured)
+
+
+# ---- one mixer ----------------------------------------------------------------------------------
+def _mixer(kind, heads, groups, chunk, dtype):
+    """A mixer and its :class:`Dims` (``heads`` value heads, ``groups`` B/C groups or key heads)."""
+    p, n, r = 8, 7, heads // groups
+    if kind == "M":
+        shape = MambaShape(hidden_size=24, num_heads=heads, head_dim=p, state_dim=n, num_groups=groups,
+                           chunk_size=chunk)
+        mod = MambaMixer(shape, ParallelMesh.single(), layer_idx=0)
+        ssm = SSMDims("M", heads, p, n, groups, heads * p + 2 * groups * n,
+                      groups * (2 * r * p + 2 * n + r), heads * p, chunk, 4)
+    else:
+        mod = GatedDeltaNet(DeltaNetShape(hidden_size=24, num_key_heads=groups, num_value_heads=heads,
+                                          key_head_dim=n, value_head_dim=p, chunk_size=chunk),
+                            ParallelMesh.single(), layer_idx=0)
+        ssm = SSMDims("G", heads, p, n, groups, 2 * groups * n + heads * p,
+                      groups * (2 * n + 2 * r * p + 2 * r), heads * p, chunk, 4)
+    E = 2 if dtype == torch.bfloat16 else 4
+    return mod.to(dtype), lambda s, b: Dims(
+        s=s, b=b, h=24, tp=1, sp=False, E=E, M=E, ap=1, gp=1, d=1, fp=1, vp=1, v=1, rope=False, rms=True,
+        swiglu=False, half=E == 2, hidden_dropout=False, attention_dropout=False, backend="flash",
+        device="cpu", kind=kind, ssm=ssm)
+
+
+def _saved_bytes(mod, s, b, dtype):
+    """Bytes of the storages autograd keeps for one forward (each once, parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if not isinstance(t, torch.nn.Parameter) and ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mod(torch.randn(s, b, 24, dtype=dtype, requires_grad=True))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["M", "G"])
+def test_mixer_saved_bytes_equal_the_formula(kind):
+    """Byte for byte, for sequences of 13 (padded to 15) and 15 positions in chunks of 5 or 3, with
+    three groups (several heads each) or one group on the rank (TP = groups, where reshapes are views),
+    fp32 and bf16; and the chunk size moves the figure (the ``b H c L^2`` and per-chunk state terms)."""
+    for heads, groups in ((6, 3), (4, 1)):
+        for dtype in (torch.float32, torch.bfloat16):
+            by_chunk = {}
+            for chunk in (5, 3):
+                mod, dims_of = _mixer(kind, heads, groups, chunk, dtype)
+                for s, b in ((13, 2), (15, 1)):
+                    got = _saved_bytes(mod, s, b, dtype)
+                    assert ssm_saved.mixer_bytes(dims_of(s, b)) == got, (kind, heads, groups, dtype, chunk, s)
+                    by_chunk[chunk, s] = got
+            assert by_chunk[5, 15] != by_chunk[3, 15]
