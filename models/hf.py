@@ -278,7 +278,7 @@ def export_groups(cfg) -> List[ExportGroup]:
     (``decoder.L.mlp.experts.<e>.fc1_weight``, the checkpoint's names) to their published names."""
     arch = arch_of(cfg.model, cfg.moe)
     if arch in hf_mamba.HYBRID_ARCHS:
-        return hf_mamba.export_groups(cfg, arch, megazero_names(cfg))
+        return hf_mamba.export_groups(cfg, arch, megazero_names(cfg, per_expert=True))
     glob, groups = _global_map(arch), []
     for name in megazero_names(cfg, per_expert=True):
         if name.startswith("mtp."):

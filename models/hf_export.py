@@ -341,7 +341,7 @@ def hf_config_from(cfg):
     if t == "gpt2":
         return _gpt2_config(m)
     if t in HYBRID_ARCHS:
-        return hybrid_config(m, t)
+        return hybrid_config(m, t, moe)
     if t == hf_qwen3next.KIND:
         return hf_qwen3next.hf_config(m, moe)
     cls = getattr(transformers, f"{CLASSES[t]}Config")

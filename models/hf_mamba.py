@@ -8,7 +8,7 @@ docs/hybrid.md), both directions, tensor by tensor.
 - ``nemotron_h``: ``layers_block_type`` (``hybrid_override_pattern``) gives one kind per layer:
   ``linear_attention`` = ``M``, ``full_attention`` = ``*`` (attention without position embeddings,
   grouped query heads of ``head_dim``), ``mlp`` = ``-`` (``up_proj``, squared ReLU, ``down_proj``: megazero's
-  ``--squared-relu`` MLP); ``moe`` (``E``) is refused by name.  Tensors under ``backbone.`` in its
+  ``--squared-relu`` MLP); ``moe`` = ``E`` (:func:`moe_settings`).  Tensors under ``backbone.`` in its
   files (NVIDIA's names, which transformers renames ``model.`` in memory; an import reads either);
   each layer's one mixer is ``layers.<i>.mixer``.  transformers never ties its head (``lm_head`` is
   always its own tensor), so an import is untied and an export of a tied model writes the embeddings
@@ -29,6 +29,7 @@ the model's dtype).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -44,7 +45,13 @@ ONE_TO_ONE = [  # (megazero name within a layer, transformers name within a laye
     ("mixer.dt_bias", "mixer.dt_bias"), ("mixer.norm.weight", "mixer.norm.weight"),
     ("mixer.out_proj.weight", "mixer.out_proj.weight"), ("mixer.out_proj.bias", "mixer.out_proj.bias"),
     ("attention.proj.weight", "mixer.o_proj.weight"), ("mlp.fc1.weight", "mixer.up_proj.weight"),
-    ("mlp.fc2.weight", "mixer.down_proj.weight")]
+    ("mlp.fc2.weight", "mixer.down_proj.weight"), ("mlp.router.weight", "mixer.gate.weight"),
+    ("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias"),
+    ("mlp.shared_experts.fc1.weight", "mixer.shared_experts.up_proj.weight"),
+    ("mlp.shared_experts.fc2.weight", "mixer.shared_experts.down_proj.weight")]
+EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|fc2)_weight")  # stacked, or one (the checkpoint's)
+EXPERT_HF = {"fc1": "up_proj", "fc2": "down_proj"}
+GROUP_SCORE_TOPK = 2  # NemotronH scores a group by the sum of its two best experts
 
 
 def _refuse(field: str, value, fix: str):
@@ -102,15 +109,42 @@ def import_settings(c, kind: str) -> Dict[str, Any]:
         if not ok:
             _refuse(field, getattr(c, field), fix)
     if "E" in pattern:
-        _refuse("layers_block_type", [t for t in c.layers_block_type if t == "moe"][:1] + ["..."],
-                "Nemotron-H's mixture-of-experts layers (sigmoid routing over non-gated squared-ReLU "
-                "experts, optional latent projections) are not converted; its moe-free configs import")
+        out.update(moe_settings(c))
     return dict(out, num_layers=len(pattern), hybrid_layer_pattern=pattern,
                 num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
                 kv_channels=c.head_dim, ffn_hidden_size=c.intermediate_size, activation="squared_relu",
                 add_bias_linear=False, max_position_embeddings=c.max_position_embeddings,
                 seq_length=c.max_position_embeddings, attention_dropout=float(c.attention_dropout),
                 hidden_dropout=float(c.hidden_dropout), untie_embeddings_and_output_weights=True)
+
+
+def moe_settings(c) -> Dict[str, Any]:
+    """megazero's MoE settings of NemotronH's ``moe`` layers: sigmoid scores, an expert bias moving the
+    choice only (``e_score_correction_bias``), group-limited routing (a group's score the sum of its two
+    best), the chosen weights normalised (``norm_topk_prob``; megazero normalises whenever top-k > 1)
+    and scaled (``routed_scaling_factor``), non-gated squared-ReLU experts and one shared expert of
+    ``moe_shared_expert_intermediate_size``; no load-balancing loss."""
+    experts, topk = int(c.n_routed_experts), int(c.num_experts_per_tok)
+    if c.moe_latent_size is not None:
+        _refuse("moe_latent_size", c.moe_latent_size, "the experts' latent projections (fc1_latent_proj, "
+                "fc2_latent_proj) are not implemented")
+    if bool(c.norm_topk_prob) != (topk > 1):
+        _refuse("norm_topk_prob", c.norm_topk_prob, "megazero normalises the chosen sigmoid weights exactly "
+                "when --moe-router-topk > 1")
+    groups, group_topk = int(c.n_group or 1), int(c.topk_group or 1)
+    if experts % groups or experts // groups < GROUP_SCORE_TOPK:
+        _refuse("n_group", groups, f"groups of at least {GROUP_SCORE_TOPK} experts dividing n_routed_experts")
+    out: Dict[str, Any] = dict(
+        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(c.moe_intermediate_size),
+        moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=int(c.moe_shared_expert_intermediate_size))
+    if float(c.routed_scaling_factor) != 1.0:
+        out["moe_router_topk_scaling_factor"] = float(c.routed_scaling_factor)
+    if groups > 1:
+        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk,
+                   moe_router_group_score_topk=GROUP_SCORE_TOPK)
+    return out
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -171,6 +205,9 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor], arch: st
     one = dict(ONE_TO_ONE)
     if rest in one:
         return get(src + one[rest])
+    expert = EXPERT.fullmatch(rest)
+    if expert:
+        return _expert(get, src, expert, cfg.moe.num_experts)
     leaf = rest.rsplit(".", 1)[1]
     if rest.startswith("mixer.in_proj."):
         return _by_group(get(src + "mixer.in_proj." + leaf), *_layouts(cfg.model, "in"))
@@ -180,6 +217,20 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor], arch: st
         from .hf import _fuse_qkv
         return _fuse_qkv(*(get(f"{src}mixer.{n}_proj.weight") for n in "qkv"), cfg.model.num_query_groups)
     raise KeyError(f"no {arch} tensor holds megazero's {name}")
+
+
+def _expert(get, src: str, expert, experts: int) -> torch.Tensor:
+    """One expert's ``fc1`` (up) or ``fc2`` (down) weight, or all stacked: from the files' per-expert
+    tensors (``mixer.experts.<e>.up_proj.weight``) or transformers' fused ones in memory
+    (``mixer.experts.up_proj [E, F, h]``)."""
+    e, hf = expert.group(1), EXPERT_HF[expert.group(2)]
+    try:
+        if e is not None:
+            return get(f"{src}mixer.experts.{e}.{hf}.weight")
+        return torch.stack([get(f"{src}mixer.experts.{j}.{hf}.weight") for j in range(experts)])
+    except KeyError:
+        fused = get(f"{src}mixer.experts.{hf}")
+        return fused if e is None else fused[int(e)]
 
 
 def _in_memory_too(get: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
@@ -208,8 +259,12 @@ def export_groups(cfg, arch: str, names: List[str]):
         dst = f"{layer_prefix(arch)}{i}."
         one = dict(ONE_TO_ONE)
         leaf = rest.rsplit(".", 1)[1]
+        expert = EXPERT.fullmatch(rest)
         if rest in one:
             groups.append(([name], [dst + one[rest]], lambda t: [t]))
+        elif expert and expert.group(1) is not None:  # one expert at a time, the files' names
+            hf = f"{dst}mixer.experts.{expert.group(1)}.{EXPERT_HF[expert.group(2)]}.weight"
+            groups.append(([name], [hf], lambda t: [t]))
         elif rest.startswith(("mixer.in_proj.", "mixer.conv1d.")):
             _, per_group, count = _layouts(m, "in" if "in_proj" in rest else "conv")
             groups.append(([name], [dst + rest.rsplit(".", 1)[0] + "." + leaf],
@@ -230,14 +285,16 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     """What transformers' ``mamba2`` or ``nemotron_h`` lacks to hold ModelConfig ``m`` (None: nothing)."""
     from megazero.config.patterns import windowed_layers
     pattern = getattr(m, "hybrid_layer_pattern", None) or ""
-    allowed = "M" if t == "mamba2" else "M*-"
+    allowed = "M" if t == "mamba2" else "M*-E"
     if not pattern:
         return f"a transformer layer stack ({t} holds hybrid stacks: --hybrid-layer-pattern of {allowed})"
     other = sorted(set(pattern) - set(allowed))
     if other:
         return f"--hybrid-layer-pattern {pattern!r} has {other[0]!r} layers ({t} has {allowed} only)"
     if moe is not None and moe.num_experts:
-        return f"mixture-of-experts layers, --num-experts ({t}'s are not converted)"
+        why = moe_missing(moe)
+        if why:
+            return why
     if m.normalization != "RMSNorm":
         return f"--normalization {m.normalization} ({t} has RMSNorm)"
     heads, _, _, p, _ = _sizes(m)
@@ -264,7 +321,35 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     return None
 
 
-def hf_config(m, t: str):
+def moe_missing(moe) -> Optional[str]:
+    """What NemotronH's MoE layers lack to hold MoEConfig ``moe`` (:func:`moe_settings`' inverse)."""
+    if moe.moe_router_score_function != "sigmoid":
+        return f"--moe-router-score-function {moe.moe_router_score_function} (nemotron_h: sigmoid)"
+    if moe.moe_router_bias:
+        return "--moe-router-bias (nemotron_h's router has no bias)"
+    if not moe.moe_shared_expert_intermediate_size or moe.moe_shared_expert_gate:
+        return "no ungated shared expert (nemotron_h has one: --moe-shared-expert-intermediate-size)"
+    if moe.moe_router_num_groups and moe.moe_router_group_score_topk != GROUP_SCORE_TOPK:
+        return f"a group's score of other than its {GROUP_SCORE_TOPK} best experts, " \
+               f"--moe-router-group-score-topk (nemotron_h sums {GROUP_SCORE_TOPK})"
+    return None
+
+
+def _moe_fields(moe) -> Dict[str, Any]:
+    """NemotronH's MoE fields of MoEConfig ``moe`` (without an expert bias: a zero one, the same routing)."""
+    if moe is None or not moe.num_experts:
+        return {}
+    groups = moe.moe_router_num_groups or 1
+    return dict(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.moe_router_topk,
+                moe_intermediate_size=moe.moe_ffn_hidden_size, n_shared_experts=1,
+                moe_shared_expert_intermediate_size=moe.moe_shared_expert_intermediate_size,
+                moe_latent_size=None, n_group=groups,
+                topk_group=moe.moe_router_group_topk if groups > 1 else 1,
+                norm_topk_prob=moe.moe_router_topk > 1,
+                routed_scaling_factor=moe.moe_router_topk_scaling_factor or 1.0)
+
+
+def hf_config(m, t: str, moe=None):
     """The transformers config of ModelConfig ``m`` as architecture ``t`` (:func:`missing` holds)."""
     import transformers
     heads, groups, _, p, n = _sizes(m)
@@ -288,6 +373,6 @@ def hf_config(m, t: str):
         attention_bias=False, attention_dropout=m.attention_dropout, hidden_dropout=m.hidden_dropout,
         intermediate_size=m.ffn_hidden_size, mlp_hidden_act="relu2", mlp_bias=False, ssm_state_size=n,
         mamba_num_heads=heads, mamba_head_dim=p, mamba_hidden_act="silu", use_bias=False,
-        num_nextn_predict_layers=0)
+        num_nextn_predict_layers=0, **_moe_fields(moe))
     out.architectures = ["NemotronHForCausalLM"]
     return out

@@ -28,7 +28,8 @@ VOCAB, SEQ, CHUNK = 96, 37, 16
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 MAMBA = dict(vocab_size=VOCAB, hidden_size=32, n_groups=2, chunk_size=CHUNK, bos_token_id=0,
              eos_token_id=None, pad_token_id=None)
-CLASSES = {"mamba2": "Mamba2", "mamba2-tied-bias": "Mamba2", "nemotron-h": "NemotronH"}
+CLASSES = {"mamba2": "Mamba2", "mamba2-tied-bias": "Mamba2", "nemotron-h": "NemotronH",
+           "nemotron-h-moe": "NemotronH"}
 
 
 def family_config(name):
@@ -45,6 +46,16 @@ def family_config(name):
                                             num_key_value_heads=2, head_dim=8, intermediate_size=48,
                                             mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16,
                                             max_position_embeddings=128)
+    if name == "nemotron-h-moe":  # 8 squared-ReLU experts in 4 groups (top-2 groups), top-2, scaled,
+        # a shared expert; Mamba-2, MoE, attention, MoE
+        types = ["linear_attention", "moe", "full_attention", "moe"]
+        return transformers.NemotronHConfig(**MAMBA, layers_block_type=types, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                            mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16,
+                                            max_position_embeddings=128, n_routed_experts=8,
+                                            num_experts_per_tok=2, moe_intermediate_size=16,
+                                            moe_shared_expert_intermediate_size=24, n_group=4, topk_group=2,
+                                            routed_scaling_factor=2.5, norm_topk_prob=True)
     raise KeyError(name)
 
 
@@ -54,10 +65,13 @@ def hf_model(name, **over):
     config = family_config(name)
     for k, v in over.items():
         setattr(config, k, v)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").eval()
     with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for n, b in model.named_buffers():  # the MoE layers' expert bias
+            if n.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -114,16 +128,17 @@ def _safetensors(path):
 
 
 def test_export_gives_back_every_tensor(family, tmp_path):
+    """Against transformers' own files of the model (NemotronH's: backbone.*, one tensor per expert)."""
     name, hf = family
-    to_hf(from_hf(hf), str(tmp_path))
-    want = {k.replace("model.", "backbone.", 1): v for k, v in hf.state_dict().items()}  # NemotronH's files
-    if hf.config.tie_word_embeddings:  # a tied head is not written
-        want = {k: v for k, v in want.items() if k != "lm_head.weight"}
-    got = _safetensors(str(tmp_path))
+    to_hf(from_hf(hf), str(tmp_path / "back"))
+    hf.save_pretrained(str(tmp_path / "hf"))
+    want, got = _safetensors(str(tmp_path / "hf")), _safetensors(str(tmp_path / "back"))
+    assert "lm_head.weight" in want or hf.config.tie_word_embeddings  # a tied head is not written
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32,
+                                                             experts_implementation="eager").eval()
     assert type(back).__name__ == CLASSES[name] + "ForCausalLM"
     assert torch.equal(_logits(back), _logits(hf))
     assert config_from_hf(back.config) == config_from_hf(hf.config)
@@ -152,8 +167,9 @@ def test_the_streaming_converter_round_trips_every_tensor(family, tmp_path):
     ("nemotron-h", dict(use_bias=True), "use_bias=True; biases on the Mamba-2 projections alone"),
     ("nemotron-h", dict(attention_bias=True), "attention_bias=True; Nemotron-H's attention projections"),
     ("nemotron-h", dict(sliding_window=8), "sliding_window=8; Nemotron-H's attention is full"),
-    ("nemotron-h", dict(layers_block_type=["linear_attention", "moe"]),
-     "layers_block_type=\\['moe', '...'\\]; Nemotron-H's mixture-of-experts layers"),
+    ("nemotron-h-moe", dict(moe_latent_size=8), "moe_latent_size=8; the experts' latent projections"),
+    ("nemotron-h-moe", dict(norm_topk_prob=False), "norm_topk_prob=False; megazero normalises the chosen"),
+    ("nemotron-h-moe", dict(n_group=3), "n_group=3; groups of at least 2 experts dividing"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     cfg = family_config(name)
@@ -167,6 +183,8 @@ def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
     ("nemotron-h", {}, "mamba2", "--hybrid-layer-pattern 'M\\*M-' has '\\*' layers \\(mamba2 has M only\\)"),
     ("nemotron-h", dict(activation="gelu"), "nemotron_h", "nemotron_h needs --squared-relu"),
     ("nemotron-h", dict(softmax_scale=0.5), "nemotron_h", "softmax_scale 0.5 \\(nemotron_h has none\\)"),
+    ("nemotron-h-moe", dict(moe_router_group_score_topk=1), "nemotron_h",
+     "a group's score of other than its 2 best experts"),
     ("mamba2", {}, "llama", "a hybrid layer stack, --hybrid-layer-pattern \\(llama has transformer layers"),
 ])
 def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(name, over, hf_type, needle,
@@ -177,15 +195,16 @@ def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(name, o
 
 
 # ---- fine-tuning under TP 2 ------------------------------------------------------------------------
-FT_SEQ, GBS, SEED = 37, 4, 1234
-FINETUNED = ["mamba2", "nemotron-h"]
+FT_SEQ, GBS, SEED = 38, 4, 1234  # 38 = 2 chunks of 16 and 6: TP 2 with sequence parallelism splits it
+FINETUNED = ["mamba2", "nemotron-h", "nemotron-h-moe"]
 
 
 def _settings(ckpt, save=None, tp=1):
     settings = dict(load=ckpt, finetune=True, use_checkpoint_args=True, mock_data=True, seq_length=FT_SEQ,
                     micro_batch_size=1, global_batch_size=GBS, train_iters=3, optimizer="sgd", lr=0.05,
                     sgd_momentum=0.0, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
-                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp)
+                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp,
+                    sequence_parallel=tp > 1)  # which MoE layers under TP need
     if save:
         settings.update(save=save, save_interval=3)
     return settings
@@ -230,8 +249,8 @@ def test_tp2_finetune_equals_one_process_and_exports_to_transformers(finetuned, 
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
     assert one[name][0]["loss"] == pytest.approx(want, abs=1e-5)
     ckpt_to_hf(str(d / name / "run"), str(d / name / "exported"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(d / name / "exported"),
-                                                             dtype=torch.float64).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(d / name / "exported"), dtype=torch.float64,
+                                                             experts_implementation="eager").eval()
     assert type(back).__name__ == CLASSES[name] + "ForCausalLM"
     model, info = load_model(str(d / name / "run"))
     assert info["iteration"] == 3
