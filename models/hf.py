@@ -1,8 +1,8 @@
 """Hugging Face ``transformers`` interop: GPT-2, LLaMA (RoPE scaling of the llama3, linear, yarn and dynamic
 types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3,
-Gemma 3, Llama 4 (dense), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss,
-GLM-4.5 and DeepSeek-V3 (multi-latent attention: :mod:`models.hf_deepseek`; their experts:
-:mod:`models.hf_sigmoid_moe`).
+Gemma 3, Llama 4 (its MoE layers: :mod:`models.hf_llama4`), and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, GLM-4.5 and DeepSeek-V3 (multi-latent attention:
+:mod:`models.hf_deepseek`; their experts: :mod:`models.hf_sigmoid_moe`).
 
 - :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
   overrides and rejects what megazero cannot reproduce exactly (naming the field and the feature);
@@ -47,6 +47,7 @@ from .gpt import GPTModel, full_state_dict, load_full_state_dict
 from .hf_config import GPT2_ACTIVATIONS, config_from_hf  # noqa: F401 - public names
 from .hf_deepseek import MLA_NAMES, MTP_NAMES, pairs_getter
 from .hf_export import arch_of, hf_config_from  # noqa: F401 - public names
+from . import hf_llama4
 from . import hf_mamba, hf_qwen3next
 
 GPT2_LAYER = [  # (megazero name, HF name, "T" where HF stores it transposed)
@@ -133,6 +134,8 @@ def layer_map(cfg, arch: str) -> List[Tuple[str, str, str]]:
         out += hf_qwen3next.DELTANET_NAMES
     if arch in ("glm4_moe", "deepseek_v3"):
         out += SHARED_EXPERTS
+    if arch == "llama4_text":  # its MoE layers' router and shared expert (models.hf_llama4)
+        out += hf_llama4.LAYER_NAMES
     return out
 
 
@@ -231,6 +234,9 @@ def megazero_tensor(name: str, cfg, get: Callable[[str], torch.Tensor],
         return t.float() + 1 if name == "final_norm.weight" and arch in OFFSET_NORMS else t
     _, i, rest = name.split(".", 2)
     src = f"{_prefix(arch)}{i}."
+    if arch == "llama4_text" and EXPERT.fullmatch(rest):  # its fused experts (models.hf_llama4)
+        e, leaf = EXPERT.fullmatch(rest).group(1, 2)
+        return hf_llama4.expert_tensor(get, src, None if e is None else int(e), leaf)
     if arch in MOE_ARCHS:
         get = _moe_get(get)
         expert = EXPERT.fullmatch(rest)
@@ -302,6 +308,9 @@ def _decoder_groups(name: str, cfg, arch: str) -> List[ExportGroup]:
     if expert and arch == "gpt_oss":  # one stacked tensor per kind: written with the layer's first
         first = rest == "mlp.experts.0.fc1_weight"
         return _gpt_oss_expert_groups(i, dst, cfg.moe.num_experts) if first else []
+    if expert and arch == "llama4_text":  # likewise: its fused gate_up_proj and down_proj
+        first = rest == "mlp.experts.0.fc1_weight"
+        return hf_llama4.expert_groups(i, dst, cfg.moe.num_experts) if first else []
     if expert:
         hf = _expert_file_name(arch, int(expert.group(1)), expert.group(2))
         return [([name], [dst + hf], lambda t: [t])]

@@ -21,6 +21,7 @@ from .hf_export import arch_of, hf_config_from  # noqa: F401 - the export direct
 from .hf_deepseek import mla_settings
 from .hf_mamba import HYBRID_ARCHS, import_settings as hybrid_settings
 from . import hf_qwen3next
+from .hf_llama4 import import_settings as llama4_moe
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, import_settings
 from .rope import yarn_attention_factor
 
@@ -32,7 +33,7 @@ GEMMA = ("gemma", "gemma2", "gemma3_text")
 OTHER_ARCHITECTURES = {
     "olmo": "OLMo (1)'s non-parametric layer norm (LayerNorm without a scale or bias) and clip_qkv",
     "gemma3": "Gemma 3's vision tower (its text model, model_type gemma3_text, imports)",
-    "llama4": "Llama 4's vision tower (its text model, model_type llama4_text, imports without MoE layers)",
+    "llama4": "Llama 4's vision tower (its text model, model_type llama4_text, imports)",
     "olmo3": "OLMo 3's RoPE parameters per layer type (rope_parameters for sliding and full attention apart)",
     "phi": "Phi-1/2's partial rotary embeddings, parallel attention and MLP, and LayerNorm with biases",
     "gpt_neox": "GPT-NeoX's parallel attention and MLP and partial rotary embeddings",
@@ -286,20 +287,18 @@ def gpt_oss_settings(c) -> Dict[str, Any]:
 
 
 def llama4_settings(c) -> Dict[str, Any]:
-    """Llama 4 (text, dense layers): NoPE layers, chunked attention on the RoPE layers, the L2 q/k norm
-    there and the attention temperature on the others (docs/attention.md).  Its RoPE rotates interleaved
-    channel pairs; the import reorders each query/key head's channels to halves (models.hf)."""
-    if list(getattr(c, "moe_layers", None) or []):
-        _unsupported("moe_layers", c.moe_layers, "Llama 4's experts take the routing weight on their input "
-                     "(Megatron-LM's --moe-apply-probs-on-input), which is not implemented; its dense layers "
-                     "(moe_layers []) import")
+    """Llama 4 (text): NoPE layers, chunked attention on the RoPE layers, the L2 q/k norm there and the
+    attention temperature on the others (docs/attention.md); its MoE layers (``moe_layers``):
+    :func:`models.hf_llama4.import_settings`.  Its RoPE rotates interleaved channel pairs; the import
+    reorders each query/key head's channels to halves (models.hf)."""
     rope = [bool(u) for u in c.no_rope_layers]
     chunked = [t == "chunked_attention" for t in c.layer_types]
     chunk = c.attention_chunk_size if any(chunked) else None
     if any(chunked) and chunked != rope:
         _unsupported("layer_types", c.layer_types,
                      "megazero chunks the layers that use RoPE (no_rope_layers: 1)")
-    out: Dict[str, Any] = dict(ffn_hidden_size=c.intermediate_size_mlp, attention_chunk_size=chunk)
+    out: Dict[str, Any] = dict(ffn_hidden_size=c.intermediate_size_mlp, attention_chunk_size=chunk,
+                               **llama4_moe(c))
     if not all(rope):
         skip = [int(not u) for u in rope]
         every = next((n for n in range(1, len(skip) + 1) if len(skip) % n == 0

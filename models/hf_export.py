@@ -16,6 +16,7 @@ from megazero.config import ConfigError
 from megazero.config.patterns import layer_flags, uses_rope, windowed_layers
 from megazero.moe.settings import moe_layer_pattern
 from .hf_deepseek import deepseek_fields, deepseek_missing, deepseek_rope
+from . import hf_llama4
 from .hf_mamba import HYBRID_ARCHS, hf_config as hybrid_config, missing as hybrid_missing
 from . import hf_qwen3next
 from .hf_sigmoid_moe import KINDS as SIGMOID_MOE, export_fields, export_missing
@@ -23,7 +24,8 @@ from .rope import yarn_mscale
 
 AUTO_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "smollm3",
               "gemma3_text", "llama4_text")
-MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3")
+MOE_ORDER = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "deepseek_v3",
+             "llama4_text")  # Llama 4 holds dense models too (AUTO_ORDER)
 LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "smollm3", "qwen2_moe", "gemma3_text", "gpt_oss")  # per layer
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SANDWICH = ("gemma2", "gemma3_text")  # Gemma 2's layout: sandwich norms, soft-caps, its own score scale
@@ -119,6 +121,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
     """What transformers' architecture ``t`` cannot hold of ModelConfig ``m`` with MoEConfig ``moe``
     (None: it holds it)."""
     experts = bool(moe is not None and moe.num_experts)
+    if experts and moe.moe_apply_probs_on_input and t != "llama4_text":
+        return f"--moe-apply-probs-on-input ({t} weighs the experts' outputs; llama4_text their inputs)"
     if m.mtp_num_layers and t not in ("deepseek_v3", "glm4_moe"):
         return f"multi-token prediction, --mtp-num-layers ({t} has none)"
     if m.multi_latent_attention and t != "deepseek_v3":
@@ -134,7 +138,7 @@ def missing(m, t: str, moe=None) -> Optional[str]:
         return f"Gated DeltaNet layers, --experimental-attention-variant ({t} has attention only)"
     if getattr(m, "attention_output_gate", False):
         return f"the attention output gate, --attention-output-gate ({t} has none)"
-    if experts != (t in MOE_ORDER):
+    if experts != (t in MOE_ORDER) and t != "llama4_text":  # Llama 4: MoE layers or none
         return f"mixture-of-experts layers ({t} has {'none' if experts else 'them'})"
     variant = variants_missing(m, moe, t)
     if t == "gpt_oss":
@@ -143,6 +147,8 @@ def missing(m, t: str, moe=None) -> Optional[str]:
         return variant or deepseek_missing(m) or export_missing(moe, m, t)
     if t in SIGMOID_MOE:
         return variant or _dense_missing(m, t) or export_missing(moe, m, t)
+    if t == "llama4_text" and experts:
+        return variant or _dense_missing(m, t) or hf_llama4.export_missing(moe, m)
     if experts:
         return variant or _dense_missing(m, t) or moe_missing(moe, m, t)
     return variant or _dense_missing(m, t)
@@ -307,8 +313,8 @@ def _family_settings(m, t: str) -> Dict[str, Any]:
         rope = [True] * m.num_layers if m.no_rope_freq is None else \
             [not f for f in layer_flags(m.no_rope_freq, m.num_layers)]
         out["no_rope_layers"] = [int(r) for r in rope]
-    if t == "llama4_text":  # dense layers only (moe_layers []); chunks on the RoPE layers
-        out.update(intermediate_size_mlp=m.ffn_hidden_size, moe_layers=[], use_qk_norm=m.qk_l2_norm,
+    if t == "llama4_text":  # the dense layers' width; chunks on the RoPE layers (MoE fields: _moe_config)
+        out.update(intermediate_size_mlp=m.ffn_hidden_size, use_qk_norm=m.qk_l2_norm,
                    attention_chunk_size=m.attention_chunk_size,
                    layer_types=["chunked_attention" if r and m.attention_chunk_size else "full_attention"
                                 for r in out["no_rope_layers"]],
@@ -347,7 +353,8 @@ def hf_config_from(cfg):
     cls = getattr(transformers, f"{CLASSES[t]}Config")
     max_pos = m.max_position_embeddings if m.dynamic_rope_scaling_factor else \
         max(m.max_position_embeddings, m.seq_length)
-    ffn = moe.moe_ffn_hidden_size if t in ("mixtral", "olmoe", "gpt_oss") else m.ffn_hidden_size
+    experts = t in ("mixtral", "olmoe", "gpt_oss") or (t == "llama4_text" and bool(moe and moe.num_experts))
+    ffn = moe.moe_ffn_hidden_size if experts else m.ffn_hidden_size
     extra = _moe_config(moe, m, t) if t in MOE_ORDER else {}
     out = cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=ffn, **extra,
               num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
@@ -383,6 +390,8 @@ def _rope_of(m, t: str) -> Dict[str, Any]:
 
 def _moe_config(moe, m, t: str) -> Dict[str, Any]:
     """The MoE fields of architecture ``t`` (the inverse of :func:`models.hf_config.moe_settings`)."""
+    if t == "llama4_text":  # its moe_layers, [] for a dense model
+        return hf_llama4.export_fields(moe, m)
     if t in SIGMOID_MOE:
         return export_fields(moe, m)
     flags = moe_layer_pattern(moe.moe_layer_freq, m.num_layers)

@@ -62,6 +62,15 @@ def _newer_families(t, name):
                                   moe_layers=[], no_rope_layer_interval=2, attention_chunk_size=WINDOW,
                                   floor_scale=8, attn_scale=0.5, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if name == "llama4-moe":  # 4 layers, MoE every second (moe_layers [1, 3]): 4 experts, top-1 sigmoid
+        # on the expert's input, a shared expert; NoPE on the MoE layers, chunks on the others
+        return t.Llama4TextConfig(**dict(SHAPE, num_hidden_layers=4, intermediate_size=16),
+                                  intermediate_size_mlp=48, head_dim=16, num_local_experts=4,
+                                  num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                  no_rope_layer_interval=2,
+                                  attention_chunk_size=WINDOW, floor_scale=8, attn_scale=0.5,
+                                  tie_word_embeddings=False,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if name == "phi3":
         return t.Phi3Config(**SHAPE, sliding_window=WINDOW, tie_word_embeddings=False, resid_pdrop=0.0,
                             embd_pdrop=0.0)
@@ -122,7 +131,7 @@ FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dyn
 MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe", "deepseek-v3"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
-               "gemma3": "Gemma3", "llama4": "Llama4",
+               "gemma3": "Gemma3", "llama4": "Llama4", "llama4-moe": "Llama4",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
                "gpt-oss": "GptOss", "glm4-moe": "Glm4Moe",

@@ -44,7 +44,7 @@ CHECKPOINT_ARGS = ARCH_FIELDS + MOE_ARCH_FIELDS + (
                                  "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
                                  "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
                                  "moe_router_num_groups", "moe_router_group_topk",
-                                 "moe_router_group_score_topk",
+                                 "moe_router_group_score_topk", "moe_apply_probs_on_input",
                                  "moe_aux_loss_coeff",
                                  "seq_length", "norm_epsilon", "rotary_base", "add_qkv_bias",
                                  "use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor",

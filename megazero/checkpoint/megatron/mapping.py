@@ -45,7 +45,8 @@ PLAIN_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "use_rope_scaling", "rope_scaling_factor")
 MOE_ARGS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
             "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_load_balancing_type",
-            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size")
+            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size",
+            "moe_apply_probs_on_input")
 REFUSED_ARGS = {"multi_latent_attention": "multi-latent attention",
                 "rotary_interleaved": "interleaved rotary embeddings",
                 "apply_residual_connection_post_layernorm": "residuals taken after the norm",

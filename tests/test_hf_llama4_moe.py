@@ -1,0 +1,190 @@
+"""Llama 4 (text) with its MoE layers both ways (tests/hf_families.py ``llama4-moe``: 4 layers, MoE layers 1
+and 3 with 4 experts, top-1 sigmoid routing on the expert's input, a shared expert; dense layers between):
+
+- import: every tensor, logits within 1e-5 of transformers' (and the scaled fp32 bound), greedy decoding
+  equal; the same weights with the routing weight on the output are measurably another model;
+- tensor by tensor: transformers' state -> megazero -> transformers gives back every tensor exactly;
+- export: transformers loads the written directory as ``Llama4ForCausalLM`` with the same logits and a
+  config that imports as the same megazero model;
+- fine-tune (slow): converted (``models.hf_convert.to_megazero``), 3 SGD steps with ``--finetune
+  --use-checkpoint-args`` in one process and under EP 2 x TP 2 (sequence parallel, 4 ranks) agree
+  within R_TRAIN; the first loss is transformers' own loss of that batch (float64); the EP 2 x TP 2
+  checkpoint exports to a directory transformers loads with megazero's logits of the trained weights;
+- refusals by name: top-k > 1, jitter; exports that cannot hold the model."""
+import pytest
+import torch
+
+from megazero.config import ConfigError, config_from_dict, validate
+from megazero.data.mock import MockGPTData
+from megazero.process.local_ranks import run_ranks
+from models.generate import generate
+from models.hf import config_from_hf, from_hf, hf_state_from_megazero, megazero_state_from_hf, to_hf
+from hf_families import SEQ, VOCAB, family_config, hf_model
+from tolerance import C_FWD, R_TRAIN, fp32_bound
+
+transformers = pytest.importorskip("transformers")
+IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+NAME = "llama4-moe"
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_model(NAME)
+
+
+def test_config_imports_the_moe_layers(hf):
+    assert hf.config.moe_layers == [1, 3]
+    got = config_from_hf(hf.config)
+    assert {k: got[k] for k in ("num_experts", "moe_router_topk", "moe_layer_freq", "moe_ffn_hidden_size",
+                                "moe_shared_expert_intermediate_size", "moe_router_score_function",
+                                "moe_apply_probs_on_input", "ffn_hidden_size")} == dict(
+        num_experts=4, moe_router_topk=1, moe_layer_freq="[0,1,0,1]", moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=16, moe_router_score_function="sigmoid",
+        moe_apply_probs_on_input=True, ffn_hidden_size=48)
+
+
+def test_import_matches_transformers_logits(hf):
+    model = from_hf(hf).eval()
+    ref = _logits(hf)
+    torch.testing.assert_close(_logits(model), ref, **fp32_bound(ref, C_FWD))
+    torch.testing.assert_close(_logits(model), ref, rtol=0, atol=1e-5)
+    on_output = from_hf(hf, cfg_overrides=dict(moe_apply_probs_on_input=False)).eval()
+    assert (_logits(on_output) - ref).abs().max() > 100 * fp32_bound(ref, C_FWD)["atol"]
+
+
+def test_tensor_by_tensor_round_trip(hf):
+    model = from_hf(hf)
+    state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
+    mine = megazero_state_from_hf(state, model.cfg, "llama4_text")
+    assert mine["decoder.1.mlp.experts.2.gate_weight"].shape == (16, 32)  # [F, hidden], one expert
+    torch.testing.assert_close(mine["decoder.1.mlp.experts.2.gate_weight"],
+                               state["model.layers.1.feed_forward.experts.gate_up_proj"][2, :, :16].t(),
+                               rtol=0, atol=0)
+    back = hf_state_from_megazero(mine, model.cfg)
+    assert sorted(back) == sorted(state)
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+
+
+def test_greedy_generation_equals_transformers(hf):
+    model = from_hf(hf).eval()
+    prompt = IDS[:, :8]
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(model, prompt, max_new_tokens=24), want)
+
+
+def test_export_loads_back_in_transformers(hf, tmp_path):
+    model = from_hf(hf).eval()
+    to_hf(model, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert type(back).__name__ == "Llama4ForCausalLM" and back.config.moe_layers == [1, 3]
+    torch.testing.assert_close(_logits(back), _logits(hf), rtol=0, atol=1e-5)
+    assert config_from_hf(back.config) == config_from_hf(hf.config)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(num_experts_per_tok=2), "num_experts_per_tok=2; the routing weight on the expert's input "
+                                  r"\(--moe-apply-probs-on-input\) is top-1 only"),
+    (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1; jitter on the router's input"),
+    (dict(moe_layers=[1, 4]), r"moe_layers=\[1, 4\]; layer indices between 0 and"),
+])
+def test_what_megazero_cannot_represent_is_refused_by_name(over, needle):
+    cfg = family_config(NAME)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ConfigError, match=f"unsupported Hugging Face config: {needle}"):
+        config_from_hf(cfg)
+
+
+@pytest.mark.parametrize("over,hf_type,needle", [
+    (dict(moe_apply_probs_on_input=False), "llama4_text",
+     "llama4_text's experts need --moe-apply-probs-on-input"),
+    ({}, "mixtral", r"--moe-apply-probs-on-input \(mixtral weighs the experts' outputs"),
+    (dict(moe_shared_expert_intermediate_size=32), "llama4_text",
+     "llama4_text.s experts need an ungated shared expert of --moe-ffn-hidden-size 16"),
+])
+def test_export_that_cannot_hold_the_model_is_refused(hf, over, hf_type, needle):
+    from models.hf_export import arch_of
+    cfg = validate(config_from_dict(dict(config_from_hf(hf.config), **over, hf_model_type=hf_type)), 1,
+                   check_data=False)
+    with pytest.raises(ConfigError, match=f"--hf-model-type {hf_type} cannot hold this model: {needle}"):
+        arch_of(cfg.model, cfg.moe)
+
+
+# ---- fine-tune under EP 2 x TP 2 ---------------------------------------------------------------
+FT_SEQ, GBS, SEED = 32, 4, 1234
+
+
+def _settings(ckpt, save=None, tp=1, ep=1):
+    settings = dict(load=ckpt, finetune=True, use_checkpoint_args=True, mock_data=True, seq_length=FT_SEQ,
+                    micro_batch_size=1, global_batch_size=GBS, train_iters=3, optimizer="sgd", lr=0.05,
+                    sgd_momentum=0.0, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
+                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp,
+                    expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                    moe_token_dispatcher_type="alltoall")
+    if save:
+        settings.update(save=save, save_interval=3)
+    return settings
+
+
+def _train(settings):
+    import models
+    from megazero.training import train
+    return train(config_from_dict(settings), models.build_chunks)
+
+
+@pytest.fixture(scope="module")
+def finetuned(hf, tmp_path_factory):
+    from models.hf_convert import to_megazero
+    d = tmp_path_factory.mktemp("llama4_moe_finetune")
+    hf.save_pretrained(str(d / "hf"))
+    to_megazero(str(d / "hf"), str(d / "ckpt"))
+    one = _train(_settings(str(d / "ckpt")))
+    four = run_ranks(_train, 4, _settings(str(d / "ckpt"), str(d / "run"), tp=2, ep=2), timeout=600)
+    return d, one, four
+
+
+@pytest.mark.slow
+def test_ep2_tp2_finetune_equals_one_process(finetuned):
+    _, one, four = finetuned
+    for rank in four:
+        for key in ("loss", "grad_norm"):
+            assert [m[key] for m in rank] == pytest.approx([m[key] for m in one], rel=R_TRAIN), key
+    assert one[2]["loss"] != one[0]["loss"]  # it trained
+
+
+@pytest.mark.slow
+def test_first_finetune_loss_is_the_transformers_loss(finetuned, hf):
+    _, one, _ = finetuned
+    tokens = MockGPTData(VOCAB, FT_SEQ, seed=SEED).get_tokens(list(range(GBS)), "train")  # the first batch
+    model = hf.double()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    hf.float()
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
+    assert one[0]["loss"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_finetuned_checkpoint_exports_to_transformers(finetuned, hf):
+    from models.checkpoint import load_model
+    from models.hf_convert import to_hf as checkpoint_to_hf
+    d, _, _ = finetuned
+    checkpoint_to_hf(str(d / "run"), str(d / "exported"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(d / "exported"), dtype=torch.float64).eval()
+    assert type(back).__name__ == "Llama4ForCausalLM"
+    model, info = load_model(str(d / "run"))
+    assert info["iteration"] == 3 and model.cfg.moe.moe_apply_probs_on_input
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).double(), back(ids).logits, rtol=0, atol=1e-5)
+        moved = (back(ids).logits - hf.double()(ids).logits).abs().max().item()
+    hf.float()
+    assert moved > 1e-4  # the exported weights are the fine-tuned ones
