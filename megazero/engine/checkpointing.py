@@ -164,16 +164,22 @@ def _barrier(engine) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, tag=None, client_state: Optional[dict] = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-    """See the module docstring (collective: every rank calls it)."""
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                    format: Optional[str] = None) -> bool:  # noqa: A002 - engine.save_checkpoint's keyword
+    """See the module docstring (collective: every rank calls it); ``format="deepspeed"`` (or the
+    ds_config's ``checkpoint.format``) writes DeepSpeed's layout instead (:mod:`megazero.engine.ds_save`)."""
     from megazero.checkpoint import save
+    from megazero.engine.ds_save import checkpoint_format, save_deepspeed
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     path = tag_dir(save_dir, tag)
     if exclude_frozen_parameters and any(not p.requires_grad for p in engine.module.parameters()):
         raise ConfigError("save_checkpoint(exclude_frozen_parameters=True) is not supported: megazero's "
                           "checkpoints hold every parameter")
-    save(path, engine.global_steps, [engine.module], engine.zero, engine.mesh, engine.cfg,
-         extra={"engine": _engine_state(engine, client_state or {})})
+    if checkpoint_format(engine, format) == "deepspeed":
+        save_deepspeed(engine, path, client_state or {})
+    else:
+        save(path, engine.global_steps, [engine.module], engine.zero, engine.mesh, engine.cfg,
+             extra={"engine": _engine_state(engine, client_state or {})})
     if save_latest and engine.global_rank == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
         with open(tmp, "w") as fh:

@@ -71,6 +71,9 @@ CHECKPOINT = {
     "parallel_write": (INERT, {"pipeline_stage": False}, "the engine has no pipeline stages"),
     "checkpoint_serialization": (INERT, True, "megazero writes its own checkpoint format"),
     "writer": (INERT, None, "megazero writes its own checkpoint format"),
+    # megazero's own key (DeepSpeed ignores it): the layout save_checkpoint writes (megazero.engine.ds_save)
+    "format": (FIXED, ("megazero", "deepspeed"), "the layout engine.save_checkpoint writes: megazero's own "
+                                                 "or DeepSpeed's, docs/migration.md"),
 }
 
 DATA_TYPES = {

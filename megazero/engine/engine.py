@@ -269,10 +269,13 @@ class Engine(torch.nn.Module):
 
     # ---- checkpoints (megazero.engine.checkpointing) --------------------------------------
     def save_checkpoint(self, save_dir: str, tag=None, client_state: Optional[dict] = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        format: Optional[str] = None) -> bool:  # noqa: A002 - the issue's keyword
+        """``format``: "megazero" (default) or "deepspeed" (DeepSpeed's layout, docs/migration.md); None
+        takes the ds_config's ``checkpoint.format``."""
         from megazero.engine.checkpointing import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest,
-                               exclude_frozen_parameters)
+                               exclude_frozen_parameters, format)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

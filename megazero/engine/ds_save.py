@@ -1,0 +1,283 @@
+"""The engine's checkpoint in DeepSpeed's own layout, for DeepSpeed to continue the run
+(``engine.save_checkpoint(dir, format="deepspeed")``, or ``"checkpoint": {"format": "deepspeed"}`` in the
+ds_config; docs/migration.md, "megazero -> DeepSpeed").
+
+What DeepSpeed 0.19's ``engine.load_checkpoint`` and its ``zero_to_fp32`` read, for ZeRO 1-2 (DIR/<tag>/)::
+
+    mp_rank_00_model_states.pt        rank 0: the module's state_dict, buffer_names, param_shapes (one
+                                      ordered name -> torch.Size per parameter group), shared_params (tied
+                                      names), frozen_param_shapes/fragments, lr_scheduler, the step and
+                                      sample counters, dp_world_size, ds_config, ds_version, client_state
+    [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r: {"optimizer_state_dict": ...}
+
+ZeRO 1-2: each group's trainable parameters flattened in order, zero-padded to a multiple of 2 x DP and
+cut into DP equal partitions; rank r's file holds its fp32 partition (``single_partition_of_fp32_groups``,
+without the padding), torch's Adam ``state_dict`` over the partitions (``base_optimizer_state``:
+``step``, ``exp_avg``, ``exp_avg_sq``, the groups' settings), ``group_paddings``,
+``param_alignment_paddings``, ``partition_count``, ``zero_stage``, ``clip_grad``, ``ds_version``.  ZeRO-3:
+one model-states file per rank (``zero_pp_rank_<r>_mp_rank_00_model_states.pt``, the parameters as
+empty tensors, as DeepSpeed saves them) and per rank every parameter's own partition (ceil(numel / DP)
+values, the last padded) concatenated per sub-group (``fp32_flat_groups``; DeepSpeed's
+``sub_group_size`` rule), with Adam's state in the same layout.
+
+Plain types only (tensors, torch.Size, dict, list, numbers, strings), with one exception: DeepSpeed's
+ZeRO-3 loader requires its loss scaler object in the optimizer file, so the ZeRO-3 files name
+``deepspeed.runtime.fp16.loss_scaler.LossScaler`` ({cur_scale: 1.0, dynamic: false}: no scaling, as
+fp32 and bf16 run), written by :mod:`megazero.engine.ds_pickle`.  ZeRO 1-2 files leave the loss scaler
+out (DeepSpeed keeps the one its config builds).  Not written: fp16 (DeepSpeed's dynamic loss scaler is
+another of its objects), bf16 at ZeRO-1 and runs without ZeRO (DeepSpeed's BF16_Optimizer and
+per-parameter formats), SGD, ``param_slice_mappings`` (a DeepSpeed named tuple, read by its universal
+conversion only).  Every rank builds the whole fp32 state once (an all-gather per bucket).
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megazero.errors import ConfigError
+
+FORMATS = ("megazero", "deepspeed")
+DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout these files follow
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+
+
+def checkpoint_format(engine, given) -> str:
+    """The format to save in: ``given``, else the ds_config's ``checkpoint.format``, else megazero's."""
+    if given is None:
+        section = engine.config.raw.get("checkpoint") or {}
+        given = section.get("format", "megazero") if isinstance(section, dict) else "megazero"
+    value = str(given).lower() if isinstance(given, str) else given
+    if value not in FORMATS:
+        raise ConfigError(f"save_checkpoint format={given!r} is not one of {', '.join(FORMATS)}: 'megazero' "
+                          "(the default) or 'deepspeed' (DeepSpeed's own layout, docs/migration.md)")
+    return value
+
+
+def _check_supported(engine, client_state: dict) -> int:
+    from megazero.engine.checkpointing import _not_plain
+    from megazero.engine.ds_checkpoint import DS_KEYS
+    stage = engine.zero_optimization_stage()
+    what = None
+    if engine.fp16_enabled():
+        what = "fp16 (DeepSpeed keeps its dynamic loss scaler as a pickled object of its own)"
+    elif stage == 0:
+        what = "a run without ZeRO (DeepSpeed stores that optimizer per parameter)"
+    elif stage == 1 and engine.bfloat16_enabled():
+        what = "bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer has a format of its own)"
+    elif engine.cfg.optimizer.optimizer != "adam":
+        what = f"optimizer {engine.cfg.optimizer.optimizer} (only Adam/AdamW state is written)"
+    if what:
+        raise ConfigError(f"save_checkpoint(format='deepspeed') does not write {what}; save in megazero's "
+                          "format (format='megazero') and convert with zero_to_fp32")
+    for key, value in client_state.items():
+        if key in DS_KEYS:
+            raise ConfigError(f"save_checkpoint(format='deepspeed'): client_state key {key!r} is one of "
+                              "DeepSpeed's own keys in the checkpoint; rename it")
+        bad = _not_plain(value)
+        if bad is not None:
+            raise ConfigError(f"save_checkpoint: client_state[{key!r}] holds a {bad}; a checkpoint holds "
+                              "tensors and plain Python values only")
+    return stage
+
+
+def whole_values(engine) -> Dict[str, Dict[str, torch.Tensor]]:
+    """key (master, exp_avg, exp_avg_sq) -> parameter name -> its whole flat fp32 value, on every rank
+    (collective: each bucket's shards all-gathered over its group)."""
+    from megazero.process.distributed import gather_shards
+    opt, mesh = engine.zero, engine.mesh
+    opt.finish_param_sync()
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out: Dict[str, Dict[str, torch.Tensor]] = {k: {} for k in KEYS}
+    for b in opt.buckets:
+        lo, hi = opt.storage.updated_range(b)
+        pieces = [{k: t.detach().reshape(-1).to(torch.float32, copy=True) for k, t in
+                   opt.update.piece_tensors(b, j, KEYS).items()} for j in range(len(opt.update.pieces(b)))]
+        for k in KEYS:
+            local = torch.cat([p[k] for p in pieces])
+            if hi - lo != b.numel:
+                full = torch.empty(b.numel, dtype=torch.float32, device=local.device)
+                gather_shards(full, local, group=mesh.group(*b.group))
+                local = full
+            local = local.cpu()
+            for p, s, shape in zip(b.params, b.starts, b.shapes):
+                out[k][names[id(p)]] = local[s:s + shape.numel()].clone()
+    return out
+
+
+def _groups(engine) -> List[Dict]:
+    """DeepSpeed's view of the parameter groups: each group's trainable parameter names in order and
+    the settings torch's AdamW keeps in its ``param_groups``."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    o = engine.cfg.optimizer
+    out = []
+    for g in engine.optimizer.param_groups:
+        settings = {"lr": float(g["lr"]), "betas": (float(o.adam_beta1), float(o.adam_beta2)),
+                    "eps": float(o.adam_eps), "weight_decay": float(g.get("weight_decay", o.weight_decay)),
+                    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                    "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+                    "bias_correction": True}
+        out.append({"names": [names[id(p)] for p in g["params"] if p.requires_grad], "settings": settings})
+    return out
+
+
+def _shapes(engine) -> Dict[str, torch.Size]:
+    mine = engine.zero.param_shapes()
+    return {n: torch.Size(mine.get(p, p.shape)) for n, p in engine.module.named_parameters()}
+
+
+def _step_tensor(engine) -> torch.Tensor:
+    return torch.tensor(float(engine.zero.step_count), dtype=torch.float32)
+
+
+def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
+    """Each rank's ``optimizer_state_dict`` at ZeRO 1-2 (see the module docstring)."""
+    files = [{"fp32": [], "state": {}, "pads": [], "groups": []} for _ in range(world)]
+    for g, group in enumerate(groups):
+        flat = {k: torch.cat([values[k][n] for n in group["names"]]) if group["names"] else torch.zeros(0)
+                for k in KEYS}
+        n = flat["master"].numel()
+        part = -(-n // (2 * world)) * 2
+        for r, f in enumerate(files):
+            padded = {k: torch.zeros(part) for k in KEYS}
+            a, e = min(r * part, n), min((r + 1) * part, n)
+            for k in KEYS:
+                padded[k][:e - a] = flat[k][a:e]
+            pad = part - (e - a)
+            f["fp32"].append(padded["master"][:part - pad].clone())
+            f["state"][g] = {"step": _step_tensor(engine), "exp_avg": padded["exp_avg"],
+                             "exp_avg_sq": padded["exp_avg_sq"]}
+            f["pads"].append(pad)
+            f["groups"].append(dict(group["settings"], params=[g]))
+    clip = float(engine.cfg.optimizer.clip_grad or 0.0)
+    return [{"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip,
+             "base_optimizer_state": {"state": f["state"], "param_groups": f["groups"]},
+             "single_partition_of_fp32_groups": f["fp32"], "zero_stage": stage, "group_paddings": f["pads"],
+             "param_alignment_paddings": [[0] * len(gr["names"]) for gr in groups],
+             "partition_count": [world] * len(groups), "ds_version": DS_VERSION} for f in files]
+
+
+def _sub_groups(names: List[str], shapes, world: int, size: int) -> List[List[str]]:
+    """DeepSpeed's ZeRO-3 sub-groups of one parameter group: cut once the partitions reach ``size``."""
+    total = sum(-(-math.prod(shapes[n]) // world) for n in names)
+    if size >= total:
+        return [names]
+    out, current, count = [], [], 0
+    for n in names:
+        current.append(n)
+        count += -(-math.prod(shapes[n]) // world)
+        if count >= size or n == names[-1]:
+            out.append(current)
+            current, count = [], 0
+    return out
+
+
+def _partition(value: torch.Tensor, world: int, r: int) -> torch.Tensor:
+    part = -(-value.numel() // world)
+    out = torch.zeros(part, dtype=value.dtype)
+    piece = value[r * part:(r + 1) * part]
+    out[:piece.numel()] = piece
+    return out
+
+
+def _zero3_files(engine, values, groups, world: int) -> List[dict]:
+    """Each rank's ``optimizer_state_dict`` at ZeRO-3 (see the module docstring)."""
+    from megazero.engine.ds_pickle import Foreign
+    shapes = _shapes(engine)
+    zero = engine.config.raw.get("zero_optimization") or {}
+    size = int(zero.get("sub_group_size", SUB_GROUP_SIZE) or SUB_GROUP_SIZE)
+    out = []
+    for r in range(world):
+        flats, state, param_groups, i = [], {}, [], 0
+        for group in groups:
+            ids = []
+            for sub in _sub_groups(group["names"], shapes, world, size):
+                parts = {k: torch.cat([_partition(values[k][n], world, r) for n in sub]) for k in KEYS}
+                flats.append(parts["master"])
+                state[i] = {"step": _step_tensor(engine), "exp_avg": parts["exp_avg"],
+                            "exp_avg_sq": parts["exp_avg_sq"]}
+                ids.append(i)
+                i += 1
+            param_groups.append(dict(group["settings"], params=ids))
+        scaler = Foreign("deepspeed.runtime.fp16.loss_scaler", "LossScaler",
+                         state={"cur_scale": 1.0, "dynamic": False})
+        out.append({"zero_stage": 3, "loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
+                    "partition_count": world, "optimizer_state_dict": {"state": state,
+                                                                       "param_groups": param_groups},
+                    "fp32_flat_groups": flats})
+    return out
+
+
+def _model_states(engine, groups, client_state: dict, stage: int, rank: int, world: int) -> dict:
+    """The model-states file (ZeRO-3: rank ``rank``'s)."""
+    from megazero.engine.checkpointing import persistent_buffers, tied_names
+    shapes = _shapes(engine)
+    params = dict(engine.module.named_parameters())
+    frozen = [n for n, p in params.items() if not p.requires_grad]
+    buffers = list(persistent_buffers(engine.module))
+    dtype = engine.dtype
+    if stage == 3:
+        names = set(params) | set(tied_names(engine.module))
+        module = OrderedDict((k, torch.empty(0, dtype=dtype) if k in names else v.detach().cpu().clone())
+                             for k, v in engine.module.state_dict().items())
+        fragments = OrderedDict((n, _partition(params[n].detach().reshape(-1).cpu(), world, rank))
+                                for n in frozen)
+    else:
+        module = OrderedDict((k, v.detach().cpu().clone()) for k, v in engine.module.state_dict().items())
+        fragments = OrderedDict((n, params[n].detach().cpu().clone()) for n in frozen)
+    sched = engine.lr_scheduler
+    state = {"module": module, "buffer_names": buffers, "optimizer": None,
+             "param_shapes": [OrderedDict((n, shapes[n]) for n in g["names"]) for g in groups],
+             "frozen_param_shapes": OrderedDict((n, shapes[n]) for n in frozen) if stage >= 2 else None,
+             "shared_params": dict(tied_names(engine.module)),
+             "frozen_param_fragments": fragments if stage >= 2 else None,
+             "lr_scheduler": sched.state_dict() if sched is not None else None,
+             "data_sampler": None, "random_ltd": None, "skipped_steps": engine.skipped_steps,
+             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+             "dp_world_size": world, "mp_world_size": 1,
+             "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+             "ds_config": engine.config.raw, "ds_version": DS_VERSION}
+    state.update(client_state)
+    return state
+
+
+def _write(obj, path: str) -> None:
+    from megazero.engine.ds_pickle import save_with_foreign
+    tmp = path + ".tmp"
+    save_with_foreign(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_deepspeed(engine, path: str, client_state: dict) -> None:
+    """Write DeepSpeed's files of this engine into the tag directory ``path`` (collective): every rank
+    its optimizer file (and at ZeRO-3 its model-states file), rank 0 the model states at ZeRO 1-2."""
+    from megazero.checkpoint.comm import agree
+    error = None
+    try:
+        stage = _check_supported(engine, client_state)
+    except ConfigError as err:
+        error = err
+    agree(error, engine.mesh, "")
+    values = whole_values(engine)
+    rank, world = engine.global_rank, engine.dp_world_size  # the engine's data parallelism is the world
+    groups = _groups(engine)
+    optim = (_zero3_files(engine, values, groups, world) if stage == 3
+             else _zero12_files(engine, values, groups, stage, world))[rank]
+    prefix = "bf16_" if engine.bfloat16_enabled() else ""
+    os.makedirs(path, exist_ok=True)
+    _write({"optimizer_state_dict": optim, "ds_config": engine.config.raw, "ds_version": DS_VERSION},
+           os.path.join(path, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    if stage == 3:
+        _write(_model_states(engine, groups, client_state, stage, rank, world),
+               os.path.join(path, f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"))
+    else:
+        states = _model_states(engine, groups, client_state, stage, rank, world)
+        if rank == 0:
+            _write(states, os.path.join(path, "mp_rank_00_model_states.pt"))
+    if engine.mesh.is_distributed:
+        dist.barrier(group=engine.mesh.world_group)
