@@ -25,8 +25,16 @@ FAMILIES = {
                 moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
                 moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                 moe_token_dispatcher_type="alltoall"),
+    # Llama 4's MoE layers: top-1 sigmoid routing weighing the expert's input, an ungated shared expert;
+    # layers without RoPE and the L2 q/k norm on the others
+    "llama4-moe": dict(LLAMA, num_experts=4, moe_router_topk=1, moe_layer_freq="([0]*1+[1]*1)*3",
+                       moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=24,
+                       moe_router_score_function="sigmoid", moe_apply_probs_on_input=True,
+                       moe_router_load_balancing_type="none", moe_token_dispatcher_type="alltoall",
+                       no_rope_freq=2, qk_l2_norm=True, qk_l2_norm_scope="rope"),
 }
-DENSE = [f for f in FAMILIES if f != "moe"]
+MOE = [f for f in FAMILIES if FAMILIES[f].get("num_experts")]
+DENSE = [f for f in FAMILIES if f not in MOE]
 # families outside the golden values (tests/golden.json pins FAMILIES), checked by their own tests
 EXTRA_FAMILIES = {
     # multi-latent attention (DeepSeek-V3): both latents, value heads narrower than query heads, YaRN

@@ -19,7 +19,7 @@ import torch
 from megazero.checkpoint import read_weights, save
 from megazero.config import validate
 from megazero.process.local_ranks import run_ranks
-from oracle_models import DENSE, FAMILIES, family_cfg
+from oracle_models import DENSE, FAMILIES, MOE, family_cfg
 
 LAYOUTS = {  # name -> (world size, layout settings, families, deferred)
     "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), list(FAMILIES), True),
@@ -36,12 +36,12 @@ LAYOUTS = {  # name -> (world size, layout settings, families, deferred)
     "dp2-zero3": (2, dict(zero_stage=3), list(FAMILIES), True),
     "tp2-pp2-eager": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
                               pipeline_model_parallel_size=2), DENSE, False),
-    "ep2-zero3": (2, dict(expert_model_parallel_size=2, zero_stage=3), ["moe"], True),
+    "ep2-zero3": (2, dict(expert_model_parallel_size=2, zero_stage=3), MOE, True),
     "tp2-etp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                         expert_tensor_parallel_size=2), ["moe"], True),
+                         expert_tensor_parallel_size=2), MOE, True),
     "ep2-tp2-pp2-eager": (8, dict(expert_model_parallel_size=2, tensor_model_parallel_size=2,
                                   sequence_parallel=True, pipeline_model_parallel_size=2,
-                                  expert_tensor_parallel_size=1), ["moe"], False),
+                                  expert_tensor_parallel_size=1), MOE, False),
 }
 
 
