@@ -125,3 +125,91 @@ def test_mixer_saved_bytes_equal_the_formula(kind):
                     assert ssm_saved.mixer_bytes(dims_of(s, b)) == got, (kind, heads, groups, dtype, chunk, s)
                     by_chunk[chunk, s] = got
             assert by_chunk[5, 15] != by_chunk[3, 15]
+
+
+# ---- generation state --------------------------------------------------------------------------------
+def _decode_cache(settings, world, steps=3):
+    """Bytes the decode's cache holds (each storage once) after a 7-token prompt and each single-token
+    step, by position count, on this TP rank."""
+    import models
+    from models.layers import KVCache
+    cfg = validate(config_from_dict(settings), world)
+    mesh = ParallelMesh.build(world, 1) if world > 1 else None
+    model = models.build_model(cfg, mesh).eval()
+    if settings.get("bf16"):
+        model = model.to(torch.bfloat16)
+    cache, held = KVCache(), {}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.decode(torch.randint(0, 300, (2, 7)), cache)
+        for _ in range(steps):
+            model.decode(torch.randint(0, 300, (2, 1)), cache)
+            tensors = [*cache.keys.values(), *cache.values.values()]
+            tensors += [t for st in getattr(cache, "recurrent", {}).values() for t in st.values()]
+            held[cache.length] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                      for t in tensors}.values())
+    return held
+
+
+GENERATION = {
+    "mamba-fp32": (dict(HYBRID), 1),
+    "deltanet-bf16": (dict(HYBRID, hybrid_layer_pattern="MG*-", bf16=True, **DELTANET), 1),
+    "linear-freq-tp2": (dict(LINEAR, tensor_model_parallel_size=2), 2),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if GENERATION[n][1] > 1 else n
+                                  for n in GENERATION])
+def test_generation_state_equals_the_decode_cache(name):
+    """megazero/planning/generation.py: the KV caches of the attention layers, the conv and recurrent
+    states of the M and G layers, byte for byte what a decode holds between single-token steps; the
+    recurrent part stays the same while the KV cache grows by one position a step."""
+    from megazero.planning.generation import generation_state
+    settings, world = GENERATION[name]
+    cfg = validate(config_from_dict(settings), world)
+    held = _decode_cache(settings, 1) if world == 1 else run_ranks(_decode_cache, world, settings, world)[0]
+    for positions, got in held.items():
+        assert generation_state(cfg, 0, batch=2, positions=positions)["total"] == got, (name, positions)
+    states = [generation_state(cfg, 0, 2, n) for n in held]
+    assert len({s["conv_state"] + s["recurrent_state"] for s in states}) == 1
+    assert all(s["conv_state"] > 0 and s["recurrent_state"] > 0 for s in states)
+    kv = [s["kv_cache"] for s in states]
+    assert kv[1] - kv[0] == kv[2] - kv[1] > 0
+
+
+# ---- what the planner sees ----------------------------------------------------------------------------
+MID = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
+           normalization="RMSNorm", position_embedding_type="none", add_bias_linear=False,
+           hidden_dropout=0.0, attention_dropout=0.0, mamba_num_heads=32, mamba_head_dim=64,
+           mamba_state_dim=128, mamba_num_groups=8, mamba_chunk_size=128,
+           micro_batch_size=1, global_batch_size=1, bf16=True, mock_data=True)
+
+
+def _planner_figures(pattern, seq, attention="flash", **over):
+    from megazero.planning.estimate import estimate_rank
+    from megazero.planning.planner import peak_memory
+    cfg = validate(config_from_dict(dict(MID, hybrid_layer_pattern=pattern, seq_length=seq, **over)), 1)
+    row = estimate_rank(cfg, 0, saved=SAVED, attention=attention)
+    assert peak_memory(cfg, saved=SAVED, attention=attention) == row["total_bytes"]
+    return row["activation_bytes"], row["generation_state_bytes"]
+
+
+def test_planner_sees_recurrent_layers_grow_linearly_and_attention_quadratically():
+    """The planner's memory (peak_memory, the estimate it ranks layouts by) of ``M-M-`` against ``*-*-``
+    (the same MLP layers, the same width) with the unfused attention kernel, which keeps the ``s x s``
+    scores: from 1k to 4k to 16k positions (multiples of the 128-position chunk) the Mamba-2 stack's
+    activations grow 4x a step up to its chunk-boundary states' ``(c + 1)^2`` term and constants, the
+    attention stack's by more than 6x (the scores' ``s^2``), so the attention stack, lighter at 1k,
+    is heavier at 16k.  Decoding, the Mamba-2 stack holds the same bytes at every length while the
+    KV cache grows 4x a step; and a longer chunk keeps more (its ``L^2`` intra-chunk matrices)."""
+    seqs = (1024, 4096, 16384)
+    mamba = [_planner_figures("M-M-", s) for s in seqs]
+    attention = [_planner_figures("*-*-", s, "unfused") for s in seqs]
+    for (a, _), (b, _) in zip(mamba, mamba[1:]):
+        assert 3.95 < b / a < 4.02, (a, b)  # below 4: the conv's k - 1 padding and per-head constants
+    for (a, _), (b, _) in zip(attention, attention[1:]):
+        assert b / a > 6, (a, b)
+    assert mamba[0][0] > attention[0][0] and mamba[-1][0] < attention[-1][0]
+    assert len({g for _, g in mamba}) == 1
+    assert [g for _, g in attention] == [attention[0][1] * 4 ** i for i in range(3)]
+    assert _planner_figures("M-M-", 4096, mamba_chunk_size=256)[0] > mamba[1][0]

@@ -26,6 +26,10 @@ component                   what it counts (where it comes from)
                             backward elsewhere (an approximation, not measured on CPU)
 ==========================  ===================================================================
 
+Beside them (not in ``total_bytes``): ``generation_state_bytes``, what decoding micro-batch-size
+sequences of ``--seq-length`` tokens holds between steps on this stage (attention layers' KV caches,
+recurrent layers' conv and recurrent states; :mod:`megazero.planning.generation`).
+
 Model state (``param/grad/optim``) is exact: :mod:`megazero.planning.model_state` replays the
 optimizer's bucket layout.  Activations are exact for what autograd saves (checked by
 ``tests/test_memory.py`` against :mod:`megazero.training.measure`).  ``comm_bytes`` is an upper bound of
@@ -47,6 +51,7 @@ from typing import Dict, List, Optional
 
 from megazero.config.patterns import GATED
 from megazero.planning.activations import dims, in_flight, schedule_peak, stage_activation_peak
+from megazero.planning.generation import generation_state
 from megazero.planning.model_state import bytes_per_element, model_state, rank_chunks
 from megazero.pipeline.partition import chunk_layers
 
@@ -204,6 +209,9 @@ def estimate_rank(cfg, pp_rank: int, zero_stage: Optional[int] = None, device: s
     out["pipeline_buffer_bytes"] = _pipeline_buffers(cfg, pp_rank)
     out["temporary_bytes"] = _temporary(cfg, pp_rank, device)
     out["in_flight_micro_batches"] = in_flight(cfg, pp_rank)
+    # decoding micro-batch-size sequences of --seq-length: KV caches, conv and recurrent states (not in
+    # the total)
+    out["generation_state_bytes"] = generation_state(cfg, pp_rank)["total"]
     out.update(_tiers(cfg, ms, device))
     out["total_bytes"] = sum(int(out[k]) for k in COMPONENTS) - out["offloaded_bytes"]
     return out
