@@ -1,8 +1,8 @@
 """``pretrain_gpt.py --save DIR --ckpt-format torch_dist`` writes Megatron-LM's layout (issue 45, item 3).
 
 A TP 2 x PP 2 run (4 forked gloo ranks, dropout 0) saves at iterations 2 (--save-interval) and 4 (the
-end): ``DIR/iter_*`` in torch_dist with Megatron's args, iteration and consumed samples, and the
-tracker.  megatron-core's own loader (tests/megatron_core_harness.py, TP 2) reads the last one into its
+end): ``DIR/iter_*`` in torch_dist (each rank writing its share of the chunks) with Megatron's args,
+iteration and consumed samples, and the tracker.  megatron-core's own loader (tests/megatron_core_harness.py, TP 2) reads the last one into its
 GPTModel, whose forward equals megazero's on the saved weights within the fp32 bound.  megazero resumes
 from iteration 2 (``--load DIR --ckpt-format torch_dist --use-checkpoint-args``) with the losses of the
 run that went on; without megazero's own files beside them, the Megatron-LM files give the same logits.
@@ -61,7 +61,8 @@ def test_torch_dist_save_layout(saved):
     assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "4"
     for it in (2, 4):
         path = os.path.join(root, f"iter_{it:07d}")
-        assert {".metadata", "__0_0.distcp", "common.pt", "metadata.json"} <= set(os.listdir(path))
+        files = {".metadata", "common.pt", "metadata.json"} | {f"__{r}_0.distcp" for r in range(4)}
+        assert files <= set(os.listdir(path))  # every rank wrote its share
         common = load_pt(os.path.join(path, "common.pt"))
         args = common["args"]
         assert common["iteration"] == it and args.consumed_train_samples == 8 * it

@@ -2,10 +2,11 @@
 ``dist_checkpointing.load`` reads at any tensor-parallel size (one process, no model needed).
 
 Written: ``OUT/latest_checkpointed_iteration.txt``, ``OUT/iter_XXXXXXX/`` with
-``torch.distributed.checkpoint`` files (``.metadata``, ``__0_0.distcp``) holding every tensor whole
-under megatron-core's sharded names (a layer's tensors stacked over layers; norms under the names
-both layer specs save, ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; the
-``_extra_state`` of each linear layer as ``None``, what the local layer spec keeps), ``common.pt``
+``torch.distributed.checkpoint`` files (``.metadata``, ``__<rank>_0.distcp``) holding every tensor under
+megatron-core's sharded names (a layer's tensors stacked over layers, stored a layer a chunk; norms
+under the names both layer specs save, ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight``; the ``_extra_state`` of each linear layer as ``None``, what the local
+layer spec keeps: :mod:`~.dcp_plan`), ``common.pt``
 (``args``: Megatron-LM's argument names for the architecture, ``iteration``, ``checkpoint_version``,
 ``opt_param_scheduler`` with the samples the schedule counted) and ``metadata.json``.  The weights
 only (float32): Megatron-LM resumes it with ``--no-load-optim --no-load-rng`` (or ``--finetune``); the
@@ -18,16 +19,11 @@ import argparse
 import json
 import os
 import shutil
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from megazero.checkpoint.errors import CheckpointError
-from megazero.checkpoint.megatron.mapping import GATED, GLOBAL, LAYER
-
-EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-SAVED_NAME = {"input_norm": "self_attention.linear_qkv.layer_norm_{}",  # megatron-core's sharded names
-              "post_attention_norm": "mlp.linear_fc1.layer_norm_{}"}
 
 
 def megatron_args(model: dict, iteration: int, consumed: int) -> argparse.Namespace:
@@ -71,70 +67,22 @@ def _refuse_unmapped(model: dict, moe: dict) -> None:
         raise CheckpointError(f"--direction to-megatron: {why}")
 
 
-def megatron_tensors(weights: Dict[str, torch.Tensor], model: dict) -> Dict[str, torch.Tensor]:
-    """megatron-core's torch_dist tensors (stacked over layers) from megazero's full weights."""
-    layers, padded = model["num_layers"], model["padded_vocab_size"]
-    out: Dict[str, torch.Tensor] = {}
-    for name, src in GLOBAL.items():
-        if name in weights:
-            t = weights[name]
-            if name in ("word_embeddings.weight", "output_layer.weight") and t.shape[0] < padded:
-                t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
-            out[src] = t
-    if model["untie_embeddings_and_output_weights"] and "output_layer.weight" not in weights:
-        raise CheckpointError("the checkpoint has no output_layer.weight for an untied head")
-    per_layer: Dict[str, list] = {}
-    for i in range(layers):
-        for name, t in weights.items():
-            prefix = f"decoder.{i}."
-            if not name.startswith(prefix):
-                continue
-            rest = name[len(prefix):]
-            leaf, kind = rest.rsplit(".", 1)
-            if leaf == "mlp.gate":
-                continue
-            if leaf == "mlp.fc1":
-                target = f"mlp.linear_fc1.{kind}"
-                if model["activation"] in GATED:
-                    t = torch.cat([weights[f"{prefix}mlp.gate.{kind}"], t])
-            elif leaf in SAVED_NAME:
-                target = SAVED_NAME[leaf].format(kind)
-            elif leaf in LAYER:
-                target = LAYER[leaf][0].format(kind)
-            else:
-                raise CheckpointError(f"--direction to-megatron: {name} has no megatron-core name here")
-            per_layer.setdefault("decoder.layers." + target, []).append(t)
-    for key, ts in per_layer.items():
-        out[key] = torch.stack(ts)
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def export(src: str, dst: str, iteration=None, layout: Optional[dict] = None,
-           scheduler: Optional[dict] = None) -> str:
-    """Write megazero checkpoint ``src`` (its latest, or ``iteration``) into ``dst`` in Megatron-LM's
-    torch_dist format; returns the ``iter_*`` path.  ``layout``: the saving run's parallel sizes as
-    Megatron-LM's args name them (``tensor_model_parallel_size``, ...; default 1); ``scheduler``: more
-    of Megatron's ``opt_param_scheduler`` items (``max_lr``, ``min_lr``, ...).  The directory is written
-    beside its final name and renamed, then the tracker names it."""
-    from torch.distributed.checkpoint import FileSystemWriter, save
-    from megazero.checkpoint.reader import read_weights
-    _, meta, config, weights = read_weights(src, iteration, flag="--input")
-    model, moe = config["model"], config.get("moe", {})
-    _refuse_unmapped(model, moe)
-    it = int(meta["iteration"])
-    extra = meta.get("extra", {})
-    consumed = int(extra.get("consumed_samples", 0))
-    state: Dict[str, object] = dict(megatron_tensors(weights, model))
-    del weights
-    for leaf in EXTRA_STATE:  # megatron-core's per-layer extra state objects: None for its local layers
-        for i in range(model["num_layers"]):  # as megatron-core stores an object: a one-item list
-            state[f"decoder.layers.{leaf}._extra_state/shard_{i}_{model['num_layers']}"] = [None]
-    path = os.path.join(dst, f"iter_{it:07d}")
+def start(path: str) -> str:
+    """A fresh ``iter_*.partial`` directory beside ``path`` (one process), returned."""
     part = path + ".partial"
     shutil.rmtree(part, ignore_errors=True)
     os.makedirs(part)
-    save(state, storage_writer=FileSystemWriter(part), no_dist=True)
-    args = megatron_args(model, it, consumed)
+    return part
+
+
+def finish(part: str, dst: str, meta: dict, config: dict, layout: Optional[dict] = None,
+           scheduler: Optional[dict] = None) -> str:
+    """``common.pt`` and ``metadata.json`` into ``part`` (its tensors written), renamed to its
+    ``iter_*`` name; then the tracker names it (one process).  Returns the ``iter_*`` path."""
+    it = int(meta["iteration"])
+    extra = meta.get("extra", {})
+    consumed = int(extra.get("consumed_samples", 0))
+    args = megatron_args(config["model"], it, consumed)
     sizes = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     sizes.update(layout or {})
     for key, value in sizes.items():
@@ -151,6 +99,7 @@ def export(src: str, dst: str, iteration=None, layout: Optional[dict] = None,
     with open(os.path.join(part, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                    "common_backend_version": 1}, fh)
+    path = os.path.join(dst, f"iter_{it:07d}")
     if os.path.isdir(path):
         shutil.rmtree(path)
     os.rename(part, path)
@@ -159,3 +108,24 @@ def export(src: str, dst: str, iteration=None, layout: Optional[dict] = None,
         fh.write(str(it))
     os.replace(tracker + ".tmp", tracker)
     return path
+
+
+def export(src: str, dst: str, iteration=None, layout: Optional[dict] = None,
+           scheduler: Optional[dict] = None) -> str:
+    """Write megazero checkpoint ``src`` (its latest, or ``iteration``) into ``dst`` in Megatron-LM's
+    torch_dist format (one process, a layer's tensor in memory at a time); returns the ``iter_*``
+    path.  ``layout``: the saving run's parallel sizes as Megatron-LM's args name them
+    (``tensor_model_parallel_size``, ...; default 1); ``scheduler``: more of Megatron's
+    ``opt_param_scheduler`` items (``max_lr``, ``min_lr``, ...).  The directory is written beside its
+    final name and renamed, then the tracker names it."""
+    from megazero.checkpoint.megatron.dcp_plan import write_tensors
+    from megazero.checkpoint.resolve import resolve_here
+    from megazero.checkpoint.integrity import read_json
+    from megazero.checkpoint.format import CONFIG
+    path, meta, _ = resolve_here(src, iteration, flag="--input")
+    config = read_json(os.path.join(path, CONFIG))
+    _refuse_unmapped(config["model"], config.get("moe", {}))
+    it = int(meta["iteration"])
+    part = start(os.path.join(dst, f"iter_{it:07d}"))
+    meta, config = write_tensors(src, it, part)
+    return finish(part, dst, meta, config, layout, scheduler)

@@ -11,10 +11,11 @@ What a save writes::
                                            common.pt with Megatron's args, iteration, consumed samples)
     DIR/latest_checkpointed_iteration.txt  Megatron-LM's tracker
 
-The Megatron-LM files are written once the megazero checkpoint is published, by global rank 0, which
-reads the whole model (float32) from it: the memory of the whole model on that rank and one file
-(``__0_0.distcp``), the limit of this writer (the shards are gathered on disk, not by a collective).
-Weights only (Megatron-LM resumes with ``--no-load-optim --no-load-rng``, or ``--finetune``).
+The Megatron-LM files are written once the megazero checkpoint is published, by every rank at once
+(:mod:`~.dcp_plan`): each writes its share of the chunks (a layer of a tensor each), read back from
+megazero's files as it writes them, so a rank holds one layer's tensor at a time (the shards are
+regrouped through the file system, which every rank must see, as for loading at another layout).
+Weights only, float32 (Megatron-LM resumes with ``--no-load-optim --no-load-rng``, or ``--finetune``).
 
 ``--load DIR`` (any ``--ckpt-format``) resumes megazero from ``megazero_state`` when it holds the
 iteration the tracker names (optimizer, generators and data position included: as if the run had
@@ -26,7 +27,7 @@ import os
 import shutil
 from typing import Iterable, Optional, Tuple
 
-from megazero.checkpoint.megatron.export import export, unmapped
+from megazero.checkpoint.megatron.export import unmapped
 from megazero.checkpoint.megatron.files import TRACKER, iteration_dir
 
 STATE_DIR = "megazero_state"  # inside --save: megazero's own checkpoints of the run
@@ -54,12 +55,24 @@ def _scheduler(cfg) -> dict:
     return {"max_lr": opt.lr, "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style}
 
 
-def write_megatron(cfg, iteration: int, mesh) -> Optional[str]:
-    """Global rank 0 writes published ``iteration`` of ``--save``'s ``megazero_state`` in Megatron-LM's
-    layout under ``--save`` (collective: every rank learns of an error); returns the ``iter_*`` path."""
-    from megazero.checkpoint.comm import on_rank0
+def write_megatron(cfg, iteration: int, mesh) -> str:
+    """Published ``iteration`` of ``--save``'s ``megazero_state`` in Megatron-LM's layout under
+    ``--save`` (collective: every rank writes its share of the chunks, :mod:`~.dcp_plan`; global rank 0
+    then ``common.pt``, the rename and the tracker); returns the ``iter_*`` path."""
+    from megazero.checkpoint.comm import agree, on_rank0
+    from megazero.checkpoint.errors import CheckpointSaveError
+    from megazero.checkpoint.megatron.dcp_plan import write_tensors
+    from megazero.checkpoint.megatron.export import finish, start
     save = cfg.checkpoint.save
-    return on_rank0(lambda: export(state_dir(save), save, iteration, _layout(cfg), _scheduler(cfg)), mesh)
+    part = on_rank0(lambda: start(os.path.join(save, f"iter_{iteration:07d}")), mesh)
+    error, got = None, None
+    try:
+        group = mesh.world_group if mesh.is_distributed else None
+        got = write_tensors(state_dir(save), iteration, part, mesh.rank, mesh.world_size, group)
+    except Exception as err:  # noqa: BLE001 - every rank learns of it below
+        error = err
+    agree(error, mesh, f"writing Megatron-LM's checkpoint {part}", CheckpointSaveError)
+    return on_rank0(lambda: finish(part, save, got[0], got[1], _layout(cfg), _scheduler(cfg)), mesh)
 
 
 def prune_megatron(directory: str, removed: Iterable[str]) -> None:
