@@ -2,10 +2,11 @@
 
 A TP 2 x PP 2 run (4 forked gloo ranks, dropout 0) saves at iterations 2 (--save-interval) and 4 (the
 end): ``DIR/iter_*`` in torch_dist (each rank writing its share of the chunks) with Megatron's args,
-iteration and consumed samples, and the tracker.  megatron-core's own loader (tests/megatron_core_harness.py, TP 2) reads the last one into its
-GPTModel, whose forward equals megazero's on the saved weights within the fp32 bound.  megazero resumes
-from iteration 2 (``--load DIR --ckpt-format torch_dist --use-checkpoint-args``) with the losses of the
-run that went on; without megazero's own files beside them, the Megatron-LM files give the same logits.
+iteration and consumed samples, and the tracker.  megatron-core's own loader
+(tests/megatron_core_harness.py, TP 2) reads the last one into its GPTModel, whose forward equals
+megazero's on the saved weights within the fp32 bound.  megazero resumes from iteration 2
+(``--load DIR --ckpt-format torch_dist --use-checkpoint-args``) with the losses of the run that went
+on; without megazero's own files beside them, the Megatron-LM files give the same logits.
 """
 import os
 import shutil
