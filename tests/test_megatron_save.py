@@ -147,3 +147,18 @@ def test_models_megatron_gptmodel_cannot_hold_are_named():
     assert not_written(dense, {}) is None
     assert "--ckpt-format torch_dist: " in not_written(dict(dense, hybrid_layer_pattern="M*-"), {})
     assert "mixture-of-experts" in not_written(dense, {"num_experts": 4})
+
+
+@pytest.mark.slow
+def test_exit_save_async_save_and_ckpt_keep(tmp_path):
+    """One process: --async-save every iteration, --ckpt-keep 1 and --exit-interval 3: the exit save is
+    the one Megatron-LM copy left (the older ones are pruned with megazero's), and the tracker names it."""
+    root = str(tmp_path / "save")
+    cfg = config_from_dict(dict(MODEL, **RUN, train_iters=6, save=root, save_interval=1, async_save=True,
+                                ckpt_keep=1, exit_interval=3))
+    rows = _train(cfg)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "3"
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_0000003"]
+    assert sorted(os.listdir(os.path.join(root, "megazero_state"))) == ["iter_0000003",
+                                                                        "latest_checkpointed_iteration.txt"]
