@@ -33,6 +33,7 @@ TOKEN_IDS = "megazero_token_ids.json"  # in ASSETS: the source config's special 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 FP32_TENSORS = {t: (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")  # their routers, in any --dtype
                 for t in ("glm4_moe", "deepseek_v3")}
+FP32_TENSORS["nemotron_h"] = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias")  # NemotronH's MoE
 
 
 def _whole_model_cfg(settings: dict):
