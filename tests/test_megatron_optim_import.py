@@ -196,22 +196,23 @@ def _cli(load, capsys, monkeypatch, *extra):
     return code, err
 
 
-def _edit_rank(site, src, rank, edit):
-    """Re-save one legacy rank file after ``edit`` (its pickled args name megatron-core's classes)."""
+def _edit_in_rank(site, path, damage):
     import sys
-    path = os.path.join(src, f"iter_{ITERATION:07d}", rank, "model_optim_rng.pt")
     sys.path.insert(0, site)
-    try:
-        state = torch.load(path, weights_only=False)
-        edit(state)
-        torch.save(state, path)
-    finally:
-        sys.path.remove(site)
+    state = torch.load(path, weights_only=False)
+    if damage == "other shape":
+        first = state["optimizer"]["state"][1]
+        first["exp_avg"] = first["exp_avg"][:-1]
+    else:
+        state.pop("optimizer")
+    torch.save(state, path)
 
 
-def _shrink(state):
-    first = state["optimizer"]["state"][1]
-    first["exp_avg"] = first["exp_avg"][:-1]
+def _edit_rank(site, src, rank, damage):
+    """Re-save one legacy rank file damaged (in a child process: its pickled args name megatron-core's
+    classes, which this process does not import)."""
+    path = os.path.join(src, f"iter_{ITERATION:07d}", rank, "model_optim_rng.pt")
+    run_ranks(_edit_in_rank, 1, site, path, damage, timeout=60)
 
 
 @pytest.mark.parametrize("damage,needle", [
@@ -233,10 +234,8 @@ def test_bad_optimizer_state_is_one_line_and_exit_2(saved, megatron_core, tmp_pa
     src = str(tmp_path / "src")
     shutil.copytree(os.path.join(saved[0], "torch"), src)
     extra = []
-    if damage == "other shape":
-        _edit_rank(megatron_core, src, "mp_rank_01", _shrink)
-    elif damage == "missing optimizer":
-        _edit_rank(megatron_core, src, "mp_rank_01", lambda s: s.pop("optimizer"))
+    if damage in ("other shape", "missing optimizer"):
+        _edit_rank(megatron_core, src, "mp_rank_01", damage)
     elif damage == "other betas":
         extra = ["--adam-beta2", "0.999"]
     elif damage == "other schedule":
