@@ -248,6 +248,10 @@ def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: boo
         why = " (config.json ties the head to the embeddings, and this head differs from them)" \
             if unused[0] == "lm_head.weight" else ""
         many = f"{len(unused)} unused tensors" if len(unused) > 1 else "the one unused tensor"
+        if arch == "qwen3_next" and unused[0].startswith("mtp."):  # the published files carry them
+            raise ConfigError(f"{weights.where(unused[0])}: tensor {unused[0]!r} ({many}) belongs to "
+                              "Qwen3-Next's multi-token prediction layers, which megazero does not "
+                              "import; pass --allow-unused-weights to drop them")
         raise ConfigError(f"{weights.where(unused[0])}: tensor {unused[0]!r} is not used by the model "
                           f"{config} describes{why} ({many}): the weights and the config disagree (more "
                           "layers than num_hidden_layers?); fix config.json, or pass --allow-unused-weights "

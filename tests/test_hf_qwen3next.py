@@ -159,6 +159,24 @@ def test_conversion_is_tensor_for_tensor(family, tmp_path):
     assert config_from_hf(back.config) == config_from_hf(hf.config)
 
 
+def test_published_multi_token_prediction_tensors_are_named(tmp_path):
+    """Qwen3-Next's published files carry its multi-token prediction layers (``mtp.*``), which transformers
+    and megazero do not build: refused by name, dropped with ``allow_unused_weights``."""
+    from safetensors.torch import save_file
+    from models.hf_convert import to_megazero
+    qwen3next_model("dense").save_pretrained(str(tmp_path / "hf"))
+    tensors = _tensors(str(tmp_path / "hf"))
+    tensors["mtp.fc.weight"] = torch.zeros(32, 64)
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    needle = "tensor 'mtp.fc.weight' \\(the one unused tensor\\) belongs to Qwen3-Next's multi-token " \
+        "prediction layers.*--allow-unused-weights"
+    with pytest.raises(ConfigError, match=needle):
+        to_megazero(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    notes = []
+    to_megazero(str(tmp_path / "hf"), str(tmp_path / "ckpt"), allow_unused_weights=True, notes=notes)
+    assert notes == ["dropped 1 unused tensor (the first: mtp.fc.weight)"]
+
+
 def test_in_memory_export_loads_back(tmp_path):
     hf = qwen3next_model("moe")
     to_hf(from_hf(hf), str(tmp_path))
