@@ -12,6 +12,10 @@ parameter whole, whatever the data-parallel size that saved it (0.19.x)::
     DIR/<tag>/zero/<parameter>/step.pt                    Adam's step (a scalar)
     DIR/<tag>/zero/optimizer_state.pt                     the param groups, the loss scaler
 
+Converted from ZeRO-3, each state file is the bare flat tensor (its values in the parameter's order),
+there is no ``step.pt`` (the step is in ``optimizer_state.pt``, rank 0's whole optimizer state) and no
+directory for a tied copy.
+
 Each of this model's trained parameters is read from ``zero/<its name>/``; everything else (the counters,
 the learning-rate schedule, persistent buffers, ``client_state``) from the model-states file, as for a
 regular DeepSpeed checkpoint (:mod:`megazero.engine.ds_checkpoint`, which calls :func:`read_universal`
@@ -29,6 +33,7 @@ tensors are merged by Megatron-DeepSpeed's patterns, vocabulary padding stripped
 sub-parameters rejoined, which megazero's engine, training one unsliced module, does not map)."""
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Dict, List, Optional
@@ -85,13 +90,19 @@ def _refuse_sliced(path: str, names: List[str], ms: dict) -> None:
                               "universal checkpoints of data-parallel (ZeRO) runs")
 
 
-def _tensor(path: str, name: str):
-    """The tensor of one ``zero/<name>/<state>.pt`` (``{"param": tensor, ...}`` or a bare tensor)."""
+def _tensor(path: str, name: str, shape: tuple) -> torch.Tensor:
+    """The tensor of one ``zero/<name>/<state>.pt`` (``{"param": tensor, ...}``, or from ZeRO-3 the bare
+    flat tensor), checked against this model's ``shape``."""
     got = read_file(path)
     value = got.get("param") if isinstance(got, dict) else got
     if not torch.is_tensor(value):
         raise CheckpointError(f"{path} holds no tensor for parameter {name}: not a file ds_to_universal.py "
                               "wrote; convert the checkpoint again")
+    flat = not isinstance(got, dict) and value.dim() == 1
+    if (value.numel() != math.prod(shape)) if flat else (tuple(value.shape) != shape):
+        saved = f"{value.numel()} values" if flat else f"shape {list(value.shape)}"
+        raise CheckpointError(f"{path}: parameter {name} has {saved} in the universal checkpoint but shape "
+                              f"{list(shape)} in this model; build the model that saved it")
     return value
 
 
@@ -152,15 +163,11 @@ def read_universal(engine, path: str, names: List[str], with_optimizer: bool) ->
                 raise CheckpointError(f"{file} is missing: parameter {name} has no Adam state in the "
                                       "universal checkpoint; load_optimizer_states=False loads the weights "
                                       "with a fresh optimizer")
-            t = _tensor(file, name)
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{path}: parameter {name} has shape {list(t.shape)} in the universal "
-                                      f"checkpoint but {list(shape)} in this model; build the model that "
-                                      "saved it")
+            t = _tensor(file, name, shape)
             if p.requires_grad:
                 values[k][name] = t.reshape(-1).float()
             else:
-                frozen[name] = t.float()
+                frozen[name] = t.float().view(shape)
         if with_optimizer and p.requires_grad:
             step = _step(zero, name)
             if step is not None:
@@ -169,6 +176,12 @@ def read_universal(engine, path: str, names: List[str], with_optimizer: bool) ->
         raise CheckpointError(f"{zero}: the parameters were stepped {sorted(steps)} times; megazero's Adam "
                               "keeps one step count")
     optim = read_file(os.path.join(zero, "optimizer_state.pt"))
+    if with_optimizer and not steps:  # converted from ZeRO-3: rank 0's optimizer state holds the step
+        inner = (optim.get("optimizer_state_dict") or {}).get("state") or {}
+        steps = {float(v["step"]) for v in inner.values() if isinstance(v, dict) and "step" in v}
+    if len(steps) > 1:
+        raise CheckpointError(f"{zero}: the parameters were stepped {sorted(steps)} times; megazero's Adam "
+                              "keeps one step count")
     if with_optimizer and not steps:
         raise CheckpointError(f"{zero}: no step.pt holds Adam's step count; load_optimizer_states=False "
                               "loads the weights with a fresh optimizer")
