@@ -194,6 +194,35 @@ def test_export_as_an_architecture_that_cannot_hold_the_model_is_refused(name, o
         to_hf(model, str(tmp_path))
 
 
+SCRATCH = dict(hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=48,
+               vocab_size=VOCAB, seq_length=64, max_position_embeddings=64, position_embedding_type="none",
+               normalization="RMSNorm", activation="squared_relu", add_bias_linear=False, mamba_num_heads=8,
+               mamba_head_dim=8, mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=CHUNK,
+               tensor_model_parallel_size=1, pipeline_model_parallel_size=1, hidden_dropout=0.0,
+               attention_dropout=0.0)
+MOE_FLAGS = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_load_balancing_type="none", moe_shared_expert_intermediate_size=24)
+
+
+@pytest.mark.parametrize("pattern,extra,cls", [("MMM", dict(hidden_size=64), "Mamba2"),
+                                               ("M*ME-", MOE_FLAGS, "NemotronH")])
+def test_a_model_megazero_built_exports_as_the_first_architecture_holding_it(pattern, extra, cls, tmp_path):
+    """Tied embeddings, megazero's own initialisation: Mamba2 ties its head, NemotronH gets a copy."""
+    import models
+    from megazero.config import validate
+    cfg = validate(config_from_dict(dict(SCRATCH, **extra, num_layers=len(pattern),
+                                         hybrid_layer_pattern=pattern)), 1, check_data=False)
+    model = models.build_model(cfg).eval()
+    assert not cfg.model.untie_embeddings_and_output_weights
+    to_hf(model, str(tmp_path))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                             experts_implementation="eager").eval()
+    assert type(back).__name__ == cls + "ForCausalLM"
+    ref = _logits(back)
+    torch.testing.assert_close(_logits(model), ref, **fp32_bound(ref, C_FWD))
+
+
 # ---- fine-tuning under TP 2 ------------------------------------------------------------------------
 FT_SEQ, GBS, SEED = 38, 4, 1234  # 38 = 2 chunks of 16 and 6: TP 2 with sequence parallelism splits it
 FINETUNED = ["mamba2", "nemotron-h", "nemotron-h-moe"]
