@@ -6,9 +6,11 @@ the expert outputs add up unweighted.
   both sides float64, only the summation order differs), and the same loop with the weight on the
   output (Megatron's default) is far from it, so a dispatcher that weighs the output fails the test;
 - both dispatchers across 2 forked ranks (EP 2) in float64 against the loop over both ranks' tokens;
+  pad-to-capacity's weightless fillers add nothing even to biased experts;
 - a tiny Llama-4-shaped model (dense and MoE layers interleaved, a shared expert, top-1 sigmoid) trained
-  under EP 2 (2 ranks), EP 2 x TP 2 with sequence parallelism and PP 2 x DP 2 with ZeRO-1 and full
-  recomputation (4 ranks) against one process: losses and gradient norms within R_TRAIN (fp32 SGD
+  under EP 2 (2 ranks), EP 2 x TP 2 (expert TP 2) with sequence parallelism, PP 2 x DP 2 with ZeRO-1 and
+  full recomputation, and CP 2 x DP 2 x EP 2 with ZeRO-3 and the grouped product (4 ranks) against one
+  process: losses and gradient norms within R_TRAIN (fp32 SGD
   under another layout, tests/tolerance.py), tokens per expert equal; the same model weighing the
   output trains to losses over 100 x R_TRAIN away;
 - top-k > 1 refused in one line naming the flag."""
@@ -110,6 +112,30 @@ def test_dispatchers_across_two_ranks_weigh_the_input(kind):
         assert max(errors) <= 1e-11, errors
 
 
+def test_weightless_fillers_add_nothing_with_biased_experts():
+    """Pad-to-capacity fills experts with pairs of weight 0: their input is zero, but a biased expert's
+    output on zero is not, and the combine must leave it out (as weighing the output would)."""
+    cfg = parse_args([f for f in FLAGS if f != "--disable-bias-linear"])
+    experts = GroupedExperts(cfg, ParallelMesh.single(torch.device("cpu")), 1).double()
+    with torch.no_grad():
+        for b in (experts.fc1_bias, experts.gate_bias, experts.fc2_bias):
+            b.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 16, dtype=torch.float64, generator=g)
+    probs, rmap = topk_routing(torch.randn(6, 4, dtype=torch.float64, generator=g), 1, "sigmoid")
+    filler = ~rmap & (torch.arange(4) == 0)  # every token not routed to expert 0 fills it, weight 0
+    out = build_dispatcher("alltoall", ParallelMesh.single(torch.device("cpu")), 4,
+                           probs_on_input=True)(x, probs, rmap | filler, experts)
+
+    def run(j, rows):
+        h = F.silu(rows @ experts.gate_weight[j].t() + experts.gate_bias[j]) * \
+            (rows @ experts.fc1_weight[j].t() + experts.fc1_bias[j])
+        return h @ experts.fc2_weight[j].t() + experts.fc2_bias[j]
+    want = torch.stack([run(int(rmap[t].nonzero()), probs[t, rmap[t]] * x[t:t + 1])[0] for t in range(6)])
+    assert int(filler.sum()) > 0 and float(run(0, x[:1] * 0).detach().abs().max()) > 0.1
+    torch.testing.assert_close(out, want, **TIGHT)
+
+
 def test_topk_above_one_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"--moe-apply-probs-on-input needs --moe-router-topk 1, got 2"):
         parse_args(FLAGS + ["--moe-router-topk", "2"])
@@ -137,6 +163,8 @@ LAYOUTS = {  # name: (world, settings)
     "pp2-dp2-zero1-recompute": (4, dict(pipeline_model_parallel_size=2, zero_stage=1,
                                         recompute_granularity="full", recompute_method="uniform",
                                         recompute_num_layers=1)),
+    "cp2-dp2-ep2-zero3-grouped": (4, dict(context_parallel_size=2, expert_model_parallel_size=2, zero_stage=3,
+                                          moe_grouped_gemm=True)),
 }
 
 
