@@ -162,3 +162,20 @@ def test_exit_save_async_save_and_ckpt_keep(tmp_path):
     assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_0000003"]
     assert sorted(os.listdir(os.path.join(root, "megazero_state"))) == ["iter_0000003",
                                                                         "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.slow
+def test_megazeros_own_checkpoint_of_the_same_iteration_is_never_replaced(tmp_path):
+    """A --save directory with megazero-format checkpoints at its top (an earlier run without
+    --ckpt-format): a torch_dist save of the same iteration (here a --finetune restarting the count)
+    stops with the path named and leaves that checkpoint as it was."""
+    from megazero.checkpoint import CheckpointError
+    from megazero.checkpoint.resolve import complete_iterations
+    root = str(tmp_path / "save")
+    base = dict(MODEL, **RUN, train_iters=2, save=root)
+    _train(config_from_dict(dict(base, ckpt_format=None)))
+    before = open(os.path.join(root, "iter_0000002", "metadata.json")).read()
+    with pytest.raises(CheckpointError, match=r"iter_0000002 exists and is not a Megatron-LM torch_dist "):
+        _train(config_from_dict(dict(base, load=root, finetune=True)))
+    assert open(os.path.join(root, "iter_0000002", "metadata.json")).read() == before
+    assert complete_iterations(root) == [2]

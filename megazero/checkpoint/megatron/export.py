@@ -68,7 +68,12 @@ def _refuse_unmapped(model: dict, moe: dict) -> None:
 
 
 def start(path: str) -> str:
-    """A fresh ``iter_*.partial`` directory beside ``path`` (one process), returned."""
+    """A fresh ``iter_*.partial`` directory beside ``path`` (one process), returned.  An existing
+    ``path`` that is not a Megatron-LM torch_dist checkpoint (megazero's own, say) is never replaced."""
+    from megazero.checkpoint.megatron.files import format_of
+    if os.path.exists(path) and format_of(path) != "torch_dist":
+        raise CheckpointError(f"{path} exists and is not a Megatron-LM torch_dist checkpoint; it is left as "
+                              "it is: choose another --save (--output) directory")
     part = path + ".partial"
     shutil.rmtree(part, ignore_errors=True)
     os.makedirs(part)

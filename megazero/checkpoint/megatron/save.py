@@ -28,7 +28,7 @@ import shutil
 from typing import Iterable, Optional, Tuple
 
 from megazero.checkpoint.megatron.export import unmapped
-from megazero.checkpoint.megatron.files import TRACKER, iteration_dir
+from megazero.checkpoint.megatron.files import TRACKER, format_of, iteration_dir
 
 STATE_DIR = "megazero_state"  # inside --save: megazero's own checkpoints of the run
 
@@ -84,8 +84,10 @@ def prune_megatron(directory: str, removed: Iterable[str]) -> None:
         tracked = None
     for path in removed:
         name = os.path.basename(path.rstrip(os.sep))
-        if name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) != tracked:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        mine = os.path.join(directory, name)
+        if name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) != tracked and \
+                format_of(mine) == "torch_dist":
+            shutil.rmtree(mine, ignore_errors=True)
 
 
 def resume_source(directory: str, iteration: Optional[int]) -> Optional[Tuple[str, int]]:
