@@ -28,10 +28,45 @@ from __future__ import annotations
 from megazero.offload.element_bytes import FP32
 
 
-def _chunks(D) -> tuple:
+def _chunks(D, s=None) -> tuple:
     L = D.ssm.chunk
-    c = -(-D.s // L)
+    c = -(-(D.s if s is None else s) // L)
     return L, c, c * L
+
+
+def _mamba_scan(D, s: int) -> int:
+    """:func:`megazero_models.ssd.ssd_chunked` over ``s`` positions: B and C laid out for its three
+    products, the segment sums' masks and decays, C.B per group, the intra-chunk weights, x dt and its
+    decayed copy, the chunk states."""
+    M, b = D.ssm, D.b
+    H, p, n, g = M.heads, M.head_dim, M.state, M.groups
+    L, c, S = _chunks(D, s)
+    # B and C's copies for the products: two fewer with one group on the rank when the batch is one
+    # sequence or under context parallelism (where B and C are halves; measured)
+    operands = 2 if (g == 1 and (b == 1 or D.cp > 1)) else 4
+    scan = operands * FP32 * b * S * g * n + 2 * L * L + 2 * (c + 1) ** 2
+    scan += FP32 * b * c * L * L * (2 * H + g) + FP32 * b * H * (c + 1) ** 2
+    scan += 4 * FP32 * b * S * H * p + 2 * FP32 * b * H * S
+    return scan + FP32 * b * H * p * n * (2 * c + 1)
+
+
+def _mamba_cp(D) -> int:
+    """Context parallelism (``MambaMixer._scan_cp``): the scan over this rank's two halves from zero
+    states, the chain of ``2 cp`` chunk states every rank runs (each step keeps its decay ``4 b H`` and
+    the state it decays ``4 b H p n``: every rank keeps the ``2 cp`` decays, rank ``r`` the ``2 cp - r``
+    states up to its second half's start (measured), and what each half reads of its start: the decay to each
+    position, the read-out and ``C`` repeated to the heads (not where the start is the zero state:
+    rank 0's first half).  The figure is the largest over the CP ranks."""
+    M, b, cp = D.ssm, D.b, D.cp
+    H, p, n = M.heads, M.head_dim, M.state
+    half = D.s // 2
+    scans = 2 * _mamba_scan(D, half)
+    read = 2 * FP32 * b * half * H * (1 + p)
+    C = FP32 * b * H * half * n
+
+    def rank(r):
+        return 2 * cp * FP32 * b * H + (2 * cp - r) * FP32 * b * H * p * n + (1 if r == 0 else 2) * C
+    return scans + read + max(rank(0), rank(1))
 
 
 def _common(D) -> dict:
@@ -45,21 +80,15 @@ def mamba_parts(D) -> dict:
     """A Mamba-2 mixer's kept bytes by part (no recomputation); ``H`` heads of ``p`` channels, ``g``
     groups of ``B, C`` with ``n`` states."""
     M, T, b = D.ssm, D.T, D.b
-    H, p, n, g = M.heads, M.head_dim, M.state, M.groups
-    L, c, S = _chunks(D)
+    H, g = M.heads, M.groups
     one_group = g == 1 and not D.half  # x and z reshape as views (module docstring)
     parts = _common(D)
     parts["dt_A"] = 2 * FP32 * T * H + 2 * FP32 * H  # softplus input and output, exp(A_log), A
     x_view = (g == 1 or H == g) and not D.half  # x reshapes as a view of the SiLU's output
     parts["x_fp32"] = D.E * T * M.ch if x_view else FP32 * T * M.d
-    # the SSD scan: B and C laid out for its three products, the segment sums' masks and decays,
-    # C.B per group, the intra-chunk weights, x dt and its decayed copy, the chunk states
-    operands = 2 if (g == 1 and b == 1) else 4  # with one group and sequence B, C need fewer copies
-    scan = operands * FP32 * b * S * g * n + 2 * L * L + 2 * (c + 1) ** 2
-    scan += FP32 * b * c * L * L * (2 * H + g) + FP32 * b * H * (c + 1) ** 2
-    scan += 4 * FP32 * b * S * H * p + 2 * FP32 * b * H * S
-    scan += FP32 * b * H * p * n * (2 * c + 1)
-    parts["scan"] = scan
+    parts["scan"] = _mamba_cp(D) if D.cp > 1 else _mamba_scan(D, D.s)
+    if D.cp > 1:  # the conv runs on each half from the tail of the chunk before it
+        parts["conv_input"] = D.E * b * M.ch * (D.s + 2 * (M.kernel - 1))
     # the D skip, the gated norm (fp32): its input, the gate's input and SiLU, the gated product, the
     # rsqrt per group, the normalised product; in half precision fp32 copies of x, D and the scale
     gate_input = D.E * T * M.F if one_group else FP32 * T * M.d
