@@ -11,10 +11,11 @@ which a lost Adam state exceeds 100-fold), its learning rates exactly.  DeepSpee
 ``deepspeed.utils.zero_to_fp32`` reads the directory into the fp32 weights megazero holds (bitwise:
 they are copied, not computed).
 
-Without DeepSpeed: megazero reads back what it wrote in DeepSpeed's layout (2 ranks, ZeRO-3 and ZeRO-2
-bf16, the same continued losses; slow tier), the ZeRO 1-2 files load with ``torch.load(weights_only=True)``
-as they are and the ZeRO-3 ones with DeepSpeed's loss scaler class allowed (the one class they name), and
-a bad format is one line naming the choices (fast tier)."""
+The files hold plain types (``torch.load(weights_only=True)`` reads them) but for the one DeepSpeed
+class ZeRO-3's loader needs, its loss scaler.  bf16 (ZeRO-2): the logits at the load and the first
+continued loss still within 1e-5 (the same bf16 weights), the later losses within test_ds_migration's
+BF16_BOUND (gradients rounded to bf16 at other places).  A bad format is one line naming the choices
+(fast tier)."""
 import glob
 import json
 import os
@@ -24,7 +25,9 @@ import sys
 import pytest
 import torch
 
+from megazero.engine.ds_checkpoint import read_file
 from megazero.process.local_ranks import run_ranks
+from test_ds_migration import BF16_BOUND
 from test_deepspeed_peer import LOSS_BOUND, PROGRAM, SAVE_AFTER, STEPS, ds_config, run_ok, worst
 
 ADDED_ARG = 'p.add_argument("--out")\n'
@@ -71,69 +74,6 @@ def _engine(config: dict):
     return deepspeed.initialize(model=model, model_parameters=groups, config=config)[0]
 
 
-def _train(engine, start: int, steps: int):
-    """The peer program's loop (2 ranks: each rank its 4 of the step's 8 sequences)."""
-    import torch.distributed as dist
-    rank, dp = dist.get_rank(), dist.get_world_size()
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for step in range(start, start + steps):
-        batch = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(step))
-        mine = batch[rank * micro * gas:(rank + 1) * micro * gas]
-        total = torch.zeros(())
-        for m in range(gas):
-            x = mine[m * micro:(m + 1) * micro]
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        losses.append(float(total) / (gas * dp))
-    return losses
-
-
-def _round_trip(stage: int, bf16: bool, work: str):
-    """Each rank: 3 steps, save in DeepSpeed's layout, 3 more; a fresh engine loads the save and trains
-    the same 3.  Rank 0 also reads the files with weights_only (nothing allowed, then DeepSpeed's loss
-    scaler allowed)."""
-    import torch.distributed as dist
-    cfg = ds_config(stage, bf16)
-    engine = _engine(cfg)
-    _train(engine, 0, SAVE_AFTER)
-    engine.save_checkpoint(work, client_state={"next_step": SAVE_AFTER}, format="deepspeed")
-    mine = _train(engine, SAVE_AFTER, STEPS - SAVE_AFTER)
-    fresh = _engine(cfg)
-    _, client = fresh.load_checkpoint(work)
-    again = _train(fresh, client["next_step"], STEPS - SAVE_AFTER)
-    refused = {}
-    if dist.get_rank() == 0:
-        for f in sorted(glob.glob(os.path.join(work, "global_step3", "*.pt"))):
-            try:
-                torch.load(f, weights_only=True)
-            except Exception as err:  # noqa: BLE001 - the refused global is what is checked
-                refused[os.path.basename(f)] = str(err).split("GLOBAL ")[-1].split(" ")[0]
-                from megazero.engine.ds_checkpoint import read_file
-                read_file(f)  # megazero's reader, which allows that class, reads it
-    return mine, again, sorted(os.listdir(os.path.join(work, "global_step3"))), refused
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage,bf16", [(3, False), (2, True)])
-def test_megazero_reads_back_its_deepspeed_layout_and_continues_the_same(tmp_path, stage, bf16):
-    mine, again, files, refused = run_ranks(_round_trip, 2, stage, bf16, str(tmp_path), timeout=300)[0]
-    # the same weights and Adam state: the continued losses equal (the same sums in the same order)
-    assert worst(mine, again) <= LOSS_BOUND, (mine, again)
-    prefix = "bf16_" if bf16 else ""
-    optim = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
-    if stage == 3:
-        assert files == sorted(optim + [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)])
-        # the one class the ZeRO-3 files name, because DeepSpeed's ZeRO-3 loader calls its methods
-        assert set(refused.values()) == {"deepspeed.runtime.fp16.loss_scaler.LossScaler"}
-        assert sorted(refused) == optim
-    else:
-        assert files == sorted(optim + ["mp_rank_00_model_states.pt"]) and refused == {}
-
-
 def _bad_format(work: str):
     from megazero.errors import ConfigError
     engine = _engine(ds_config(2))
@@ -173,12 +113,12 @@ def _logits(workdir, tag: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage):
+@pytest.mark.parametrize("stage,bf16", [(2, False), (3, False), (2, True)])
+def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage, bf16):
     from megazero.engine import get_fp32_state_dict_from_zero_checkpoint
     from test_deepspeed_peer import need_deepspeed
     python = need_deepspeed()
-    cfg = ds_config(stage)
+    cfg = ds_config(stage, bf16)
     plain, handing = tmp_path / "ds_config.json", tmp_path / "ds_config_handback.json"
     plain.write_text(json.dumps(cfg))
     handing.write_text(json.dumps(dict(cfg, checkpoint={"format": "deepspeed"})))
@@ -192,7 +132,8 @@ def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage)
     saved, loaded = _logits(tmp_path / "mz", "saved"), _logits(tmp_path / "ds", "loaded")
     assert (saved - loaded).abs().max() <= LOSS_BOUND and saved.abs().max() > 0.1
     want = mz["losses"][SAVE_AFTER:]
-    assert worst(ds["losses"], want) <= LOSS_BOUND, (ds["losses"], want)
+    assert abs(ds["losses"][0] - want[0]) <= LOSS_BOUND
+    assert worst(ds["losses"], want) <= (BF16_BOUND if bf16 else LOSS_BOUND), (ds["losses"], want)
     assert ds["lrs"] == mz["lrs"][SAVE_AFTER:] and ds["global_steps"] == STEPS
     assert ds["client"] == {"next_step": SAVE_AFTER, "note": "peer"}
     # DeepSpeed's zero_to_fp32 on megazero's files: the fp32 masters megazero held (its own zero_to_fp32 of
@@ -202,3 +143,24 @@ def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage)
     assert sorted(theirs) == sorted(ours)
     differ = [k for k in ours if not theirs[k].float().equal(ours[k])]
     assert not differ, differ
+    # plain types: weights_only reads every file but ZeRO-3's optimizer files, which name DeepSpeed's loss
+    # scaler class only (its ZeRO-3 loader calls the scaler's methods); megazero's reader allows that one
+    tag = ckpt / "global_step3"
+    refused = {f.name: _refused(f) for f in sorted(tag.iterdir())}
+    optim = [f"{'bf16_' if bf16 else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    models = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)] if stage == 3
+              else ["mp_rank_00_model_states.pt"])
+    assert sorted(refused) == sorted(optim + models)
+    scaler = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    assert refused == {n: (scaler if stage == 3 and n in optim else None) for n in refused}, refused
+    for f in tag.iterdir():
+        read_file(str(f))
+
+
+def _refused(path):
+    """The global a plain ``torch.load(weights_only=True)`` refuses in ``path``, or None."""
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - the refused global is what is checked
+        return str(err).split("GLOBAL ")[-1].split(" ")[0]
+    return None
