@@ -116,6 +116,13 @@ def _moe_families(t, name):
                                   n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                                   routed_scaling_factor=2.5, num_nextn_predict_layers=0, rope_parameters=yarn,
                                   tie_word_embeddings=False)
+    if name == "qwen3-next":  # Gated DeltaNet, then gated attention (RoPE on a quarter of each head, q/k
+        # norms); 1 + weight norms; renormalised top-2 of 8 experts beside a gated shared expert
+        return t.Qwen3NextConfig(**dict(SHAPE, intermediate_size=48), head_dim=16, num_experts=8, **MOE,
+                                 moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                 tie_word_embeddings=False)
     raise KeyError(name)
 
 
@@ -127,15 +134,16 @@ def family_config(name):
 FAMILIES = ["llama3-rope-scaling", "llama-linear-rope", "llama-yarn", "llama-dynamic", "qwen2",
             "qwen2-untied", "qwen2-window", "mistral", "mistral-window", "qwen3", "gemma", "gemma2", "gemma3",
             "llama4", "phi3", "olmo2", "smollm3", "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss",
-            "glm4-moe", "deepseek-v3"]
-MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe", "deepseek-v3"]
+            "glm4-moe", "deepseek-v3", "qwen3-next"]
+MOE_FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "glm4-moe", "deepseek-v3",
+                "qwen3-next"]
 EXPORTED_AS = {"qwen2": "Qwen2", "qwen2-untied": "Qwen2", "qwen2-window": "Qwen2", "mistral": "Mistral",
                "mistral-window": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma2",
                "gemma3": "Gemma3", "llama4": "Llama4", "llama4-moe": "Llama4",
                "phi3": "Phi3", "olmo2": "Olmo2", "smollm3": "SmolLM3", "mixtral": "Mixtral",
                "qwen2-moe": "Qwen2Moe", "qwen3-moe": "Qwen3Moe", "olmoe": "Olmoe",
                "gpt-oss": "GptOss", "glm4-moe": "Glm4Moe",
-               "deepseek-v3": "DeepseekV3"}  # the others: LLaMA
+               "deepseek-v3": "DeepseekV3", "qwen3-next": "Qwen3Next"}  # the others: LLaMA
 
 
 def hf_model(name, **over):
