@@ -240,7 +240,7 @@ def check_weights(src: str, weights, cfg, skeleton, arch: str, allow_unused: boo
                               f"{name} the shape {list(t.shape)}; the model {config} describes needs {want}")
     unused = [n for n in weights.names() if n not in used and not unneeded_buffer(n, arch)]
     unused = [n for n in unused if not _mtp_copy(n, weights, cfg)]
-    embeddings = EMBEDDINGS["gpt2" if arch == "gpt2" else "llama"]
+    embeddings = EMBEDDINGS.get(arch, EMBEDDINGS["llama"])  # GPT-2's, Mamba2's and NemotronH's their own
     if "lm_head.weight" in unused and not cfg.model.untie_embeddings_and_output_weights \
             and embeddings in used and weights.same("lm_head.weight", embeddings):
         unused.remove("lm_head.weight")  # some exports of a tied model write the head too

@@ -158,6 +158,28 @@ def test_the_streaming_converter_round_trips_every_tensor(family, tmp_path):
         assert json.load(fh)["model_type"] == hf.config.model_type
 
 
+def test_original_mamba2_files_import(tmp_path):
+    """The original Mamba-2 files' embeddings name (``backbone.embedding.weight``); files of a tied model
+    that write the head out too."""
+    from safetensors.torch import save_file
+    from models.hf_convert import to_hf as ckpt_to_hf, to_megazero
+    hf = hf_model("mamba2-tied-bias")
+    hf.save_pretrained(str(tmp_path / "hf"))
+    tensors = _safetensors(str(tmp_path / "hf"))
+    for i, rename in enumerate([False, True]):
+        files = dict(tensors)
+        if rename:
+            files["backbone.embedding.weight"] = files.pop("backbone.embeddings.weight")
+        else:
+            files["lm_head.weight"] = files["backbone.embeddings.weight"].clone()
+        save_file(files, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+        to_megazero(str(tmp_path / "hf"), str(tmp_path / f"ckpt{i}"))
+        ckpt_to_hf(str(tmp_path / f"ckpt{i}"), str(tmp_path / f"back{i}"))
+        back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / f"back{i}"),
+                                                                 dtype=torch.float32).eval()
+        assert torch.equal(_logits(back), _logits(hf))
+
+
 @pytest.mark.parametrize("name,over,needle", [
     ("mamba2", dict(use_conv_bias=False), "use_conv_bias=False; megazero's Mamba-2 conv always has a bias"),
     ("mamba2", dict(conv_kernel=3), "conv_kernel=3; megazero's Mamba-2 conv has width 4"),
