@@ -313,7 +313,9 @@ def moe_bytes(D: Dims) -> int:
     ``16 P``; the experts' input rows ``E R h`` (regrouped by expert: one copy, which every matrix of
     the grouped product reads), SwiGLU/GeGLU's gate output, activation, first product and product
     ``4 E R fe`` (GELU: its input and output ``2 E R fe``), the index of each bias's rows ``8 R``;
-    the combine's fp32 weights ``4 P``, expert outputs ``4 P h`` and weighted outputs ``4 P h``; the
+    the combine's fp32 weights ``4 P``, expert outputs ``4 P h`` and weighted outputs ``4 P h`` (with
+    ``--moe-apply-probs-on-input`` the weighted input rows ``4 P h`` in place of the expert outputs, and
+    the combine's 0/1 weights ``4 P`` beside the routing weights); the
     shared expert (:func:`mlp_bytes` at its size) and its gate's sigmoid ``E Tl`` and the shared
     output it scales ``E Tl h``.  Unequal expert loads cost more: the padded ``bmm`` pads every
     expert to the longest (:func:`megazero.moe.experts.grouped_product`)."""
@@ -322,7 +324,7 @@ def moe_bytes(D: Dims) -> int:
     experts = D.E * R * D.h + D.E * R * M.fe * (4 if D.swiglu else 2)
     if M.bias:
         experts += 8 * R * (3 if D.swiglu else 2)
-    combine = FP32 * P * (1 + 2 * D.h)
+    combine = FP32 * P * (1 + 2 * D.h) + (FP32 * P if M.probs_on_input else 0)
     shared = 0
     if M.shared_fp:
         shared = mlp_bytes(replace(D, fp=M.shared_fp))

@@ -13,6 +13,7 @@ the expert outputs add up unweighted.
   process: losses and gradient norms within R_TRAIN (fp32 SGD
   under another layout, tests/tolerance.py), tokens per expert equal; the same model weighing the
   output trains to losses over 100 x R_TRAIN away;
+- the memory estimate of one such layer equals the bytes autograd keeps (fp32, bf16);
 - top-k > 1 refused in one line naming the flag."""
 import pytest
 import torch
@@ -134,6 +135,27 @@ def test_weightless_fillers_add_nothing_with_biased_experts():
     want = torch.stack([run(int(rmap[t].nonzero()), probs[t, rmap[t]] * x[t:t + 1])[0] for t in range(6)])
     assert int(filler.sum()) > 0 and float(run(0, x[:1] * 0).detach().abs().max()) > 0.1
     torch.testing.assert_close(out, want, **TIGHT)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_memory_estimate_counts_what_the_layer_keeps(bf16):
+    """One MoE layer's forward (padded capacity: the pairs are known): the bytes autograd keeps equal
+    models.saved_activations.moe_bytes, the weighted input and the combine's 0/1 weights included."""
+    from megazero.planning.activations import dims, layer_dims
+    from megazero.training.measure import SavedTensorTracker
+    from models.moe import MoELayer
+    from models.saved_activations import moe_bytes
+    from test_memory import cfg_of
+    from test_memory_moe import MOE
+    cfg = cfg_of(1, **dict(MOE, moe_layer_freq=1, moe_router_topk=1, moe_router_score_function="sigmoid",
+                           moe_apply_probs_on_input=True, **({"bf16": True} if bf16 else {})))
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    layer = MoELayer(cfg, ParallelMesh.single(torch.device("cpu")), 0, MoEStats([0], 8, "cpu")).to(dtype)
+    tracker = SavedTensorTracker({p.untyped_storage().data_ptr() for p in layer.parameters()})
+    with tracker:
+        layer(torch.randn(16, 2, 32, dtype=dtype, requires_grad=True))
+    D = layer_dims(cfg, dims(cfg, "cpu"), 0)
+    assert D.moe.probs_on_input and tracker.peak == moe_bytes(D) > 0
 
 
 def test_topk_above_one_is_refused_by_name():

@@ -64,6 +64,7 @@ class MoEDims:
     tokens: int
     pairs: int
     rows: int
+    probs_on_input: bool = False  # --moe-apply-probs-on-input (the combine keeps its own weights too)
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,8 @@ def moe_dims(cfg, D: Dims) -> MoEDims:
                    pre_softmax=bool(moe.moe_router_pre_softmax), z_loss=bool(moe.moe_z_loss_coeff),
                    aux=aux if aux in ("aux_loss", "seq_aux_loss") else "",
                    capacity=moe.moe_expert_capacity_factor is not None, bias=bool(cfg.model.add_bias_linear),
-                   tokens=D.Tl, pairs=pairs, rows=pairs * etp)
+                   tokens=D.Tl, pairs=pairs, rows=pairs * etp,
+                   probs_on_input=bool(moe.moe_apply_probs_on_input))
 
 
 class Segment(NamedTuple):
