@@ -222,6 +222,12 @@ def test_the_flag_changes_the_training(one_process):
     assert gap > 100 * R_TRAIN, gap
 
 
+def test_modelopt_spelling_sets_the_flag():
+    base = [f for f in FLAGS if f != "--moe-apply-probs-on-input"]
+    assert not parse_args(base).moe.moe_apply_probs_on_input
+    assert parse_args(base + ["--export-moe-apply-probs-on-input"]).moe.moe_apply_probs_on_input
+
+
 def test_flag_validates():
     cfg = validate(config_from_dict(dict(LLAMA4)), world_size=1)
     assert cfg.moe.moe_apply_probs_on_input and cfg.moe.moe_router_topk == 1

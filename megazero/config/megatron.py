@@ -41,6 +41,7 @@ SWITCHES: Dict[str, Tuple[str, Any]] = {  # flag -> (setting, value)
     "--openai-gelu": ("activation", "gelu"),
     "--quick-geglu": ("activation", "quick_geglu"),
     "--export-qk-l2-norm": ("qk_l2_norm", True),  # ModelOpt's name of Llama 4's q/k norm
+    "--export-moe-apply-probs-on-input": ("moe_apply_probs_on_input", True),  # ModelOpt's, Llama 4's experts
     "--squared-relu": ("activation", "squared_relu"),
     "--disable-use-tokenizer-model-from-checkpoint-args": ("no_use_tokenizer_model_from_checkpoint_args",
                                                            True),

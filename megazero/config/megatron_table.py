@@ -249,7 +249,6 @@ MODELOPT_REFUSED: Dict[str, str] = {
     "--freeze-base-for-mtp": "training the multi-token prediction depths alone (the base frozen) is not "
                              "implemented; --mtp-num-layers trains them with the model",
     "--modelopt-enabled": "ModelOpt (quantized or distilled) models and checkpoints are not implemented",
-    "--export-moe-apply-probs-on-input": _MOE,
     "--export-offline-model": "ModelOpt's offline speculative-decoding model (embedding and output layer "
                               "only) is not implemented",
     **_each("fine-tuning on a Hugging Face dataset (ModelOpt) is not implemented: tokenize it with "
