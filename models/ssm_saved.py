@@ -19,6 +19,11 @@ Where a reshape is a view rather than a copy (one group or key head on the rank:
 tensor a later op saves is the storage it views: the in-projection's output (the gate ``z``) or the
 SiLU's output (Mamba-2's ``x``, Gated DeltaNet's values); the figures follow those cases.
 
+Context parallelism (each rank holds two halves of its share, :mod:`megazero_models.ssm_cp`): the conv
+and the scan or rule run per half, and the chunk states chain across the ``2 cp`` chunks
+(:func:`_mamba_cp`, :func:`_deltanet_cp`); the CP ranks keep different amounts, and the figure is
+the largest.
+
 Selective recomputation (``recompute_core``): the mixer keeps its in-projection's input and output
 ``E T F`` and the out-projection's input; the conv, scan and norm replay in backward and hold what
 :func:`replay_bytes` says while the replay's backward runs.
@@ -103,25 +108,55 @@ def deltanet_parts(D) -> dict:
     channels (``n``), ``H`` value heads of ``dv`` channels (``p``)."""
     M, T, b = D.ssm, D.T, D.b
     H, dv, dk, g = M.heads, M.head_dim, M.state, M.groups
-    L, c, S = _chunks(D)
+    S = _chunks(D)[2]
     parts = _common(D)
     # q and k's L2 norms: their inputs (the SiLU's output, or fp32 copies of q and k) and rsqrt
     qk = FP32 * 2 * T * g * dk if D.half else D.E * T * M.ch
     parts["qk_norm"] = qk + 2 * FP32 * T * g
     parts["gates"] = 3 * FP32 * T * H + 2 * FP32 * H  # sigmoid, softplus input and output, exp, -exp
-    # the chunked rule: masks, decays, k k^T and q k^T laid out for their products, the system and its
-    # solution, padded q, k, v, beta, the exp(G)s; each chunk's state, u and decay
+    parts["rule"] = _deltanet_cp(D) if D.cp > 1 else _delta_rule(D, D.s, dv)
+    if D.cp > 1:  # the conv runs on each half from the tail of the chunk before it
+        parts["conv_input"] = D.E * b * M.ch * (D.s + 2 * (M.kernel - 1))
+    # the norm (fp32): the gate's input and SiLU, its input (padded o, or a copy), rsqrt, products
+    gate_input = D.E * T * M.F if (g == 1 and not D.half) else FP32 * T * M.d
+    o_in = FP32 * T * M.d + FP32 * dv if D.half else FP32 * b * H * (S if D.cp == 1 else D.s) * dv
+    parts["norm"] = gate_input + o_in + FP32 * T * H + 3 * FP32 * T * M.d
+    return parts
+
+
+def _delta_rule(D, s: int, dv: int) -> int:
+    """:func:`megazero_models.delta_rule.gated_delta_chunked` over ``s`` positions with values of ``dv``
+    channels from a zero state: the masks, decays, ``k k^T`` and ``q k^T`` laid out for their products,
+    the system and its solution, padded q, k, v, beta, the exp(G)s; each chunk's state, u and decay."""
+    M, b = D.ssm, D.b
+    H, dk = M.heads, M.state
+    L, c, S = _chunks(D, s)
     rule = 2 * L * L + FP32 * b * H * c * L * L * 6
     rule += FP32 * b * H * S * (7 * dk + dv + 5) + FP32 * b * H * S * (dv + dk)
     rule += c * FP32 * b * H * (dk * dv + L * dv + 1)
     if c > 1:
         rule += FP32 * b * H * S * dk  # q exp(G), kept once a chunk's state needs a gradient
-    parts["rule"] = rule
-    # the norm (fp32): the gate's input and SiLU, its input (padded o, or a copy), rsqrt, products
-    gate_input = D.E * T * M.F if (g == 1 and not D.half) else FP32 * T * M.d
-    o_in = FP32 * T * M.d + FP32 * dv if D.half else FP32 * b * H * S * dv
-    parts["norm"] = gate_input + o_in + FP32 * T * H + 3 * FP32 * T * M.d
-    return parts
+    return rule
+
+
+def _deltanet_cp(D) -> int:
+    """Context parallelism (``GatedDeltaNet._rule_cp``): per half the rule from a zero state and the
+    rule on zero values from the identity (values of ``dk`` channels; its first state the ``[dk, dk]``
+    identity), the gathered ``[dk, dk]`` transitions of the ``2 cp`` chunks, the chain's states (rank
+    ``r`` the ``2 cp - r`` up to its second half's start) and each half's read-out of its start (not
+    rank 0's first half, whose start is zero).  The largest CP rank's figure."""
+    M, b, cp = D.ssm, D.b, D.cp
+    H, dv, dk = M.heads, M.head_dim, M.state
+    half = D.s // 2
+    _, _, S = _chunks(D, half)
+    identity_run = _delta_rule(D, half, dk) - FP32 * b * H * dk * dk + FP32 * dk * dk
+    runs = 2 * _delta_rule(D, half, dv) + 2 * identity_run
+    trans = FP32 * 2 * cp * b * H * dk * dk
+    read = FP32 * b * H * S * dk
+
+    def rank(r):
+        return (2 * cp - r) * FP32 * b * H * dk * dv + (1 if r == 0 else 2) * read
+    return runs + trans + max(rank(0), rank(1))
 
 
 def mixer_parts(D) -> dict:

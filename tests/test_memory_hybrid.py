@@ -7,8 +7,8 @@ stack tests run a training step with the trainer's pieces (megazero.training.mea
 hooks over the whole schedule) and compare the estimate for the rank with what it measured: the
 pattern ``M*M-``, a ``G`` pattern, and Gated DeltaNet in transformer layers (``--linear-attention-freq``)
 with Qwen3-Next's attention output gate; selective and full recomputation, bf16, dropout, TP 2
-with and without sequence parallelism (one Mamba group per rank), PP 2, and Mamba-2 under CP 2 and 4
-(the estimate is the largest CP rank's figure)."""
+with and without sequence parallelism (one Mamba group per rank), PP 2, and both mixers under CP 2
+and 4 (the estimate is the largest CP rank's figure)."""
 import pytest
 import torch
 
@@ -55,9 +55,18 @@ CASES = {  # name: (settings, world size)
     "mamba-cp4": (dict(HYBRID, context_parallel_size=4, seq_length=40), 4),
     "mamba-cp2-tp2-selective-bf16": (dict(HYBRID, context_parallel_size=2, tensor_model_parallel_size=2,
                                           seq_length=28, bf16=True, recompute_granularity="selective"), 4),
+    "deltanet-cp2": (dict(HYBRID, hybrid_layer_pattern="G*G-", context_parallel_size=2, seq_length=28,
+                          **DELTANET), 2),
+    "deltanet-cp4": (dict(HYBRID, hybrid_layer_pattern="G*G-", context_parallel_size=4, seq_length=40,
+                          **DELTANET), 4),
+    "deltanet-cp2-tp2-selective-bf16": (dict(HYBRID, hybrid_layer_pattern="G*G-", context_parallel_size=2,
+                                             tensor_model_parallel_size=2, seq_length=28, bf16=True,
+                                             recompute_granularity="selective", **DELTANET), 4),
+    "linear-freq-gate-cp2": (dict(LINEAR, context_parallel_size=2, seq_length=28), 2),
 }
 SLOW = ("mamba-tp2-sp-selective", "linear-freq-gate-tp2-sp", "mamba-pp2-1f1b", "mamba-cp4",
-        "mamba-cp2-tp2-selective-bf16")  # forked ranks
+        "mamba-cp2-tp2-selective-bf16", "deltanet-cp4", "deltanet-cp2-tp2-selective-bf16",
+        "linear-freq-gate-cp2")  # forked ranks
 
 
 def _measure(settings, world):
