@@ -1,8 +1,8 @@
 """``pretrain_gpt.py --save DIR --ckpt-format torch_dist`` writes Megatron-LM's layout (issue 45, item 3).
 
-A TP 2 x PP 2 run (4 forked gloo ranks, dropout 0) saves at iterations 2 (--save-interval) and 4 (the
-end): ``DIR/iter_*`` in torch_dist (each rank writing its share of the chunks) with Megatron's args,
-iteration and consumed samples, and the tracker.  megatron-core's own loader
+A TP 2 x PP 2 run of pretrain_gpt.py (4 forked gloo ranks, dropout 0) saves at iterations 2
+(--save-interval) and 4 (the end): ``DIR/iter_*`` in torch_dist (each rank writing its share of the
+chunks) with Megatron's args, iteration and consumed samples, and the tracker.  megatron-core's own loader
 (tests/megatron_core_harness.py, TP 2) reads the last one into its GPTModel, whose forward equals
 megazero's on the saved weights within the fp32 bound.  megazero resumes from iteration 2
 (``--load DIR --ckpt-format torch_dist --use-checkpoint-args``) with the losses of the run that went
@@ -28,6 +28,30 @@ RUN = dict(mock_data=True, micro_batch_size=2, global_batch_size=8, optimizer="a
            lr_decay_iters=100, log_interval=100, ckpt_format="torch_dist")
 
 
+RUN_FLAGS = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8", "--optimizer", "adam",
+             "--lr", "1e-3", "--lr-decay-iters", "100", "--log-interval", "100",
+             "--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2"]
+FLAGS = RUN_FLAGS + [  # MODEL in Megatron-LM's flags
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--ffn-hidden-size", "48", "--vocab-size", "64",
+    "--make-vocab-size-divisible-by", "16", "--seq-length", "16", "--max-position-embeddings", "16",
+    "--swiglu",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--position-embedding-type", "rope",
+    "--rotary-base", "10000", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _pretrain(argv):
+    from models.cli import pretrain_main
+    return pretrain_main(argv)
+
+
+def _rows(path: str):
+    import json
+    return [json.loads(line) for line in open(path)]
+
+
 def _train(cfg):
     import models
     from megazero.training import train
@@ -47,12 +71,12 @@ def _logits(directory: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``(--save DIR, losses of iterations 1-4)`` of the TP 2 x PP 2 run."""
+    """``(--save DIR, losses of iterations 1-4)`` of the TP 2 x PP 2 run of pretrain_gpt.py's flags."""
     root = str(tmp_path_factory.mktemp("tdsave"))
-    cfg = config_from_dict(dict(MODEL, **RUN, train_iters=4, save=root, save_interval=2,
-                                tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
-    rows = run_ranks(_train, 4, cfg, timeout=300)[0]
-    return root, [r["loss"] for r in rows]
+    metrics = str(tmp_path_factory.mktemp("tdmetrics") / "m.jsonl")
+    argv = FLAGS + ["--train-iters", "4", "--save", root, "--save-interval", "2", "--metrics-file", metrics]
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    return root, [r["loss"] for r in _rows(metrics)]
 
 
 @pytest.mark.slow
@@ -92,13 +116,16 @@ def test_megatron_core_loads_the_save_with_megazeros_logits(saved, megatron_core
 
 @pytest.mark.slow
 def test_megazero_resumes_from_its_torch_dist_save_as_if_it_went_on(saved, tmp_path):
+    """pretrain_gpt.py --load DIR --ckpt-format torch_dist --use-checkpoint-args (no model flags: the
+    model from Megatron-LM's stored args) from iteration 2: the losses of the run that went on."""
     root, losses = saved
     load = str(tmp_path / "load")
     shutil.copytree(root, load)
-    cfg = config_from_dict(dict(RUN, load=load, ckpt_step=2, use_checkpoint_args=True, train_iters=4,
-                                tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
-    assert cfg.model.num_layers == 4 and cfg.model.activation == "swiglu"  # Megatron's stored args
-    rows = run_ranks(_train, 4, cfg, timeout=300)[0]
+    metrics = str(tmp_path / "m.jsonl")
+    argv = RUN_FLAGS + ["--load", load, "--ckpt-step", "2", "--use-checkpoint-args", "--train-iters", "4",
+                        "--metrics-file", metrics]
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    rows = _rows(metrics)
     assert [r["iteration"] for r in rows] == [3, 4]
     print("losses went on", losses, "resumed", [r["loss"] for r in rows])
     assert [r["loss"] for r in rows] == losses[2:]  # the optimizer state and data position continue
