@@ -177,11 +177,15 @@ def test_published_multi_token_prediction_tensors_are_named(tmp_path):
     assert notes == ["dropped 1 unused tensor (the first: mtp.fc.weight)"]
 
 
-def test_in_memory_export_loads_back(tmp_path):
-    hf = qwen3next_model("moe")
-    to_hf(from_hf(hf), str(tmp_path))
+@pytest.mark.parametrize("over", [{}, dict(hf_model_type=None, rotary_percent=1.0)])
+def test_in_memory_export_loads_back(over, tmp_path):
+    """``models.hf.to_hf``; also of a model no import named (``--hf-model-type`` unset: Gated DeltaNet in
+    transformer layers picks qwen3_next) with RoPE on whole heads (transformers' default is a quarter)."""
+    model = from_hf(qwen3next_model("moe"), cfg_overrides=over).eval()
+    to_hf(model, str(tmp_path))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    close_to_hf(_logits(back), _logits(hf))
+    assert back.config.rope_parameters["partial_rotary_factor"] == model.cfg.model.rotary_percent
+    close_to_hf(_logits(model), _logits(back))
 
 
 @pytest.mark.parametrize("over,needle", [
