@@ -333,3 +333,86 @@ def load_and_forward(site: str, path: str, ids: torch.Tensor, tp: int = 2, spec=
     load_torch_dist(model, path)
     common = dist_checkpointing.load_common_state_dict(path)
     return forward(model, ids), common["iteration"], vars(common["args"])
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """While megatron-core's DDP and ``DistributedOptimizer`` are built and run: tensors it asks for on
+    ``device="cuda"`` are made on the CPU, ``Tensor.cuda()`` returns the tensor, and ``Tensor.type()``
+    names a CPU float tensor ``torch.cuda.FloatTensor`` (its check that parameters are CUDA ones)."""
+    names = ("tensor", "zeros", "empty", "ones", "full", "arange")
+    saved = {n: getattr(torch, n) for n in names}
+    saved_cuda, saved_type = torch.Tensor.cuda, torch.Tensor.type
+
+    def on_cpu(fn):
+        def make(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+        return make
+
+    def type_name(self, *args, **kwargs):
+        if args or kwargs:
+            return saved_type(self, *args, **kwargs)
+        name = saved_type(self)
+        return "torch.cuda." + name[len("torch."):] if ".cuda." not in name else name
+    for n in names:
+        setattr(torch, n, on_cpu(saved[n]))
+    torch.Tensor.cuda, torch.Tensor.type = (lambda self, *a, **k: self), type_name
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)
+        torch.Tensor.cuda, torch.Tensor.type = saved_cuda, saved_type
+
+
+def megatron_distributed_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8):
+    """``(ddp, optimizer)``: megatron-core's DDP with its grad buffer and its ``DistributedOptimizer``
+    (``get_megatron_optimizer``, fp32, Adam) over the data-parallel ranks; call inside
+    :func:`cuda_tensors_on_cpu`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                            overlap_grad_reduce=False)
+    ddp = DistributedDataParallel(model.config, ddp_cfg, model)
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0, adam_beta1=betas[0],
+                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, use_distributed_optimizer=True)
+    return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def train_steps_ddp(ddp, opt, sched, steps: int, batch: int, seed: int = 3, spec=SPEC) -> None:
+    """``steps`` data-parallel steps: each rank its own ``batch`` of random tokens (cross-entropy of the
+    gathered logits), gradients reduced by megatron-core's DDP, its optimizer and scheduler stepping."""
+    g = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+    s, vocab = spec["seq_length"], spec["vocab"]
+    position = torch.arange(s).unsqueeze(0).expand(batch, s)
+    mask = torch.ones(1, 1, s, s).tril() < 0.5
+    ddp.module.train()
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, s + 1), generator=g)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        logits = ddp(ids[:, :-1], position, mask)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+        ddp.finish_grad_sync()
+        assert opt.step()[0]
+        sched.step(increment=batch * torch.distributed.get_world_size())
+    ddp.module.eval()
+
+
+def save_distributed_optimizer(model, opt, sched, directory: str, iteration: int, args, sharding: str) -> str:
+    """Megatron-LM's torch_dist checkpoint of a run with the distributed optimizer, its state saved as
+    ``sharding`` (``fully_reshardable``, ``fully_sharded_model_space``: ``optimizer.state.<kind>.<name>``
+    in the model's space; ``dp_reshardable``: ``optimizer.distributed.*`` flat buffers)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    path = os.path.join(directory, f"iter_{iteration:07d}")
+    os.makedirs(path, exist_ok=True)
+    state = dict(_common(args, iteration, 0), model=model.sharded_state_dict())
+    state["optimizer"] = opt.sharded_state_dict(state, metadata={"distrib_optim_sharding_type": sharding})
+    state["opt_param_scheduler"] = sched.state_dict()
+    dist_checkpointing.save(state, path)
+    _tracker(directory, iteration)
+    return path
