@@ -2,7 +2,8 @@
 types), Mistral and Qwen2 (with their sliding windows), Qwen3, Gemma, Gemma 2, Phi-3, OLMo 2 and SmolLM3,
 Gemma 3, Llama 4 (its MoE layers: :mod:`models.hf_llama4`), and the mixtures of experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, GLM-4.5 and DeepSeek-V3 (multi-latent attention:
-:mod:`models.hf_deepseek`; their experts: :mod:`models.hf_sigmoid_moe`).
+:mod:`models.hf_deepseek`; their experts: :mod:`models.hf_sigmoid_moe`); Qwen3-Next (Gated DeltaNet and
+gated attention in transformer layers: :mod:`models.hf_qwen3next`).
 
 - :func:`config_from_hf` (:mod:`models.hf_config`) maps a ``transformers`` config to ModelConfig field
   overrides and rejects what megazero cannot reproduce exactly (naming the field and the feature);

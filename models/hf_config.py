@@ -5,8 +5,8 @@ Mistral and Qwen2 (with their sliding windows), Qwen3 (q/k norms), Gemma and Gem
 windows), Phi-3 (fused weights), OLMo 2 (norms after each sublayer, q/k norms over all heads),
 SmolLM3 (layers without RoPE) and the mixtures of experts Mixtral, Qwen2-MoE (a shared expert with its
 sigmoid gate), Qwen3-MoE and OLMoE (:func:`moe_settings`); Gemma 3, Llama 4, gpt-oss, GLM-4.5 and
-DeepSeek-V3 (:mod:`models.hf_sigmoid_moe`, :mod:`models.hf_deepseek`).  The other direction is
-:mod:`models.hf_export`.
+DeepSeek-V3 (:mod:`models.hf_sigmoid_moe`, :mod:`models.hf_deepseek`); Qwen3-Next
+(:mod:`models.hf_qwen3next`).  The other direction is :mod:`models.hf_export`.
 
 Anything else is refused by name: :class:`ConfigError` naming the Hugging Face field, its value and
 the feature megazero lacks (or, for another architecture, what it would need).

@@ -7,6 +7,8 @@ hold a model (one line, naming the feature).  Phi-3 is never chosen by itself: i
 models as LLaMA/Mistral with fused weights, so it is written only for a model imported from one
 (or with ``--hf-model-type phi3``).  A mixture of experts (``--num-experts``) goes to the first of
 :data:`MOE_ORDER` that holds it (:func:`moe_missing`: its routing, shared expert and MoE layers).
+Gated DeltaNet in transformer layers (``--experimental-attention-variant``) or gated attention
+(``--attention-output-gate``) goes to Qwen3-Next only (:mod:`models.hf_qwen3next`).
 """
 from __future__ import annotations
 
