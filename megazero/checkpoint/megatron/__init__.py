@@ -7,12 +7,15 @@ converts the checkpoint into a megazero checkpoint of weights in ``DIR/megazero_
 at every start; the source is only read), keeping the iteration, the consumed samples and the
 learning-rate schedule's sample count (dense and mixture-of-experts GPT weights: :mod:`~.mapping`);
 the run then loads that at its own layout (any TP, PP, DP, ZeRO stage), as it loads its own
-checkpoints. The optimizer starts fresh and the generators are reseeded from ``(seed, iteration)``.
+checkpoints. Adam's state is converted with the weights when the checkpoint stores it and neither
+``--no-load-optim`` nor ``--finetune`` is given (:mod:`~.optim_state`); the generators are reseeded
+from ``(seed, iteration)``.
 ``--finetune`` keeps its meaning (weights only, iteration 0); ``--use-checkpoint-args`` reads
 Megatron-LM's stored ``args`` (:func:`saved_config`).
 
 Modules: :mod:`~.safe_load` (pickles read with an allow-list, never executed), :mod:`~.files` (the
-layout on disk, tensors read whole), :mod:`~.mapping` (names and arguments), :mod:`~.convert`.
+layout on disk, tensors read whole), :mod:`~.mapping` (names and arguments), :mod:`~.convert`,
+:mod:`~.optim_state` and :mod:`~.optim_write` (the optimizer's state).
 """
 from __future__ import annotations
 
