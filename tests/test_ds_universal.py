@@ -207,6 +207,8 @@ def _bad_inputs(ckpt: str, work: str):
             "extra": broken("extra", extra),
             "truncated": broken("truncated", truncate),
             "payload": broken("payload", payload),
+            "model_states": broken("model_states",
+                                   lambda t: os.remove(os.path.join(t, "mp_rank_00_model_states.pt"))),
             "tp": broken("tp", lambda t: copy_as(t, "mp_rank_01_model_states.pt")),
             "pipeline": broken("pipeline", lambda t: copy_as(t, "layer_01-model_states.pt")),
             "no_latest": broken("no_latest", lambda t: os.remove(os.path.join(os.path.dirname(t),
@@ -227,6 +229,8 @@ def test_a_broken_universal_checkpoint_is_refused_in_one_line(universal, tmp_pat
     assert f"{c_fc}.weight/exp_avg.pt cannot be read (" in errors["truncated"]
     assert "truncated" in errors["truncated"]
     assert f"{c_fc}.bias/fp32.pt is refused: it names posix.system" in errors["payload"] and not ran
+    assert "mp_rank_00_model_states.pt is missing: ds_to_universal.py copies the model-states files" in \
+        errors["model_states"]
     assert "converted from a tensor-parallel (mp_rank_01_model_states.pt) DeepSpeed run" in errors["tp"]
     assert "converted from a pipeline-parallel (layer_01-model_states.pt) DeepSpeed run" in errors["pipeline"]
     assert "latest_universal does not exist, and ds_config checkpoint.load_universal is true" in \

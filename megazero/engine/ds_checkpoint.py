@@ -73,7 +73,8 @@ def is_deepspeed_checkpoint(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
-    return any(n.endswith("model_states.pt") or OPTIM_NAME.match(n) for n in names)
+    universal = os.path.isfile(os.path.join(path, "zero", "optimizer_state.pt"))  # ds_to_universal.py's
+    return universal or any(n.endswith("model_states.pt") or OPTIM_NAME.match(n) for n in names)
 
 
 def read_file(path: str):
