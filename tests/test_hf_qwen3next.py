@@ -219,6 +219,22 @@ def test_export_of_what_qwen3next_cannot_hold_is_refused(over, needle, tmp_path)
         to_hf(model, str(tmp_path))
 
 
+def _tp2_logits(path):
+    from megazero.mesh import ParallelMesh
+    return _logits(from_hf(path, ParallelMesh.build(tp=2), dict(linear_chunk_size=16)).eval())
+
+
+@pytest.mark.slow
+def test_tensor_parallel_import_matches_transformers(tmp_path):
+    """``from_hf`` under TP 2 (sequence parallel for the experts): each rank holds one key head of the
+    Gated DeltaNet with its value heads, one query group and its gate rows; the logits are transformers'."""
+    from megazero.process.local_ranks import run_ranks
+    hf = qwen3next_model("moe")
+    hf.save_pretrained(str(tmp_path))
+    for got in run_ranks(_tp2_logits, 2, str(tmp_path)):
+        close_to_hf(got, _logits(hf))
+
+
 # ---- fine-tuning under TP 2 (slow) ----------------------------------------------------------------
 TRAIN_SEQ, GBS, SEED = 40, 4, 1234
 
