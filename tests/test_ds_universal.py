@@ -251,3 +251,29 @@ def test_a_script_on_a_truncated_universal_checkpoint_ends_with_one_line_and_sta
     assert codes == [2], (codes, text[-3000:])
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
     assert "transformer.wpe.weight/fp32.pt cannot be read (" in lines[0] and "truncated" in lines[0]
+
+
+def _key_errors(work: str):
+    """One rank: load_universal that is not a boolean, and load_universal without latest_universal."""
+    from megazero.checkpoint.errors import CheckpointError
+    from megazero.errors import ConfigError
+    out = {}
+    for name, value, error in (("not_bool", "yes", ConfigError), ("no_latest", True, CheckpointError)):
+        engine = _engine(32, {**ds_config(2), "checkpoint": {"load_universal": value}})
+        try:
+            engine.load_checkpoint(work)
+        except error as err:
+            out[name] = str(err)
+    return out
+
+
+def test_load_universal_is_a_boolean_and_needs_latest_universal(tmp_path):
+    """Without DeepSpeed: the ds_config key's two one-line errors (no checkpoint is read)."""
+    pytest.importorskip("transformers")
+    from megazero.process.local_ranks import run_ranks
+    (tmp_path / "latest").write_text("global_step3")
+    errors = run_ranks(_key_errors, 1, str(tmp_path), timeout=120)[0]
+    assert errors["not_bool"] == "ds_config checkpoint.load_universal = 'yes' must be true or false"
+    assert errors["no_latest"].startswith(f"{tmp_path / 'latest_universal'} does not exist, and ds_config "
+                                          "checkpoint.load_universal is true")
+    assert "\n" not in errors["no_latest"]
