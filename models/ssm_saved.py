@@ -15,9 +15,13 @@ fp32 (4 bytes whatever the compute dtype) on the padded length, and their chunke
 terms in ``b H c L^2`` and ``b H c p n`` next to the ones linear in ``S``.  The gated norm keeps
 fp32 copies (a half-precision input is widened first).
 
-Where a reshape is a view rather than a copy (one group or key head on the rank: TP = groups), the
-tensor a later op saves is the storage it views: the in-projection's output (the gate ``z``) or the
-SiLU's output (Mamba-2's ``x``, Gated DeltaNet's values); the figures follow those cases.
+Where a reshape is a view rather than a copy (one group or key head on the rank: TP = groups, or one
+head per group), the tensor a later op saves is the storage it views: the in-projection's output (the
+gate ``z``) or the SiLU's output (Mamba-2's ``x``); and where a product's operand already has the
+layout it needs (one chunk, one sequence, one group) it is not copied.  The figures follow the cases
+measured; not held exactly (measured): Mamba-2 with one head per group in a single chunk (256 bytes
+short at most), and Mamba-2 under context parallelism at micro-batch 1 (a few ``4 b H`` scalars a
+layer; 1.4 % over when each half is a single chunk).
 
 Context parallelism (each rank holds two halves of its share, :mod:`megazero_models.ssm_cp`): the conv
 and the scan or rule run per half, and the chunk states chain across the ``2 cp`` chunks
@@ -46,12 +50,13 @@ def _mamba_scan(D, s: int) -> int:
     M, b = D.ssm, D.b
     H, p, n, g = M.heads, M.head_dim, M.state, M.groups
     L, c, S = _chunks(D, s)
-    # B and C's copies for the products: two fewer with one group on the rank when the batch is one
-    # sequence or under context parallelism (where B and C are halves; measured)
-    operands = 2 if (g == 1 and (b == 1 or D.cp > 1)) else 4
+    # B and C's copies for the products: two fewer in one chunk (without CP), or with one group on the
+    # rank when the batch is one sequence or under context parallelism (B and C halves; measured)
+    operands = 2 if (g == 1 and (b == 1 or D.cp > 1)) or (c == 1 and D.cp == 1) else 4
     scan = operands * FP32 * b * S * g * n + 2 * L * L + 2 * (c + 1) ** 2
     scan += FP32 * b * c * L * L * (2 * H + g) + FP32 * b * H * (c + 1) ** 2
-    scan += 4 * FP32 * b * S * H * p + 2 * FP32 * b * H * S
+    xdt = 3 if (c == 1 and (b == 1 or g == 1) and H != g) else 4  # x dt: one copy fewer then (measured)
+    scan += xdt * FP32 * b * S * H * p + 2 * FP32 * b * H * S
     return scan + FP32 * b * H * p * n * (2 * c + 1)
 
 
@@ -86,7 +91,6 @@ def mamba_parts(D) -> dict:
     groups of ``B, C`` with ``n`` states."""
     M, T, b = D.ssm, D.T, D.b
     H, g = M.heads, M.groups
-    one_group = g == 1 and not D.half  # x and z reshape as views (module docstring)
     parts = _common(D)
     parts["dt_A"] = 2 * FP32 * T * H + 2 * FP32 * H  # softplus input and output, exp(A_log), A
     x_view = (g == 1 or H == g) and not D.half  # x reshapes as a view of the SiLU's output
@@ -96,7 +100,7 @@ def mamba_parts(D) -> dict:
         parts["conv_input"] = D.E * b * M.ch * (D.s + 2 * (M.kernel - 1))
     # the D skip, the gated norm (fp32): its input, the gate's input and SiLU, the gated product, the
     # rsqrt per group, the normalised product; in half precision fp32 copies of x, D and the scale
-    gate_input = D.E * T * M.F if one_group else FP32 * T * M.d
+    gate_input = D.E * T * M.F if _z_views_proj(D) else FP32 * T * M.d
     parts["norm"] = 4 * FP32 * T * M.d + gate_input + FP32 * T * g
     if D.half:
         parts["norm"] += FP32 * T * M.d + FP32 * H + FP32 * M.d
@@ -118,7 +122,7 @@ def deltanet_parts(D) -> dict:
     if D.cp > 1:  # the conv runs on each half from the tail of the chunk before it
         parts["conv_input"] = D.E * b * M.ch * (D.s + 2 * (M.kernel - 1))
     # the norm (fp32): the gate's input and SiLU, its input (padded o, or a copy), rsqrt, products
-    gate_input = D.E * T * M.F if (g == 1 and not D.half) else FP32 * T * M.d
+    gate_input = D.E * T * M.F if _z_views_proj(D) else FP32 * T * M.d
     o_in = FP32 * T * M.d + FP32 * dv if D.half else FP32 * b * H * (S if D.cp == 1 else D.s) * dv
     parts["norm"] = gate_input + o_in + FP32 * T * H + 3 * FP32 * T * M.d
     return parts
@@ -132,7 +136,9 @@ def _delta_rule(D, s: int, dv: int) -> int:
     H, dk = M.heads, M.state
     L, c, S = _chunks(D, s)
     rule = 2 * L * L + FP32 * b * H * c * L * L * 6
-    rule += FP32 * b * H * S * (7 * dk + dv + 5) + FP32 * b * H * S * (dv + dk)
+    # q and k's copies for k k^T and q k^T: one chunk of one sequence needs none (measured)
+    dk_terms = 3 if (c == 1 and b == 1) else 7
+    rule += FP32 * b * H * S * (dk_terms * dk + dv + 5) + FP32 * b * H * S * (dv + dk)
     rule += c * FP32 * b * H * (dk * dv + L * dv + 1)
     if c > 1:
         rule += FP32 * b * H * S * dk  # q exp(G), kept once a chunk's state needs a gradient
@@ -178,5 +184,12 @@ def replay_bytes(D) -> int:
     (the out-projection's input is the forward's)."""
     parts = mixer_parts(D)
     replay = sum(parts.values()) - parts["in_proj_input"] - parts["out_proj_input"]
-    g1 = D.ssm.groups == 1 and not D.half
-    return replay - (D.E * D.T * D.ssm.F if g1 else 0)  # the gate's view of the kept output
+    return replay - (D.E * D.T * D.ssm.F if _z_views_proj(D) else 0)  # the gate's view of the kept output
+
+
+def _z_views_proj(D) -> bool:
+    """Whether the gate ``z`` reaches the norm's fp32 SiLU as a view of the in-projection's output
+    (its reshape needs no copy, and fp32 needs no cast): one group or key head on the rank, or for
+    Gated DeltaNet one value head per key head."""
+    M = D.ssm
+    return (M.groups == 1 or (M.kind == "G" and M.heads == M.groups)) and not D.half
