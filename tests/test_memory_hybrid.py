@@ -4,7 +4,8 @@ for backward (models/ssm_saved.py), estimated and measured byte for byte.
 The mixer tests hold the formulas to autograd's saved tensors for one mixer (fp32 and bf16, sequences
 that are and are not multiples of the chunk, one and several groups per rank, two chunk sizes).  The
 stack tests run a training step with the trainer's pieces (megazero.training.measure: saved-tensor
-hooks over the whole schedule) and compare the estimate for the rank with what it measured: the
+hooks over the whole schedule) and compare the estimate for the rank with what it measured (model state
+too: parameter, gradient and optimizer bytes, equal to the byte): the
 pattern ``M*M-``, a ``G`` pattern, and Gated DeltaNet in transformer layers (``--linear-attention-freq``)
 with Qwen3-Next's attention output gate; selective and full recomputation, bf16, dropout, TP 2
 with and without sequence parallelism (one Mamba group per rank), PP 2, and both mixers under CP 2
@@ -69,23 +70,27 @@ SLOW = ("mamba-tp2-sp-selective", "linear-freq-gate-tp2-sp", "mamba-pp2-1f1b", "
         "linear-freq-gate-cp2")  # forked ranks
 
 
+STATE = ("param_bytes", "grad_bytes", "optim_bytes")
+
+
 def _measure(settings, world):
     import models
     from megazero.training.measure import measure_rank
     got = measure_rank(validate(config_from_dict(settings), world), models.build_chunks, iters=1)
-    return got["pp_rank"], got["activation_bytes"]
+    return got["pp_rank"], got["activation_bytes"], {k: got[k] for k in STATE}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
 def test_hybrid_activation_estimate_equals_measurement(name):
     settings, world = CASES[name]
     cfg = validate(config_from_dict(settings), world)
-    est = {r["pp_rank"]: r["activation_bytes"]
-           for r in estimate_stages(cfg, device="cpu", backend="gloo", saved=SAVED)}
+    rows = {r["pp_rank"]: r for r in estimate_stages(cfg, device="cpu", backend="gloo", saved=SAVED)}
     got = [_measure(settings, 1)] if world == 1 else run_ranks(_measure, world, settings, world)
-    for pp_rank in est:  # CP ranks differ (the chain of chunk states): the estimate is the largest
-        measured = [m for r, m in got if r == pp_rank]
-        assert est[pp_rank] == max(measured), (name, pp_rank, est[pp_rank], measured)
+    for pp_rank, row in rows.items():  # CP ranks differ (the chain of chunk states): the estimate is the most
+        measured = [m for r, m, _ in got if r == pp_rank]
+        assert row["activation_bytes"] == max(measured), (name, pp_rank, row["activation_bytes"], measured)
+    for pp_rank, _, state in got:  # model state: the estimator's meta-device model, bucket for bucket
+        assert {k: rows[pp_rank][k] for k in STATE} == state, (name, pp_rank)
 
 
 # ---- one mixer ----------------------------------------------------------------------------------
