@@ -113,15 +113,15 @@ def _logits(workdir, tag: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,bf16", [(2, False), (3, False), (2, True)])
-def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage, bf16):
+@pytest.mark.parametrize("stage,bf16,mappings", [(2, False, True), (3, False, False), (2, True, False)])
+def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage, bf16, mappings):
     from megazero.engine import get_fp32_state_dict_from_zero_checkpoint
     from test_deepspeed_peer import need_deepspeed
     python = need_deepspeed()
     cfg = ds_config(stage, bf16)
     plain, handing = tmp_path / "ds_config.json", tmp_path / "ds_config_handback.json"
     plain.write_text(json.dumps(cfg))
-    handing.write_text(json.dumps(dict(cfg, checkpoint={"format": "deepspeed"})))
+    handing.write_text(json.dumps(dict(cfg, checkpoint={"format": "deepspeed", "slice_mappings": mappings})))
     ckpt, native = tmp_path / "ckpt", tmp_path / "native"
     prog = handback_program()
     args = ["--config", handing, "--steps", STEPS, "--save", ckpt, "--save-after", SAVE_AFTER,
@@ -143,18 +143,38 @@ def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage,
     assert sorted(theirs) == sorted(ours)
     differ = [k for k in ours if not theirs[k].float().equal(ours[k])]
     assert not differ, differ
-    # plain types: weights_only reads every file but ZeRO-3's optimizer files, which name DeepSpeed's loss
-    # scaler class only (its ZeRO-3 loader calls the scaler's methods); megazero's reader allows that one
+    # plain types: weights_only reads every file but the optimizer files of ZeRO-3, which name DeepSpeed's
+    # loss scaler class only (its ZeRO-3 loader calls the scaler's methods), and of ZeRO 1-2 with
+    # slice_mappings, which name fragment_address only; megazero's reader allows those two
     tag = ckpt / "global_step3"
     refused = {f.name: _refused(f) for f in sorted(tag.iterdir())}
     optim = [f"{'bf16_' if bf16 else ''}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
     models = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)] if stage == 3
               else ["mp_rank_00_model_states.pt"])
     assert sorted(refused) == sorted(optim + models)
-    scaler = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-    assert refused == {n: (scaler if stage == 3 and n in optim else None) for n in refused}, refused
+    named = ("deepspeed.runtime.fp16.loss_scaler.LossScaler" if stage == 3 else
+             "deepspeed.utils.tensor_fragment.fragment_address" if mappings else None)
+    assert refused == {n: (named if n in optim else None) for n in refused}, refused
     for f in tag.iterdir():
         read_file(str(f))
+    if mappings:  # DeepSpeed's own route to another data-parallel size: its universal checkpoint
+        _universal_at_dp1(python, tmp_path, ckpt, cfg, prog, mz)
+
+
+def _universal_at_dp1(python: str, tmp_path, ckpt, cfg: dict, prog: str, mz: dict) -> None:
+    """DeepSpeed's ds_to_universal.py converts megazero's DP 2 save; DeepSpeed at DP 1 loads the universal
+    checkpoint (load_universal) and continues with the losses megazero gets continuing itself."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    subprocess.run([python, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(ckpt / "global_step3"), "--output_folder", str(ckpt / "global_step3_universal"),
+                    "--inject_missing_state"], check=True, capture_output=True, env=env, timeout=300)
+    universal = tmp_path / "ds_config_universal.json"
+    universal.write_text(json.dumps(dict(cfg, checkpoint={"load_universal": True})))
+    ds1 = run_ok(python, "deepspeed", 1, tmp_path / "ds1", ["--config", universal, "--steps",
+                                                            STEPS - SAVE_AFTER, "--load", ckpt], program=prog)
+    want = mz["losses"][SAVE_AFTER:]
+    assert worst(ds1["losses"], want) <= LOSS_BOUND, (ds1["losses"], want)
+    assert ds1["lrs"] == mz["lrs"][SAVE_AFTER:] and ds1["client"] == {"next_step": SAVE_AFTER, "note": "peer"}
 
 
 def _refused(path):

@@ -26,8 +26,10 @@ ZeRO-3 loader requires its loss scaler object in the optimizer file, so the ZeRO
 fp32 and bf16 run), written by :mod:`megazero.engine.ds_pickle`.  ZeRO 1-2 files leave the loss scaler
 out (DeepSpeed keeps the one its config builds).  Not written: fp16 (DeepSpeed's dynamic loss scaler is
 another of its objects), bf16 at ZeRO-1 and runs without ZeRO (DeepSpeed's BF16_Optimizer and
-per-parameter formats), SGD, ``param_slice_mappings`` (a DeepSpeed named tuple, read by its universal
-conversion only).  Every rank builds the whole fp32 state once (an all-gather per bucket).
+per-parameter formats), SGD.  ``param_slice_mappings`` (DeepSpeed's ``fragment_address`` objects, which
+only its ``ds_to_universal.py`` reads, at ZeRO 1-2) only with ``"checkpoint": {"slice_mappings": true}``:
+the files then name that class too.  Every rank builds the whole fp32 state once (an all-gather per
+bucket).
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def _step_tensor(engine) -> torch.Tensor:
 
 def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
     """Each rank's ``optimizer_state_dict`` at ZeRO 1-2 (see the module docstring)."""
-    files = [{"fp32": [], "state": {}, "pads": [], "groups": []} for _ in range(world)]
+    files = [{"fp32": [], "state": {}, "pads": [], "groups": [], "mappings": []} for _ in range(world)]
     for g, group in enumerate(groups):
         flat = {k: torch.cat([values[k][n] for n in group["names"]]) if group["names"] else torch.zeros(0)
                 for k in KEYS}
@@ -154,12 +156,37 @@ def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
                              "exp_avg_sq": padded["exp_avg_sq"]}
             f["pads"].append(pad)
             f["groups"].append(dict(group["settings"], params=[g]))
+            f["mappings"].append(_fragments(group["names"], values["master"], r * part, (r + 1) * part))
     clip = float(engine.cfg.optimizer.clip_grad or 0.0)
-    return [{"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip,
-             "base_optimizer_state": {"state": f["state"], "param_groups": f["groups"]},
-             "single_partition_of_fp32_groups": f["fp32"], "zero_stage": stage, "group_paddings": f["pads"],
-             "param_alignment_paddings": [[0] * len(gr["names"]) for gr in groups],
-             "partition_count": [world] * len(groups), "ds_version": DS_VERSION} for f in files]
+    out = [{"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip,
+            "base_optimizer_state": {"state": f["state"], "param_groups": f["groups"]},
+            "single_partition_of_fp32_groups": f["fp32"], "zero_stage": stage, "group_paddings": f["pads"],
+            "param_alignment_paddings": [[0] * len(gr["names"]) for gr in groups],
+            "partition_count": [world] * len(groups), "ds_version": DS_VERSION} for f in files]
+    if slice_mappings(engine):
+        for o, f in zip(out, files):
+            o["param_slice_mappings"] = f["mappings"]
+    return out
+
+
+def slice_mappings(engine) -> bool:
+    """Whether the ds_config asks for ``param_slice_mappings`` (``checkpoint.slice_mappings``)."""
+    section = engine.config.raw.get("checkpoint") or {}
+    return isinstance(section, dict) and section.get("slice_mappings") is True
+
+
+def _fragments(names: List[str], master: Dict[str, torch.Tensor], lo: int, hi: int) -> "OrderedDict":
+    """DeepSpeed's ``param_slice_mappings`` of one group on the rank holding flat ``[lo, hi)``: each
+    parameter overlapping it -> ``fragment_address(numel, start)`` (start within the partition)."""
+    from megazero.engine.ds_pickle import Foreign
+    out, offset = OrderedDict(), 0
+    for n in names:
+        a, e = max(offset, lo), min(offset + master[n].numel(), hi)
+        if a < e:
+            out[n] = Foreign("deepspeed.utils.tensor_fragment", "fragment_address",
+                             state={"numel": e - a, "start": a - lo})
+        offset += master[n].numel()
+    return out
 
 
 def _sub_groups(names: List[str], shapes, world: int, size: int) -> List[List[str]]:
