@@ -288,8 +288,8 @@ def train_steps(model, opt, sched, steps: int, batch: int = 8, seed: int = 3, sp
 def save_with_optimizer(model, opt, sched, directory: str, iteration: int, args, fmt: str) -> str:
     """Megatron-LM's checkpoint with its optimizer: torch_dist (``optimizer.sharded_state_dict`` of the
     whole state, ``optimizer.state.<moment>.<name>`` tensors sharded as the weights, the common step in
-    ``common.pt``) or legacy (``optimizer.state_dict()`` in each rank's ``model_optim_rng.pt``); the
-    scheduler's ``state_dict()`` as ``opt_param_scheduler``."""
+    ``common.pt``) or legacy (``optimizer.state_dict()`` in each rank's ``model_optim_rng.pt``, written by
+    data-parallel rank 0); the scheduler's ``state_dict()`` as ``opt_param_scheduler``."""
     if fmt == "torch_dist":
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -302,15 +302,17 @@ def save_with_optimizer(model, opt, sched, directory: str, iteration: int, args,
         dist_checkpointing.save(state, path)
         _tracker(directory, iteration)
         return path
-    path = save_legacy(model, directory, iteration, args, 0)
     from megatron.core import parallel_state
+    path = os.path.join(directory, f"iter_{iteration:07d}")
     name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    fpath = os.path.join(path, name, "model_optim_rng.pt")
-    state = torch.load(fpath, weights_only=False)
-    state.update(optimizer=opt.state_dict(), opt_param_scheduler=sched.state_dict())
-    torch.save(state, fpath)
+    if parallel_state.get_data_parallel_rank() == 0:  # one file per TP rank and stage, as Megatron-LM
+        os.makedirs(os.path.join(path, name), exist_ok=True)
+        state = dict(_common(args, iteration, 0), model=model.state_dict(), optimizer=opt.state_dict())
+        state["opt_param_scheduler"] = sched.state_dict()
+        torch.save(state, os.path.join(path, name, "model_optim_rng.pt"))
+    _tracker(directory, iteration)
     return path
 
 
@@ -367,17 +369,24 @@ def cuda_tensors_on_cpu():
         torch.Tensor.cuda, torch.Tensor.type = saved_cuda, saved_type
 
 
-def megatron_distributed_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8):
-    """``(ddp, optimizer)``: megatron-core's DDP with its grad buffer and its ``DistributedOptimizer``
-    (``get_megatron_optimizer``, fp32, Adam) over the data-parallel ranks; call inside
-    :func:`cuda_tensors_on_cpu`."""
+def megatron_distributed_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
+                                   distributed: bool = True, bf16: bool = False):
+    """``(ddp, optimizer)``: megatron-core's DDP with its grad buffer and the optimizer
+    ``get_megatron_optimizer`` makes for it (Adam): the ``DistributedOptimizer`` over the data-parallel
+    ranks, or (``distributed=False``) the non-distributed one; ``bf16``: the model's weights in bf16 and
+    fp32 main weights in the optimizer (``Float16OptimizerWithFloat16Params`` when not distributed).
+    Call inside :func:`cuda_tensors_on_cpu`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+    if bf16:
+        model.config.bf16 = True
+        model.to(torch.bfloat16)
+    ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True,
                                             overlap_grad_reduce=False)
     ddp = DistributedDataParallel(model.config, ddp_cfg, model)
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0, adam_beta1=betas[0],
-                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0, use_distributed_optimizer=True)
+                             adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0,
+                             use_distributed_optimizer=distributed, bf16=bf16)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 

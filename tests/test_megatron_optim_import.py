@@ -225,6 +225,51 @@ def test_distributed_optimizer_model_space_state_resumes(saved_distributed, tmp_
     assert _adam_mismatch(before, after, ITERATION) <= 1.0
 
 
+def _megatron_bf16_save(site, root):
+    import megatron_core_harness as harness
+    harness.setup_rank(site, tp=1)
+    args = harness.megatron_args(1, CONSUMED)
+    for distributed in (False, True):
+        model = harness.build_gpt()
+        with harness.cuda_tensors_on_cpu():
+            ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS, distributed, bf16=True)
+            sched = harness.megatron_scheduler(opt, LR)
+            harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
+            if distributed:
+                harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, "distributed"),
+                                                   ITERATION, args, "fully_reshardable")
+            else:
+                for fmt in ("torch_dist", "torch"):
+                    harness.save_with_optimizer(model, opt, sched, os.path.join(root, f"float16_{fmt}"),
+                                                ITERATION, args, fmt)
+
+
+@pytest.fixture(scope="module")
+def saved_bf16(megatron_core, tmp_path_factory):  # noqa: F811
+    """bf16 weights with fp32 main weights in the optimizer (DDP over 2 ranks, TP 1, 3 steps):
+    ``float16_torch_dist`` / ``float16_torch`` (``Float16OptimizerWithFloat16Params``:
+    ``optimizer.state.fp32_param.<name>``; legacy ``fp32_from_fp16_params``) and ``distributed``
+    (``DistributedOptimizer``, fully_reshardable: ``optimizer.state.param.<name>``)."""
+    root = str(tmp_path_factory.mktemp("megatron_bf16"))
+    run_ranks(_megatron_bf16_save, 2, megatron_core, root, timeout=180)
+    return root, None
+
+
+@pytest.mark.parametrize("kind", ["float16_torch_dist", "float16_torch", "distributed"])
+def test_bf16_run_resumes_from_its_fp32_main_weights(saved_bf16, kind, tmp_path):
+    """The fp32 main weights, not the bf16 weights, become megazero's masters (each rounds to its bf16
+    weight, and they are not all bf16 values); the first bf16 step is Adam's from the saved state."""
+    from megazero.checkpoint.megatron.files import MegatronCheckpoint
+    before, after, _, _ = _resume(saved_bf16, kind, tmp_path, bf16=True)
+    assert _adam_mismatch(before, after, ITERATION) <= 1.0
+    weights = MegatronCheckpoint(os.path.join(saved_bf16[0], kind))
+    stored = weights.tensor(*(("decoder.layers.1.self_attention.linear_qkv.weight",) if kind.endswith("torch")
+                              else ("decoder.layers.self_attention.linear_qkv.weight", False, 1)))
+    master = before[0]["decoder.1.attention.qkv.weight"]
+    assert torch.equal(master.bfloat16().float(), stored)
+    assert not torch.equal(master, stored)
+
+
 # ---- bad input: one line, exit status 2 ----------------------------------------------------
 def _cli(load, capsys, monkeypatch, *extra):
     from models.cli import model_provider
