@@ -239,3 +239,23 @@ def test_planner_sees_recurrent_layers_grow_linearly_and_attention_quadratically
     assert len({g for _, g in mamba}) == 1
     assert [g for _, g in attention] == [attention[0][1] * 4 ** i for i in range(3)]
     assert _planner_figures("M-M-", 4096, mamba_chunk_size=256)[0] > mamba[1][0]
+
+
+def test_estimate_memory_prints_the_generation_state(capsys):
+    """``estimate_memory.py`` on a hybrid stack: the table, and the bytes a decode holds (its JSON rows
+    carry ``generation_state_bytes``, the same figure)."""
+    import json
+    from megazero.planning.generation import generation_state
+    from models.cli import estimate_memory_main
+    settings = dict(num_layers=4, hybrid_layer_pattern="M*M-", hidden_size=64, num_attention_heads=4,
+                    mamba_num_heads=8, mamba_head_dim=16, mamba_num_groups=2, seq_length=256, vocab_size=512,
+                    micro_batch_size=2, global_batch_size=2, position_embedding_type="none")
+    flags = [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))] + ["--bf16"]
+    assert estimate_memory_main(["--world-size", "1"] + flags) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("generation:")]
+    assert estimate_memory_main(["--world-size", "1", "--json"] + flags) == 0
+    row = json.loads(capsys.readouterr().out)["stages"][0]
+    assert row["generation_state_bytes"] > 0 and len(line) == 1
+    assert f"{row['generation_state_bytes'] / 2 ** 30:.3f} GiB" in line[0]
+    cfg = validate(config_from_dict(dict(settings, bf16=True, mock_data=True)), 1)
+    assert row["generation_state_bytes"] == generation_state(cfg)["total"]

@@ -140,6 +140,9 @@ def _print_estimate(cfg, rows: List[dict], world: int, device: str) -> None:
         print(f"{r['zero_stage']:>4} {r['pp_rank']:>3} " + " ".join(f"{v / GIB:>8.3f}" for v in vals)
               + where.get(r["optim_device"], "")
               + ("  (parameters on NVMe)" if r["param_device"] == "nvme" else ""))
+    print(f"generation: {rows[0]['generation_state_bytes'] / GIB:.3f} GiB on a rank of stage "
+          f"{rows[0]['pp_rank']} to decode --micro-batch-size sequences of --seq-length tokens (KV caches, "
+          "conv and recurrent states; not in the total)")
     if rss:
         print("rss: a rank's peak resident memory (total + host + this process's own resident memory, "
               f"{rss_bytes() / GIB:.3f} GiB, for the interpreter and libraries)")
