@@ -74,26 +74,69 @@ def _engine(config: dict):
     return deepspeed.initialize(model=model, model_parameters=groups, config=config)[0]
 
 
-def _bad_format(work: str):
+def _step(engine, seed: int) -> float:
+    """One optimizer step on one rank (8 sequences as 4 micro-batches of 2); the mean loss."""
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
+    total = 0.0
+    for m in range(0, 8, 2):
+        loss = engine(input_ids=x[m:m + 2], labels=x[m:m + 2]).loss
+        engine.backward(loss)
+        engine.step()
+        total += float(loss)
+    return total / 4
+
+
+def _logits_of(engine) -> torch.Tensor:
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(999))
+    with torch.no_grad():
+        return engine(input_ids=x).logits.float()
+
+
+def _one_rank(work: str):
+    """One rank, no DeepSpeed: ZeRO-2 three steps, saved in DeepSpeed's layout; a fresh engine (the same
+    initial weights) reads it back with megazero's DeepSpeed reader; then the refusals."""
     from megazero.errors import ConfigError
     engine = _engine(ds_config(2))
+    for seed in range(SAVE_AFTER):  # the first two updates run at the warm-up's rate 0
+        _step(engine, seed)
+    engine.save_checkpoint(work, client_state={"next_step": SAVE_AFTER}, format="deepspeed")
+    fresh = _engine(ds_config(2))
+    before = _logits_of(fresh)
+    _, client = fresh.load_checkpoint(work)
+    no_moments = _engine(ds_config(2))
+    no_moments.load_checkpoint(work, load_optimizer_states=False)
+    got = {"saved": _logits_of(engine), "before": before, "loaded": _logits_of(fresh), "client": client,
+           "next": [[_step(e, t) for t in (SAVE_AFTER, SAVE_AFTER + 1)] for e in (engine, fresh)],
+           "no_moments": [_step(no_moments, t) for t in (SAVE_AFTER, SAVE_AFTER + 1)],
+           "files": sorted(os.listdir(os.path.join(work, f"global_step{SAVE_AFTER}")))}
     errors = []
     for call in (lambda: engine.save_checkpoint(work, format="foo"),
-                 lambda: _engine(dict(ds_config(2), checkpoint={"format": "foo"}))):
+                 lambda: _engine(dict(ds_config(2), checkpoint={"format": "foo"})),
+                 lambda: engine.save_checkpoint(work, client_state={"module": 1}, format="deepspeed"),
+                 lambda: _engine(dict(ds_config(2), fp16={"enabled": True})).save_checkpoint(
+                     work, format="deepspeed")):
         try:
             call()
         except ConfigError as err:
             errors.append(str(err))
-    return errors
+    return got, errors
 
 
-def test_a_bad_format_is_one_line_naming_the_choices(tmp_path):
-    errors = run_ranks(_bad_format, 1, str(tmp_path))[0]
+def test_megazero_reads_back_its_deepspeed_layout_and_bad_input_is_one_line(tmp_path):
+    got, errors = run_ranks(_one_rank, 1, str(tmp_path))[0]
+    assert got["files"] == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    # the weights: the loaded logits are the saved ones, far from the fresh engine's; the Adam state: the
+    # loss after the next update is the same, which it is not without the moments
+    assert got["loaded"].equal(got["saved"]) and (got["before"] - got["saved"]).abs().max() > 1e-3
+    assert got["next"][0] == got["next"][1] and got["client"]["next_step"] == SAVE_AFTER
+    assert got["no_moments"][0] == got["next"][0][0] and abs(got["no_moments"][1] - got["next"][0][1]) > 1e-4
     assert errors[0].startswith("save_checkpoint format='foo' is not one of megazero, deepspeed")
     assert errors[1] == ('ds_config checkpoint.format = "foo" is not supported (the layout '
                          "engine.save_checkpoint writes: megazero's own or DeepSpeed's, docs/migration.md); "
                          'remove it or give "megazero" or "deepspeed"')
-    assert all("\n" not in e for e in errors) and not os.listdir(tmp_path)
+    assert "client_state key 'module' is one of DeepSpeed's own keys" in errors[2]
+    assert errors[3].startswith("save_checkpoint(format='deepspeed') does not write fp16")
+    assert len(errors) == 4 and all("\n" not in e for e in errors)
 
 
 def _deepspeed_fp32(python: str, ckpt, out) -> dict:
