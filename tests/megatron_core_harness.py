@@ -425,3 +425,20 @@ def save_distributed_optimizer(model, opt, sched, directory: str, iteration: int
     dist_checkpointing.save(state, path)
     _tracker(directory, iteration)
     return path
+
+
+def save_legacy_distributed(model, opt, sched, directory: str, iteration: int, args) -> str:
+    """Megatron-LM's legacy checkpoint of a distributed-optimizer run: each ``mp_rank_*`` directory's
+    ``model_optim_rng.pt`` (the optimizer's parameter groups only) and ``distrib_optim.pt``
+    (``save_parameter_state``: the flat buffers gathered on data-parallel rank 0)."""
+    from megatron.core import parallel_state
+    path = os.path.join(directory, f"iter_{iteration:07d}")
+    rank_dir = os.path.join(path, f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}")
+    os.makedirs(rank_dir, exist_ok=True)
+    if parallel_state.get_data_parallel_rank() == 0:
+        state = dict(_common(args, iteration, 0), model=model.state_dict(), optimizer=opt.state_dict())
+        state["opt_param_scheduler"] = sched.state_dict()
+        torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+    opt.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+    _tracker(directory, iteration)
+    return path

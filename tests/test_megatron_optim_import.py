@@ -200,12 +200,13 @@ def _megatron_distributed_save(site, root):
         for sharding in SHARDINGS:
             harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, sharding), ITERATION,
                                                args, sharding)
+        harness.save_legacy_distributed(model, opt, sched, os.path.join(root, "legacy"), ITERATION, args)
 
 
 @pytest.fixture(scope="module")
 def saved_distributed(megatron_core, tmp_path_factory):  # noqa: F811
     """megatron-core's DistributedOptimizer (DDP over 2 ranks, TP 1) after 3 steps, saved in each of
-    ``SHARDINGS`` (torch_dist)."""
+    ``SHARDINGS`` (torch_dist) and in the legacy format (``legacy``: ``distrib_optim.pt``)."""
     root = str(tmp_path_factory.mktemp("megatron_distopt"))
     run_ranks(_megatron_distributed_save, 2, megatron_core, root, timeout=180)
     return root, None
@@ -316,6 +317,8 @@ def _edit_rank(site, src, rank, damage):
     ("dp_reshardable", r"the distributed optimizer's state is saved as dp_reshardable "
                        r"\(optimizer\.distributed\..*\), which megazero does not read \(save it with "
                        r"--dist-ckpt-optim-fully-reshardable\); pass --no-load-optim"),
+    ("distrib_optim.pt", r"mp_rank_00/distrib_optim\.pt is Megatron-LM's distributed optimizer state, which "
+                         r"megazero does not read yet; pass --no-load-optim"),
     ("other schedule", r"the learning-rate schedule differs from the checkpoint's: --lr 0\.001 in the "
                        r"checkpoint, "
                        r"0\.002 in this run"),
@@ -323,8 +326,9 @@ def _edit_rank(site, src, rank, damage):
 def test_bad_optimizer_state_is_one_line_and_exit_2(saved, saved_distributed, megatron_core,  # noqa: F811
                                                     tmp_path, capsys, monkeypatch, damage, needle):
     src = str(tmp_path / "src")
-    if damage == "dp_reshardable":
-        shutil.copytree(os.path.join(saved_distributed[0], "dp_reshardable"), src)
+    if damage in ("dp_reshardable", "distrib_optim.pt"):
+        kind = "legacy" if damage == "distrib_optim.pt" else damage
+        shutil.copytree(os.path.join(saved_distributed[0], kind), src)
     else:
         shutil.copytree(os.path.join(saved[0], "torch"), src)
     extra = []
