@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megazero.checkpoint.errors import CheckpointError
-from megazero.engine.ds_checkpoint import MODEL_STATES, read_file
+from megazero.engine.ds_files import MODEL_STATES, read_file
 from megazero.errors import ConfigError
 
 LATEST_UNIVERSAL = "latest_universal"
