@@ -74,8 +74,9 @@ CHECKPOINT = {
     # megazero's own key (DeepSpeed ignores it): the layout save_checkpoint writes (megazero.engine.ds_save)
     "format": (FIXED, ("megazero", "deepspeed"), "the layout engine.save_checkpoint writes: megazero's own "
                                                  "or DeepSpeed's, docs/migration.md"),
-    "slice_mappings": (FIXED, (False, True), "with format deepspeed, true also writes DeepSpeed's "
-                                             "param_slice_mappings for its ds_to_universal.py"),
+    # read by megazero.engine.ds_save (true or false; training is the same either way)
+    "slice_mappings": (INERT, False, "with format deepspeed, the checkpoint also holds DeepSpeed's "
+                                     "param_slice_mappings for its ds_to_universal.py"),
 }
 
 DATA_TYPES = {

@@ -65,6 +65,7 @@ def _check_supported(engine, client_state: dict) -> int:
     from megazero.engine.checkpointing import _not_plain
     from megazero.engine.ds_checkpoint import DS_KEYS
     stage = engine.zero_optimization_stage()
+    slice_mappings(engine)  # a valid value, before any collective
     what = None
     if engine.fp16_enabled():
         what = "fp16 (DeepSpeed keeps its dynamic loss scaler as a pickled object of its own)"
@@ -172,7 +173,10 @@ def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
 def slice_mappings(engine) -> bool:
     """Whether the ds_config asks for ``param_slice_mappings`` (``checkpoint.slice_mappings``)."""
     section = engine.config.raw.get("checkpoint") or {}
-    return isinstance(section, dict) and section.get("slice_mappings") is True
+    value = section.get("slice_mappings", False) if isinstance(section, dict) else False
+    if not isinstance(value, bool):
+        raise ConfigError(f"ds_config checkpoint.slice_mappings must be true or false, got {value!r}")
+    return value
 
 
 def _fragments(names: List[str], master: Dict[str, torch.Tensor], lo: int, hi: int) -> "OrderedDict":
