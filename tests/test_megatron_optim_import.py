@@ -304,6 +304,29 @@ def _edit_rank(site, src, rank, damage):
     run_ranks(_edit_in_rank, 1, site, path, damage, timeout=60)
 
 
+def _drop_from_index(src, damage):
+    """Rewrite the torch_dist index (a trusted pickle of the test's own) without one optimizer tensor
+    (``missing moment``) or without TP rank 1's chunk of one (``missing chunk``)."""
+    import pickle
+    path = os.path.join(src, f"iter_{ITERATION:07d}", ".metadata")
+    with open(path, "rb") as fh:
+        meta = pickle.load(fh)
+    if damage == "missing moment":
+        name = "optimizer.state.exp_avg_sq.output_layer.weight"
+        del meta.state_dict_metadata[name]
+        gone = [i for i in meta.storage_data if i.fqn == name]
+    else:
+        name = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
+        gone = [i for i in meta.storage_data if i.fqn == name and i.offset is not None and any(i.offset)]
+        chunks = meta.state_dict_metadata[name].chunks
+        chunks[:] = [c for c in chunks if not any(c.offsets)]
+    assert gone
+    for index in gone:
+        del meta.storage_data[index]
+    with open(path, "wb") as fh:
+        pickle.dump(meta, fh)
+
+
 @pytest.mark.parametrize("damage,needle", [
     ("other shape", r"mp_rank_01/model_optim_rng\.pt: the optimizer's exp_avg of "
                     r"decoder\.layers\.0\.self_attention"
@@ -319,6 +342,10 @@ def _edit_rank(site, src, rank, damage):
                        r"--dist-ckpt-optim-fully-reshardable\); pass --no-load-optim"),
     ("distrib_optim.pt", r"mp_rank_00/distrib_optim\.pt is Megatron-LM's distributed optimizer state, which "
                          r"megazero does not read yet; pass --no-load-optim"),
+    ("missing moment", r"the Megatron-LM optimizer state holds no exp_avg_sq for megazero's "
+                       r"output_layer\.weight; pass --no-load-optim"),
+    ("missing chunk", r"the stored chunks of optimizer\.state\.exp_avg\.decoder\.layers\.self_attention\."
+                      r"linear_qkv\.weight do not cover it; pass --no-load-optim"),
     ("other schedule", r"the learning-rate schedule differs from the checkpoint's: --lr 0\.001 in the "
                        r"checkpoint, "
                        r"0\.002 in this run"),
@@ -326,7 +353,10 @@ def _edit_rank(site, src, rank, damage):
 def test_bad_optimizer_state_is_one_line_and_exit_2(saved, saved_distributed, megatron_core,  # noqa: F811
                                                     tmp_path, capsys, monkeypatch, damage, needle):
     src = str(tmp_path / "src")
-    if damage in ("dp_reshardable", "distrib_optim.pt"):
+    if damage in ("missing moment", "missing chunk"):
+        shutil.copytree(os.path.join(saved[0], "torch_dist"), src)
+        _drop_from_index(src, damage)
+    elif damage in ("dp_reshardable", "distrib_optim.pt"):
         kind = "legacy" if damage == "distrib_optim.pt" else damage
         shutil.copytree(os.path.join(saved_distributed[0], kind), src)
     else:

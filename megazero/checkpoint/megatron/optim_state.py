@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN = "fp32_param"
@@ -52,7 +52,10 @@ class StateView:
     def tensor(self, name: str, glu: bool = False, layer: Optional[int] = None) -> torch.Tensor:
         if self.legacy is not None:
             return self.ck.tensor(name, glu=glu, fetch=self.legacy.fetcher(self.kind))
-        return self.ck.tensor(f"{PREFIX}{self.kind}.{name}", layer=layer)
+        try:
+            return self.ck.tensor(f"{PREFIX}{self.kind}.{name}", layer=layer)
+        except CheckpointCorrupt as err:  # a chunk of the optimizer's state missing or damaged
+            raise CheckpointCorrupt(f"{err}{FRESH}") from None
 
 
 class LegacyOptimizer:
