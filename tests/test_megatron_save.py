@@ -206,3 +206,25 @@ def test_megazeros_own_checkpoint_of_the_same_iteration_is_never_replaced(tmp_pa
         _train(config_from_dict(dict(base, load=root, finetune=True)))
     assert open(os.path.join(root, "iter_0000002", "metadata.json")).read() == before
     assert complete_iterations(root) == [2]
+
+
+@pytest.mark.slow
+def test_the_megatron_files_alone_resume_with_adams_state(saved, tmp_path):
+    """Without megazero_state, --load converts the torch_dist files, Adam's moments and step included
+    (megatron-core's optimizer.state.exp_avg.* names): the losses of the run that went on."""
+    root, losses = saved
+    load = str(tmp_path / "load")
+    shutil.copytree(root, load, ignore=shutil.ignore_patterns("megazero_state"))
+    metrics = str(tmp_path / "m.jsonl")
+    argv = RUN_FLAGS + ["--load", load, "--ckpt-step", "2", "--use-checkpoint-args", "--train-iters", "4",
+                        "--metrics-file", metrics]
+    assert run_ranks(_pretrain, 4, argv, timeout=300) == [0] * 4
+    rows = _rows(metrics)
+    print("converted path: went on", losses, "resumed", [r["loss"] for r in rows])
+    assert [r["iteration"] for r in rows] == [3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx(losses[2:], rel=1e-6)
+    argv[argv.index(metrics)] = metrics = str(tmp_path / "fresh.jsonl")  # the control: a fresh optimizer
+    assert run_ranks(_pretrain, 4, argv + ["--no-load-optim"], timeout=300) == [0] * 4
+    fresh = _rows(metrics)[-1]["loss"]
+    print("--no-load-optim: iteration 4", fresh)
+    assert abs(fresh - losses[3]) > 1e-4 * losses[3]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -37,6 +37,7 @@ class Piece:
     sources: Tuple[str, ...]
     pad: int = 0
     stacked: bool = False
+    key: str = "master"  # what of the megazero parameter: its master weight or an optimizer moment
 
     @property
     def numel(self) -> int:
@@ -60,8 +61,22 @@ def _layer_target(rest: str, model: dict, prefix: str, name: str) -> Optional[Tu
     raise CheckpointError(f"--ckpt-format torch_dist: {name} has no megatron-core name here")
 
 
-def pieces(shapes: Dict[str, Tuple[int, ...]], model: dict) -> List[Piece]:
-    """The chunks of megatron-core's tensors for megazero parameters of whole (unpadded) ``shapes``."""
+def optimizer_kinds(meta: dict, config: dict) -> List[Tuple[str, str]]:
+    """``(megatron-core's state name, megazero's key)`` of the optimizer state written with the weights:
+    Adam's moments (and, with bf16 weights, the fp32 main weights as ``fp32_param``), as megatron-core's
+    non-distributed optimizer saves them; none for another optimizer or fp16 (its loss scaler)."""
+    opt = meta.get("optimizer") or {}
+    precision = config.get("precision", {})
+    if opt.get("name") != "adam" or "exp_avg" not in (opt.get("state_names") or []) or precision.get("fp16"):
+        return []
+    kinds = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")]
+    return kinds + ([("fp32_param", "master")] if precision.get("bf16") else [])
+
+
+def pieces(shapes: Dict[str, Tuple[int, ...]], model: dict, kinds=()) -> List[Piece]:
+    """The chunks of megatron-core's tensors for megazero parameters of whole (unpadded) ``shapes``, and
+    of the optimizer state ``kinds`` (:func:`optimizer_kinds`) under megatron-core's names
+    (``optimizer.state.<kind>.<weight's name>``, chunked as the weight)."""
     layers, padded = model["num_layers"], model["padded_vocab_size"]
     if model["untie_embeddings_and_output_weights"] and "output_layer.weight" not in shapes:
         raise CheckpointError("the checkpoint has no output_layer.weight for an untied head")
@@ -83,7 +98,8 @@ def pieces(shapes: Dict[str, Tuple[int, ...]], model: dict) -> List[Piece]:
             size = (1, rows) + tuple(shapes[name][1:])
             out.append(Piece("decoder.layers." + leaf, (i,) + (0,) * (len(size) - 1), size,
                              (layers,) + size[1:], sources, stacked=True))
-    return out
+    states = [replace(p, fqn=f"optimizer.state.{kind}.{p.fqn}", key=key) for kind, key in kinds for p in out]
+    return out + states
 
 
 def assign(all_pieces: List[Piece], ranks: int) -> List[List[Piece]]:
@@ -113,7 +129,8 @@ def _planner_class():
         """A save plan of this rank's :class:`Piece` chunks (and the objects, on the coordinator),
         each read by ``get(name)`` when it is written."""
 
-        def __init__(self, mine: List[Piece], objects: Dict[str, object], get: Callable[[str], torch.Tensor]):
+        def __init__(self, mine: List[Piece], objects: Dict[str, object],
+                     get: Callable[[str, str], torch.Tensor]):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
             self.mine = {(p.fqn, p.offset): p for p in mine}
             self.objects, self.get = objects, get
@@ -138,12 +155,36 @@ def _planner_class():
             if index.offset is None:
                 return self.objects[index.fqn]
             p = self.mine[(index.fqn, tuple(index.offset))]
-            parts = [self.get(s) for s in p.sources]
+            parts = [self.get(s, p.key) for s in p.sources]
             t = torch.cat(parts) if len(parts) > 1 else parts[0]
             if p.pad:
                 t = torch.cat([t, t.new_zeros(p.pad, *t.shape[1:])])
             return (t.unsqueeze(0) if p.stacked else t).contiguous()
     return PiecePlanner
+
+
+def read_full(src, name: str, key: str, vocab: int) -> torch.Tensor:
+    """Parameter ``name``'s whole fp32 ``key`` (master or a moment) from megazero's saved shards ``src``
+    (a :class:`~megazero.checkpoint.shards.SavedShards`): its TP pieces joined, the vocabulary unpadded."""
+    import numpy as np
+    from megazero.checkpoint.reader import _read_full_streaming
+    from megazero.checkpoint.shards import full_shape
+    if key == "master":
+        return _read_full_streaming(src, name, vocab)
+    info, tp = src.params[name], src.parts(name)
+    shape = list(full_shape(info, tp, vocab if info["vocab_parallel"] else None))
+    local = [int(x) for x in info["shape"]]
+    dim = info["dim"] if info["split"] else 0
+    out = torch.empty(shape, dtype=torch.float32)
+    for t in range(tp):
+        take = max(0, min(local[dim], shape[dim] - t * local[dim]))  # the padded vocabulary's tail: none
+        if take:
+            piece = np.empty(int(np.prod(local, dtype=np.int64)), dtype=np.float32)
+            src.read(t, name, key, 0, piece)
+            src.release()
+            whole = torch.from_numpy(piece).view(local)
+            out.narrow(dim, t * local[dim], take).copy_(whole.narrow(dim, 0, take))
+    return out
 
 
 def write_tensors(src: str, iteration: Optional[int], out: str, rank: int = 0, ranks: int = 1,
@@ -154,7 +195,6 @@ def write_tensors(src: str, iteration: Optional[int], out: str, rank: int = 0, r
     from torch.distributed.checkpoint import FileSystemWriter, save
     from megazero.checkpoint.format import CONFIG
     from megazero.checkpoint.integrity import read_json
-    from megazero.checkpoint.reader import _read_full_streaming
     from megazero.checkpoint.resolve import resolve_here
     from megazero.checkpoint.shards import SavedShards, full_shape
     path, meta, _ = resolve_here(src, iteration, flag="--input")
@@ -164,9 +204,9 @@ def write_tensors(src: str, iteration: Optional[int], out: str, rank: int = 0, r
     try:
         shapes = {n: full_shape(info, shards.parts(n), vocab if info["vocab_parallel"] else None)
                   for n, info in meta["params"].items()}
-        mine = assign(pieces(shapes, config["model"]), ranks)[rank]
+        mine = assign(pieces(shapes, config["model"], optimizer_kinds(meta, config)), ranks)[rank]
         objects = extra_state_objects(config["model"]) if rank == 0 else {}
-        planner = _planner_class()(mine, objects, lambda name: _read_full_streaming(shards, name, vocab))
+        planner = _planner_class()(mine, objects, lambda name, key: read_full(shards, name, key, vocab))
         with warnings.catch_warnings():  # one process: DCP's note that it assumes so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             save({}, storage_writer=FileSystemWriter(out), planner=planner, process_group=group,

@@ -80,6 +80,23 @@ def start(path: str) -> str:
     return part
 
 
+def optimizer_common(meta: dict, config: dict, wrapped: bool) -> dict:
+    """The optimizer's items megatron-core keeps in ``common.pt`` (its non-distributed optimizer's
+    ``sharded_state_dict``): torch Adam's parameter groups as megatron-core makes them (weights with
+    weight decay, then biases and norms without) and the common step; ``wrapped`` (bf16) as its
+    mixed-precision optimizer nests them."""
+    opt = config.get("optimizer", {})
+    base = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "is_decoupled_lr": False,
+            "max_lr": opt.get("lr"), "min_lr": opt.get("min_lr"), "lr": opt.get("lr"),
+            "betas": (opt.get("adam_beta1", 0.9), opt.get("adam_beta2", 0.999)),
+            "eps": opt.get("adam_eps", 1e-8), "amsgrad": False, "maximize": False, "foreach": None,
+            "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+    groups = [dict(base, wd_mult=1.0, weight_decay=opt.get("weight_decay", 0.0)),
+              dict(base, wd_mult=0.0, weight_decay=0.0)]
+    inner = {"param_groups": groups, "state": {"common_step": torch.tensor(float(meta["optimizer"]["step"]))}}
+    return {"optimizer": inner} if wrapped else inner
+
+
 def finish(part: str, dst: str, meta: dict, config: dict, layout: Optional[dict] = None,
            scheduler: Optional[dict] = None) -> str:
     """``common.pt`` and ``metadata.json`` into ``part`` (its tensors written), renamed to its
@@ -92,7 +109,9 @@ def finish(part: str, dst: str, meta: dict, config: dict, layout: Optional[dict]
     sizes.update(layout or {})
     for key, value in sizes.items():
         setattr(args, key, value)
-    args.no_save_optim, args.no_save_rng = True, True  # weights only: Megatron-LM loads neither
+    from megazero.checkpoint.megatron.dcp_plan import optimizer_kinds
+    kinds = optimizer_kinds(meta, config)
+    args.no_save_optim, args.no_save_rng = not kinds, True  # Megatron-LM loads what is there
     args.add_position_embedding = True  # Megatron-LM's default, which its loader compares
     for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
         if config.get("data", {}).get(key) is not None:
@@ -100,6 +119,8 @@ def finish(part: str, dst: str, meta: dict, config: dict, layout: Optional[dict]
     sched = dict(scheduler or {}, num_steps=int(extra.get("lr_samples", consumed)))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": it, "opt_param_scheduler": sched,
               "num_floating_point_operations_so_far": 0}
+    if kinds:
+        common["optimizer"] = optimizer_common(meta, config, wrapped=any(k == "fp32_param" for k, _ in kinds))
     torch.save(common, os.path.join(part, "common.pt"))
     with open(os.path.join(part, "metadata.json"), "w") as fh:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
