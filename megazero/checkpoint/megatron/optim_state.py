@@ -75,7 +75,11 @@ class LegacyOptimizer:
         return fetch
 
     def rank_state(self, t: int, p: int) -> Dict[str, dict]:
+        """The states of rank file ``(t, p)``; those of one pipeline stage's files are kept at a time,
+        as the weights' files are (a conversion goes stage by stage)."""
         if (t, p) not in self._by_key:
+            if len(self._by_key) >= max(2, getattr(self.ck, "tp", 1)):
+                self._by_key.pop(next(iter(self._by_key)))
             self._by_key[(t, p)] = _legacy_by_key(self.ck._rank(t, p), self.ck._files[(t, p)])
         return self._by_key[(t, p)]
 
