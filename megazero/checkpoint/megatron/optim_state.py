@@ -1,8 +1,9 @@
 """The optimizer state of a Megatron-LM checkpoint: Adam's moments, its step and (mixed precision) the
 fp32 main weights, per Megatron-core tensor, so that :mod:`~.convert` writes them next to the weights.
 
-Where Megatron-LM keeps them (its non-distributed optimizer; ``FP32Optimizer`` for fp32 weights,
-``Float16OptimizerWithFloat16Params`` for bf16/fp16 ones)::
+Where Megatron-LM keeps them (its non-distributed optimizer: ``FP32Optimizer`` for fp32 weights,
+``Float16OptimizerWithFloat16Params`` for bf16/fp16 ones; and the ``DistributedOptimizer`` saved in the
+model's space)::
 
     torch_dist   optimizer.state.exp_avg.<model key>, optimizer.state.exp_avg_sq.<model key>
                  (sharded as the weight <model key>, stacked over layers as it is),
@@ -13,11 +14,15 @@ Where Megatron-LM keeps them (its non-distributed optimizer; ``FP32Optimizer`` f
                  "fp32_from_fp16_params": [[...]]}); the index is the parameter's place in its group
                  (Megatron-core's groups: weights with weight decay, then biases and 1-D parameters
                  without, each in the model's parameter order), checked against every state's shape
+    distributed  torch_dist ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``):
+                 optimizer.state.{exp_avg,exp_avg_sq,param}.<model key> as above (``param``: the fp32
+                 main weights), the step in common.pt's optimizer.optimizer.param_groups
 
 :class:`StateView` shows one kind of state with a checkpoint's interface (``has``/``tensor``), so the
 weights' name mapping (:class:`~megazero.checkpoint.megatron.mapping.NameMap`) maps it unchanged.
-The distributed optimizer's formats (torch_dist ``fully_sharded_model_space`` / ``dp_reshardable``,
-legacy ``distrib_optim.pt``) are refused by name: pass ``--no-load-optim``.
+The distributed optimizer's bucket-space formats (torch_dist ``dp_reshardable`` /
+``dp_zero_gather_scatter``: ``optimizer.distributed.*``, flat buffers in the saving run's DDP bucket
+layout; legacy ``distrib_optim.pt``) are refused by name: pass ``--no-load-optim``.
 """
 from __future__ import annotations
 
@@ -178,8 +183,7 @@ def _refuse_distributed(ck) -> None:
     if names or kind not in (None,) + MODEL_SPACE:
         raise CheckpointError(f"--load {ck.directory}: the distributed optimizer's state is saved as "
                               f"{kind or 'dp_reshardable'} ({(names or ['?'])[0]}), which megazero does not "
-                              "read "
-                              "(save it with --dist-ckpt-optim-fully-reshardable)" + FRESH)
+                              "read (save it with --dist-ckpt-optim-fully-reshardable)" + FRESH)
 
 
 def optimizer_state(ck) -> Optional[OptimizerState]:
