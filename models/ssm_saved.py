@@ -20,8 +20,9 @@ head per group), the tensor a later op saves is the storage it views: the in-pro
 gate ``z``) or the SiLU's output (Mamba-2's ``x``); and where a product's operand already has the
 layout it needs (one chunk, one sequence, one group) it is not copied.  The figures follow the cases
 measured; not held exactly (measured): Mamba-2 with one head per group in a single chunk (256 bytes
-short at most), and Mamba-2 under context parallelism at micro-batch 1 (a few ``4 b H`` scalars a
-layer; 1.4 % over when each half is a single chunk).
+short at most), Mamba-2 under context parallelism at micro-batch 1 (a few ``4 b H`` scalars a
+layer; 1.4 % over when each half is a single chunk), and a Gated DeltaNet layer recomputed alone
+(``--recompute-method block``), whose replay's peak is one or two ``4 b H`` scalars higher.
 
 Context parallelism (each rank holds two halves of its share, :mod:`megazero_models.ssm_cp`): the conv
 and the scan or rule run per half, and the chunk states chain across the ``2 cp`` chunks
