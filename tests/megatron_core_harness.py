@@ -442,3 +442,21 @@ def save_legacy_distributed(model, opt, sched, directory: str, iteration: int, a
     opt.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
     _tracker(directory, iteration)
     return path
+
+
+def load_optimizer_state(site: str, path: str, tp: int = 1, spec=SPEC) -> dict:
+    """In a forked rank (TP ``tp``): megatron-core's GPTModel of ``spec`` and its non-distributed fp32
+    optimizer (:func:`megatron_optimizer`) take torch_dist ``path`` by megatron-core's loader, as
+    Megatron-LM resumes (``model`` and ``optimizer`` of one sharded state dict, then each's
+    ``load_state_dict``); returns :func:`optimizer_moments`."""
+    setup_rank(site, tp=tp)
+    from megatron.core import dist_checkpointing
+    model = build_gpt(seed=7, spec=spec)
+    opt = megatron_optimizer(model)
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}
+    loaded = dist_checkpointing.load(state, path)
+    missing, _ = model.load_state_dict(loaded["model"], strict=False)
+    assert not [k for k in missing if not k.endswith("_extra_state")], missing
+    opt.load_state_dict(loaded["optimizer"])
+    return optimizer_moments(model, opt)

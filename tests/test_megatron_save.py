@@ -228,3 +228,40 @@ def test_the_megatron_files_alone_resume_with_adams_state(saved, tmp_path):
     fresh = _rows(metrics)[-1]["loss"]
     print("--no-load-optim: iteration 4", fresh)
     assert abs(fresh - losses[3]) > 1e-4 * losses[3]
+
+
+def _megazero_names(name: str):
+    """megatron-core's (local spec) parameter -> the megazero parameters it joins."""
+    import re
+    from megazero.checkpoint.megatron.mapping import GLOBAL, LAYER
+    for mine, theirs in GLOBAL.items():
+        if name == theirs:
+            return [mine]
+    i, leaf, kind = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)\.(weight|bias)", name).groups()
+    if leaf == "mlp.linear_fc1":
+        return [f"decoder.{i}.mlp.gate.{kind}", f"decoder.{i}.mlp.fc1.{kind}"]
+    return [f"decoder.{i}.{mine}.{kind}" for mine, theirs in LAYER.items() if theirs[0] == f"{leaf}.{{}}"]
+
+
+@pytest.mark.slow
+def test_megatron_core_optimizer_loads_adams_state(saved, megatron_core):  # noqa: F811
+    """megatron-core's FP32Optimizer takes the saved Adam moments and step by its own loader: equal to
+    megazero's, tensor for tensor (the stored float32 values)."""
+    import megatron_core_harness as harness
+    from megazero.checkpoint.megatron.dcp_plan import read_full
+    from megazero.checkpoint.resolve import resolve_here
+    from megazero.checkpoint.shards import SavedShards
+    root, _ = saved
+    got = run_ranks(harness.load_optimizer_state, 1, megatron_core, os.path.join(root, "iter_0000004"),
+                    timeout=180)[0]
+    path, meta, _ = resolve_here(os.path.join(root, "megazero_state"), 4)
+    src = SavedShards(path, meta)
+    try:
+        assert len(got) == len(meta["params"]) - 4  # the gates join linear_fc1
+        for name, state in got.items():
+            assert int(state["step"]) == 4, name
+            for kind in ("exp_avg", "exp_avg_sq"):
+                want = torch.cat([read_full(src, n, kind, 64) for n in _megazero_names(name)])
+                assert torch.equal(state[kind], want) and want.abs().max() > 0, (name, kind)
+    finally:
+        src.close()
