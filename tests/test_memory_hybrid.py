@@ -181,15 +181,18 @@ GENERATION = {
     "mamba-fp32": (dict(HYBRID), 1),
     "deltanet-bf16": (dict(HYBRID, hybrid_layer_pattern="MG*-", bf16=True, **DELTANET), 1),
     "linear-freq-tp2": (dict(LINEAR, tensor_model_parallel_size=2), 2),
+    "mamba-mla": (dict(HYBRID, multi_latent_attention=True, kv_lora_rank=16, qk_head_dim=8,
+                       qk_pos_emb_head_dim=8, v_head_dim=8, position_embedding_type="rope"), 1),
 }
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if GENERATION[n][1] > 1 else n
                                   for n in GENERATION])
 def test_generation_state_equals_the_decode_cache(name):
-    """megazero/planning/generation.py: the KV caches of the attention layers, the conv and recurrent
-    states of the M and G layers, byte for byte what a decode holds between single-token steps; the
-    recurrent part stays the same while the KV cache grows by one position a step."""
+    """megazero/planning/generation.py: the KV caches of the attention layers (multi-latent attention's
+    latents too), the conv and recurrent states of the M and G layers, byte for byte what a decode holds
+    between single-token steps; the recurrent part stays the same while the KV cache grows by one
+    position a step; and a plain transformer's grouped, windowed KV caches."""
     from megazero.planning.generation import generation_state
     settings, world = GENERATION[name]
     cfg = validate(config_from_dict(settings), world)
@@ -198,6 +201,13 @@ def test_generation_state_equals_the_decode_cache(name):
         assert generation_state(cfg, 0, batch=2, positions=positions)["total"] == got, (name, positions)
     states = [generation_state(cfg, 0, 2, n) for n in held]
     assert len({s["conv_state"] + s["recurrent_state"] for s in states}) == 1
+    plain = dict(settings, hybrid_layer_pattern=None, experimental_attention_variant=None,
+                 linear_attention_freq=None, multi_latent_attention=False, num_query_groups=2,
+                 window_size=[3, 0])
+    if world == 1:  # a transformer's KV caches (grouped, a window: every position is kept)
+        held = _decode_cache(plain, 1, steps=1)
+        (positions, got), = held.items()
+        assert generation_state(validate(config_from_dict(plain), 1), 0, 2, positions)["total"] == got
     assert all(s["conv_state"] > 0 and s["recurrent_state"] > 0 for s in states)
     kv = [s["kv_cache"] for s in states]
     assert kv[1] - kv[0] == kv[2] - kv[1] > 0
