@@ -8,10 +8,13 @@ under the names both layer specs save, ``linear_qkv.layer_norm_weight`` /
 ``linear_fc1.layer_norm_weight``; the ``_extra_state`` of each linear layer as ``None``, what the local
 layer spec keeps: :mod:`~.dcp_plan`), ``common.pt``
 (``args``: Megatron-LM's argument names for the architecture, ``iteration``, ``checkpoint_version``,
-``opt_param_scheduler`` with the samples the schedule counted) and ``metadata.json``.  The weights
-only (float32): Megatron-LM resumes it with ``--no-load-optim --no-load-rng`` (or ``--finetune``); the
-stored args also say ``no_save_optim`` and ``no_save_rng``.  ``pretrain_gpt.py --ckpt-format torch_dist``
-writes each save this way (:mod:`~.save`).
+``opt_param_scheduler`` with the samples the schedule counted) and ``metadata.json``; float32.  With
+Adam (fp32 or bf16 weights) the optimizer as megatron-core's non-distributed optimizer saves it
+(``optimizer.state.exp_avg.<name>``, ``exp_avg_sq``, ``fp32_param`` for bf16, chunked as the weights;
+``common.pt``'s ``optimizer``: torch Adam's parameter groups and the common step); otherwise the
+weights only (the args say ``no_save_optim``).  No generator state (``no_save_rng``): Megatron-LM
+resumes with ``--no-load-rng``.  ``pretrain_gpt.py --ckpt-format torch_dist`` writes each save this
+way (:mod:`~.save`).
 """
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ The Megatron-LM files are written once the megazero checkpoint is published, by 
 (:mod:`~.dcp_plan`): each writes its share of the chunks (a layer of a tensor each), read back from
 megazero's files as it writes them, so a rank holds one layer's tensor at a time (the shards are
 regrouped through the file system, which every rank must see, as for loading at another layout).
-Weights only, float32 (Megatron-LM resumes with ``--no-load-optim --no-load-rng``, or ``--finetune``).
+Float32 weights and (Adam) the optimizer's moments and step (:mod:`~.export`).
 
 ``--load DIR`` (any ``--ckpt-format``) resumes megazero from ``megazero_state`` when it holds the
 iteration the tracker names (optimizer, generators and data position included: as if the run had
-gone on); an iteration Megatron-LM wrote itself is converted (:mod:`~.convert`, weights only).
+gone on); an iteration Megatron-LM wrote itself is converted (:mod:`~.convert`, Adam's state included).
 """
 from __future__ import annotations
 
