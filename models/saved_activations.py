@@ -48,6 +48,13 @@ Per transformer layer (no recomputation):
   key, the L2 q/k norm, partial rotary's copies, the experts' quick-GeGLU and clamp
   (docs/attention.md).
 
+A hybrid stack's layer (``--hybrid-layer-pattern``; ``Dims.kind``) is one pre-norm block: its norm, one
+sublayer and one dropout mask (``*`` the attention half, ``-``/``E`` the MLP or MoE half); an ``M`` or
+``G`` layer's mixer, and Gated DeltaNet in a transformer layer's attention place
+(``--linear-attention-freq``), keep what :mod:`megazero_models.ssm_saved` lists.  The attention output
+gate (``--attention-output-gate``) adds its sigmoid's output and the gated product (and under sequence
+parallelism its own gathered input): :func:`gate_bytes`.
+
 An MoE layer (``--num-experts``, in the layers ``--moe-layer-freq`` names) keeps, in place of the
 MLP, what :func:`moe_bytes` lists: its input, the router's scores and losses, the routed pairs'
 indices, the experts' rows and intermediates for the ``P`` top-k pairs (``R`` rows at the experts,
