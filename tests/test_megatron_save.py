@@ -265,3 +265,22 @@ def test_megatron_core_optimizer_loads_adams_state(saved, megatron_core):  # noq
                 assert torch.equal(state[kind], want) and want.abs().max() > 0, (name, kind)
     finally:
         src.close()
+
+
+@pytest.mark.slow
+def test_bf16_run_resumes_from_the_megatron_files_alone(tmp_path):
+    """bf16 (one process): the fp32 main weights go as megatron-core's mixed-precision optimizer keeps
+    them (optimizer.state.fp32_param.*, its common state nested under "optimizer"); --load of the
+    Megatron-LM files alone continues with the losses of the run that went on."""
+    from megazero.checkpoint.megatron.safe_load import load_pt
+    root, load = str(tmp_path / "save"), str(tmp_path / "load")
+    base = dict(MODEL, **RUN, bf16=True)
+    first = _train(config_from_dict(dict(base, train_iters=4, save=root, save_interval=2)))
+    went_on = [r["loss"] for r in first]
+    common = load_pt(os.path.join(root, "iter_0000002", "common.pt"))
+    assert int(common["optimizer"]["optimizer"]["state"]["common_step"]) == 2
+    shutil.copytree(root, load, ignore=shutil.ignore_patterns("megazero_state"))
+    rows = _train(config_from_dict(dict(base, train_iters=4, load=load, ckpt_step=2)))
+    print("bf16: went on", went_on, "resumed", [r["loss"] for r in rows])
+    assert [r["iteration"] for r in rows] == [3, 4]
+    assert [r["loss"] for r in rows] == pytest.approx(went_on[2:], rel=1e-6)
