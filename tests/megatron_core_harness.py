@@ -370,23 +370,25 @@ def cuda_tensors_on_cpu():
 
 
 def megatron_distributed_optimizer(model, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
-                                   distributed: bool = True, bf16: bool = False):
+                                   distributed: bool = True, bf16: bool = False, fp16: bool = False):
     """``(ddp, optimizer)``: megatron-core's DDP with its grad buffer and the optimizer
     ``get_megatron_optimizer`` makes for it (Adam): the ``DistributedOptimizer`` over the data-parallel
     ranks, or (``distributed=False``) the non-distributed one; ``bf16``: the model's weights in bf16 and
-    fp32 main weights in the optimizer (``Float16OptimizerWithFloat16Params`` when not distributed).
-    Call inside :func:`cuda_tensors_on_cpu`."""
+    fp32 main weights in the optimizer (``Float16OptimizerWithFloat16Params`` when not distributed);
+    ``fp16``: the same in fp16, with megatron-core's dynamic loss scale starting at 2^16.  Call inside
+    :func:`cuda_tensors_on_cpu`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    if bf16:
-        model.config.bf16 = True
-        model.to(torch.bfloat16)
+    if bf16 or fp16:
+        model.config.bf16, model.config.fp16 = bf16, fp16
+        model.to(torch.bfloat16 if bf16 else torch.float16)
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True,
                                             overlap_grad_reduce=False)
     ddp = DistributedDataParallel(model.config, ddp_cfg, model)
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=0.0, adam_beta1=betas[0],
                              adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0,
-                             use_distributed_optimizer=distributed, bf16=bf16)
+                             use_distributed_optimizer=distributed, bf16=bf16, fp16=fp16,
+                             initial_loss_scale=2.0 ** 16)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 

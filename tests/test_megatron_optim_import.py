@@ -230,13 +230,17 @@ def _megatron_bf16_save(site, root):
     import megatron_core_harness as harness
     harness.setup_rank(site, tp=1)
     args = harness.megatron_args(1, CONSUMED)
-    for distributed in (False, True):
+    for distributed, fp16 in ((False, False), (True, False), (False, True)):
         model = harness.build_gpt()
         with harness.cuda_tensors_on_cpu():
-            ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS, distributed, bf16=True)
+            ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS, distributed,
+                                                              bf16=not fp16, fp16=fp16)
             sched = harness.megatron_scheduler(opt, LR)
             harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
-            if distributed:
+            if fp16:
+                harness.save_with_optimizer(model, opt, sched, os.path.join(root, "fp16"), ITERATION, args,
+                                            "torch_dist")
+            elif distributed:
                 harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, "distributed"),
                                                    ITERATION, args, "fully_reshardable")
             else:
@@ -250,7 +254,8 @@ def saved_bf16(megatron_core, tmp_path_factory):  # noqa: F811
     """bf16 weights with fp32 main weights in the optimizer (DDP over 2 ranks, TP 1, 3 steps):
     ``float16_torch_dist`` / ``float16_torch`` (``Float16OptimizerWithFloat16Params``:
     ``optimizer.state.fp32_param.<name>``; legacy ``fp32_from_fp16_params``) and ``distributed``
-    (``DistributedOptimizer``, fully_reshardable: ``optimizer.state.param.<name>``)."""
+    (``DistributedOptimizer``, fully_reshardable: ``optimizer.state.param.<name>``); and ``fp16``
+    (the non-distributed one in fp16, its dynamic loss scale from 2^16)."""
     root = str(tmp_path_factory.mktemp("megatron_bf16"))
     run_ranks(_megatron_bf16_save, 2, megatron_core, root, timeout=180)
     return root, None
@@ -269,6 +274,16 @@ def test_bf16_run_resumes_from_its_fp32_main_weights(saved_bf16, kind, tmp_path)
     master = before[0]["decoder.1.attention.qkv.weight"]
     assert torch.equal(master.bfloat16().float(), stored)
     assert not torch.equal(master, stored)
+
+
+def test_fp16_run_resumes_with_its_loss_scale(saved_bf16, tmp_path):
+    """fp16: the dynamic loss scale continues (2^16 and megatron-core's growth count, not megazero's
+    initial 2^32), and the first step is Adam's from the saved state."""
+    before, after, rows, meta = _resume(saved_bf16, "fp16", tmp_path, fp16=True)
+    assert meta["optimizer"]["scaler"] == {"scale": 2.0 ** 16, "dynamic": True, "growth_tracker": ITERATION,
+                                           "hysteresis_tracker": 2}
+    assert rows[0]["loss_scale"] == 2.0 ** 16
+    assert _adam_mismatch(before, after, ITERATION) <= 1.0
 
 
 # ---- bad input: one line, exit status 2 ----------------------------------------------------
