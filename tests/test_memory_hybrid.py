@@ -269,3 +269,21 @@ def test_estimate_memory_prints_the_generation_state(capsys):
     assert f"{row['generation_state_bytes'] / 2 ** 30:.3f} GiB" in line[0]
     cfg = validate(config_from_dict(dict(settings, bf16=True, mock_data=True)), 1)
     assert row["generation_state_bytes"] == generation_state(cfg)["total"]
+
+
+def test_planner_cpu_dropout_counts_one_mask_a_hybrid_layer():
+    """On CPUs the planner costs each dropout mask drawn: a hybrid layer draws one hidden mask (a
+    transformer layer two), and only the attention layers drop scores (one ``*`` in ``M*M-``; two of
+    four layers with ``--linear-attention-freq 2``)."""
+    from types import SimpleNamespace
+    from megazero.planning.planner import _dropout_s
+    hw = SimpleNamespace(dropout_s=2e-9, attention_dropout_s=3e-9)
+    drop = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    b, s, h, a = 2, 13, 32, 4
+    masks, scores = b * s * h * 2e-9, b * a * s * s * 3e-9
+    hybrid = validate(config_from_dict(dict(HYBRID, **drop)), 1)
+    assert _dropout_s(hybrid, hw) == pytest.approx(masks + scores / 4, rel=1e-12)
+    linear = validate(config_from_dict(dict(LINEAR, **drop)), 1)
+    assert _dropout_s(linear, hw) == pytest.approx(2 * masks + scores / 2, rel=1e-12)
+    plain = validate(config_from_dict(dict(HYBRID, hybrid_layer_pattern=None, **drop)), 1)
+    assert _dropout_s(plain, hw) == pytest.approx(2 * masks + scores, rel=1e-12)

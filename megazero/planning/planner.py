@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from megazero.config import config_from_dict, validate
+from megazero.config.hybrid import ATTENTION, linear_attention_layers
 from megazero.offload.element_bytes import FP32, bytes_per_element, compute_bytes, grad_bytes
 from megazero.offload.settings import optimizer_device, param_device
 from megazero.pipeline.partition import balanced_split, stage_layer_counts
@@ -289,15 +290,22 @@ def _dropout_s(cfg, hw: Hardware) -> float:
     """A CPU rank's seconds of dropout per layer and micro-batch, forward and backward: two hidden
     dropouts of this rank's ``[s, b, h]`` activations (split by SP) and, with attention dropout,
     the attention's scores (``b x heads x s x s`` on this rank; see
-    :mod:`megazero.planning.calibrate`); full recomputation draws the forward's masks again."""
+    :mod:`megazero.planning.calibrate`); full recomputation draws the forward's masks again.  A hybrid
+    stack's layer has one hidden dropout, and only its attention layers (and the layers that keep
+    attention beside ``--linear-attention-freq``'s Gated DeltaNet) drop scores: their share."""
     m, par = cfg.model, cfg.parallel
     tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
     b, s = cfg.training.micro_batch_size, m.seq_length
+    hidden, scores = 2, 1.0
+    if m.hybrid_layer_pattern:
+        hidden, scores = 1, m.hybrid_layer_pattern.count(ATTENTION) / m.num_layers
+    elif linear_attention_layers(m) is not None:
+        scores = 1.0 - sum(linear_attention_layers(m)) / m.num_layers
     seconds = 0.0
     if m.hidden_dropout > 0:
-        seconds += 2 * b * s // cp * m.hidden_size / (tp if par.sequence_parallel else 1) * hw.dropout_s
+        seconds += hidden * b * s // cp * m.hidden_size / (tp if par.sequence_parallel else 1) * hw.dropout_s
     if m.attention_dropout > 0:
-        seconds += b * m.num_attention_heads // tp * (s // cp) * s * hw.attention_dropout_s
+        seconds += b * m.num_attention_heads // tp * (s // cp) * s * hw.attention_dropout_s * scores
     return seconds * (1.5 if m.recompute_granularity == "full" else 1.0)
 
 
