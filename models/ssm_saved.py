@@ -19,10 +19,10 @@ Where a reshape is a view rather than a copy (one group or key head on the rank:
 head per group), the tensor a later op saves is the storage it views: the in-projection's output (the
 gate ``z``) or the SiLU's output (Mamba-2's ``x``); and where a product's operand already has the
 layout it needs (one chunk, one sequence, one group) it is not copied.  The figures follow the cases
-measured; not held exactly (measured): Mamba-2 with one head per group in a single chunk (256 bytes
-short at most), Mamba-2 under context parallelism at micro-batch 1 (a few ``4 b H`` scalars a
-layer; 1.4 % over when each half is a single chunk), and a Gated DeltaNet layer recomputed alone
-(``--recompute-method block``), whose replay's peak is one or two ``4 b H`` scalars higher.
+measured; not held exactly (measured): Mamba-2 under context parallelism at micro-batch 1 (a few
+``4 b H`` scalars a layer; 1.4 % over when each half is a single chunk), and a Gated DeltaNet layer
+recomputed alone (``--recompute-method block``), whose replay's peak is one or two ``4 b H`` scalars
+higher.
 
 Context parallelism (each rank holds two halves of its share, :mod:`megazero_models.ssm_cp`): the conv
 and the scan or rule run per half, and the chunk states chain across the ``2 cp`` chunks
@@ -56,9 +56,12 @@ def _mamba_scan(D, s: int) -> int:
     operands = 2 if (g == 1 and (b == 1 or D.cp > 1)) or (c == 1 and D.cp == 1) else 4
     scan = operands * FP32 * b * S * g * n + 2 * L * L + 2 * (c + 1) ** 2
     scan += FP32 * b * c * L * L * (2 * H + g) + FP32 * b * H * (c + 1) ** 2
-    xdt = 3 if (c == 1 and (b == 1 or g == 1) and H != g) else 4  # x dt: one copy fewer then (measured)
+    xdt = 3 if (c == 1 and (b == 1 or g == 1 or H == g)) else 4  # x dt: one copy fewer then (measured)
     scan += xdt * FP32 * b * S * H * p + 2 * FP32 * b * H * S
-    return scan + FP32 * b * H * p * n * (2 * c + 1)
+    # the states at the chunk boundaries (c + 1) and the starts laid out for their read-out (c); with one
+    # chunk and one head per group the read-out takes the boundary states as they are (all c + 1 kept)
+    starts = c + 1 if (c == 1 and H == g) else c
+    return scan + FP32 * b * H * p * n * (c + 1 + starts)
 
 
 def _mamba_cp(D) -> int:

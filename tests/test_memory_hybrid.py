@@ -137,10 +137,9 @@ def _saved_bytes(mod, s, b, dtype):
 def test_mixer_saved_bytes_equal_the_formula(kind):
     """Byte for byte, for sequences of 13 (padded to 15), 15 and 4 positions (one chunk) in chunks of 5
     or 3, one and two sequences, with three groups (several heads each), one group on the rank (TP =
-    groups, where reshapes are views) or, for Gated DeltaNet, one value head per key head, fp32 and
-    bf16; and the chunk size moves the figure (the ``b H c L^2`` and per-chunk state terms).  Not held:
-    Mamba-2 with one head per group in a single chunk (measured within 256 bytes of the figure)."""
-    shapes = ((6, 3), (4, 1)) + (((2, 2),) if kind == "G" else ())
+    groups, where reshapes are views) or one head per group (one value head per key head), fp32 and
+    bf16; and the chunk size moves the figure (the ``b H c L^2`` and per-chunk state terms)."""
+    shapes = ((6, 3), (4, 1), (2, 2))
     for heads, groups in shapes:
         for dtype in (torch.float32, torch.bfloat16):
             by_chunk = {}
