@@ -21,15 +21,16 @@ values, the last padded) concatenated per sub-group (``fp32_flat_groups``; DeepS
 ``sub_group_size`` rule), with Adam's state in the same layout.
 
 Plain types only (tensors, torch.Size, dict, list, numbers, strings), with one exception: DeepSpeed's
-ZeRO-3 loader requires its loss scaler object in the optimizer file, so the ZeRO-3 files name
+loader takes its loss scaler object from the optimizer file and calls its methods (ZeRO-3 always, ZeRO
+1-2 when the file has one), so the ZeRO-3 files, and the fp16 files, name
 ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` ({cur_scale: 1.0, dynamic: false}: no scaling, as
-fp32 and bf16 run), written by :mod:`megazero.engine.ds_pickle`.  ZeRO 1-2 files leave the loss scaler
-out (DeepSpeed keeps the one its config builds).  Not written: fp16 (DeepSpeed's dynamic loss scaler is
-another of its objects), bf16 at ZeRO-1 and runs without ZeRO (DeepSpeed's BF16_Optimizer and
-per-parameter formats), SGD.  ``param_slice_mappings`` (DeepSpeed's ``fragment_address`` objects, which
-only its ``ds_to_universal.py`` reads, at ZeRO 1-2) only with ``"checkpoint": {"slice_mappings": true}``:
-the files then name that class too.  Every rank builds the whole fp32 state once (an all-gather per
-bucket).
+fp32 and bf16 run; fp16 with a static scale: that scale) or ``DynamicLossScaler`` (fp16: megazero's
+scale, hysteresis and clean steps), written by :mod:`megazero.engine.ds_pickle`.  fp32/bf16 ZeRO 1-2
+files leave the loss scaler out (DeepSpeed keeps the one its config builds).  Not written: bf16 at
+ZeRO-1 and runs without ZeRO (DeepSpeed's BF16_Optimizer and per-parameter formats), SGD.
+``param_slice_mappings`` (DeepSpeed's ``fragment_address`` objects, which only its ``ds_to_universal.py``
+reads, at ZeRO 1-2) only with ``"checkpoint": {"slice_mappings": true}``: the files then name that class
+too.  Every rank builds the whole fp32 state once (an all-gather per bucket).
 """
 from __future__ import annotations
 
@@ -67,9 +68,7 @@ def _check_supported(engine, client_state: dict) -> int:
     stage = engine.zero_optimization_stage()
     slice_mappings(engine)  # a valid value, before any collective
     what = None
-    if engine.fp16_enabled():
-        what = "fp16 (DeepSpeed keeps its dynamic loss scaler as a pickled object of its own)"
-    elif stage == 0:
+    if stage == 0:
         what = "a run without ZeRO (DeepSpeed stores that optimizer per parameter)"
     elif stage == 1 and engine.bfloat16_enabled():
         what = "bf16 at ZeRO-1 (DeepSpeed's BF16_Optimizer has a format of its own)"
@@ -167,7 +166,31 @@ def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
     if slice_mappings(engine):
         for o, f in zip(out, files):
             o["param_slice_mappings"] = f["mappings"]
+    scaler = loss_scaler(engine)
+    if scaler is not None:  # fp16: DeepSpeed takes the scaler from the file (else it keeps its own)
+        for o in out:
+            o["loss_scaler"], o["dynamic_loss_scale"] = scaler, bool(scaler.state["dynamic"])
     return out
+
+
+def loss_scaler(engine):
+    """fp16: megazero's loss scaler as DeepSpeed's (``DynamicLossScaler``: the scale, the hysteresis
+    left, the clean steps since the last overflow as ``cur_iter`` after an overflow at -1; a static scale
+    as ``LossScaler``); None for fp32 and bf16."""
+    from megazero.engine.ds_pickle import Foreign
+    if not engine.fp16_enabled():
+        return None
+    s, module = engine.zero.scaler, "deepspeed.runtime.fp16.loss_scaler"
+    if not getattr(s, "dynamic", False):
+        return Foreign(module, "LossScaler", state={"cur_scale": float(s.scale), "dynamic": False})
+    fp16 = engine.config.raw.get("fp16") or {}
+    return Foreign(module, "DynamicLossScaler", state={
+        "cur_scale": float(s.scale), "dynamic": True, "cur_iter": int(s.growth_tracker),
+        "last_overflow_iter": -1, "scale_factor": float(s.growth_factor),
+        "scale_window": int(s.growth_interval), "min_scale": float(s.min_scale),
+        "delayed_shift": int(s.hysteresis), "cur_hysteresis": int(s.hysteresis_tracker),
+        "consecutive_hysteresis": bool(fp16.get("consecutive_hysteresis", False)),
+        "raise_error_at_min_scale": True, "dtype": torch.float16})
 
 
 def slice_mappings(engine) -> bool:
@@ -235,11 +258,11 @@ def _zero3_files(engine, values, groups, world: int) -> List[dict]:
                 ids.append(i)
                 i += 1
             param_groups.append(dict(group["settings"], params=ids))
-        scaler = Foreign("deepspeed.runtime.fp16.loss_scaler", "LossScaler",
-                         state={"cur_scale": 1.0, "dynamic": False})
-        out.append({"zero_stage": 3, "loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False,
-                    "partition_count": world, "optimizer_state_dict": {"state": state,
-                                                                       "param_groups": param_groups},
+        scaler = loss_scaler(engine) or Foreign("deepspeed.runtime.fp16.loss_scaler", "LossScaler",
+                                                state={"cur_scale": 1.0, "dynamic": False})
+        out.append({"zero_stage": 3, "loss_scaler": scaler, "overflow": False,
+                    "dynamic_loss_scale": bool(scaler.state["dynamic"]), "partition_count": world,
+                    "optimizer_state_dict": {"state": state, "param_groups": param_groups},
                     "fp32_flat_groups": flats})
     return out
 
