@@ -11,12 +11,14 @@ which a lost Adam state exceeds 100-fold), its learning rates exactly.  DeepSpee
 ``deepspeed.utils.zero_to_fp32`` reads the directory into the fp32 weights megazero holds (bitwise:
 they are copied, not computed).
 
-The files hold plain types (``torch.load(weights_only=True)`` reads them) but for the one DeepSpeed
-class ZeRO-3's loader needs, its loss scaler.  bf16 (ZeRO-2): the logits at the load and the first
-continued loss still within 1e-5 (the same bf16 weights), the later losses within test_ds_migration's
-BF16_BOUND (gradients rounded to bf16 at other places); fp16 (ZeRO-2, DeepSpeed's DynamicLossScaler
-written with megazero's scale) the same, fp16 rounding being finer.  A bad format is one line naming the choices
-(fast tier)."""
+The files hold plain types (``torch.load(weights_only=True)`` reads them) but for the DeepSpeed class
+its loader needs: the loss scaler (ZeRO-3, fp16) and, asked for, fragment_address (ZeRO-2 with
+slice_mappings; its ds_to_universal.py then converts the DP 2 save, which DeepSpeed continues at DP 1).
+bf16 (ZeRO-2): the logits at the load and the first continued loss still within 1e-5 (the same bf16
+weights), the later losses within test_ds_migration's BF16_BOUND (gradients rounded to bf16 at other
+places); fp16 (ZeRO-2, DeepSpeed's DynamicLossScaler written with megazero's scale) the same, fp16
+rounding being finer.  Fast tier, without DeepSpeed: one rank reads back what it wrote in DeepSpeed's
+layout (the same logits and post-update loss), and bad input is one line."""
 import glob
 import json
 import os
