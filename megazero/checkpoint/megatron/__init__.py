@@ -15,7 +15,7 @@ Megatron-LM's stored ``args`` (:func:`saved_config`).
 
 Modules: :mod:`~.safe_load` (pickles read with an allow-list, never executed), :mod:`~.files` (the
 layout on disk, tensors read whole), :mod:`~.mapping` (names and arguments), :mod:`~.convert`,
-:mod:`~.optim_state` and :mod:`~.optim_write` (the optimizer's state).
+:mod:`~.optim_state`, :mod:`~.optim_legacy` and :mod:`~.optim_write` (the optimizer's state).
 """
 from __future__ import annotations
 
