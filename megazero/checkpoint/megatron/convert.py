@@ -16,25 +16,11 @@ from typing import Optional
 import torch
 
 from megazero.checkpoint.errors import CheckpointError
-from megazero.checkpoint.megatron.files import MegatronCheckpoint
+from megazero.checkpoint.megatron.files import MegatronCheckpoint, trainer_extra
 from megazero.checkpoint.megatron.mapping import NameMap
 from megazero.checkpoint.megatron.optim_state import optimizer_state, write_with_optimizer
 
 IMPORT_DIR = "megazero_import"  # inside --load: the converted copy, replaced at every start
-
-
-def trainer_extra(ck: MegatronCheckpoint) -> dict:
-    """The ``extra`` a megazero checkpoint records, from Megatron-LM's stored state."""
-    extra = {"converted_from": os.path.abspath(ck.path), "megatron_format": ck.format}
-    args = vars(ck.args) if ck.args is not None else {}
-    if args.get("consumed_train_samples") is not None:
-        extra["consumed_samples"] = int(args["consumed_train_samples"])
-    sched = ck.state.get("opt_param_scheduler") or {}
-    if isinstance(sched, dict) and sched.get("num_steps") is not None:
-        extra["lr_samples"] = int(sched["num_steps"])
-    if args.get("skipped_train_samples"):
-        extra["skipped_samples"] = int(args["skipped_train_samples"])
-    return extra
 
 
 def _check_shape(ck, name: str, got: torch.Tensor, want) -> None:

@@ -277,3 +277,17 @@ class MegatronCheckpoint:
         if self.format == "torch":
             return self._legacy_tensor(name, glu, fetch)
         return self._dist_slice(name, layer)
+
+
+def trainer_extra(ck: "MegatronCheckpoint") -> dict:
+    """The ``extra`` a megazero checkpoint records, from Megatron-LM's stored state."""
+    extra = {"converted_from": os.path.abspath(ck.path), "megatron_format": ck.format}
+    args = vars(ck.args) if ck.args is not None else {}
+    if args.get("consumed_train_samples") is not None:
+        extra["consumed_samples"] = int(args["consumed_train_samples"])
+    sched = ck.state.get("opt_param_scheduler") or {}
+    if isinstance(sched, dict) and sched.get("num_steps") is not None:
+        extra["lr_samples"] = int(sched["num_steps"])
+    if args.get("skipped_train_samples"):
+        extra["skipped_samples"] = int(args["skipped_train_samples"])
+    return extra

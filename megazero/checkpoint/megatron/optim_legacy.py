@@ -15,6 +15,7 @@ import torch
 
 from megazero.checkpoint.errors import CheckpointError
 
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state names in Megatron-core's files
 MAIN = "fp32_param"  # the mixed-precision optimizer's fp32 main weights
 FRESH = "; pass --no-load-optim to start with a fresh optimizer"
 

@@ -33,9 +33,8 @@ from typing import List, Optional
 import torch
 
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from megazero.checkpoint.megatron.optim_legacy import FRESH, MAIN, LegacyOptimizer, unwrap
+from megazero.checkpoint.megatron.optim_legacy import FRESH, MAIN, MOMENTS, LegacyOptimizer, unwrap
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 MAINS = (MAIN, "param")  # the fp32 main weights: the mixed-precision optimizer's, the distributed one's
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")  # the distributed optimizer's, read here
 PREFIX = "optimizer.state."
@@ -197,7 +196,7 @@ def write_with_optimizer(ck, state: OptimizerState, dst: str, chunks, whole, val
     """:func:`~.convert.convert`'s output with the optimizer: ``values(name, p)`` the checked weights;
     the fp32 main weights replace them where stored; ``opt_cfg``: the run's optimizer settings.  Every
     state is found and checked before anything is written."""
-    from megazero.checkpoint.megatron.convert import trainer_extra
+    from megazero.checkpoint.megatron.files import trainer_extra
     from megazero.checkpoint.megatron.mapping import NameMap
     from megazero.checkpoint.megatron.optim_write import save_with_optimizer
     from megazero.mesh import ParallelMesh

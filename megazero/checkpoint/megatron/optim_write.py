@@ -45,7 +45,7 @@ def save_with_optimizer(directory: str, chunks, mesh, cfg, iteration: int, extra
     the :class:`~megazero.checkpoint.megatron.optim_state.OptimizerState` (step, loss scale).
     Returns the checkpoint's path."""
     from megazero.checkpoint.format import named_params
-    from megazero.checkpoint.megatron.optim_state import MOMENTS
+    from megazero.checkpoint.megatron.optim_legacy import MOMENTS
     if mesh.is_distributed:
         raise ValueError("save_with_optimizer writes from one process")
     final = checkpoint_path(directory, iteration)
