@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from megazero.engine.ds_checkpoint import read_file
+from megazero.engine.ds_files import read_file
 from megazero.process.local_ranks import run_ranks
 from test_ds_migration import BF16_BOUND
 from test_deepspeed_peer import LOSS_BOUND, PROGRAM, SAVE_AFTER, STEPS, ds_config, run_ok, worst

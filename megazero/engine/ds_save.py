@@ -34,20 +34,18 @@ too.  Every rank builds the whole fp32 state once (an all-gather per bucket).
 """
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
+from megazero.engine.ds_optim_files import (DS_VERSION, KEYS, param_groups, param_shapes, partition,
+                                            slice_mappings, zero3_files, zero12_files)
 from megazero.errors import ConfigError
 
 FORMATS = ("megazero", "deepspeed")
-DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout these files follow
-KEYS = ("master", "exp_avg", "exp_avg_sq")
-SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
 
 def checkpoint_format(engine, given) -> str:
@@ -64,7 +62,7 @@ def checkpoint_format(engine, given) -> str:
 
 def _check_supported(engine, client_state: dict) -> int:
     from megazero.engine.checkpointing import _not_plain
-    from megazero.engine.ds_checkpoint import DS_KEYS
+    from megazero.engine.ds_files import DS_KEYS
     stage = engine.zero_optimization_stage()
     slice_mappings(engine)  # a valid value, before any collective
     what = None
@@ -112,165 +110,10 @@ def whole_values(engine) -> Dict[str, Dict[str, torch.Tensor]]:
     return out
 
 
-def _groups(engine) -> List[Dict]:
-    """DeepSpeed's view of the parameter groups: each group's trainable parameter names in order and
-    the settings torch's AdamW keeps in its ``param_groups``."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    o = engine.cfg.optimizer
-    out = []
-    for g in engine.optimizer.param_groups:
-        settings = {"lr": float(g["lr"]), "betas": (float(o.adam_beta1), float(o.adam_beta2)),
-                    "eps": float(o.adam_eps), "weight_decay": float(g.get("weight_decay", o.weight_decay)),
-                    "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-                    "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-                    "bias_correction": True}
-        out.append({"names": [names[id(p)] for p in g["params"] if p.requires_grad], "settings": settings})
-    return out
-
-
-def _shapes(engine) -> Dict[str, torch.Size]:
-    mine = engine.zero.param_shapes()
-    return {n: torch.Size(mine.get(p, p.shape)) for n, p in engine.module.named_parameters()}
-
-
-def _step_tensor(engine) -> torch.Tensor:
-    return torch.tensor(float(engine.zero.step_count), dtype=torch.float32)
-
-
-def _zero12_files(engine, values, groups, stage: int, world: int) -> List[dict]:
-    """Each rank's ``optimizer_state_dict`` at ZeRO 1-2 (see the module docstring)."""
-    files = [{"fp32": [], "state": {}, "pads": [], "groups": [], "mappings": []} for _ in range(world)]
-    for g, group in enumerate(groups):
-        flat = {k: torch.cat([values[k][n] for n in group["names"]]) if group["names"] else torch.zeros(0)
-                for k in KEYS}
-        n = flat["master"].numel()
-        part = -(-n // (2 * world)) * 2
-        for r, f in enumerate(files):
-            padded = {k: torch.zeros(part) for k in KEYS}
-            a, e = min(r * part, n), min((r + 1) * part, n)
-            for k in KEYS:
-                padded[k][:e - a] = flat[k][a:e]
-            pad = part - (e - a)
-            f["fp32"].append(padded["master"][:part - pad].clone())
-            f["state"][g] = {"step": _step_tensor(engine), "exp_avg": padded["exp_avg"],
-                             "exp_avg_sq": padded["exp_avg_sq"]}
-            f["pads"].append(pad)
-            f["groups"].append(dict(group["settings"], params=[g]))
-            f["mappings"].append(_fragments(group["names"], values["master"], r * part, (r + 1) * part))
-    clip = float(engine.cfg.optimizer.clip_grad or 0.0)
-    out = [{"dynamic_loss_scale": False, "overflow": False, "clip_grad": clip,
-            "base_optimizer_state": {"state": f["state"], "param_groups": f["groups"]},
-            "single_partition_of_fp32_groups": f["fp32"], "zero_stage": stage, "group_paddings": f["pads"],
-            "param_alignment_paddings": [[0] * len(gr["names"]) for gr in groups],
-            "partition_count": [world] * len(groups), "ds_version": DS_VERSION} for f in files]
-    if slice_mappings(engine):
-        for o, f in zip(out, files):
-            o["param_slice_mappings"] = f["mappings"]
-    scaler = loss_scaler(engine)
-    if scaler is not None:  # fp16: DeepSpeed takes the scaler from the file (else it keeps its own)
-        for o in out:
-            o["loss_scaler"], o["dynamic_loss_scale"] = scaler, bool(scaler.state["dynamic"])
-    return out
-
-
-def loss_scaler(engine):
-    """fp16: megazero's loss scaler as DeepSpeed's (``DynamicLossScaler``: the scale, the hysteresis
-    left, the clean steps since the last overflow as ``cur_iter`` after an overflow at -1; a static scale
-    as ``LossScaler``); None for fp32 and bf16."""
-    from megazero.engine.ds_pickle import Foreign
-    if not engine.fp16_enabled():
-        return None
-    s, module = engine.zero.scaler, "deepspeed.runtime.fp16.loss_scaler"
-    if not getattr(s, "dynamic", False):
-        return Foreign(module, "LossScaler", state={"cur_scale": float(s.scale), "dynamic": False})
-    fp16 = engine.config.raw.get("fp16") or {}
-    return Foreign(module, "DynamicLossScaler", state={
-        "cur_scale": float(s.scale), "dynamic": True, "cur_iter": int(s.growth_tracker),
-        "last_overflow_iter": -1, "scale_factor": float(s.growth_factor),
-        "scale_window": int(s.growth_interval), "min_scale": float(s.min_scale),
-        "delayed_shift": int(s.hysteresis), "cur_hysteresis": int(s.hysteresis_tracker),
-        "consecutive_hysteresis": bool(fp16.get("consecutive_hysteresis", False)),
-        "raise_error_at_min_scale": True, "dtype": torch.float16})
-
-
-def slice_mappings(engine) -> bool:
-    """Whether the ds_config asks for ``param_slice_mappings`` (``checkpoint.slice_mappings``)."""
-    section = engine.config.raw.get("checkpoint") or {}
-    value = section.get("slice_mappings", False) if isinstance(section, dict) else False
-    if not isinstance(value, bool):
-        raise ConfigError(f"ds_config checkpoint.slice_mappings must be true or false, got {value!r}")
-    return value
-
-
-def _fragments(names: List[str], master: Dict[str, torch.Tensor], lo: int, hi: int) -> "OrderedDict":
-    """DeepSpeed's ``param_slice_mappings`` of one group on the rank holding flat ``[lo, hi)``: each
-    parameter overlapping it -> ``fragment_address(numel, start)`` (start within the partition)."""
-    from megazero.engine.ds_pickle import Foreign
-    out, offset = OrderedDict(), 0
-    for n in names:
-        a, e = max(offset, lo), min(offset + master[n].numel(), hi)
-        if a < e:
-            out[n] = Foreign("deepspeed.utils.tensor_fragment", "fragment_address",
-                             state={"numel": e - a, "start": a - lo})
-        offset += master[n].numel()
-    return out
-
-
-def _sub_groups(names: List[str], shapes, world: int, size: int) -> List[List[str]]:
-    """DeepSpeed's ZeRO-3 sub-groups of one parameter group: cut once the partitions reach ``size``."""
-    total = sum(-(-math.prod(shapes[n]) // world) for n in names)
-    if size >= total:
-        return [names]
-    out, current, count = [], [], 0
-    for n in names:
-        current.append(n)
-        count += -(-math.prod(shapes[n]) // world)
-        if count >= size or n == names[-1]:
-            out.append(current)
-            current, count = [], 0
-    return out
-
-
-def _partition(value: torch.Tensor, world: int, r: int) -> torch.Tensor:
-    part = -(-value.numel() // world)
-    out = torch.zeros(part, dtype=value.dtype)
-    piece = value[r * part:(r + 1) * part]
-    out[:piece.numel()] = piece
-    return out
-
-
-def _zero3_files(engine, values, groups, world: int) -> List[dict]:
-    """Each rank's ``optimizer_state_dict`` at ZeRO-3 (see the module docstring)."""
-    from megazero.engine.ds_pickle import Foreign
-    shapes = _shapes(engine)
-    zero = engine.config.raw.get("zero_optimization") or {}
-    size = int(zero.get("sub_group_size", SUB_GROUP_SIZE) or SUB_GROUP_SIZE)
-    out = []
-    for r in range(world):
-        flats, state, param_groups, i = [], {}, [], 0
-        for group in groups:
-            ids = []
-            for sub in _sub_groups(group["names"], shapes, world, size):
-                parts = {k: torch.cat([_partition(values[k][n], world, r) for n in sub]) for k in KEYS}
-                flats.append(parts["master"])
-                state[i] = {"step": _step_tensor(engine), "exp_avg": parts["exp_avg"],
-                            "exp_avg_sq": parts["exp_avg_sq"]}
-                ids.append(i)
-                i += 1
-            param_groups.append(dict(group["settings"], params=ids))
-        scaler = loss_scaler(engine) or Foreign("deepspeed.runtime.fp16.loss_scaler", "LossScaler",
-                                                state={"cur_scale": 1.0, "dynamic": False})
-        out.append({"zero_stage": 3, "loss_scaler": scaler, "overflow": False,
-                    "dynamic_loss_scale": bool(scaler.state["dynamic"]), "partition_count": world,
-                    "optimizer_state_dict": {"state": state, "param_groups": param_groups},
-                    "fp32_flat_groups": flats})
-    return out
-
-
 def _model_states(engine, groups, client_state: dict, stage: int, rank: int, world: int) -> dict:
     """The model-states file (ZeRO-3: rank ``rank``'s)."""
     from megazero.engine.checkpointing import persistent_buffers, tied_names
-    shapes = _shapes(engine)
+    shapes = param_shapes(engine)
     params = dict(engine.module.named_parameters())
     frozen = [n for n, p in params.items() if not p.requires_grad]
     buffers = list(persistent_buffers(engine.module))
@@ -279,7 +122,7 @@ def _model_states(engine, groups, client_state: dict, stage: int, rank: int, wor
         names = set(params) | set(tied_names(engine.module))
         module = OrderedDict((k, torch.empty(0, dtype=dtype) if k in names else v.detach().cpu().clone())
                              for k, v in engine.module.state_dict().items())
-        fragments = OrderedDict((n, _partition(params[n].detach().reshape(-1).cpu(), world, rank))
+        fragments = OrderedDict((n, partition(params[n].detach().reshape(-1).cpu(), world, rank))
                                 for n in frozen)
     else:
         module = OrderedDict((k, v.detach().cpu().clone()) for k, v in engine.module.state_dict().items())
@@ -313,9 +156,9 @@ def save_deepspeed(engine, path: str, client_state: dict) -> None:
     stage = _check_supported(engine, client_state)  # the same settings, so the same answer, on every rank
     values = whole_values(engine)
     rank, world = engine.global_rank, engine.dp_world_size  # the engine's data parallelism is the world
-    groups = _groups(engine)
-    optim = (_zero3_files(engine, values, groups, world) if stage == 3
-             else _zero12_files(engine, values, groups, stage, world))[rank]
+    groups = param_groups(engine)
+    optim = (zero3_files(engine, values, groups, world) if stage == 3
+             else zero12_files(engine, values, groups, stage, world))[rank]
     prefix = "bf16_" if engine.bfloat16_enabled() else ""
     os.makedirs(path, exist_ok=True)
     _write({"optimizer_state_dict": optim, "ds_config": engine.config.raw, "ds_version": DS_VERSION},
