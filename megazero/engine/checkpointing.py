@@ -29,7 +29,6 @@ import io
 import json
 import os
 import re
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -37,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.format import METADATA
+from megazero.engine.engine_state import (  # noqa: F401 - public here too
+    PLAIN, check_batch, not_plain, persistent_buffers, restore_rates, tag_dir, tied_names)
 from megazero.errors import ConfigError
 
 LATEST = "latest"
@@ -50,7 +51,7 @@ def encode(obj, key: str) -> Dict[str, Any]:
         return {"json": obj}
     except (TypeError, ValueError):
         pass
-    bad = _not_plain(obj)
+    bad = not_plain(obj)
     if bad is not None:
         raise ConfigError(f"save_checkpoint: {key} holds a {bad}; a checkpoint holds tensors and plain "
                           "Python values only (dict, list, tuple, str, int, float, bool, None), which is all "
@@ -58,30 +59,6 @@ def encode(obj, key: str) -> Dict[str, Any]:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return {"torch": base64.b64encode(buf.getvalue()).decode("ascii")}
-
-
-PLAIN = (str, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def _not_plain(obj, depth: int = 0) -> Optional[str]:
-    """The type name of the first value in ``obj`` that is not plain data, else None: tensors
-    (``torch.Tensor`` and ``nn.Parameter`` themselves, no other subclass), dict, list, tuple and
-    :data:`PLAIN` values, nested at most 100 deep."""
-    if depth > 100:
-        return "structure nested deeper than 100"
-    if type(obj) in (torch.Tensor, torch.nn.Parameter) or type(obj) in PLAIN:
-        return None
-    if type(obj) in (dict, OrderedDict):
-        items = [v for kv in obj.items() for v in kv]
-    elif type(obj) in (list, tuple):
-        items = obj
-    else:
-        return type(obj).__module__ + "." + type(obj).__qualname__
-    for item in items:
-        bad = _not_plain(item, depth + 1)
-        if bad is not None:
-            return bad
-    return None
 
 
 def decode(blob: Optional[Dict[str, Any]], where: str, key: str):
@@ -105,41 +82,10 @@ def decode(blob: Optional[Dict[str, Any]], where: str, key: str):
         reason = f"it names {named.group(1)}" if named else f"{type(err).__name__}"
         raise CheckpointError(f"{where}: {key} is refused: not plain data a weights-only load reads "
                               f"({reason}); megazero runs no code from a checkpoint") from None
-    bad = _not_plain(value)
+    bad = not_plain(value)
     if bad is not None:
         raise CheckpointError(f"{where}: {key} is refused: it holds a {bad}, not plain data")
     return value
-
-
-def persistent_buffers(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The buffers a ``state_dict`` holds (persistent ones), by name."""
-    out = {}
-    for prefix, m in module.named_modules():
-        for name, buf in m._buffers.items():
-            if buf is not None and name not in m._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buf
-    return out
-
-
-def tied_names(module: torch.nn.Module) -> Dict[str, str]:
-    """Every parameter name that repeats a parameter seen under an earlier name -> that name."""
-    first, out = {}, {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
-
-
-def tag_dir(directory: str, tag, where: str = "") -> str:
-    """``directory/tag``; ConfigError unless ``tag`` is a plain directory name (``where``: the file it
-    was read from, named in the error)."""
-    tag = str(tag)
-    if not tag or os.sep in tag or tag in (".", ".."):
-        source = f" (read from {where})" if where else ""
-        raise ConfigError(f"checkpoint tag {tag!r}{source} must be a plain directory name inside {directory}")
-    return os.path.join(directory, tag)
 
 
 def _engine_state(engine, client_state) -> Dict[str, Any]:
@@ -228,7 +174,7 @@ def load_checkpoint(engine, path: str, load_optimizer_states: bool = True,
     sched = decode(state.get("lr_scheduler"), where, "lr_scheduler")
     client = decode(state.get("client_state"), where, "client_state")
     if not load_module_only:
-        _check_batch(engine, state, where)
+        check_batch(engine, state, where)
     live = persistent_buffers(engine.module)
     with torch.no_grad():
         for name, value in buffers.items():
@@ -244,36 +190,9 @@ def load_checkpoint(engine, path: str, load_optimizer_states: bool = True,
         if load_lr_scheduler_states and sched is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(sched)
         if load_optimizer_states or load_lr_scheduler_states:
-            _restore_rates(engine, state.get("lrs"))
+            restore_rates(engine, state.get("lrs"))
         engine.zero.zero_grad()
     return path, client
-
-
-def _check_batch(engine, state: Dict[str, Any], where: str) -> None:
-    """A resume continues the saved run's schedule of samples per optimizer step: ConfigError unless
-    this engine's ``train_batch_size`` is the saved one (any data-parallel size, micro-batch and
-    accumulation that multiply to it resume exactly)."""
-    saved = state.get("train_batch_size")
-    if saved is None and state.get("global_steps"):  # checkpoints before the key: samples per step
-        saved = int(state.get("global_samples", 0)) // int(state["global_steps"])
-    mine = engine.config.train_batch_size
-    if saved and int(saved) != mine:
-        raise ConfigError(f"{where}: saved with train_batch_size {saved}, this engine's is {mine} "
-                          f"(micro {engine.config.micro_batch_size} x accumulation "
-                          f"{engine.config.gradient_accumulation_steps} x DP {engine.dp_world_size}); a "
-                          f"resume keeps the samples per step: give ds_config train_batch_size {saved}, or "
-                          "load_module_only=True to start a new run from the weights")
-
-
-def _restore_rates(engine, rates) -> None:
-    """The param groups' learning rates at the save (DeepSpeed restores them with the optimizer's
-    param groups): the next update runs at the saved rate, not at a fresh schedule's first one, and a
-    chainable torch scheduler (``StepLR``: ``lr *= gamma``) continues from it."""
-    groups = engine.optimizer.param_groups
-    if rates is None or len(rates) != len(groups):  # older checkpoints; another grouping
-        return
-    for group, lr in zip(groups, rates):
-        group["lr"] = float(lr)
 
 
 def saved_engine_state(iteration_dir: str) -> Dict[str, Any]:

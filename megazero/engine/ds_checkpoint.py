@@ -149,7 +149,7 @@ def _module_weights(engine, ms: dict, path: str, with_optimizer: bool) -> Dict[s
         raise CheckpointError(f"{path} holds no zero_pp_rank_*_optim_states.pt: a DeepSpeed checkpoint "
                               "without ZeRO, whose optimizer state megazero does not map; "
                               "load_optimizer_states=False (or load_module_only=True) loads the weights")
-    from megazero.engine.checkpointing import tied_names
+    from megazero.engine.engine_state import tied_names
     module = ms.get("module") or {}
     skip = set(ms.get("buffer_names") or []) | set(ms.get("shared_params") or {})
     skip |= set(tied_names(engine.module))  # DeepSpeed names tied copies only under ZeRO
@@ -279,15 +279,16 @@ def load_deepspeed(engine, path: str, load_optimizer_states: bool = True,
     """``engine.load_checkpoint`` of the DeepSpeed tag directory ``path`` (collective): returns
     ``(path, client_state)``.  Every rank reads and checks first; one rank's error is every rank's."""
     from megazero.checkpoint.comm import agree
-    from megazero.engine.checkpointing import _check_batch, _restore_rates, persistent_buffers
+    from megazero.engine.engine_state import check_batch, persistent_buffers
+    from megazero.engine.engine_state import restore_rates
     with_optim = load_optimizer_states and not load_module_only
     error, got = None, None
     try:
         got = read_checkpoint(engine, path, with_optim)
         if not load_module_only:
             ms = got["model_states"]
-            _check_batch(engine, {"train_batch_size": (ms.get("ds_config") or {}).get("train_batch_size"),
-                                  "global_steps": ms.get("global_steps")}, got["files"])
+            check_batch(engine, {"train_batch_size": (ms.get("ds_config") or {}).get("train_batch_size"),
+                                 "global_steps": ms.get("global_steps")}, got["files"])
     except Exception as err:  # noqa: BLE001 - every rank stops before the collectives below
         error = err
     agree(error, engine.mesh, "")
@@ -319,7 +320,7 @@ def load_deepspeed(engine, path: str, load_optimizer_states: bool = True,
         if load_lr_scheduler_states and isinstance(sched, dict) and sched and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(sched)
         if with_optim or load_lr_scheduler_states:
-            _restore_rates(engine, got["lrs"] or None)
+            restore_rates(engine, got["lrs"] or None)
     engine.zero.zero_grad()
     client = {k: v for k, v in ms.items() if k not in DS_KEYS}
     return path, client

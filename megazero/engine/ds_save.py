@@ -61,7 +61,7 @@ def checkpoint_format(engine, given) -> str:
 
 
 def _check_supported(engine, client_state: dict) -> int:
-    from megazero.engine.checkpointing import _not_plain
+    from megazero.engine.engine_state import not_plain
     from megazero.engine.ds_files import DS_KEYS
     stage = engine.zero_optimization_stage()
     slice_mappings(engine)  # a valid value, before any collective
@@ -79,7 +79,7 @@ def _check_supported(engine, client_state: dict) -> int:
         if key in DS_KEYS:
             raise ConfigError(f"save_checkpoint(format='deepspeed'): client_state key {key!r} is one of "
                               "DeepSpeed's own keys in the checkpoint; rename it")
-        bad = _not_plain(value)
+        bad = not_plain(value)
         if bad is not None:
             raise ConfigError(f"save_checkpoint: client_state[{key!r}] holds a {bad}; a checkpoint holds "
                               "tensors and plain Python values only")
@@ -112,7 +112,7 @@ def whole_values(engine) -> Dict[str, Dict[str, torch.Tensor]]:
 
 def _model_states(engine, groups, client_state: dict, stage: int, rank: int, world: int) -> dict:
     """The model-states file (ZeRO-3: rank ``rank``'s)."""
-    from megazero.engine.checkpointing import persistent_buffers, tied_names
+    from megazero.engine.engine_state import persistent_buffers, tied_names
     shapes = param_shapes(engine)
     params = dict(engine.module.named_parameters())
     frozen = [n for n, p in params.items() if not p.requires_grad]

@@ -67,7 +67,7 @@ def universal_path(engine, load_dir: str, tag) -> Optional[str]:
     (as DeepSpeed reads it), else None (the regular ``latest``)."""
     if tag is not None or not load_universal_key(engine):
         return None
-    from megazero.engine.checkpointing import tag_dir
+    from megazero.engine.engine_state import tag_dir
     where = os.path.join(load_dir, LATEST_UNIVERSAL)
     if not os.path.isfile(where):
         raise CheckpointError(f"{where} does not exist, and ds_config checkpoint.load_universal is true: "
@@ -121,7 +121,7 @@ def _live(engine) -> Dict[str, tuple]:
 
 
 def _check_extra(engine, zero: str, ms: dict, live) -> None:
-    from megazero.engine.checkpointing import tied_names
+    from megazero.engine.engine_state import tied_names
     known = set(live) | set(tied_names(engine.module)) | set(ms.get("shared_params") or {})
     known |= set(ms.get("buffer_names") or [])
     extra = sorted(n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n)) and n not in known)
