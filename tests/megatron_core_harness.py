@@ -462,3 +462,19 @@ def load_optimizer_state(site: str, path: str, tp: int = 1, spec=SPEC) -> dict:
     assert not [k for k in missing if not k.endswith("_extra_state")], missing
     opt.load_state_dict(loaded["optimizer"])
     return optimizer_moments(model, opt)
+
+
+def distributed_optimizer_shards(model, opt) -> dict:
+    """``{name: {kind: (start, end, values)}}``: the part of each parameter's main weight (``param``) and
+    Adam moments this data-parallel rank's ``DistributedOptimizer`` owns, as its own range map and state
+    accessors give them (the elements ``start:end`` of the flattened parameter)."""
+    inner = getattr(opt, "chained_optimizers", [opt])
+    out = {}
+    for name, p in model.named_parameters():
+        for o in inner:
+            if p in getattr(o, "model_param_gbuf_map", {}):
+                r = o._get_model_param_range_map(p)["param"]
+                t = o._get_main_param_and_optimizer_states(p)
+                out[name] = {k: (r.start, r.end, t[k].detach().float().clone().reshape(-1))
+                             for k in ("param", "exp_avg", "exp_avg_sq")}
+    return out

@@ -352,11 +352,6 @@ def _drop_from_index(src, damage):
     ("other betas", r"the Megatron-LM optimizer's betas are \(0\.9, 0\.95\), this run's "
                     r"\(0\.9, 0\.999\); pass "
                     r"--adam-beta1 0\.9 --adam-beta2 0\.95"),
-    ("dp_reshardable", r"the distributed optimizer's state is saved as dp_reshardable "
-                       r"\(optimizer\.distributed\..*\), which megazero does not read \(save it with "
-                       r"--dist-ckpt-optim-fully-reshardable\); pass --no-load-optim"),
-    ("distrib_optim.pt", r"mp_rank_00/distrib_optim\.pt is Megatron-LM's distributed optimizer state, which "
-                         r"megazero does not read yet; pass --no-load-optim"),
     ("missing moment", r"the Megatron-LM optimizer state holds no exp_avg_sq for megazero's "
                        r"output_layer\.weight; pass --no-load-optim"),
     ("missing chunk", r"the stored chunks of optimizer\.state\.exp_avg\.decoder\.layers\.self_attention\."
@@ -365,15 +360,12 @@ def _drop_from_index(src, damage):
                        r"checkpoint, "
                        r"0\.002 in this run"),
 ])
-def test_bad_optimizer_state_is_one_line_and_exit_2(saved, saved_distributed, megatron_core,  # noqa: F811
+def test_bad_optimizer_state_is_one_line_and_exit_2(saved, megatron_core,  # noqa: F811
                                                     tmp_path, capsys, monkeypatch, damage, needle):
     src = str(tmp_path / "src")
     if damage in ("missing moment", "missing chunk"):
         shutil.copytree(os.path.join(saved[0], "torch_dist"), src)
         _drop_from_index(src, damage)
-    elif damage in ("dp_reshardable", "distrib_optim.pt"):
-        kind = "legacy" if damage == "distrib_optim.pt" else damage
-        shutil.copytree(os.path.join(saved_distributed[0], kind), src)
     else:
         shutil.copytree(os.path.join(saved[0], "torch"), src)
     extra = []

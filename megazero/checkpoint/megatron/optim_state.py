@@ -21,22 +21,23 @@ model's space)::
 :class:`StateView` shows one kind of state with a checkpoint's interface (``has``/``tensor``), so the
 weights' name mapping (:class:`~megazero.checkpoint.megatron.mapping.NameMap`) maps it unchanged; the
 legacy files' states are named in :mod:`~.optim_legacy`.
-The distributed optimizer's bucket-space formats (torch_dist ``dp_reshardable`` /
-``dp_zero_gather_scatter``: ``optimizer.distributed.*``, flat buffers in the saving run's DDP bucket
-layout; legacy ``distrib_optim.pt``) are refused by name: pass ``--no-load-optim``.
+The distributed optimizer's bucket-space formats (torch_dist ``dp_reshardable``: flat buffers in the
+saving run's DDP bucket layout, from a TP 1 x PP 1 run; legacy ``distrib_optim.pt``, any TP/PP) are
+read by :mod:`~.optim_distrib`; ``dp_zero_gather_scatter`` is refused by name (``--no-load-optim``).
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import torch
 
 from megazero.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from megazero.checkpoint.megatron import optim_distrib
 from megazero.checkpoint.megatron.optim_legacy import FRESH, MAIN, MOMENTS, LegacyOptimizer, unwrap
 
 MAINS = (MAIN, "param")  # the fp32 main weights: the mixed-precision optimizer's, the distributed one's
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")  # the distributed optimizer's, read here
+BUCKET_SPACE = "dp_reshardable"  # its bucket-space format read by optim_distrib
 PREFIX = "optimizer.state."
 
 
@@ -73,11 +74,14 @@ class OptimizerState:
     ``fp32_param`` when stored), :attr:`step`, :attr:`groups` (the parameter groups' hyperparameters),
     :attr:`scaler` (megazero's loss-scaler state) and :meth:`view`."""
 
-    def __init__(self, ck, kinds: List[str], step: int, groups: list, scaler: dict, legacy=None):
+    def __init__(self, ck, kinds: List[str], step: int, groups: list, scaler: dict, legacy=None,
+                 buckets=None):
         self.ck, self.kinds, self.step, self.groups, self.scaler = ck, kinds, step, groups, scaler
-        self.legacy = legacy
+        self.legacy, self.buckets = legacy, buckets
 
     def view(self, kind: str) -> StateView:
+        if self.buckets is not None:  # torch_dist dp_reshardable
+            return self.buckets.view(kind)
         return StateView(self.ck, kind, self.legacy)
 
 
@@ -92,28 +96,51 @@ def _scaler_of(saved) -> dict:
 
 
 def _refuse_distributed(ck) -> None:
-    """The distributed optimizer's formats megazero does not read: legacy ``distrib_optim.pt`` and
-    torch_dist's ``dp_reshardable`` / ``dp_zero_gather_scatter`` (``optimizer.distributed.*`` objects:
-    flat buffers in the saving run's bucket order)."""
+    """The distributed optimizer's format megazero does not read: torch_dist's
+    ``dp_zero_gather_scatter`` (``optimizer.distributed.*`` buffers gathered over the data-parallel
+    ranks); ``dp_reshardable`` is read (:mod:`~.optim_distrib`)."""
     if ck.format == "torch":
-        found = [n for n in sorted(os.listdir(ck.path))
-                 if os.path.isfile(os.path.join(ck.path, n, "distrib_optim.pt"))]
-        if found:
-            raise CheckpointError(f"--load {ck.directory}: {found[0]}/distrib_optim.pt is Megatron-LM's "
-                                  "distributed optimizer state, which megazero does not read yet" + FRESH)
         return
-    names = [n for n in ck.meta.state_dict_metadata if n.startswith("optimizer.distributed.")]
     kind = (ck.state.get("optimizer") or {}).get("param_state_sharding_type") \
         if isinstance(ck.state.get("optimizer"), dict) else None
-    if names or kind not in (None,) + MODEL_SPACE:
+    names = [n for n in ck.meta.state_dict_metadata if n.startswith("optimizer.distributed.")
+             and (kind != BUCKET_SPACE or not _bucket_name(n))]
+    if names or kind not in (None, BUCKET_SPACE) + MODEL_SPACE:
         raise CheckpointError(f"--load {ck.directory}: the distributed optimizer's state is saved as "
                               f"{kind or 'dp_reshardable'} ({(names or ['?'])[0]}), which megazero does not "
                               "read (save it with --dist-ckpt-optim-fully-reshardable)" + FRESH)
 
 
+def _bucket_name(name: str) -> bool:
+    """One of ``dp_reshardable``'s items: a bucket's buffer, its sizes or its parameter groups."""
+    return bool(optim_distrib.DIST.match(name)) or name.split("/")[0].rsplit(".", 1)[-1] in (
+        "optimizer", "per_bucket_numel", "per_bucket_numel_unpadded")
+
+
+def _distributed_state(ck) -> Optional[OptimizerState]:
+    """The distributed optimizer's bucket-space state (None when ``ck`` holds none)."""
+    kinds = list(MOMENTS) + ["param"]
+    if ck.format == "torch_dist":
+        if not any(optim_distrib.DIST.match(n) for n in ck.shapes):
+            return None
+        step, groups = optim_distrib.dist_step_and_groups(ck)
+        common = ck.state.get("optimizer") if isinstance(ck.state.get("optimizer"), dict) else {}
+        return _checked(ck, kinds, step, groups, common.get("grad_scaler"),
+                        buckets=optim_distrib.DistTorchBuckets(ck))
+    if not optim_distrib.has_legacy_files(ck):
+        return None
+    step, groups = optim_distrib.legacy_step_and_groups(ck)
+    saved = ck._rank(0, 0).get("optimizer")
+    scaler = saved.get("grad_scaler") if isinstance(saved, dict) else None
+    return _checked(ck, kinds, step, groups, scaler, optim_distrib.LegacyBuckets(ck))
+
+
 def optimizer_state(ck) -> Optional[OptimizerState]:
     """The optimizer state of ``ck`` (None when it stores none: Megatron-LM's ``--no-save-optim``)."""
     _refuse_distributed(ck)
+    distributed = _distributed_state(ck)
+    if distributed is not None:
+        return distributed
     if ck.format == "torch_dist":
         kinds = [k for k in MOMENTS + MAINS if any(n.startswith(f"{PREFIX}{k}.") for n in ck.shapes)]
         common = ck.state.get("optimizer")
@@ -142,14 +169,14 @@ def optimizer_state(ck) -> Optional[OptimizerState]:
                     rank["optimizer"].get("grad_scaler"), legacy)
 
 
-def _checked(ck, kinds, step, groups, scaler, legacy=None) -> OptimizerState:
+def _checked(ck, kinds, step, groups, scaler, legacy=None, buckets=None) -> OptimizerState:
     missing = [k for k in MOMENTS if k not in kinds]
     if missing:
         raise CheckpointError(f"--load {ck.directory}: the optimizer state has no {missing[0]} (Adam's "
                               "moments are read)" + FRESH)
     if step is None:
         raise CheckpointError(f"--load {ck.directory}: the optimizer state records no step" + FRESH)
-    return OptimizerState(ck, kinds, step, groups, _scaler_of(scaler), legacy)
+    return OptimizerState(ck, kinds, step, groups, _scaler_of(scaler), legacy, buckets)
 
 
 def check_hyperparameters(state: OptimizerState, opt_cfg, directory: str) -> None:
