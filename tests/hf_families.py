@@ -155,11 +155,37 @@ def hf_model(name, **over):
     for k, v in over.items():
         setattr(config, k, v)
     eager = dict(experts_implementation="eager") if name in MOE_FAMILIES else {}  # its loop runs float64 too
-    model = transformers.AutoModelForCausalLM.from_config(config, **eager).eval()
-    with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
+    return perturbed(transformers.AutoModelForCausalLM.from_config(config, **eager).eval())
+
+
+def perturbed(model):
+    """``model`` with every weight (and the MoE layers' expert bias) moved by N(0, 0.1^2) noise: norms
+    start at ones and biases at zeros, so without it a mapping that mixes them up would go unseen."""
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-        for n, b in model.named_buffers():  # GLM-4.5's and DeepSeek-V3's expert bias
+        for n, b in model.named_buffers():  # GLM-4.5's, DeepSeek-V3's and Nemotron-H's expert bias
             if n.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.1)
     return model
+
+
+def assert_refused(config, over, needle):
+    """Importing transformers' ``config`` with the fields ``over`` set raises megazero's one-line
+    ConfigError that names the field: 'unsupported Hugging Face config: <needle>' (a regex)."""
+    import pytest
+    from megazero.config import ConfigError
+    from models.hf import config_from_hf
+    for k, v in over.items():
+        setattr(config, k, v)
+    with pytest.raises(ConfigError, match=f"unsupported Hugging Face config: {needle}"):
+        config_from_hf(config)
+
+
+def assert_greedy_equals_transformers(hf, model, prompt, new_tokens=24, **hf_generate):
+    """megazero's greedy ``generate`` from ``prompt`` (its caches) gives transformers' tokens exactly."""
+    from models.generate import generate
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                           eos_token_id=None, **hf_generate)
+    assert torch.equal(generate(model, prompt, max_new_tokens=new_tokens), want)

@@ -19,8 +19,8 @@ import torch
 from megazero.config import ConfigError, config_from_dict
 from megazero.data.mock import MockGPTData
 from megazero.process.local_ranks import run_ranks
-from models.generate import generate
 from models.hf import config_from_hf, from_hf, to_hf
+from hf_families import assert_greedy_equals_transformers, assert_refused, perturbed
 from tolerance import C_FWD, R_TRAIN, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -65,14 +65,8 @@ def hf_model(name, **over):
     config = family_config(name)
     for k, v in over.items():
         setattr(config, k, v)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").eval()
-    with torch.no_grad():  # norms start at ones, biases at zeros: perturb everything so every mapping matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-        for n, b in model.named_buffers():  # the MoE layers' expert bias
-            if n.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.1)
-    return model
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    return perturbed(model.eval())
 
 
 def _logits(model, ids=IDS):
@@ -110,12 +104,8 @@ def test_greedy_generation_equals_transformers(family):
     """Prompt 8 + 24 new tokens: the recurrent (and KV) caches against transformers' own."""
     name, hf = family
     model = from_hf(hf).eval()
-    prompt = IDS[:, :8]
-    with torch.no_grad():  # an explicit mask: transformers would mask prompt tokens equal to the pad id
-        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
-                           pad_token_id=0, eos_token_id=None)
-    got = generate(model, prompt, max_new_tokens=24)
-    assert torch.equal(got, want)
+    prompt = IDS[:, :8]  # an explicit mask: transformers would mask prompt tokens equal to the pad id
+    assert_greedy_equals_transformers(hf, model, prompt, attention_mask=torch.ones_like(prompt))
 
 
 def _safetensors(path):
@@ -194,11 +184,7 @@ def test_original_mamba2_files_import(tmp_path):
     ("nemotron-h-moe", dict(n_group=3), "n_group=3; groups of at least 2 experts dividing"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(name, over, needle):
-    cfg = family_config(name)
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    with pytest.raises(ConfigError, match=f"unsupported Hugging Face config: {needle}"):
-        config_from_hf(cfg)
+    assert_refused(family_config(name), over, needle)
 
 
 @pytest.mark.parametrize("name,over,hf_type,needle", [

@@ -17,9 +17,8 @@ import torch
 from megazero.config import ConfigError, config_from_dict, validate
 from megazero.data.mock import MockGPTData
 from megazero.process.local_ranks import run_ranks
-from models.generate import generate
 from models.hf import config_from_hf, from_hf, hf_state_from_megazero, megazero_state_from_hf, to_hf
-from hf_families import SEQ, VOCAB, family_config, hf_model
+from hf_families import SEQ, VOCAB, assert_greedy_equals_transformers, assert_refused, family_config, hf_model
 from tolerance import C_FWD, R_TRAIN, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -74,10 +73,7 @@ def test_tensor_by_tensor_round_trip(hf):
 
 def test_greedy_generation_equals_transformers(hf):
     model = from_hf(hf).eval()
-    prompt = IDS[:, :8]
-    with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(generate(model, prompt, max_new_tokens=24), want)
+    assert_greedy_equals_transformers(hf, model, IDS[:, :8])
 
 
 def test_export_loads_back_in_transformers(hf, tmp_path):
@@ -96,11 +92,7 @@ def test_export_loads_back_in_transformers(hf, tmp_path):
     (dict(moe_layers=[1, 4]), r"moe_layers=\[1, 4\]; layer indices between 0 and"),
 ])
 def test_what_megazero_cannot_represent_is_refused_by_name(over, needle):
-    cfg = family_config(NAME)
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    with pytest.raises(ConfigError, match=f"unsupported Hugging Face config: {needle}"):
-        config_from_hf(cfg)
+    assert_refused(family_config(NAME), over, needle)
 
 
 @pytest.mark.parametrize("over,hf_type,needle", [

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megazero.config import ConfigError
-from models.generate import generate
 from models.hf import config_from_hf, from_hf, to_hf
+from hf_families import assert_greedy_equals_transformers, perturbed
 from tolerance import C_FWD, R_TRAIN, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -51,12 +51,8 @@ def qwen3next_config(kind="moe", **over):
 def qwen3next_model(kind="moe", **over):
     """A tiny random Qwen3-Next, every weight perturbed (zero-centred norms start at zero)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(qwen3next_config(kind, **over),
-                                                          experts_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return perturbed(transformers.AutoModelForCausalLM.from_config(qwen3next_config(kind, **over),
+                                                                   experts_implementation="eager").eval())
 
 
 def _logits(model, ids=IDS):
@@ -116,10 +112,7 @@ def test_greedy_generation_equals_transformers(family):
     """Prompt 8 + 24 new tokens, through the conv and recurrent states and the KV cache."""
     kind, hf = family
     model = from_hf(hf).eval()
-    prompt = IDS[:, :8]
-    with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(generate(model, prompt, max_new_tokens=24), want)
+    assert_greedy_equals_transformers(hf, model, IDS[:, :8])
 
 
 def _tensors(path):
