@@ -95,8 +95,9 @@ def _llama_family(m, t: str) -> Optional[str]:
     return None
 
 
-def moe_missing(moe, m, t: str) -> Optional[str]:
-    """What the MoE architecture ``t`` lacks to hold the experts of MoEConfig ``moe`` (None: nothing)."""
+def softmax_router_missing(moe, t: str) -> Optional[str]:
+    """What the plain softmax top-k router of architecture ``t`` lacks of MoEConfig ``moe``'s routing (no
+    expert bias, scaling or groups; None: nothing)."""
     if moe.moe_router_score_function != "softmax":
         return f"--moe-router-score-function {moe.moe_router_score_function} ({t}: softmax)"
     if moe.moe_router_enable_expert_bias:
@@ -105,6 +106,14 @@ def moe_missing(moe, m, t: str) -> Optional[str]:
         return f"--moe-router-topk-scaling-factor {moe.moe_router_topk_scaling_factor} ({t} has none)"
     if moe.moe_router_num_groups:
         return f"group-limited routing, --moe-router-num-groups ({t} has none)"
+    return None
+
+
+def moe_missing(moe, m, t: str) -> Optional[str]:
+    """What the MoE architecture ``t`` lacks to hold the experts of MoEConfig ``moe`` (None: nothing)."""
+    why = softmax_router_missing(moe, t)
+    if why:
+        return why
     if t == "mixtral" and moe.moe_router_pre_softmax:
         return "--moe-router-pre-softmax (Mixtral renormalises the top-k weights)"
     if t in ("mixtral", "olmoe") and not all(moe_layer_pattern(moe.moe_layer_freq, m.num_layers)):

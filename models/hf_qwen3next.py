@@ -152,15 +152,11 @@ def missing(m, moe=None) -> Optional[str]:
 
 
 def _moe_missing(moe) -> Optional[str]:
+    from .hf_export import softmax_router_missing  # hf_export dispatches to this module
     t = KIND
-    if moe.moe_router_score_function != "softmax":
-        return f"--moe-router-score-function {moe.moe_router_score_function} ({t}: softmax)"
-    if moe.moe_router_enable_expert_bias:
-        return f"--moe-router-enable-expert-bias ({t} has no expert bias)"
-    if moe.moe_router_topk_scaling_factor not in (None, 1.0):
-        return f"--moe-router-topk-scaling-factor {moe.moe_router_topk_scaling_factor} ({t} has none)"
-    if moe.moe_router_num_groups:
-        return f"group-limited routing, --moe-router-num-groups ({t} has none)"
+    why = softmax_router_missing(moe, t)
+    if why:
+        return why
     if not (moe.moe_shared_expert_intermediate_size and moe.moe_shared_expert_gate):
         return f"no gated shared expert ({t} has one: --moe-shared-expert-intermediate-size and " \
                "--moe-shared-expert-gate)"
