@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from megazero.config import ConfigError
+from .hf_sigmoid_moe import GROUP_SCORE_TOPK, routing_settings
 
 HYBRID_ARCHS = ("mamba2", "nemotron_h")
 ROOT = {"mamba2": "backbone.", "nemotron_h": "backbone."}  # their files' names
@@ -51,7 +52,6 @@ ONE_TO_ONE = [  # (megazero name within a layer, transformers name within a laye
     ("mlp.shared_experts.fc2.weight", "mixer.shared_experts.down_proj.weight")]
 EXPERT = re.compile(r"mlp\.experts\.(?:(\d+)\.)?(fc1|fc2)_weight")  # stacked, or one (the checkpoint's)
 EXPERT_HF = {"fc1": "up_proj", "fc2": "down_proj"}
-GROUP_SCORE_TOPK = 2  # NemotronH scores a group by the sum of its two best experts
 
 
 def _refuse(field: str, value, fix: str):
@@ -128,23 +128,7 @@ def moe_settings(c) -> Dict[str, Any]:
     if c.moe_latent_size is not None:
         _refuse("moe_latent_size", c.moe_latent_size, "the experts' latent projections (fc1_latent_proj, "
                 "fc2_latent_proj) are not implemented")
-    if bool(c.norm_topk_prob) != (topk > 1):
-        _refuse("norm_topk_prob", c.norm_topk_prob, "megazero normalises the chosen sigmoid weights exactly "
-                "when --moe-router-topk > 1")
-    groups, group_topk = int(c.n_group or 1), int(c.topk_group or 1)
-    if experts % groups or experts // groups < GROUP_SCORE_TOPK:
-        _refuse("n_group", groups, f"groups of at least {GROUP_SCORE_TOPK} experts dividing n_routed_experts")
-    out: Dict[str, Any] = dict(
-        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(c.moe_intermediate_size),
-        moe_router_score_function="sigmoid", moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_shared_expert_intermediate_size=int(c.moe_shared_expert_intermediate_size))
-    if float(c.routed_scaling_factor) != 1.0:
-        out["moe_router_topk_scaling_factor"] = float(c.routed_scaling_factor)
-    if groups > 1:
-        out.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk,
-                   moe_router_group_score_topk=GROUP_SCORE_TOPK)
-    return out
+    return routing_settings(c, experts, topk, int(c.moe_shared_expert_intermediate_size))
 
 
 # ---- tensors ------------------------------------------------------------------------------------

@@ -32,21 +32,30 @@ def import_settings(c, kind: str) -> Dict[str, Any]:
     dense = int(c.first_k_dense_replace)
     if not experts or dense >= layers:
         _refuse("first_k_dense_replace", dense, f"a {kind} config without MoE layers is not imported")
-    if bool(c.norm_topk_prob) != (topk > 1):
-        _refuse("norm_topk_prob", c.norm_topk_prob, "megazero normalises the chosen sigmoid weights "
-                "exactly when --moe-router-topk > 1")
     if int(c.n_shared_experts or 0) < 1:
         _refuse("n_shared_experts", c.n_shared_experts,
                 "megazero's DeepSeek-style layers have a shared expert")
+    moe_layers = "1" if not dense else "[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]"
+    return dict(routing_settings(c, experts, topk, int(c.moe_intermediate_size) * int(c.n_shared_experts)),
+                moe_layer_freq=moe_layers)
+
+
+def routing_settings(c, experts: int, topk: int, shared: int) -> Dict[str, Any]:
+    """megazero's settings of the sigmoid router in transformers' config ``c`` (GLM-4.5's, DeepSeek-V3's,
+    Nemotron-H's), of ``experts`` experts of ``c.moe_intermediate_size``, top-``topk``, and a shared expert
+    ``shared`` wide: the expert bias, the group-limited routing, the scaling; refuses by name what
+    megazero's router does not compute."""
+    if bool(c.norm_topk_prob) != (topk > 1):
+        _refuse("norm_topk_prob", c.norm_topk_prob, "megazero normalises the chosen sigmoid weights "
+                "exactly when --moe-router-topk > 1")
     groups, group_topk = int(c.n_group or 1), int(c.topk_group or 1)
     if experts % groups or (groups > 1 and experts // groups < GROUP_SCORE_TOPK):
         _refuse("n_group", groups, f"groups of at least {GROUP_SCORE_TOPK} experts dividing n_routed_experts")
     out: Dict[str, Any] = dict(
         num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=int(c.moe_intermediate_size),
-        moe_layer_freq="1" if not dense else "[" + ",".join(["0"] * dense + ["1"] * (layers - dense)) + "]",
         moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
         moe_router_enable_expert_bias=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_shared_expert_intermediate_size=int(c.moe_intermediate_size) * int(c.n_shared_experts))
+        moe_shared_expert_intermediate_size=shared)
     if float(c.routed_scaling_factor) != 1.0:
         out["moe_router_topk_scaling_factor"] = float(c.routed_scaling_factor)
     if groups > 1:
