@@ -16,6 +16,8 @@ at each aligned offset exactly one of the stored model weights (cast to its stor
 the slice there.  Every placement is checked over the whole tensor, every element of the buffer is
 accounted for (only the 64-element alignment gaps skipped), and two weights with the same values at
 one offset are refused, so a layout that cannot be reconstructed is refused by name, never read wrong.
+Under TP/PP each domain (``dp_group_idx_<d>``; a legacy rank file) holds its ranks' local
+parameters and is placed against those weights; the pieces are joined as the weights are.
 """
 from __future__ import annotations
 
@@ -96,61 +98,106 @@ def place(buckets: List[torch.Tensor], units: _Units, where: str, joined: bool) 
 
 class DistTorchBuckets:
     """torch_dist ``dp_reshardable``: ``view(kind)`` has the checkpoint's interface (``has``,
-    ``tensor(name, layer=)``) under the model's names."""
+    ``tensor(name, layer=)``) under the model's names.  Each tensor/pipeline-parallel domain
+    (``dp_group_idx_<d>``) holds its ranks' local parameters: the stored chunks of the model's tensors
+    (a SwiGLU ``linear_fc1``'s local parameter is its gate chunk over its up chunk), placed per domain;
+    a chunk replicated over domains (a norm under TP) is taken from the first."""
 
     def __init__(self, ck):
         self.ck = ck
-        found: Dict[tuple, Dict[str, str]] = {}
+        found: Dict[int, Dict[tuple, Dict[str, str]]] = {}
         for name in ck.shapes:
             m = DIST.match(name)
             if m:
-                found.setdefault((int(m.group(1)), int(m.group(2)), int(m.group(4))), {})[m.group(5)] = name
-        groups = sorted({d for d, _, _ in found})
-        if groups != [0]:
-            raise CheckpointError(f"--load {ck.directory}: the distributed optimizer's dp_reshardable state "
-                                  f"spans {len(groups)} tensor/pipeline-parallel domains; megazero reads it "
-                                  "from a TP 1 x PP 1 run only (save it with "
-                                  "--dist-ckpt-optim-fully-reshardable)" + FRESH)
-        self.buckets = [found[k] for k in sorted(found)]
-        for names in self.buckets:
-            if set(names) != set(KINDS):
-                raise CheckpointError(f"--load {ck.directory}: a bucket of the distributed optimizer's state "
-                                      f"lacks {sorted(set(KINDS) - set(names))}" + FRESH)
-        units = {}
-        for name, shape in ck.shapes.items():
-            if name.startswith("optimizer.") or not shape:
-                continue
-            dtype = ck.meta.state_dict_metadata[name].properties.dtype
-            if name.startswith("decoder.layers."):
-                for i in range(shape[0]):
-                    units[(name, i)] = (lambda n=name, i=i: ck.tensor(n, layer=i), shape[1:], dtype)
-            else:
-                units[(name, None)] = (lambda n=name: ck.tensor(n), shape, dtype)
-        params = [ck.tensor(b["param"]) for b in self.buckets]
+                key = (int(m.group(2)), int(m.group(4)))
+                found.setdefault(int(m.group(1)), {}).setdefault(key, {})[m.group(5)] = name
         self.where = f"--load {ck.directory}"
-        self.placed = place(params, _Units(units), self.where, joined=False)
-        self.shapes = {u: units[u][1] for u in self.placed}
+        self.domains = [[found[d][k] for k in sorted(found[d])] for d in sorted(found)]
+        for buckets in self.domains:
+            for names in buckets:
+                if set(names) != set(KINDS):
+                    raise CheckpointError(f"{self.where}: a bucket of the distributed optimizer's state "
+                                          f"lacks {sorted(set(KINDS) - set(names))}" + FRESH)
+        self._read_cache: Dict[tuple, torch.Tensor] = {}
+        self.units = self._units()
+        index = _Units(self.units)
+        self.placed = [place([ck.tensor(b["param"]) for b in buckets], index, self.where, joined=False)
+                       for buckets in self.domains]
         self._cache: Dict[str, torch.Tensor] = {}
 
-    def _flat(self, kind: str, b: int) -> torch.Tensor:
-        name = self.buckets[b][kind]
+    def _whole(self, name: str, layer: Optional[int]) -> torch.Tensor:
+        key = (name, layer)
+        if key not in self._read_cache:
+            self._read_cache.clear()
+            self._read_cache[key] = self.ck.tensor(name, layer=layer) if layer is not None \
+                else self.ck.tensor(name)
+        return self._read_cache[key]
+
+    def _units(self) -> Dict[object, tuple]:
+        """``(name, layer, boxes) -> (reader, shape, dtype)``: every local parameter the domains may
+        hold; ``boxes``: the ``(offsets, sizes)`` in the tensor (a layer of it) its rows come from."""
+        glu = bool(self.ck.args is not None and getattr(self.ck.args, "swiglu", False))
+        units = {}
+        for name, shape in self.ck.shapes.items():
+            if name.startswith("optimizer.") or not shape:
+                continue
+            props = self.ck.meta.state_dict_metadata[name]
+            stacked = name.startswith("decoder.layers.")
+            boxes = sorted({(tuple(c.offsets)[stacked:], tuple(c.sizes)[stacked:]) for c in props.chunks})
+            if glu and name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and len(boxes) % 2 == 0:
+                half = len(boxes) // 2  # rank r's parameter: gate chunk r over up chunk r
+                groups = [(boxes[r], boxes[r + half]) for r in range(half)]
+            else:
+                groups = [(box,) for box in boxes]
+            for layer in (range(shape[0]) if stacked else [None]):
+                for group in groups:
+                    rows = sum(box[1][0] for box in group)
+                    local = (rows,) + group[0][1][1:]
+
+                    def read(n=name, i=layer, g=group):
+                        return torch.cat([self._box(self._whole(n, i), b) for b in g])
+                    units[(name, layer, group)] = (read, local, props.properties.dtype)
+        return units
+
+    @staticmethod
+    def _box(t: torch.Tensor, box) -> torch.Tensor:
+        for d, (at, size) in enumerate(zip(*box)):
+            t = t.narrow(d, at, size)
+        return t
+
+    def _flat(self, kind: str, d: int, b: int) -> torch.Tensor:
+        name = self.domains[d][b][kind]
         if name not in self._cache:
             self._cache.clear()
             self._cache[name] = self.ck.tensor(name)
         return self._cache[name]
 
     def has(self, name: str) -> bool:
-        return (name, None) in self.placed or (name, 0) in self.placed
+        return any(u[0] == name for placed in self.placed for u in placed)
 
     def get(self, kind: str, name: str, layer: Optional[int]) -> torch.Tensor:
-        if layer is None and (name, 0) in self.placed:
-            return torch.stack([self.get(kind, name, i) for i in range(self.ck.shapes[name][0])])
-        unit = (name, layer)
-        if unit not in self.placed:
-            raise CheckpointError(f"{self.where}: the distributed optimizer holds no {kind} for {name}"
+        shape = self.ck.shapes[name]
+        if layer is None and name.startswith("decoder.layers."):
+            return torch.stack([self.get(kind, name, i) for i in range(shape[0])])
+        if name.startswith("decoder.layers."):
+            shape = shape[1:]
+        out = torch.zeros(shape)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for d, placed in enumerate(self.placed):
+            for unit, (b, at, n) in placed.items():
+                if unit[0] != name or unit[1] != layer:
+                    continue
+                flat = self._flat(kind, d, b)[at:at + n].view(self.units[unit][1])
+                for box in unit[2]:
+                    part, flat = flat[:box[1][0]], flat[box[1][0]:]
+                    mask = self._box(covered, box)
+                    self._box(out, box).copy_(torch.where(mask, self._box(out, box), part))
+                    mask.fill_(True)
+        if not bool(covered.all()):
+            raise CheckpointError(f"{self.where}: the distributed optimizer holds no {kind} for "
+                                  f"{'all of ' if covered.any() else ''}{name}"
                                   + (f" (layer {layer})" if layer is not None else "") + FRESH)
-        b, at, n = self.placed[unit]
-        return self._flat(kind, b)[at:at + n].view(self.shapes[unit]).clone()
+        return out
 
     def view(self, kind: str) -> "BucketView":
         return BucketView(self, kind)

@@ -22,7 +22,7 @@ model's space)::
 weights' name mapping (:class:`~megazero.checkpoint.megatron.mapping.NameMap`) maps it unchanged; the
 legacy files' states are named in :mod:`~.optim_legacy`.
 The distributed optimizer's bucket-space formats (torch_dist ``dp_reshardable``: flat buffers in the
-saving run's DDP bucket layout, from a TP 1 x PP 1 run; legacy ``distrib_optim.pt``, any TP/PP) are
+saving run's DDP bucket layout, one set per TP/PP domain; legacy ``distrib_optim.pt``, per rank) are
 read by :mod:`~.optim_distrib`; ``dp_zero_gather_scatter`` is refused by name (``--no-load-optim``).
 """
 from __future__ import annotations
