@@ -167,8 +167,9 @@ class DistTorchBuckets:
 
     def _flat(self, kind: str, d: int, b: int) -> torch.Tensor:
         name = self.domains[d][b][kind]
-        if name not in self._cache:
-            self._cache.clear()
+        if name not in self._cache:  # one bucket a domain kept: a tensor's pieces are read in turn
+            if len(self._cache) >= len(self.domains):
+                self._cache.pop(next(iter(self._cache)))
             self._cache[name] = self.ck.tensor(name)
         return self._cache[name]
 
