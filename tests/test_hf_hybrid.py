@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, config_from_dict
-from megazero.data.mock import MockGPTData
 from megazero.process.local_ranks import run_ranks
 from models.hf import config_from_hf, from_hf, to_hf
 from hf_families import assert_greedy_equals_transformers, assert_refused, perturbed
-from tolerance import C_FWD, R_TRAIN, fp32_bound
+from hf_finetune_runs import (assert_export_matches, assert_layouts_agree, convert, finetune_settings,
+                              first_loss, train_all)
+from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
 VOCAB, SEQ, CHUNK = 96, 37, 16
@@ -232,68 +233,32 @@ def test_a_model_megazero_built_exports_as_the_first_architecture_holding_it(pat
 
 
 # ---- fine-tuning under TP 2 ------------------------------------------------------------------------
-FT_SEQ, GBS, SEED = 38, 4, 1234  # 38 = 2 chunks of 16 and 6: TP 2 with sequence parallelism splits it
+FT_SEQ = 38  # 2 chunks of 16 and 6: TP 2 with sequence parallelism splits it
 FINETUNED = ["mamba2", "nemotron-h", "nemotron-h-moe"]
 
 
 def _settings(ckpt, save=None, tp=1):
-    settings = dict(load=ckpt, finetune=True, use_checkpoint_args=True, mock_data=True, seq_length=FT_SEQ,
-                    micro_batch_size=1, global_batch_size=GBS, train_iters=3, optimizer="sgd", lr=0.05,
-                    sgd_momentum=0.0, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
-                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp,
-                    sequence_parallel=tp > 1)  # which MoE layers under TP need
-    if save:
-        settings.update(save=save, save_interval=3)
-    return settings
-
-
-def _train_all(runs):
-    import models
-    from megazero.training import train
-    return {name: train(config_from_dict(settings), models.build_chunks) for name, settings in runs.items()}
+    # sequence parallelism: what MoE layers under TP need
+    return finetune_settings(ckpt, FT_SEQ, save, tp=tp, sequence_parallel=tp > 1)
 
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
-    from models.hf_convert import to_megazero
     d = tmp_path_factory.mktemp("hybrid_finetune")
-    hf = {}
-    for name in FINETUNED:
-        hf[name] = hf_model(name)
-        hf[name].save_pretrained(str(d / name / "hf"))
-        to_megazero(str(d / name / "hf"), str(d / name / "ckpt"))
-    one = _train_all({n: _settings(str(d / n / "ckpt")) for n in FINETUNED})
-    two = run_ranks(_train_all, 2, {n: _settings(str(d / n / "ckpt"), str(d / n / "run"), tp=2)
-                                    for n in FINETUNED}, timeout=600)
+    hf = {name: hf_model(name) for name in FINETUNED}
+    ckpt = {name: convert(hf[name], d / name) for name in FINETUNED}
+    one = train_all({n: _settings(ckpt[n]) for n in FINETUNED})
+    two = run_ranks(train_all, 2, {n: _settings(ckpt[n], str(d / n / "run"), tp=2) for n in FINETUNED},
+                    timeout=600)
     return d, hf, one, two
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FINETUNED)
 def test_tp2_finetune_equals_one_process_and_exports_to_transformers(finetuned, name):
-    from models.checkpoint import load_model
-    from models.hf_convert import to_hf as ckpt_to_hf
     d, hf, one, two = finetuned
-    assert [m["loss"] for m in two[1][name]] == [m["loss"] for m in two[0][name]]
-    for key in ("loss", "grad_norm"):
-        a, b = [m[key] for m in one[name]], [m[key] for m in two[0][name]]
-        assert len(a) == 3 and b == pytest.approx(a, rel=R_TRAIN), key
-    assert one[name][2]["loss"] != one[name][0]["loss"]  # it trained
-    tokens = MockGPTData(VOCAB, FT_SEQ, seed=SEED).get_tokens(list(range(GBS)), "train")  # the first batch
-    ref = hf[name].double()
-    with torch.no_grad():
-        logits = ref(tokens[:, :-1]).logits.double()  # a float64 model, its logits rounded to fp32
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
-    assert one[name][0]["loss"] == pytest.approx(want, abs=1e-5)
-    ckpt_to_hf(str(d / name / "run"), str(d / name / "exported"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(d / name / "exported"), dtype=torch.float64,
-                                                             experts_implementation="eager").eval()
-    assert type(back).__name__ == CLASSES[name] + "ForCausalLM"
-    model, info = load_model(str(d / name / "run"))
-    assert info["iteration"] == 3
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        exported = back(ids).logits.double()  # transformers returns these logits in fp32
-        torch.testing.assert_close(model(ids).double(), exported, rtol=0, atol=1e-5)
-        moved = (exported - ref(ids).logits.double()).abs().max().item()
-    assert moved > 1e-4  # the exported weights are the fine-tuned ones
+    assert_layouts_agree(one[name], [rank[name] for rank in two])
+    # transformers returns these models' logits in fp32 even in float64: the reference is rounded to fp32
+    assert one[name][0]["loss"] == pytest.approx(first_loss(hf[name], FT_SEQ), abs=1e-5)
+    assert_export_matches(d / name / "run", d / name / "exported", hf[name], CLASSES[name], SEQ,
+                          experts_implementation="eager")

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from megazero.config import ConfigError, config_from_dict, validate
-from megazero.data.mock import MockGPTData
 from megazero.process.local_ranks import run_ranks
 from models.hf import config_from_hf, from_hf, hf_state_from_megazero, megazero_state_from_hf, to_hf
 from hf_families import SEQ, VOCAB, assert_greedy_equals_transformers, assert_refused, family_config, hf_model
-from tolerance import C_FWD, R_TRAIN, fp32_bound
+from hf_finetune_runs import (assert_export_matches, assert_layouts_agree, convert, finetune_settings,
+                              first_loss, train_one)
+from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
@@ -111,72 +112,37 @@ def test_export_that_cannot_hold_the_model_is_refused(hf, over, hf_type, needle)
 
 
 # ---- fine-tune under EP 2 x TP 2 ---------------------------------------------------------------
-FT_SEQ, GBS, SEED = 32, 4, 1234
+FT_SEQ = 32
 
 
 def _settings(ckpt, save=None, tp=1, ep=1):
-    settings = dict(load=ckpt, finetune=True, use_checkpoint_args=True, mock_data=True, seq_length=FT_SEQ,
-                    micro_batch_size=1, global_batch_size=GBS, train_iters=3, optimizer="sgd", lr=0.05,
-                    sgd_momentum=0.0, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
-                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp,
-                    expert_model_parallel_size=ep, sequence_parallel=tp > 1,
-                    moe_token_dispatcher_type="alltoall")
-    if save:
-        settings.update(save=save, save_interval=3)
-    return settings
-
-
-def _train(settings):
-    import models
-    from megazero.training import train
-    return train(config_from_dict(settings), models.build_chunks)
+    return finetune_settings(ckpt, FT_SEQ, save, tp=tp, expert_model_parallel_size=ep,
+                             sequence_parallel=tp > 1, moe_token_dispatcher_type="alltoall")
 
 
 @pytest.fixture(scope="module")
 def finetuned(hf, tmp_path_factory):
-    from models.hf_convert import to_megazero
     d = tmp_path_factory.mktemp("llama4_moe_finetune")
-    hf.save_pretrained(str(d / "hf"))
-    to_megazero(str(d / "hf"), str(d / "ckpt"))
-    one = _train(_settings(str(d / "ckpt")))
-    four = run_ranks(_train, 4, _settings(str(d / "ckpt"), str(d / "run"), tp=2, ep=2), timeout=600)
+    ckpt = convert(hf, d)
+    one = train_one(_settings(ckpt))
+    four = run_ranks(train_one, 4, _settings(ckpt, str(d / "run"), tp=2, ep=2), timeout=600)
     return d, one, four
 
 
 @pytest.mark.slow
 def test_ep2_tp2_finetune_equals_one_process(finetuned):
     _, one, four = finetuned
-    for rank in four:
-        for key in ("loss", "grad_norm"):
-            assert [m[key] for m in rank] == pytest.approx([m[key] for m in one], rel=R_TRAIN), key
-    assert one[2]["loss"] != one[0]["loss"]  # it trained
+    assert_layouts_agree(one, four)
 
 
 @pytest.mark.slow
 def test_first_finetune_loss_is_the_transformers_loss(finetuned, hf):
     _, one, _ = finetuned
-    tokens = MockGPTData(VOCAB, FT_SEQ, seed=SEED).get_tokens(list(range(GBS)), "train")  # the first batch
-    model = hf.double()
-    with torch.no_grad():
-        logits = model(tokens[:, :-1]).logits
-    hf.float()
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).item()
-    assert one[0]["loss"] == pytest.approx(want, abs=1e-5)
+    assert one[0]["loss"] == pytest.approx(first_loss(hf, FT_SEQ), abs=1e-5)
 
 
 @pytest.mark.slow
 def test_the_finetuned_checkpoint_exports_to_transformers(finetuned, hf):
-    from models.checkpoint import load_model
-    from models.hf_convert import to_hf as checkpoint_to_hf
     d, _, _ = finetuned
-    checkpoint_to_hf(str(d / "run"), str(d / "exported"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(d / "exported"), dtype=torch.float64).eval()
-    assert type(back).__name__ == "Llama4ForCausalLM"
-    model, info = load_model(str(d / "run"))
-    assert info["iteration"] == 3 and model.cfg.moe.moe_apply_probs_on_input
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).double(), back(ids).logits, rtol=0, atol=1e-5)
-        moved = (back(ids).logits - hf.double()(ids).logits).abs().max().item()
-    hf.float()
-    assert moved > 1e-4  # the exported weights are the fine-tuned ones
+    model = assert_export_matches(d / "run", d / "exported", hf, "Llama4", SEQ)
+    assert model.cfg.moe.moe_apply_probs_on_input

@@ -20,7 +20,8 @@ import torch
 from megazero.config import ConfigError
 from models.hf import config_from_hf, from_hf, to_hf
 from hf_families import assert_greedy_equals_transformers, perturbed
-from tolerance import C_FWD, R_TRAIN, fp32_bound
+from hf_finetune_runs import GBS, SEED, assert_layouts_agree, convert, finetune_settings, train_one
+from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
 VOCAB, SEQ = 96, 50
@@ -229,49 +230,30 @@ def test_tensor_parallel_import_matches_transformers(tmp_path):
 
 
 # ---- fine-tuning under TP 2 (slow) ----------------------------------------------------------------
-TRAIN_SEQ, GBS, SEED = 40, 4, 1234
+TRAIN_SEQ = 40
 
 
 def _settings(ckpt, save=None, tp=1):
-    settings = dict(load=ckpt, finetune=True, use_checkpoint_args=True, mock_data=True,
-                    seq_length=TRAIN_SEQ,
-                    micro_batch_size=1, global_batch_size=GBS, train_iters=3, optimizer="sgd", lr=0.01,
-                    sgd_momentum=0.0, lr_decay_style="constant", seed=SEED, hidden_dropout=0.0,
-                    attention_dropout=0.0, log_interval=100, tensor_model_parallel_size=tp,
-                    sequence_parallel=tp > 1, linear_chunk_size=16)
-    if save:
-        settings.update(save=save, save_interval=3)
-    return settings
-
-
-def _train(settings):
-    import models
-    from megazero.config import config_from_dict
-    from megazero.training import train
-    return train(config_from_dict(settings), models.build_chunks)
+    return finetune_settings(ckpt, TRAIN_SEQ, save, lr=0.01, tp=tp, sequence_parallel=tp > 1,
+                             linear_chunk_size=16)
 
 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     from megazero.process.local_ranks import run_ranks
-    from models.hf_convert import to_megazero
     d = tmp_path_factory.mktemp("qwen3next_finetune")
     hf = qwen3next_model("moe", output_router_logits=True)
-    hf.save_pretrained(str(d / "hf"))
-    to_megazero(str(d / "hf"), str(d / "ckpt"))
-    one = _train(_settings(str(d / "ckpt")))
-    two = run_ranks(_train, 2, _settings(str(d / "ckpt"), str(d / "run"), tp=2), timeout=600)
+    ckpt = convert(hf, d)
+    one = train_one(_settings(ckpt))
+    two = run_ranks(train_one, 2, _settings(ckpt, str(d / "run"), tp=2), timeout=600)
     return d, hf, one, two
 
 
 @pytest.mark.slow
 def test_tp2_finetune_equals_one_process(finetuned):
     _, _, one, two = finetuned
-    assert [m["loss"] for m in two[1]] == [m["loss"] for m in two[0]]
-    for key in ("loss", "grad_norm", "moe_aux_loss"):
-        a, b = [m[key] for m in one], [m[key] for m in two[0]]
-        assert len(a) == 3 and b == pytest.approx(a, rel=R_TRAIN), key
-    assert one[2]["loss"] != one[0]["loss"] and one[0]["moe_aux_loss"] > 0
+    assert_layouts_agree(one, two, ("loss", "grad_norm", "moe_aux_loss"))
+    assert one[0]["moe_aux_loss"] > 0
 
 
 @pytest.mark.slow
