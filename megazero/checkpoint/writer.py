@@ -149,15 +149,23 @@ def discard(directory: str, iteration: int, mesh) -> Optional[str]:
     return target
 
 
+def checkpoint_meta(cfg, mesh, iteration: int, extra, run_id: str, files: dict, params: dict, optimizer: dict,
+                    scheduler: dict, layout: Optional[dict] = None) -> dict:
+    """A checkpoint's ``metadata.json``: ``optimizer`` (its name, state names, step, skipped steps and
+    loss scaler), ``scheduler``'s settings, the ``layout`` (default: this run's), the architecture of
+    ``cfg`` and every file and parameter."""
+    return {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}), "run_id": run_id,
+            "optimizer": optimizer, "scheduler": scheduler, "layout": layout or layout_of(cfg, mesh),
+            "model": arch_of(cfg), "padded_vocab_size": cfg.model.padded_vocab_size, "params": params,
+            "files": files, "torch_version": torch.__version__}
+
+
 def _metadata(iteration: int, optimizer, mesh, cfg, extra, run_id: str, files: dict, params: dict) -> dict:
     state_names = sorted(optimizer.update.state_names()) if optimizer.buckets else []
-    return {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra or {}), "run_id": run_id,
-            "optimizer": {"name": cfg.optimizer.optimizer, "state_names": state_names,
-                          "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),
-                          "scaler": optimizer.scaler.state_dict()},
-            "scheduler": scheduler_of(cfg), "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
-            "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
-            "torch_version": torch.__version__}
+    return checkpoint_meta(cfg, mesh, iteration, extra, run_id, files, params,
+                           {"name": cfg.optimizer.optimizer, "state_names": state_names,
+                            "step": int(optimizer.step_count), "skipped_steps": int(optimizer.skipped_steps),
+                            "scaler": optimizer.scaler.state_dict()}, scheduler_of(cfg))
 
 
 def _gather_to_rank0(obj, mesh) -> list:
@@ -264,22 +272,31 @@ def save_weights(directory: str, chunks, mesh, cfg, iteration: int = 0, extra: O
     device whose weights come one at a time)."""
     if mesh.is_distributed:
         raise ValueError("save_weights writes from one process; use save() in a distributed run")
+
+    def write(tmp: str, run_id: str):
+        files, params = write_weights_shard(tmp, named_params(chunks), mesh, run_id, values)
+        fresh = {"name": None, "state_names": [], "step": 0, "skipped_steps": 0, "scaler": None}
+        return files, params, dict(optimizer=fresh, scheduler={}), {"weights_only": True}
+    return save_whole(directory, iteration, mesh, cfg, extra, write)
+
+
+def save_whole(directory: str, iteration: int, mesh, cfg, extra, write) -> str:
+    """The frame of a checkpoint one process writes whole (:func:`save_weights`, a converted Megatron-LM
+    optimizer state): the directory's lock, ``iter_X.tmp``; ``write(tmp, run_id)`` writes the data and
+    returns ``(files, params, checkpoint_meta's optimizer/scheduler/layout, more metadata fields)``;
+    then the run's settings, the sealed metadata and the rename, nothing left behind on an error.
+    Returns the checkpoint's path."""
     final = checkpoint_path(directory, iteration)
     tmp = final + ".tmp"
     lock = check_save_dir(directory, mesh)
     try:
         _prepare(directory, tmp, mesh)
         try:
-            files, params = write_weights_shard(tmp, named_params(chunks), mesh, lock.run_id, values)
+            files, params, state, more = write(tmp, lock.run_id)
             write_json(os.path.join(tmp, CONFIG), saved_settings(cfg))
             files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
-            meta = {"format": FORMAT, "iteration": int(iteration), "weights_only": True,
-                    "extra": dict(extra or {}), "run_id": lock.run_id,
-                    "optimizer": {"name": None, "state_names": [], "step": 0, "skipped_steps": 0,
-                                  "scaler": None},
-                    "scheduler": {}, "layout": layout_of(cfg, mesh), "model": arch_of(cfg),
-                    "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
-                    "torch_version": torch.__version__}
+            meta = checkpoint_meta(cfg, mesh, iteration, extra, lock.run_id, files, params, **state)
+            meta.update(more)
             _publish(directory, tmp, final, iteration, meta, lock)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,12 +11,11 @@ import shutil
 import numpy as np
 import torch
 
-from megazero.checkpoint.format import CONFIG, FORMAT, arch_of, checkpoint_path, layout_of, saved_settings
-from megazero.checkpoint.integrity import describe_file
+from megazero.checkpoint.format import layout_of
 from megazero.checkpoint.names import is_expert, param_info, stored, writes
 from megazero.checkpoint.shards import (BlockWriter, _refuse_nonfinite, _write_index, _write_ranges,
                                         shard_stem)
-from megazero.checkpoint.writer import _prepare, _publish, check_save_dir
+from megazero.checkpoint.writer import save_whole
 
 PAD = 1 << 22  # zeros written at a time for the vocabulary padding
 
@@ -48,44 +47,26 @@ def save_with_optimizer(directory: str, chunks, mesh, cfg, iteration: int, extra
     from megazero.checkpoint.megatron.optim_legacy import MOMENTS
     if mesh.is_distributed:
         raise ValueError("save_with_optimizer writes from one process")
-    final = checkpoint_path(directory, iteration)
-    tmp = final + ".tmp"
     if os.path.isdir(directory):
         shutil.rmtree(directory)
-    lock = check_save_dir(directory, mesh)
-    try:
-        _prepare(directory, tmp, mesh)
+
+    def write(tmp: str, run_id: str):
+        stem = shard_stem(0, 0, 0)
+        writer = BlockWriter(os.path.join(tmp, stem + ".bin"))
+        entries, params = [], {}
         try:
-            stem = shard_stem(0, 0, 0)
-            writer = BlockWriter(os.path.join(tmp, stem + ".bin"))
-            entries, params = [], {}
-            try:
-                for name, p in named_params(chunks):
-                    if not writes(p, mesh):
-                        continue
-                    _write_entry(writer, entries, params, name, p, mesh, "master", values(name, p))
-                    for kind in MOMENTS:
-                        _write_entry(writer, entries, params, name, p, mesh, kind, moments(kind, name, p))
-            finally:
-                crcs = writer.close()
-            files = _write_index(tmp, stem, writer, crcs, entries, mesh, lock.run_id)
-            from megazero.checkpoint.integrity import write_json
-            # no run's layout equals it: Megatron's generators are not taken, a run reseeds from
-            # (seed, iteration)
-            layout = dict(layout_of(cfg, mesh), converted_from="Megatron-LM")
-            write_json(os.path.join(tmp, CONFIG), saved_settings(cfg))
-            files[CONFIG] = describe_file(os.path.join(tmp, CONFIG))
-            meta = {"format": FORMAT, "iteration": int(iteration), "extra": dict(extra),
-                    "run_id": lock.run_id,
-                    "optimizer": {"name": "adam", "state_names": sorted(MOMENTS), "step": int(state.step),
-                                  "skipped_steps": 0, "scaler": state.scaler},
-                    "scheduler": dict(scheduler), "layout": layout, "model": arch_of(cfg),
-                    "padded_vocab_size": cfg.model.padded_vocab_size, "params": params, "files": files,
-                    "torch_version": torch.__version__}
-            _publish(directory, tmp, final, iteration, meta, lock)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    finally:
-        lock.release()
-    return final
+            for name, p in named_params(chunks):
+                if not writes(p, mesh):
+                    continue
+                _write_entry(writer, entries, params, name, p, mesh, "master", values(name, p))
+                for kind in MOMENTS:
+                    _write_entry(writer, entries, params, name, p, mesh, kind, moments(kind, name, p))
+        finally:
+            crcs = writer.close()
+        files = _write_index(tmp, stem, writer, crcs, entries, mesh, run_id)
+        adam = {"name": "adam", "state_names": sorted(MOMENTS), "step": int(state.step), "skipped_steps": 0,
+                "scaler": state.scaler}
+        # no run's layout equals it: Megatron's generators are not taken, a run reseeds from (seed, iteration)
+        layout = dict(layout_of(cfg, mesh), converted_from="Megatron-LM")
+        return files, params, dict(optimizer=adam, scheduler=dict(scheduler), layout=layout), {}
+    return save_whole(directory, iteration, mesh, cfg, extra, write)
