@@ -270,6 +270,18 @@ def need_deepspeed() -> str:
     return python
 
 
+def deepspeed_fp32(python: str, ckpt, out) -> dict:
+    """DeepSpeed's own zero_to_fp32 (its reference reader) on the checkpoint directory ``ckpt``, run by
+    DeepSpeed's interpreter ``python``: the fp32 weights by name (saved to ``out`` on the way)."""
+    import torch
+    code = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import "
+            "get_fp32_state_dict_from_zero_checkpoint as g; torch.save(dict(g(sys.argv[1])), sys.argv[2])")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    subprocess.run([python, "-c", code, str(ckpt), str(out)], check=True, capture_output=True, env=env,
+                   timeout=300)
+    return torch.load(out, weights_only=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

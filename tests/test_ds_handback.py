@@ -31,7 +31,8 @@ import torch
 from megazero.engine.ds_files import read_file
 from megazero.process.local_ranks import run_ranks
 from test_ds_migration import BF16_BOUND
-from test_deepspeed_peer import LOSS_BOUND, PROGRAM, SAVE_AFTER, STEPS, ds_config, run_ok, worst
+from test_deepspeed_peer import (LOSS_BOUND, PROGRAM, SAVE_AFTER, STEPS, deepspeed_fp32, ds_config, run_ok,
+                                 worst)
 
 ADDED_ARG = 'p.add_argument("--out")\n'
 AFTER_LOAD = '    start = client["next_step"]\n'
@@ -148,16 +149,6 @@ def test_megazero_reads_back_its_deepspeed_layout_and_bad_input_is_one_line(tmp_
     assert len(errors) == 4 and all("\n" not in e for e in errors)
 
 
-def _deepspeed_fp32(python: str, ckpt, out) -> dict:
-    """DeepSpeed's own zero_to_fp32 (its reference reader) on a checkpoint directory."""
-    code = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import "
-            "get_fp32_state_dict_from_zero_checkpoint as g; torch.save(dict(g(sys.argv[1])), sys.argv[2])")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    subprocess.run([python, "-c", code, str(ckpt), str(out)], check=True, capture_output=True, env=env,
-                   timeout=300)
-    return torch.load(out, weights_only=True)
-
-
 def _logits(workdir, tag: str) -> torch.Tensor:
     found = glob.glob(str(workdir / f"*.{tag}.pt"))
     assert len(found) == 1, found
@@ -196,7 +187,7 @@ def test_deepspeed_continues_a_run_megazero_saved_in_its_layout(tmp_path, stage,
     assert ds["client"] == {"next_step": SAVE_AFTER, "note": "peer"}
     # DeepSpeed's zero_to_fp32 on megazero's files: the fp32 masters megazero held (its own zero_to_fp32 of
     # the same moment saved in megazero's format), bitwise
-    theirs = _deepspeed_fp32(python, ckpt, tmp_path / "ds_fp32.pt")
+    theirs = deepspeed_fp32(python, ckpt, tmp_path / "ds_fp32.pt")
     ours = get_fp32_state_dict_from_zero_checkpoint(str(native))
     assert sorted(theirs) == sorted(ours)
     differ = [k for k in ours if not theirs[k].float().equal(ours[k])]

@@ -171,17 +171,6 @@ def _bf16_masters(ckpt: str, config: dict, work: str):
     return get_fp32_state_dict_from_zero_checkpoint(work), _loss(engine, SAVE_AFTER)
 
 
-def _deepspeed_fp32(python: str, ckpt, out) -> dict:
-    """DeepSpeed's own zero_to_fp32 (its reference reader) on its checkpoint."""
-    import torch
-    code = ("import sys, torch; from deepspeed.utils.zero_to_fp32 import "
-            "get_fp32_state_dict_from_zero_checkpoint as g; torch.save(dict(g(sys.argv[1])), sys.argv[2])")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    subprocess.run([python, "-c", code, str(ckpt), str(out)], check=True, capture_output=True, env=env,
-                   timeout=300)
-    return torch.load(out, weights_only=True)
-
-
 @pytest.mark.slow
 def test_a_bf16_zero1_run_continues_with_deepspeeds_fp32_masters(tmp_path_factory, tmp_path):
     """bf16 at ZeRO-1 (DeepSpeed's bf16_zero_pp_rank_* files): the fp32 masters megazero loads equal
@@ -190,9 +179,9 @@ def test_a_bf16_zero1_run_continues_with_deepspeeds_fp32_masters(tmp_path_factor
     other places: those losses agree within BF16_BOUND (seen: 6e-5; a lost Adam state moves them by
     4e-3 to 9e-3)."""
     from megazero.process.local_ranks import run_ranks
-    from test_deepspeed_peer import deepspeed_python, ds_config
+    from test_deepspeed_peer import deepspeed_fp32, deepspeed_python, ds_config
     ds = deepspeed_reference(tmp_path_factory, 1, bf16=True)
-    want = _deepspeed_fp32(deepspeed_python()[0], ds["ckpt"], tmp_path / "ds_fp32.pt")
+    want = deepspeed_fp32(deepspeed_python()[0], ds["ckpt"], tmp_path / "ds_fp32.pt")
     got, loss = run_ranks(_bf16_masters, 1, str(ds["ckpt"]), ds_config(1, bf16=True), str(tmp_path / "mz"),
                           timeout=300)[0]
     assert sorted(got) == sorted(want) and all(got[k].equal(want[k].float()) for k in want)
