@@ -30,7 +30,7 @@ import torch
 
 from megazero.engine.ds_files import read_file
 from megazero.process.local_ranks import run_ranks
-from test_ds_migration import BF16_BOUND
+from test_ds_migration import BF16_BOUND, _engine as build, _train as train_steps
 from test_deepspeed_peer import (LOSS_BOUND, PROGRAM, SAVE_AFTER, STEPS, deepspeed_fp32, ds_config, run_ok,
                                  worst)
 
@@ -66,28 +66,14 @@ def handback_program() -> str:
 
 
 def _engine(config: dict):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    import megazero.deepspeed as deepspeed
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                       eos_token_id=0))
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
-              {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
-    return deepspeed.initialize(model=model, model_parameters=groups, config=config)[0]
+    """test_ds_migration's GPT-2 (width 32) under megazero.deepspeed."""
+    return build(32, config)
 
 
 def _step(engine, seed: int) -> float:
-    """One optimizer step on one rank (8 sequences as 4 micro-batches of 2); the mean loss."""
-    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(seed))
-    total = 0.0
-    for m in range(0, 8, 2):
-        loss = engine(input_ids=x[m:m + 2], labels=x[m:m + 2]).loss
-        engine.backward(loss)
-        engine.step()
-        total += float(loss)
-    return total / 4
+    """One optimizer step on one rank (test_ds_migration's: step ``seed``'s 8 sequences as 4 micro-batches
+    of 2); the mean loss."""
+    return train_steps(engine, seed, 1)[0]
 
 
 def _logits_of(engine) -> torch.Tensor:
