@@ -13,8 +13,11 @@ What the harness patches, inside each rank only (Megatron-core assumes CUDA in t
 - the MoE router's ``te_general_gemm``, which megatron-core 0.16.1 names without defining it when
   Transformer Engine is absent, is None (its torch path then runs);
 - the torch_dist writer's results queue is a fork-context queue instead of a spawn-context manager
-  (a forked test rank cannot start one), its memory probe returns 0 (psutil is not installed), and
-  the rank is marked non-daemonic so the writer may fork its worker processes.
+  (a forked test rank cannot start one) whose ``get_nowait`` waits for the item (a synchronous save
+  puts its results and reads them back in the same process, and a fork-context queue hands an item
+  over through a feeder thread, which a loaded machine may not have run yet), its memory probe
+  returns 0 (psutil is not installed), and the rank is marked non-daemonic so the writer may fork
+  its worker processes.
 
 Megatron-LM (the training scripts around megatron-core) is not on PyPI; what it adds to a checkpoint
 is written here as it does (``save_torch_dist``, ``save_legacy``): the tracker file, the ``iter_*``
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import multiprocessing.queues
 import os
 import subprocess
 import sys
@@ -69,6 +73,20 @@ def megatron_core():
     return site
 
 
+class _PatientQueue(multiprocessing.queues.Queue):
+    """A fork-context queue whose ``get_nowait`` waits up to 120 s for the item already put."""
+
+    def __init__(self):
+        super().__init__(ctx=multiprocessing.get_context("fork"))
+
+    def get_nowait(self):
+        return self.get(timeout=120)
+
+
+def results_queue() -> _PatientQueue:
+    return _PatientQueue()
+
+
 def patch_for_cpu() -> None:
     """The patches of the module docstring (call inside a rank, after megatron is importable)."""
     warnings.filterwarnings("ignore", module="megatron")
@@ -81,7 +99,7 @@ def patch_for_cpu() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # its router names it without Transformer Engine
         moe_utils.te_general_gemm = None
     filesystem_async._process_memory = lambda: 0
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    filesystem_async._results_queue = results_queue()
     multiprocessing.current_process().daemon = False
 
 
@@ -209,7 +227,7 @@ def save_torch_dist(model, directory: str, iteration: int, args, lr_samples: int
     """Megatron-LM's torch_dist checkpoint of ``model`` (collective), written by megatron-core."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()  # one per save
+    filesystem_async._results_queue = results_queue()  # one per save
     path = os.path.join(directory, f"iter_{iteration:07d}")
     os.makedirs(path, exist_ok=True)
     state = dict(_common(args, iteration, lr_samples), model=model.sharded_state_dict())
@@ -293,7 +311,7 @@ def save_with_optimizer(model, opt, sched, directory: str, iteration: int, args,
     if fmt == "torch_dist":
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.strategies import filesystem_async
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+        filesystem_async._results_queue = results_queue()
         path = os.path.join(directory, f"iter_{iteration:07d}")
         os.makedirs(path, exist_ok=True)
         state = dict(_common(args, iteration, 0), model=model.sharded_state_dict())
@@ -418,7 +436,7 @@ def save_distributed_optimizer(model, opt, sched, directory: str, iteration: int
     in the model's space; ``dp_reshardable``: ``optimizer.distributed.*`` flat buffers)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    filesystem_async._results_queue = results_queue()
     path = os.path.join(directory, f"iter_{iteration:07d}")
     os.makedirs(path, exist_ok=True)
     state = dict(_common(args, iteration, 0), model=model.sharded_state_dict())
