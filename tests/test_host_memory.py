@@ -163,7 +163,9 @@ def test_keep_reuses_freed_host_memory_and_release_faults_it_in_again():
     if _glibc() is None:
         pytest.skip("the C library is not glibc")
     pages = 20 * (4 << 20) // 4096  # what 20 fresh 4 MiB blocks fault in
-    assert _faults("keep") == ("True", pytest.approx(0, abs=pages // 20))
+    # kept: the blocks are reused, apart from a fresh block or two where another allocation took the
+    # freed place and the heap grew (one block and a page seen once in CI); released: all of them
+    assert _faults("keep") == ("True", pytest.approx(0, abs=pages // 10))
     applied, faults = _faults("release")
     assert applied == "True" and faults >= 0.9 * pages
     # a threshold from the environment wins: nothing set, and glibc's trim threshold (128 KiB)
