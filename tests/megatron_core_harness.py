@@ -430,6 +430,17 @@ def train_steps_ddp(ddp, opt, sched, steps: int, batch: int, seed: int = 3, spec
     ddp.module.eval()
 
 
+def trained_with_ddp(model, steps: int, batch: int, lr: float, betas, eps: float, **optimizer):
+    """``(optimizer, scheduler)`` after ``steps`` data-parallel steps of ``model`` under megatron-core's
+    DDP with the optimizer :func:`megatron_distributed_optimizer` makes (``optimizer``: its
+    ``distributed`` / ``bf16`` / ``fp16``) and :func:`megatron_scheduler`.  Call inside
+    :func:`cuda_tensors_on_cpu`."""
+    ddp, opt = megatron_distributed_optimizer(model, lr, betas, eps, **optimizer)
+    sched = megatron_scheduler(opt, lr)
+    train_steps_ddp(ddp, opt, sched, steps, batch)
+    return opt, sched
+
+
 def save_distributed_optimizer(model, opt, sched, directory: str, iteration: int, args, sharding: str) -> str:
     """Megatron-LM's torch_dist checkpoint of a run with the distributed optimizer, its state saved as
     ``sharding`` (``fully_reshardable``, ``fully_sharded_model_space``: ``optimizer.state.<kind>.<name>``

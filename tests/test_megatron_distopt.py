@@ -35,9 +35,7 @@ def _save(site, root):
     harness.setup_rank(site, tp=1)
     model = harness.build_gpt()
     with harness.cuda_tensors_on_cpu():
-        ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS)
-        sched = harness.megatron_scheduler(opt, LR)
-        harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
+        opt, sched = harness.trained_with_ddp(model, ITERATION, BATCH // 2, LR, BETAS, EPS)
         args = harness.megatron_args(1, ITERATION * BATCH)
         for sharding in ("dp_reshardable", "fully_reshardable"):
             harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, sharding), ITERATION,
@@ -45,9 +43,7 @@ def _save(site, root):
         harness.save_legacy_distributed(model, opt, sched, os.path.join(root, "legacy"), ITERATION, args)
         shards = harness.distributed_optimizer_shards(model, opt)
         bf16 = harness.build_gpt()  # bf16 weights, fp32 main weights in the optimizer
-        ddp, opt = harness.megatron_distributed_optimizer(bf16, LR, BETAS, EPS, bf16=True)
-        sched = harness.megatron_scheduler(opt, LR)
-        harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
+        opt, sched = harness.trained_with_ddp(bf16, ITERATION, BATCH // 2, LR, BETAS, EPS, bf16=True)
         harness.save_distributed_optimizer(bf16, opt, sched, os.path.join(root, "bf16_dp_reshardable"),
                                            ITERATION, args, "dp_reshardable")
         harness.save_legacy_distributed(bf16, opt, sched, os.path.join(root, "bf16_legacy"), ITERATION, args)
@@ -59,9 +55,7 @@ def _save_tp2(site, root):
     harness.setup_rank(site, tp=2)
     model = harness.build_gpt()
     with harness.cuda_tensors_on_cpu():
-        ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS)
-        sched = harness.megatron_scheduler(opt, LR)
-        harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH)
+        opt, sched = harness.trained_with_ddp(model, ITERATION, BATCH, LR, BETAS, EPS)
         args = harness.megatron_args(2, ITERATION * BATCH)
         harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, "dp_reshardable"), ITERATION,
                                            args, "dp_reshardable")

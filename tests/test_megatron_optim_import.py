@@ -193,9 +193,7 @@ def _megatron_distributed_save(site, root):
     harness.setup_rank(site, tp=1)
     model = harness.build_gpt()
     with harness.cuda_tensors_on_cpu():
-        ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS)
-        sched = harness.megatron_scheduler(opt, LR)
-        harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
+        opt, sched = harness.trained_with_ddp(model, ITERATION, BATCH // 2, LR, BETAS, EPS)
         args = harness.megatron_args(1, CONSUMED)
         for sharding in SHARDINGS:
             harness.save_distributed_optimizer(model, opt, sched, os.path.join(root, sharding), ITERATION,
@@ -233,10 +231,8 @@ def _megatron_bf16_save(site, root):
     for distributed, fp16 in ((False, False), (True, False), (False, True)):
         model = harness.build_gpt()
         with harness.cuda_tensors_on_cpu():
-            ddp, opt = harness.megatron_distributed_optimizer(model, LR, BETAS, EPS, distributed,
-                                                              bf16=not fp16, fp16=fp16)
-            sched = harness.megatron_scheduler(opt, LR)
-            harness.train_steps_ddp(ddp, opt, sched, ITERATION, BATCH // 2)
+            opt, sched = harness.trained_with_ddp(model, ITERATION, BATCH // 2, LR, BETAS, EPS,
+                                                  distributed=distributed, bf16=not fp16, fp16=fp16)
             if fp16:
                 harness.save_with_optimizer(model, opt, sched, os.path.join(root, "fp16"), ITERATION, args,
                                             "torch_dist")
