@@ -20,6 +20,25 @@ def convert(hf, d) -> str:
     return str(d / "ckpt")
 
 
+def safetensors_of(path) -> dict:
+    """Every tensor of the ``.safetensors`` files in directory ``path``, by name."""
+    import os
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def converted_back(hf, d):
+    """``hf``'s own files and those ``convert_hf.py``'s two directions give back (``d``/back): the
+    tensors of each, ``(want, got)``."""
+    from models.hf_convert import to_hf
+    to_hf(convert(hf, d), str(d / "back"))
+    return safetensors_of(str(d / "hf")), safetensors_of(str(d / "back"))
+
+
 def finetune_settings(ckpt, seq, save=None, lr=0.05, tp=1, **layout) -> dict:
     """The settings of ITERS SGD steps fine-tuning ``ckpt`` on ``seq``-token mock sequences (``layout``:
     more parallel settings); with ``save``, the last step's checkpoint is saved there."""

@@ -11,7 +11,6 @@ Fine-tuning: 3 SGD steps under TP 2 equal one process (loss, grad norm), the fir
 transformers' (float64), and the TP 2 run's checkpoint exports to a model transformers loads with
 megazero's logits.  What megazero cannot represent is refused by name."""
 import json
-import os
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from megazero.config import ConfigError, config_from_dict
 from megazero.process.local_ranks import run_ranks
 from models.hf import config_from_hf, from_hf, to_hf
 from hf_families import assert_greedy_equals_transformers, assert_refused, perturbed
-from hf_finetune_runs import (assert_export_matches, assert_layouts_agree, convert, finetune_settings,
-                              first_loss, train_all)
+from hf_finetune_runs import (assert_export_matches, assert_layouts_agree, convert, converted_back,
+                              finetune_settings, first_loss, safetensors_of, train_all)
 from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -109,21 +108,12 @@ def test_greedy_generation_equals_transformers(family):
     assert_greedy_equals_transformers(hf, model, prompt, attention_mask=torch.ones_like(prompt))
 
 
-def _safetensors(path):
-    from safetensors.torch import load_file
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    out = {}
-    for f in files:
-        out.update(load_file(os.path.join(path, f)))
-    return out
-
-
 def test_export_gives_back_every_tensor(family, tmp_path):
     """Against transformers' own files of the model (NemotronH's: backbone.*, one tensor per expert)."""
     name, hf = family
     to_hf(from_hf(hf), str(tmp_path / "back"))
     hf.save_pretrained(str(tmp_path / "hf"))
-    want, got = _safetensors(str(tmp_path / "hf")), _safetensors(str(tmp_path / "back"))
+    want, got = safetensors_of(str(tmp_path / "hf")), safetensors_of(str(tmp_path / "back"))
     assert "lm_head.weight" in want or hf.config.tie_word_embeddings  # a tied head is not written
     assert sorted(got) == sorted(want)
     for k, v in want.items():
@@ -136,12 +126,8 @@ def test_export_gives_back_every_tensor(family, tmp_path):
 
 
 def test_the_streaming_converter_round_trips_every_tensor(family, tmp_path):
-    from models.hf_convert import to_hf as ckpt_to_hf, to_megazero
     name, hf = family
-    hf.save_pretrained(str(tmp_path / "hf"))
-    to_megazero(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    ckpt_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"))
-    want, got = _safetensors(str(tmp_path / "hf")), _safetensors(str(tmp_path / "back"))
+    want, got = converted_back(hf, tmp_path)
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
@@ -156,7 +142,7 @@ def test_original_mamba2_files_import(tmp_path):
     from models.hf_convert import to_hf as ckpt_to_hf, to_megazero
     hf = hf_model("mamba2-tied-bias")
     hf.save_pretrained(str(tmp_path / "hf"))
-    tensors = _safetensors(str(tmp_path / "hf"))
+    tensors = safetensors_of(str(tmp_path / "hf"))
     for i, rename in enumerate([False, True]):
         files = dict(tensors)
         if rename:

@@ -12,7 +12,6 @@ mapping carries (the partial RoPE, the renormalised top-k) changes the logits me
 (equal, the ``1 + weight`` norms to one rounding).  Refusals name the field or the flag.  Slow tier: a
 3-step fine-tune under TP 2 (sequence parallel) equals one process step by step, its first loss is
 transformers', and its checkpoint exports to a model transformers loads with megazero's logits."""
-import os
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ import torch
 from megazero.config import ConfigError
 from models.hf import config_from_hf, from_hf, to_hf
 from hf_families import assert_greedy_equals_transformers, perturbed
-from hf_finetune_runs import GBS, SEED, assert_layouts_agree, convert, finetune_settings, train_one
+from hf_finetune_runs import (GBS, SEED, assert_layouts_agree, convert, converted_back, finetune_settings,
+                              safetensors_of, train_one)
 from tolerance import C_FWD, fp32_bound
 
 transformers = pytest.importorskip("transformers")
@@ -116,15 +116,6 @@ def test_greedy_generation_equals_transformers(family):
     assert_greedy_equals_transformers(hf, model, IDS[:, :8])
 
 
-def _tensors(path):
-    from safetensors.torch import load_file
-    out = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, f)))
-    return out
-
-
 def _zero_centred(name):
     return name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) \
         or name == "model.norm.weight"
@@ -133,12 +124,8 @@ def _zero_centred(name):
 def test_conversion_is_tensor_for_tensor(family, tmp_path):
     """transformers' files -> a megazero checkpoint -> transformers' files: the same names, the same
     tensors (the ``1 + weight`` norms to one fp32 rounding of ``1 + w``), which load as the same model."""
-    from models.hf_convert import to_hf as convert_to_hf, to_megazero
     kind, hf = family
-    hf.save_pretrained(str(tmp_path / "hf"))
-    to_megazero(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    convert_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    want, got = _tensors(str(tmp_path / "hf")), _tensors(str(tmp_path / "out"))
+    want, got = converted_back(hf, tmp_path)
     assert sorted(got) == sorted(want)
     assert any("linear_attn.conv1d" in n for n in want) and any("self_attn.q_proj" in n for n in want)
     for name, t in want.items():
@@ -146,7 +133,7 @@ def test_conversion_is_tensor_for_tensor(family, tmp_path):
             torch.testing.assert_close(got[name], t, rtol=0, atol=2.0 ** -23, msg=name)
         else:
             assert torch.equal(got[name], t), name
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float32)
     back.eval()
     assert type(back).__name__ == "Qwen3NextForCausalLM"
     close_to_hf(_logits(back), _logits(hf))
@@ -159,7 +146,7 @@ def test_published_multi_token_prediction_tensors_are_named(tmp_path):
     from safetensors.torch import save_file
     from models.hf_convert import to_megazero
     qwen3next_model("dense").save_pretrained(str(tmp_path / "hf"))
-    tensors = _tensors(str(tmp_path / "hf"))
+    tensors = safetensors_of(str(tmp_path / "hf"))
     tensors["mtp.fc.weight"] = torch.zeros(32, 64)
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     needle = "tensor 'mtp.fc.weight' \\(the one unused tensor\\) belongs to Qwen3-Next's multi-token " \
