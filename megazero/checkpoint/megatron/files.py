@@ -156,10 +156,7 @@ class MegatronCheckpoint:
 
     def _read_chunk(self, name: str, info, sizes) -> torch.Tensor:
         import io
-        fpath = os.path.join(self.path, info.relative_path)
-        with open(fpath, "rb") as fh:
-            fh.seek(info.offset)
-            data = fh.read(info.length)
+        fpath, data = stored_bytes(self.path, info)
         try:
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - damaged bytes
@@ -291,3 +288,12 @@ def trainer_extra(ck: "MegatronCheckpoint") -> dict:
     if args.get("skipped_train_samples"):
         extra["skipped_samples"] = int(args["skipped_train_samples"])
     return extra
+
+
+def stored_bytes(directory: str, info) -> Tuple[str, bytes]:
+    """The file and the bytes of one item of a torch_dist checkpoint in ``directory`` (``info``: its
+    storage record in the metadata: relative path, offset, length)."""
+    fpath = os.path.join(directory, info.relative_path)
+    with open(fpath, "rb") as fh:
+        fh.seek(info.offset)
+        return fpath, fh.read(info.length)

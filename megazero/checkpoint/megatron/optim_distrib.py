@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megazero.checkpoint.errors import CheckpointError
+from megazero.checkpoint.megatron.files import stored_bytes
 from megazero.checkpoint.megatron.optim_legacy import FRESH
 
 ALIGN = 64  # megatron-core pads each parameter's start in a bucket to 64 elements
@@ -225,10 +226,7 @@ def dist_step_and_groups(ck) -> Tuple[Optional[int], list]:
     import io
     for index, info in ck.meta.storage_data.items():
         if index.fqn.startswith("optimizer.distributed.dp_group_idx_0.optimizer/"):
-            fpath = os.path.join(ck.path, info.relative_path)
-            with open(fpath, "rb") as fh:
-                fh.seek(info.offset)
-                data = fh.read(info.length)
+            fpath, data = stored_bytes(ck.path, info)
             try:
                 obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception:  # noqa: BLE001 - damaged or not plain data
