@@ -41,9 +41,8 @@ import torch
 
 from megazero.checkpoint.errors import CheckpointError
 from megazero.engine.ds_files import (  # noqa: F401 - the file names and reader, public here too
-    DS_KEYS, MODEL_STATES, OPTIM_NAME, STORED, StoredRecord, is_deepspeed_checkpoint, read_file, stored_enum)
-
-KEYS = ("master", "exp_avg", "exp_avg_sq")
+    DS_KEYS, KEYS, MODEL_STATES, OPTIM_NAME, STORED, StoredRecord, is_deepspeed_checkpoint, read_file,
+    stored_enum)
 
 
 def _refuse_layout(path: str, names: List[str]) -> None:

@@ -13,6 +13,7 @@ import torch
 from megazero.checkpoint.errors import CheckpointError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+KEYS = ("master", "exp_avg", "exp_avg_sq")  # the fp32 state a rank's optimizer file holds a partition of
 OPTIM_NAME = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 # the model-states keys DeepSpeed writes itself; the rest is the client_state a script saved
 DS_KEYS = frozenset((

@@ -11,11 +11,11 @@ from typing import Dict, List
 
 import torch
 
+from megazero.engine.ds_files import KEYS
 from megazero.engine.ds_pickle import Foreign
 from megazero.errors import ConfigError
 
 DS_VERSION = "0.19.8"  # the DeepSpeed release whose layout these files follow
-KEYS = ("master", "exp_avg", "exp_avg_sq")
 SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
 
