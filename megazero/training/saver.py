@@ -132,7 +132,7 @@ class Saver:
 
     def _published(self, iteration: int) -> None:
         self.guard.good = f"iteration {iteration} in {self.directory}"
-        if self.megatron:  # collective: global rank 0 writes Megatron-LM's files of the published save
+        if self.megatron:  # collective: every rank writes its share of Megatron-LM's files of the save
             from megazero.checkpoint.megatron.save import write_megatron
             path = write_megatron(self.cfg, iteration, self.mesh)
             self.logger.print(f"wrote Megatron-LM's torch_dist checkpoint {path}")
